@@ -1,0 +1,150 @@
+"""Collectives used by the state-dict functions, with exact byte accounting.
+
+Every function here is collective over the default process group unless it says it is
+point-to-point. All ranks must call them in the same order with matching arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from shardtune.state_dict.keys import StateDictError, format_problems
+
+
+@dataclass
+class TransferStats:
+    """Bytes this process sent and received through the state-dict functions' collectives."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def reset(self) -> None:
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+
+stats = TransferStats()
+
+
+class Problems(list):
+    """Problems met while data moves. Collectives go on after one, so no rank is left
+    waiting; :func:`raise_on_every_rank` reports them all at the end."""
+
+    @contextmanager
+    def guard(self, key: str):
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - re-raised on every rank by raise_on_every_rank
+            self.append(f"{key}: {type(exc).__name__}: {exc}")
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def comm_device(device: torch.device | str | None) -> torch.device:
+    """Device that tensors must be on for this process group's backend.
+
+    gloo moves CPU tensors; NCCL-like backends need accelerator tensors, on ``device`` when
+    given (CPU-offloaded shards are moved there for the collective) or the current accelerator.
+    """
+    if not dist.is_initialized() or dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    if device is not None and torch.device(device).type != "cpu":
+        return torch.device(device)
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def all_gather_objects(obj: object) -> list[object]:
+    """Collective: call on all ranks. Returns every rank's ``obj``, indexed by rank."""
+    if world_size() == 1:
+        return [obj]
+    gathered: list[object] = [None] * world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def raise_on_every_rank(local_problems: list[str], *, header: str, error: type[Exception] = StateDictError) -> None:
+    """Collective: call on all ranks. Raises the same ``error`` on every rank if any rank has problems.
+
+    Each rank passes what it found wrong locally; problems reported by several ranks are
+    listed once with the ranks that saw them, so every rank raises an identical message.
+    Returns normally on every rank when no rank reported anything.
+    """
+    per_rank = all_gather_objects(list(local_problems))
+    seen: dict[str, list[int]] = {}
+    for r, problems in enumerate(per_rank):
+        for problem in problems:
+            seen.setdefault(problem, []).append(r)
+    if not seen:
+        return
+    world = world_size()
+    lines = [
+        problem if len(ranks) == world else f"[rank {', '.join(map(str, ranks))}] {problem}"
+        for problem, ranks in seen.items()
+    ]
+    raise error(format_problems(header, lines))
+
+
+def scatter_from_rank0(
+    fill: Callable[[int, torch.Tensor], None] | None,
+    numels: list[int],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Collective: call on all ranks. Rank 0 sends each rank r its own flat piece.
+
+    ``numels[r]`` is rank r's piece length (known to every rank). On rank 0, ``fill(r, buf)``
+    writes rank r's piece into the flat ``buf``; other ranks pass ``fill=None``. Pieces are
+    padded to the longest so a single ``scatter`` moves them and each rank receives only its
+    own bytes (no broadcast of the whole tensor). Returns this rank's flat piece on ``device``.
+    """
+    me = rank()
+    longest = max(numels)
+    out = torch.empty(longest, dtype=dtype, device=device)
+    scatter_list = None
+    if me == 0:
+        scatter_list = [out] + [torch.empty(longest, dtype=dtype, device=device) for _ in numels[1:]]
+        for r, buf in enumerate(scatter_list):
+            fill(r, buf[: numels[r]])
+        stats.bytes_sent += longest * out.element_size() * (len(numels) - 1)
+    else:
+        stats.bytes_received += longest * out.element_size()
+    dist.scatter(out, scatter_list, src=0)
+    return out[: numels[me]]
+
+
+def broadcast_from_rank0(tensor: torch.Tensor) -> torch.Tensor:
+    """Collective: call on all ranks. Rank 0's ``tensor`` is copied into every rank's ``tensor``."""
+    nbytes = tensor.numel() * tensor.element_size()
+    dist.broadcast(tensor, src=0)
+    if rank() == 0:
+        stats.bytes_sent += nbytes * (world_size() - 1)
+    else:
+        stats.bytes_received += nbytes
+    return tensor
+
+
+def send(tensor: torch.Tensor, dst: int) -> dist.Work:
+    """Point-to-point: starts sending a contiguous ``tensor`` to rank ``dst``."""
+    stats.bytes_sent += tensor.numel() * tensor.element_size()
+    return dist.isend(tensor, dst)
+
+
+def recv(tensor: torch.Tensor, src: int) -> dist.Work:
+    """Point-to-point: starts receiving into the contiguous ``tensor`` from rank ``src``."""
+    stats.bytes_received += tensor.numel() * tensor.element_size()
+    return dist.irecv(tensor, src)

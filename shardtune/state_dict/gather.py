@@ -1,0 +1,135 @@
+"""Sharded model -> full CPU state dict on rank 0 (``gather_cpu_state_dict``).
+
+Rank 0 allocates each full tensor once and receives every distinct shard straight into
+its place (point-to-point from the lowest rank holding it), so each shard crosses the
+network once and rank 0 never holds two copies. Plain (replicated) tensors are already
+whole on rank 0 and move not at all.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from shardtune.state_dict import comm, nf4
+from shardtune.state_dict.keys import ModelEntry, StateDictError, is_adapter_key, model_entries, state_dict_order
+from shardtune.state_dict.layout import TensorLayout, layout_of
+from shardtune.state_dict.load import model_signature
+
+
+@torch.no_grad()
+def gather_cpu_state_dict(
+    model: nn.Module,
+    is_rank_zero: bool,
+    device: torch.device | str | None = None,
+    adapter_weights_only: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Gather a (possibly sharded) model into a full CPU state dict on rank 0.
+
+    Collective: call on all ranks. Rank 0 returns ``model.state_dict()``'s keys (persistent
+    buffers included; tied weights map to one tensor) with plain, contiguous, detached CPU
+    tensors in each param's original dtype (NF4 dequantized), copies that alias nothing
+    live. Other ranks return ``{}``. ``adapter_weights_only`` keeps only adapter weights
+    (names containing ``lora`` or ``magnitude``), filtered before anything is sent.
+    ``device`` is where CPU-offloaded shards go for the collective (NCCL); gloo uses CPU.
+    """
+    entries = model_entries(model)
+    if adapter_weights_only:
+        entries = _adapter_entries(entries)
+    _agree(entries, is_rank_zero)
+    transfer_device = comm.comm_device(device)
+    problems = comm.Problems()
+    gathered: dict[str, torch.Tensor] = {}
+    for entry in entries:
+        full = gather_to_rank0(
+            entry.tensor, layout_of(entry.tensor, comm.world_size()), transfer_device=transfer_device, on_error=problems, key=entry.fqn
+        )
+        if full is not None:
+            for fqn in entry.fqns:
+                gathered[fqn] = full
+    comm.raise_on_every_rank(problems, header="Gathering the model state dict failed:")
+    if not is_rank_zero:
+        return {}
+    return {fqn: gathered[fqn] for fqn in state_dict_order(entries)}
+
+
+def _adapter_entries(entries: list[ModelEntry]) -> list[ModelEntry]:
+    kept = []
+    for entry in entries:
+        names = [(n, p) for n, p in zip(entry.names, entry.positions) if is_adapter_key(n[0])]
+        if names:
+            kept.append(ModelEntry(entry.tensor, entry.is_buffer, [n for n, _ in names], [p for _, p in names]))
+    return kept
+
+
+def _agree(entries: list[ModelEntry], is_rank_zero: bool) -> None:
+    """Collective: every rank checks that all ranks gather the same tensors, in the same order."""
+    views = comm.all_gather_objects((model_signature(entries), bool(is_rank_zero)))
+    problems = []
+    odd = [r for r, (sig, _) in enumerate(views) if sig != views[0][0]]
+    if odd:
+        problems.append(
+            f"the model differs between ranks (names, shapes or placements): ranks {odd} differ from rank 0; "
+            "build and shard the same model on every rank."
+        )
+    claimed = [r for r, (_, zero) in enumerate(views) if zero]
+    if claimed != [0]:
+        problems.append(f"is_rank_zero is True on ranks {claimed}; pass is_rank_zero=(rank == 0).")
+    if problems:
+        raise StateDictError("Cannot gather the model state dict:\n  " + "\n  ".join(problems))
+
+
+def gather_to_rank0(
+    tensor: torch.Tensor,
+    layout: TensorLayout,
+    *,
+    transfer_device: torch.device,
+    on_error: comm.Problems,
+    key: str,
+) -> torch.Tensor | None:
+    """Collective: call on all ranks. Returns the full tensor on rank 0 (CPU, new memory), None elsewhere.
+
+    Each distinct non-empty shard is sent once, by the lowest rank holding it, directly into
+    its place in rank 0's output when that block is contiguous.
+    """
+    me = comm.rank()
+    local = _dense_local(tensor, on_error, key)
+    if not layout.is_sharded:
+        return _cpu_copy(local) if me == 0 else None
+    out = torch.empty(layout.shape, dtype=tensor.dtype, device="cpu") if me == 0 else None
+    works, staged, in_flight = [], [], []
+    for piece, owner in layout.owners().items():
+        if me == 0 and owner == 0:
+            out[piece.slices].copy_(local)
+        elif me == 0:
+            region = out[piece.slices]
+            if region.is_contiguous() and transfer_device.type == "cpu":
+                works.append(comm.recv(region, owner))
+            else:
+                tmp = torch.empty(piece.shape, dtype=tensor.dtype, device=transfer_device)
+                works.append(comm.recv(tmp, owner))
+                staged.append((region, tmp))
+        elif owner == me:
+            in_flight.append(local.to(device=transfer_device).contiguous())  # alive until wait()
+            works.append(comm.send(in_flight[-1], 0))
+    for work in works:
+        work.wait()
+    for region, tmp in staged:
+        region.copy_(tmp)
+    return out
+
+
+def _dense_local(tensor: torch.Tensor, on_error: comm.Problems, key: str) -> torch.Tensor:
+    """This rank's block as a plain tensor in the original dtype (zeros if it cannot be read,
+    so the collective still completes and the failure is reported on every rank)."""
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    with on_error.guard(key):
+        return nf4.dequantize(local).detach()
+    return torch.zeros(local.shape, dtype=tensor.dtype, device=local.device)
+
+
+def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+    out.copy_(tensor)
+    return out

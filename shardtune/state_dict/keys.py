@@ -1,0 +1,108 @@
+"""Key handling for state dicts: clean FQNs, adapter predicates, model entries, errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+# Wrappers that insert a level into module paths but not into the checkpoint's names.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+class StateDictError(RuntimeError):
+    """A state dict does not fit the model (keys, shapes, dtypes, layout), or a rank failed.
+
+    Raised with the same message on every rank by the collective entry points.
+    """
+
+
+def clean_fqn(name: str) -> str:
+    """Strip activation-checkpoint, ``torch.compile`` and FSDP1 wrapper levels from a name."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def is_adapter_key(fqn: str) -> bool:
+    """True for adapter weights (LoRA ``lora_A``/``lora_B``, DoRA ``magnitude``)."""
+    return "lora" in fqn or "magnitude" in fqn
+
+
+@dataclass
+class ModelEntry:
+    """One distinct tensor of a model's state dict and every name it is reachable under.
+
+    Tied weights (one Parameter registered in several modules) form one entry with
+    several ``names``; each name is a (clean FQN, owning module, attribute name) triple.
+    """
+
+    tensor: torch.Tensor
+    is_buffer: bool
+    names: list[tuple[str, nn.Module, str]] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # index of each name in state_dict() order
+
+    @property
+    def fqn(self) -> str:
+        return self.names[0][0]
+
+    @property
+    def fqns(self) -> list[str]:
+        return [name[0] for name in self.names]
+
+
+def model_entries(model: nn.Module) -> list[ModelEntry]:
+    """The model's state-dict tensors in ``model.state_dict()`` order, aliases grouped.
+
+    Persistent buffers are included, non-persistent ones are not, as in ``state_dict()``.
+    FSDP2 modules are resharded first so their registered parameters are the sharded DTensors.
+    """
+    _reshard_fsdp_modules(model)
+    by_id: dict[int, ModelEntry] = {}
+    entries: list[ModelEntry] = []
+    position = 0
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, tensor, is_buffer in _own_state(module):
+            fqn = clean_fqn(f"{prefix}.{name}" if prefix else name)
+            entry = by_id.get(id(tensor))
+            if entry is None:
+                entry = ModelEntry(tensor=tensor, is_buffer=is_buffer)
+                by_id[id(tensor)] = entry
+                entries.append(entry)
+            if fqn not in entry.fqns:
+                entry.names.append((fqn, module, name))
+                entry.positions.append(position)
+            position += 1
+    return entries
+
+
+def _own_state(module: nn.Module):
+    for name, param in module._parameters.items():
+        if param is not None:
+            yield name, param, False
+    for name, buf in module._buffers.items():
+        if buf is not None and name not in module._non_persistent_buffers_set:
+            yield name, buf, True
+
+
+def _reshard_fsdp_modules(model: nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def format_problems(header: str, problems: list[str], *, limit: int = 20) -> str:
+    """One readable message from a list of problems, long lists shortened."""
+    lines = problems[:limit]
+    if len(problems) > limit:
+        lines.append(f"... and {len(problems) - limit} more")
+    return header + "\n  " + "\n  ".join(lines)
+
+
+def state_dict_order(entries: list[ModelEntry]) -> list[str]:
+    """Every name of ``entries`` in ``model.state_dict()`` order."""
+    named = [(pos, fqn) for e in entries for pos, fqn in zip(e.positions, e.fqns)]
+    return [fqn for _, fqn in sorted(named)]

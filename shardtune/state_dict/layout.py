@@ -1,0 +1,98 @@
+"""Where each rank's piece of a DTensor lies in the full tensor."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A rectangular block of a full tensor: ``shape`` elements starting at ``offset``."""
+
+    shape: tuple[int, ...]
+    offset: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + s) for o, s in zip(self.offset, self.shape))
+
+    def is_row_range(self, full_shape: tuple[int, ...]) -> bool:
+        """True when the piece is whole rows (dims 1.. full), i.e. one contiguous range of a row-major tensor."""
+        return tuple(self.shape[1:]) == tuple(full_shape[1:])
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """Global shape and sharding of a tensor; ``pieces[r]`` is global rank r's local block."""
+
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...] | None  # None: a plain tensor, identical on every rank
+
+    @property
+    def is_sharded(self) -> bool:
+        return self.pieces is not None
+
+    def owners(self) -> dict[Piece, int]:
+        """Each distinct non-empty piece and the lowest rank holding it (rank 0 first when it holds one)."""
+        owners: dict[Piece, int] = {}
+        for rank, piece in enumerate(self.pieces or ()):
+            if piece.numel and piece not in owners:
+                owners[piece] = rank
+        return owners
+
+
+def unsupported_placement(placements: tuple[Placement, ...]) -> Placement | None:
+    """The first placement this module cannot map to a rectangular block, if any."""
+    for p in placements:
+        if isinstance(p, _StridedShard) or not isinstance(p, (Shard, Replicate)):
+            return p
+    return None
+
+
+def layout_of(tensor: torch.Tensor, world_size: int) -> TensorLayout:
+    """Layout of a model tensor (DTensor or plain) over ``world_size`` ranks."""
+    if not isinstance(tensor, DTensor):
+        return TensorLayout(shape=tuple(tensor.shape), pieces=None)
+    return dtensor_layout(tuple(tensor.shape), tensor.device_mesh, tuple(tensor.placements), world_size)
+
+
+def dtensor_layout(
+    shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...], world_size: int
+) -> TensorLayout:
+    """Layout of a DTensor of global ``shape`` placed by ``placements`` on ``mesh``."""
+    if mesh.mesh.numel() != world_size:
+        raise ValueError(
+            f"DTensor mesh {tuple(mesh.mesh.shape)} spans {mesh.mesh.numel()} ranks but the "
+            f"world has {world_size}; shard over a mesh of all ranks"
+        )
+    mesh_ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    return TensorLayout(shape=shape, pieces=_pieces(shape, mesh_ranks, tuple(mesh.mesh.shape), placements))
+
+
+@lru_cache(maxsize=4096)
+def _pieces(
+    shape: tuple[int, ...],
+    mesh_ranks: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    placements: tuple[Placement, ...],
+) -> tuple[Piece, ...]:
+    by_rank: dict[int, Piece] = {}
+    for flat_index, coord in enumerate(itertools.product(*(range(n) for n in mesh_shape))):
+        local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements)
+        by_rank[mesh_ranks[flat_index]] = Piece(shape=tuple(local), offset=tuple(offset))
+    return tuple(by_rank[r] for r in range(len(by_rank)))

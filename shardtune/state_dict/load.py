@@ -1,0 +1,354 @@
+"""Full state dict -> sharded model (``load_from_full_model_state_dict``).
+
+Two ways to receive the full state dict, agreed on by all ranks up front:
+
+* every rank passes a full mapping (possibly lazy, e.g. safetensors slices): each rank reads
+  and casts only its own piece; no weights cross the network;
+* rank 0 passes it and the others pass ``{}``: rank 0 reads each tensor once and scatters to
+  every rank only that rank's piece (NF4 pieces are quantized once and sent packed).
+
+Validation (keys, shapes, NF4 layout, model structure) happens before any data moves and
+raises the same error on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import _IncompatibleKeys
+
+from shardtune.state_dict import comm, nf4
+from shardtune.state_dict.keys import ModelEntry, model_entries
+from shardtune.state_dict.layout import TensorLayout, layout_of, unsupported_placement
+
+EVERY_RANK = "every_rank"
+RANK0 = "rank0"
+NOTHING = "nothing"
+
+
+@dataclass
+class _Item:
+    entry: ModelEntry
+    key: str  # the full_sd key this entry is loaded from
+    layout: TensorLayout
+
+
+@dataclass
+class _Plan:
+    mode: str
+    items: list[_Item]
+    missing: list[str]
+    unexpected: list[str]
+
+
+@torch.no_grad()
+def load_from_full_model_state_dict(
+    model: nn.Module,
+    full_sd: Mapping[str, Any],
+    device: torch.device | str,
+    strict: bool = False,
+    cpu_offload: bool = False,
+) -> _IncompatibleKeys:
+    """Load a full (unsharded) state dict into a model whose params may be sharded DTensors.
+
+    Collective: call on all ranks, in the same order. Every rank passes the full mapping
+    (each reads only its own slices), or rank 0 passes it and the others pass ``{}``.
+    Values are cast to each param's dtype; NF4 params are quantized with their block sizes.
+    Meta-device params and buffers are replaced (assign); materialized ones are filled in
+    place so optimizer references stay valid. Local shards go to ``device``, or to CPU when
+    ``cpu_offload``. Returns the same ``_IncompatibleKeys(missing, unexpected)`` on every rank;
+    with ``strict=True`` raises :class:`StateDictError` on every rank before any data moves.
+    """
+    local_device = torch.device("cpu") if cpu_offload else torch.device(device)
+    transfer_device = comm.comm_device(device)
+    plan = _agree_on_plan(model_entries(model), full_sd, strict=strict)
+    problems = comm.Problems()
+    for item in plan.items:
+        value = full_sd[item.key] if full_sd else None
+        new_local = _my_piece(item, value, plan.mode, local_device, transfer_device, problems)
+        with problems.guard(item.key):
+            _install(item.entry, new_local)
+    comm.raise_on_every_rank(problems, header="Loading the full model state dict failed:")
+    return _IncompatibleKeys(plan.missing, plan.unexpected)
+
+
+# --- agreement: decided identically on every rank before any data moves ---------------------
+
+
+def describe_value(value: Any) -> tuple:
+    """Shape and kind of a full-state-dict value, without reading its data."""
+    if isinstance(value, torch.Tensor):
+        if nf4.is_nf4(value):
+            return ("nf4", tuple(value.shape), str(value.dtype), *nf4.block_sizes(value))
+        return ("dense", tuple(value.shape), str(value.dtype))
+    if hasattr(value, "get_shape"):  # lazy: safetensors slice or anything alike
+        return ("dense", tuple(value.get_shape()), str(value.get_dtype()) if hasattr(value, "get_dtype") else "?")
+    return ("invalid", type(value).__name__)
+
+
+def model_signature(entries: list[ModelEntry]) -> str:
+    """A digest of names, shapes and placements: equal on all ranks iff their models agree."""
+    text = repr(
+        [
+            (e.fqns, tuple(e.tensor.shape), str(getattr(e.tensor, "placements", None)))
+            for e in entries
+        ]
+    )
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def agree_on_mode(has_data: list[bool], what: str) -> tuple[str, list[str]]:
+    """Pick how the full state dict was passed from every rank's ``has_data``; problems if inconsistent."""
+    if all(has_data):
+        return EVERY_RANK, []
+    if not any(has_data):
+        return NOTHING, []
+    if has_data[0] and not any(has_data[1:]):
+        return RANK0, []
+    given = [r for r, h in enumerate(has_data) if h]
+    empty = [r for r, h in enumerate(has_data) if not h]
+    return NOTHING, [
+        f"{what} is non-empty on ranks {given} but empty on ranks {empty}; pass it on every rank, "
+        "or on rank 0 only with {} on the other ranks."
+    ]
+
+
+def _agree_on_plan(entries: list[ModelEntry], full_sd: Mapping[str, Any], *, strict: bool) -> _Plan:
+    local_desc = {key: describe_value(full_sd[key]) for key in full_sd} if full_sd else None
+    gathered = comm.all_gather_objects((local_desc, model_signature(entries)))
+    descs = [d for d, _ in gathered]
+    mode, problems = agree_on_mode([bool(d) for d in descs], "full_sd")
+    problems += _signature_problems([s for _, s in gathered])
+    reference = descs[0] or {}
+    if mode == EVERY_RANK:
+        problems += _desc_mismatch_problems(descs)
+    plan, plan_problems = _match(entries, reference, mode, strict=strict)
+    comm.raise_on_every_rank(problems + plan_problems, header="Cannot load the full model state dict:")
+    return plan
+
+
+def _signature_problems(signatures: list[str]) -> list[str]:
+    odd = [r for r, s in enumerate(signatures) if s != signatures[0]]
+    if not odd:
+        return []
+    return [
+        f"the model differs between ranks (names, shapes or placements): ranks {odd} differ from rank 0; "
+        "build and shard the same model on every rank."
+    ]
+
+
+def _desc_mismatch_problems(descs: list[dict]) -> list[str]:
+    problems = []
+    reference = descs[0]
+    for r, desc in enumerate(descs[1:], start=1):
+        if desc == reference:
+            continue
+        missing = sorted(set(reference) - set(desc))[:5]
+        extra = sorted(set(desc) - set(reference))[:5]
+        differ = sorted(k for k in set(desc) & set(reference) if desc[k] != reference[k])[:5]
+        problems.append(
+            f"full_sd on rank {r} differs from rank 0 (keys only on rank 0: {missing}, only on rank {r}: "
+            f"{extra}, different shape/dtype: {differ}); every rank must pass the same checkpoint."
+        )
+    return problems
+
+
+def _match(entries: list[ModelEntry], desc: dict, mode: str, *, strict: bool) -> tuple[_Plan, list[str]]:
+    world = comm.world_size()
+    items, missing, problems = [], [], []
+    known = set()
+    for entry in entries:
+        known.update(entry.fqns)
+        key = next((fqn for fqn in entry.fqns if fqn in desc), None)
+        if key is None:
+            missing.extend(entry.fqns)
+            continue
+        problem = _entry_problem(entry, key, desc[key])
+        if problem is None:
+            try:
+                items.append(_Item(entry=entry, key=key, layout=layout_of(entry.tensor, world)))
+            except ValueError as exc:
+                problem = f"{key}: {exc}"
+        if problem is None and nf4.is_nf4(_local(entry.tensor)):
+            local = _local(entry.tensor)
+            problem = nf4.nf4_layout_problem(key, items[-1].layout, *nf4.block_sizes(local))
+        if problem is not None:
+            problems.append(problem)
+    unexpected = [k for k in desc if k not in known]
+    if strict and (missing or unexpected):
+        problems.append(
+            f"strict loading: missing keys {missing[:20]}, unexpected keys {unexpected[:20]}; "
+            "load a checkpoint of this model or pass strict=False."
+        )
+    return _Plan(mode=mode, items=items, missing=missing, unexpected=unexpected), problems
+
+
+def _entry_problem(entry: ModelEntry, key: str, desc: tuple) -> str | None:
+    if desc[0] == "invalid":
+        return f"{key}: expected a tensor (or lazy tensor with get_shape()), got {desc[1]}"
+    shape = tuple(entry.tensor.shape)
+    if desc[1] != shape:
+        return (
+            f"{key}: checkpoint shape {desc[1]} does not match the model's {shape}; "
+            "the checkpoint was made for a different model configuration."
+        )
+    placement = unsupported_placement(tuple(getattr(entry.tensor, "placements", ())))
+    if placement is not None:
+        return f"{key}: placement {placement} is not supported; use Shard(d) or Replicate."
+    return None
+
+
+# --- data: this rank's piece of one tensor ---------------------------------------------------
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _my_piece(
+    item: _Item, value: Any, mode: str, device: torch.device, transfer_device: torch.device, problems: comm.Problems
+) -> torch.Tensor | None:
+    """This rank's local tensor for ``item``; collective in rank-0 mode."""
+    like = _local(item.entry.tensor)
+    if nf4.is_nf4(like):
+        if mode == RANK0:
+            return _scatter_nf4(item, value, like, device, transfer_device, problems)
+        with problems.guard(item.key):
+            return _slice_nf4(item, value, like, device)
+        return None
+    if mode == RANK0:
+        return _scatter_dense(item, value, like.dtype, device, transfer_device, problems)
+    with problems.guard(item.key):
+        return copy_block(value, _my_block(item.layout), dtype=like.dtype, device=device)
+    return None
+
+
+def _my_block(layout: TensorLayout) -> tuple[tuple[int, ...], tuple[slice, ...]]:
+    if layout.pieces is None:
+        return layout.shape, tuple(slice(None) for _ in layout.shape)
+    piece = layout.pieces[comm.rank()]
+    return piece.shape, piece.slices
+
+
+def read_block(value: Any, slices: tuple[slice, ...]) -> torch.Tensor:
+    """The block ``slices`` of a full value (tensor, NF4 tensor, or lazy slice object)."""
+    if nf4.is_nf4(value):
+        value = nf4.dequantize(value)
+    if not slices:  # 0-dim
+        return value if isinstance(value, torch.Tensor) else value[...]
+    return value[slices]
+
+
+def copy_block(value: Any, block: tuple[tuple[int, ...], tuple[slice, ...]], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new contiguous tensor on ``device`` in ``dtype`` holding ``value``'s block (one copy)."""
+    shape, slices = block
+    out = torch.empty(shape, dtype=dtype, device=device)
+    out.copy_(read_block(value, slices))
+    return out
+
+
+def scatter_dense(
+    layout: TensorLayout, value: Any, *, dtype: torch.dtype, device: torch.device, transfer_device: torch.device, on_error: comm.Problems, key: str
+) -> torch.Tensor:
+    """Collective: call on all ranks. Rank 0 holds ``value``; returns this rank's block of it on ``device``.
+
+    Sharded tensors are scattered (each rank receives only its own block); plain tensors,
+    needed whole on every rank, are broadcast.
+    """
+    if layout.pieces is None:
+        buf = torch.empty(layout.shape, dtype=dtype, device=transfer_device)
+        if comm.rank() == 0:
+            with on_error.guard(key):
+                buf.copy_(read_block(value, tuple(slice(None) for _ in layout.shape)))
+        return comm.broadcast_from_rank0(buf).to(device)
+    pieces = layout.pieces
+
+    def fill(r: int, flat: torch.Tensor) -> None:
+        with on_error.guard(key):
+            flat.view(pieces[r].shape).copy_(read_block(value, pieces[r].slices))
+
+    flat = comm.scatter_from_rank0(
+        fill if comm.rank() == 0 else None, [p.numel for p in pieces], dtype=dtype, device=transfer_device
+    )
+    return flat.view(pieces[comm.rank()].shape).to(device)
+
+
+def _scatter_dense(item, value, dtype, device, transfer_device, problems) -> torch.Tensor:
+    return scatter_dense(
+        item.layout, value, dtype=dtype, device=device, transfer_device=transfer_device, on_error=problems, key=item.key
+    )
+
+
+def _row_blocks(layout: TensorLayout) -> list[tuple[int, int]]:
+    """(first row, row count) of every rank's NF4 block; a plain param is whole on every rank."""
+    if layout.pieces is None:
+        return [(0, layout.shape[0])] * comm.world_size()
+    return [(p.offset[0], p.shape[0]) for p in layout.pieces]
+
+
+def _whole(value: Any, layout: TensorLayout) -> Any:
+    return value if nf4.is_nf4(value) else read_block(value, tuple(slice(None) for _ in layout.shape))
+
+
+def _slice_nf4(item: _Item, value: Any, like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    quantized = nf4.quantize_like(_whole(value, item.layout), like, device=device)
+    return nf4.nf4_rows(quantized, *_row_blocks(item.layout)[comm.rank()])
+
+
+def _scatter_nf4(item, value, like, device, transfer_device, problems) -> torch.Tensor:
+    """Rank 0 quantizes the full tensor once and sends each rank its packed rows."""
+    blocks = _row_blocks(item.layout)
+    row_numel = like.numel() // like.shape[0] if like.shape[0] else 0
+    sizes = [
+        nf4.packed_numel(rows * row_numel, like.block_size, like.scaler_block_size, like.dtype) for _, rows in blocks
+    ]
+    quantized: list[torch.Tensor] = []
+
+    def fill(r: int, flat: torch.Tensor) -> None:
+        with problems.guard(item.key):
+            if not quantized:
+                quantized.append(nf4.quantize_like(_whole(value, item.layout), like, device=transfer_device))
+            nf4.pack(nf4.nf4_rows(quantized[0], *blocks[r]), flat)
+
+    flat = comm.scatter_from_rank0(fill if comm.rank() == 0 else None, sizes, dtype=torch.uint8, device=transfer_device)
+    _, rows = blocks[comm.rank()]
+    return nf4.unpack(flat, (rows, *item.layout.shape[1:]), like, device=device)
+
+
+# --- installing the new local tensor into the model ------------------------------------------
+
+
+def _install(entry: ModelEntry, new_local: torch.Tensor | None) -> None:
+    if new_local is None:
+        return
+    current = entry.tensor
+    if _can_fill_in_place(_local(current), new_local):
+        _local(current).copy_(new_local)
+        return
+    if isinstance(current, DTensor):
+        new_local = DTensor.from_local(
+            new_local, current.device_mesh, current.placements, run_check=False, shape=current.shape, stride=current.stride()
+        )
+    new = new_local if entry.is_buffer else nn.Parameter(new_local, requires_grad=current.requires_grad)
+    # One object for every alias keeps tied weights tied; load_state_dict(assign=True) runs
+    # FSDP2's post-load hook that re-registers the new sharded param.
+    for _, module, name in entry.names:
+        module.load_state_dict({name: new}, strict=False, assign=True)
+    entry.tensor = new
+
+
+def _can_fill_in_place(current: torch.Tensor, new_local: torch.Tensor) -> bool:
+    return (
+        not current.is_meta
+        and not nf4.is_nf4(current)
+        and not nf4.is_nf4(new_local)
+        and current.shape == new_local.shape
+        and current.dtype == new_local.dtype
+        and current.device == new_local.device
+    )

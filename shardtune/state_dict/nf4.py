@@ -1,0 +1,161 @@
+"""Everything NF4-specific: detection, quantization with a parameter's block sizes,
+row slicing of a quantized tensor, packing for transfer, and dequantization.
+
+A sharded NF4 parameter is a DTensor whose local tensor is a torchao ``NF4Tensor`` holding
+whole rows of the full weight. Shards are slices of ONE quantization of the full tensor, so
+they share its ``scaler_mean`` and FSDP's all-gather of the inner tensors reassembles it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs, to_nf4
+
+from shardtune.state_dict.layout import TensorLayout
+
+__all__ = ["NF4Tensor", "is_nf4", "nf4_layout_problem", "quantize_like", "nf4_rows", "dequantize"]
+
+
+def is_nf4(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, NF4Tensor)
+
+
+def block_sizes(tensor: NF4Tensor) -> tuple[int, int]:
+    return tensor.block_size, tensor.scaler_block_size
+
+
+def nf4_layout_problem(fqn: str, layout: TensorLayout, block_size: int, scaler_block_size: int) -> str | None:
+    """Why a tensor of ``layout`` cannot be stored as NF4 with these block sizes, or None."""
+    numel = 1
+    for s in layout.shape:
+        numel *= s
+    group = block_size * scaler_block_size
+    if len(layout.shape) > 2 or numel % group:
+        return (
+            f"{fqn}: NF4 needs a 1-D/2-D tensor whose numel is a multiple of block_size*scaler_block_size "
+            f"= {block_size}*{scaler_block_size} = {group}; got shape {tuple(layout.shape)}. "
+            "Use smaller NF4 block sizes or do not quantize this module."
+        )
+    for rank, piece in enumerate(layout.pieces or ()):
+        if not piece.is_row_range(layout.shape):
+            return f"{fqn}: NF4 shards must be whole rows (Shard(0) or Replicate); rank {rank} holds {piece.shape}."
+        if piece.numel % group:
+            return (
+                f"{fqn}: rank {rank}'s NF4 shard has {piece.numel} elements, not a multiple of "
+                f"{group}; NF4 sharding needs numel/{block_size}/{scaler_block_size} = {numel // group} "
+                "to be divisible by the number of shards. Choose a world size that divides it."
+            )
+    return None
+
+
+def quantize_like(full: torch.Tensor, like: NF4Tensor, *, device: torch.device) -> NF4Tensor:
+    """Quantize a full tensor (plain or NF4 with other block sizes) to NF4 with ``like``'s dtype and block sizes."""
+    if is_nf4(full):
+        if block_sizes(full) == block_sizes(like) and full.dtype == like.dtype:
+            return full.to(device)
+        full = full.get_original_weight()
+    plain = full.to(device=device, dtype=like.dtype).contiguous()
+    return to_nf4(plain, like.block_size, like.scaler_block_size)
+
+
+def nf4_rows(q: NF4Tensor, start: int, rows: int) -> NF4Tensor:
+    """Rows ``[start, start + rows)`` of a quantized 2-D (or 1-D) NF4 tensor, sharing its scaler mean."""
+    row_numel = q.numel() // q.shape[0] if q.shape[0] else 0
+    first, count = start * row_numel, rows * row_numel
+    block, group = q.block_size, q.block_size * q.scaler_block_size
+    shape = (rows, *q.shape[1:])
+    return _nf4_from_parts(
+        shape=shape,
+        like=q,
+        # Copies, so the full quantized tensor can be freed once every piece is cut.
+        quantized_data=q.quantized_data[first // 2 : (first + count) // 2].clone(),
+        quantized_scalers=q.quantized_scalers[first // block : (first + count) // block].clone(),
+        quantization_factor=q.quantization_factor[first // group : (first + count) // group].clone(),
+        scaler_mean=q.scaler_mean,
+        nf4=q.nf4,
+    )
+
+
+def packed_numel(numel: int, block_size: int, scaler_block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of an NF4 piece of ``numel`` elements as packed by :func:`pack`."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    floats = numel // (block_size * scaler_block_size) + 1 + 16  # factors, mean, lookup table
+    return floats * itemsize + numel // block_size + numel // 2
+
+
+def pack(q: NF4Tensor, out: torch.Tensor) -> None:
+    """Write ``q``'s inner tensors into the flat uint8 ``out`` (floats first, so views stay aligned)."""
+    parts = [q.quantization_factor, q.scaler_mean.reshape(1), q.nf4, q.quantized_scalers, q.quantized_data]
+    pos = 0
+    for part in parts:
+        raw = part.contiguous().view(-1).view(torch.uint8)
+        out[pos : pos + raw.numel()].copy_(raw)
+        pos += raw.numel()
+
+
+def unpack(buf: torch.Tensor, shape: tuple[int, ...], like: NF4Tensor, *, device: torch.device) -> NF4Tensor:
+    """Inverse of :func:`pack`: an NF4 tensor of ``shape`` with ``like``'s dtype and block sizes."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    buf = buf.to(device)
+    itemsize = torch.empty((), dtype=like.dtype).element_size()
+    sizes = [
+        (numel // (like.block_size * like.scaler_block_size), like.dtype),
+        (1, like.dtype),
+        (16, like.dtype),
+        (numel // like.block_size, torch.int8),
+        (numel // 2, torch.uint8),
+    ]
+    parts, pos = [], 0
+    for count, dtype in sizes:
+        nbytes = count * (itemsize if dtype == like.dtype else 1)
+        parts.append(buf[pos : pos + nbytes].view(dtype).clone())
+        pos += nbytes
+    factor, mean, lookup, scalers, data = parts
+    return _nf4_from_parts(
+        shape=shape,
+        like=like,
+        quantized_data=data,
+        quantized_scalers=scalers,
+        quantization_factor=factor,
+        scaler_mean=mean.reshape(()),
+        nf4=lookup,
+    )
+
+
+def dequantize(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor in the original dtype for an NF4 tensor; other tensors unchanged."""
+    return tensor.get_original_weight() if is_nf4(tensor) else tensor
+
+
+def _nf4_from_parts(
+    *,
+    shape: tuple[int, ...],
+    like: NF4Tensor,
+    quantized_data: torch.Tensor,
+    quantized_scalers: torch.Tensor,
+    quantization_factor: torch.Tensor,
+    scaler_mean: torch.Tensor,
+    nf4: torch.Tensor,
+) -> NF4Tensor:
+    shape = torch.Size(shape)
+    meta = SubclassTensorArgs(
+        shape,
+        torch.empty(shape, device="meta").stride(),
+        0,
+        like.dtype,
+        quantized_data.device,
+        False,
+    )
+    return NF4Tensor(
+        meta,
+        like.block_size,
+        shape.numel() // like.block_size,
+        like.scaler_block_size,
+        quantized_scalers,
+        quantization_factor,
+        scaler_mean,
+        quantized_data,
+        nf4,
+    )

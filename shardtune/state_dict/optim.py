@@ -1,0 +1,253 @@
+"""Optimizer state: sharded optimizer <-> full, FQN-keyed state dict on rank 0.
+
+Full format (rank 0 only, ``{}`` elsewhere)::
+
+    {"state": {fqn: {"step": t, "exp_avg": T, ...}},
+     "param_groups": [{"lr": ..., ..., "params": [fqn, ...]}]}
+
+Params follow ``opt.param_groups`` order. State tensors shaped like their param are sharded
+like it; other tensors (scalars such as ``step``) are small and travel with the metadata.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from shardtune.state_dict import comm
+from shardtune.state_dict.gather import gather_to_rank0
+from shardtune.state_dict.keys import StateDictError, model_entries
+from shardtune.state_dict.layout import TensorLayout, layout_of
+from shardtune.state_dict.load import EVERY_RANK, RANK0, agree_on_mode, copy_block, scatter_dense
+
+
+def _param_fqns(model: nn.Module) -> dict[int, str]:
+    """id(param) -> its first clean FQN."""
+    return {id(e.tensor): e.fqn for e in model_entries(model) if not e.is_buffer}
+
+
+def _group_fqns(model: nn.Module, opt: torch.optim.Optimizer) -> list[list[str]]:
+    names = _param_fqns(model)
+    groups = []
+    for i, group in enumerate(opt.param_groups):
+        unknown = [tuple(p.shape) for p in group["params"] if id(p) not in names]
+        if unknown:
+            raise StateDictError(
+                f"optimizer param group {i} holds {len(unknown)} tensors (shapes {unknown[:3]}) that are not "
+                "parameters of the model; create the optimizer from model.parameters() after loading the model."
+            )
+        groups.append([names[id(p)] for p in group["params"]])
+    return groups
+
+
+def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+
+
+def _value_kind(value: Any) -> tuple:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    return ("value", type(value).__name__)
+
+
+@torch.no_grad()
+def get_full_optimizer_state_dict(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    is_rank_zero: bool,
+    device: torch.device | str | None = None,
+) -> dict[str, Any]:
+    """Gather a (sharded) optimizer's state into a full, FQN-keyed state dict on rank 0.
+
+    Collective: call on all ranks. Rank 0 returns ``{"state": {fqn: {...}}, "param_groups":
+    [{..., "params": [fqn, ...]}]}`` with full, independent CPU tensors; other ranks ``{}``.
+    Params without state (frozen, never stepped) are listed in ``params`` only.
+    """
+    groups = _group_fqns(model, opt)
+    view = [
+        [(fqn, [(k, _value_kind(v)) for k, v in opt.state.get(p, {}).items()]) for fqn, p in zip(fqns, g["params"])]
+        for fqns, g in zip(groups, opt.param_groups)
+    ]
+    views = comm.all_gather_objects((view, bool(is_rank_zero)))
+    problems = []
+    if any(v != views[0][0] for v, _ in views):
+        problems.append("optimizer state differs between ranks (params, state keys or shapes); every rank must step the same model.")
+    claimed = [r for r, (_, zero) in enumerate(views) if zero]
+    if claimed != [0]:
+        problems.append(f"is_rank_zero is True on ranks {claimed}; pass is_rank_zero=(rank == 0).")
+    if problems:
+        raise StateDictError("Cannot gather the optimizer state dict:\n  " + "\n  ".join(problems))
+
+    transfer_device = comm.comm_device(device)
+    errors = comm.Problems()
+    state: dict[str, dict[str, Any]] = {}
+    for fqns, group in zip(groups, opt.param_groups):
+        for fqn, param in zip(fqns, group["params"]):
+            if param in opt.state and opt.state[param]:
+                state[fqn] = _gather_param_state(opt.state[param], fqn, transfer_device, errors)
+    comm.raise_on_every_rank(errors, header="Gathering the optimizer state dict failed:")
+    if not is_rank_zero:
+        return {}
+    return {
+        "state": state,
+        "param_groups": [{**_hyper(g), "params": list(fqns)} for fqns, g in zip(groups, opt.param_groups)],
+    }
+
+
+def _gather_param_state(param_state: dict[str, Any], fqn: str, transfer_device, errors) -> dict[str, Any]:
+    out = {}
+    for key, value in param_state.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = gather_to_rank0(
+                value, layout_of(value, comm.world_size()), transfer_device=transfer_device, on_error=errors, key=f"{fqn}.{key}"
+            )
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+@torch.no_grad()
+def load_from_full_optimizer_state_dict(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    full_sd: Mapping[str, Any],
+    device: torch.device | str,
+) -> None:
+    """Load a full optimizer state dict into a (sharded) optimizer.
+
+    Collective: call on all ranks. ``full_sd`` is FQN keyed (as returned by
+    :func:`get_full_optimizer_state_dict`) or torch's native int-keyed format, given on every
+    rank or on rank 0 only with ``{}`` elsewhere. Hyper-parameters (lr, betas, ...) are taken
+    from it. State shaped like its param is sharded like the param (rank 0 scatters only each
+    rank's block). Problems raise :class:`StateDictError` on every rank before data moves.
+    """
+    groups = _group_fqns(model, opt)
+    params = {fqn: p for fqns, g in zip(groups, opt.param_groups) for fqn, p in zip(fqns, g["params"])}
+    local = _fqn_keyed(full_sd, groups) if full_sd else None
+    desc = _describe(local) if isinstance(local, dict) else local
+    descs = comm.all_gather_objects(desc)
+    mode, problems = agree_on_mode([bool(d) for d in descs], "the optimizer full_sd")
+    problems += [d for d in descs if isinstance(d, str)][:1]
+    reference = descs[0] if isinstance(descs[0], dict) else None
+    if mode == EVERY_RANK and any(d != reference for d in descs):
+        problems.append("the optimizer full_sd differs between ranks; every rank must pass the same one.")
+    if reference is not None and not problems:
+        problems += _check(reference, groups, params)
+    comm.raise_on_every_rank(problems, header="Cannot load the full optimizer state dict:")
+    if reference is None:
+        return
+
+    errors = comm.Problems()
+    transfer_device = comm.comm_device(device)
+    native_state: dict[int, dict[str, Any]] = {}
+    native_groups = []
+    index = 0
+    for fqns, saved in zip(groups, reference["groups"]):
+        ids = []
+        for fqn in fqns:
+            if fqn in reference["state"]:
+                native_state[index] = {
+                    key: _load_value(kind, local, fqn, key, params[fqn], mode, device, transfer_device, errors)
+                    for key, kind in reference["state"][fqn].items()
+                }
+            ids.append(index)
+            index += 1
+        native_groups.append({**saved, "params": ids})
+    comm.raise_on_every_rank(errors, header="Loading the full optimizer state dict failed:")
+    opt.load_state_dict({"state": native_state, "param_groups": native_groups})
+
+
+def _fqn_keyed(full_sd: Mapping[str, Any], groups: list[list[str]]) -> dict | str:
+    """``full_sd`` with FQN keys (converting torch's native int keys by position), or a problem."""
+    if "state" not in full_sd or "param_groups" not in full_sd:
+        return f"the optimizer full_sd needs 'state' and 'param_groups' keys; got {sorted(full_sd)[:5]}."
+    saved_groups = full_sd["param_groups"]
+    if len(saved_groups) != len(groups):
+        return f"the optimizer full_sd has {len(saved_groups)} param groups but the optimizer has {len(groups)}."
+    ids = [pid for g in saved_groups for pid in g["params"]]
+    if not ids or not isinstance(ids[0], int):
+        return {"state": full_sd["state"], "param_groups": saved_groups}
+    mapping = {}
+    for i, (saved, fqns) in enumerate(zip(saved_groups, groups)):
+        if len(saved["params"]) != len(fqns):
+            return f"param group {i} of the optimizer full_sd has {len(saved['params'])} params; the optimizer has {len(fqns)}."
+        mapping.update(zip(saved["params"], fqns))
+    unknown = [k for k in full_sd["state"] if k not in mapping]
+    if unknown:
+        return f"the optimizer full_sd has state for param ids {unknown[:5]} not listed in its param_groups."
+    return {
+        "state": {mapping[k]: v for k, v in full_sd["state"].items()},
+        "param_groups": [{**g, "params": list(fqns)} for g, fqns in zip(saved_groups, groups)],
+    }
+
+
+def _describe(full_sd: dict) -> dict:
+    """What every rank must know: groups, and per state value its shape/dtype; scalars inline."""
+    state = {}
+    for fqn, param_state in full_sd["state"].items():
+        state[fqn] = {}
+        for key, value in param_state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                state[fqn][key] = ("tensor", tuple(value.shape), value.dtype)
+            else:
+                state[fqn][key] = ("inline", value.detach().cpu().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value))
+    return {
+        "groups": [_hyper(g) for g in full_sd["param_groups"]],
+        "group_params": [list(g["params"]) for g in full_sd["param_groups"]],
+        "state": state,
+    }
+
+
+def _check(desc: dict, groups: list[list[str]], params: dict[str, torch.Tensor]) -> list[str]:
+    problems = []
+    for i, (saved, fqns) in enumerate(zip(desc["group_params"], groups)):
+        if set(saved) != set(fqns):
+            problems.append(
+                f"param group {i}: params only in the checkpoint {sorted(set(saved) - set(fqns))[:5]}, only in the "
+                f"optimizer {sorted(set(fqns) - set(saved))[:5]}; build the optimizer over the same params."
+            )
+    for fqn, param_state in desc["state"].items():
+        if fqn not in params:
+            problems.append(f"{fqn}: has optimizer state but is not a parameter of this optimizer.")
+            continue
+        for key, kind in param_state.items():
+            if kind[0] == "tensor" and kind[1] != tuple(params[fqn].shape) and isinstance(params[fqn], DTensor):
+                problems.append(
+                    f"{fqn}.{key}: state shape {kind[1]} does not match the param's {tuple(params[fqn].shape)}; "
+                    "the checkpoint was made for a different model."
+                )
+    return problems
+
+
+def _load_value(kind, local, fqn, key, param, mode, device, transfer_device, errors) -> Any:
+    if kind[0] == "inline":
+        return kind[1]
+    _, shape, dtype = kind
+    if shape == tuple(param.shape):
+        layout, dtype = layout_of(param, comm.world_size()), param.dtype
+    else:
+        layout = TensorLayout(shape=shape, pieces=None)
+    value = local["state"][fqn][key] if isinstance(local, dict) else None
+    target_device = param.device if not isinstance(param, DTensor) else param._local_tensor.device
+    if mode == RANK0:
+        block = scatter_dense(
+            layout, value, dtype=dtype, device=target_device, transfer_device=transfer_device, on_error=errors, key=f"{fqn}.{key}"
+        )
+    else:
+        block = None
+        with errors.guard(f"{fqn}.{key}"):
+            me = layout.pieces[comm.rank()] if layout.pieces else None
+            block = copy_block(
+                value,
+                (me.shape, me.slices) if me else (shape, tuple(slice(None) for _ in shape)),
+                dtype=dtype,
+                device=target_device,
+            )
+    if block is None or layout.pieces is None:
+        return block
+    return DTensor.from_local(block, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())

@@ -1,0 +1,17 @@
+"""torchtune-compatible training utilities: the distributed state-dict functions and sharding."""
+
+from shardtune.state_dict import (
+    StateDictError,
+    gather_cpu_state_dict,
+    get_full_optimizer_state_dict,
+    load_from_full_model_state_dict,
+    load_from_full_optimizer_state_dict,
+)
+
+__all__ = [
+    "StateDictError",
+    "gather_cpu_state_dict",
+    "get_full_optimizer_state_dict",
+    "load_from_full_model_state_dict",
+    "load_from_full_optimizer_state_dict",
+]

@@ -1,0 +1,110 @@
+"""A pool of rank processes (gloo on 127.0.0.1) kept alive across tests.
+
+Spawning and importing torch costs seconds per process; a pool pays it once per world size.
+``pool.run(fn, *args)`` runs ``fn(*args)`` on every rank and returns each rank's outcome.
+A run that exceeds its timeout kills the pool (the next test gets a fresh one) and fails.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+
+@dataclass
+class Outcome:
+    rank: int
+    ok: bool
+    value: Any = None
+    error: str = ""  # "ExcType: message" of the exception raised, if any
+    trace: str = ""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    while True:
+        task = inbox.get()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            outbox.put(Outcome(rank, True, fn(*args)))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            outbox.put(Outcome(rank, False, None, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.inboxes = [ctx.Queue() for _ in range(self.world)]
+        self.outbox = ctx.Queue()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, self.world, port, self.inboxes[r], self.outbox), daemon=True)
+            for r in range(self.world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 120.0) -> list[Outcome]:
+        """Run ``fn(*args)`` on every rank; outcomes indexed by rank. Raises TimeoutError on a hang."""
+        for inbox in self.inboxes:
+            inbox.put((fn, args))
+        outcomes: dict[int, Outcome] = {}
+        try:
+            while len(outcomes) < self.world:
+                out = self.outbox.get(timeout=timeout)
+                outcomes[out.rank] = out
+        except queue.Empty:
+            self.restart()
+            raise TimeoutError(
+                f"{fn.__name__} did not finish on ranks {sorted(set(range(self.world)) - set(outcomes))} "
+                f"within {timeout}s (hang); finished: {sorted(outcomes)}"
+            ) from None
+        return [outcomes[r] for r in range(self.world)]
+
+    def run_ok(self, fn: Callable, *args: Any, timeout: float = 120.0) -> list[Any]:
+        """Like :meth:`run` but fails with the ranks' tracebacks if any rank raised."""
+        outcomes = self.run(fn, *args, timeout=timeout)
+        failed = [o for o in outcomes if not o.ok]
+        if failed:
+            raise AssertionError("\n".join(f"rank {o.rank}:\n{o.trace}" for o in failed))
+        return [o.value for o in outcomes]
+
+    def restart(self) -> None:
+        self.close(kill=True)
+        self._start()
+
+    def close(self, kill: bool = False) -> None:
+        for p, inbox in zip(self.procs, self.inboxes):
+            if not kill and p.is_alive():
+                inbox.put(None)
+        for p in self.procs:
+            p.join(timeout=0 if kill else 10)
+            if p.is_alive():
+                p.kill()
+                p.join()
