@@ -1,1 +1,39 @@
-"""shardtune.peft."""
+"""Parameter-efficient fine-tuning: LoRA / QLoRA modules and adapter state-dict helpers."""
+
+from shardtune.peft.adapters import (
+    PEFT_PREFIX,
+    from_peft_adapter_state_dict,
+    get_adapter_state_dict,
+    get_merged_state_dict,
+    is_adapter_key,
+    peft_adapter_config,
+    to_peft_adapter_state_dict,
+)
+from shardtune.peft.lora import (
+    LORA_TARGETS,
+    LoRAConfig,
+    LoRALinear,
+    apply_lora,
+    build_lora_model,
+    get_adapter_params,
+    init_lora_parameters,
+    merge_lora,
+)
+
+__all__ = [
+    "LORA_TARGETS",
+    "LoRAConfig",
+    "LoRALinear",
+    "PEFT_PREFIX",
+    "apply_lora",
+    "build_lora_model",
+    "from_peft_adapter_state_dict",
+    "get_adapter_params",
+    "get_adapter_state_dict",
+    "get_merged_state_dict",
+    "init_lora_parameters",
+    "is_adapter_key",
+    "merge_lora",
+    "peft_adapter_config",
+    "to_peft_adapter_state_dict",
+]

@@ -82,13 +82,17 @@ def load_from_full_model_state_dict(
 
 
 def describe_value(value: Any) -> tuple:
-    """Shape and kind of a full-state-dict value, without reading its data."""
+    """Kind and shape of a full-state-dict value, without reading its data.
+
+    The dtype is left out on purpose: values are cast to the param's dtype, so ranks whose
+    copies differ only in dtype (or lazy vs. in-memory) still agree.
+    """
     if isinstance(value, torch.Tensor):
         if nf4.is_nf4(value):
-            return ("nf4", tuple(value.shape), str(value.dtype), *nf4.block_sizes(value))
-        return ("dense", tuple(value.shape), str(value.dtype))
-    if hasattr(value, "get_shape"):  # lazy: safetensors slice or anything alike
-        return ("dense", tuple(value.get_shape()), str(value.get_dtype()) if hasattr(value, "get_dtype") else "?")
+            return ("nf4", tuple(value.shape), *nf4.block_sizes(value))
+        return ("dense", tuple(value.shape))
+    if hasattr(value, "get_shape"):  # lazy: a safetensors slice or anything alike
+        return ("dense", tuple(value.get_shape()))
     return ("invalid", type(value).__name__)
 
 
@@ -154,7 +158,7 @@ def _desc_mismatch_problems(descs: list[dict]) -> list[str]:
         differ = sorted(k for k in set(desc) & set(reference) if desc[k] != reference[k])[:5]
         problems.append(
             f"full_sd on rank {r} differs from rank 0 (keys only on rank 0: {missing}, only on rank {r}: "
-            f"{extra}, different shape/dtype: {differ}); every rank must pass the same checkpoint."
+            f"{extra}, different shape: {differ}); every rank must pass the same checkpoint."
         )
     return problems
 

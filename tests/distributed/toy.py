@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4, to_nf4
 
-VOCAB, DIM, HIDDEN = 96, 64, 256
+VOCAB, DIM, HIDDEN = 96, 256, 512  # NF4 needs numel/64/256 divisible by the world size
 
 
 class Linear(nn.Module):
@@ -105,7 +105,9 @@ def mesh_for(kind: str):
 def build_sharded(*, meta: bool = True, mesh_kind: str = "1d", dtype: torch.dtype = torch.float32, **kwargs) -> Toy:
     """FSDP2-shard a Toy per block then root, on meta (unmaterialized) or materialized with zeros."""
     with torch.device("meta" if meta else "cpu"):
-        model = Toy(**kwargs).to(dtype)
+        model = Toy(**kwargs)
+        if dtype != torch.float32:  # .to() would dequantize NF4 params
+            model = model.to(dtype)
     if not meta:
         with torch.no_grad():
             for p in model.parameters():

@@ -1,0 +1,333 @@
+"""LoRA and QLoRA linears, applied in place to a model.
+
+``LoRALinear`` keeps the frozen base at ``<module>.weight``/``<module>.bias`` (so HF keys load
+unchanged) and the adapters at ``<module>.lora_A.weight``/``<module>.lora_B.weight`` (PEFT's
+names without ``base_layer``/``.default``). With ``quantize_base=True`` the base weight is a
+torchao ``NF4Tensor`` Parameter (QLoRA). Everything works on the meta device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from shardtune.peft import nf4
+from shardtune.peft.adapters import is_adapter_key, peft_adapter_config
+
+__all__ = [
+    "LORA_TARGETS",
+    "LoRAConfig",
+    "LoRALinear",
+    "apply_lora",
+    "build_lora_model",
+    "get_adapter_params",
+    "init_lora_parameters",
+    "merge_lora",
+]
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+@dataclass
+class LoRAConfig:
+    """What ``apply_lora`` did; kept on the model as ``model.lora_config`` for export."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=list)
+    quantize_base: bool = False
+    block_size: int = nf4.DEFAULT_BLOCK_SIZE
+    scaler_block_size: int = nf4.DEFAULT_SCALER_BLOCK_SIZE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise ValueError(f"LoRA rank must be a positive int, got {self.rank!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
+        if unknown:
+            raise ValueError(f"unknown LoRA target_modules {unknown}; choose from {list(LORA_TARGETS)}")
+        if not self.target_modules:
+            raise ValueError(f"LoRA target_modules is empty; choose from {list(LORA_TARGETS)}")
+        self.target_modules = sorted(set(self.target_modules), key=LORA_TARGETS.index)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def to_peft_config(self, *, base_model_name_or_path: str | None = None) -> dict:
+        """The matching PEFT ``adapter_config.json`` dict."""
+        return peft_adapter_config(
+            rank=self.rank,
+            alpha=self.alpha,
+            dropout=self.dropout,
+            target_modules=self.target_modules,
+            base_model_name_or_path=base_model_name_or_path,
+        )
+
+
+class LoRALinear(nn.Module):
+    """``y = base(x) + lora_B(lora_A(dropout(x))) * alpha / rank`` with a frozen base.
+
+    ``lora_B`` starts at zero so a fresh adapter leaves the model unchanged.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        bias: bool = False,
+        quantize_base: bool = False,
+        block_size: int = nf4.DEFAULT_BLOCK_SIZE,
+        scaler_block_size: int = nf4.DEFAULT_SCALER_BLOCK_SIZE,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.rank = rank
+        self.alpha = alpha
+        self.scaling = alpha / rank
+        self.quantize_base = quantize_base
+        self.disabled = False  # True: behave as the base linear (e.g. a KD/DPO reference pass)
+        base = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.weight = base.weight
+        self.register_parameter("bias", base.bias)
+        if quantize_base:
+            self._quantize_base("LoRALinear", block_size, scaler_block_size)
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.lora_A = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
+        self.lora_B = nn.Linear(rank, out_features, bias=False, device=device, dtype=dtype)
+        self.reset_lora_parameters()
+
+    def _quantize_base(self, name: str, block_size: int, scaler_block_size: int) -> None:
+        nf4.check_nf4_shape(name, tuple(self.weight.shape), block_size=block_size, scaler_block_size=scaler_block_size)
+        quantized = nf4.to_nf4(self.weight.detach(), block_size=block_size, scaler_block_size=scaler_block_size)
+        self.weight = nn.Parameter(quantized, requires_grad=False)
+        self.quantize_base = True
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        *,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        quantize_base: bool = False,
+        block_size: int = nf4.DEFAULT_BLOCK_SIZE,
+        scaler_block_size: int = nf4.DEFAULT_SCALER_BLOCK_SIZE,
+        name: str = "linear",
+    ) -> LoRALinear:
+        """Wrap an existing linear, reusing its Parameter objects (no copy unless quantizing)."""
+        weight = linear.weight
+        # Built on meta so no throw-away base is allocated, then given the real parameters.
+        new = cls(
+            linear.in_features,
+            linear.out_features,
+            rank=rank,
+            alpha=alpha,
+            dropout=dropout,
+            bias=linear.bias is not None,
+            device="meta",
+            dtype=weight.dtype,
+        )
+        new.weight = weight
+        new.bias = linear.bias
+        if quantize_base:
+            new._quantize_base(name, block_size, scaler_block_size)
+        new.weight.requires_grad_(False)
+        if new.bias is not None:
+            new.bias.requires_grad_(False)
+        if weight.device.type != "meta":
+            new.lora_A.to_empty(device=weight.device)
+            new.lora_B.to_empty(device=weight.device)
+            new.reset_lora_parameters()
+        return new
+
+    def reset_lora_parameters(self) -> None:
+        """PEFT's default init: Kaiming-uniform ``lora_A``, zero ``lora_B``."""
+        if self.lora_A.weight.is_meta:
+            return
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    def base_forward(self, x: Tensor) -> Tensor:
+        if self.quantize_base:
+            out = nf4.linear_nf4(x, self.weight)
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.base_forward(x)
+        if self.disabled:
+            return out
+        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def merged_weight(self) -> Tensor:
+        """``W + scaling * B @ A`` as a plain tensor in the base dtype (NF4 dequantized)."""
+        base = nf4.dequantize(self.weight.detach())
+        delta = self.lora_B.weight.detach().float() @ self.lora_A.weight.detach().float()
+        return (base.float() + self.scaling * delta).to(base.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
+            f"alpha={self.alpha}, bias={self.bias is not None}, quantize_base={self.quantize_base}"
+        )
+
+
+def _shared_param_ids(model: nn.Module) -> set[int]:
+    """ids of parameters reachable under more than one name (e.g. tied embeddings)."""
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return {i for i, n in seen.items() if n > 1}
+
+
+def apply_lora(
+    model: nn.Module,
+    *,
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    target_modules: Iterable[str],
+    quantize_base: bool = False,
+    block_size: int = nf4.DEFAULT_BLOCK_SIZE,
+    scaler_block_size: int = nf4.DEFAULT_SCALER_BLOCK_SIZE,
+) -> nn.Module:
+    """Replace every ``nn.Linear`` whose attribute name is in ``target_modules`` by a ``LoRALinear``.
+
+    In place (also returns ``model``). All non-adapter parameters are frozen; adapters are
+    trainable. ``quantize_base`` stores the wrapped bases as NF4 (other weights stay as they
+    are). Works on a meta-device model: adapters are then initialized after materialization
+    with ``init_lora_parameters``. Sets ``model.lora_config``.
+    """
+    config = LoRAConfig(
+        rank=rank,
+        alpha=alpha,
+        dropout=dropout,
+        target_modules=list(target_modules),
+        quantize_base=quantize_base,
+        block_size=block_size,
+        scaler_block_size=scaler_block_size,
+    )
+    if getattr(model, "lora_config", None) is not None:
+        raise ValueError("apply_lora was already applied to this model; build a fresh model to change LoRA settings")
+    shared = _shared_param_ids(model)
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in config.target_modules
+    ]
+    if not targets:
+        raise ValueError(f"no nn.Linear named any of {config.target_modules} found in the model")
+    for name, linear in targets:
+        if quantize_base and id(linear.weight) in shared:
+            raise ValueError(
+                f"{name}.weight is shared with another module (tied embeddings) and cannot be NF4-quantized; "
+                f"remove {name.rsplit('.', 1)[-1]!r} from target_modules or untie the weights"
+            )
+        lora = LoRALinear.from_linear(
+            linear,
+            rank=rank,
+            alpha=alpha,
+            dropout=dropout,
+            quantize_base=quantize_base,
+            block_size=block_size,
+            scaler_block_size=scaler_block_size,
+            name=name,
+        )
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, lora)
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter_key(name))
+    model.lora_config = config
+    return model
+
+
+def build_lora_model(
+    name_or_args,
+    *,
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    target_modules: Iterable[str],
+    quantize_base: bool = False,
+    block_size: int = nf4.DEFAULT_BLOCK_SIZE,
+    scaler_block_size: int = nf4.DEFAULT_SCALER_BLOCK_SIZE,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """``shardtune.models.build_model`` followed by ``apply_lora`` (cheap on ``device="meta"``)."""
+    from shardtune.models import build_model
+
+    model = build_model(name_or_args, device=device, dtype=dtype)
+    return apply_lora(
+        model,
+        rank=rank,
+        alpha=alpha,
+        dropout=dropout,
+        target_modules=target_modules,
+        quantize_base=quantize_base,
+        block_size=block_size,
+        scaler_block_size=scaler_block_size,
+    )
+
+
+def init_lora_parameters(model: nn.Module, *, device: torch.device | str | None = None) -> None:
+    """(Re)initialize every adapter; with ``device``, first materialize only the adapters there.
+
+    Use after a meta-device build when no adapter checkpoint is loaded; it never touches the
+    base weights, so it may run before or after the base is loaded.
+    """
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            if device is not None:
+                module.lora_A.to_empty(device=device)
+                module.lora_B.to_empty(device=device)
+            module.reset_lora_parameters()
+
+
+def get_adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """``{fqn: Parameter}`` for LoRA parameters (what the optimizer should see)."""
+    return {name: p for name, p in model.named_parameters() if is_adapter_key(name)}
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Replace each ``LoRALinear`` by an ``nn.Linear`` holding ``W + scaling * B @ A`` (in place).
+
+    The result has plain HF keys and no ``lora`` parameters; NF4 bases are dequantized.
+    """
+    shared = _shared_param_ids(model)
+    loras = [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    for name, lora in loras:
+        if id(lora.weight) in shared:
+            raise ValueError(
+                f"{name}.weight is tied to another module; merging its LoRA would change both. "
+                f"Leave {name.rsplit('.', 1)[-1]!r} out of target_modules for tied models"
+            )
+        weight = lora.merged_weight()
+        linear = nn.Linear(lora.in_features, lora.out_features, bias=lora.bias is not None, device="meta")
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if lora.bias is not None:
+            linear.bias = lora.bias
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, linear)
+    if hasattr(model, "lora_config"):
+        model.lora_config = None
+    return model

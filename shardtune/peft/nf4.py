@@ -1,0 +1,56 @@
+"""The NF4 (torchao) pieces QLoRA needs, imported lazily.
+
+torchao is only imported when a quantized base is actually requested, so plain LoRA and
+the model layer never pay for (or print warnings from) the torchao import.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+__all__ = ["check_nf4_shape", "dequantize", "is_nf4", "linear_nf4", "to_nf4"]
+
+DEFAULT_BLOCK_SIZE = 64
+DEFAULT_SCALER_BLOCK_SIZE = 256
+
+
+def _nf4_module():
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+
+    return nf4_tensor
+
+
+def is_nf4(t: Tensor) -> bool:
+    """True for a torchao ``NF4Tensor`` (or a Parameter/DTensor local tensor of one), without importing torchao."""
+    local = getattr(t, "_local_tensor", t)  # DTensor shards keep the NF4 local tensor
+    return any(cls.__name__ == "NF4Tensor" for cls in type(local).__mro__)
+
+
+def check_nf4_shape(name: str, shape: tuple[int, ...], *, block_size: int, scaler_block_size: int) -> None:
+    """Raise a ``ValueError`` naming ``name`` when NF4 cannot quantize a weight of ``shape``."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel % block_size != 0 or (numel // block_size) % scaler_block_size != 0:
+        raise ValueError(
+            f"cannot quantize {name} (shape {tuple(shape)}, {numel} elements) to NF4: the element count must be "
+            f"a multiple of block_size * scaler_block_size = {block_size} * {scaler_block_size}; pass smaller "
+            "block sizes or leave this module out of target_modules"
+        )
+
+
+def to_nf4(weight: Tensor, *, block_size: int = DEFAULT_BLOCK_SIZE, scaler_block_size: int = DEFAULT_SCALER_BLOCK_SIZE):
+    """Quantize ``weight`` to an ``NF4Tensor`` (works on the meta device too)."""
+    return _nf4_module().to_nf4(weight, block_size, scaler_block_size)
+
+
+def linear_nf4(x: Tensor, weight: Tensor) -> Tensor:
+    """``x @ dequant(weight).T`` with torchao's memory-saving autograd function."""
+    return _nf4_module().linear_nf4(x, weight)
+
+
+def dequantize(weight: Tensor) -> Tensor:
+    """Plain tensor in the original dtype for an NF4 weight; ``weight`` itself otherwise."""
+    if is_nf4(weight):
+        return weight.get_original_weight()
+    return weight
