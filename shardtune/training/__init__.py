@@ -1,5 +1,6 @@
 """torchtune-compatible training utilities: the distributed state-dict functions and sharding."""
 
+from shardtune.distributed import init_distributed, make_mesh, shard_model
 from shardtune.state_dict import (
     StateDictError,
     gather_cpu_state_dict,
@@ -10,6 +11,9 @@ from shardtune.state_dict import (
 
 __all__ = [
     "StateDictError",
+    "init_distributed",
+    "make_mesh",
+    "shard_model",
     "gather_cpu_state_dict",
     "get_full_optimizer_state_dict",
     "load_from_full_model_state_dict",

@@ -162,3 +162,21 @@ def _independent_copies():
 
 def test_gather_returns_independent_copies(pool2):
     assert all(pool2.run_ok(_independent_copies))
+
+
+def _wrapped_round_trip(wrapper: str):
+    sd = toy.full_state_dict(seed=14)
+    model = toy.build_sharded(meta=True, checkpointing=wrapper == "checkpoint")
+    if wrapper == "compile":
+        model = torch.compile(model)  # adds an _orig_mod. level; nothing is compiled without a forward
+    keys = load_from_full_model_state_dict(model, sd, "cpu", strict=True)
+    out = gather_cpu_state_dict(model, dist.get_rank() == 0)
+    if dist.get_rank() != 0:
+        return {"missing": keys.missing_keys, "equal": out == {}}
+    return {"missing": keys.missing_keys, "equal": all(torch.equal(out[k], sd[k]) for k in sd) and len(out) == len(sd)}
+
+
+@pytest.mark.parametrize("wrapper", ["checkpoint", "compile"])
+def test_wrapper_prefixes_never_appear_in_keys(pool2, wrapper):
+    res = pool2.run_ok(_wrapped_round_trip, wrapper)
+    assert all(r["missing"] == [] and r["equal"] for r in res)

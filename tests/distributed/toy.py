@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
@@ -102,8 +103,13 @@ def mesh_for(kind: str):
     return init_device_mesh("cpu", (world,))
 
 
-def build_sharded(*, meta: bool = True, mesh_kind: str = "1d", dtype: torch.dtype = torch.float32, **kwargs) -> Toy:
-    """FSDP2-shard a Toy per block then root, on meta (unmaterialized) or materialized with zeros."""
+def build_sharded(
+    *, meta: bool = True, mesh_kind: str = "1d", dtype: torch.dtype = torch.float32, checkpointing: bool = False, **kwargs
+) -> Toy:
+    """FSDP2-shard a Toy per block then root, on meta (unmaterialized) or materialized with zeros.
+
+    ``checkpointing`` wraps each block in an activation-checkpoint wrapper first, which adds
+    ``_checkpoint_wrapped_module`` to module paths (never to state-dict keys)."""
     with torch.device("meta" if meta else "cpu"):
         model = Toy(**kwargs)
         if dtype != torch.float32:  # .to() would dequantize NF4 params
@@ -114,6 +120,9 @@ def build_sharded(*, meta: bool = True, mesh_kind: str = "1d", dtype: torch.dtyp
                 if not hasattr(p, "quantized_data"):
                     p.zero_()
     mesh = mesh_for(mesh_kind)
+    if checkpointing:
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block)
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

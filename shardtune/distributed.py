@@ -1,0 +1,95 @@
+"""Process groups, device meshes and FSDP2 sharding of decoder models."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+
+def device_type() -> str:
+    """The accelerator type when one is present, else ``cpu``."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return accelerator.type if accelerator is not None else "cpu"
+
+
+def init_distributed(*, backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int]:
+    """Initialise the default process group from torchrun's environment; returns (rank, world size).
+
+    Without torchrun's variables, a single-process group is created so recipes also run with
+    plain ``python``. ``timeout_s`` bounds every collective: a dead rank surfaces as an error
+    on the others after that long instead of a hang.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    kind = device_type()
+    if backend is None:
+        backend = "gloo" if kind == "cpu" else "cpu:gloo,cuda:nccl" if kind == "cuda" else None
+    if kind != "cpu":
+        torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def make_mesh(*, replicate: int = 1, device: str | None = None) -> DeviceMesh:
+    """A 1-D mesh over all ranks, or a 2-D (replicate, shard) mesh for HSDP when ``replicate > 1``."""
+    world = dist.get_world_size()
+    kind = device or device_type()
+    if replicate < 1 or world % replicate:
+        raise ValueError(f"replicate={replicate} must be a positive divisor of the world size {world}")
+    if replicate == 1:
+        return init_device_mesh(kind, (world,), mesh_dim_names=("shard",))
+    return init_device_mesh(kind, (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's list of transformer blocks (``model.model.layers`` for HF-named models)."""
+    for path in ("model.layers", "layers"):
+        try:
+            layers = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(f"{type(model).__name__} has no ModuleList at model.layers or layers to shard per block")
+
+
+def shard_model(
+    model: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
+    activation_checkpointing: bool = False,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2: each decoder layer, then the root (embeddings, norm, lm_head).
+
+    Works on meta-device models (follow with ``load_from_full_model_state_dict``). A 2-D
+    ``mesh`` gives HSDP (replicate x shard). ``activation_checkpointing`` wraps each layer
+    first; state-dict names are unchanged by it. Returns the same (now sharded) model.
+    """
+    mesh = mesh or make_mesh()
+    options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    if mp_policy is not None:
+        options["mp_policy"] = mp_policy
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        if activation_checkpointing:
+            layer = checkpoint_wrapper(layer)
+            layers[i] = layer
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    return model
