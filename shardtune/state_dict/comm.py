@@ -99,32 +99,54 @@ def raise_on_every_rank(local_problems: list[str], *, header: str, error: type[E
 
 
 def scatter_from_rank0(
-    fill: Callable[[int, torch.Tensor], None] | None,
+    block_for: Callable[[int], torch.Tensor | None] | None,
     numels: list[int],
     *,
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    """Collective: call on all ranks. Rank 0 sends each rank r its own flat piece.
+    """Collective: call on all ranks. Rank 0 sends each rank r its own block.
 
-    ``numels[r]`` is rank r's piece length (known to every rank). On rank 0, ``fill(r, buf)``
-    writes rank r's piece into the flat ``buf``; other ranks pass ``fill=None``. Pieces are
-    padded to the longest so a single ``scatter`` moves them and each rank receives only its
-    own bytes (no broadcast of the whole tensor). Returns this rank's flat piece on ``device``.
+    ``numels[r]`` is rank r's block size (known to every rank). On rank 0, ``block_for(r)``
+    returns rank r's block (any shape/dtype/device; None if it could not be produced, which
+    sends zeros so the collective still completes); other ranks pass None. Blocks are padded
+    to the longest so one ``scatter`` moves them and each rank receives only its own bytes.
+    Returns this rank's block, flat, in new memory on ``device``.
     """
     me = rank()
     longest = max(numels)
     out = torch.empty(longest, dtype=dtype, device=device)
     scatter_list = None
     if me == 0:
-        scatter_list = [out] + [torch.empty(longest, dtype=dtype, device=device) for _ in numels[1:]]
-        for r, buf in enumerate(scatter_list):
-            fill(r, buf[: numels[r]])
+        scatter_list = [out] + [_flat_padded(block_for(r), longest, dtype, device) for r in range(1, len(numels))]
+        _copy_into(block_for(0), out)
         stats.bytes_sent += longest * out.element_size() * (len(numels) - 1)
     else:
         stats.bytes_received += longest * out.element_size()
     dist.scatter(out, scatter_list, src=0)
     return out[: numels[me]]
+
+
+def _flat_padded(block: torch.Tensor | None, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``block`` flattened to ``length`` elements; a view (no copy) when it already fits."""
+    if (
+        block is not None
+        and block.numel() == length
+        and block.is_contiguous()
+        and block.dtype == dtype
+        and block.device == device
+    ):
+        return block.view(-1)
+    buf = torch.empty(length, dtype=dtype, device=device)
+    _copy_into(block, buf)
+    return buf
+
+
+def _copy_into(block: torch.Tensor | None, flat: torch.Tensor) -> None:
+    if block is None:
+        flat.zero_()
+    else:
+        flat[: block.numel()].view(block.shape).copy_(block)
 
 
 def broadcast_from_rank0(tensor: torch.Tensor) -> torch.Tensor:

@@ -273,12 +273,13 @@ def scatter_dense(
         return comm.broadcast_from_rank0(buf).to(device)
     pieces = layout.pieces
 
-    def fill(r: int, flat: torch.Tensor) -> None:
+    def block_for(r: int) -> torch.Tensor | None:
         with on_error.guard(key):
-            flat.view(pieces[r].shape).copy_(read_block(value, pieces[r].slices))
+            return read_block(value, pieces[r].slices)
+        return None
 
     flat = comm.scatter_from_rank0(
-        fill if comm.rank() == 0 else None, [p.numel for p in pieces], dtype=dtype, device=transfer_device
+        block_for if comm.rank() == 0 else None, [p.numel for p in pieces], dtype=dtype, device=transfer_device
     )
     return flat.view(pieces[comm.rank()].shape).to(device)
 
@@ -314,13 +315,16 @@ def _scatter_nf4(item, value, like, device, transfer_device, problems) -> torch.
     ]
     quantized: list[torch.Tensor] = []
 
-    def fill(r: int, flat: torch.Tensor) -> None:
+    def block_for(r: int) -> torch.Tensor | None:
         with problems.guard(item.key):
             if not quantized:
                 quantized.append(nf4.quantize_like(_whole(value, item.layout), like, device=transfer_device))
-            nf4.pack(nf4.nf4_rows(quantized[0], *blocks[r]), flat)
+            packed = torch.empty(sizes[r], dtype=torch.uint8, device=transfer_device)
+            nf4.pack(nf4.nf4_rows(quantized[0], *blocks[r]), packed)
+            return packed
+        return None
 
-    flat = comm.scatter_from_rank0(fill if comm.rank() == 0 else None, sizes, dtype=torch.uint8, device=transfer_device)
+    flat = comm.scatter_from_rank0(block_for if comm.rank() == 0 else None, sizes, dtype=torch.uint8, device=transfer_device)
     _, rows = blocks[comm.rank()]
     return nf4.unpack(flat, (rows, *item.layout.shape[1:]), like, device=device)
 
