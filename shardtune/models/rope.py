@@ -49,7 +49,7 @@ def compute_inv_freq(
     smooth = (old_ctx / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return scaled
+    return torch.where(is_medium, smoothed, scaled)
 
 
 def rotate_half(x: Tensor) -> Tensor:

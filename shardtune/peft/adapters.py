@@ -13,6 +13,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from shardtune.peft import nf4
+from shardtune.state_dict.keys import is_adapter_key
 
 __all__ = [
     "PEFT_PREFIX",
@@ -26,11 +27,6 @@ __all__ = [
 
 PEFT_PREFIX = "base_model.model."
 _LORA_A, _LORA_B = ".lora_A.weight", ".lora_B.weight"
-
-
-def is_adapter_key(fqn: str) -> bool:
-    """True when ``fqn`` names an adapter weight (contains ``lora`` or ``magnitude``)."""
-    return "lora" in fqn or "magnitude" in fqn
 
 
 def get_adapter_state_dict(model_or_state_dict: nn.Module | Mapping[str, Any]) -> dict[str, Any]:

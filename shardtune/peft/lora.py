@@ -99,26 +99,39 @@ class LoRALinear(nn.Module):
         self.rank = rank
         self.alpha = alpha
         self.scaling = alpha / rank
-        self.quantize_base = quantize_base
         self.disabled = False  # True: behave as the base linear (e.g. a KD/DPO reference pass)
         base = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.weight = base.weight
-        self.register_parameter("bias", base.bias)
-        if quantize_base:
-            self._quantize_base("LoRALinear", block_size, scaler_block_size)
-        self.weight.requires_grad_(False)
-        if self.bias is not None:
-            self.bias.requires_grad_(False)
+        self._set_base(
+            base.weight,
+            base.bias,
+            quantize=quantize_base,
+            name="LoRALinear",
+            block_size=block_size,
+            scaler_block_size=scaler_block_size,
+        )
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.lora_A = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
         self.lora_B = nn.Linear(rank, out_features, bias=False, device=device, dtype=dtype)
         self.reset_lora_parameters()
 
-    def _quantize_base(self, name: str, block_size: int, scaler_block_size: int) -> None:
-        nf4.check_nf4_shape(name, tuple(self.weight.shape), block_size=block_size, scaler_block_size=scaler_block_size)
-        quantized = nf4.to_nf4(self.weight.detach(), block_size=block_size, scaler_block_size=scaler_block_size)
-        self.weight = nn.Parameter(quantized, requires_grad=False)
-        self.quantize_base = True
+    def _set_base(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        *,
+        quantize: bool,
+        name: str,
+        block_size: int,
+        scaler_block_size: int,
+    ) -> None:
+        """Install the frozen base parameters, NF4-quantizing the weight when asked."""
+        if quantize:
+            nf4.check_nf4_shape(name, tuple(weight.shape), block_size=block_size, scaler_block_size=scaler_block_size)
+            quantized = nf4.to_nf4(weight.detach(), block_size=block_size, scaler_block_size=scaler_block_size)
+            weight = nn.Parameter(quantized, requires_grad=False)
+        self.weight = weight.requires_grad_(False)
+        self.register_parameter("bias", None if bias is None else bias.requires_grad_(False))
+        self.quantize_base = quantize
 
     @classmethod
     def from_linear(
@@ -146,13 +159,14 @@ class LoRALinear(nn.Module):
             device="meta",
             dtype=weight.dtype,
         )
-        new.weight = weight
-        new.bias = linear.bias
-        if quantize_base:
-            new._quantize_base(name, block_size, scaler_block_size)
-        new.weight.requires_grad_(False)
-        if new.bias is not None:
-            new.bias.requires_grad_(False)
+        new._set_base(
+            weight,
+            linear.bias,
+            quantize=quantize_base,
+            name=name,
+            block_size=block_size,
+            scaler_block_size=scaler_block_size,
+        )
         if weight.device.type != "meta":
             new.lora_A.to_empty(device=weight.device)
             new.lora_B.to_empty(device=weight.device)
