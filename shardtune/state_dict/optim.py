@@ -194,6 +194,8 @@ def _describe(full_sd: dict) -> dict:
         for key, value in param_state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 state[fqn][key] = ("tensor", tuple(value.shape), value.dtype)
+            elif hasattr(value, "get_shape"):  # lazy (e.g. a safetensors slice): read later, by blocks
+                state[fqn][key] = ("tensor", tuple(value.get_shape()), _lazy_dtype(value))
             else:
                 state[fqn][key] = ("inline", value.detach().cpu().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value))
     return {
@@ -201,6 +203,17 @@ def _describe(full_sd: dict) -> dict:
         "group_params": [list(g["params"]) for g in full_sd["param_groups"]],
         "state": state,
     }
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def _lazy_dtype(value: Any) -> torch.dtype:
+    dtype = value.get_dtype() if hasattr(value, "get_dtype") else "F32"
+    return dtype if isinstance(dtype, torch.dtype) else _SAFETENSORS_DTYPES.get(str(dtype), torch.float32)
 
 
 def _check(desc: dict, groups: list[list[str]], params: dict[str, torch.Tensor]) -> list[str]:
