@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, to_nf4
+from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
 from shardtune.state_dict import stats
 from shardtune.training import gather_cpu_state_dict, load_from_full_model_state_dict

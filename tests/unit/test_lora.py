@@ -28,13 +28,6 @@ from shardtune.peft import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    # Tiny matmuls are dominated by OpenMP hand-offs on a shared 2-core box; one thread is faster.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 VOCAB = 96

@@ -10,13 +10,6 @@ import transformers
 
 from shardtune.models import LlamaForCausalLM, ModelArgs, layer_dropout_probs, llama_from_hf_config
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    # Tiny matmuls are dominated by OpenMP hand-offs on a shared 2-core box; one thread is faster.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 VOCAB = 128

@@ -19,13 +19,6 @@ from shardtune.peft import (
 )
 from shardtune.peft.nf4 import is_nf4
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    # Tiny matmuls are dominated by OpenMP hand-offs on a shared 2-core box; one thread is faster.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # Every linear has a multiple of 64 * 256 elements, as NF4's default block sizes need.

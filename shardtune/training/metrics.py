@@ -1,0 +1,74 @@
+"""Metrics: one JSON object per logged step in ``<output_dir>/metrics.jsonl``, plus stdout.
+
+TensorBoard / Weights & Biases receive the same values when their packages are installed
+and asked for (``loggers: [tensorboard, wandb]``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def peak_memory_mib() -> float:
+    """Peak memory of this process: accelerator allocator peak when present, else max RSS."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+class MetricLogger:
+    """Writes metrics on rank 0 only; other ranks' calls are no-ops."""
+
+    def __init__(self, output_dir: str | Path, *, enabled: bool, loggers: tuple[str, ...] = ()) -> None:
+        self.enabled = enabled
+        self._file = None
+        self._sinks: list[Any] = []
+        if not enabled:
+            return
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        self._file = open(Path(output_dir) / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        for name in loggers:
+            self._sinks.append(_optional_sink(name, Path(output_dir)))
+
+    def log(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        shown = " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+        sys.stdout.write(shown + "\n")
+        sys.stdout.flush()
+        for sink in self._sinks:
+            sink(row)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _optional_sink(name: str, output_dir: Path):
+    if name == "tensorboard":
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ValueError("loggers: tensorboard needs `pip install tensorboard`") from exc
+        writer = SummaryWriter(str(output_dir / "tensorboard"))
+        return lambda row: [writer.add_scalar(k, v, row["step"]) for k, v in row.items() if isinstance(v, (int, float))]
+    if name == "wandb":
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ValueError("loggers: wandb needs `pip install wandb`") from exc
+        run = wandb.init(dir=str(output_dir))
+        return lambda row: run.log(row, step=row["step"])
+    raise ValueError(f"unknown logger {name!r}; choose tensorboard or wandb")
