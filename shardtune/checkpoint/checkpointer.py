@@ -1,0 +1,222 @@
+"""The one save/resume path every recipe uses.
+
+A checkpoint ``<output_dir>/epoch_<n>`` (or ``step_<n>`` mid-epoch) holds:
+
+* HF model files (``config.json``, safetensors, tokenizer files) — merged LoRA weights for
+  LoRA models unless ``adapter_weights_only``;
+* for LoRA models, the PEFT adapter (``adapter_model.safetensors`` + ``adapter_config.json``);
+* ``training_state/``: optimizer (FQN keyed), progress + scheduler + sampler + fingerprint
+  (``training_state.json``) and per-rank RNG states.
+
+It is written under ``.tmp-<name>-<token>``, fsynced, given a manifest, and renamed: a crash
+at any moment leaves the previous checkpoint as the newest complete one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardtune.checkpoint import atomic
+from shardtune.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
+from shardtune.checkpoint.optimizer_io import load_optimizer, save_optimizer
+from shardtune.checkpoint.peft_format import load_peft_adapter, save_peft_adapter
+from shardtune.checkpoint.state import (
+    RNG_DIR,
+    TRAINING_STATE,
+    TrainingProgress,
+    check_fingerprint,
+    load_rng,
+    reseed,
+    save_rng,
+    set_rng_state,
+)
+from shardtune.state_dict import comm
+from shardtune.state_dict.keys import StateDictError
+
+log = logging.getLogger(__name__)
+
+STATE_DIR = "training_state"
+
+
+class Checkpointer:
+    """Saves and resumes model, adapters, optimizer and training progress.
+
+    Every method is collective: call it on all ranks, in the same order. ``output_dir`` must
+    be on a filesystem every rank sees (shared across nodes in multi-node runs).
+    """
+
+    def __init__(
+        self,
+        *,
+        output_dir: str | os.PathLike,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any | None = None,
+        base_dir: str | os.PathLike | None = None,
+        adapter_weights_only: bool = False,
+        keep_last_n: int | None = None,
+        max_shard_size: int | str = "5GB",
+        fingerprint: dict[str, str] | None = None,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+        shared_filesystem: bool = True,
+    ) -> None:
+        self.output_dir = Path(output_dir)
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.base_dir = Path(base_dir) if base_dir is not None else None
+        self.adapter_weights_only = adapter_weights_only
+        self.keep_last_n = keep_last_n
+        self.max_shard_size = max_shard_size
+        self.fingerprint = fingerprint or {}
+        self.seed = seed
+        self.device = device
+        self.shared_filesystem = shared_filesystem
+        self.is_lora = getattr(model, "lora_config", None) is not None
+
+    # --- loading ---------------------------------------------------------------------------
+
+    def load_base(self) -> None:
+        """Load the HF base model from ``base_dir`` into the (sharded) model.
+
+        Collective. LoRA models load with adapters missing (they are initialised by the caller).
+        """
+        if self.base_dir is None:
+            raise ValueError("Checkpointer(base_dir=...) is needed to load the base model")
+        keys = load_hf_checkpoint(
+            self.model, self.base_dir, device=self.device, shared_filesystem=self.shared_filesystem
+        )
+        missing = [k for k in keys.missing_keys if not (self.is_lora and "lora" in k)]
+        if missing:
+            raise StateDictError(
+                f"{self.base_dir} lacks weights the model needs: {missing[:10]}; "
+                "point checkpoint_dir at a model of the same architecture."
+            )
+
+    def resume(self) -> TrainingProgress | None:
+        """Restore everything from the newest complete checkpoint; None (nothing loaded) if there is none.
+
+        Collective. On the same world size RNG states are restored exactly; on another
+        world size they are re-derived from (seed, step, rank).
+        """
+        found = comm.all_gather_objects(self._latest_path() if comm.rank() == 0 else None)[0]
+        if found is None:
+            return None
+        path = Path(found)
+        progress = TrainingProgress.from_json((path / STATE_DIR / TRAINING_STATE).read_text())
+        check_fingerprint(progress.fingerprint, self.fingerprint, where=path)
+        if self.is_lora:
+            self.load_base()
+            load_peft_adapter(self.model, path, device=self.device)
+        else:
+            load_hf_checkpoint(self.model, path, device=self.device, strict=True, shared_filesystem=self.shared_filesystem)
+        if self.optimizer is not None:
+            load_optimizer(self.model, self.optimizer, path / STATE_DIR, device=self.device)
+        if self.lr_scheduler is not None and progress.lr_scheduler:
+            self.lr_scheduler.load_state_dict(progress.lr_scheduler)
+        self._restore_rng(path, progress)
+        log.info("resumed from %s (step %d, epoch %d)", path, progress.step, progress.epoch)
+        return progress
+
+    def _latest_path(self) -> str | None:
+        info = atomic.latest_complete(self.output_dir)
+        return str(info.path) if info is not None else None
+
+    def _restore_rng(self, path: Path, progress: TrainingProgress) -> None:
+        same_world = progress.world_size == comm.world_size()
+        state = load_rng(path / STATE_DIR / RNG_DIR, comm.rank()) if same_world else None
+        if state is not None:
+            set_rng_state(state)
+        else:
+            reseed(self.seed, step=progress.step, rank=comm.rank())
+
+    # --- saving ----------------------------------------------------------------------------
+
+    def save(
+        self,
+        *,
+        step: int,
+        epoch: int,
+        batches_in_epoch: int = 0,
+        sampler_state: dict[str, Any] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> Path:
+        """Write a complete checkpoint and publish it atomically; returns its path on every rank.
+
+        Collective. ``batches_in_epoch == 0`` names it ``epoch_<epoch>``, otherwise ``step_<step>``.
+        """
+        name = f"epoch_{epoch}" if batches_in_epoch == 0 else f"step_{step}"
+        final = self.output_dir / name
+        staging = self._begin(name)
+        problems = comm.Problems()
+        self._write_weights(staging)
+        with problems.guard("training state"):
+            self._write_state(staging, step, epoch, batches_in_epoch, sampler_state, extra)
+        comm.raise_on_every_rank(problems, header=f"Saving checkpoint {final} failed:")
+        publish_problems = comm.Problems()
+        if comm.rank() == 0:
+            with publish_problems.guard(str(final)):
+                atomic.write_manifest(staging, step=step, epoch=epoch, extra={"world_size": comm.world_size()})
+                atomic.publish(staging, final)
+                for old in atomic.apply_retention(self.output_dir, self.keep_last_n):
+                    log.info("removed old checkpoint %s (keep_last_n=%s)", old, self.keep_last_n)
+        comm.raise_on_every_rank(publish_problems, header=f"Publishing checkpoint {final} failed:")
+        if comm.rank() == 0:
+            log.info("saved checkpoint %s", final)
+        return final
+
+    def _begin(self, name: str) -> Path:
+        """Agree on a staging directory; rank 0 clears leftovers of interrupted saves first."""
+        token = comm.all_gather_objects(uuid.uuid4().hex[:8])[0]
+        staging = atomic.staging_path(self.output_dir, name, token)
+        problems = comm.Problems()
+        if comm.rank() == 0:
+            with problems.guard(str(staging)):
+                for stale in atomic.remove_stale_staging(self.output_dir):
+                    log.info("removed leftover of an interrupted save: %s", stale)
+                staging.mkdir(parents=True)
+        comm.raise_on_every_rank(problems, header="Cannot start a checkpoint:")
+        return staging
+
+    def _write_weights(self, staging: Path) -> None:
+        if self.is_lora:
+            save_peft_adapter(self.model, staging, base_model_name_or_path=str(self.base_dir) if self.base_dir else None)
+            if self.adapter_weights_only:
+                return
+        save_hf_checkpoint(
+            self.model, staging, max_shard_size=self.max_shard_size, merge_adapters=True, tokenizer_dir=self.base_dir
+        )
+
+    def _write_state(
+        self,
+        staging: Path,
+        step: int,
+        epoch: int,
+        batches_in_epoch: int,
+        sampler_state: dict[str, Any] | None,
+        extra: dict[str, Any] | None,
+    ) -> None:
+        state_dir = staging / STATE_DIR
+        if self.optimizer is not None:
+            save_optimizer(self.model, self.optimizer, state_dir)
+        save_rng(state_dir / RNG_DIR, comm.rank())
+        if comm.rank() == 0:
+            progress = TrainingProgress(
+                step=step,
+                epoch=epoch,
+                batches_in_epoch=batches_in_epoch,
+                world_size=comm.world_size(),
+                lr_scheduler=self.lr_scheduler.state_dict() if self.lr_scheduler is not None else {},
+                sampler=sampler_state or {},
+                fingerprint=self.fingerprint,
+                extra=extra or {},
+            )
+            (state_dir / TRAINING_STATE).write_text(progress.to_json())

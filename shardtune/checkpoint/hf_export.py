@@ -1,0 +1,327 @@
+"""Writing a sharded model's tensors into HF safetensors files in place (internals of
+``save_hf_checkpoint``).
+
+Every rank computes the same export plan (names, dtypes, shapes, files, header bytes) from
+the model alone. Rank 0 creates the files (header written, size set); then each rank writes
+its own rows with ``os.pwrite``. Only blocks that are not whole rows travel (to rank 0, one
+tensor at a time); LoRA's small ``lora_A`` (and ``lora_B`` when its rows do not line up with
+the base's) are gathered whole on every rank to merge ``W + scaling * B @ A`` per rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from shardtune.checkpoint.safetensors_io import build_header, pwrite_tensor
+from shardtune.peft.lora import LoRALinear
+from shardtune.state_dict import comm, nf4
+from shardtune.state_dict.gather import gather_to_rank0
+from shardtune.state_dict.keys import ModelEntry, clean_fqn, model_entries
+from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, unsupported_placement
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass
+class LoRAMerge:
+    """The adapters merged into a base weight: ``W + scaling * B @ A``."""
+
+    lora_a: ModelEntry
+    lora_b: ModelEntry
+    scaling: float
+
+
+@dataclass
+class ExportItem:
+    """One tensor of the HF checkpoint and where its data comes from."""
+
+    name: str
+    entry: ModelEntry
+    dtype: torch.dtype  # written dtype
+    layout: TensorLayout
+    merge: LoRAMerge | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.layout.shape
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for s in self.shape:
+            numel *= s
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class FilePlan:
+    name: str
+    header: bytes
+    offsets: dict[str, int]  # absolute byte offset of each tensor
+    size: int
+    items: list[ExportItem] = field(default_factory=list)
+
+
+# --- planning (local, identical on every rank) -----------------------------------------------
+
+
+def plan_export(
+    model: nn.Module, *, dtype: torch.dtype | None, merge_adapters: bool, tie_word_embeddings: bool
+) -> tuple[list[ExportItem], list[str]]:
+    """The tensors to write, in ``state_dict()`` order, and any problems found (not raised)."""
+    entries = model_entries(model)
+    by_fqn = {fqn: e for e in entries for fqn in e.fqns}
+    merges, skipped, problems = _lora_merges(model, by_fqn) if merge_adapters else ({}, set(), [])
+    named = sorted((pos, fqn, e) for e in entries for pos, fqn in zip(e.positions, e.fqns))
+    items: list[ExportItem] = []
+    world = comm.world_size()
+    for _, fqn, entry in named:
+        if fqn in skipped or (tie_word_embeddings and _is_tied_head(fqn, entry)):
+            continue
+        if fqn in merges and len(entry.fqns) > 1:
+            problems.append(
+                f"{fqn}: a LoRA base weight tied to {entry.fqns} cannot be merged without changing the others; "
+                "leave it out of LoRA target_modules or save with merge_adapters=False"
+            )
+            continue
+        if _local(entry.tensor).is_meta:
+            problems.append(f"{fqn}: still on the meta device; load or initialize the weights before saving")
+            continue
+        placement = unsupported_placement(tuple(getattr(entry.tensor, "placements", ())))
+        if placement is not None:
+            problems.append(f"{fqn}: placement {placement} is not supported; use Shard(d) or Replicate")
+            continue
+        try:
+            layout = layout_of(entry.tensor, world)
+        except ValueError as exc:
+            problems.append(f"{fqn}: {exc}")
+            continue
+        out_dtype = dtype if dtype is not None and entry.tensor.dtype.is_floating_point else entry.tensor.dtype
+        items.append(ExportItem(name=fqn, entry=entry, dtype=out_dtype, layout=layout, merge=merges.get(fqn)))
+    return items, problems
+
+
+def _is_tied_head(fqn: str, entry: ModelEntry) -> bool:
+    return fqn == "lm_head.weight" and "model.embed_tokens.weight" in entry.fqns
+
+
+def _lora_merges(model: nn.Module, by_fqn: dict[str, ModelEntry]) -> tuple[dict[str, LoRAMerge], set[str], list[str]]:
+    merges: dict[str, LoRAMerge] = {}
+    skipped: set[str] = set()
+    problems: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, LoRALinear):
+            continue
+        prefix = clean_fqn(name)
+        keys = [f"{prefix}.weight", f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"]
+        missing = [k for k in keys if k not in by_fqn]
+        if missing:
+            problems.append(f"{prefix}: LoRA module lacks state-dict entries {missing}; cannot merge its adapters")
+            continue
+        merges[keys[0]] = LoRAMerge(by_fqn[keys[1]], by_fqn[keys[2]], float(module.scaling))
+        skipped.update(keys[1:])
+    return merges, skipped, problems
+
+
+def saved_dtype(items: list[ExportItem]) -> torch.dtype | None:
+    """The floating dtype holding most of the written bytes (what ``config.json`` reports)."""
+    totals: dict[torch.dtype, int] = {}
+    for item in items:
+        if item.dtype.is_floating_point:
+            totals[item.dtype] = totals.get(item.dtype, 0) + item.nbytes
+    return max(totals, key=totals.get) if totals else None
+
+
+def plan_files(items: list[ExportItem], max_shard_bytes: int) -> list[FilePlan]:
+    """Split ``items`` in order into files of at most ``max_shard_bytes`` of tensor data (a larger
+    tensor gets a file of its own), named as transformers names them."""
+    groups: list[list[ExportItem]] = [[]]
+    size = 0
+    for item in items:
+        if groups[-1] and size + item.nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += item.nbytes
+    n = len(groups)
+    files = []
+    for i, group in enumerate(groups, start=1):
+        header, offsets = build_header((it.name, it.dtype, it.shape) for it in group)
+        name = SINGLE_FILE if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+        files.append(FilePlan(name, header, offsets, len(header) + sum(it.nbytes for it in group), group))
+    return files
+
+
+def plan_digest(items: list[ExportItem], files: list[FilePlan]) -> str:
+    """Equal on two ranks iff they would write the same files with the same layout."""
+    text = repr([(f.name, f.header, [(it.name, it.layout.pieces, it.merge is not None) for it in f.items]) for f in files])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def index_json(files: list[FilePlan]) -> dict:
+    """transformers' ``model.safetensors.index.json`` content."""
+    weight_map = {it.name: f.name for f in files for it in f.items}
+    total = sum(it.nbytes for f in files for it in f.items)
+    params = sum(it.nbytes // torch.empty((), dtype=it.dtype).element_size() for f in files for it in f.items)
+    return {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+# --- rank 0: the files' skeletons ------------------------------------------------------------
+
+
+def create_files(out_dir: str, files: list[FilePlan]) -> None:
+    """Write each file's header and set its final size (data regions are filled by the ranks)."""
+    for plan in files:
+        fd = os.open(os.path.join(out_dir, plan.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.pwrite(fd, plan.header, 0)
+            os.ftruncate(fd, plan.size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+# --- every rank: data ------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def write_data(out_dir: str, files: list[FilePlan], *, on_item: Callable[[int], None] | None = None) -> list[str]:
+    """Collective: call on all ranks. Each rank writes its blocks into the files; returns this
+    rank's problems (to be raised on every rank by the caller, after the last collective)."""
+    problems = comm.Problems()
+    writer = _Writer(out_dir, problems)
+    for plan in files:
+        for item in plan.items:
+            _write_item(item, plan, writer, problems)
+            if on_item is not None:
+                on_item(item.nbytes)
+    writer.close()
+    return list(problems)
+
+
+class _Writer:
+    """This rank's open output files, opened on first write and fsynced at the end."""
+
+    def __init__(self, out_dir: str, problems: comm.Problems) -> None:
+        self.out_dir = out_dir
+        self.problems = problems
+        self.fds: dict[str, int] = {}
+
+    def write(self, file_name: str, tensor: torch.Tensor, offset: int) -> None:
+        if file_name not in self.fds:
+            path = os.path.join(self.out_dir, file_name)
+            try:
+                self.fds[file_name] = os.open(path, os.O_WRONLY)
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    f"{path} does not exist on rank {comm.rank()}; rank 0 created it, so out_dir must be on a "
+                    "filesystem shared by all ranks"
+                ) from None
+        pwrite_tensor(self.fds[file_name], tensor, offset)
+
+    def close(self) -> None:
+        for file_name, fd in self.fds.items():
+            with self.problems.guard(os.path.join(self.out_dir, file_name)):
+                os.fsync(fd)
+            os.close(fd)
+        self.fds.clear()
+
+
+def _write_item(item: ExportItem, plan: FilePlan, writer: _Writer, problems: comm.Problems) -> None:
+    me, layout = comm.rank(), item.layout
+    offset = plan.offsets[item.name]
+    adapters = _gather_adapters(item)  # collective for sharded adapters: every rank, same order
+    if not layout.is_sharded:
+        if me == 0:
+            with problems.guard(item.name):
+                writer.write(plan.name, _local_block(item, adapters), offset)
+        return
+    owners = layout.owners()
+    if all(piece.is_row_range(layout.shape) for piece in owners):
+        piece = layout.pieces[me]
+        if owners.get(piece) == me:
+            with problems.guard(item.name):
+                writer.write(plan.name, _local_block(item, adapters), offset + _row_offset(item, piece))
+        return
+    block = None
+    with problems.guard(item.name):
+        block = _local_block(item, adapters)
+    if block is None:
+        block = torch.zeros(layout.pieces[me].shape, dtype=item.dtype)
+    full = gather_to_rank0(block, layout, transfer_device=comm.comm_device(None), on_error=problems, key=item.name)
+    if full is not None:
+        with problems.guard(item.name):
+            writer.write(plan.name, full, offset)
+
+
+def _row_offset(item: ExportItem, piece: Piece) -> int:
+    """Byte offset of ``piece``'s first row within its tensor's data."""
+    if not item.shape:
+        return 0
+    row_numel = 1
+    for s in item.shape[1:]:
+        row_numel *= s
+    return piece.offset[0] * row_numel * torch.empty((), dtype=item.dtype).element_size()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _my_piece(layout: TensorLayout) -> Piece:
+    if layout.pieces is None:
+        return Piece(shape=layout.shape, offset=(0,) * len(layout.shape))
+    return layout.pieces[comm.rank()]
+
+
+@dataclass
+class _Adapters:
+    a: torch.Tensor  # whole lora_A
+    b: torch.Tensor  # lora_B: this rank's rows of the base when ``b_is_local``, else whole
+    b_is_local: bool
+
+
+def _gather_adapters(item: ExportItem) -> _Adapters | None:
+    """Collective when the adapters are DTensors: A whole, B whole unless its local rows are the
+    base's local rows. Decided from the global layouts, so every rank makes the same calls."""
+    if item.merge is None:
+        return None
+    a, b = item.merge.lora_a.tensor, item.merge.lora_b.tensor
+    a_full = a.full_tensor() if isinstance(a, DTensor) else a
+    if _rows_line_up(item.layout, layout_of(b, comm.world_size())):
+        return _Adapters(a_full.detach(), _local(b).detach(), b_is_local=True)
+    b_full = b.full_tensor() if isinstance(b, DTensor) else b
+    return _Adapters(a_full.detach(), b_full.detach(), b_is_local=False)
+
+
+def _rows_line_up(w: TensorLayout, b: TensorLayout) -> bool:
+    """True when, on every rank, B's local rows (whole rows) are exactly W's local rows."""
+    if w.pieces is None or b.pieces is None:
+        return w.pieces is None and b.pieces is None
+    return all(
+        pb.is_row_range(b.shape) and (pw.offset[0], pw.shape[0]) == (pb.offset[0], pb.shape[0])
+        for pw, pb in zip(w.pieces, b.pieces)
+    )
+
+
+def _local_block(item: ExportItem, adapters: _Adapters | None) -> torch.Tensor:
+    """This rank's block of the written tensor: dequantized, merged, cast, on CPU."""
+    piece = _my_piece(item.layout)
+    local = nf4.dequantize(_local(item.entry.tensor)).detach()
+    if tuple(local.shape) != piece.shape:
+        raise ValueError(f"local shard has shape {tuple(local.shape)}, expected {piece.shape} from its placement")
+    if adapters is not None:
+        rows, cols = piece.slices
+        b = adapters.b if adapters.b_is_local else adapters.b[rows]
+        a = adapters.a
+        delta = b.float() @ a[:, cols].to(b.device).float()
+        local = (local.float() + item.merge.scaling * delta.to(local.device)).to(local.dtype)
+    return local.to(device="cpu", dtype=item.dtype)

@@ -1,0 +1,55 @@
+"""PEFT adapter checkpoints: ``adapter_model.safetensors`` + ``adapter_config.json``.
+
+The layout ``peft.PeftModel.from_pretrained(base, dir)`` loads unchanged. Adapters are small,
+so they are gathered to rank 0 (filtered before anything moves) and written by it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from shardtune.peft import from_peft_adapter_state_dict, to_peft_adapter_state_dict
+from shardtune.state_dict import gather_cpu_state_dict, load_from_full_model_state_dict
+from shardtune.state_dict.comm import rank
+from shardtune.state_dict.keys import StateDictError
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def save_peft_adapter(model: nn.Module, out_dir: Path, *, base_model_name_or_path: str | None = None) -> None:
+    """Write the model's LoRA adapters in PEFT format to ``out_dir`` (rank 0 writes).
+
+    Collective: call on all ranks. Raises on every rank when the model has no LoRA adapters.
+    """
+    config = getattr(model, "lora_config", None)
+    if config is None:
+        raise StateDictError("the model has no LoRA adapters (model.lora_config is missing); apply_lora first")
+    adapters = gather_cpu_state_dict(model, rank() == 0, adapter_weights_only=True)
+    if rank() == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file(to_peft_adapter_state_dict(adapters), str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        peft_config = config.to_peft_config(base_model_name_or_path=base_model_name_or_path)
+        (out_dir / ADAPTER_CONFIG).write_text(json.dumps(peft_config, indent=2))
+
+
+def load_peft_adapter(model: nn.Module, adapter_dir: Path, *, device: torch.device | str, strict: bool = True) -> None:
+    """Load PEFT-format adapters into a (sharded) LoRA model.
+
+    Collective: call on all ranks; every rank reads the (small) adapter file. With ``strict``,
+    every adapter of the model must be in the file and the file must hold nothing else.
+    """
+    path = Path(adapter_dir) / ADAPTER_WEIGHTS
+    adapters = from_peft_adapter_state_dict(load_file(str(path))) if path.is_file() else {}
+    keys = load_from_full_model_state_dict(model, adapters, device)
+    missing = [k for k in keys.missing_keys if "lora" in k]
+    if strict and (missing or keys.unexpected_keys):
+        raise StateDictError(
+            f"{path}: adapters missing from the file {missing[:10]}, unexpected {keys.unexpected_keys[:10]}; "
+            "load adapters trained with the same LoRA targets and rank."
+        )

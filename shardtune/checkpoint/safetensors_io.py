@@ -1,0 +1,327 @@
+"""The safetensors file format, read and written in place without loading whole files.
+
+Reading: :func:`read_header` validates a file's header against its size (truncation, corrupt
+JSON, offsets past the end, dtype/shape that do not match the data size) and raises
+:class:`CheckpointError` naming the file and key. :class:`SafetensorsFile` hands out lazy
+:class:`TensorSlice` objects whose ``[slices]`` read (``os.preadv``) only the rows asked for,
+so a dim-0 shard of a row-major tensor is one contiguous read.
+
+Writing: :func:`build_header` gives the exact header bytes from names, dtypes and shapes
+alone, so every rank of a job computes the same layout; :func:`pwrite_tensor` writes a
+block of rows into its place in an already-sized file.
+
+Layout of a file: 8-byte little-endian header length ``n``, ``n`` bytes of JSON (padded
+with spaces to a multiple of 8), then the tensors' bytes, row-major, little-endian, each at
+``8 + n + data_offsets[0]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from shardtune.state_dict.keys import StateDictError
+
+__all__ = [
+    "DTYPES",
+    "CheckpointError",
+    "HeaderEntry",
+    "SafetensorsFile",
+    "TensorSlice",
+    "build_header",
+    "dtype_name",
+    "parse_size",
+    "pwrite_tensor",
+    "read_header",
+]
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class CheckpointError(StateDictError):
+    """A checkpoint file or directory is missing, truncated, corrupt or does not fit the model.
+
+    The message names the file and, where it applies, the tensor key. The collective entry
+    points raise it with the same message on every rank.
+    """
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype (``torch.bfloat16`` -> ``"BF16"``)."""
+    if dtype not in _NAMES:
+        raise CheckpointError(f"dtype {dtype} cannot be stored in safetensors; cast to one of {sorted(map(str, _NAMES))}")
+    return _NAMES[dtype]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes for ``5000000``, ``"5GB"`` (10**9, as in transformers) or ``"2GiB"`` (2**30)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size <= 0:
+            raise ValueError(f"max_shard_size must be positive, got {size}")
+        return size
+    match = _SIZE.match(str(size))
+    if not match:
+        raise ValueError(f"max_shard_size {size!r} is not a size; use an int of bytes or a string like '5GB' or '500MiB'")
+    value = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+    if value <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {size!r}")
+    return value
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor of a safetensors header; ``start`` is its absolute byte offset in the file."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    nbytes: int
+
+
+def read_header(path: str | os.PathLike) -> dict[str, HeaderEntry]:
+    """The validated tensors of a safetensors file, in header order; reads only the header.
+
+    Raises :class:`CheckpointError` naming ``path`` (and the key) when the file is shorter than
+    its header says, the header is not valid JSON, a dtype is unknown, a shape does not match
+    its byte range, ranges overlap, or data lies past the end of the file.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{path}: truncated file ({size} bytes): no 8-byte header length; re-copy or re-save it")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > MAX_HEADER_BYTES or 8 + length > size:
+                raise CheckpointError(
+                    f"{path}: header length {length} runs past the end of the file ({size} bytes): the file is "
+                    "truncated or not a safetensors file; re-copy or re-save it"
+                )
+            raw = f.read(length)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: is a directory, expected a safetensors file") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupt header JSON ({exc}); the file is damaged, re-copy or re-save it") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header JSON is a {type(header).__name__}, expected an object")
+    data_start = 8 + length
+    entries = {name: _entry(path, name, meta, data_start, size) for name, meta in header.items() if name != "__metadata__"}
+    _check_overlaps(path, entries.values())
+    return entries
+
+
+def _entry(path: str, name: str, meta: object, data_start: int, size: int) -> HeaderEntry:
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(meta, dict) or not {"dtype", "shape", "data_offsets"} <= set(meta):
+        raise CheckpointError(f"{where}: header entry must have dtype, shape and data_offsets, got {meta!r}")
+    dtype, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
+    if dtype not in DTYPES:
+        raise CheckpointError(f"{where}: unknown dtype {dtype!r}; supported: {sorted(DTYPES)}")
+    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative ints")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise CheckpointError(f"{where}: data_offsets {offsets!r} must be two ints 0 <= begin <= end")
+    begin, end = offsets
+    expected = _numel(shape) * _itemsize(DTYPES[dtype])
+    if end - begin != expected:
+        raise CheckpointError(
+            f"{where}: dtype {dtype} and shape {shape} need {expected} bytes but data_offsets {offsets} span "
+            f"{end - begin}; the header does not match the data (corrupt file)"
+        )
+    if data_start + end > size:
+        raise CheckpointError(
+            f"{where}: data ends at byte {data_start + end}, past the end of the file ({size} bytes): the file is "
+            "truncated; re-copy or re-save it"
+        )
+    return HeaderEntry(name=name, dtype=DTYPES[dtype], shape=tuple(shape), start=data_start + begin, nbytes=expected)
+
+
+def _check_overlaps(path: str, entries: Iterable[HeaderEntry]) -> None:
+    previous = None
+    for entry in sorted((e for e in entries if e.nbytes), key=lambda e: e.start):
+        if previous is not None and entry.start < previous.start + previous.nbytes:
+            raise CheckpointError(f"{path}: tensors {previous.name!r} and {entry.name!r} overlap in the file (corrupt header)")
+        previous = entry
+
+
+class SafetensorsFile:
+    """A validated safetensors file opened for positional reads (no mmap, no whole-file read).
+
+    ``on_read(nbytes)``, when set, is called after every read (progress reporting).
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self.entries = read_header(self.path)
+        self.on_read: Callable[[int], None] | None = None
+        self._fd: int | None = None
+
+    def slice(self, name: str) -> TensorSlice:
+        return TensorSlice(self, self.entries[name])
+
+    def read_into(self, buf: torch.Tensor, offset: int) -> None:
+        """Fill the contiguous CPU tensor ``buf`` with the file's bytes from ``offset``."""
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        view = memoryview(buf.view(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointError(
+                    f"{self.path}: read past the end of the file at byte {offset + done}: the file was truncated "
+                    "after it was opened; re-copy it"
+                )
+            done += n
+        if self.on_read is not None:
+            self.on_read(len(view))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class TensorSlice:
+    """A lazy tensor in a safetensors file, like ``safe_open(...).get_slice(name)``.
+
+    ``get_shape()`` costs nothing; ``slice_[slices]`` reads only the rows the first slice
+    selects (one contiguous range), then applies the other slices in memory.
+    """
+
+    def __init__(self, file: SafetensorsFile, entry: HeaderEntry) -> None:
+        self.file = file
+        self.entry = entry
+
+    def get_shape(self) -> list[int]:
+        return list(self.entry.shape)
+
+    def get_dtype(self) -> str:
+        return _NAMES[self.entry.dtype]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.entry.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.entry.shape
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        shape = self.entry.shape
+        index = _expand_index(index, len(shape), self.entry.name)
+        if not shape:
+            return self._read_rows(0, 1).reshape(())
+        start, stop, step = index[0].indices(shape[0])
+        if step != 1:
+            return self._read_rows(0, shape[0])[index]
+        rows = self._read_rows(start, max(stop - start, 0))
+        return rows[(slice(None), *index[1:])]
+
+    def to_tensor(self) -> torch.Tensor:
+        return self[...]
+
+    def _read_rows(self, start: int, count: int) -> torch.Tensor:
+        shape = self.entry.shape
+        row_numel = _numel(shape[1:])
+        out = torch.empty((count, *shape[1:]) if shape else (1,), dtype=self.entry.dtype)
+        if out.numel():
+            self.file.read_into(out, self.entry.start + start * row_numel * out.element_size())
+        return out
+
+
+def _expand_index(index: object, ndim: int, name: str) -> tuple[slice, ...]:
+    """``index`` as exactly ``ndim`` slices (Ellipsis and missing trailing dims become ``:``)."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    if any(i is Ellipsis for i in index):
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (ndim - len(index) + 1) + index[at + 1 :]
+    index = index + (slice(None),) * (ndim - len(index))
+    if len(index) != ndim or not all(isinstance(i, slice) for i in index):
+        raise TypeError(f"tensor {name!r}: index with up to {ndim} slices (or ...), got {index!r}")
+    return index
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+
+def build_header(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[bytes, dict[str, int]]:
+    """The header bytes (length prefix included) for ``tensors`` laid out in the given order,
+    and each tensor's absolute byte offset in the file. Deterministic: equal on every rank."""
+    meta: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    relative: dict[str, int] = {}
+    pos = 0
+    for name, dtype, shape in tensors:
+        nbytes = _numel(shape) * _itemsize(dtype)
+        meta[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        relative[name] = pos
+        pos += nbytes
+    raw = json.dumps(meta, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    prefix = struct.pack("<Q", len(raw)) + raw
+    return prefix, {name: len(prefix) + offset for name, offset in relative.items()}
+
+
+def pwrite_tensor(fd: int, tensor: torch.Tensor, offset: int) -> int:
+    """Write ``tensor``'s bytes (row-major) at ``offset`` of the open file ``fd``; returns bytes written."""
+    data = tensor.detach().to("cpu").contiguous().reshape(-1)
+    view = memoryview(data.view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+    return done

@@ -1,0 +1,103 @@
+"""Training state that is not weights: progress, schedulers, data position, RNG, fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TRAINING_STATE = "training_state.json"
+RNG_DIR = "rng"
+
+
+class FingerprintMismatchError(RuntimeError):
+    """The checkpoint was written for another model, tokenizer or dataset configuration."""
+
+
+@dataclass
+class TrainingProgress:
+    """Where training stands; JSON-serialisable."""
+
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0  # epochs completed
+    batches_in_epoch: int = 0  # batches of the current epoch consumed (mid-epoch resume)
+    world_size: int = 1
+    lr_scheduler: dict[str, Any] = field(default_factory=dict)
+    sampler: dict[str, Any] = field(default_factory=dict)
+    fingerprint: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, default=_json_default)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainingProgress:
+        return cls(**json.loads(text))
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    raise TypeError(f"cannot store {type(value).__name__} in {TRAINING_STATE}")
+
+
+def fingerprint(**parts: Any) -> dict[str, str]:
+    """A short hash per named part (model config, tokenizer, dataset, ...) for resume checks.
+
+    Values may be dicts/lists (hashed as canonical JSON) or paths to files (hashed by content).
+    """
+    out = {}
+    for name, value in parts.items():
+        if isinstance(value, Path):
+            data = value.read_bytes() if value.is_file() else b"<absent>"
+        else:
+            data = json.dumps(value, sort_keys=True, default=str).encode()
+        out[name] = hashlib.sha256(data).hexdigest()[:16]
+    return out
+
+
+def check_fingerprint(saved: dict[str, str], current: dict[str, str], *, where: Path) -> None:
+    """Raise :class:`FingerprintMismatchError` naming every part that differs."""
+    differ = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    if differ:
+        raise FingerprintMismatchError(
+            f"checkpoint {where} was written for a different {', '.join(differ)} than this run's; "
+            "resume with the same model/tokenizer/dataset config, or start a new output_dir."
+        )
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (torch CPU and accelerator, Python)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def reseed(seed: int, *, step: int, rank: int) -> None:
+    """Deterministic RNG for a resume on another world size, derived from (seed, step, rank)."""
+    derived = int.from_bytes(hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()[:8], "little")
+    torch.manual_seed(derived)
+    random.seed(derived)
+
+
+def save_rng(directory: Path, rank: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), directory / f"rank_{rank}.pt")
+
+
+def load_rng(directory: Path, rank: int) -> dict[str, Any] | None:
+    path = directory / f"rank_{rank}.pt"
+    return torch.load(path, weights_only=False) if path.is_file() else None
