@@ -4,7 +4,9 @@ A checkpoint ``<output_dir>/epoch_<n>`` (or ``step_<n>`` mid-epoch) holds:
 
 * HF model files (``config.json``, safetensors, tokenizer files) — merged LoRA weights for
   LoRA models unless ``adapter_weights_only``;
-* for LoRA models, the PEFT adapter (``adapter_model.safetensors`` + ``adapter_config.json``);
+* for LoRA models, the PEFT adapter in ``adapter/`` (``adapter_model.safetensors`` +
+  ``adapter_config.json``). It has its own folder because ``transformers`` would otherwise
+  apply an adapter found beside the merged weights a second time;
 * ``training_state/``: optimizer (FQN keyed), progress + scheduler + sampler + fingerprint
   (``training_state.json``) and per-rank RNG states.
 
@@ -43,6 +45,7 @@ from shardtune.state_dict.keys import StateDictError
 log = logging.getLogger(__name__)
 
 STATE_DIR = "training_state"
+ADAPTER_DIR = "adapter"
 
 
 class Checkpointer:
@@ -115,7 +118,7 @@ class Checkpointer:
         check_fingerprint(progress.fingerprint, self.fingerprint, where=path)
         if self.is_lora:
             self.load_base()
-            load_peft_adapter(self.model, path, device=self.device)
+            load_peft_adapter(self.model, path / ADAPTER_DIR, device=self.device)
         else:
             load_hf_checkpoint(self.model, path, device=self.device, strict=True, shared_filesystem=self.shared_filesystem)
         if self.optimizer is not None:
@@ -188,7 +191,7 @@ class Checkpointer:
 
     def _write_weights(self, staging: Path) -> None:
         if self.is_lora:
-            save_peft_adapter(self.model, staging, base_model_name_or_path=str(self.base_dir) if self.base_dir else None)
+            save_peft_adapter(self.model, staging / ADAPTER_DIR, base_model_name_or_path=str(self.base_dir) if self.base_dir else None)
             if self.adapter_weights_only:
                 return
         save_hf_checkpoint(

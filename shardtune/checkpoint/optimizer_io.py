@@ -52,6 +52,7 @@ def load_optimizer(model: nn.Module, opt: torch.optim.Optimizer, in_dir: Path, *
     Collective: call on all ranks; every rank reads the files (only its own rows of the tensors).
     """
     meta = json.loads((in_dir / OPTIMIZER_META).read_text())
+    _restore_tuples(meta["param_groups"], opt.param_groups)
     state: dict[str, dict[str, Any]] = {}
     for fqn, values in meta["scalars"].items():
         for key, item in values.items():
@@ -63,3 +64,11 @@ def load_optimizer(model: nn.Module, opt: torch.optim.Optimizer, in_dir: Path, *
             fqn, key = name.split(_SEP)
             state.setdefault(fqn, {})[key] = f.get_slice(name)
         load_from_full_optimizer_state_dict(model, opt, {"state": state, "param_groups": meta["param_groups"]}, device)
+
+
+def _restore_tuples(saved_groups: list[dict[str, Any]], live_groups: list[dict[str, Any]]) -> None:
+    """JSON turned tuples (e.g. Adam's betas) into lists; give them back the live optimizer's type."""
+    for saved, live in zip(saved_groups, live_groups):
+        for key, value in saved.items():
+            if isinstance(live.get(key), tuple) and isinstance(value, list):
+                saved[key] = tuple(value)

@@ -1,1 +1,41 @@
-"""shardtune.data."""
+"""Data for fine-tuning: tokenizers, datasets from local files, packing, collation, and a
+resumable distributed sampler. See ``datasets`` for the sample layout and label convention."""
+
+from shardtune.data.collate import collate
+from shardtune.data.datasets import (
+    CROSS_ENTROPY_IGNORE_IDX,
+    SFTDataset,
+    build_dataset,
+    build_sft_dataset,
+    tokenize_segments,
+)
+from shardtune.data.packing import PackedDataset
+from shardtune.data.sampler import ResumableDistributedSampler, build_dataloader
+from shardtune.data.sources import asset_path, list_assets, load_records, resolve_data_path
+from shardtune.data.templates import ChatTemplate, InstructTemplate, Segment, get_chat_template, get_instruct_template
+from shardtune.data.tokenizer import HFTokenizer, build_byte_tokenizer, load_tokenizer, save_byte_tokenizer
+
+__all__ = [
+    "CROSS_ENTROPY_IGNORE_IDX",
+    "ChatTemplate",
+    "HFTokenizer",
+    "InstructTemplate",
+    "PackedDataset",
+    "ResumableDistributedSampler",
+    "SFTDataset",
+    "Segment",
+    "asset_path",
+    "build_byte_tokenizer",
+    "build_dataloader",
+    "build_dataset",
+    "build_sft_dataset",
+    "collate",
+    "get_chat_template",
+    "get_instruct_template",
+    "list_assets",
+    "load_records",
+    "load_tokenizer",
+    "resolve_data_path",
+    "save_byte_tokenizer",
+    "tokenize_segments",
+]

@@ -333,6 +333,13 @@ def _scatter_nf4(item, value, like, device, transfer_device, problems) -> torch.
 
 
 def _install(entry: ModelEntry, new_local: torch.Tensor | None) -> None:
+    """Put ``new_local`` into the model, keeping the Parameter objects the caller holds.
+
+    Materialized tensors of the same shape/dtype/device are filled in place. Otherwise
+    (meta, NF4, another dtype or device) the new tensor is swapped into the existing
+    Parameter object, so an optimizer created before the load still holds the model's
+    params and tied weights stay tied; assignment is the fallback when a swap is refused.
+    """
     if new_local is None:
         return
     current = entry.tensor
@@ -344,11 +351,16 @@ def _install(entry: ModelEntry, new_local: torch.Tensor | None) -> None:
             new_local, current.device_mesh, current.placements, run_check=False, shape=current.shape, stride=current.stride()
         )
     new = new_local if entry.is_buffer else nn.Parameter(new_local, requires_grad=current.requires_grad)
-    # One object for every alias keeps tied weights tied; load_state_dict(assign=True) runs
-    # FSDP2's post-load hook that re-registers the new sharded param.
-    for _, module, name in entry.names:
-        module.load_state_dict({name: new}, strict=False, assign=True)
-    entry.tensor = new
+    try:
+        torch.utils.swap_tensors(current, new)
+    except RuntimeError:
+        for _, module, name in entry.names:  # one object for every alias keeps ties
+            module.load_state_dict({name: new}, strict=False, assign=True)
+        entry.tensor = new
+        return
+    # Run the owners' post-load hooks: FSDP2 re-registers (and re-pads) the sharded param there.
+    for _, module, _ in entry.names:
+        module.load_state_dict({}, strict=False)
 
 
 def _can_fill_in_place(current: torch.Tensor, new_local: torch.Tensor) -> bool:

@@ -1,0 +1,171 @@
+"""Config schemas of the recipes: the shared ``BASE_SCHEMA`` and per-recipe extensions.
+
+Extend with ``|``: ``MY_SCHEMA = BASE_SCHEMA | {"my_key": Field(int, default=1, gt=0)}``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from shardtune.config import Field, OneOrMany, Schema
+
+__all__ = [
+    "BASE_SCHEMA",
+    "DATASET_COLUMNS",
+    "DATASET_SCHEMA",
+    "EARLY_EXIT_SCHEMA",
+    "EARLY_EXIT_SECTION",
+    "KD_SCHEMA",
+    "LAYER_DROPOUT_SECTION",
+    "LORA_SCHEMA",
+    "LORA_SECTION",
+    "RECIPE_SCHEMAS",
+]
+
+# Logical column names per dataset format; ``column_map`` maps them to the file's columns.
+DATASET_COLUMNS = {"instruct": ("instruction", "input", "output"), "chat": ("messages",)}
+
+
+def _check_dataset(ds: dict[str, Any]) -> list[str]:
+    problems = []
+    roles = DATASET_COLUMNS.get(ds.get("format"), ())
+    column_map = ds.get("column_map")
+    for key, column in column_map.items() if roles and isinstance(column_map, dict) else ():
+        if key not in roles:
+            problems.append(f"column_map.{key}: not a column of format {ds['format']!r}; map one of {list(roles)}")
+        elif not isinstance(column, str):
+            problems.append(f"column_map.{key}: expected the column name (str), got {column!r}")
+    if ds.get("format") == "instruct" and isinstance(ds.get("template"), dict):
+        problems.append("template: instruct datasets take a template name or format string, not a mapping")
+    return problems
+
+
+DATASET_SCHEMA = Schema(
+    {
+        "path": Field(str, help="a .json/.jsonl/.parquet file, or asset:<name> for a bundled one"),
+        "format": Field(str, "instruct", choices=("instruct", "chat")),
+        "template": Field(
+            (str, dict, None), None, help="instruct: alpaca|simple|format string; chat: chat|llama3|mapping"
+        ),
+        "column_map": Field(dict, {}),
+        "train_on_input": Field(bool, False),
+        "add_bos": Field(bool, True),
+        "add_eos": Field(bool, True),
+        "max_samples": Field((int, None), None, gt=0),
+    },
+    checks=(_check_dataset,),
+)
+
+
+def _check_base(cfg: dict[str, Any]) -> list[str]:
+    problems = []
+    model, checkpoint_dir = cfg.get("model", ""), cfg.get("checkpoint_dir", "")
+    if model is None and checkpoint_dir is None:
+        problems.append(
+            "model: null means 'read checkpoint_dir/config.json', but checkpoint_dir is not set; "
+            "set model=<preset> (e.g. tiny) or checkpoint_dir=<HF model dir>"
+        )
+    if cfg.get("tokenizer", "") is None and checkpoint_dir is None:
+        problems.append(
+            "tokenizer: null means 'checkpoint_dir's tokenizer', but checkpoint_dir is not set; "
+            "set tokenizer=byte or tokenizer=<dir or tokenizer.json>"
+        )
+    if isinstance(model, str):
+        from shardtune.models import list_models
+
+        names = list_models()
+        if model not in names:
+            close = difflib.get_close_matches(model, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            problems.append(f"model: {model!r} is not a model preset {names}{hint}")
+    return problems
+
+
+BASE_SCHEMA = Schema(
+    {
+        "output_dir": Field(str, help="where checkpoints and logs go"),
+        "checkpoint_dir": Field((str, None), None, help="HF model directory to start from"),
+        "model": Field((str, None), None, help="preset name, or null to read checkpoint_dir/config.json"),
+        "tokenizer": Field((str, None), None, help="byte, a dir or tokenizer.json; null: checkpoint_dir"),
+        "resume_from_checkpoint": Field(bool, False),
+        "seed": Field(int, 0),
+        "epochs": Field(int, 1, gt=0),
+        "max_steps_per_epoch": Field((int, None), None, gt=0),
+        "batch_size": Field(int, 2, gt=0),
+        "gradient_accumulation_steps": Field(int, 1, gt=0),
+        "optimizer": Schema(
+            {
+                "name": Field(str, "adamw", choices=("adamw", "sgd")),
+                "lr": Field(float, gt=0),
+                "weight_decay": Field(float, 0.0, ge=0),
+                "betas": Field(list, [0.9, 0.999], item=float, length=2),
+                "eps": Field(float, 1e-8, gt=0),
+                "momentum": Field(float, 0.0, ge=0),
+            }
+        ),
+        "lr_scheduler": Schema(
+            {
+                "name": Field(str, "constant", choices=("cosine", "linear", "constant")),
+                "warmup_steps": Field(int, 0, ge=0),
+            }
+        ),
+        "clip_grad_norm": Field((float, None), None, gt=0),
+        "dtype": Field(str, "bf16", choices=("bf16", "fp32")),
+        "dataset": OneOrMany(DATASET_SCHEMA),
+        "max_seq_len": Field(int, 2048, gt=0),
+        "packed": Field(bool, False),
+        "shuffle": Field(bool, True),
+        "log_every_n_steps": Field(int, 1, gt=0),
+        "enable_activation_checkpointing": Field(bool, False),
+        "compile": Field(bool, False),
+        "process_group_timeout_s": Field(float, 1800.0, gt=0),
+        "save_every_n_steps": Field((int, None), None, gt=0),
+        "keep_last_n": Field((int, None), None, gt=0, help="checkpoints to keep; null keeps all"),
+    },
+    checks=(_check_base,),
+)
+
+_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+LORA_SECTION = Schema(
+    {
+        "rank": Field(int, 8, gt=0),
+        "alpha": Field(float, 16.0, gt=0),
+        "dropout": Field(float, 0.0, ge=0, lt=1),
+        "target_modules": Field(list, ["q_proj", "v_proj"], item=str, choices=_LORA_TARGETS),
+        "quantize_base": Field(bool, False),
+    }
+)
+LORA_SCHEMA = BASE_SCHEMA | {"lora": LORA_SECTION, "save_adapter_weights_only": Field(bool, False)}
+
+KD_SCHEMA = LORA_SCHEMA | {
+    "teacher_checkpoint_dir": Field(str, help="HF model directory of the teacher"),
+    "teacher_model": Field((str, None), None, help="preset name, or null to read its config.json"),
+    "kd_ratio": Field(float, 0.5, ge=0, le=1),
+}
+
+_SCALE_TYPES = ("one", "l", "sum_l", "sqrt_l", "sum_sqrt_l", "inv_l", "sum_inv_l")
+EARLY_EXIT_SECTION = Schema(
+    {
+        "layers": Field((str, list), ":", item=int, help="slice string like '0::2' or a list of layer ids"),
+        "scale_type": Field(str, "sum_l", choices=_SCALE_TYPES),
+        "scale": Field(float, 1.0, gt=0),
+        "curriculum": Field(str, "none", choices=("none", "rotational", "gradual")),
+    }
+)
+LAYER_DROPOUT_SECTION = Schema(
+    {
+        "max_prob": Field(float, 0.2, ge=0, le=1),
+        "schedule": Field(str, "uniform", choices=("uniform", "linear", "exponential")),
+        "layers": Field((str, list, None), None, item=int, help="null for all, a slice string or layer ids"),
+    },
+    nullable=True,
+)
+EARLY_EXIT_SCHEMA = BASE_SCHEMA | {"early_exit": EARLY_EXIT_SECTION, "layer_dropout": LAYER_DROPOUT_SECTION}
+
+RECIPE_SCHEMAS = {
+    "full_finetune_distributed": BASE_SCHEMA,
+    "lora_finetune_distributed": LORA_SCHEMA,
+    "knowledge_distillation_distributed": KD_SCHEMA,
+    "early_exit_finetune_distributed": EARLY_EXIT_SCHEMA,
+}

@@ -1,0 +1,88 @@
+"""Reading records from local files: JSON (a list), JSON Lines, parquet; bundled assets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ASSETS_DIR", "asset_path", "list_assets", "load_records", "resolve_data_path"]
+
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+ASSET_PREFIX = "asset:"
+
+
+def list_assets() -> list[str]:
+    """Names of the bundled data files."""
+    return sorted(p.name for p in ASSETS_DIR.iterdir() if p.suffix in (".json", ".jsonl", ".parquet"))
+
+
+def asset_path(name: str) -> Path:
+    """Path of a bundled data file, e.g. ``asset_path("tiny_instruct.jsonl")``."""
+    path = ASSETS_DIR / name
+    if not path.is_file():
+        raise FileNotFoundError(f"no bundled data file {name!r}; bundled: {list_assets()}")
+    return path
+
+
+def resolve_data_path(path: str | Path) -> Path:
+    """A dataset ``path`` from a config: ``asset:<name>`` for a bundled file, else a local path."""
+    text = str(path)
+    if text.startswith(ASSET_PREFIX):
+        return asset_path(text.removeprefix(ASSET_PREFIX))
+    resolved = Path(text).expanduser()
+    if not resolved.is_file():
+        raise FileNotFoundError(
+            f"dataset file {text} does not exist; give a local .json/.jsonl/.parquet path "
+            f"or asset:<name> for a bundled one ({', '.join(list_assets())})"
+        )
+    return resolved
+
+
+def load_records(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a ``.json`` (a list of objects), ``.jsonl`` or ``.parquet`` file."""
+    path = resolve_data_path(path)
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        records = _read_jsonl(path)
+    elif suffix == ".json":
+        records = _read_json(path)
+    elif suffix == ".parquet":
+        records = _read_parquet(path)
+    else:
+        raise ValueError(f"dataset file {path} has an unsupported extension; use .json, .jsonl or .parquet")
+    bad = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise ValueError(f"{path} record {bad} is a {type(records[bad]).__name__}, not an object with named columns")
+    return records
+
+
+def _read_jsonl(path: Path) -> list[Any]:
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no} is not valid JSON ({e.msg}); fix that line") from e
+    return records
+
+
+def _read_json(path: Path) -> list[Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); for one object per line use .jsonl") from e
+    if not isinstance(data, list):
+        raise ValueError(f"{path} must hold a JSON list of records, got a {type(data).__name__}")
+    return data
+
+
+def _read_parquet(path: Path) -> list[Any]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from e
+    return pq.read_table(path).to_pylist()

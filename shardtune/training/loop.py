@@ -1,0 +1,140 @@
+"""The training loop every recipe shares: accumulation, clipping, stepping, logging, saving.
+
+Recipes provide ``loss_fn(batch) -> (loss, n_tokens)``; everything else is here, so the
+recipes stay short and resume the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from tqdm import tqdm
+
+from shardtune.checkpoint.checkpointer import Checkpointer
+from shardtune.checkpoint.state import TrainingProgress
+from shardtune.training.metrics import MetricLogger, peak_memory_mib
+
+LossFn = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    epochs: int
+    gradient_accumulation_steps: int = 1
+    max_steps_per_epoch: int | None = None
+    clip_grad_norm: float | None = None
+    log_every_n_steps: int = 1
+    save_every_n_steps: int | None = None
+
+
+def steps_per_epoch(n_batches: int, settings: LoopSettings) -> int:
+    """Optimizer steps one epoch takes (what the lr schedule is sized with)."""
+    steps = n_batches // settings.gradient_accumulation_steps
+    return min(steps, settings.max_steps_per_epoch) if settings.max_steps_per_epoch else steps
+
+
+def run_training(
+    *,
+    model: torch.nn.Module,
+    loss_fn: LossFn,
+    loader: Iterable[dict[str, torch.Tensor]],
+    sampler: Any,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    checkpointer: Checkpointer,
+    logger: MetricLogger,
+    settings: LoopSettings,
+    progress: TrainingProgress | None,
+) -> TrainingProgress:
+    """Train from ``progress`` (a resumed state, or None for a fresh start) to the last epoch.
+
+    Collective: every rank runs it. A checkpoint is saved at the end of every epoch and,
+    with ``save_every_n_steps``, mid-epoch; mid-epoch resumes continue with the next batch.
+    """
+    progress = progress or TrainingProgress()
+    step = progress.step
+    is_rank_zero = not dist.is_initialized() or dist.get_rank() == 0
+    for epoch in range(progress.epoch, settings.epochs):
+        sampler.set_epoch(epoch)
+        if progress.sampler and epoch == progress.epoch:
+            sampler.load_state_dict(progress.sampler)
+        done_in_epoch = progress.batches_in_epoch // settings.gradient_accumulation_steps if epoch == progress.epoch else 0
+        total = steps_per_epoch(len(loader), settings)
+        bar = tqdm(total=total, initial=done_in_epoch, desc=f"epoch {epoch + 1}/{settings.epochs}", disable=not is_rank_zero, leave=False)
+        batches = done_in_epoch * settings.gradient_accumulation_steps
+        window = _Window()
+        model.train()
+        for i, batch in enumerate(loader):
+            loss, n_tokens = loss_fn(batch)
+            (loss / settings.gradient_accumulation_steps).backward()
+            window.add(loss.detach(), n_tokens)
+            batches += 1
+            if (i + 1) % settings.gradient_accumulation_steps:
+                continue
+            grad_norm = _step(model, optimizer, lr_scheduler, settings.clip_grad_norm)
+            step += 1
+            done_in_epoch += 1
+            bar.update(1)
+            if step % settings.log_every_n_steps == 0:
+                logger.log(window.row(step=step, epoch=epoch, lr=optimizer.param_groups[0]["lr"], grad_norm=grad_norm))
+            window = _Window()
+            if done_in_epoch >= total:
+                break
+            if settings.save_every_n_steps and step % settings.save_every_n_steps == 0:
+                checkpointer.save(
+                    step=step, epoch=epoch, batches_in_epoch=batches, sampler_state=sampler.state_dict()
+                )
+        bar.close()
+        sampler.set_epoch(epoch + 1)
+        checkpointer.save(step=step, epoch=epoch + 1, sampler_state=sampler.state_dict())
+        progress = TrainingProgress(step=step, epoch=epoch + 1)
+    return progress
+
+
+def _step(model, optimizer, lr_scheduler, clip: float | None) -> float | None:
+    grad_norm = None
+    if clip is not None:
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
+        grad_norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    lr_scheduler.step()
+    return grad_norm
+
+
+class _Window:
+    """Loss and token counts of one optimizer step (its accumulated micro-batches)."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+        self.tokens = 0
+        self.start = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, n_tokens: int) -> None:
+        self.losses.append(loss)
+        self.tokens += n_tokens
+
+    def row(self, *, step: int, epoch: int, lr: float, grad_norm: float | None) -> dict[str, Any]:
+        """Metrics averaged over ranks (one small all-reduce per logged step)."""
+        stats = torch.stack([torch.stack(self.losses).mean(), torch.tensor(float(self.tokens))]).double()
+        if dist.is_initialized():
+            dist.all_reduce(stats)
+            stats[0] /= dist.get_world_size()
+        seconds = time.perf_counter() - self.start
+        row = {
+            "step": step,
+            "epoch": epoch,
+            "loss": stats[0].item(),
+            "lr": lr,
+            "tokens_per_second": stats[1].item() / max(seconds, 1e-9),
+            "peak_memory_mib": peak_memory_mib(),
+        }
+        if grad_norm is not None:
+            row["grad_norm"] = grad_norm
+        return row

@@ -1,0 +1,216 @@
+"""Checkpointer: save -> resume continues exactly; formats load in transformers/peft; crash safety."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardtune.checkpoint import Checkpointer, FingerprintMismatchError
+from shardtune.distributed import shard_model
+from shardtune.models import llama_from_hf_config
+from shardtune.peft import apply_lora, init_lora_parameters
+from shardtune.training import gather_cpu_state_dict, get_full_optimizer_state_dict
+from shardtune.training.optim import build_lr_scheduler, build_optimizer
+
+pytestmark = pytest.mark.timeout(300)
+
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory) -> str:
+    """An HF checkpoint written by transformers (the independent source of base weights)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=512, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    path = tmp_path_factory.mktemp("base")
+    transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def _setup(base: str, out: str, *, lora: bool, adapter_only: bool = False, fingerprint: str = "a"):
+    with torch.device("meta"):
+        model = llama_from_hf_config(base)
+        if lora:
+            apply_lora(model, **LORA)
+    shard_model(model)
+    opt = build_optimizer(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = build_lr_scheduler(opt, name="cosine", warmup_steps=1, total_steps=10)
+    ck = Checkpointer(
+        output_dir=out, model=model, optimizer=opt, lr_scheduler=sched, base_dir=base,
+        adapter_weights_only=adapter_only, fingerprint={"model": fingerprint}, seed=7,
+    )
+    return model, opt, sched, ck
+
+
+def _start(model, ck, *, lora: bool):
+    progress = ck.resume()
+    if progress is None:
+        ck.load_base()
+        if lora:
+            torch.manual_seed(1)
+            init_lora_parameters(model, device="cpu")
+            with torch.no_grad():  # non-zero B so the adapters matter from step one
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.normal_(0, 0.05)
+    model.init_buffers("cpu")
+    return progress
+
+
+def _train(model, opt, sched, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
+        logits = model(tokens)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _save_then_resume(base: str, out: str, lora: bool, adapter_only: bool):
+    model, opt, sched, ck = _setup(base, out, lora=lora, adapter_only=adapter_only)
+    assert _start(model, ck, lora=lora) is None
+    _train(model, opt, sched, range(2))
+    path = ck.save(step=2, epoch=1)
+    uninterrupted = _train(model, opt, sched, range(2, 5))
+
+    model2, opt2, sched2, ck2 = _setup(base, out, lora=lora, adapter_only=adapter_only)
+    progress = _start(model2, ck2, lora=lora)
+    resumed = _train(model2, opt2, sched2, range(2, 5))
+    tokens = torch.arange(24).reshape(2, 12)
+    with torch.no_grad():
+        logits = model2(tokens)  # after the resumed steps
+    files = sorted(str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file())
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "step": progress.step, "epoch": progress.epoch,
+            "lr": opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"], "files": files, "path": str(path),
+            "logits": logits}
+
+
+@pytest.mark.parametrize("lora,adapter_only", [(False, False), (True, False), (True, True)])
+def test_save_resume_continues_exactly(pool2, base_dir, tmp_path, lora, adapter_only):
+    res = pool2.run_ok(_save_then_resume, base_dir, str(tmp_path / "out"), lora, adapter_only)
+    for r in res:
+        assert r["resumed"] == r["uninterrupted"]  # bitwise
+        assert (r["step"], r["epoch"]) == (2, 1) and r["lr"]
+    files = res[0]["files"]
+    assert Path(res[0]["path"]).name == "epoch_1"
+    for needed in ("shardtune_checkpoint.json", "training_state/optimizer.safetensors", "training_state/optimizer.json",
+                   "training_state/training_state.json", "training_state/rng/rank_0.pt", "training_state/rng/rank_1.pt"):
+        assert needed in files
+    has_model = any(f.startswith("model") and f.endswith(".safetensors") for f in files)
+    assert has_model == (not adapter_only)
+    assert ("adapter/adapter_model.safetensors" in files) == lora
+    assert not any(p.name.startswith(".tmp-") for p in (tmp_path / "out").iterdir())
+
+
+def test_checkpoint_loads_in_transformers_and_peft(pool2, base_dir, tmp_path):
+    import peft
+    import transformers
+
+    out = tmp_path / "out"
+    full = pool2.run_ok(_save_then_resume, base_dir, str(out / "full"), False, False)[0]
+    lora = pool2.run_ok(_save_then_resume, base_dir, str(out / "lora"), True, False)[0]
+    tokens = torch.arange(24).reshape(2, 12)
+    # The checkpoints hold the state after step 2; the returned logits are after step 5, so
+    # compare the files against a resume-free single-process reading instead: transformers
+    # must load them, and the merged model must equal base + PEFT adapter.
+    hf_full = transformers.AutoModelForCausalLM.from_pretrained(full["path"]).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(lora["path"]).eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir).eval()
+    with_adapter = peft.PeftModel.from_pretrained(base, Path(lora["path"]) / "adapter").eval()
+    with torch.no_grad():
+        assert torch.isfinite(hf_full(tokens).logits).all()
+        diff = (merged(tokens).logits - with_adapter(tokens).logits).abs().max().item()
+    assert diff < 1e-4
+    config = json.loads((Path(lora["path"]) / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == LORA["rank"] and sorted(config["target_modules"]) == sorted(LORA["target_modules"])
+
+
+def _save_world(base: str, out: str):
+    model, opt, sched, ck = _setup(base, out, lora=False)
+    _start(model, ck, lora=False)
+    _train(model, opt, sched, range(3))
+    ck.save(step=3, epoch=0, batches_in_epoch=3, sampler_state={"consumed": 6})
+    return gather_cpu_state_dict(model, dist.get_rank() == 0), get_full_optimizer_state_dict(model, opt, dist.get_rank() == 0)
+
+
+def _resume_world(base: str, out: str):
+    model, opt, sched, ck = _setup(base, out, lora=False)
+    progress = _start(model, ck, lora=False)
+    return (gather_cpu_state_dict(model, dist.get_rank() == 0), get_full_optimizer_state_dict(model, opt, dist.get_rank() == 0),
+            progress.step, progress.sampler, progress.world_size, sched.last_epoch)
+
+
+@pytest.mark.parametrize("save_pool,load_pool", [("pool2", "pool4"), ("pool4", "pool2")])
+def test_resume_on_another_world_size(request, base_dir, tmp_path, save_pool, load_pool):
+    out = str(tmp_path / "out")
+    saved_model, saved_opt = request.getfixturevalue(save_pool).run_ok(_save_world, base_dir, out)[0]
+    model_sd, opt_sd, step, sampler, world, sched_epoch = request.getfixturevalue(load_pool).run_ok(_resume_world, base_dir, out)[0]
+    assert step == 3 and sampler == {"consumed": 6} and sched_epoch == 3
+    assert world == (2 if save_pool == "pool2" else 4)
+    assert all(torch.equal(model_sd[k], saved_model[k]) for k in saved_model)
+    for fqn, state in saved_opt["state"].items():
+        for key, value in state.items():
+            assert torch.equal(opt_sd["state"][fqn][key], value), (fqn, key)
+    assert opt_sd["param_groups"] == saved_opt["param_groups"]
+
+
+def _fingerprint_mismatch(base: str, out: str):
+    model, opt, sched, ck = _setup(base, out, lora=False, fingerprint="a")
+    _start(model, ck, lora=False)
+    ck.save(step=0, epoch=1)
+    model, opt, sched, ck = _setup(base, out, lora=False, fingerprint="b")
+    ck.resume()
+
+
+def test_fingerprint_mismatch_is_a_clear_error_on_every_rank(pool2, base_dir, tmp_path):
+    outcomes = pool2.run(_fingerprint_mismatch, base_dir, str(tmp_path / "out"), timeout=120)
+    assert all(not o.ok and o.error.startswith(FingerprintMismatchError.__name__) for o in outcomes)
+    assert "model" in outcomes[0].error
+
+
+def _three_saves(base: str, out: str, keep: int | None):
+    model, opt, sched, ck = _setup(base, out, lora=False)
+    ck.keep_last_n = keep
+    _start(model, ck, lora=False)
+    for epoch in (1, 2, 3):
+        _train(model, opt, sched, range(epoch, epoch + 1))
+        ck.save(step=epoch, epoch=epoch)
+
+
+def _resume_step(base: str, out: str):
+    model, opt, sched, ck = _setup(base, out, lora=False)
+    progress = _start(model, ck, lora=False)
+    return None if progress is None else progress.step
+
+
+def test_incomplete_checkpoints_are_never_picked_and_leftovers_are_cleaned(pool2, base_dir, tmp_path):
+    out = tmp_path / "out"
+    pool2.run_ok(_three_saves, base_dir, str(out), None)
+    assert sorted(p.name for p in out.iterdir()) == ["epoch_1", "epoch_2", "epoch_3"]
+    # epoch_3 damaged after publishing (a truncated shard), plus a half-written save left behind
+    shard = next((out / "epoch_3").glob("model*.safetensors"))
+    os.truncate(shard, shard.stat().st_size // 2)
+    (out / ".tmp-epoch_4-deadbeef").mkdir()
+    (out / ".tmp-epoch_4-deadbeef" / "model.safetensors").write_bytes(b"partial")
+    assert pool2.run_ok(_resume_step, base_dir, str(out))[0] == 2
+    pool2.run_ok(_three_saves, base_dir, str(out / "again"), 2)
+    assert sorted(p.name for p in (out / "again").iterdir()) == ["epoch_2", "epoch_3"]  # keep_last_n=2
+    # the next save in out/ removes the leftover
+    pool2.run_ok(_three_saves, base_dir, str(out), None)
+    assert not any(p.name.startswith(".tmp-") for p in out.iterdir())
