@@ -110,7 +110,7 @@ class Checkpointer:
         Collective. On the same world size RNG states are restored exactly; on another
         world size they are re-derived from (seed, step, rank).
         """
-        found = comm.all_gather_objects(self._latest_path() if comm.rank() == 0 else None)[0]
+        found = comm.all_gather_objects(self.latest_checkpoint() if comm.rank() == 0 else None)[0]
         if found is None:
             return None
         path = Path(found)
@@ -129,7 +129,8 @@ class Checkpointer:
         log.info("resumed from %s (step %d, epoch %d)", path, progress.step, progress.epoch)
         return progress
 
-    def _latest_path(self) -> str | None:
+    def latest_checkpoint(self) -> str | None:
+        """Path of the newest complete checkpoint in ``output_dir`` (local, not collective)."""
         info = atomic.latest_complete(self.output_dir)
         return str(info.path) if info is not None else None
 

@@ -62,10 +62,11 @@ def run_training(
     is_rank_zero = not dist.is_initialized() or dist.get_rank() == 0
     for epoch in range(progress.epoch, settings.epochs):
         sampler.set_epoch(epoch)
-        if progress.sampler and epoch == progress.epoch:
+        total = steps_per_epoch(len(loader), settings)  # measured before a resume moves the sampler
+        resuming = epoch == progress.epoch and bool(progress.sampler)
+        if resuming:
             sampler.load_state_dict(progress.sampler)
-        done_in_epoch = progress.batches_in_epoch // settings.gradient_accumulation_steps if epoch == progress.epoch else 0
-        total = steps_per_epoch(len(loader), settings)
+        done_in_epoch = progress.batches_in_epoch // settings.gradient_accumulation_steps if resuming else 0
         bar = tqdm(total=total, initial=done_in_epoch, desc=f"epoch {epoch + 1}/{settings.epochs}", disable=not is_rank_zero, leave=False)
         batches = done_in_epoch * settings.gradient_accumulation_steps
         window = _Window()

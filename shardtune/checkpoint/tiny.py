@@ -1,0 +1,43 @@
+"""The tiny demo base model as an HF model directory (config.json, safetensors, tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from shardtune.checkpoint.atomic import fsync_tree
+
+TINY_SEED = 1234
+
+
+def create_tiny_base(directory: str | os.PathLike, *, seed: int = TINY_SEED) -> Path:
+    """Write the ``tiny`` preset with seeded random weights and the byte tokenizer to ``directory``.
+
+    Single process (no collectives). The directory appears complete or not at all: files are
+    written to a temporary sibling that is renamed at the end.
+    """
+    from shardtune.data import save_byte_tokenizer
+    from shardtune.models import build_model, get_model_args, model_args_to_hf_config
+
+    final = Path(directory)
+    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    args = get_model_args("tiny")
+    torch.manual_seed(seed)
+    model = build_model(args, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(model_args_to_hf_config(args, dtype=torch.float32), indent=2))
+    save_byte_tokenizer(tmp)
+    fsync_tree(tmp)
+    if final.exists():  # another process created it meanwhile
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        return final
+    os.rename(tmp, final)
+    return final

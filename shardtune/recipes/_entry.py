@@ -1,0 +1,24 @@
+"""Command-line entry of a recipe module: ``python -m shardtune.recipes.<name> --config C [k=v ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from shardtune.config import Config, ConfigError, load_config
+from shardtune.configs.schemas import RECIPE_SCHEMAS
+
+
+def main(recipe: Callable[[Config], None], name: str, argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"shardtune run {name}", description=(recipe.__doc__ or "").splitlines()[0])
+    parser.add_argument("--config", required=True, help="bundled config name (e.g. tiny/lora) or a YAML path")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optimizer.lr=1e-4")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides, schema=RECIPE_SCHEMAS[name])
+    except ConfigError as exc:
+        sys.stderr.write(f"{exc}\n")
+        return 2
+    recipe(cfg)
+    return 0

@@ -1,0 +1,192 @@
+"""Building blocks the recipes share: process group, model, data, optimizer, checkpointer, loss.
+
+Each function does one setup job from the validated config; recipes call them top to bottom.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardtune.checkpoint import Checkpointer, fingerprint
+from shardtune.checkpoint.tiny import create_tiny_base
+from shardtune.config import Config
+from shardtune.data import build_dataloader, build_dataset, collate, load_tokenizer
+from shardtune.distributed import init_distributed, shard_model
+from shardtune.models import cross_entropy_loss, llama_from_hf_config
+from shardtune.peft import apply_lora, init_lora_parameters
+from shardtune.training.loop import LoopSettings, steps_per_epoch
+from shardtune.training.metrics import MetricLogger
+from shardtune.training.optim import build_lr_scheduler, build_optimizer
+
+log = logging.getLogger("shardtune")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class Run:
+    rank: int
+    world_size: int
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.rank == 0
+
+
+def start(cfg: Config) -> Run:
+    """Process group (with the configured collective timeout), logging and seeds."""
+    rank, world = init_distributed(timeout_s=cfg.process_group_timeout_s)
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    device = torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda", torch.cuda.current_device())
+    return Run(rank=rank, world_size=world, device=device, dtype=DTYPES[cfg.dtype])
+
+
+def base_model_dir(cfg: Config, run: Run, *, key: str = "checkpoint_dir", preset_key: str = "model", seed: int | None = None) -> Path:
+    """The HF model directory to start from; the tiny preset's is created when missing."""
+    directory = getattr(cfg, key)
+    preset = getattr(cfg, preset_key)
+    if directory is None:
+        directory = str(Path(cfg.output_dir).parent / f"{preset}_base")
+    path = Path(directory)
+    if not (path / "config.json").is_file():
+        if preset != "tiny":
+            raise FileNotFoundError(
+                f"{key}={directory} has no config.json; download the HF model there "
+                f"(e.g. huggingface-cli download <repo> --local-dir {directory})"
+            )
+        if run.is_rank_zero:
+            log.info("creating the tiny base model in %s", path)
+            create_tiny_base(path) if seed is None else create_tiny_base(path, seed=seed)
+        dist.barrier()
+    return path
+
+
+def build_model(base_dir: Path, run: Run, cfg: Config, *, lora: Config | None = None) -> nn.Module:
+    """The model on the meta device (optionally with LoRA), sharded with FSDP2; weights come later."""
+    with torch.device("meta"):
+        model = llama_from_hf_config(base_dir, dtype=run.dtype)
+        if lora is not None:
+            apply_lora(
+                model,
+                rank=lora.rank,
+                alpha=lora.alpha,
+                dropout=lora.dropout,
+                target_modules=list(lora.target_modules),
+                quantize_base=lora.quantize_base,
+            )
+    return shard_model(model, activation_checkpointing=cfg.enable_activation_checkpointing)
+
+
+def build_data(cfg: Config, run: Run, base_dir: Path):
+    """Tokenizer, dataset(s), loader and resumable sampler for this rank."""
+    tokenizer = load_tokenizer(cfg.tokenizer, checkpoint_dir=base_dir)
+    datasets = cfg.dataset if isinstance(cfg.dataset, (list, tuple)) else [cfg.dataset]
+    dataset = build_dataset([d.to_dict() if hasattr(d, "to_dict") else dict(d) for d in datasets], tokenizer,
+                            max_seq_len=cfg.max_seq_len, packed=cfg.packed)
+    loader, sampler = build_dataloader(
+        dataset,
+        batch_size=cfg.batch_size,
+        rank=run.rank,
+        world_size=run.world_size,
+        seed=cfg.seed,
+        shuffle=cfg.shuffle,
+        collate_fn=lambda batch: collate(batch, pad_id=tokenizer.pad_id),
+    )
+    return tokenizer, loader, sampler
+
+
+def loop_settings(cfg: Config) -> LoopSettings:
+    return LoopSettings(
+        epochs=cfg.epochs,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        max_steps_per_epoch=cfg.max_steps_per_epoch,
+        clip_grad_norm=cfg.clip_grad_norm,
+        log_every_n_steps=cfg.log_every_n_steps,
+        save_every_n_steps=cfg.save_every_n_steps,
+    )
+
+
+def build_optimization(cfg: Config, model: nn.Module, n_batches: int):
+    """Optimizer over trainable params and the lr schedule sized for the whole run."""
+    opt = build_optimizer(
+        model.parameters(),
+        name=cfg.optimizer.name,
+        lr=cfg.optimizer.lr,
+        weight_decay=cfg.optimizer.weight_decay,
+        betas=tuple(cfg.optimizer.betas),
+        momentum=cfg.optimizer.momentum,
+        eps=cfg.optimizer.eps,
+    )
+    total = steps_per_epoch(n_batches, loop_settings(cfg)) * cfg.epochs
+    sched = build_lr_scheduler(opt, name=cfg.lr_scheduler.name, warmup_steps=cfg.lr_scheduler.warmup_steps, total_steps=total)
+    return opt, sched
+
+
+def build_checkpointer(cfg: Config, run: Run, model, opt, sched, base_dir: Path, *, adapter_weights_only: bool = False) -> Checkpointer:
+    """The Checkpointer, with a fingerprint of what a resume must match."""
+    datasets = cfg.dataset if isinstance(cfg.dataset, (list, tuple)) else [cfg.dataset]
+    marks = fingerprint(
+        model=(base_dir / "config.json").read_text(),
+        tokenizer=cfg.tokenizer or str(base_dir / "tokenizer.json"),
+        dataset=[d.to_dict() if hasattr(d, "to_dict") else dict(d) for d in datasets],
+        lora=cfg.lora.to_dict() if getattr(cfg, "lora", None) is not None and hasattr(cfg.lora, "to_dict") else None,
+    )
+    return Checkpointer(
+        output_dir=cfg.output_dir,
+        model=model,
+        optimizer=opt,
+        lr_scheduler=sched,
+        base_dir=base_dir,
+        adapter_weights_only=adapter_weights_only,
+        keep_last_n=cfg.keep_last_n,
+        fingerprint=marks,
+        seed=cfg.seed,
+        device=run.device,
+    )
+
+
+def load_weights(cfg: Config, run: Run, model: nn.Module, checkpointer: Checkpointer):
+    """Resume when asked and possible, else load the base (and initialise fresh adapters)."""
+    progress = checkpointer.resume() if cfg.resume_from_checkpoint else None
+    if progress is None:
+        checkpointer.load_base()
+        if getattr(model, "lora_config", None) is not None:
+            init_lora_parameters(model, device=run.device)
+    model.init_buffers(run.device)
+    return progress
+
+
+def metric_logger(cfg: Config, run: Run) -> MetricLogger:
+    return MetricLogger(cfg.output_dir, enabled=run.is_rank_zero)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy: position t predicts label t+1 (labels are unshifted)."""
+    return cross_entropy_loss(logits[:, :-1].float(), labels[:, 1:])
+
+
+def label_tokens(labels: torch.Tensor) -> int:
+    return int((labels[:, 1:] != -100).sum())
+
+
+def finish(cfg: Config, run: Run, checkpointer: Checkpointer, recipe: str, logger: MetricLogger) -> None:
+    logger.close()
+    if run.is_rank_zero:
+        latest = checkpointer.latest_checkpoint()
+        log.info(
+            "done: checkpoint in %s; to continue training: shardtune run ... %s --config <config> "
+            "output_dir=%s resume_from_checkpoint=True epochs=<more>", latest, recipe, cfg.output_dir,
+        )
+    dist.destroy_process_group()
+
+

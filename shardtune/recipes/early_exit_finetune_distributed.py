@@ -1,0 +1,80 @@
+"""Early-exit fine-tuning (LayerSkip): layer dropout plus an early-exit loss on chosen layers.
+
+Every step adds to the final-layer loss a weighted loss of the shared norm + lm_head applied
+to intermediate layers. The curriculum picks which of ``early_exit.layers`` count at a step:
+``none`` all of them, ``rotational`` one at a time in turn, ``gradual`` more as training goes.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from shardtune.config import Config
+from shardtune.models import early_exit_loss
+from shardtune.models.layer_dropout import parse_layer_range
+from shardtune.recipes import _setup as setup
+from shardtune.recipes._entry import main
+from shardtune.training.loop import run_training, steps_per_epoch
+
+NAME = "early_exit_finetune_distributed"
+
+
+def exit_layers(layers, n_layers: int) -> list[int]:
+    """Early-exit candidates from a slice string or id list; the last layer is the normal exit."""
+    chosen = [i for i, on in enumerate(parse_layer_range(layers, n_layers)) if on]
+    return [i for i in chosen if i < n_layers - 1]
+
+
+def active_layers(candidates: list[int], curriculum: str, step: int, total_steps: int) -> list[int]:
+    """The early exits that count at ``step`` under the curriculum."""
+    if not candidates or curriculum == "none":
+        return candidates
+    if curriculum == "rotational":
+        return [candidates[step % len(candidates)]]
+    # gradual: deepest exits first, shallower ones join as training progresses
+    count = 1 + (len(candidates) - 1) * min(step, total_steps) // max(total_steps, 1)
+    return candidates[-count:]
+
+
+def recipe_main(cfg: Config) -> None:
+    """Early-exit fine-tuning with layer dropout and FSDP2 across all ranks."""
+    run = setup.start(cfg)
+    base_dir = setup.base_model_dir(cfg, run)
+    model = setup.build_model(base_dir, run, cfg)
+    n_layers = len(model.model.layers)
+    if cfg.layer_dropout is not None and cfg.layer_dropout.max_prob > 0:
+        # Decisions come from the global RNG, seeded alike on every rank, so FSDP's
+        # per-layer all-gathers stay in step across ranks.
+        model.set_layer_dropout(
+            max_prob=cfg.layer_dropout.max_prob, schedule=cfg.layer_dropout.schedule, layers=cfg.layer_dropout.layers
+        )
+    candidates = exit_layers(cfg.early_exit.layers, n_layers)
+    _, loader, sampler = setup.build_data(cfg, run, base_dir)
+    opt, sched = setup.build_optimization(cfg, model, len(loader))
+    checkpointer = setup.build_checkpointer(cfg, run, model, opt, sched, base_dir)
+    progress = setup.load_weights(cfg, run, model, checkpointer)
+    logger = setup.metric_logger(cfg, run)
+    settings = setup.loop_settings(cfg)
+    total_steps = steps_per_epoch(len(loader), settings) * cfg.epochs
+
+    def loss_fn(batch):
+        tokens, labels = batch["tokens"].to(run.device), batch["labels"].to(run.device)
+        exits = active_layers(candidates, cfg.early_exit.curriculum, sched.last_epoch, total_steps)
+        logits, by_layer = model(tokens, output_hidden_states=exits, hidden_to_logits=True)
+        loss = setup.lm_loss(logits, labels)
+        if by_layer:
+            shifted = {i: lg[:, :-1].float() for i, lg in by_layer.items()}
+            loss = loss + early_exit_loss(
+                shifted, labels[:, 1:], n_layers=n_layers, scale_type=cfg.early_exit.scale_type, e_scale=cfg.early_exit.scale
+            )
+        return loss, setup.label_tokens(labels)
+
+    run_training(
+        model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt, lr_scheduler=sched,
+        checkpointer=checkpointer, logger=logger, settings=settings, progress=progress,
+    )
+    setup.finish(cfg, run, checkpointer, NAME, logger)
+
+
+if __name__ == "__main__":
+    sys.exit(main(recipe_main, NAME))

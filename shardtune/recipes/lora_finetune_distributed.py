@@ -1,0 +1,45 @@
+"""LoRA / QLoRA fine-tuning with FSDP2: adapters train, the (optionally NF4) base is frozen.
+
+Checkpoints hold the PEFT adapter and, unless ``save_adapter_weights_only``, the merged HF model.
+Several datasets (a list under ``dataset``) are concatenated.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from shardtune.config import Config
+from shardtune.recipes import _setup as setup
+from shardtune.recipes._entry import main
+from shardtune.training.loop import run_training
+
+NAME = "lora_finetune_distributed"
+
+
+def recipe_main(cfg: Config) -> None:
+    """LoRA / QLoRA fine-tuning with FSDP2 across all ranks."""
+    run = setup.start(cfg)
+    base_dir = setup.base_model_dir(cfg, run)
+    model = setup.build_model(base_dir, run, cfg, lora=cfg.lora)
+    _, loader, sampler = setup.build_data(cfg, run, base_dir)
+    opt, sched = setup.build_optimization(cfg, model, len(loader))
+    checkpointer = setup.build_checkpointer(
+        cfg, run, model, opt, sched, base_dir, adapter_weights_only=cfg.save_adapter_weights_only
+    )
+    progress = setup.load_weights(cfg, run, model, checkpointer)
+    logger = setup.metric_logger(cfg, run)
+
+    def loss_fn(batch):
+        logits = model(batch["tokens"].to(run.device))
+        labels = batch["labels"].to(run.device)
+        return setup.lm_loss(logits, labels), setup.label_tokens(labels)
+
+    run_training(
+        model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt, lr_scheduler=sched,
+        checkpointer=checkpointer, logger=logger, settings=setup.loop_settings(cfg), progress=progress,
+    )
+    setup.finish(cfg, run, checkpointer, NAME, logger)
+
+
+if __name__ == "__main__":
+    sys.exit(main(recipe_main, NAME))
