@@ -1,7 +1,12 @@
 """The training loop every recipe shares: accumulation, clipping, stepping, logging, saving.
 
-Recipes provide ``loss_fn(batch) -> (loss, n_tokens)``; everything else is here, so the
-recipes stay short and resume the same way.
+Recipes provide ``loss_fn(batch) -> (mean loss over the batch's label tokens, n_tokens)``;
+everything else is here, so the recipes stay short and resume the same way.
+
+The optimizer step sees the mean over every label token of the global batch (all
+micro-batches on all ranks): each micro-batch contributes ``mean * n_tokens`` and gradients
+are scaled by ``world / global_tokens`` before the step (FSDP averages over ranks). The
+same global batch therefore gives the same update on any number of ranks.
 """
 
 from __future__ import annotations
@@ -73,11 +78,13 @@ def run_training(
         model.train()
         for i, batch in enumerate(loader):
             loss, n_tokens = loss_fn(batch)
-            (loss / settings.gradient_accumulation_steps).backward()
-            window.add(loss.detach(), n_tokens)
+            (loss * n_tokens).backward()
+            window.add(loss.detach() * n_tokens, n_tokens)
             batches += 1
             if (i + 1) % settings.gradient_accumulation_steps:
                 continue
+            window.reduce()
+            _scale_grads(model, window.global_tokens)
             grad_norm = _step(model, optimizer, lr_scheduler, settings.clip_grad_norm)
             step += 1
             done_in_epoch += 1
@@ -109,31 +116,44 @@ def _step(model, optimizer, lr_scheduler, clip: float | None) -> float | None:
     return grad_norm
 
 
+def _scale_grads(model: torch.nn.Module, global_tokens: float) -> None:
+    """Turn summed per-token gradients into the global-token mean (FSDP already divided by world)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    factor = world / max(global_tokens, 1.0)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(factor)
+
+
 class _Window:
-    """Loss and token counts of one optimizer step (its accumulated micro-batches)."""
+    """Summed loss and token counts of one optimizer step (its accumulated micro-batches)."""
 
     def __init__(self) -> None:
-        self.losses: list[torch.Tensor] = []
+        self.loss_sum = torch.zeros((), dtype=torch.float64)
         self.tokens = 0
+        self.global_loss_sum = 0.0
+        self.global_tokens = 0.0
         self.start = time.perf_counter()
 
-    def add(self, loss: torch.Tensor, n_tokens: int) -> None:
-        self.losses.append(loss)
+    def add(self, loss_sum: torch.Tensor, n_tokens: int) -> None:
+        self.loss_sum += loss_sum.double().cpu()
         self.tokens += n_tokens
 
-    def row(self, *, step: int, epoch: int, lr: float, grad_norm: float | None) -> dict[str, Any]:
-        """Metrics averaged over ranks (one small all-reduce per logged step)."""
-        stats = torch.stack([torch.stack(self.losses).mean(), torch.tensor(float(self.tokens))]).double()
+    def reduce(self) -> None:
+        """Collective: sums loss and tokens over ranks (one small all-reduce per step)."""
+        totals = torch.stack([self.loss_sum, torch.tensor(float(self.tokens), dtype=torch.float64)])
         if dist.is_initialized():
-            dist.all_reduce(stats)
-            stats[0] /= dist.get_world_size()
+            dist.all_reduce(totals)
+        self.global_loss_sum, self.global_tokens = totals.tolist()
+
+    def row(self, *, step: int, epoch: int, lr: float, grad_norm: float | None) -> dict[str, Any]:
         seconds = time.perf_counter() - self.start
         row = {
             "step": step,
             "epoch": epoch,
-            "loss": stats[0].item(),
+            "loss": self.global_loss_sum / max(self.global_tokens, 1.0),
             "lr": lr,
-            "tokens_per_second": stats[1].item() / max(seconds, 1e-9),
+            "tokens_per_second": self.global_tokens / max(seconds, 1e-9),
             "peak_memory_mib": peak_memory_mib(),
         }
         if grad_norm is not None:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import logging
 import resource
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,7 @@ class MetricLogger:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         shown = " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
-        sys.stdout.write(shown + "\n")
-        sys.stdout.flush()
+        tqdm.write(shown)  # keeps the progress bar intact
         for sink in self._sinks:
             sink(row)
 

@@ -1,0 +1,156 @@
+"""The ``shardtune`` command: run recipes under torchrun, list/copy/validate configs, tools.
+
+    shardtune run [--nnodes N] [--nproc_per_node M] [torchrun options] RECIPE --config CONFIG [key=value ...]
+    shardtune ls
+    shardtune cp CONFIG PATH
+    shardtune validate CONFIG [--recipe RECIPE] [key=value ...]
+    shardtune make-tiny-base DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import shutil
+import sys
+from pathlib import Path
+
+RECIPES = (
+    "full_finetune_distributed",
+    "lora_finetune_distributed",
+    "knowledge_distillation_distributed",
+    "early_exit_finetune_distributed",
+)
+
+
+def recipe_of_config(path: Path) -> str | None:
+    """The recipe a config names in its first line (``# Recipe: <name>``)."""
+    first = path.read_text().splitlines()[:1]
+    if first and first[0].startswith("# Recipe:"):
+        return first[0].split(":", 1)[1].strip()
+    return None
+
+
+def _recipe_target(recipe: str) -> list[str]:
+    """torchrun's program arguments for a bundled recipe name or a recipe file path."""
+    if recipe in RECIPES:
+        return ["-m", f"shardtune.recipes.{recipe}"]
+    if Path(recipe).is_file():
+        return [recipe]
+    close = difflib.get_close_matches(recipe, RECIPES, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise SystemExit(f"shardtune run: unknown recipe {recipe!r}{hint} (bundled: {', '.join(RECIPES)}; or a path to a recipe file)")
+
+
+def cmd_run(argv: list[str]) -> int:
+    """Everything before RECIPE goes to torchrun; RECIPE and what follows go to the recipe."""
+    if not argv or argv[0] in ("-h", "--help"):
+        sys.stdout.write(
+            "usage: shardtune run [torchrun options] RECIPE --config CONFIG [key=value ...]\n\n"
+            "torchrun options (e.g. --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint host:29400)\n"
+            "are passed to torch.distributed.run unchanged. RECIPE is one of:\n  " + "\n  ".join(RECIPES) + "\n"
+            "or a path to a recipe file. CONFIG is a bundled config (shardtune ls) or a YAML path.\n"
+        )
+        return 0
+    split = next((i for i, a in enumerate(argv) if not a.startswith("-") and (i == 0 or not _takes_value(argv[i - 1]))), None)
+    if split is None:
+        raise SystemExit("shardtune run: missing RECIPE (see shardtune run --help)")
+    torchrun_args, recipe, recipe_args = argv[:split], argv[split], argv[split + 1 :]
+    if not any(a.startswith(("--nproc_per_node", "--nproc-per-node")) for a in torchrun_args):
+        torchrun_args = [*torchrun_args, "--nproc_per_node", "1"]
+    if not any(a.startswith(("--rdzv", "--nnodes", "--master")) for a in torchrun_args):
+        torchrun_args = ["--standalone", *torchrun_args]
+    from torch.distributed.run import main as torchrun
+
+    torchrun([*torchrun_args, *_recipe_target(recipe), *recipe_args])
+    return 0
+
+
+def _takes_value(option: str) -> bool:
+    """torchrun options written as ``--opt VALUE`` (not ``--opt=VALUE`` and not flags)."""
+    flags = {"--standalone", "--no-python", "--no_python", "--module", "-m", "--run-path", "--run_path", "--tee"}
+    return option.startswith("-") and "=" not in option and option not in flags
+
+
+def cmd_ls(_: argparse.Namespace) -> int:
+    from shardtune.config import list_bundled_configs, resolve_config_path
+
+    by_recipe: dict[str, list[str]] = {r: [] for r in RECIPES}
+    for name in list_bundled_configs():
+        by_recipe.setdefault(recipe_of_config(resolve_config_path(name)) or "?", []).append(name)
+    sys.stdout.write(f"{'RECIPE':40} CONFIGS\n")
+    for recipe, configs in by_recipe.items():
+        sys.stdout.write(f"{recipe:40} {', '.join(configs)}\n")
+    return 0
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    from shardtune.config import resolve_config_path
+
+    source = resolve_config_path(args.config)
+    dest = Path(args.path)
+    if dest.is_dir():
+        dest = dest / source.name
+    if dest.exists() and not args.force:
+        raise SystemExit(f"shardtune cp: {dest} exists; pass --force to overwrite")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, dest)
+    sys.stdout.write(f"copied {args.config} to {dest}\n")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from shardtune.config import ConfigError, load_config, resolve_config_path
+    from shardtune.configs.schemas import RECIPE_SCHEMAS
+
+    recipe = args.recipe or recipe_of_config(resolve_config_path(args.config))
+    if recipe not in RECIPE_SCHEMAS:
+        raise SystemExit(f"shardtune validate: cannot tell the recipe of {args.config}; pass --recipe one of {list(RECIPE_SCHEMAS)}")
+    try:
+        load_config(args.config, args.overrides, schema=RECIPE_SCHEMAS[recipe])
+    except ConfigError as exc:
+        sys.stderr.write(f"{exc}\n")
+        return 1
+    sys.stdout.write(f"{args.config}: valid for {recipe}\n")
+    return 0
+
+
+def cmd_make_tiny_base(args: argparse.Namespace) -> int:
+    from shardtune.checkpoint.tiny import create_tiny_base
+
+    path = Path(args.dir)
+    if (path / "config.json").exists():
+        sys.stdout.write(f"{path} already holds a model\n")
+        return 0
+    create_tiny_base(path)
+    sys.stdout.write(f"created the tiny base model (HF layout, byte tokenizer) in {path}\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        return cmd_run(argv[1:])
+    parser = argparse.ArgumentParser(prog="shardtune", description="Distributed fine-tuning with FSDP2 and safe checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("run", help="run a recipe under torchrun (shardtune run --help)")
+    sub.add_parser("ls", help="list recipes and their bundled configs").set_defaults(fn=cmd_ls)
+    cp = sub.add_parser("cp", help="copy a bundled config to a path to edit it")
+    cp.add_argument("config")
+    cp.add_argument("path")
+    cp.add_argument("--force", action="store_true", help="overwrite an existing file")
+    cp.set_defaults(fn=cmd_cp)
+    validate = sub.add_parser("validate", help="check a config (all problems at once)")
+    validate.add_argument("config")
+    validate.add_argument("overrides", nargs="*")
+    validate.add_argument("--recipe", choices=RECIPES, help="the recipe whose schema applies (default: from the config)")
+    validate.set_defaults(fn=cmd_validate)
+    tiny = sub.add_parser("make-tiny-base", help="create the tiny demo base model (HF layout) in DIR")
+    tiny.add_argument("dir")
+    tiny.set_defaults(fn=cmd_make_tiny_base)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
