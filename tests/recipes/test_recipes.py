@@ -1,0 +1,222 @@
+"""Every recipe end to end on 2 CPU ranks: first-step loss against an independent single-process
+reference (transformers), exact resume at epoch and mid-epoch, resume on 4 ranks, and outputs
+that transformers/peft load."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from shardtune.config import load_config
+from shardtune.configs.schemas import RECIPE_SCHEMAS
+from shardtune.data import build_dataset, collate, load_tokenizer
+from shardtune.data.sampler import ResumableDistributedSampler
+from tests.recipes.conftest import losses, resume_copy, run_recipe
+
+pytestmark = pytest.mark.timeout(900)
+
+STEPS, EPOCHS, BATCH = 3, 2, 4
+CASES = {
+    "full": ("full_finetune_distributed", "tiny/full"),
+    "lora": ("lora_finetune_distributed", "tiny/lora"),
+    "qlora": ("lora_finetune_distributed", "tiny/qlora"),
+    "kd": ("knowledge_distillation_distributed", "tiny/kd"),
+    "early_exit": ("early_exit_finetune_distributed", "tiny/early_exit"),
+}
+
+
+def _overrides(dirs, case: str, out: Path, *, batch: int = BATCH, epochs: int = EPOCHS, steps: int = STEPS) -> list[str]:
+    extra = [f"teacher_checkpoint_dir={dirs['teacher']}"] if case == "kd" else []
+    return [
+        f"output_dir={out}", f"checkpoint_dir={dirs['base']}", f"epochs={epochs}", f"max_steps_per_epoch={steps}",
+        f"batch_size={batch}", "log_every_n_steps=1", "keep_last_n=null", "save_every_n_steps=2", *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_dirs, tmp_path_factory) -> dict[str, Path]:
+    """One uninterrupted 2-epoch run per case (checkpoints at step 2, epoch 1, step 4, epoch 2)."""
+    out = {}
+    for case, (recipe, config) in CASES.items():
+        out[case] = tmp_path_factory.mktemp(case) / "run"
+        run_recipe(recipe, config, *_overrides(tiny_dirs, case, out[case]))
+    return out
+
+
+# --- an independent reference for the first step: transformers on the same global batch -----
+
+
+def _first_global_batch(config: str, base: Path) -> list[dict]:
+    cfg = load_config(config, ["output_dir=/unused", f"checkpoint_dir={base}"], schema=RECIPE_SCHEMAS[CASES_BY_CONFIG[config]])
+    tokenizer = load_tokenizer(cfg.tokenizer, checkpoint_dir=base)
+    datasets = cfg.dataset if isinstance(cfg.dataset, (list, tuple)) else [cfg.dataset]
+    dataset = build_dataset([d.to_dict() for d in datasets], tokenizer, max_seq_len=cfg.max_seq_len)
+    order = ResumableDistributedSampler(len(dataset), num_replicas=1, rank=0, seed=cfg.seed).global_order(0)
+    per_rank = [[dataset[i] for i in order[: 2 * BATCH][r::2]] for r in range(2)]
+    return [collate(samples, pad_id=tokenizer.pad_id) for samples in per_rank]
+
+
+CASES_BY_CONFIG = {config: recipe for recipe, config in CASES.values()}
+
+
+def _ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+    logits, labels = logits[:, :-1].float(), labels[:, 1:]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum")
+    return ce.item(), int((labels != -100).sum())
+
+
+def _kd_sum(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor) -> float:
+    """torchtune's "forward KL": the cross-entropy -sum p_teacher log p_student (KL + teacher entropy)."""
+    s, t, labels = student[:, :-1].float(), teacher[:, :-1].float(), labels[:, 1:]
+    per_token = -(F.softmax(t, -1) * F.log_softmax(s, -1)).sum(-1)
+    return (per_token * (labels != -100)).sum().item()
+
+
+def _quantized(model, targets: list[str]):
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.split(".")[-1] in targets and hasattr(module, "weight"):
+                module.weight.copy_(to_nf4(module.weight.detach()).get_original_weight())
+    return model
+
+
+def _reference_first_loss(case: str, dirs) -> float:
+    import transformers
+
+    recipe, config = CASES[case]
+    model = transformers.AutoModelForCausalLM.from_pretrained(dirs["base"], torch_dtype=torch.float32).eval()
+    if case == "qlora":
+        _quantized(model, ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    teacher = transformers.AutoModelForCausalLM.from_pretrained(dirs["teacher"]).eval() if case == "kd" else None
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for batch in _first_global_batch(config, dirs["base"]):
+            out = model(batch["tokens"], output_hidden_states=True)
+            ce, n = _ce_sum(out.logits, batch["labels"])
+            loss_sum = ce
+            if case == "kd":
+                kl = _kd_sum(out.logits, teacher(batch["tokens"]).logits, batch["labels"])
+                loss_sum = 0.5 * ce + 0.5 * kl
+            if case == "early_exit":
+                # rotational curriculum, step 0: the first candidate (layer 1) with weight 1
+                hidden = out.hidden_states[2]  # output of layer 1
+                early = model.lm_head(model.model.norm(hidden))
+                loss_sum = ce + _ce_sum(early, batch["labels"])[0]
+            total += loss_sum
+            tokens += n
+    return total / tokens
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_first_step_loss_equals_transformers_reference(runs, tiny_dirs, tmp_path, case):
+    if case == "early_exit":  # a run without layer dropout, whose skips the reference cannot replay
+        recipe, config = CASES[case]
+        run_recipe(recipe, config, *_overrides(tiny_dirs, case, tmp_path / "run", epochs=1, steps=1), "layer_dropout.max_prob=0.0")
+        logged = losses(tmp_path / "run")[1]
+    else:
+        logged = losses(runs[case])[1]
+    expected = _reference_first_loss(case, tiny_dirs)
+    assert math.isclose(logged, expected, rel_tol=1e-5), (logged, expected)
+
+
+# --- resume ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_epoch_resume_continues_with_identical_losses(runs, tiny_dirs, tmp_path, case):
+    recipe, config = CASES[case]
+    resumed = resume_copy(runs[case], "epoch_1", tmp_path / "resumed")
+    run_recipe(recipe, config, *_overrides(tiny_dirs, case, resumed), "resume_from_checkpoint=True")
+    full, again = losses(runs[case]), losses(resumed)
+    assert sorted(again) == [4, 5, 6]
+    assert [again[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)]  # bitwise
+    _assert_same_final_weights(runs[case] / "epoch_2", resumed / "epoch_2")
+
+
+def _assert_same_final_weights(a: Path, b: Path) -> None:
+    files = sorted(p.relative_to(a) for p in a.rglob("*.safetensors"))
+    assert files and files == sorted(p.relative_to(b) for p in b.rglob("*.safetensors"))
+    for rel in files:
+        if rel.parts[0] == "training_state":
+            continue
+        x, y = load_file(str(a / rel)), load_file(str(b / rel))
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), rel
+
+
+def test_mid_epoch_resume_continues_with_identical_losses(runs, tiny_dirs, tmp_path):
+    recipe, config = CASES["lora"]
+    resumed = resume_copy(runs["lora"], "step_2", tmp_path / "resumed")
+    run_recipe(recipe, config, *_overrides(tiny_dirs, "lora", resumed), "resume_from_checkpoint=True")
+    full, again = losses(runs["lora"]), losses(resumed)
+    assert sorted(again) == [3, 4, 5, 6]
+    assert [again[s] for s in again] == [full[s] for s in again]
+
+
+def test_resume_on_four_ranks_from_a_two_rank_checkpoint(runs, tiny_dirs, tmp_path):
+    """Same global batch (2 x 4 = 4 x 2 samples): the losses agree up to reduction order."""
+    recipe, config = CASES["full"]
+    resumed = resume_copy(runs["full"], "epoch_1", tmp_path / "resumed")
+    run_recipe(recipe, config, *_overrides(tiny_dirs, "full", resumed, batch=BATCH // 2), "resume_from_checkpoint=True", nproc=4)
+    full, again = losses(runs["full"]), losses(resumed)
+    assert sorted(again) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert math.isclose(again[step], full[step], rel_tol=1e-4), (step, again[step], full[step])
+
+
+# --- outputs ---------------------------------------------------------------------------------
+
+
+def test_lora_outputs_load_in_transformers_and_peft(runs, tiny_dirs):
+    import peft
+    import transformers
+
+    final = runs["lora"] / "epoch_2"
+    tokens = torch.arange(3, 40).reshape(1, -1)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(final).eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_dirs["base"]).eval()
+    adapted = peft.PeftModel.from_pretrained(base, final / "adapter").eval()
+    with torch.no_grad():
+        a, b = merged(tokens).logits, adapted(tokens).logits
+        plain = transformers.AutoModelForCausalLM.from_pretrained(tiny_dirs["base"]).eval()(tokens).logits
+    assert (a - b).abs().max() < 1e-4
+    assert (a - plain).abs().max() > 1e-3  # the adapters changed the model
+
+
+def test_full_output_loads_in_transformers(runs):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(runs["full"] / "epoch_2").eval()
+    saved = load_file(str(runs["full"] / "epoch_2" / "model.safetensors"))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    assert (runs["full"] / "epoch_2" / "tokenizer.json").is_file()
+
+
+def test_multi_dataset_config_draws_from_both(tiny_dirs):
+    cfg = load_config("tiny/lora_multi_dataset", [f"checkpoint_dir={tiny_dirs['base']}"], schema=RECIPE_SCHEMAS["lora_finetune_distributed"])
+    tokenizer = load_tokenizer(cfg.tokenizer, checkpoint_dir=tiny_dirs["base"])
+    dataset = build_dataset([d.to_dict() for d in cfg.dataset], tokenizer, max_seq_len=cfg.max_seq_len)
+    sizes = [len(d) for d in dataset.datasets]
+    assert len(sizes) == 2 and all(sizes)
+    first_epoch = ResumableDistributedSampler(len(dataset), num_replicas=2, rank=0, seed=cfg.seed).global_order(0)[:64]
+    assert any(i < sizes[0] for i in first_epoch) and any(i >= sizes[0] for i in first_epoch)
+
+
+def test_cli_reports_bad_config_with_suggestions(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardtune.cli", "run", "lora_finetune_distributed", "--config", "tiny/lora",
+         "optimizer.lrr=1", "lora.rank=-2", f"output_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "did you mean 'optimizer.lr'" in proc.stderr and "lora.rank" in proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
