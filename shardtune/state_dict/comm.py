@@ -104,6 +104,7 @@ def scatter_from_rank0(
     *,
     dtype: torch.dtype,
     device: torch.device,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Collective: call on all ranks. Rank 0 sends each rank r its own block.
 
@@ -111,11 +112,13 @@ def scatter_from_rank0(
     returns rank r's block (any shape/dtype/device; None if it could not be produced, which
     sends zeros so the collective still completes); other ranks pass None. Blocks are padded
     to the longest so one ``scatter`` moves them and each rank receives only its own bytes.
-    Returns this rank's block, flat, in new memory on ``device``.
+    Returns this rank's block, flat: written into ``into`` (a contiguous tensor of this rank's
+    size, dtype and device) when given, so no new memory is needed, else in new memory.
     """
     me = rank()
     longest = max(numels)
-    out = torch.empty(longest, dtype=dtype, device=device)
+    direct = into is not None and into.numel() == longest and into.dtype == dtype and into.device == device
+    out = into.view(-1) if direct else torch.empty(longest, dtype=dtype, device=device)
     scatter_list = None
     if me == 0:
         scatter_list = [out] + [_flat_padded(block_for(r), longest, dtype, device) for r in range(1, len(numels))]
@@ -124,6 +127,9 @@ def scatter_from_rank0(
     else:
         stats.bytes_received += longest * out.element_size()
     dist.scatter(out, scatter_list, src=0)
+    if into is not None and not direct:
+        into.view(-1).copy_(out[: numels[me]])
+        return into.view(-1)
     return out[: numels[me]]
 
 

@@ -218,7 +218,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def _my_piece(
     item: _Item, value: Any, mode: str, device: torch.device, transfer_device: torch.device, problems: comm.Problems
 ) -> torch.Tensor | None:
-    """This rank's local tensor for ``item``; collective in rank-0 mode."""
+    """This rank's local tensor for ``item`` (the param's own storage when it can be filled in
+    place); collective in rank-0 mode."""
     like = _local(item.entry.tensor)
     if nf4.is_nf4(like):
         if mode == RANK0:
@@ -226,11 +227,22 @@ def _my_piece(
         with problems.guard(item.key):
             return _slice_nf4(item, value, like, device)
         return None
+    into = fillable(like, device=device)
     if mode == RANK0:
-        return _scatter_dense(item, value, like.dtype, device, transfer_device, problems)
+        return scatter_dense(
+            item.layout, value, dtype=like.dtype, device=device, transfer_device=transfer_device,
+            on_error=problems, key=item.key, into=into,
+        )
     with problems.guard(item.key):
-        return copy_block(value, _my_block(item.layout), dtype=like.dtype, device=device)
+        return copy_block(value, _my_block(item.layout), dtype=like.dtype, device=device, into=into)
     return None
+
+
+def fillable(local: torch.Tensor | None, *, device: torch.device) -> torch.Tensor | None:
+    """``local`` when new values can be written straight into it (materialized, contiguous, on ``device``)."""
+    if local is None or local.is_meta or nf4.is_nf4(local) or not local.is_contiguous() or local.device != device:
+        return None
+    return local
 
 
 def _my_block(layout: TensorLayout) -> tuple[tuple[int, ...], tuple[slice, ...]]:
@@ -249,28 +261,47 @@ def read_block(value: Any, slices: tuple[slice, ...]) -> torch.Tensor:
     return value[slices]
 
 
-def copy_block(value: Any, block: tuple[tuple[int, ...], tuple[slice, ...]], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A new contiguous tensor on ``device`` in ``dtype`` holding ``value``'s block (one copy)."""
+def copy_block(
+    value: Any,
+    block: tuple[tuple[int, ...], tuple[slice, ...]],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    into: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``value``'s block as a contiguous tensor on ``device`` in ``dtype`` (one copy), written
+    into ``into`` (of the block's shape) when given, else into new memory."""
     shape, slices = block
-    out = torch.empty(shape, dtype=dtype, device=device)
+    out = into if into is not None else torch.empty(shape, dtype=dtype, device=device)
     out.copy_(read_block(value, slices))
     return out
 
 
 def scatter_dense(
-    layout: TensorLayout, value: Any, *, dtype: torch.dtype, device: torch.device, transfer_device: torch.device, on_error: comm.Problems, key: str
+    layout: TensorLayout,
+    value: Any,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    transfer_device: torch.device,
+    on_error: comm.Problems,
+    key: str,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Collective: call on all ranks. Rank 0 holds ``value``; returns this rank's block of it on ``device``.
 
     Sharded tensors are scattered (each rank receives only its own block); plain tensors,
-    needed whole on every rank, are broadcast.
+    needed whole on every rank, are broadcast. ``into`` (this rank's block shape, ``dtype``,
+    ``device``) receives the data in place when given.
     """
     if layout.pieces is None:
-        buf = torch.empty(layout.shape, dtype=dtype, device=transfer_device)
+        direct = into is not None and into.device == transfer_device
+        buf = into if direct else torch.empty(layout.shape, dtype=dtype, device=transfer_device)
         if comm.rank() == 0:
             with on_error.guard(key):
                 buf.copy_(read_block(value, tuple(slice(None) for _ in layout.shape)))
-        return comm.broadcast_from_rank0(buf).to(device)
+        comm.broadcast_from_rank0(buf)
+        return _deliver(buf, into, device)
     pieces = layout.pieces
 
     def block_for(r: int) -> torch.Tensor | None:
@@ -278,16 +309,19 @@ def scatter_dense(
             return read_block(value, pieces[r].slices)
         return None
 
+    transfer_into = into if into is not None and into.device == transfer_device else None
     flat = comm.scatter_from_rank0(
-        block_for if comm.rank() == 0 else None, [p.numel for p in pieces], dtype=dtype, device=transfer_device
+        block_for if comm.rank() == 0 else None, [p.numel for p in pieces], dtype=dtype, device=transfer_device,
+        into=transfer_into,
     )
-    return flat.view(pieces[comm.rank()].shape).to(device)
+    return into if transfer_into is not None else _deliver(flat.view(pieces[comm.rank()].shape), into, device)
 
 
-def _scatter_dense(item, value, dtype, device, transfer_device, problems) -> torch.Tensor:
-    return scatter_dense(
-        item.layout, value, dtype=dtype, device=device, transfer_device=transfer_device, on_error=problems, key=item.key
-    )
+def _deliver(received: torch.Tensor, into: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The received block, copied into ``into`` when given (unless it already is ``into``)."""
+    if into is None:
+        return received.to(device)
+    return into if received is into else into.copy_(received)
 
 
 def _row_blocks(layout: TensorLayout) -> list[tuple[int, int]]:
@@ -340,9 +374,9 @@ def _install(entry: ModelEntry, new_local: torch.Tensor | None) -> None:
     Parameter object, so an optimizer created before the load still holds the model's
     params and tied weights stay tied; assignment is the fallback when a swap is refused.
     """
-    if new_local is None:
-        return
     current = entry.tensor
+    if new_local is None or new_local is _local(current):  # failed, or already written in place
+        return
     if _can_fill_in_place(_local(current), new_local):
         _local(current).copy_(new_local)
         return

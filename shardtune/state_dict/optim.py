@@ -23,7 +23,7 @@ from shardtune.state_dict import comm
 from shardtune.state_dict.gather import gather_to_rank0
 from shardtune.state_dict.keys import StateDictError, model_entries
 from shardtune.state_dict.layout import TensorLayout, layout_of
-from shardtune.state_dict.load import EVERY_RANK, RANK0, agree_on_mode, copy_block, scatter_dense
+from shardtune.state_dict.load import EVERY_RANK, RANK0, agree_on_mode, copy_block, fillable, scatter_dense
 
 
 def _param_fqns(model: nn.Module) -> dict[int, str]:
@@ -152,7 +152,9 @@ def load_from_full_optimizer_state_dict(
         for fqn in fqns:
             if fqn in reference["state"]:
                 native_state[index] = {
-                    key: _load_value(kind, local, fqn, key, params[fqn], mode, device, transfer_device, errors)
+                    key: _load_value(
+                        kind, local, fqn, key, params[fqn], mode, transfer_device, errors, opt.state.get(params[fqn], {}).get(key)
+                    )
                     for key, kind in reference["state"][fqn].items()
                 }
             ids.append(index)
@@ -237,7 +239,9 @@ def _check(desc: dict, groups: list[list[str]], params: dict[str, torch.Tensor])
     return problems
 
 
-def _load_value(kind, local, fqn, key, param, mode, device, transfer_device, errors) -> Any:
+def _load_value(kind, local, fqn, key, param, mode, transfer_device, errors, existing) -> Any:
+    """This rank's value of one state entry; written into ``existing`` (the optimizer's current
+    tensor for it) when shapes and dtypes allow, so a load allocates nothing new."""
     if kind[0] == "inline":
         return kind[1]
     _, shape, dtype = kind
@@ -247,20 +251,33 @@ def _load_value(kind, local, fqn, key, param, mode, device, transfer_device, err
         layout = TensorLayout(shape=shape, pieces=None)
     value = local["state"][fqn][key] if isinstance(local, dict) else None
     target_device = param.device if not isinstance(param, DTensor) else param._local_tensor.device
+    me = layout.pieces[comm.rank()] if layout.pieces else None
+    block_shape = me.shape if me else shape
+    into = _reusable(existing, block_shape, dtype, target_device, sharded=me is not None)
     if mode == RANK0:
         block = scatter_dense(
-            layout, value, dtype=dtype, device=target_device, transfer_device=transfer_device, on_error=errors, key=f"{fqn}.{key}"
+            layout, value, dtype=dtype, device=target_device, transfer_device=transfer_device,
+            on_error=errors, key=f"{fqn}.{key}", into=into,
         )
     else:
         block = None
         with errors.guard(f"{fqn}.{key}"):
-            me = layout.pieces[comm.rank()] if layout.pieces else None
-            block = copy_block(
-                value,
-                (me.shape, me.slices) if me else (shape, tuple(slice(None) for _ in shape)),
-                dtype=dtype,
-                device=target_device,
-            )
-    if block is None or layout.pieces is None:
+            slices = me.slices if me else tuple(slice(None) for _ in shape)
+            block = copy_block(value, (block_shape, slices), dtype=dtype, device=target_device, into=into)
+    if block is None:
+        return None
+    if into is not None:
+        return existing
+    if me is None:
         return block
     return DTensor.from_local(block, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
+
+
+def _reusable(existing: Any, block_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, sharded: bool) -> torch.Tensor | None:
+    """The local storage of the optimizer's current state tensor, if the loaded block fits it."""
+    if not isinstance(existing, torch.Tensor) or isinstance(existing, DTensor) != sharded:
+        return None
+    local = existing._local_tensor if sharded else existing
+    if tuple(local.shape) != tuple(block_shape) or local.dtype != dtype:
+        return None
+    return fillable(local, device=device)

@@ -167,3 +167,29 @@ def test_optimizer_mismatch_raises_on_every_rank(pool2):
 def test_resume_world4(pool4):
     res = pool4.run_ok(_resume, "adamw", "rank0", False)
     assert all(r["losses"][0] == r["losses"][1] for r in res) and res[0]["same_params"]
+
+
+def _load_into_stepped_optimizer(mode: str):
+    """Loading into an optimizer that already has state writes into its tensors (no new memory)."""
+    sd = toy.full_state_dict(seed=15)
+    model, opt = _sharded(sd, "adamw")
+    _train(model, opt, range(2))
+    saved = get_full_optimizer_state_dict(model, opt, dist.get_rank() == 0)
+    holder = [saved]
+    if mode == "every_rank":
+        dist.broadcast_object_list(holder, src=0)
+    _train(model, opt, range(2, 4))  # the live state moves on
+    before = {id(v) for s in opt.state.values() for k, v in s.items() if k != "step"}
+    load_from_full_optimizer_state_dict(model, opt, holder[0], "cpu")
+    after = {id(v) for s in opt.state.values() for k, v in s.items() if k != "step"}
+    reloaded = get_full_optimizer_state_dict(model, opt, dist.get_rank() == 0)
+    same = dist.get_rank() != 0 or all(
+        torch.equal(reloaded["state"][f][k], v) for f, s in saved["state"].items() for k, v in s.items()
+    )
+    return {"same_objects": before == after, "values_restored": same}
+
+
+@pytest.mark.parametrize("mode", ["rank0", "every_rank"])
+def test_load_into_existing_state_is_in_place(pool2, mode):
+    res = pool2.run_ok(_load_into_stepped_optimizer, mode)
+    assert all(r["same_objects"] and r["values_restored"] for r in res)
