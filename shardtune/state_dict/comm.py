@@ -121,8 +121,9 @@ def scatter_from_rank0(
     out = into.view(-1) if direct else torch.empty(longest, dtype=dtype, device=device)
     scatter_list = None
     if me == 0:
-        scatter_list = [out] + [_flat_padded(block_for(r), longest, dtype, device) for r in range(1, len(numels))]
-        _copy_into(block_for(0), out)
+        # Views of the caller's blocks where they fit: the scatter itself copies rank 0's own
+        # block into ``out``, so each byte is copied once.
+        scatter_list = [_flat_padded(block_for(r), longest, dtype, device) for r in range(len(numels))]
         stats.bytes_sent += longest * out.element_size() * (len(numels) - 1)
     else:
         stats.bytes_received += longest * out.element_size()
