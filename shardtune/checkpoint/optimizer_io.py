@@ -1,7 +1,7 @@
 """Optimizer state on disk: tensors in ``optimizer.safetensors``, the rest in ``optimizer.json``.
 
-Both are FQN keyed, so a checkpoint written on N ranks loads on M: on load every rank opens
-the file lazily and reads only the rows of its own shards.
+Both are FQN keyed, so a checkpoint written on N ranks loads on M. No rank gathers the state:
+on save every rank writes its own rows in place, on load every rank reads only its own rows.
 """
 
 from __future__ import annotations
@@ -12,11 +12,14 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from shardtune.state_dict import get_full_optimizer_state_dict, load_from_full_optimizer_state_dict
-from shardtune.state_dict.comm import rank
+from shardtune.checkpoint import hf_export
+from shardtune.checkpoint.safetensors_io import CheckpointError
+from shardtune.state_dict import comm, load_from_full_optimizer_state_dict
+from shardtune.state_dict.keys import ModelEntry
+from shardtune.state_dict.layout import layout_of
+from shardtune.state_dict.optim import param_group_fqns, hyperparameters
 
 OPTIMIZER_TENSORS = "optimizer.safetensors"
 OPTIMIZER_META = "optimizer.json"
@@ -24,26 +27,44 @@ _SEP = "::"  # FQNs never contain it
 
 
 def save_optimizer(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) -> None:
-    """Write the optimizer's full state (rank 0 writes).
+    """Write the optimizer's state without gathering it: every rank writes its own rows.
 
-    Collective: call on all ranks.
+    Collective: call on all ranks; ``out_dir`` must be on a filesystem all ranks share. Tensors
+    go to ``optimizer.safetensors`` (header computed from shapes, each rank ``pwrite``s its
+    shard rows, as for model weights); hyper-parameters and scalars (``step``) go to
+    ``optimizer.json``, written by rank 0. Errors raise the same CheckpointError on every rank.
     """
-    full = get_full_optimizer_state_dict(model, opt, rank() == 0)
-    if rank() != 0:
-        return
-    tensors, scalars = {}, {}
-    for fqn, param_state in full["state"].items():
-        for key, value in param_state.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                tensors[f"{fqn}{_SEP}{key}"] = value
-            elif isinstance(value, torch.Tensor):
-                scalars.setdefault(fqn, {})[key] = {"tensor": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
-            else:
-                scalars.setdefault(fqn, {})[key] = {"value": value}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / OPTIMIZER_TENSORS), metadata={"format": "pt"})
-    meta = {"param_groups": full["param_groups"], "scalars": scalars}
-    (out_dir / OPTIMIZER_META).write_text(json.dumps(meta, indent=1))
+    groups = param_group_fqns(model, opt)
+    items, scalars = [], {}
+    for fqns, group in zip(groups, opt.param_groups):
+        for fqn, param in zip(fqns, group["params"]):
+            for key, value in opt.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    items.append(_export_item(f"{fqn}{_SEP}{key}", value, len(items)))
+                elif isinstance(value, torch.Tensor):
+                    scalars.setdefault(fqn, {})[key] = {"tensor": value.item(), "dtype": str(value.dtype).removeprefix("torch.")}
+                else:
+                    scalars.setdefault(fqn, {})[key] = {"value": value}
+    files = hf_export.plan_files(items, max_shard_bytes=1 << 62)
+    if files:
+        files[0].name = OPTIMIZER_TENSORS
+    digests = comm.all_gather_objects(hf_export.plan_digest(items, files))
+    problems = [] if len(set(digests)) == 1 else ["optimizer state differs between ranks; every rank must step the same model"]
+    created = comm.Problems()
+    if comm.rank() == 0 and not problems:
+        with created.guard(str(out_dir)):
+            out_dir.mkdir(parents=True, exist_ok=True)
+            hf_export.create_files(str(out_dir), files)
+            meta = {"param_groups": [{**hyperparameters(g), "params": list(f)} for f, g in zip(groups, opt.param_groups)], "scalars": scalars}
+            (out_dir / OPTIMIZER_META).write_text(json.dumps(meta, indent=1))
+    comm.raise_on_every_rank(problems + list(created), header=f"Cannot save the optimizer to {out_dir}:", error=CheckpointError)
+    written = hf_export.write_data(str(out_dir), files)
+    comm.raise_on_every_rank(written, header=f"Writing the optimizer to {out_dir} failed:", error=CheckpointError)
+
+
+def _export_item(name: str, value: torch.Tensor, position: int) -> hf_export.ExportItem:
+    entry = ModelEntry(tensor=value, is_buffer=False, names=[(name, None, name)], positions=[position])
+    return hf_export.ExportItem(name=name, entry=entry, dtype=value.dtype, layout=layout_of(value, comm.world_size()))
 
 
 def load_optimizer(model: nn.Module, opt: torch.optim.Optimizer, in_dir: Path, *, device: torch.device | str) -> None:

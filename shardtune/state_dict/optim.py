@@ -31,7 +31,8 @@ def _param_fqns(model: nn.Module) -> dict[int, str]:
     return {id(e.tensor): e.fqn for e in model_entries(model) if not e.is_buffer}
 
 
-def _group_fqns(model: nn.Module, opt: torch.optim.Optimizer) -> list[list[str]]:
+def param_group_fqns(model: nn.Module, opt: torch.optim.Optimizer) -> list[list[str]]:
+    """The clean FQN of every param of every group of ``opt`` (raises if one is not the model's)."""
     names = _param_fqns(model)
     groups = []
     for i, group in enumerate(opt.param_groups):
@@ -45,7 +46,8 @@ def _group_fqns(model: nn.Module, opt: torch.optim.Optimizer) -> list[list[str]]
     return groups
 
 
-def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
+def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's settings (lr, betas, ...), without its params."""
     return {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
 
 
@@ -68,7 +70,7 @@ def get_full_optimizer_state_dict(
     [{..., "params": [fqn, ...]}]}`` with full, independent CPU tensors; other ranks ``{}``.
     Params without state (frozen, never stepped) are listed in ``params`` only.
     """
-    groups = _group_fqns(model, opt)
+    groups = param_group_fqns(model, opt)
     view = [
         [(fqn, [(k, _value_kind(v)) for k, v in opt.state.get(p, {}).items()]) for fqn, p in zip(fqns, g["params"])]
         for fqns, g in zip(groups, opt.param_groups)
@@ -95,7 +97,7 @@ def get_full_optimizer_state_dict(
         return {}
     return {
         "state": state,
-        "param_groups": [{**_hyper(g), "params": list(fqns)} for fqns, g in zip(groups, opt.param_groups)],
+        "param_groups": [{**hyperparameters(g), "params": list(fqns)} for fqns, g in zip(groups, opt.param_groups)],
     }
 
 
@@ -126,7 +128,7 @@ def load_from_full_optimizer_state_dict(
     from it. State shaped like its param is sharded like the param (rank 0 scatters only each
     rank's block). Problems raise :class:`StateDictError` on every rank before data moves.
     """
-    groups = _group_fqns(model, opt)
+    groups = param_group_fqns(model, opt)
     params = {fqn: p for fqns, g in zip(groups, opt.param_groups) for fqn, p in zip(fqns, g["params"])}
     local = _fqn_keyed(full_sd, groups) if full_sd else None
     desc = _describe(local) if isinstance(local, dict) else local
@@ -201,7 +203,7 @@ def _describe(full_sd: dict) -> dict:
             else:
                 state[fqn][key] = ("inline", value.detach().cpu().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value))
     return {
-        "groups": [_hyper(g) for g in full_sd["param_groups"]],
+        "groups": [hyperparameters(g) for g in full_sd["param_groups"]],
         "group_params": [list(g["params"]) for g in full_sd["param_groups"]],
         "state": state,
     }
