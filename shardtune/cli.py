@@ -4,6 +4,7 @@
     shardtune ls
     shardtune cp CONFIG PATH
     shardtune validate CONFIG [--recipe RECIPE] [key=value ...]
+    shardtune convert CHECKPOINT OUT_DIR [--base-dir DIR]
     shardtune make-tiny-base DIR
 """
 
@@ -115,6 +116,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from shardtune.checkpoint.dcp_format import convert_dcp_to_hf
+
+    out = convert_dcp_to_hf(args.checkpoint, args.out_dir, base_dir=args.base_dir)
+    sys.stdout.write(f"wrote an HF model directory to {out}\n")
+    return 0
+
+
 def cmd_make_tiny_base(args: argparse.Namespace) -> int:
     from shardtune.checkpoint.tiny import create_tiny_base
 
@@ -145,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     validate.add_argument("overrides", nargs="*")
     validate.add_argument("--recipe", choices=RECIPES, help="the recipe whose schema applies (default: from the config)")
     validate.set_defaults(fn=cmd_validate)
+    convert = sub.add_parser("convert", help="turn a DCP checkpoint (checkpoint_format=dcp) into an HF model directory")
+    convert.add_argument("checkpoint", help="a checkpoint directory holding dcp/ (e.g. <output_dir>/step_100)")
+    convert.add_argument("out_dir")
+    convert.add_argument("--base-dir", help="the HF base model (LoRA checkpoints; default: the one recorded at save)")
+    convert.set_defaults(fn=cmd_convert)
     tiny = sub.add_parser("make-tiny-base", help="create the tiny demo base model (HF layout) in DIR")
     tiny.add_argument("dir")
     tiny.set_defaults(fn=cmd_make_tiny_base)

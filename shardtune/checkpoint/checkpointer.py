@@ -19,13 +19,17 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardtune.checkpoint import atomic
+from shardtune.checkpoint.dcp_format import DCP_DIR, load_dcp, save_dcp, write_model_description
 from shardtune.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
 from shardtune.checkpoint.optimizer_io import load_optimizer, save_optimizer
 from shardtune.checkpoint.peft_format import load_peft_adapter, save_peft_adapter
@@ -39,10 +43,22 @@ from shardtune.checkpoint.state import (
     save_rng,
     set_rng_state,
 )
+from shardtune.faults import fault_point
 from shardtune.state_dict import comm
 from shardtune.state_dict.keys import StateDictError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _PendingSave:
+    """A staged checkpoint waiting to be published (after its background write, if any)."""
+
+    future: Future | None
+    staging: Path
+    target: Path
+    step: int
+    epoch: int
 
 STATE_DIR = "training_state"
 ADAPTER_DIR = "adapter"
@@ -70,7 +86,13 @@ class Checkpointer:
         seed: int = 0,
         device: torch.device | str = "cpu",
         shared_filesystem: bool = True,
+        intermediate_format: str = "hf",
+        async_save: bool = False,
     ) -> None:
+        if intermediate_format not in ("hf", "dcp"):
+            raise ValueError(f"intermediate_format={intermediate_format!r}: choose 'hf' or 'dcp'")
+        if async_save and intermediate_format != "dcp":
+            raise ValueError("async_save needs intermediate_format='dcp' (HF exports are written synchronously)")
         self.output_dir = Path(output_dir)
         self.model = model
         self.optimizer = optimizer
@@ -84,6 +106,11 @@ class Checkpointer:
         self.device = device
         self.shared_filesystem = shared_filesystem
         self.is_lora = getattr(model, "lora_config", None) is not None
+        self.intermediate_format = intermediate_format
+        self.async_save = async_save
+        self._pending: _PendingSave | None = None
+        # DCP's background writer needs its own CPU-capable group, apart from training's collectives.
+        self._async_group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
 
     # --- loading ---------------------------------------------------------------------------
 
@@ -118,11 +145,15 @@ class Checkpointer:
         check_fingerprint(progress.fingerprint, self.fingerprint, where=path)
         if self.is_lora:
             self.load_base()
-            load_peft_adapter(self.model, path / ADAPTER_DIR, device=self.device)
+        if (path / DCP_DIR).is_dir():
+            load_dcp(self.model, self.optimizer, path / DCP_DIR, device=self.device)
         else:
-            load_hf_checkpoint(self.model, path, device=self.device, strict=True, shared_filesystem=self.shared_filesystem)
-        if self.optimizer is not None:
-            load_optimizer(self.model, self.optimizer, path / STATE_DIR, device=self.device)
+            if self.is_lora:
+                load_peft_adapter(self.model, path / ADAPTER_DIR, device=self.device)
+            else:
+                load_hf_checkpoint(self.model, path, device=self.device, strict=True, shared_filesystem=self.shared_filesystem)
+            if self.optimizer is not None:
+                load_optimizer(self.model, self.optimizer, path / STATE_DIR, device=self.device)
         if self.lr_scheduler is not None and progress.lr_scheduler:
             self.lr_scheduler.load_state_dict(progress.lr_scheduler)
         self._restore_rng(path, progress)
@@ -152,30 +183,67 @@ class Checkpointer:
         batches_in_epoch: int = 0,
         sampler_state: dict[str, Any] | None = None,
         extra: dict[str, Any] | None = None,
+        final: bool = False,
     ) -> Path:
         """Write a complete checkpoint and publish it atomically; returns its path on every rank.
 
         Collective. ``batches_in_epoch == 0`` names it ``epoch_<epoch>``, otherwise ``step_<step>``.
+        With ``intermediate_format="dcp"`` non-final checkpoints hold DCP shards instead of HF
+        files; with ``async_save`` those are written in the background and published by the next
+        ``save``/``wait`` (until then the previous checkpoint stays the newest complete one).
+        The ``final`` checkpoint is always HF (and PEFT) format, written synchronously.
         """
+        self.wait()
         name = f"epoch_{epoch}" if batches_in_epoch == 0 else f"step_{step}"
-        final = self.output_dir / name
+        target = self.output_dir / name
+        use_dcp = self.intermediate_format == "dcp" and not final
         staging = self._begin(name)
+        fault_point("save:begin")
         problems = comm.Problems()
-        self._write_weights(staging)
+        future = None
+        if use_dcp:
+            if comm.rank() == 0:
+                with problems.guard("model description"):
+                    write_model_description(self.model, staging, self.base_dir)
+            future = save_dcp(self.model, self.optimizer, staging / DCP_DIR, async_save=self.async_save, group=self._async_group)
+        else:
+            self._write_weights(staging)
+        fault_point("save:weights_written")
         with problems.guard("training state"):
-            self._write_state(staging, step, epoch, batches_in_epoch, sampler_state, extra)
-        comm.raise_on_every_rank(problems, header=f"Saving checkpoint {final} failed:")
+            self._write_state(staging, step, epoch, batches_in_epoch, sampler_state, extra, optimizer_in_dcp=use_dcp)
+        comm.raise_on_every_rank(problems, header=f"Saving checkpoint {target} failed:")
+        pending = _PendingSave(future=future, staging=staging, target=target, step=step, epoch=epoch)
+        if future is not None:
+            self._pending = pending
+        else:
+            self._publish(pending)
+        return target
+
+    def wait(self) -> None:
+        """Finish and publish a background save, if one is pending. Collective."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        problems = comm.Problems()
+        with problems.guard(f"background save of {pending.target}"):
+            pending.future.result()
+        comm.raise_on_every_rank(problems, header=f"Saving checkpoint {pending.target} failed:")
+        self._publish(pending)
+
+    def _publish(self, pending: _PendingSave) -> None:
+        """Rank 0 writes the manifest and renames the staged directory; every rank learns the outcome."""
         publish_problems = comm.Problems()
         if comm.rank() == 0:
-            with publish_problems.guard(str(final)):
-                atomic.write_manifest(staging, step=step, epoch=epoch, extra={"world_size": comm.world_size()})
-                atomic.publish(staging, final)
+            with publish_problems.guard(str(pending.target)):
+                fault_point("save:before_publish")
+                atomic.write_manifest(pending.staging, step=pending.step, epoch=pending.epoch, extra={"world_size": comm.world_size()})
+                atomic.publish(pending.staging, pending.target)
                 for old in atomic.apply_retention(self.output_dir, self.keep_last_n):
                     log.info("removed old checkpoint %s (keep_last_n=%s)", old, self.keep_last_n)
-        comm.raise_on_every_rank(publish_problems, header=f"Publishing checkpoint {final} failed:")
+        comm.raise_on_every_rank(publish_problems, header=f"Publishing checkpoint {pending.target} failed:")
+        fault_point("save:after_publish")
         if comm.rank() == 0:
-            log.info("saved checkpoint %s", final)
-        return final
+            log.info("saved checkpoint %s", pending.target)
 
     def _begin(self, name: str) -> Path:
         """Agree on a staging directory; rank 0 clears leftovers of interrupted saves first."""
@@ -207,9 +275,11 @@ class Checkpointer:
         batches_in_epoch: int,
         sampler_state: dict[str, Any] | None,
         extra: dict[str, Any] | None,
+        *,
+        optimizer_in_dcp: bool,
     ) -> None:
         state_dir = staging / STATE_DIR
-        if self.optimizer is not None:
+        if self.optimizer is not None and not optimizer_in_dcp:
             save_optimizer(self.model, self.optimizer, state_dir)
         save_rng(state_dir / RNG_DIR, comm.rank())
         if comm.rank() == 0:

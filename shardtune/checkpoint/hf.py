@@ -281,7 +281,7 @@ def save_hf_checkpoint(
     )
     total = sum(it.nbytes for it in items)
     with _progress(total, desc="save") as bar:
-        problems = hf_export.write_data(out_dir, files, on_item=bar.update)
+        problems = hf_export.write_data(out_dir, files, on_item=bar.update, fault="save:mid_tensor")
     comm.raise_on_every_rank(problems, header=f"Writing the HF checkpoint in {out_dir} failed:", error=CheckpointError)
     if comm.rank() == 0:
         _log_done("Saved", out_dir, total, start)

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardtune.checkpoint.safetensors_io import build_header, pwrite_tensor
+from shardtune.faults import fault_point
 from shardtune.peft.lora import LoRALinear
 from shardtune.state_dict import comm, nf4
 from shardtune.state_dict.gather import gather_to_rank0
@@ -193,11 +194,16 @@ def create_files(out_dir: str, files: list[FilePlan]) -> None:
 
 
 @torch.no_grad()
-def write_data(out_dir: str, files: list[FilePlan], *, on_item: Callable[[int], None] | None = None) -> list[str]:
+def write_data(
+    out_dir: str, files: list[FilePlan], *, on_item: Callable[[int], None] | None = None, fault: str | None = None
+) -> list[str]:
     """Collective: call on all ranks. Each rank writes its blocks into the files; returns this
-    rank's problems (to be raised on every rank by the caller, after the last collective)."""
+    rank's problems (to be raised on every rank by the caller, after the last collective).
+
+    ``fault`` names the :func:`~shardtune.faults.fault_point` reached once, after this rank's
+    first tensor is written (reliability tests)."""
     problems = comm.Problems()
-    writer = _Writer(out_dir, problems)
+    writer = _Writer(out_dir, problems, fault=fault)
     for plan in files:
         for item in plan.items:
             _write_item(item, plan, writer, problems)
@@ -210,10 +216,11 @@ def write_data(out_dir: str, files: list[FilePlan], *, on_item: Callable[[int], 
 class _Writer:
     """This rank's open output files, opened on first write and fsynced at the end."""
 
-    def __init__(self, out_dir: str, problems: comm.Problems) -> None:
+    def __init__(self, out_dir: str, problems: comm.Problems, *, fault: str | None = None) -> None:
         self.out_dir = out_dir
         self.problems = problems
         self.fds: dict[str, int] = {}
+        self.fault = fault  # reached after the first write, then cleared
 
     def write(self, file_name: str, tensor: torch.Tensor, offset: int) -> None:
         if file_name not in self.fds:
@@ -226,6 +233,9 @@ class _Writer:
                     "filesystem shared by all ranks"
                 ) from None
         pwrite_tensor(self.fds[file_name], tensor, offset)
+        if self.fault is not None:
+            fault, self.fault = self.fault, None
+            fault_point(fault)
 
     def close(self) -> None:
         for file_name, fd in self.fds.items():

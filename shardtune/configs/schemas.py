@@ -122,6 +122,8 @@ BASE_SCHEMA = Schema(
         "process_group_timeout_s": Field(float, 1800.0, gt=0),
         "save_every_n_steps": Field((int, None), None, gt=0),
         "keep_last_n": Field((int, None), None, gt=0, help="checkpoints to keep; null keeps all"),
+        "checkpoint_format": Field(str, "hf", choices=("hf", "dcp"), help="format of intermediate checkpoints"),
+        "async_save": Field(bool, False, help="write intermediate DCP checkpoints in the background"),
     },
     checks=(_check_base,),
 )

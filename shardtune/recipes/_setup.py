@@ -152,6 +152,8 @@ def build_checkpointer(cfg: Config, run: Run, model, opt, sched, base_dir: Path,
         fingerprint=marks,
         seed=cfg.seed,
         device=run.device,
+        intermediate_format=cfg.checkpoint_format,
+        async_save=cfg.async_save,
     )
 
 

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from shardtune.state_dict import comm, nf4
+from shardtune.state_dict.faults import fault_point
 from shardtune.state_dict.keys import ModelEntry, model_entries
 from shardtune.state_dict.layout import TensorLayout, layout_of, unsupported_placement
 
@@ -69,11 +70,13 @@ def load_from_full_model_state_dict(
     transfer_device = comm.comm_device(device)
     plan = _agree_on_plan(model_entries(model), full_sd, strict=strict)
     problems = comm.Problems()
-    for item in plan.items:
+    for index, item in enumerate(plan.items):
         value = full_sd[item.key] if full_sd else None
         new_local = _my_piece(item, value, plan.mode, local_device, transfer_device, problems)
         with problems.guard(item.key):
             _install(item.entry, new_local)
+            if index == 0:
+                fault_point("load:mid")
     comm.raise_on_every_rank(problems, header="Loading the full model state dict failed:")
     return _IncompatibleKeys(plan.missing, plan.unexpected)
 
@@ -406,3 +409,20 @@ def _can_fill_in_place(current: torch.Tensor, new_local: torch.Tensor) -> bool:
         and current.dtype == new_local.dtype
         and current.device == new_local.device
     )
+
+
+@torch.no_grad()
+def materialize_meta(model: nn.Module, device: torch.device | str) -> list[str]:
+    """Give every meta-device param and persistent buffer uninitialized local storage on ``device``.
+
+    Local to each rank (no collectives). The storage is swapped into the existing Parameter
+    objects, as a load does, for readers that fill tensors in place (e.g. DCP). NF4 params
+    are skipped (they need values to be quantized). Returns the names materialized.
+    """
+    done = []
+    for entry in model_entries(model):
+        local = _local(entry.tensor)
+        if local.is_meta and not nf4.is_nf4(local):
+            _install(entry, torch.empty(local.shape, dtype=local.dtype, device=device))
+            done.extend(entry.fqns)
+    return done

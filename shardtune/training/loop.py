@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from shardtune.checkpoint.checkpointer import Checkpointer
 from shardtune.checkpoint.state import TrainingProgress
+from shardtune.faults import fault_point
 from shardtune.training.metrics import MetricLogger, peak_memory_mib
 
 LossFn = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
@@ -86,6 +87,7 @@ def run_training(
             window.reduce()
             _scale_grads(model, window.global_tokens)
             grad_norm = _step(model, optimizer, lr_scheduler, settings.clip_grad_norm)
+            fault_point("train:step")
             step += 1
             done_in_epoch += 1
             bar.update(1)
@@ -100,8 +102,11 @@ def run_training(
                 )
         bar.close()
         sampler.set_epoch(epoch + 1)
-        checkpointer.save(step=step, epoch=epoch + 1, sampler_state=sampler.state_dict())
+        checkpointer.save(
+            step=step, epoch=epoch + 1, sampler_state=sampler.state_dict(), final=epoch + 1 == settings.epochs
+        )
         progress = TrainingProgress(step=step, epoch=epoch + 1)
+    checkpointer.wait()
     return progress
 
 

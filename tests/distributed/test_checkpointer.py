@@ -214,3 +214,48 @@ def test_incomplete_checkpoints_are_never_picked_and_leftovers_are_cleaned(pool2
     # the next save in out/ removes the leftover
     pool2.run_ok(_three_saves, base_dir, str(out), None)
     assert not any(p.name.startswith(".tmp-") for p in out.iterdir())
+
+
+def _dcp_async_round_trip(base: str, out: str, lora: bool):
+    model, opt, sched, ck = _setup(base, out, lora=lora)
+    ck = Checkpointer(output_dir=out, model=model, optimizer=opt, lr_scheduler=sched, base_dir=base,
+                      fingerprint={"model": "a"}, seed=7, intermediate_format="dcp", async_save=True)
+    _start(model, ck, lora=lora)
+    _train(model, opt, sched, range(2))
+    path = ck.save(step=2, epoch=0, batches_in_epoch=2)
+    published_early = Path(path).exists()  # not before the background write is waited for
+    ck.wait()
+    saved = gather_cpu_state_dict(model, dist.get_rank() == 0)
+    uninterrupted = _train(model, opt, sched, range(2, 4))
+    model2, opt2, sched2, ck2 = _setup(base, out, lora=lora)
+    progress = _start(model2, ck2, lora=lora)
+    resumed = _train(model2, opt2, sched2, range(2, 4))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        files = sorted(p.name for p in Path(path).iterdir())
+    else:
+        files = None
+    return {"early": published_early, "files": files, "step": progress.step, "same": resumed == uninterrupted,
+            "saved": saved if dist.get_rank() == 0 else None, "path": str(path)}
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_dcp_async_intermediate_checkpoint_resumes_and_converts(pool2, base_dir, tmp_path, lora):
+    import transformers
+
+    from shardtune.checkpoint.dcp_format import convert_dcp_to_hf
+
+    res = pool2.run_ok(_dcp_async_round_trip, base_dir, str(tmp_path / "out"), lora)
+    assert all(r["same"] and r["step"] == 2 for r in res)
+    assert not res[0]["early"]
+    assert "dcp" in res[0]["files"] and "model.safetensors" not in res[0]["files"]
+    # single-process conversion of the DCP checkpoint into an HF model directory
+    converted = convert_dcp_to_hf(res[0]["path"], tmp_path / "hf", base_dir=base_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(converted).eval()
+    saved = res[0]["saved"]
+    if not lora:
+        assert all(torch.equal(hf.state_dict()[k], v) for k, v in saved.items())
+    else:  # merged: W + scaling * B @ A of the saved adapters
+        q = "model.layers.0.self_attn.q_proj"
+        merged = saved[f"{q}.weight"] + LORA["alpha"] / LORA["rank"] * saved[f"{q}.lora_B.weight"] @ saved[f"{q}.lora_A.weight"]
+        assert torch.allclose(hf.state_dict()[f"{q}.weight"], merged, atol=1e-6)

@@ -220,3 +220,20 @@ def test_cli_reports_bad_config_with_suggestions(tmp_path):
     assert proc.returncode != 0
     assert "did you mean 'optimizer.lr'" in proc.stderr and "lora.rank" in proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_async_dcp_intermediate_checkpoints_resume_exactly(runs, tiny_dirs, tmp_path):
+    """checkpoint_format=dcp + async_save: intermediate saves are DCP shards written in the
+    background; resuming from one continues with the uninterrupted run's losses; the final
+    checkpoint is HF format."""
+    recipe, config = CASES["lora"]
+    first = tmp_path / "first"
+    run_recipe(recipe, config, *_overrides(tiny_dirs, "lora", first), "checkpoint_format=dcp", "async_save=true")
+    assert (first / "step_2" / "dcp").is_dir() and not (first / "step_2" / "adapter").exists()
+    assert (first / "epoch_2" / "adapter" / "adapter_model.safetensors").is_file()
+    assert losses(first) == losses(runs["lora"])  # the format does not change training
+    resumed = resume_copy(first, "step_2", tmp_path / "resumed")
+    run_recipe(recipe, config, *_overrides(tiny_dirs, "lora", resumed), "checkpoint_format=dcp", "async_save=true",
+               "resume_from_checkpoint=True")
+    again = losses(resumed)
+    assert sorted(again) == [3, 4, 5, 6] and all(again[s] == losses(first)[s] for s in again)

@@ -1,0 +1,118 @@
+"""Fast intermediate checkpoints in ``torch.distributed.checkpoint`` (DCP) format.
+
+Each rank writes its own shards (optionally in the background with ``dcp.async_save``); DCP
+reshards on load, so a resume may use another world size. Frozen params (a LoRA model's
+base, which is reloaded from the base model) are left out. ``convert_dcp_to_hf`` turns such
+a checkpoint into an HF model directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from shardtune.state_dict.load import materialize_meta
+
+DCP_DIR = "dcp"
+LORA_FILE = "lora.json"
+_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+# dcp.load already fails on any trainable key the checkpoint lacks; frozen params are loaded
+# from the base model, so setting the state must not ask for them.
+_LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def _state(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict:
+    if opt is None:
+        model_sd, _ = get_state_dict(model, [], options=_OPTIONS)
+        return {"model": model_sd}
+    model_sd, optim_sd = get_state_dict(model, opt, options=_OPTIONS)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save_dcp(
+    model: nn.Module, opt: torch.optim.Optimizer | None, path: Path, *, async_save: bool, group: dist.ProcessGroup | None = None
+) -> Future | None:
+    """Write the trainable params (and optimizer state) under ``path``.
+
+    Collective: call on all ranks. With ``async_save`` the shards are staged in CPU memory and
+    written by a background thread: returns a Future that each rank must wait on before the
+    checkpoint is published; otherwise returns None after writing.
+    """
+    state = _state(model, opt)
+    if async_save:
+        return dcp.async_save(state, checkpoint_id=str(path), process_group=group)
+    dcp.save(state, checkpoint_id=str(path))
+    return None
+
+
+def load_dcp(model: nn.Module, opt: torch.optim.Optimizer | None, path: Path, *, device: torch.device | str) -> None:
+    """Load a checkpoint written by :func:`save_dcp` (any world size). Collective.
+
+    Params still on the meta device get storage first; frozen params must already be loaded.
+    """
+    materialize_meta(model, device)
+    state = _state(model, opt)
+    dcp.load(state, checkpoint_id=str(path))
+    if opt is None:
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={}, options=_LOAD_OPTIONS)
+    else:
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_LOAD_OPTIONS)
+
+
+def write_model_description(model: nn.Module, directory: Path, base_dir: Path | None) -> None:
+    """What :func:`convert_dcp_to_hf` needs to rebuild the model: its config (and LoRA settings)."""
+    from shardtune.models import model_args_to_hf_config
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(model_args_to_hf_config(model.args), indent=2))
+    lora = getattr(model, "lora_config", None)
+    if lora is not None:
+        info = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": list(lora.target_modules),
+                "quantize_base": lora.quantize_base, "base_dir": str(base_dir) if base_dir else None}
+        (directory / LORA_FILE).write_text(json.dumps(info, indent=2))
+
+
+def convert_dcp_to_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, base_dir: str | os.PathLike | None = None) -> Path:
+    """Turn a shardtune checkpoint holding ``dcp/`` into an HF model directory (merged LoRA).
+
+    Runs in one process (the full model is held in CPU memory) or, under torchrun, sharded
+    over the ranks. LoRA checkpoints need the base model (``base_dir``, default: the one
+    recorded at save time).
+    """
+    from shardtune.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
+    from shardtune.models import llama_from_hf_config
+    from shardtune.peft import apply_lora
+
+    checkpoint_dir = Path(checkpoint_dir)
+    if not (checkpoint_dir / DCP_DIR).is_dir():
+        raise FileNotFoundError(f"{checkpoint_dir} has no {DCP_DIR}/ folder; it is not a DCP checkpoint of shardtune")
+    sharded = dist.is_initialized() and dist.get_world_size() > 1
+    with torch.device("meta"):
+        model = llama_from_hf_config(checkpoint_dir / "config.json")
+    lora_file = checkpoint_dir / LORA_FILE
+    lora = json.loads(lora_file.read_text()) if lora_file.is_file() else None
+    if lora is not None:
+        with torch.device("meta"):
+            apply_lora(model, rank=lora["rank"], alpha=lora["alpha"], dropout=lora["dropout"],
+                       target_modules=lora["target_modules"], quantize_base=lora["quantize_base"])
+    if sharded:
+        from shardtune.distributed import shard_model
+
+        shard_model(model)
+    base = base_dir or (lora or {}).get("base_dir")
+    if lora is not None:
+        if base is None:
+            raise ValueError(f"{checkpoint_dir} holds LoRA adapters only; pass base_dir=<the HF base model>")
+        load_hf_checkpoint(model, base, device="cpu")
+    load_dcp(model, None, checkpoint_dir / DCP_DIR, device="cpu")
+    tokenizer_dir = base if base is not None and (Path(base) / "tokenizer.json").is_file() else checkpoint_dir
+    save_hf_checkpoint(model, out_dir, merge_adapters=True, tokenizer_dir=tokenizer_dir)
+    return Path(out_dir)
