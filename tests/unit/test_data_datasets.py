@@ -247,7 +247,7 @@ def test_bundled_assets_are_regenerated_identically_and_load(tok):
 def test_build_dataset_from_a_loaded_config(tok):
     from shardtune.config import LORA_SCHEMA, load_config
 
-    cfg = load_config("tiny/lora", ["max_seq_len=64", "dataset.1.max_samples=5"], schema=LORA_SCHEMA)
+    cfg = load_config("tiny/lora_multi_dataset", ["max_seq_len=64", "dataset.1.max_samples=5"], schema=LORA_SCHEMA)
     ds = build_dataset(cfg.dataset, tok, max_seq_len=cfg.max_seq_len, packed=True)
     assert isinstance(ds, PackedDataset) and all(len(p["tokens"]) == 64 for p in ds)
     n_instruct = len(load_records(asset_path("tiny_instruct.jsonl")))
