@@ -20,6 +20,7 @@ import shutil
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from tqdm import tqdm
 
 from shardtune.checkpoint import hf_export
+from shardtune.checkpoint.atomic import fsync_dir
 from shardtune.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorSlice, parse_size
 from shardtune.state_dict import comm, load_from_full_model_state_dict, nf4
 from shardtune.state_dict.keys import format_problems, model_entries
@@ -348,7 +350,7 @@ def _write_skeleton(
         _write_json(os.path.join(out_dir, "config.json"), hf_config)
         if tokenizer_dir is not None:
             _copy_tokenizer(os.fspath(tokenizer_dir), out_dir)
-        _fsync_dir(out_dir)
+        fsync_dir(Path(out_dir))
     return list(problems)
 
 
@@ -379,14 +381,6 @@ def _copy_tokenizer(tokenizer_dir: str, out_dir: str) -> None:
             shutil.copyfile(src, dst)
             with open(dst, "rb+") as f:
                 os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --- progress --------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from shardtune.data import build_dataloader, build_dataset, collate, load_tokeni
 from shardtune.distributed import init_distributed, shard_model
 from shardtune.models import cross_entropy_loss, llama_from_hf_config
 from shardtune.peft import apply_lora, init_lora_parameters
-from shardtune.training.loop import LoopSettings, steps_per_epoch
+from shardtune.training.loop import LoopSettings, run_training, steps_per_epoch
 from shardtune.training.metrics import MetricLogger
 from shardtune.training.optim import build_lr_scheduler, build_optimizer
 
@@ -168,8 +168,26 @@ def load_weights(cfg: Config, run: Run, model: nn.Module, checkpointer: Checkpoi
     return progress
 
 
-def metric_logger(cfg: Config, run: Run) -> MetricLogger:
-    return MetricLogger(cfg.output_dir, enabled=run.is_rank_zero)
+def next_token_loss(model: nn.Module, run: Run):
+    """``loss_fn`` for the loop: next-token cross-entropy of ``model`` on a batch."""
+
+    def loss_fn(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        labels = batch["labels"].to(run.device)
+        return lm_loss(model(batch["tokens"].to(run.device)), labels), label_tokens(labels)
+
+    return loss_fn
+
+
+def train_and_finish(
+    cfg: Config, run: Run, recipe: str, *, model, loss_fn, loader, sampler, optimizer, lr_scheduler, checkpointer, progress
+) -> None:
+    """The shared loop (metrics to ``<output_dir>/metrics.jsonl``), then the closing message."""
+    logger = MetricLogger(cfg.output_dir, enabled=run.is_rank_zero)
+    run_training(
+        model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=optimizer, lr_scheduler=lr_scheduler,
+        checkpointer=checkpointer, logger=logger, settings=loop_settings(cfg), progress=progress,
+    )
+    finish(cfg, run, checkpointer, recipe, logger)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from shardtune.models import early_exit_loss
 from shardtune.models.layer_dropout import parse_layer_range
 from shardtune.recipes import _setup as setup
 from shardtune.recipes._entry import main
-from shardtune.training.loop import run_training, steps_per_epoch
+from shardtune.training.loop import steps_per_epoch
 
 NAME = "early_exit_finetune_distributed"
 
@@ -53,9 +53,7 @@ def recipe_main(cfg: Config) -> None:
     opt, sched = setup.build_optimization(cfg, model, len(loader))
     checkpointer = setup.build_checkpointer(cfg, run, model, opt, sched, base_dir)
     progress = setup.load_weights(cfg, run, model, checkpointer)
-    logger = setup.metric_logger(cfg, run)
-    settings = setup.loop_settings(cfg)
-    total_steps = steps_per_epoch(len(loader), settings) * cfg.epochs
+    total_steps = steps_per_epoch(len(loader), setup.loop_settings(cfg)) * cfg.epochs
 
     def loss_fn(batch):
         tokens, labels = batch["tokens"].to(run.device), batch["labels"].to(run.device)
@@ -69,11 +67,10 @@ def recipe_main(cfg: Config) -> None:
             )
         return loss, setup.label_tokens(labels)
 
-    run_training(
-        model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt, lr_scheduler=sched,
-        checkpointer=checkpointer, logger=logger, settings=settings, progress=progress,
+    setup.train_and_finish(
+        cfg, run, NAME, model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt,
+        lr_scheduler=sched, checkpointer=checkpointer, progress=progress,
     )
-    setup.finish(cfg, run, checkpointer, NAME, logger)
 
 
 if __name__ == "__main__":

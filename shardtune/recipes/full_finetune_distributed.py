@@ -7,7 +7,6 @@ import sys
 from shardtune.config import Config
 from shardtune.recipes import _setup as setup
 from shardtune.recipes._entry import main
-from shardtune.training.loop import run_training
 
 NAME = "full_finetune_distributed"
 
@@ -21,18 +20,11 @@ def recipe_main(cfg: Config) -> None:
     opt, sched = setup.build_optimization(cfg, model, len(loader))
     checkpointer = setup.build_checkpointer(cfg, run, model, opt, sched, base_dir)
     progress = setup.load_weights(cfg, run, model, checkpointer)
-    logger = setup.metric_logger(cfg, run)
-
-    def loss_fn(batch):
-        logits = model(batch["tokens"].to(run.device))
-        labels = batch["labels"].to(run.device)
-        return setup.lm_loss(logits, labels), setup.label_tokens(labels)
-
-    run_training(
-        model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt, lr_scheduler=sched,
-        checkpointer=checkpointer, logger=logger, settings=setup.loop_settings(cfg), progress=progress,
+    loss_fn = setup.next_token_loss(model, run)
+    setup.train_and_finish(
+        cfg, run, NAME, model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt,
+        lr_scheduler=sched, checkpointer=checkpointer, progress=progress,
     )
-    setup.finish(cfg, run, checkpointer, NAME, logger)
 
 
 if __name__ == "__main__":

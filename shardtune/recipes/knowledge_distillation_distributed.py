@@ -15,7 +15,6 @@ from shardtune.config import Config
 from shardtune.models import forward_kl_loss
 from shardtune.recipes import _setup as setup
 from shardtune.recipes._entry import main
-from shardtune.training.loop import run_training
 
 NAME = "knowledge_distillation_distributed"
 TEACHER_SEED = 4321  # the tiny teacher preset, when created, differs from the tiny student base
@@ -37,7 +36,6 @@ def recipe_main(cfg: Config) -> None:
         cfg, run, model, opt, sched, base_dir, adapter_weights_only=cfg.save_adapter_weights_only
     )
     progress = setup.load_weights(cfg, run, model, checkpointer)
-    logger = setup.metric_logger(cfg, run)
 
     def loss_fn(batch):
         tokens, labels = batch["tokens"].to(run.device), batch["labels"].to(run.device)
@@ -48,11 +46,10 @@ def recipe_main(cfg: Config) -> None:
         kd = forward_kl_loss(logits[:, :-1].float(), teacher_logits[:, :-1].float(), labels[:, 1:])
         return (1 - cfg.kd_ratio) * ce + cfg.kd_ratio * kd, setup.label_tokens(labels)
 
-    run_training(
-        model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt, lr_scheduler=sched,
-        checkpointer=checkpointer, logger=logger, settings=setup.loop_settings(cfg), progress=progress,
+    setup.train_and_finish(
+        cfg, run, NAME, model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt,
+        lr_scheduler=sched, checkpointer=checkpointer, progress=progress,
     )
-    setup.finish(cfg, run, checkpointer, NAME, logger)
 
 
 if __name__ == "__main__":

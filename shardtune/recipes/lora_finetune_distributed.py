@@ -11,7 +11,6 @@ import sys
 from shardtune.config import Config
 from shardtune.recipes import _setup as setup
 from shardtune.recipes._entry import main
-from shardtune.training.loop import run_training
 
 NAME = "lora_finetune_distributed"
 
@@ -27,18 +26,11 @@ def recipe_main(cfg: Config) -> None:
         cfg, run, model, opt, sched, base_dir, adapter_weights_only=cfg.save_adapter_weights_only
     )
     progress = setup.load_weights(cfg, run, model, checkpointer)
-    logger = setup.metric_logger(cfg, run)
-
-    def loss_fn(batch):
-        logits = model(batch["tokens"].to(run.device))
-        labels = batch["labels"].to(run.device)
-        return setup.lm_loss(logits, labels), setup.label_tokens(labels)
-
-    run_training(
-        model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt, lr_scheduler=sched,
-        checkpointer=checkpointer, logger=logger, settings=setup.loop_settings(cfg), progress=progress,
+    loss_fn = setup.next_token_loss(model, run)
+    setup.train_and_finish(
+        cfg, run, NAME, model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt,
+        lr_scheduler=sched, checkpointer=checkpointer, progress=progress,
     )
-    setup.finish(cfg, run, checkpointer, NAME, logger)
 
 
 if __name__ == "__main__":
