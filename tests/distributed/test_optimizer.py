@@ -193,3 +193,32 @@ def _load_into_stepped_optimizer(mode: str):
 def test_load_into_existing_state_is_in_place(pool2, mode):
     res = pool2.run_ok(_load_into_stepped_optimizer, mode)
     assert all(r["same_objects"] and r["values_restored"] for r in res)
+
+
+def _optimizer_per_parameter():
+    """Optimizer-in-backward style: one optimizer per param, the functions called per optimizer."""
+    sd = toy.full_state_dict(seed=16)
+    model, _ = _sharded(sd, "adamw")
+    opts = {n: torch.optim.AdamW([p], lr=1e-2) for n, p in model.named_parameters()}
+    tokens = _batch(0)
+    F.cross_entropy(model(tokens)[:, :-1].reshape(-1, toy.VOCAB), tokens[:, 1:].reshape(-1)).backward()
+    for opt in opts.values():
+        opt.step()
+    saved = {n: get_full_optimizer_state_dict(model, opt, dist.get_rank() == 0) for n, opt in opts.items()}
+    fresh, _ = _sharded(sd, "adamw")
+    fresh_opts = {n: torch.optim.AdamW([p], lr=5.0) for n, p in fresh.named_parameters()}
+    for n, opt in fresh_opts.items():
+        load_from_full_optimizer_state_dict(fresh, opt, saved[n], "cpu")
+    reloaded = {n: get_full_optimizer_state_dict(fresh, opt, dist.get_rank() == 0) for n, opt in fresh_opts.items()}
+    if dist.get_rank() != 0:
+        return True
+    return all(
+        reloaded[n]["param_groups"][0]["params"] == [n] == saved[n]["param_groups"][0]["params"]
+        and reloaded[n]["param_groups"][0]["lr"] == 1e-2
+        and all(torch.equal(reloaded[n]["state"][n][k], v) for k, v in saved[n]["state"][n].items())
+        for n in saved
+    )
+
+
+def test_one_optimizer_per_parameter(pool2):
+    assert all(pool2.run_ok(_optimizer_per_parameter))
