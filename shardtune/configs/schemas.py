@@ -118,7 +118,7 @@ BASE_SCHEMA = Schema(
         "shuffle": Field(bool, True),
         "log_every_n_steps": Field(int, 1, gt=0),
         "enable_activation_checkpointing": Field(bool, False),
-        "compile": Field(bool, False),
+        "loggers": Field(list, [], item=str, choices=("tensorboard", "wandb"), help="extra metric sinks"),
         "process_group_timeout_s": Field(float, 1800.0, gt=0),
         "save_every_n_steps": Field((int, None), None, gt=0),
         "keep_last_n": Field((int, None), None, gt=0, help="checkpoints to keep; null keeps all"),

@@ -182,7 +182,7 @@ def train_and_finish(
     cfg: Config, run: Run, recipe: str, *, model, loss_fn, loader, sampler, optimizer, lr_scheduler, checkpointer, progress
 ) -> None:
     """The shared loop (metrics to ``<output_dir>/metrics.jsonl``), then the closing message."""
-    logger = MetricLogger(cfg.output_dir, enabled=run.is_rank_zero)
+    logger = MetricLogger(cfg.output_dir, enabled=run.is_rank_zero, loggers=tuple(cfg.loggers))
     run_training(
         model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=optimizer, lr_scheduler=lr_scheduler,
         checkpointer=checkpointer, logger=logger, settings=loop_settings(cfg), progress=progress,

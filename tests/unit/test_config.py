@@ -72,7 +72,7 @@ def test_overrides_nested_list_index_and_types(tmp_path):
         "optimizer.betas=[0.8, 0.95]",
         "epochs=3",
         "max_steps_per_epoch=null",
-        "compile=true",
+        "enable_activation_checkpointing=true",
         "output_dir=2024",  # a string field keeps the text
         "dataset.0.path=b.jsonl",
         "dataset.1.path=c.jsonl",  # appends a new list item
@@ -82,7 +82,7 @@ def test_overrides_nested_list_index_and_types(tmp_path):
     ]
     cfg = load_config(_write(tmp_path, base), overrides, schema=LORA_SCHEMA)
     assert cfg.optimizer.lr == 3e-4 and cfg.optimizer.betas == [0.8, 0.95]
-    assert cfg.epochs == 3 and cfg.max_steps_per_epoch is None and cfg.compile is True
+    assert cfg.epochs == 3 and cfg.max_steps_per_epoch is None and cfg.enable_activation_checkpointing is True
     assert cfg.output_dir == "2024"
     assert [d.path for d in cfg.dataset] == ["b.jsonl", "c.jsonl"] and cfg.dataset[1].format == "chat"
     assert cfg.lora.rank == 4 and cfg.lora.alpha == 16.0 and cfg.lora.target_modules == ["q_proj", "v_proj", "lm_head"]

@@ -1,0 +1,27 @@
+import importlib.util
+import json
+
+import pytest
+
+from shardtune.training.metrics import MetricLogger
+
+
+def test_rank_zero_writes_jsonl_rows_and_other_ranks_nothing(tmp_path, capsys):
+    logger = MetricLogger(tmp_path / "a", enabled=True)
+    logger.log({"step": 1, "epoch": 0, "loss": 2.5, "lr": 1e-3})
+    logger.log({"step": 2, "epoch": 0, "loss": 2.25, "lr": 1e-3})
+    logger.close()
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["loss"] == 2.25
+    assert "loss=2.25" in capsys.readouterr().out
+    silent = MetricLogger(tmp_path / "b", enabled=False)
+    silent.log({"step": 1})
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed")
+def test_a_logger_whose_package_is_missing_says_how_to_install_it(tmp_path):
+    with pytest.raises(ValueError, match="pip install tensorboard"):
+        MetricLogger(tmp_path, enabled=True, loggers=("tensorboard",))
+    with pytest.raises(ValueError, match="unknown logger"):
+        MetricLogger(tmp_path, enabled=True, loggers=("mlflow",))
