@@ -156,6 +156,19 @@ def _copy_into(block: torch.Tensor | None, flat: torch.Tensor) -> None:
         flat[: block.numel()].view(block.shape).copy_(block)
 
 
+def all_gather_varlen(local: torch.Tensor, numels: list[int]) -> list[torch.Tensor]:
+    """Collective: call on all ranks. Every rank's flat ``local`` (rank r has ``numels[r]``
+    elements), padded to the longest for one ``all_gather``; returned unpadded, by rank."""
+    longest = max(numels)
+    padded = torch.zeros(longest, dtype=local.dtype, device=local.device)
+    padded[: local.numel()] = local.flatten()
+    gathered = [torch.empty_like(padded) for _ in numels]
+    dist.all_gather(gathered, padded)
+    stats.bytes_sent += longest * padded.element_size() * (len(numels) - 1)
+    stats.bytes_received += longest * padded.element_size() * (len(numels) - 1)
+    return [g[:n] for g, n in zip(gathered, numels)]
+
+
 def broadcast_from_rank0(tensor: torch.Tensor) -> torch.Tensor:
     """Collective: call on all ranks. Rank 0's ``tensor`` is copied into every rank's ``tensor``."""
     nbytes = tensor.numel() * tensor.element_size()

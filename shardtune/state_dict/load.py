@@ -227,9 +227,7 @@ def _my_piece(
     if nf4.is_nf4(like):
         if mode == RANK0:
             return _scatter_nf4(item, value, like, device, transfer_device, problems)
-        with problems.guard(item.key):
-            return _slice_nf4(item, value, like, device)
-        return None
+        return _slice_nf4(item, value, like, device, problems)
     into = fillable(like, device=device)
     if mode == RANK0:
         return scatter_dense(
@@ -338,9 +336,34 @@ def _whole(value: Any, layout: TensorLayout) -> Any:
     return value if nf4.is_nf4(value) else read_block(value, tuple(slice(None) for _ in layout.shape))
 
 
-def _slice_nf4(item: _Item, value: Any, like: torch.Tensor, device: torch.device) -> torch.Tensor:
-    quantized = nf4.quantize_like(_whole(value, item.layout), like, device=device)
-    return nf4.nf4_rows(quantized, *_row_blocks(item.layout)[comm.rank()])
+def _slice_nf4(item: _Item, value: Any, like: torch.Tensor, device: torch.device, problems: comm.Problems) -> torch.Tensor | None:
+    """This rank's NF4 block when every rank holds the full value.
+
+    An NF4 value (same block sizes) is cut by rows. A plain value is read and quantized per
+    shard: each rank reads only its rows; the one global quantity (the mean of the block
+    scalers) comes from a small all-gather of every shard's scalers (1/block_size of the data).
+    """
+    if nf4.is_nf4(value) and nf4.block_sizes(value) == nf4.block_sizes(like) and value.dtype == like.dtype:
+        with problems.guard(item.key):
+            return nf4.nf4_rows(value.to(device), *_row_blocks(item.layout)[comm.rank()])
+        return None
+    if item.layout.pieces is None:
+        with problems.guard(item.key):
+            return nf4.quantize_like(_whole(value, item.layout), like, device=device)
+        return None
+    owners = sorted(item.layout.owners().items(), key=lambda kv: kv[0].offset)
+    numels = [p.numel // like.block_size for p in item.layout.pieces]
+    rows, scalers = None, torch.zeros(numels[comm.rank()], dtype=like.dtype, device=device)
+    with problems.guard(item.key):
+        rows = read_block(value, item.layout.pieces[comm.rank()].slices).to(device=device, dtype=like.dtype)
+        scalers = nf4.block_scalers(rows, like)
+    parts = comm.all_gather_varlen(scalers, numels)  # collective even after a failed read
+    mean = torch.cat([parts[rank] for _, rank in owners]).mean()
+    if rows is None:
+        return None
+    with problems.guard(item.key):
+        return nf4.quantize_shard(rows, like, scaler_mean=mean)
+    return None
 
 
 def _scatter_nf4(item, value, like, device, transfer_device, problems) -> torch.Tensor:

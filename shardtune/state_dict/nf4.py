@@ -9,7 +9,12 @@ they share its ``scaler_mean`` and FSDP's all-gather of the inner tensors reasse
 from __future__ import annotations
 
 import torch
-from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs, to_nf4
+from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (
+    NF4Tensor,
+    SubclassTensorArgs,
+    get_block_absmax,
+    to_nf4,
+)
 
 from shardtune.state_dict.layout import TensorLayout
 
@@ -56,6 +61,37 @@ def quantize_like(full: torch.Tensor, like: NF4Tensor, *, device: torch.device) 
         full = full.get_original_weight()
     plain = full.to(device=device, dtype=like.dtype).contiguous()
     return to_nf4(plain, like.block_size, like.scaler_block_size)
+
+
+def block_scalers(rows: torch.Tensor, like: NF4Tensor) -> torch.Tensor:
+    """First-level NF4 scalers (absmax of every ``block_size`` block) of a shard's rows."""
+    return get_block_absmax(rows.flatten(), like.block_size)
+
+
+def quantize_shard(rows: torch.Tensor, like: NF4Tensor, *, scaler_mean: torch.Tensor) -> NF4Tensor:
+    """NF4-quantize one shard's rows exactly as ``to_nf4`` quantizes them inside the full tensor.
+
+    Only the mean of the first-level scalers is global; given it (from every shard's
+    :func:`block_scalers`), the blocks and scaler blocks a shard owns quantize on their own.
+    The steps mirror torchao's ``NF4Tensor.from_tensor`` so the result is bit-identical.
+    """
+    flat = rows.contiguous().flatten()
+    block, group = like.block_size, like.scaler_block_size
+    lookup = to_nf4(torch.zeros(block * group, dtype=like.dtype, device=flat.device), block, group).nf4
+    scalers = get_block_absmax(flat, block) - scaler_mean
+    n_groups = scalers.numel() // group
+    factor = 256 / (2 * get_block_absmax(scalers, group).unsqueeze(-1).expand(n_groups, group))
+    quantized_scalers = (scalers.view(n_groups, group) * factor).round().clamp(-128, 127).flatten().to(torch.int8)
+    data = NF4Tensor.convert_to_norm_float_weight(flat, flat.numel() // block, block, lookup)
+    return _nf4_from_parts(
+        shape=tuple(rows.shape),
+        like=like,
+        quantized_data=data,
+        quantized_scalers=quantized_scalers,
+        quantization_factor=factor[:, 0].contiguous(),
+        scaler_mean=scaler_mean,
+        nf4=lookup,
+    )
 
 
 def nf4_rows(q: NF4Tensor, start: int, rows: int) -> NF4Tensor:
