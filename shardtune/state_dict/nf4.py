@@ -88,7 +88,8 @@ def quantize_shard(rows: torch.Tensor, like: NF4Tensor, *, scaler_mean: torch.Te
         like=like,
         quantized_data=data,
         quantized_scalers=quantized_scalers,
-        quantization_factor=factor[:, 0].contiguous(),
+        # A fresh 1-D tensor: a (1,)-shaped column view keeps stride 256, which FSDP cannot view as bytes.
+        quantization_factor=torch.empty(n_groups, dtype=factor.dtype, device=factor.device).copy_(factor[:, 0]),
         scaler_mean=scaler_mean,
         nf4=lookup,
     )
