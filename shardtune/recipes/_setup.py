@@ -5,6 +5,8 @@ Each function does one setup job from the validated config; recipes call them to
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import random
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from shardtune.data import build_dataloader, build_dataset, collate, load_tokeni
 from shardtune.distributed import init_distributed, shard_model
 from shardtune.models import cross_entropy_loss, llama_from_hf_config
 from shardtune.peft import apply_lora, init_lora_parameters
+from shardtune.state_dict.comm import all_gather_objects
 from shardtune.training.loop import LoopSettings, run_training, steps_per_epoch
 from shardtune.training.metrics import MetricLogger
 from shardtune.training.optim import build_lr_scheduler, build_optimizer
@@ -45,10 +48,23 @@ def start(cfg: Config) -> Run:
     """Process group (with the configured collective timeout), logging and seeds."""
     rank, world = init_distributed(timeout_s=cfg.process_group_timeout_s)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    _agree_on_config(cfg)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     device = torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda", torch.cuda.current_device())
     return Run(rank=rank, world_size=world, device=device, dtype=DTYPES[cfg.dtype])
+
+
+def _agree_on_config(cfg: Config) -> None:
+    """Collective: every rank must run the same config (a node with other files or overrides
+    would otherwise fail much later with a cryptic shape error or a hang)."""
+    digest = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
+    digests = all_gather_objects(digest)
+    odd = [r for r, d in enumerate(digests) if d != digests[0]]
+    if odd:
+        raise ValueError(
+            f"ranks {odd} run a different config than rank 0; give every node the same config file and overrides"
+        )
 
 
 def base_model_dir(cfg: Config, run: Run, *, key: str = "checkpoint_dir", preset_key: str = "model", seed: int | None = None) -> Path:

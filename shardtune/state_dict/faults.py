@@ -6,8 +6,8 @@ unless the environment variable ``SHARDTUNE_FAULT`` is set (read once, on the fi
     <point>:<rank>:<action>[:<nth>]
 
 e.g. ``save:mid_tensor:1:kill:2``: on rank 1, the 2nd time ``save:mid_tensor`` is reached,
-``kill`` the process with SIGKILL (a crash no handler can see) or ``raise``
-:class:`InjectedFault`. ``nth`` defaults to 1; the fault fires once per process. The rank is
+``kill`` the process with SIGKILL (a crash no handler can see), ``stop`` it with SIGSTOP (a
+rank that hangs: alive, connections open, never answering) or ``raise`` :class:`InjectedFault`. ``nth`` defaults to 1; the fault fires once per process. The rank is
 ``torch.distributed.get_rank()`` when a process group exists, else 0. Unknown points,
 actions or a malformed value raise ``ValueError`` at the first :func:`fault_point` call,
 so a typo never silently disables a test.
@@ -28,7 +28,7 @@ __all__ = ["ENV_VAR", "POINTS", "FaultSpec", "InjectedFault", "fault_point", "pa
 log = logging.getLogger(__name__)
 
 ENV_VAR = "SHARDTUNE_FAULT"
-ACTIONS = ("kill", "raise")
+ACTIONS = ("kill", "stop", "raise")
 POINTS = frozenset(
     {
         "save:begin",  # staging directory agreed, nothing written yet
@@ -104,12 +104,13 @@ def fault_point(name: str) -> None:
     if _State.hits != spec.nth:
         return
     where = f"{name} on rank {rank} (occurrence {spec.nth}, {ENV_VAR}={spec.point}:{spec.rank}:{spec.action}:{spec.nth})"
-    if spec.action == "kill":
-        log.warning("fault injected: SIGKILL at %s", where)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-    raise InjectedFault(f"fault injected at {where}")
+    if spec.action == "raise":
+        raise InjectedFault(f"fault injected at {where}")
+    sig = signal.SIGKILL if spec.action == "kill" else signal.SIGSTOP
+    log.warning("fault injected: %s at %s", sig.name, where)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os.kill(os.getpid(), sig)
 
 
 def _current_rank() -> int:

@@ -127,3 +127,19 @@ def test_read_failure_mid_load_raises_on_every_rank(pool2, mode):
 
 def test_errors_on_world4(pool4):
     _assert_same_error_everywhere(pool4.run(_keys_differ_on_one_rank, timeout=60), ["rank 1", "norm"])
+
+
+def _config_differs_on_one_rank():
+    from shardtune.config import load_config
+    from shardtune.configs.schemas import RECIPE_SCHEMAS
+    from shardtune.recipes._setup import _agree_on_config
+
+    lr = "0.01" if dist.get_rank() == 0 else "0.02"
+    cfg = load_config("tiny/full", [f"optimizer.lr={lr}"], schema=RECIPE_SCHEMAS["full_finetune_distributed"])
+    _agree_on_config(cfg)
+
+
+def test_recipe_setup_rejects_a_rank_with_another_config(pool2):
+    outcomes = pool2.run(_config_differs_on_one_rank, timeout=60)
+    assert not any(o.ok for o in outcomes) and len({o.error for o in outcomes}) == 1
+    assert "ranks [1] run a different config" in outcomes[0].error

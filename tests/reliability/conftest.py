@@ -1,0 +1,52 @@
+"""Fixtures of the reliability tests: the tiny base model, uninterrupted reference runs, a rank pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardtune.checkpoint.tiny import create_tiny_base
+from tests.distributed.conftest import pool2  # noqa: F401 - the persistent 2-rank pool, re-used here
+from tests.reliability.launch import Proc, run_cli
+
+RECIPES = {"lora": ("lora_finetune_distributed", "tiny/lora"), "full": ("full_finetune_distributed", "tiny/full")}
+STEPS = 8  # optimizer steps of every run below (one epoch, a checkpoint after every step)
+PG_TIMEOUT_S = 20.0  # process_group_timeout_s of every run: a dead peer must surface within it
+
+
+def overrides(base: Path, out: Path, *extra: str) -> list[str]:
+    """The settings every reliability run shares: one epoch of ``STEPS`` steps, ``step_<n>`` after each."""
+    return [
+        f"output_dir={out}", f"checkpoint_dir={base}", "epochs=1", f"max_steps_per_epoch={STEPS}", "batch_size=4",
+        "log_every_n_steps=1", "keep_last_n=null", "save_every_n_steps=1", f"process_group_timeout_s={PG_TIMEOUT_S}",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory) -> Path:
+    return create_tiny_base(tmp_path_factory.mktemp("reliability_models") / "tiny_base")
+
+
+class References:
+    """Uninterrupted 2-rank runs with :func:`overrides`, made on first use and shared."""
+
+    def __init__(self, base: Path, root: Path) -> None:
+        self.base = base
+        self.root = root
+        self.runs: dict[str, Path] = {}
+
+    def output_dir(self, case: str) -> Path:
+        if case not in self.runs:
+            recipe, config = RECIPES[case]
+            out = self.root / f"reference_{case}"
+            proc: Proc = run_cli(recipe, config, overrides(self.base, out))
+            assert proc.returncode == 0, proc.tail()
+            self.runs[case] = out
+        return self.runs[case]
+
+
+@pytest.fixture(scope="session")
+def references(tiny_base, tmp_path_factory) -> References:
+    return References(tiny_base, tmp_path_factory.mktemp("reliability_references"))
