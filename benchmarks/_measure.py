@@ -1,0 +1,307 @@
+"""Shared measurement helpers for shardtune benchmarks (see DESIGN.md §7).
+
+Three jobs, reusable by any benchmark in this package:
+
+* memory: read ``/proc/self/status``, reset ``VmHWM`` through ``/proc/self/clear_refs``
+  and sample ``RssAnon``/``RssFile`` in a background thread;
+* timing: :func:`measure_step` wraps one collective step with barriers and
+  ``time.perf_counter``;
+* processes: :func:`spawn_ranks` runs a function in ``world`` fresh Python processes
+  (torchrun-like environment, gloo on 127.0.0.1, a free port) and returns what each
+  rank returned, and :func:`drop_page_cache` evicts a file for cold-cache runs.
+
+Run as ``python -m benchmarks._measure SPEC RANK``: that is the per-rank entry point
+used by :func:`spawn_ranks`; it is not meant to be called by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import importlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+_STATUS_FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def read_status() -> dict[str, int]:
+    """Return ``VmHWM``, ``VmRSS``, ``RssAnon`` and ``RssFile`` of this process, in bytes."""
+    values: dict[str, int] = {}
+    with open("/proc/self/status", "rb") as f:
+        for line in f:
+            key, _, rest = line.partition(b":")
+            name = key.decode()
+            if name in _STATUS_FIELDS:
+                values[name] = int(rest.split()[0]) * 1024  # reported in kB
+    return values
+
+
+def reset_peak_rss() -> None:
+    """Reset ``VmHWM`` to the current RSS (writes ``5`` to ``/proc/self/clear_refs``)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def release_free_memory() -> None:
+    """Collect garbage and return freed heap pages to the OS so a baseline is honest."""
+    gc.collect()
+    with contextlib.suppress(OSError):  # not glibc: nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class RssSampler:
+    """Background thread that records the peak ``RssAnon`` and ``RssFile``."""
+
+    def __init__(self, *, interval_s: float = 0.002) -> None:
+        self.interval_s = interval_s
+        self.peak_anon = 0
+        self.peak_file = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def _sample(self) -> None:
+        status = read_status()
+        self.peak_anon = max(self.peak_anon, status["RssAnon"])
+        self.peak_file = max(self.peak_file, status["RssFile"])
+        self.samples += 1
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            time.sleep(self.interval_s)
+
+    def __enter__(self) -> RssSampler:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+@dataclass
+class StepMeasurement:
+    """Time and memory of one step on one rank (all memory values in bytes)."""
+
+    seconds: float
+    baseline_anon: int
+    baseline_file: int
+    peak_anon: int
+    peak_file: int
+    vm_hwm: int
+    samples: int
+
+    @property
+    def peak_anon_delta(self) -> int:
+        """Peak anonymous memory above the pre-step baseline."""
+        return self.peak_anon - self.baseline_anon
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain-dict form, with the derived delta included."""
+        return {**asdict(self), "peak_anon_delta": self.peak_anon_delta}
+
+
+def measure_step(
+    step: Callable[[], Any],
+    *,
+    barrier: Callable[[], None],
+    interval_s: float = 0.002,
+) -> tuple[Any, StepMeasurement]:
+    """Run ``step`` once and measure it on this rank.
+
+    Sequence: free memory, reset ``VmHWM``, record the baseline, start the sampler,
+    ``barrier()``, ``perf_counter``, ``step()``, ``perf_counter``, ``barrier()``, stop
+    the sampler, read ``VmHWM``. The time excludes both barriers.
+    """
+    release_free_memory()
+    reset_peak_rss()
+    baseline = read_status()
+    with RssSampler(interval_s=interval_s) as sampler:
+        barrier()
+        start = time.perf_counter()
+        result = step()
+        seconds = time.perf_counter() - start
+        barrier()
+    measurement = StepMeasurement(
+        seconds=seconds,
+        baseline_anon=baseline["RssAnon"],
+        baseline_file=baseline["RssFile"],
+        peak_anon=sampler.peak_anon,
+        peak_file=sampler.peak_file,
+        vm_hwm=read_status()["VmHWM"],
+        samples=sampler.samples,
+    )
+    return result, measurement
+
+
+# --------------------------------------------------------------------------- files
+
+
+def drop_page_cache(path: str | os.PathLike[str]) -> None:
+    """Evict ``path`` from the page cache (``POSIX_FADV_DONTNEED``) for a cold run."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def warm_page_cache(path: str | os.PathLike[str], *, chunk_bytes: int = 64 << 20) -> None:
+    """Read ``path`` once so that later runs find it in the page cache."""
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(chunk_bytes)
+        while f.readinto(buf):
+            pass
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def snapshot_sources(dest: Path, *, packages: tuple[str, ...] = ("shardtune", "benchmarks")) -> Path:
+    """Copy ``packages`` from the repo root to ``dest`` (replacing it) and return ``dest``.
+
+    Ranks started with ``root=dest`` import the copy, so edits made to the working tree
+    while a long benchmark runs cannot mix code versions between runs.
+    """
+    if dest.exists():
+        shutil.rmtree(dest)
+    for package in packages:
+        shutil.copytree(_REPO_ROOT / package, dest / package, ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+class RankFailure(RuntimeError):
+    """A spawned rank exited with an error; the message carries its stderr tail."""
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_env(*, rank: int, world: int, port: int, threads: int, root: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS=str(threads),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")])),
+    )
+    return env
+
+
+def _tail(path: Path, *, chars: int = 4000) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return text[-chars:]
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]], *, timeout_s: float) -> None:
+    """Wait for every process; on the first failure or the timeout, kill the rest."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs):
+        failed = any(p.returncode not in (None, 0) for p in procs)
+        if failed or time.monotonic() > deadline:
+            time.sleep(2.0 if failed else 0.0)  # let peers print their own error first
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            return
+        time.sleep(0.05)
+
+
+def spawn_ranks(
+    target: str,
+    *,
+    world: int,
+    kwargs: dict[str, Any],
+    timeout_s: float = 600.0,
+    threads_per_rank: int = 1,
+    root: Path = _REPO_ROOT,
+) -> list[dict[str, Any]]:
+    """Run ``target`` (``"module:function"``) once in each of ``world`` fresh processes.
+
+    Each rank joins a gloo process group on 127.0.0.1 before ``target(**kwargs)`` is
+    called; the JSON-serializable dict it returns is collected per rank. ``root`` is the
+    ranks' working directory and first import path (a source snapshot, for instance).
+    Raises :class:`RankFailure` with every failing rank's stderr tail if any rank fails.
+    """
+    with tempfile.TemporaryDirectory(prefix="shardtune-bench-") as tmp:
+        run_dir = Path(tmp)
+        spec = {"target": target, "kwargs": kwargs, "dir": str(run_dir), "timeout_s": timeout_s}
+        spec_path = run_dir / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        port = free_port()
+        procs = []
+        for rank in range(world):
+            with open(run_dir / f"rank{rank}.log", "wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "benchmarks._measure", str(spec_path), str(rank)],
+                        env=_rank_env(rank=rank, world=world, port=port, threads=threads_per_rank, root=root),
+                        cwd=root,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        _wait_all(procs, timeout_s=timeout_s)
+        errors = [
+            f"--- rank {rank} exit {p.returncode} ---\n{_tail(run_dir / f'rank{rank}.log')}"
+            for rank, p in enumerate(procs)
+            if p.returncode != 0
+        ]
+        if errors:
+            raise RankFailure(f"{target} failed:\n" + "\n".join(errors))
+        return [json.loads((run_dir / f"result{rank}.json").read_text()) for rank in range(world)]
+
+
+def _rank_main(spec_path: str, rank: int) -> None:
+    """Per-rank entry point: join the process group, run the target, write its result."""
+    import torch.distributed as dist
+
+    spec = json.loads(Path(spec_path).read_text())
+    module_name, _, func_name = spec["target"].partition(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timedelta(seconds=spec["timeout_s"]),
+    )
+    try:
+        result = func(**spec["kwargs"])
+    finally:
+        dist.destroy_process_group()
+    Path(spec["dir"], f"result{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1], int(sys.argv[2]))

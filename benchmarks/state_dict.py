@@ -1,0 +1,511 @@
+"""Benchmark of the distributed state-dict core against torch DSD and torchtune.
+
+    python -m benchmarks.state_dict --size {tiny,250m,1b} --world 2 --repeats 3 [--cold]
+    python -m benchmarks.state_dict --smoke          # tiny, 1 repeat, no BENCHMARKS.md
+
+Groups and methods (each run = fresh processes; methods interleaved across repeats):
+
+* ``load``: safetensors file -> meta FSDP2 model. ``shardtune_rank0`` (rank 0 passes
+  the mmap'd file dict, others ``{}``), ``dsd_broadcast`` (``set_model_state_dict`` with
+  ``broadcast_from_rank0``), ``torchtune_distribute`` (every rank loads the file,
+  ``distribute_tensor`` per param, ``load_state_dict(assign=True)``), ``shardtune_all_ranks``
+  (every rank passes the mmap'd dict). Opening the file is part of the timed step.
+* ``gather``: sharded -> full CPU dict on rank 0 (``gather_cpu_state_dict`` vs DSD).
+* ``optim_get`` / ``optim_load``: AdamW state full <-> sharded (shardtune vs DSD).
+
+Results print as Markdown tables and, unless ``--no-markdown``/``--smoke``, replace the
+``state_dict`` section of BENCHMARKS.md at the repo root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks._fixtures import DTYPE, SIZES, write_random_safetensors
+from benchmarks._measure import (
+    RankFailure,
+    drop_page_cache,
+    snapshot_sources,
+    spawn_ranks,
+    warm_page_cache,
+)
+from benchmarks._state_dict_steps import STEPS
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- state_dict:begin -->", "<!-- state_dict:end -->"
+SHARDTUNE_API = (
+    "load_from_full_model_state_dict",
+    "gather_cpu_state_dict",
+    "get_full_optimizer_state_dict",
+    "load_from_full_optimizer_state_dict",
+)
+OPTIM_MEMORY_LIMIT = 20 << 30  # all processes together, for the optimizer groups
+GIB = 1 << 30
+CONTRACT_MIN_BYTES = 32 << 20  # largest tensor below this: allocator noise decides the check
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """Command-line options."""
+
+    size: str
+    world: int
+    repeats: int
+    groups: tuple[str, ...]
+    cold: bool
+    bench_dir: Path
+    markdown: Path | None
+    timeout_s: float
+    shared_processes: bool
+    command: str
+
+
+@dataclass
+class Run:
+    """One method, one repeat: every rank's record, or the failure."""
+
+    group: str
+    method: str
+    repeat: int
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+
+
+# --------------------------------------------------------------------------- setup
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Parse the command line into a :class:`Config`."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.state_dict", description=__doc__.split("\n")[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--groups", default=",".join(STEPS), help="comma list of " + ",".join(STEPS))
+    p.add_argument("--cold", action="store_true", help="posix_fadvise(DONTNEED) the files before each run")
+    p.add_argument("--smoke", action="store_true",
+                   help="CI check: tiny, 1 repeat, all methods in one process pair, no BENCHMARKS.md")
+    p.add_argument("--bench-dir", type=Path, default=REPO_ROOT / "bench_out")
+    p.add_argument("--markdown", type=Path, default=REPO_ROOT / "BENCHMARKS.md")
+    p.add_argument("--no-markdown", action="store_true")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
+    a = p.parse_args(argv)
+    groups = tuple(g for g in a.groups.split(",") if g)
+    if unknown := set(groups) - set(STEPS):
+        p.error(f"unknown groups {sorted(unknown)}")
+    return Config(
+        size="tiny" if a.smoke else a.size,
+        world=a.world,
+        repeats=1 if a.smoke else a.repeats,
+        groups=groups,
+        cold=a.cold,
+        bench_dir=a.bench_dir.resolve(),
+        markdown=None if (a.smoke or a.no_markdown) else a.markdown,
+        timeout_s=120.0 if a.smoke else a.timeout,
+        shared_processes=a.smoke,
+        command="python -m benchmarks.state_dict " + " ".join(sys.argv[1:] if argv is None else argv),
+    )
+
+
+def shardtune_status() -> str | None:
+    """None if ``shardtune.training`` exposes the four functions, else why not."""
+    try:
+        from shardtune import training
+    except Exception as e:  # ImportError until the core lands; anything else is a finding
+        return f"{type(e).__name__}: {e}"
+    missing = [name for name in SHARDTUNE_API if not hasattr(training, name)]
+    return f"shardtune.training lacks {missing}" if missing else None
+
+
+def core_fingerprint(root: Path) -> str:
+    """Short sha256 of the core's sources (``shardtune/state_dict/*.py`` under ``root``)."""
+    digest = hashlib.sha256()
+    for path in sorted((root / "shardtune" / "state_dict").glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def model_bytes(size: str) -> int:
+    return SIZES[size].num_params() * DTYPE.itemsize
+
+
+def optim_size(size: str) -> str:
+    """Size for the optimizer groups: params + 2 AdamW states sharded, + 2 states on rank 0."""
+    return size if 5 * model_bytes(size) <= OPTIM_MEMORY_LIMIT else "250m"
+
+
+def model_file(bench_dir: Path, size: str) -> Path:
+    """Write (or reuse) the model fixture file for ``size``."""
+    path = bench_dir / f"llama_{size}.safetensors"
+    write_random_safetensors(path, SIZES[size].param_shapes())
+    return path
+
+
+def optim_file(bench_dir: Path, size: str) -> Path:
+    """Write (or reuse) the FQN-keyed AdamW state fixture (step 10, lr 2e-5)."""
+    path = bench_dir / f"adamw_{size}.safetensors"
+    shapes = {f"{k}.{s}": v for k, v in SIZES[size].param_shapes().items() for s in ("exp_avg", "exp_avg_sq")}
+    write_random_safetensors(path, shapes, metadata={"step": "10", "lr": "2e-05"}, std=1e-3)
+    return path
+
+
+def plan(cfg: Config, unavailable: str | None) -> tuple[list[tuple[str, str]], list[str]]:
+    """(group, method) pairs to run, and notes on what was skipped."""
+    pairs, notes = [], []
+    for group in cfg.groups:
+        for method in STEPS[group]:
+            if method.startswith("shardtune") and unavailable:
+                notes.append(f"skipped {group}/{method}: {unavailable}")
+            else:
+                pairs.append((group, method))
+    return pairs, notes
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _run_kwargs(group: str, method: str, files: dict[str, tuple[str, Path, Path | None]]) -> dict[str, Any]:
+    size, mpath, opath = files[group]
+    return {"group": group, "method": method, "size": size, "model_path": str(mpath),
+            "optim_path": None if opath is None else str(opath)}
+
+
+def _spawn(cfg: Config, target: str, kwargs: dict[str, Any], root: Path) -> tuple[list[Any], str | None]:
+    """Per-rank results of one spawn, or the failure text."""
+    try:
+        return spawn_ranks(f"benchmarks._state_dict_steps:{target}", world=cfg.world, kwargs=kwargs,
+                           timeout_s=cfg.timeout_s, root=root), None
+    except RankFailure as e:
+        return [], str(e)
+
+
+def run_all(
+    cfg: Config, pairs: list[tuple[str, str]], files: dict[str, tuple[str, Path, Path | None]], *, root: Path
+) -> list[Run]:
+    """Run every pair once per repeat, interleaved (A B C A B C ...), each in fresh processes.
+
+    The ranks import ``shardtune`` and ``benchmarks`` from the source snapshot ``root``. With
+    ``cfg.shared_processes`` (smoke) one process pair runs every pair of a repeat in turn.
+    """
+    runs = []
+    for repeat in range(cfg.repeats):
+        if cfg.shared_processes:
+            _set_page_cache(sorted({p for _, m, o in files.values() for p in (m, o) if p}), cold=cfg.cold)
+            items = [_run_kwargs(g, m, files) for g, m in pairs]
+            per_rank, error = _spawn(cfg, "run_many", {"items": items}, root)
+            batch = [Run(g, m, repeat, [r[i] for r in per_rank], error) for i, (g, m) in enumerate(pairs)]
+        else:
+            batch = []
+            for group, method in pairs:
+                _, mpath, opath = files[group]
+                _set_page_cache([p for p in (mpath, opath) if p is not None], cold=cfg.cold)
+                ranks, error = _spawn(cfg, "run", _run_kwargs(group, method, files), root)
+                batch.append(Run(group, method, repeat, ranks, error))
+                _progress(cfg, batch[-1])
+        if cfg.shared_processes:
+            for run in batch:
+                _progress(cfg, run)
+        runs += batch
+    return runs
+
+
+def _progress(cfg: Config, run: Run) -> None:
+    print(f"[{run.repeat + 1}/{cfg.repeats}] {run.group}/{run.method}: " + _one_line(run), file=sys.stderr)
+
+
+def _set_page_cache(paths: list[Path], *, cold: bool) -> None:
+    """Evict (cold) or read (warm) the files a run uses, just before it starts."""
+    for path in paths:
+        if cold:
+            drop_page_cache(path)
+        else:
+            warm_page_cache(path)
+
+
+def _one_line(run: Run) -> str:
+    if run.error:
+        return "FAILED"
+    times = [r["measurement"]["seconds"] for r in run.ranks]
+    return f"{max(times):.3f} s, verify " + ",".join(r["verify"] for r in run.ranks)
+
+
+# --------------------------------------------------------------------------- analytic bytes
+
+
+def _rows(n0: int, world: int) -> tuple[int, list[int]]:
+    """Padded chunk rows and each rank's real rows for ``Shard(0)`` (torch.chunk rule)."""
+    chunk = math.ceil(n0 / world)
+    return chunk, [max(0, min(chunk, n0 - r * chunk)) for r in range(world)]
+
+
+def analytic_bytes(group: str, method: str, size: str, world: int) -> tuple[list[int], list[int], str] | None:
+    """(received per rank, sent per rank, how) for baselines, from the algorithm's messages."""
+    recv, sent = [0] * world, [0] * world
+    states = 2 if group.startswith("optim") else 1
+    kind = {("load", "dsd_broadcast"): "broadcast", ("optim_load", "dsd"): "broadcast",
+            ("load", "torchtune_distribute"): "scatter", ("gather", "dsd"): "all_gather",
+            ("optim_get", "dsd"): "all_gather"}.get((group, method))
+    if kind is None:
+        return None
+    for shape in SIZES[size].param_shapes().values():
+        row = math.prod(shape[1:]) * DTYPE.itemsize * states
+        chunk, _ = _rows(shape[0], world)
+        for r in range(world):
+            if kind == "broadcast":  # every full tensor to every rank
+                recv[r] += 0 if r == 0 else shape[0] * row
+                sent[r] += (world - 1) * shape[0] * row if r == 0 else 0
+            elif kind == "scatter":  # distribute_tensor(src_data_rank=0): padded chunk per rank
+                recv[r] += 0 if r == 0 else chunk * row
+                sent[r] += (world - 1) * chunk * row if r == 0 else 0
+            else:  # DTensor.full_tensor(): padded all-gather on every rank
+                recv[r] += (world - 1) * chunk * row
+                sent[r] += (world - 1) * chunk * row
+    how = {"broadcast": "analytic: broadcast of every full tensor",
+           "scatter": "analytic: distribute_tensor scatter from rank 0",
+           "all_gather": "analytic: full_tensor() all-gather on every rank"}[kind]
+    return recv, sent, how
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "—"
+    if n == 0:
+        return "0"
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / (1 << 20):.1f} MiB"
+
+
+def _per_rank_median(runs: list[Run], key: str) -> list[float]:
+    world = len(runs[0].ranks)
+    return [statistics.median(run.ranks[r]["measurement"][key] for run in runs) for r in range(world)]
+
+
+def summarize(group: str, method: str, runs: list[Run], size: str, world: int) -> dict[str, Any]:
+    """Medians over repeats; time is the slowest rank of each repeat."""
+    ok = [r for r in runs if r.error is None]
+    row: dict[str, Any] = {"group": group, "method": method, "size": size, "runs": len(runs), "ok": len(ok),
+                           "errors": [r.error for r in runs if r.error]}
+    if not ok:
+        return row
+    row["seconds"] = statistics.median(max(rk["measurement"]["seconds"] for rk in r.ranks) for r in ok)
+    for key in ("peak_anon_delta", "baseline_anon", "vm_hwm", "peak_file"):
+        row[key] = _per_rank_median(ok, key)
+    row["own_shard_bytes"] = [rk["own_shard_bytes"] for rk in ok[0].ranks]
+    row["verify"] = sorted({rk["verify"] for r in ok for rk in r.ranks})
+    if ok[0].ranks[0]["counted_bytes"] is not None:
+        row["recv"] = [statistics.median(r.ranks[i]["counted_bytes"]["received"] for r in ok) for i in range(world)]
+        row["sent"] = [statistics.median(r.ranks[i]["counted_bytes"]["sent"] for r in ok) for i in range(world)]
+        row["bytes_how"] = "counted: shardtune.state_dict.stats"
+    elif (a := analytic_bytes(group, method, size, world)) is not None:
+        row["recv"], row["sent"], row["bytes_how"] = a
+    else:
+        row["bytes_how"] = "not available (core exposes no stats counter)"
+    return row
+
+
+def largest_tensor_bytes(size: str) -> int:
+    return max(math.prod(s) for s in SIZES[size].param_shapes().values()) * DTYPE.itemsize
+
+
+def _newly_held(row: dict[str, Any], rank: int) -> int:
+    """Bytes the step must newly hold on ``rank`` (DESIGN.md §3 memory contract)."""
+    own = row["own_shard_bytes"]
+    match row["group"]:
+        case "load":  # meta model: the step materializes this rank's shards
+            return own[rank]
+        case "gather" | "optim_get":  # shards exist; rank 0 receives the full state
+            return sum(own) if rank == 0 else 0
+        case _:  # optim_load into an optimizer that already has state: copy in place
+            return 0
+
+
+def _contract(row: dict[str, Any], size: str) -> str:
+    """Per rank: peak RssAnon delta <= 1.1 x (newly held bytes + largest tensor)."""
+    largest = largest_tensor_bytes(size)
+    if largest < CONTRACT_MIN_BYTES:
+        return "n/a (tiny)"
+    failing = [
+        f"r{r}" for r, delta in enumerate(row["peak_anon_delta"])
+        if delta > 1.1 * (_newly_held(row, r) + largest)
+    ]
+    return "yes" if not failing else "NO: " + ", ".join(failing)
+
+
+def _ranks(values: list[float] | None) -> str:
+    return " / ".join(fmt_bytes(v) for v in values) if values else "—"
+
+
+def render_group(group: str, rows: list[dict[str, Any]]) -> str:
+    """Markdown table for one group; ratio is to the DSD method's median time."""
+    dsd = next((r.get("seconds") for r in rows if r["method"].startswith("dsd")), None)
+    size = rows[0]["size"]
+    lines = [f"**{group}** (size {size}; own shard per rank "
+             f"{_ranks(next((r['own_shard_bytes'] for r in rows if 'own_shard_bytes' in r), None))}, "
+             f"largest tensor {fmt_bytes(largest_tensor_bytes(size))})", "",
+             "| method | median s | × DSD | peak RssAnon Δ (r0 / r1 …) | baseline RssAnon | VmHWM | peak RssFile"
+             " | recv bytes | r0 sent | bytes obtained by | contract | verify |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "seconds" not in r:
+            lines.append(f"| {r['method']} | FAILED ({r['runs']} runs) | | | | | | | | | | see issues |")
+            continue
+        ratio = f"{r['seconds'] / dsd:.2f}" if dsd else "—"
+        sent = fmt_bytes(r["sent"][0]) if "sent" in r else "—"
+        lines.append(
+            f"| {r['method']} | {r['seconds']:.3f} | {ratio} | {_ranks(r['peak_anon_delta'])} | "
+            f"{_ranks(r['baseline_anon'])} | {_ranks(r['vm_hwm'])} | {_ranks(r['peak_file'])} | "
+            f"{_ranks(r.get('recv'))} | {sent} | {r['bytes_how']} | {_contract(r, size)} | "
+            f"{'; '.join(r['verify'])} |"
+        )
+    return "\n".join(lines)
+
+
+def _ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def render_report(
+    cfg: Config,
+    tables: list[str],
+    notes: list[str],
+    files: dict[str, tuple[str, Path, Path | None]],
+    *,
+    load_avg: tuple[tuple[float, ...], tuple[float, ...]],
+    core: str,
+) -> str:
+    """The Markdown section (without begin/end markers)."""
+    import safetensors
+
+    shape = SIZES[cfg.size]
+    processes = ("**smoke: all methods ran in one process pair, in turn; numbers are not measurements**"
+                 if cfg.shared_processes else "every run in fresh processes")
+    cache = ("cold (POSIX_FADV_DONTNEED before each run)" if cfg.cold
+             else "warm (the files a run uses are read just before it, untimed)")
+    file_names = sorted({f"{g}: `{m.name}`" + (f" + `{o.name}`" if o else "") for g, (_, m, o) in files.items()})
+    env = [
+        f"- Command: `{cfg.command}`",
+        f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}; torch {torch.__version__}, "
+        f"safetensors {safetensors.__version__}, Python {platform.python_version()}",
+        f"- Machine: {os.cpu_count()} CPU cores, {_ram_bytes() / GIB:.1f} GiB RAM, no GPU; gloo on 127.0.0.1, "
+        f"OMP_NUM_THREADS=1 per rank (as torchrun sets); 1-min load average {load_avg[0][0]:.2f} before, "
+        f"{load_avg[1][0]:.2f} after (the machine is shared)",
+        f"- Model: `{cfg.size}` = {shape} → {shape.num_params() / 1e9:.3f} B params, "
+        f"{fmt_bytes(model_bytes(cfg.size))} bf16; Llama HF key names, FSDP2 `fully_shard` per layer then root, "
+        f"1-D mesh of {cfg.world} ranks (Shard(0))",
+        f"- shardtune core: sha256 of `shardtune/state_dict/*.py` = `{core}`; `shardtune/` and `benchmarks/` "
+        "are copied before the first run and every rank imports that copy (no mid-run edits leak in)",
+        f"- World {cfg.world}, {cfg.repeats} repeats, methods interleaved across repeats, {processes}; "
+        f"page cache **{cache}**",
+        "- Files (in `--bench-dir`, default `bench_out/`): " + "; ".join(file_names),
+    ]
+    how = [
+        "How to read it:",
+        "- *median s*: per repeat the slowest rank's `perf_counter` time between two barriers, then the median. "
+        "`load` steps include opening the safetensors file (mmap, lazy: `safetensors.torch.load_file`); "
+        "DSD loads the meta model directly (it broadcasts, slices, then `load_state_dict(assign=True)`), "
+        "so no `to_empty` was needed and none is timed.",
+        "- *peak RssAnon Δ*: peak of a 2 ms `/proc/self/status` sampler minus the pre-step baseline "
+        "(*baseline RssAnon*, after `gc.collect()` + `malloc_trim(0)`). *VmHWM* is reset by writing `5` to "
+        "`/proc/self/clear_refs` before the step and includes file-backed (mmap) pages, as does *peak RssFile*.",
+        "- *recv bytes*: payload bytes received per rank over collectives, counted by shardtune's own counters "
+        "where available, otherwise derived from the algorithm (column *bytes obtained by*); object-list "
+        "metadata (a few KiB) is not included.",
+        "- *contract*: every rank's peak RssAnon Δ ≤ 1.1 × (bytes the step must newly hold + largest tensor) "
+        "(DESIGN.md §3): `load` into a meta model newly holds the rank's own shard; `gather`/`optim_get` newly "
+        "hold the full state on rank 0 and nothing elsewhere; `optim_load` into an optimizer that already has "
+        "state newly holds nothing. Own shard of `optim_*` = both AdamW states. A failing rank is named.",
+        "- *verify*: after the step (untimed) every rank's shards, or rank 0's full dict, are compared to the files.",
+        "- `gather`/`optim_*` setup (untimed): the sharded model is filled from per-rank file slices (no collectives); "
+        "`optim_*` then runs one AdamW step (foreach=False) with gradients of ones; `optim_load` loads step 10, "
+        "lr 2e-5 and random states from a file (rank 0 only, others `{}`) into that stepped optimizer.",
+    ]
+    return "\n".join(["## State-dict core (`benchmarks/state_dict.py`)", "", *env, "",
+                      *("\n\n".join(tables).split("\n")), "", *how,
+                      *(["", "Notes:", *(f"- {n}" for n in notes)] if notes else [])])
+
+
+def write_markdown(path: Path, section: str) -> None:
+    """Replace (or append) the begin/end-marked section of ``path``."""
+    block = f"{BEGIN}\n{section}\n{END}"
+    text = path.read_text() if path.exists() else "# shardtune benchmarks\n"
+    if BEGIN in text and END in text:
+        head, _, rest = text.partition(BEGIN)
+        _, _, tail = rest.partition(END)
+        text = head + block + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def prepare_files(cfg: Config) -> tuple[dict[str, tuple[str, Path, Path | None]], list[str]]:
+    """Per group: (size, model file, optimizer file or None); notes on size fallbacks."""
+    files, notes = {}, []
+    osize = optim_size(cfg.size)
+    if osize != cfg.size and any(g.startswith("optim") for g in cfg.groups):
+        notes.append(f"optimizer groups run at {osize}: at {cfg.size} they would need "
+                     f"~{5 * model_bytes(cfg.size) / GIB:.0f} GiB > {OPTIM_MEMORY_LIMIT / GIB:.0f} GiB")
+    for group in cfg.groups:
+        size = osize if group.startswith("optim") else cfg.size
+        opath = optim_file(cfg.bench_dir, size) if group.startswith("optim") else None
+        files[group] = (size, model_file(cfg.bench_dir, size), opath)
+    return files, notes
+
+
+def render_tables(
+    cfg: Config, runs: list[Run], files: dict[str, tuple[str, Path, Path | None]], issues: list[str]
+) -> list[str]:
+    """One Markdown table per group; appends the first error of each failing method to ``issues``."""
+    tables = []
+    for group in cfg.groups:
+        rows = []
+        for method in STEPS[group]:
+            mine = [r for r in runs if (r.group, r.method) == (group, method)]
+            if mine:
+                rows.append(summarize(group, method, mine, files[group][0], cfg.world))
+                issues += [f"{group}/{method} failed: ```{e.strip()[-1500:]}```" for e in rows[-1]["errors"][:1]]
+        if rows:
+            tables.append(render_group(group, rows))
+    return tables
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; exit status 1 if a run failed or a verification did not pass."""
+    cfg = parse_args(argv)
+    files, notes = prepare_files(cfg)
+    pairs, skipped = plan(cfg, shardtune_status())
+    issues = [*notes, *skipped]
+    core = core_fingerprint(REPO_ROOT)
+    snapshot = snapshot_sources(cfg.bench_dir / "src_snapshot")
+    load_before = os.getloadavg()
+    runs = run_all(cfg, pairs, files, root=snapshot)
+    load_avg = (load_before, os.getloadavg())
+    raw = cfg.bench_dir / f"state_dict_{cfg.size}_runs.json"
+    raw.write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    tables = render_tables(cfg, runs, files, issues)
+    section = render_report(cfg, tables, issues, files, load_avg=load_avg, core=core)
+    print(section)
+    if cfg.markdown is not None:
+        write_markdown(cfg.markdown, section)
+    bad_verify = any(rk["verify"] != "ok" for r in runs for rk in r.ranks)
+    return 1 if bad_verify or any(r.error for r in runs) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
