@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from shardtune.state_dict.nf4 import dequantize
+from shardtune.state_dict.nf4 import is_nf4 as _is_nf4
+
 __all__ = ["check_nf4_shape", "dequantize", "is_nf4", "linear_nf4", "to_nf4"]
 
 DEFAULT_BLOCK_SIZE = 64
@@ -21,9 +24,8 @@ def _nf4_module():
 
 
 def is_nf4(t: Tensor) -> bool:
-    """True for a torchao ``NF4Tensor`` (or a Parameter/DTensor local tensor of one), without importing torchao."""
-    local = getattr(t, "_local_tensor", t)  # DTensor shards keep the NF4 local tensor
-    return any(cls.__name__ == "NF4Tensor" for cls in type(local).__mro__)
+    """True for a torchao ``NF4Tensor`` (or a DTensor whose local tensor is one), without importing torchao."""
+    return _is_nf4(getattr(t, "_local_tensor", t))  # DTensor shards keep the NF4 local tensor
 
 
 def check_nf4_shape(name: str, shape: tuple[int, ...], *, block_size: int, scaler_block_size: int) -> None:
@@ -49,8 +51,3 @@ def linear_nf4(x: Tensor, weight: Tensor) -> Tensor:
     return _nf4_module().linear_nf4(x, weight)
 
 
-def dequantize(weight: Tensor) -> Tensor:
-    """Plain tensor in the original dtype for an NF4 weight; ``weight`` itself otherwise."""
-    if is_nf4(weight):
-        return weight.get_original_weight()
-    return weight

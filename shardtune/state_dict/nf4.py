@@ -8,21 +8,31 @@ they share its ``scaler_mean`` and FSDP's all-gather of the inner tensors reasse
 
 from __future__ import annotations
 
+from functools import cache
+from types import ModuleType
+from typing import TYPE_CHECKING
+
 import torch
-from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (
-    NF4Tensor,
-    SubclassTensorArgs,
-    get_block_absmax,
-    to_nf4,
-)
 
 from shardtune.state_dict.layout import TensorLayout
 
-__all__ = ["NF4Tensor", "is_nf4", "nf4_layout_problem", "quantize_like", "nf4_rows", "dequantize"]
+if TYPE_CHECKING:
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+
+__all__ = ["is_nf4", "nf4_layout_problem", "quantize_like", "nf4_rows", "dequantize"]
 
 
-def is_nf4(tensor: torch.Tensor) -> bool:
-    return isinstance(tensor, NF4Tensor)
+@cache
+def _ao() -> ModuleType:
+    """torchao's NF4 module, imported on first use: plain models never pay for (or hear) it."""
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+
+    return nf4_tensor
+
+
+def is_nf4(tensor: object) -> bool:
+    """True for a torchao ``NF4Tensor`` (by class name, so torchao need not be imported)."""
+    return any(cls.__name__ == "NF4Tensor" for cls in type(tensor).__mro__)
 
 
 def block_sizes(tensor: NF4Tensor) -> tuple[int, int]:
@@ -60,12 +70,12 @@ def quantize_like(full: torch.Tensor, like: NF4Tensor, *, device: torch.device) 
             return full.to(device)
         full = full.get_original_weight()
     plain = full.to(device=device, dtype=like.dtype).contiguous()
-    return to_nf4(plain, like.block_size, like.scaler_block_size)
+    return _ao().to_nf4(plain, like.block_size, like.scaler_block_size)
 
 
 def block_scalers(rows: torch.Tensor, like: NF4Tensor) -> torch.Tensor:
     """First-level NF4 scalers (absmax of every ``block_size`` block) of a shard's rows."""
-    return get_block_absmax(rows.flatten(), like.block_size)
+    return _ao().get_block_absmax(rows.flatten(), like.block_size)
 
 
 def quantize_shard(rows: torch.Tensor, like: NF4Tensor, *, scaler_mean: torch.Tensor) -> NF4Tensor:
@@ -77,12 +87,12 @@ def quantize_shard(rows: torch.Tensor, like: NF4Tensor, *, scaler_mean: torch.Te
     """
     flat = rows.contiguous().flatten()
     block, group = like.block_size, like.scaler_block_size
-    lookup = to_nf4(torch.zeros(block * group, dtype=like.dtype, device=flat.device), block, group).nf4
-    scalers = get_block_absmax(flat, block) - scaler_mean
+    lookup = _ao().to_nf4(torch.zeros(block * group, dtype=like.dtype, device=flat.device), block, group).nf4
+    scalers = _ao().get_block_absmax(flat, block) - scaler_mean
     n_groups = scalers.numel() // group
-    factor = 256 / (2 * get_block_absmax(scalers, group).unsqueeze(-1).expand(n_groups, group))
+    factor = 256 / (2 * _ao().get_block_absmax(scalers, group).unsqueeze(-1).expand(n_groups, group))
     quantized_scalers = (scalers.view(n_groups, group) * factor).round().clamp(-128, 127).flatten().to(torch.int8)
-    data = NF4Tensor.convert_to_norm_float_weight(flat, flat.numel() // block, block, lookup)
+    data = _ao().NF4Tensor.convert_to_norm_float_weight(flat, flat.numel() // block, block, lookup)
     return _nf4_from_parts(
         shape=tuple(rows.shape),
         like=like,
@@ -177,7 +187,7 @@ def _nf4_from_parts(
     nf4: torch.Tensor,
 ) -> NF4Tensor:
     shape = torch.Size(shape)
-    meta = SubclassTensorArgs(
+    meta = _ao().SubclassTensorArgs(
         shape,
         torch.empty(shape, device="meta").stride(),
         0,
@@ -185,7 +195,7 @@ def _nf4_from_parts(
         quantized_data.device,
         False,
     )
-    return NF4Tensor(
+    return _ao().NF4Tensor(
         meta,
         like.block_size,
         shape.numel() // like.block_size,
