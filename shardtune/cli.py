@@ -69,7 +69,10 @@ def cmd_run(argv: list[str]) -> int:
 
 def _takes_value(option: str) -> bool:
     """torchrun options written as ``--opt VALUE`` (not ``--opt=VALUE`` and not flags)."""
-    flags = {"--standalone", "--no-python", "--no_python", "--module", "-m", "--run-path", "--run_path", "--tee"}
+    flags = {
+        "--standalone", "--no-python", "--no_python", "--module", "-m", "--run-path", "--run_path",
+        "--virtual-local-rank", "--virtual_local_rank",
+    }
     return option.startswith("-") and "=" not in option and option not in flags
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 import operator
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -152,6 +153,8 @@ class Field:
             return value, [f"{path}: expected {self.expected()}, got {_type_name(value)} {value!r}"]
         if kind is float:
             value = float(value)
+            if not math.isfinite(value):
+                return value, [f"{path}: must be a finite number, got {value!r}"]
         if kind is list:
             return self._check_items(value, path)
         return value, self._check_range(value, path)

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from shardtune.checkpoint.safetensors_io import CheckpointError
 from shardtune.peft import from_peft_adapter_state_dict, to_peft_adapter_state_dict
-from shardtune.state_dict import gather_cpu_state_dict, load_from_full_model_state_dict
-from shardtune.state_dict.comm import rank
+from shardtune.state_dict import comm, gather_cpu_state_dict, load_from_full_model_state_dict
 from shardtune.state_dict.keys import StateDictError
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -25,17 +25,21 @@ ADAPTER_CONFIG = "adapter_config.json"
 def save_peft_adapter(model: nn.Module, out_dir: Path, *, base_model_name_or_path: str | None = None) -> None:
     """Write the model's LoRA adapters in PEFT format to ``out_dir`` (rank 0 writes).
 
-    Collective: call on all ranks. Raises on every rank when the model has no LoRA adapters.
+    Collective: call on all ranks. Raises on every rank when the model has no LoRA adapters, and
+    :class:`CheckpointError` with the same message on every rank when rank 0 cannot write.
     """
     config = getattr(model, "lora_config", None)
     if config is None:
         raise StateDictError("the model has no LoRA adapters (model.lora_config is missing); apply_lora first")
-    adapters = gather_cpu_state_dict(model, rank() == 0, adapter_weights_only=True)
-    if rank() == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_file(to_peft_adapter_state_dict(adapters), str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        peft_config = config.to_peft_config(base_model_name_or_path=base_model_name_or_path)
-        (out_dir / ADAPTER_CONFIG).write_text(json.dumps(peft_config, indent=2))
+    adapters = gather_cpu_state_dict(model, comm.rank() == 0, adapter_weights_only=True)
+    problems = comm.Problems()
+    if comm.rank() == 0:
+        with problems.guard(str(out_dir)):
+            out_dir.mkdir(parents=True, exist_ok=True)
+            save_file(to_peft_adapter_state_dict(adapters), str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            peft_config = config.to_peft_config(base_model_name_or_path=base_model_name_or_path)
+            (out_dir / ADAPTER_CONFIG).write_text(json.dumps(peft_config, indent=2))
+    comm.raise_on_every_rank(problems, header=f"Writing the PEFT adapter to {out_dir} failed:", error=CheckpointError)
 
 
 def load_peft_adapter(model: nn.Module, adapter_dir: Path, *, device: torch.device | str, strict: bool = True) -> None:

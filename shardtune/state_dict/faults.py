@@ -7,7 +7,8 @@ unless the environment variable ``SHARDTUNE_FAULT`` is set (read once, on the fi
 
 e.g. ``save:mid_tensor:1:kill:2``: on rank 1, the 2nd time ``save:mid_tensor`` is reached,
 ``kill`` the process with SIGKILL (a crash no handler can see), ``stop`` it with SIGSTOP (a
-rank that hangs: alive, connections open, never answering) or ``raise`` :class:`InjectedFault`. ``nth`` defaults to 1; the fault fires once per process. The rank is
+rank that hangs: alive, connections open, never answering) or ``raise`` :class:`InjectedFault`.
+``nth`` defaults to 1; the fault fires once per process. The rank is
 ``torch.distributed.get_rank()`` when a process group exists, else 0. Unknown points,
 actions or a malformed value raise ``ValueError`` at the first :func:`fault_point` call,
 so a typo never silently disables a test.

@@ -99,6 +99,22 @@ def describe_value(value: Any) -> tuple:
     return ("invalid", type(value).__name__)
 
 
+def number_kind(value: Any) -> str | None:
+    """``"float"`` or ``"int"`` (bool included) of a dtype, a tensor, or a lazy value with ``get_dtype()``
+    (a torch dtype or a safetensors name such as ``"BF16"``); None when unknown."""
+    if hasattr(value, "get_dtype"):
+        dtype = value.get_dtype()
+    elif isinstance(value, torch.Tensor):
+        dtype = value.dtype
+    else:
+        dtype = value if isinstance(value, torch.dtype) else None
+    if isinstance(dtype, torch.dtype):
+        return "float" if dtype.is_floating_point or dtype.is_complex else "int"
+    if isinstance(dtype, str) and dtype:
+        return "float" if dtype.upper().startswith(("F", "BF", "C")) else "int"
+    return None
+
+
 def model_signature(entries: list[ModelEntry]) -> str:
     """A digest of names, shapes and placements: equal on all ranks iff their models agree."""
     text = repr(
@@ -136,7 +152,8 @@ def _agree_on_plan(entries: list[ModelEntry], full_sd: Mapping[str, Any], *, str
     if mode == EVERY_RANK:
         problems += _desc_mismatch_problems(descs)
     plan, plan_problems = _match(entries, reference, mode, strict=strict)
-    comm.raise_on_every_rank(problems + plan_problems, header="Cannot load the full model state dict:")
+    local_problems = _number_kind_problems(entries, full_sd) if full_sd else []
+    comm.raise_on_every_rank(problems + plan_problems + local_problems, header="Cannot load the full model state dict:")
     return plan
 
 
@@ -194,6 +211,23 @@ def _match(entries: list[ModelEntry], desc: dict, mode: str, *, strict: bool) ->
             "load a checkpoint of this model or pass strict=False."
         )
     return _Plan(mode=mode, items=items, missing=missing, unexpected=unexpected), problems
+
+
+def _number_kind_problems(entries: list[ModelEntry], full_sd: Mapping[str, Any]) -> list[str]:
+    """This rank's values that are integers for a float tensor of the model, or floats for an
+    integer one: casting would silently turn bytes into wrong numbers (a corrupt header, say)."""
+    problems = []
+    for entry in entries:
+        key = next((fqn for fqn in entry.fqns if fqn in full_sd), None)
+        if key is None:
+            continue
+        have, want = number_kind(full_sd[key]), number_kind(entry.tensor.dtype)
+        if have is not None and have != want:
+            problems.append(
+                f"{key}: the checkpoint holds {have} values but the model's tensor is {entry.tensor.dtype}; "
+                "the file's header is corrupt or the checkpoint belongs to another model."
+            )
+    return problems
 
 
 def _entry_problem(entry: ModelEntry, key: str, desc: tuple) -> str | None:

@@ -61,6 +61,13 @@ def _nf4_not_row_sharded():
     load_from_full_model_state_dict(module, {"weight": torch.randn(256, 256)}, "cpu")
 
 
+def _integers_for_a_float_weight():
+    """Same shape, integer dtype (a corrupt header saying I32 for F32 bytes, say): not cast silently."""
+    sd = toy.full_state_dict()
+    sd["layers.0.q_proj.weight"] = sd["layers.0.q_proj.weight"].view(torch.int32)
+    load_from_full_model_state_dict(toy.build_sharded(meta=True), _rank0_only(sd), "cpu")
+
+
 def _wrong_is_rank_zero():
     model = toy.build_sharded(meta=True)
     load_from_full_model_state_dict(model, toy.full_state_dict(), "cpu")
@@ -98,6 +105,7 @@ CASES = {
     "model_differs": (_model_differs_on_one_rank, ["model differs between ranks", "[1]"]),
     "nf4_layout": (_nf4_not_row_sharded, ["weight", "whole rows"]),
     "is_rank_zero": (_wrong_is_rank_zero, ["is_rank_zero is True on ranks [0, 1]"]),
+    "number_kind": (_integers_for_a_float_weight, ["layers.0.q_proj.weight", "int values", "torch.float32"]),
 }
 
 

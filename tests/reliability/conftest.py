@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from shardtune.checkpoint.tiny import create_tiny_base
-from tests.distributed.conftest import pool2  # noqa: F401 - the persistent 2-rank pool, re-used here
 from tests.reliability.launch import Proc, run_cli
 
 RECIPES = {"lora": ("lora_finetune_distributed", "tiny/lora"), "full": ("full_finetune_distributed", "tiny/full")}

@@ -86,6 +86,13 @@ class _Running:
         return self.ended is not None
 
     def kill_group(self) -> None:
+        """SIGKILL this process, its process group and every descendant (torchrun starts each
+        worker in a session of its own, so the group alone would leave them running)."""
+        for pid in [*_descendants(self.popen.pid), self.popen.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             os.killpg(self.popen.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -98,16 +105,42 @@ class _Running:
         return Proc(self.popen.returncode, output, self.started, self.ended, self.fault_at, list(self.lines))
 
 
-def _wait_all(running: list[_Running], *, timeout: float, what: str) -> list[Proc]:
-    """Wait for every process; on timeout kill them all (with their children) and fail as a hang."""
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _wait_all(running: list[_Running], *, timeout: float, what: str, needed: list[int] | None = None) -> list[Proc]:
+    """Wait for the processes ``needed`` (default: all), then kill the others (a stopped rank never
+    exits by itself); on timeout kill them all (with their children) and fail as a hang."""
+    needed = list(range(len(running))) if needed is None else needed
     deadline = time.monotonic() + timeout
-    while not all([r.poll() for r in running]):  # a list: every process is polled each round
+    while True:
+        finished = [running[i].poll() for i in needed]  # every process is polled each round (it records its end)
+        if all(finished):
+            break
         if time.monotonic() > deadline:
             for r in running:
                 r.kill_group()
             tails = "\n".join(f"--- process {i}:\n{''.join(r.lines)[-3000:]}" for i, r in enumerate(running))
             raise AssertionError(f"HANG: {what} still running after {timeout:.0f}s; killed.\n{tails}")
         time.sleep(0.05)
+    for r in running:
+        if not r.poll():
+            r.kill_group()
+            r.poll()
     return [r.result() for r in running]
 
 
@@ -143,9 +176,18 @@ def run_clis_together(commands: list[list[str]], *, timeout: float = 180) -> lis
 
 
 def run_bare_ranks(
-    recipe: str, config: str, overrides: list[str], *, world: int = 2, fault: str | None = None, timeout: float = 180
+    recipe: str,
+    config: str,
+    overrides: list[str],
+    *,
+    world: int = 2,
+    fault: str | None = None,
+    timeout: float = 180,
+    wait_for: list[int] | None = None,
 ) -> list[Proc]:
-    """The recipe module in ``world`` plain processes (no torchrun agent); outcomes indexed by rank."""
+    """The recipe module in ``world`` plain processes (no torchrun agent); outcomes indexed by rank.
+
+    With ``wait_for``, only those ranks must exit; the others are then killed (e.g. a stopped rank)."""
     port = str(free_port())
     running = []
     for rank in range(world):
@@ -155,7 +197,7 @@ def run_bare_ranks(
         }
         cmd = [sys.executable, "-m", f"shardtune.recipes.{recipe}", "--config", config, *overrides]
         running.append(_Running(cmd, _env(fault, extra)))
-    return _wait_all(running, timeout=timeout, what=f"{recipe} on {world} bare ranks")
+    return _wait_all(running, timeout=timeout, what=f"{recipe} on {world} bare ranks", needed=wait_for)
 
 
 def metrics_rows(output_dir: Path) -> list[dict]:
