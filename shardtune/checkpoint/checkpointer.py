@@ -135,7 +135,7 @@ class Checkpointer:
         """Restore everything from the newest complete checkpoint; None (nothing loaded) if there is none.
 
         Collective. On the same world size RNG states are restored exactly; on another
-        world size they are re-derived from (seed, step, rank).
+        world size they are re-derived from (seed, step), alike on every rank.
         """
         found = comm.all_gather_objects(self.latest_checkpoint() if comm.rank() == 0 else None)[0]
         if found is None:
@@ -171,7 +171,7 @@ class Checkpointer:
         if state is not None:
             set_rng_state(state)
         else:
-            reseed(self.seed, step=progress.step, rank=comm.rank())
+            reseed(self.seed, step=progress.step)
 
     # --- saving ----------------------------------------------------------------------------
 

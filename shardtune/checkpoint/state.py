@@ -86,9 +86,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def reseed(seed: int, *, step: int, rank: int) -> None:
-    """Deterministic RNG for a resume on another world size, derived from (seed, step, rank)."""
-    derived = int.from_bytes(hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()[:8], "little")
+def reseed(seed: int, *, step: int) -> None:
+    """Deterministic RNG for a resume on another world size, derived from (seed, step).
+
+    The same on every rank, as at a fresh start (every rank seeds alike): random choices that
+    must agree across ranks, such as layer-dropout decisions under FSDP, stay in step.
+    """
+    derived = int.from_bytes(hashlib.sha256(f"{seed}:{step}".encode()).digest()[:8], "little")
     torch.manual_seed(derived)
     random.seed(derived)
 

@@ -159,15 +159,23 @@ def test_mid_epoch_resume_continues_with_identical_losses(runs, tiny_dirs, tmp_p
     assert [again[s] for s in again] == [full[s] for s in again]
 
 
-def test_resume_on_four_ranks_from_a_two_rank_checkpoint(runs, tiny_dirs, tmp_path):
-    """Same global batch (2 x 4 = 4 x 2 samples): the losses agree up to reduction order."""
-    recipe, config = CASES["full"]
-    resumed = resume_copy(runs["full"], "epoch_1", tmp_path / "resumed")
-    run_recipe(recipe, config, *_overrides(tiny_dirs, "full", resumed, batch=BATCH // 2), "resume_from_checkpoint=True", nproc=4)
-    full, again = losses(runs["full"]), losses(resumed)
+@pytest.mark.parametrize("case", list(CASES))
+def test_resume_on_four_ranks_from_a_two_rank_checkpoint(runs, tiny_dirs, tmp_path, case):
+    """Same global batch (2 x 4 = 4 x 2 samples): the losses agree up to reduction order.
+
+    Early exit draws layer-dropout decisions from the RNG, which a resume on another world
+    size re-derives (seed, step) instead of restoring: it must run and stay finite, not match.
+    """
+    recipe, config = CASES[case]
+    resumed = resume_copy(runs[case], "epoch_1", tmp_path / "resumed")
+    run_recipe(recipe, config, *_overrides(tiny_dirs, case, resumed, batch=BATCH // 2), "resume_from_checkpoint=True", nproc=4)
+    full, again = losses(runs[case]), losses(resumed)
     assert sorted(again) == [4, 5, 6]
     for step in (4, 5, 6):
-        assert math.isclose(again[step], full[step], rel_tol=1e-4), (step, again[step], full[step])
+        if case == "early_exit":
+            assert math.isfinite(again[step])
+        else:
+            assert math.isclose(again[step], full[step], rel_tol=1e-4), (step, again[step], full[step])
 
 
 # --- outputs ---------------------------------------------------------------------------------
