@@ -307,9 +307,24 @@ def copy_block(
     """``value``'s block as a contiguous tensor on ``device`` in ``dtype`` (one copy), written
     into ``into`` (of the block's shape) when given, else into new memory."""
     shape, slices = block
+    data = read_block(value, slices)
+    if into is None and _is_fresh(value, data, dtype=dtype, device=device):
+        return data  # a lazy read returned new memory nobody else holds: adopt it, no second copy
     out = into if into is not None else torch.empty(shape, dtype=dtype, device=device)
-    out.copy_(read_block(value, slices))
+    out.copy_(data)
     return out
+
+
+def _is_fresh(value: Any, data: torch.Tensor, *, dtype: torch.dtype, device: torch.device) -> bool:
+    """True when ``data`` came from a lazy (file-backed) value, already in the wanted dtype, device and layout."""
+    return (
+        not isinstance(value, torch.Tensor)
+        and data.dtype == dtype
+        and data.device == device
+        and data.is_contiguous()
+        and data.storage_offset() == 0
+        and data.untyped_storage().nbytes() == data.numel() * data.element_size()  # not a view of a bigger read
+    )
 
 
 def scatter_dense(
