@@ -1,0 +1,376 @@
+"""Rank-side code of the checkpoint benchmark: setup, the timed steps, verification.
+
+:func:`run` is the per-rank entry point (``benchmarks._checkpoint_steps:run``) started by
+:func:`benchmarks._measure.spawn_ranks`; every method runs in fresh processes.
+:func:`setup_resume` writes the two resume checkpoints once per benchmark invocation
+(untimed). Setup (building the sharded meta model, materializing it for ``save``, the
+optimizer for ``resume``) is not timed; verification runs after the measured step.
+
+The model is ``shardtune.models.LlamaForCausalLM`` built on meta in bf16 from the
+``benchmarks._fixtures`` shape and sharded with ``shardtune.distributed.shard_model``
+(FSDP2 per decoder layer, then the root; 1-D mesh, ``Shard(0)``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from benchmarks._fixtures import DTYPE, SIZES, LlamaShape, local_slices
+from benchmarks._measure import measure_step
+
+CPU = torch.device("cpu")
+HF_WEIGHTS = "model.safetensors"
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+OPTIM_SEP = "::"  # shardtune's optimizer.safetensors keys: f"{fqn}::{state key}"
+RESUME_EPOCH_DIR = "epoch_1"  # what Checkpointer.save(step=1, epoch=1) publishes
+
+
+def hf_storage_reader() -> type | None:
+    """``HuggingFaceStorageReader`` of ``torch.distributed.checkpoint`` if this torch has it."""
+    reader = getattr(dcp, "HuggingFaceStorageReader", None)
+    if reader is None:
+        try:
+            from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader as reader
+        except ImportError:
+            return None
+    return reader
+
+
+@dataclass
+class Ctx:
+    """What a step needs on this rank."""
+
+    model: nn.Module
+    rank: int
+    paths: dict[str, str]
+    opt: torch.optim.Optimizer | None = None
+    checkpointer: Any = None
+
+
+# --------------------------------------------------------------------------- model
+
+
+def model_args(shape: LlamaShape) -> Any:
+    """``shardtune.models.ModelArgs`` of a fixture shape (untied ``lm_head``, as the fixtures)."""
+    from shardtune.models import ModelArgs
+
+    return ModelArgs(
+        vocab_size=shape.vocab,
+        dim=shape.dim,
+        n_layers=shape.layers,
+        n_heads=shape.heads,
+        n_kv_heads=shape.kv_heads,
+        intermediate_size=shape.ffn,
+    )
+
+
+def build_model(size: str) -> nn.Module:
+    """shardtune ``LlamaForCausalLM`` on meta, bf16, sharded with ``shard_model`` (no memory)."""
+    from shardtune.distributed import shard_model
+    from shardtune.models import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(model_args(SIZES[size]), dtype=DTYPE)
+    return shard_model(model)
+
+
+def local_bytes(model: nn.Module) -> int:
+    """Bytes of this rank's own parameter shards (works on meta)."""
+    return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+
+
+@torch.no_grad()
+def materialize_from_file(model: nn.Module, path: str) -> None:
+    """Give the meta sharded model storage and fill each shard from its rows of ``path``.
+
+    Plain safetensors slices, no collectives and no shardtune code: setup favours no method.
+    """
+    model.to_empty(device=CPU)
+    with safe_open(path, "pt") as f:
+        for name, p in model.named_parameters():
+            p.to_local().copy_(f.get_slice(name)[local_slices(p)])
+
+
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+
+
+def _byte_counter() -> Any:
+    from shardtune.state_dict import stats
+
+    return stats
+
+
+# --------------------------------------------------------------------------- load steps
+
+
+def _load_shardtune_direct(ctx: Ctx) -> Any:
+    from shardtune.checkpoint import load_hf_checkpoint
+
+    return load_hf_checkpoint(ctx.model, ctx.paths["hf_dir"], device="cpu", shared_filesystem=True)
+
+
+def _load_shardtune_rank0(ctx: Ctx) -> Any:
+    from shardtune.checkpoint import load_hf_checkpoint
+
+    return load_hf_checkpoint(ctx.model, ctx.paths["hf_dir"], device="cpu", shared_filesystem=False)
+
+
+def _load_dsd_broadcast(ctx: Ctx) -> Any:
+    # DSD accepts the meta model: it broadcasts each full tensor, slices it, loads with assign=True.
+    sd = load_file(os.path.join(ctx.paths["hf_dir"], HF_WEIGHTS)) if ctx.rank == 0 else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    return set_model_state_dict(ctx.model, sd, options=options)
+
+
+def _load_torchtune(ctx: Ctx) -> Any:
+    """torchtune 0.6.1 ``load_from_full_model_state_dict`` (non-DSD path), inlined."""
+    full_sd = load_file(os.path.join(ctx.paths["hf_dir"], HF_WEIGHTS))
+    meta_sd = ctx.model.state_dict()
+    sharded_sd = {}
+    for name, full_tensor in full_sd.items():
+        meta = meta_sd[name]
+        full_tensor = full_tensor.to(meta.dtype).to(CPU)
+        sharded = distribute_tensor(full_tensor, meta.device_mesh, meta.placements)
+        sharded_sd[name] = nn.Parameter(sharded)
+    return ctx.model.load_state_dict(sharded_sd, strict=False, assign=True)
+
+
+def _load_dcp_hf(ctx: Ctx) -> Any:
+    """``dcp.load`` with the HF safetensors reader into the materialized model (to_empty timed)."""
+    reader = hf_storage_reader()
+    ctx.model.to_empty(device=CPU)
+    sd = ctx.model.state_dict()  # sharded DTensors sharing storage with the params: filled in place
+    dcp.load(sd, storage_reader=reader(ctx.paths["hf_dir"]))
+    return None
+
+
+# --------------------------------------------------------------------------- save steps
+
+
+def _save_shardtune(ctx: Ctx) -> Any:
+    from shardtune.checkpoint import save_hf_checkpoint
+
+    return save_hf_checkpoint(ctx.model, ctx.paths["out_dir"])
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_dsd(ctx: Ctx) -> Any:
+    """Full CPU state dict on rank 0 (DSD), ``safetensors.torch.save_file``, config.json; fsynced."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    sd = get_model_state_dict(ctx.model, options=options)
+    if ctx.rank == 0:
+        from shardtune.models import model_args_to_hf_config
+
+        out = ctx.paths["out_dir"]
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, HF_WEIGHTS)
+        save_file(sd, path, metadata={"format": "pt"})
+        _fsync_path(path)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(model_args_to_hf_config(ctx.model.args), f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_path(out)
+    del sd
+    return None
+
+
+# --------------------------------------------------------------------------- resume steps
+
+
+def _resume_shardtune(ctx: Ctx) -> Any:
+    progress = ctx.checkpointer.resume()
+    return None if progress is None else progress.step
+
+
+def _resume_dsd(ctx: Ctx) -> Any:
+    """torchtitan-style: to_empty, get_state_dict (initializes AdamW state), dcp.load, set_state_dict."""
+    ctx.model.to_empty(device=CPU)
+    msd, osd = get_state_dict(ctx.model, ctx.opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=ctx.paths["dcp_dir"])
+    set_state_dict(ctx.model, ctx.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return None
+
+
+STEPS: dict[str, dict[str, Callable[[Ctx], Any]]] = {
+    "load": {
+        "shardtune_direct": _load_shardtune_direct,
+        "shardtune_rank0": _load_shardtune_rank0,
+        "dsd_broadcast": _load_dsd_broadcast,
+        "torchtune_distribute": _load_torchtune,
+        "dcp_hf_reader": _load_dcp_hf,
+    },
+    "save": {"shardtune": _save_shardtune, "dsd": _save_dsd},
+    "resume": {"shardtune": _resume_shardtune, "dsd": _resume_dsd},
+}
+
+
+# --------------------------------------------------------------------------- verification
+
+
+def _check_params(model: nn.Module, path: str) -> str:
+    """Every parameter is a materialized DTensor whose local shard equals its rows in ``path``."""
+    with safe_open(path, "pt") as f:
+        keys = set(f.keys())
+        names = [name for name, _ in model.named_parameters()]
+        if keys != set(names):
+            return f"keys differ: only in file {sorted(keys - set(names))[:3]}, only in model {sorted(set(names) - keys)[:3]}"
+        for name, p in model.named_parameters():
+            if not isinstance(p, DTensor) or p.is_meta or p.device != CPU:
+                return f"{name}: not a materialized CPU DTensor ({type(p).__name__}, {p.device})"
+            if p.dtype != DTYPE:
+                return f"{name}: dtype {p.dtype}"
+            if not torch.equal(p.to_local(), f.get_slice(name)[local_slices(p)]):
+                return f"{name}: local shard differs from {os.path.basename(path)}"
+    return "ok"
+
+
+def _check_optim(model: nn.Module, opt: torch.optim.Optimizer, path: str, step: float) -> str:
+    """AdamW shards equal shardtune's saved ``optimizer.safetensors`` rows; step restored; params live."""
+    params = list(model.parameters())
+    if len(opt.param_groups[0]["params"]) != len(params) or any(
+        a is not b for a, b in zip(opt.param_groups[0]["params"], params, strict=True)
+    ):
+        return "optimizer params are not the model's Parameter objects"
+    with safe_open(path, "pt") as f:
+        for fqn, p in model.named_parameters():
+            state = opt.state.get(p)
+            if not state:
+                return f"{fqn}: no optimizer state"
+            if float(state["step"]) != step:
+                return f"{fqn}: step {float(state['step'])} != {step}"
+            for key in ADAM_KEYS:
+                value = state[key]
+                if not isinstance(value, DTensor) or value.is_meta:
+                    return f"{fqn}.{key}: not a materialized DTensor"
+                if not torch.equal(value.to_local(), f.get_slice(f"{fqn}{OPTIM_SEP}{key}")[local_slices(p)]):
+                    return f"{fqn}.{key}: local shard differs from optimizer.safetensors"
+    return "ok"
+
+
+def _verify(group: str, ctx: Ctx) -> str:
+    try:
+        match group:
+            case "load":
+                return _check_params(ctx.model, os.path.join(ctx.paths["hf_dir"], HF_WEIGHTS))
+            case "save":
+                # Every rank reads its own rows of the written file back with safetensors.
+                dist.barrier()
+                return _check_params(ctx.model, os.path.join(ctx.paths["out_dir"], HF_WEIGHTS))
+            case _:
+                epoch = Path(ctx.paths["resume_dir"]) / RESUME_EPOCH_DIR
+                verdict = _check_params(ctx.model, str(epoch / HF_WEIGHTS))
+                if verdict == "ok":
+                    verdict = _check_optim(ctx.model, ctx.opt, str(epoch / "training_state" / "optimizer.safetensors"), 1.0)
+                return verdict
+    except Exception as e:  # a verification crash is a finding, not a harness failure
+        return f"verify raised {type(e).__name__}: {e}"
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def _setup(group: str, method: str, size: str, paths: dict[str, str]) -> Ctx:
+    model = build_model(size)
+    ctx = Ctx(model=model, rank=dist.get_rank(), paths=paths)
+    if group == "save":
+        materialize_from_file(model, os.path.join(paths["hf_dir"], HF_WEIGHTS))
+    elif group == "resume":
+        ctx.opt = adamw(model)  # on the meta params, before anything is loaded
+        if method == "shardtune":
+            from shardtune.checkpoint import Checkpointer
+
+            ctx.checkpointer = Checkpointer(
+                output_dir=paths["resume_dir"], model=model, optimizer=ctx.opt, base_dir=paths["hf_dir"]
+            )
+    return ctx
+
+
+def run(*, group: str, method: str, size: str, paths: dict[str, str]) -> dict:
+    """Set up, measure one step of ``group``/``method``, verify; return this rank's record."""
+    ctx = _setup(group, method, size, paths)
+    step = STEPS[group][method]
+    own = local_bytes(ctx.model) * (1 + len(ADAM_KEYS) if group == "resume" else 1)
+    counter = _byte_counter() if method.startswith("shardtune") else None
+    if counter is not None:
+        counter.reset()
+    out, measurement = measure_step(lambda: step(ctx), barrier=dist.barrier)
+    counted = None
+    if counter is not None:
+        counted = {"received": int(counter.bytes_received), "sent": int(counter.bytes_sent)}
+    verdict = _verify(group, ctx)
+    if group == "resume" and method == "shardtune" and out != 1 and verdict == "ok":
+        verdict = f"resume() returned step {out}, expected 1"
+    dist.barrier()
+    return {
+        "rank": ctx.rank,
+        "measurement": measurement.to_json(),
+        "own_shard_bytes": own,
+        "counted_bytes": counted,
+        "verify": verdict,
+    }
+
+
+def setup_resume(*, size: str, paths: dict[str, str]) -> dict:
+    """Untimed setup of the ``resume`` group, once per invocation.
+
+    Materialize the model from the HF fixture (per-rank slices), one AdamW step with gradients
+    of ones, then write both checkpoints of that same state: shardtune ``Checkpointer.save(step=1,
+    epoch=1)`` into ``resume_dir`` and ``dcp.save`` of DSD's ``get_state_dict`` into ``dcp_dir``.
+    Checks that the shardtune files equal the live state (they are the resume reference).
+    """
+    import time
+
+    from shardtune.checkpoint import Checkpointer
+
+    model = build_model(size)
+    materialize_from_file(model, os.path.join(paths["hf_dir"], HF_WEIGHTS))
+    opt = adamw(model)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    ckpt = Checkpointer(output_dir=paths["resume_dir"], model=model, optimizer=opt, base_dir=paths["hf_dir"])
+    saved = ckpt.save(step=1, epoch=1)
+    t1 = time.perf_counter()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=paths["dcp_dir"])
+    t2 = time.perf_counter()
+    del msd, osd
+    dist.barrier()
+    epoch = Path(saved)
+    verdict = _check_params(model, str(epoch / HF_WEIGHTS))
+    if verdict == "ok":
+        verdict = _check_optim(model, opt, str(epoch / "training_state" / "optimizer.safetensors"), 1.0)
+    return {"rank": dist.get_rank(), "checkpointer_save_s": t1 - t0, "dcp_save_s": t2 - t1, "verify": verdict,
+            "saved": str(saved)}

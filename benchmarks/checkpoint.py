@@ -1,0 +1,550 @@
+"""Benchmark of shardtune's HF checkpoint I/O and resume against torch DSD/DCP and torchtune.
+
+    python -m benchmarks.checkpoint --size {tiny,250m,1b} --world 2 --repeats 3 [--cold]
+    python -m benchmarks.checkpoint --smoke          # tiny, 1 repeat, no BENCHMARKS.md
+
+Groups and methods (each run = fresh processes; methods interleaved across repeats):
+
+* ``load``: HF checkpoint directory -> meta FSDP2 ``LlamaForCausalLM``. ``shardtune_direct``
+  (``load_hf_checkpoint(shared_filesystem=True)``: every rank reads its own rows),
+  ``shardtune_rank0`` (``shared_filesystem=False``: rank 0 reads and scatters),
+  ``dsd_broadcast`` (rank 0 ``load_file``, ``set_model_state_dict(broadcast_from_rank0)``),
+  ``torchtune_distribute`` (torchtune 0.6.1: every rank ``load_file``, ``distribute_tensor``
+  per param, ``load_state_dict(assign=True)``), ``dcp_hf_reader`` (``to_empty`` +
+  ``dcp.load(model.state_dict(), HuggingFaceStorageReader)``).
+* ``save``: materialized sharded model -> HF directory. ``shardtune`` (``save_hf_checkpoint``:
+  every rank pwrites its rows) vs ``dsd`` (``get_model_state_dict(full_state_dict, cpu_offload)``
+  + ``safetensors.torch.save_file`` on rank 0); both fsync their files.
+* ``resume``: model + AdamW state into a fresh meta model and fresh optimizer. ``shardtune``
+  (``Checkpointer.resume()``) vs ``dsd`` (``to_empty``, ``get_state_dict``, ``dcp.load``,
+  ``set_state_dict``); both checkpoints are written once, untimed, from the same state.
+
+Results print as Markdown tables and, unless ``--no-markdown``/``--smoke``, replace the
+``checkpoint`` section of BENCHMARKS.md at the repo root (other sections are kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks._checkpoint_steps import HF_WEIGHTS, STEPS, hf_storage_reader, model_args
+from benchmarks._fixtures import DTYPE, SIZES, write_random_safetensors
+from benchmarks._measure import RankFailure, drop_page_cache, spawn_ranks, warm_page_cache
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- checkpoint:begin -->", "<!-- checkpoint:end -->"
+RESUME_MEMORY_LIMIT = 18 << 30  # all processes together
+GIB = 1 << 30
+CONTRACT_MIN_BYTES = 32 << 20  # largest tensor below this: allocator noise decides the check
+DSD = {"load": "dsd_broadcast", "save": "dsd", "resume": "dsd"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """Command-line options."""
+
+    size: str
+    world: int
+    repeats: int
+    groups: tuple[str, ...]
+    cold: bool
+    bench_dir: Path
+    markdown: Path | None
+    timeout_s: float
+    command: str
+
+
+@dataclass
+class Run:
+    """One method, one repeat: every rank's record, or the failure."""
+
+    group: str
+    method: str
+    repeat: int
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class Group:
+    """Where a group's files are and which size it runs at."""
+
+    size: str
+    paths: dict[str, str]
+    reads: dict[str, list[Path]]  # method -> files its timed step reads (page cache)
+
+
+# --------------------------------------------------------------------------- setup
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Parse the command line into a :class:`Config`."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.checkpoint", description=__doc__.split("\n")[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--groups", default=",".join(STEPS), help="comma list of " + ",".join(STEPS))
+    p.add_argument("--cold", action="store_true", help="posix_fadvise(DONTNEED) the files a run reads before it")
+    p.add_argument("--smoke", action="store_true", help="tiny, 1 repeat, no BENCHMARKS.md (CI)")
+    p.add_argument("--bench-dir", type=Path, default=REPO_ROOT / "bench_out")
+    p.add_argument("--markdown", type=Path, default=REPO_ROOT / "BENCHMARKS.md")
+    p.add_argument("--no-markdown", action="store_true")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
+    a = p.parse_args(argv)
+    groups = tuple(g for g in a.groups.split(",") if g)
+    if unknown := set(groups) - set(STEPS):
+        p.error(f"unknown groups {sorted(unknown)}")
+    return Config(
+        size="tiny" if a.smoke else a.size,
+        world=a.world,
+        repeats=1 if a.smoke else a.repeats,
+        groups=groups,
+        cold=a.cold,
+        bench_dir=a.bench_dir.resolve(),
+        markdown=None if (a.smoke or a.no_markdown) else a.markdown,
+        timeout_s=120.0 if a.smoke else a.timeout,
+        command="python -m benchmarks.checkpoint " + " ".join(sys.argv[1:] if argv is None else argv),
+    )
+
+
+def model_bytes(size: str) -> int:
+    return SIZES[size].num_params() * DTYPE.itemsize
+
+
+def largest_tensor_bytes(size: str) -> int:
+    return max(math.prod(s) for s in SIZES[size].param_shapes().values()) * DTYPE.itemsize
+
+
+def resume_size(size: str) -> str:
+    """Size for ``resume``: setup holds params + grads + 2 AdamW states (4x model, all ranks)."""
+    return size if 4 * model_bytes(size) + (2 << 30) <= RESUME_MEMORY_LIMIT else "250m"
+
+
+def hf_dir(bench_dir: Path, size: str) -> Path:
+    """Write (or reuse) the HF checkpoint directory fixture: config.json + model.safetensors."""
+    from shardtune.models import model_args_to_hf_config
+
+    path = bench_dir / f"hf_{size}"
+    write_random_safetensors(path / HF_WEIGHTS, SIZES[size].param_shapes(), metadata={"format": "pt"})
+    config = json.dumps(model_args_to_hf_config(model_args(SIZES[size])), indent=2, sort_keys=True)
+    if not (path / "config.json").is_file() or (path / "config.json").read_text() != config:
+        (path / "config.json").write_text(config)
+    return path
+
+
+def files_under(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file())
+
+
+def shardtune_fingerprint() -> str:
+    """Short sha256 of the shardtune sources the benchmark exercises, to detect edits mid-run."""
+    digest = hashlib.sha256()
+    for sub in ("state_dict", "checkpoint"):
+        for path in sorted((REPO_ROOT / "shardtune" / sub).glob("*.py")):
+            digest.update(f"{sub}/{path.name}".encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def prepare(cfg: Config) -> tuple[dict[str, Group], list[str]]:
+    """Fixture files per group, the resume checkpoints (untimed), and notes."""
+    groups, notes = {}, []
+    for group in cfg.groups:
+        size = resume_size(cfg.size) if group == "resume" else cfg.size
+        if size != cfg.size:
+            notes.append(f"resume runs at {size}: at {cfg.size} params + grads + 2 AdamW states would need "
+                         f"~{(4 * model_bytes(cfg.size) + (2 << 30)) / GIB:.0f} GiB > {RESUME_MEMORY_LIMIT / GIB:.0f} GiB")
+        hf = hf_dir(cfg.bench_dir, size)
+        paths = {"hf_dir": str(hf)}
+        reads: dict[str, list[Path]] = {}
+        if group == "load":
+            reads = {m: [hf / HF_WEIGHTS] for m in STEPS[group]}
+        elif group == "save":
+            for m in STEPS[group]:
+                paths[f"out_dir:{m}"] = str(cfg.bench_dir / f"save_{size}_{m}")
+            reads = {m: [hf / HF_WEIGHTS] for m in STEPS[group]}  # read by the untimed setup only
+        else:
+            root = cfg.bench_dir / f"resume_{size}"
+            paths |= {"resume_dir": str(root / "shardtune"), "dcp_dir": str(root / "dcp")}
+            notes += setup_resume(cfg, size, paths)
+            reads = {"shardtune": files_under(root / "shardtune"), "dsd": files_under(root / "dcp")}
+        groups[group] = Group(size=size, paths=paths, reads=reads)
+    return groups, notes
+
+
+def setup_resume(cfg: Config, size: str, paths: dict[str, str]) -> list[str]:
+    """Write both resume checkpoints from one stepped state (untimed); notes on what happened."""
+    shutil.rmtree(Path(paths["resume_dir"]).parent, ignore_errors=True)
+    start = time.perf_counter()
+    ranks = spawn_ranks("benchmarks._checkpoint_steps:setup_resume", world=cfg.world,
+                        kwargs={"size": size, "paths": paths}, timeout_s=cfg.timeout_s)
+    bad = [f"r{r['rank']}: {r['verify']}" for r in ranks if r["verify"] != "ok"]
+    print(f"resume setup ({size}): {time.perf_counter() - start:.1f} s, Checkpointer.save "
+          f"{max(r['checkpointer_save_s'] for r in ranks):.2f} s, dcp.save {max(r['dcp_save_s'] for r in ranks):.2f} s",
+          file=sys.stderr)
+    if bad:
+        return [f"resume setup: shardtune's saved checkpoint differs from the live state ({'; '.join(bad)})"]
+    return []
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run_all(cfg: Config, groups: dict[str, Group]) -> list[Run]:
+    """Every (group, method) once per repeat, interleaved (A B C A B C ...), in fresh processes."""
+    runs = []
+    for repeat in range(cfg.repeats):
+        for group in cfg.groups:
+            g = groups[group]
+            for method in STEPS[group]:
+                run = Run(group, method, repeat)
+                if group == "load" and method == "dcp_hf_reader" and hf_storage_reader() is None:
+                    run.error = "unavailable: torch.distributed.checkpoint has no HuggingFaceStorageReader"
+                    runs.append(run)
+                    continue
+                paths = dict(g.paths)
+                if group == "save":
+                    paths["out_dir"] = paths[f"out_dir:{method}"]
+                    shutil.rmtree(paths["out_dir"], ignore_errors=True)
+                for path in g.reads[method]:
+                    drop_page_cache(path) if cfg.cold and group != "save" else warm_page_cache(path)
+                kwargs = {"group": group, "method": method, "size": g.size, "paths": paths}
+                try:
+                    run.ranks = spawn_ranks("benchmarks._checkpoint_steps:run", world=cfg.world,
+                                            kwargs=kwargs, timeout_s=cfg.timeout_s)
+                except RankFailure as e:
+                    run.error = str(e)
+                print(f"[{repeat + 1}/{cfg.repeats}] {group}/{method}: " + _one_line(run), file=sys.stderr)
+                runs.append(run)
+    return runs
+
+
+def _one_line(run: Run) -> str:
+    if run.error:
+        return "FAILED: " + run.error.strip().splitlines()[-1][:300]
+    times = [r["measurement"]["seconds"] for r in run.ranks]
+    return f"{max(times):.3f} s, verify " + ",".join(r["verify"] for r in run.ranks)
+
+
+# --------------------------------------------------------------------------- analytic bytes
+
+
+def analytic_bytes(group: str, method: str, size: str, world: int) -> tuple[list[int], list[int], str] | None:
+    """(received per rank, sent per rank, how) for the baselines, from the algorithm's messages."""
+    recv, sent = [0] * world, [0] * world
+    kind = {("load", "dsd_broadcast"): "broadcast", ("load", "torchtune_distribute"): "scatter",
+            ("save", "dsd"): "all_gather", ("load", "dcp_hf_reader"): "none",
+            ("resume", "dsd"): "none"}.get((group, method))
+    if kind is None:
+        return None
+    for shape in SIZES[size].param_shapes().values():
+        row = math.prod(shape[1:]) * DTYPE.itemsize
+        chunk = math.ceil(shape[0] / world)
+        for r in range(world):
+            if kind == "broadcast":  # every full tensor to every rank
+                recv[r] += 0 if r == 0 else shape[0] * row
+                sent[r] += (world - 1) * shape[0] * row if r == 0 else 0
+            elif kind == "scatter":  # distribute_tensor(src_data_rank=0): padded chunk per rank
+                recv[r] += 0 if r == 0 else chunk * row
+                sent[r] += (world - 1) * chunk * row if r == 0 else 0
+            elif kind == "all_gather":  # DTensor.full_tensor(): padded all-gather on every rank
+                recv[r] += (world - 1) * chunk * row
+                sent[r] += (world - 1) * chunk * row
+    how = {"broadcast": "analytic: broadcast of every full tensor",
+           "scatter": "analytic: distribute_tensor scatter from rank 0",
+           "all_gather": "analytic: full_tensor() all-gather on every rank",
+           "none": "analytic: each rank reads its own chunks from the files; only plans (objects) are exchanged"}[kind]
+    return recv, sent, how
+
+
+# --------------------------------------------------------------------------- summaries
+
+
+def _per_rank_median(runs: list[Run], key: str) -> list[float]:
+    world = len(runs[0].ranks)
+    return [statistics.median(run.ranks[r]["measurement"][key] for run in runs) for r in range(world)]
+
+
+def summarize(group: str, method: str, runs: list[Run], size: str, world: int) -> dict[str, Any]:
+    """Medians over repeats; time is the slowest rank of each repeat."""
+    ok = [r for r in runs if r.error is None]
+    row: dict[str, Any] = {"group": group, "method": method, "size": size, "runs": len(runs), "ok": len(ok),
+                           "errors": [r.error for r in runs if r.error]}
+    if not ok:
+        return row
+    row["seconds"] = statistics.median(max(rk["measurement"]["seconds"] for rk in r.ranks) for r in ok)
+    row["all_seconds"] = [max(rk["measurement"]["seconds"] for rk in r.ranks) for r in ok]
+    for key in ("peak_anon_delta", "baseline_anon", "vm_hwm", "peak_file"):
+        row[key] = _per_rank_median(ok, key)
+    row["own_shard_bytes"] = [rk["own_shard_bytes"] for rk in ok[0].ranks]
+    # Save starts with the shards materialized (in the baseline); load/resume start from meta.
+    pre = row["own_shard_bytes"] if group == "save" else [0] * world
+    row["held"] = [p + d for p, d in zip(pre, row["peak_anon_delta"], strict=True)]
+    row["reference"] = [own + largest_tensor_bytes(size) for own in row["own_shard_bytes"]]
+    row["verify"] = sorted({rk["verify"] for r in ok for rk in r.ranks})
+    if ok[0].ranks[0]["counted_bytes"] is not None:
+        row["recv"] = [statistics.median(r.ranks[i]["counted_bytes"]["received"] for r in ok) for i in range(world)]
+        row["sent"] = [statistics.median(r.ranks[i]["counted_bytes"]["sent"] for r in ok) for i in range(world)]
+        row["bytes_how"] = "counted: shardtune.state_dict.stats"
+    elif (a := analytic_bytes(group, method, size, world)) is not None:
+        row["recv"], row["sent"], row["bytes_how"] = a
+    return row
+
+
+def contract(row: dict[str, Any], ranks: list[int] | None = None) -> str:
+    """held ≤ 1.1 × (own shard + largest tensor) on every rank (or the given ranks)."""
+    if largest_tensor_bytes(row["size"]) < CONTRACT_MIN_BYTES:
+        return "n/a (tiny)"
+    ranks = range(len(row["held"])) if ranks is None else ranks
+    failing = [f"r{r}" for r in ranks if row["held"][r] > 1.1 * row["reference"][r]]
+    return "yes" if not failing else "NO: " + ", ".join(failing)
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "—"
+    if n == 0:
+        return "0"
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / (1 << 20):.1f} MiB"
+
+
+def _ranks(values: list[float] | None) -> str:
+    return " / ".join(fmt_bytes(v) for v in values) if values else "—"
+
+
+def _ratio(row: dict[str, Any], other: dict[str, Any] | None) -> str:
+    if other is None or "seconds" not in other or "seconds" not in row:
+        return "—"
+    return f"{row['seconds'] / other['seconds']:.2f}"
+
+
+TITLES = {
+    "load": "Load HF checkpoint → sharded model",
+    "save": "Save sharded model → HF checkpoint on disk",
+    "resume": "Full resume (model + AdamW) into a fresh meta model and fresh optimizer",
+}
+
+
+def render_group(group: str, rows: list[dict[str, Any]]) -> str:
+    """Markdown table for one group; ratios are to the DSD method's (and DCP HF reader's) median time."""
+    by = {r["method"]: r for r in rows}
+    dsd, dcp_hf = by.get(DSD[group]), by.get("dcp_hf_reader")
+    size = rows[0]["size"]
+    own = next((r["own_shard_bytes"] for r in rows if "own_shard_bytes" in r), None)
+    what = "params + exp_avg + exp_avg_sq" if group == "resume" else "params"
+    extra = " | × DCP-HF" if group == "load" else ""
+    lines = [f"**{TITLES[group]}** (size {size}; own shard per rank ({what}) {_ranks(own)}, "
+             f"largest tensor {fmt_bytes(largest_tensor_bytes(size))})", "",
+             f"| method | median s (runs) | × DSD{extra} | peak RssAnon Δ (r0 / r1) | held at peak | own + largest"
+             " | contract ≤ 1.1× | baseline RssAnon | VmHWM | peak RssFile | recv bytes | r0 sent | bytes obtained by"
+             " | verify |",
+             "|---|---|---|" + ("---|" if extra else "") + "---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "seconds" not in r:
+            reason = r["errors"][0].strip().splitlines()[0][:160] if r["errors"] else "failed"
+            blanks = " |" * (13 if extra else 12)
+            lines.append(f"| {r['method']} | {'unavailable' if reason.startswith('unavailable') else 'FAILED'}: "
+                         f"{reason}{blanks}")
+            continue
+        runs = ", ".join(f"{s:.2f}" for s in r["all_seconds"])
+        ratios = _ratio(r, dsd) + (f" | {_ratio(r, dcp_hf)}" if extra else "")
+        sent = fmt_bytes(r["sent"][0]) if "sent" in r else "—"
+        lines.append(
+            f"| {r['method']} | {r['seconds']:.3f} ({runs}) | {ratios} | {_ranks(r['peak_anon_delta'])} | "
+            f"{_ranks(r['held'])} | {_ranks(r['reference'])} | {contract(r)} | {_ranks(r['baseline_anon'])} | "
+            f"{_ranks(r['vm_hwm'])} | {_ranks(r['peak_file'])} | {_ranks(r.get('recv'))} | {sent} | "
+            f"{r.get('bytes_how', '—')} | {'; '.join(r['verify'])} |"
+        )
+    return "\n".join(lines)
+
+
+def _target(ok: bool | None, text: str) -> str:
+    mark = "—" if ok is None else ("met" if ok else "**MISSED**")
+    return f"| {text} | {mark} |"
+
+
+def render_targets(rows: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
+    """The issue's targets, each with the measured value and met / MISSED."""
+    def sec(g: str, m: str) -> float | None:
+        return rows.get((g, m), {}).get("seconds")
+
+    out = ["**Targets** (from the issue; measured in this run)", "", "| target | measured | result |", "|---|---|---|"]
+
+    def ratio_line(label: str, a: tuple[str, str], b: tuple[str, str], limit: float) -> None:
+        sa, sb = sec(*a), sec(*b)
+        if sa is None or sb is None:
+            out.append(f"| {label} | not measured | — |")
+            return
+        ok = sa <= limit * sb
+        out.append(f"| {label} | {sa:.3f} s / {sb:.3f} s = {sa / sb:.2f} | {'met' if ok else '**MISSED**'} |")
+
+    def memory_line(label: str, key: tuple[str, str], ranks: list[int] | None) -> None:
+        r = rows.get(key)
+        if r is None or "held" not in r:
+            out.append(f"| {label} | not measured | — |")
+            return
+        idx = list(range(len(r["held"]))) if ranks is None else ranks
+        measured = "; ".join(f"r{i} {fmt_bytes(r['held'][i])} vs {fmt_bytes(1.1 * r['reference'][i])}" for i in idx)
+        verdict = contract(r, idx)
+        mark = "—" if verdict.startswith("n/a") else ("met" if verdict == "yes" else "**MISSED**")
+        out.append(f"| {label} | {measured} | {mark} |")
+
+    ratio_line("load time ≤ 0.5 × DSD (shardtune_direct / dsd_broadcast)", ("load", "shardtune_direct"),
+               ("load", "dsd_broadcast"), 0.5)
+    ratio_line("load time ≤ 0.9 × DCP HF reader (shardtune_direct / dcp_hf_reader)", ("load", "shardtune_direct"),
+               ("load", "dcp_hf_reader"), 0.9)
+    memory_line("load: every rank's peak ≤ 1.1 × (own shard + largest tensor) (shardtune_direct)",
+                ("load", "shardtune_direct"), None)
+    direct = rows.get(("load", "shardtune_direct"), {})
+    if "recv" in direct:
+        zero = not any(direct["recv"]) and not any(direct["sent"])
+        out.append(f"| load: zero bytes over collectives (shardtune_direct, counted) | recv {_ranks(direct['recv'])}, "
+                   f"sent {_ranks(direct['sent'])} | {'met' if zero else '**MISSED**'} |")
+    ratio_line("save time ≤ 0.5 × DSD (shardtune / dsd)", ("save", "shardtune"), ("save", "dsd"), 0.5)
+    memory_line("save: rank-0 peak ≤ 1.1 × (own shard + largest tensor) (shardtune)", ("save", "shardtune"), [0])
+    return out
+
+
+def _ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def render_report(cfg: Config, groups: dict[str, Group], tables: list[str], targets: list[str], notes: list[str], *,
+                  load_avg: tuple[tuple[float, ...], tuple[float, ...]], fingerprint: str) -> str:
+    """The Markdown section (without begin/end markers)."""
+    import safetensors
+
+    shape = SIZES[cfg.size]
+    cache = ("cold (POSIX_FADV_DONTNEED on the files a run reads, just before it)" if cfg.cold
+             else "warm (the files a run reads are read once just before it, untimed)")
+    reader = "available (`torch.distributed.checkpoint.HuggingFaceStorageReader`)" if hf_storage_reader() else \
+        "**not available** in this torch"
+    sizes = sorted({(g, v.size) for g, v in groups.items()})
+    env = [
+        f"- Command: `{cfg.command}`",
+        f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}; torch {torch.__version__}, "
+        f"safetensors {safetensors.__version__}, Python {platform.python_version()}",
+        f"- Machine: {os.cpu_count()} CPU cores, {_ram_bytes() / GIB:.1f} GiB RAM, no GPU; gloo on 127.0.0.1, "
+        f"OMP_NUM_THREADS=1 per rank (as torchrun sets); 1-min load average {load_avg[0][0]:.2f} before, "
+        f"{load_avg[1][0]:.2f} after (the machine is shared)",
+        f"- Model: `{cfg.size}` = {shape} → {shape.num_params() / 1e9:.3f} B params, "
+        f"{fmt_bytes(model_bytes(cfg.size))} bf16; `shardtune.models.LlamaForCausalLM` built on meta (bf16), "
+        f"`shardtune.distributed.shard_model` (FSDP2 per decoder layer, then the root), 1-D mesh of {cfg.world} "
+        "ranks (Shard(0))",
+        "- Sizes per group: " + ", ".join(f"{g} `{s}`" for g, s in sizes),
+        "- Checkpoint: HF directory (`config.json` + one `model.safetensors`, seeded random bf16, "
+        "`--bench-dir`/`hf_<size>/`)",
+        f"- shardtune: sha256 of `shardtune/{{state_dict,checkpoint}}/*.py` = `{fingerprint}`; DCP HF reader {reader}",
+        f"- World {cfg.world}, {cfg.repeats} repeats, methods interleaved across repeats, every run in fresh "
+        f"processes; page cache **{cache}**",
+    ]
+    how = [
+        "How to read it:",
+        "- *median s (runs)*: per repeat the slowest rank's `perf_counter` time between two barriers, then the median;"
+        " each repeat's time in brackets. *× DSD*: ratio of medians to the DSD method of the same group in this run "
+        "(*× DCP-HF*: to `dcp_hf_reader`).",
+        "- `load`: the timed step includes opening the files (`safetensors.torch.load_file` mmap for "
+        "`dsd_broadcast`/`torchtune_distribute`; shardtune `preadv`s each rank's rows). `dcp_hf_reader` times "
+        "`model.to_empty(device=\"cpu\")` + `dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(dir))`"
+        " (the DTensors share storage with the params, so they are filled in place). DSD and torchtune load the meta"
+        " model directly (assign), no `to_empty`.",
+        "- `save`: setup (untimed) fills the meta model from per-rank slices of the fixture (no collectives). "
+        "shardtune `save_hf_checkpoint(model, dir)`: rank 0 writes headers/config, every rank `pwrite`s its rows "
+        "and fsyncs. DSD: `get_model_state_dict(full_state_dict=True, cpu_offload=True)`, then rank 0 "
+        "`safetensors.torch.save_file` + `config.json`, **both fsynced (and the directory) inside the timed step**, "
+        "for parity with shardtune, which fsyncs. The output directory is deleted before each run (untimed). "
+        "Verification: every rank reads its own rows of the written file back with `safetensors.safe_open` and "
+        "compares them to its shards (keys, dtype, values).",
+        "- `resume`: setup once per invocation (untimed, outside the repeats): params from the fixture, one AdamW "
+        "(lr 1e-3, foreach=False) step with gradients of ones, then `Checkpointer.save(step=1, epoch=1)` and "
+        "`dcp.save({\"model\", \"optim\"} of get_state_dict(model, opt))` of that same state. Timed: shardtune "
+        "`Checkpointer(output_dir, model, optimizer, base_dir).resume()` into a fresh meta model whose AdamW was "
+        "created on the meta params (model + optimizer + training state + RNG); DSD: `model.to_empty(\"cpu\")`, "
+        "`get_state_dict(model, opt)` (which initializes AdamW state with a zero-grad step), `dcp.load`, "
+        "`set_state_dict` — all inside the timed step. Verification: every shard of params, exp_avg, exp_avg_sq "
+        "equals shardtune's saved files (the DCP checkpoint holds the same state), step = 1, and the optimizer "
+        "still references the model's Parameter objects.",
+        "- *peak RssAnon Δ*: peak of a 2 ms `/proc/self/status` sampler minus the pre-step baseline (*baseline "
+        "RssAnon*, after `gc.collect()` + `malloc_trim(0)`). *VmHWM* is reset by writing `5` to "
+        "`/proc/self/clear_refs` before the step and includes file-backed (mmap) pages, as does *peak RssFile*.",
+        "- *held at peak*: model/optimizer state memory at the peak = shards already held before the step (`save`"
+        " only: the materialized params, part of the baseline) + peak RssAnon Δ. *contract*: held ≤ 1.1 × (own "
+        "shard + largest tensor) on every rank (n/a for tiny: allocator noise dominates).",
+        "- *recv bytes* / *r0 sent*: tensor payload over collectives per rank, counted by shardtune's "
+        "`shardtune.state_dict.stats` for shardtune methods, derived from the algorithm for the baselines (column "
+        "*bytes obtained by*); object collectives (plans, error checks: a few KiB) are not included.",
+    ]
+    return "\n".join(["## Checkpoint I/O and resume (`benchmarks/checkpoint.py`)", "", *env, "",
+                      *("\n\n".join(tables).split("\n")), "", *targets, "", *how,
+                      *(["", "Notes:", *(f"- {n}" for n in notes)] if notes else [])])
+
+
+def write_markdown(path: Path, section: str) -> None:
+    """Replace (or append) the checkpoint begin/end-marked section of ``path``; the rest is kept."""
+    block = f"{BEGIN}\n{section}\n{END}"
+    text = path.read_text() if path.exists() else "# shardtune benchmarks\n"
+    if BEGIN in text and END in text:
+        head, _, rest = text.partition(BEGIN)
+        _, _, tail = rest.partition(END)
+        text = head + block + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; exit status 1 if a run failed or a verification did not pass."""
+    cfg = parse_args(argv)
+    cfg.bench_dir.mkdir(parents=True, exist_ok=True)
+    fingerprint_before, load_before = shardtune_fingerprint(), os.getloadavg()
+    groups, notes = prepare(cfg)
+    runs = run_all(cfg, groups)
+    load_avg, fingerprint = (load_before, os.getloadavg()), shardtune_fingerprint()
+    if fingerprint != fingerprint_before:
+        notes.append(f"shardtune sources changed during the run ({fingerprint_before} -> {fingerprint}): rerun")
+    (cfg.bench_dir / f"checkpoint_{cfg.size}_runs.json").write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    tables, rows = [], {}
+    for group in cfg.groups:
+        group_rows = []
+        for method in STEPS[group]:
+            mine = [r for r in runs if (r.group, r.method) == (group, method)]
+            row = summarize(group, method, mine, groups[group].size, cfg.world)
+            rows[(group, method)] = row
+            group_rows.append(row)
+            notes += [f"{group}/{method} failed: ```{e.strip()[-1500:]}```" for e in row["errors"][:1]
+                      if not e.startswith("unavailable")]
+        tables.append(render_group(group, group_rows))
+    section = render_report(cfg, groups, tables, render_targets(rows), notes, load_avg=load_avg,
+                            fingerprint=fingerprint)
+    print(section)
+    if cfg.markdown is not None:
+        write_markdown(cfg.markdown, section)
+    bad_verify = any(rk["verify"] != "ok" for r in runs for rk in r.ranks)
+    failed = any(r.error and not r.error.startswith("unavailable") for r in runs)
+    return 1 if bad_verify or failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
