@@ -245,3 +245,21 @@ def test_async_dcp_intermediate_checkpoints_resume_exactly(runs, tiny_dirs, tmp_
                "resume_from_checkpoint=True")
     again = losses(resumed)
     assert sorted(again) == [3, 4, 5, 6] and all(again[s] == losses(first)[s] for s in again)
+
+
+def test_bf16_qlora_with_activation_checkpointing_trains_and_exports_bf16(tiny_dirs, tmp_path):
+    import json
+
+    import transformers
+
+    recipe, config = CASES["qlora"]
+    out = tmp_path / "bf16"
+    run_recipe(recipe, config, *_overrides(tiny_dirs, "qlora", out, epochs=1, steps=3), "dtype=bf16",
+               "enable_activation_checkpointing=true")
+    logged = losses(out)
+    assert sorted(logged) == [1, 2, 3] and all(math.isfinite(v) for v in logged.values())
+    assert logged[3] < logged[1]
+    final = out / "epoch_1"
+    assert json.loads((final / "config.json").read_text()).get("torch_dtype", json.loads((final / "config.json").read_text()).get("dtype")) == "bfloat16"
+    model = transformers.AutoModelForCausalLM.from_pretrained(final)
+    assert next(model.parameters()).dtype == torch.bfloat16
