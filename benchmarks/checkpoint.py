@@ -222,6 +222,7 @@ def run_all(cfg: Config, groups: dict[str, Group]) -> list[Run]:
                     shutil.rmtree(paths["out_dir"], ignore_errors=True)
                 for path in g.reads[method]:
                     drop_page_cache(path) if cfg.cold and group != "save" else warm_page_cache(path)
+                os.sync()  # no dirty pages of earlier runs (or other work) left to write back during this one
                 kwargs = {"group": group, "method": method, "size": g.size, "paths": paths}
                 try:
                     run.ranks = spawn_ranks("benchmarks._checkpoint_steps:run", world=cfg.world,
@@ -360,8 +361,8 @@ def render_group(group: str, rows: list[dict[str, Any]]) -> str:
         if "seconds" not in r:
             reason = r["errors"][0].strip().splitlines()[0][:160] if r["errors"] else "failed"
             blanks = " |" * (13 if extra else 12)
-            lines.append(f"| {r['method']} | {'unavailable' if reason.startswith('unavailable') else 'FAILED'}: "
-                         f"{reason}{blanks}")
+            status = reason if reason.startswith("unavailable") else f"FAILED: {reason}"
+            lines.append(f"| {r['method']} | {status}{blanks}")
             continue
         runs = ", ".join(f"{s:.2f}" for s in r["all_seconds"])
         ratios = _ratio(r, dsd) + (f" | {_ratio(r, dcp_hf)}" if extra else "")
@@ -469,7 +470,9 @@ def render_report(cfg: Config, groups: dict[str, Group], tables: list[str], targ
         "shardtune `save_hf_checkpoint(model, dir)`: rank 0 writes headers/config, every rank `pwrite`s its rows "
         "and fsyncs. DSD: `get_model_state_dict(full_state_dict=True, cpu_offload=True)`, then rank 0 "
         "`safetensors.torch.save_file` + `config.json`, **both fsynced (and the directory) inside the timed step**, "
-        "for parity with shardtune, which fsyncs. The output directory is deleted before each run (untimed). "
+        "for parity with shardtune, which fsyncs. The output directory is deleted and `os.sync()` called before each "
+        "run (untimed), so no earlier run's dirty pages are written back during it; the disk's write speed still "
+        "varies a lot on this shared VM (`dd` of 1.5 GiB with fsync: 0.3–1.8 GB/s), and both methods are bound by it. "
         "Verification: every rank reads its own rows of the written file back with `safetensors.safe_open` and "
         "compares them to its shards (keys, dtype, values).",
         "- `resume`: setup once per invocation (untimed, outside the repeats): params from the fixture, one AdamW "
