@@ -305,3 +305,21 @@ def _rank_main(spec_path: str, rank: int) -> None:
 
 if __name__ == "__main__":
     _rank_main(sys.argv[1], int(sys.argv[2]))
+
+
+def write_markdown_section(path: Path, section: str, *, begin: str, end: str) -> None:
+    """Replace (or append) the ``begin``/``end``-marked section of ``path``; the rest is kept.
+
+    Written to a temporary file and renamed, so an interrupted run leaves the old file intact.
+    """
+    block = f"{begin}\n{section}\n{end}"
+    text = path.read_text() if path.exists() else "# shardtune benchmarks\n"
+    if begin in text and end in text:
+        head, _, rest = text.partition(begin)
+        _, _, tail = rest.partition(end)
+        text = head + block + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

@@ -44,7 +44,7 @@ import torch
 
 from benchmarks._checkpoint_steps import HF_WEIGHTS, STEPS, hf_storage_reader, model_args
 from benchmarks._fixtures import DTYPE, SIZES, write_random_safetensors
-from benchmarks._measure import RankFailure, drop_page_cache, spawn_ranks, warm_page_cache
+from benchmarks._measure import RankFailure, drop_page_cache, spawn_ranks, warm_page_cache, write_markdown_section
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- checkpoint:begin -->", "<!-- checkpoint:end -->"
@@ -499,19 +499,6 @@ def render_report(cfg: Config, groups: dict[str, Group], tables: list[str], targ
                       *(["", "Notes:", *(f"- {n}" for n in notes)] if notes else [])])
 
 
-def write_markdown(path: Path, section: str) -> None:
-    """Replace (or append) the checkpoint begin/end-marked section of ``path``; the rest is kept."""
-    block = f"{BEGIN}\n{section}\n{END}"
-    text = path.read_text() if path.exists() else "# shardtune benchmarks\n"
-    if BEGIN in text and END in text:
-        head, _, rest = text.partition(BEGIN)
-        _, _, tail = rest.partition(END)
-        text = head + block + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 # --------------------------------------------------------------------------- main
@@ -543,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
                             fingerprint=fingerprint)
     print(section)
     if cfg.markdown is not None:
-        write_markdown(cfg.markdown, section)
+        write_markdown_section(cfg.markdown, section, begin=BEGIN, end=END)
     bad_verify = any(rk["verify"] != "ok" for r in runs for rk in r.ranks)
     failed = any(r.error and not r.error.startswith("unavailable") for r in runs)
     return 1 if bad_verify or failed else 0

@@ -36,6 +36,7 @@ import torch
 
 from benchmarks._fixtures import DTYPE, SIZES, write_random_safetensors
 from benchmarks._measure import (
+    write_markdown_section,
     RankFailure,
     drop_page_cache,
     snapshot_sources,
@@ -438,17 +439,6 @@ def render_report(
                       *(["", "Notes:", *(f"- {n}" for n in notes)] if notes else [])])
 
 
-def write_markdown(path: Path, section: str) -> None:
-    """Replace (or append) the begin/end-marked section of ``path``."""
-    block = f"{BEGIN}\n{section}\n{END}"
-    text = path.read_text() if path.exists() else "# shardtune benchmarks\n"
-    if BEGIN in text and END in text:
-        head, _, rest = text.partition(BEGIN)
-        _, _, tail = rest.partition(END)
-        text = head + block + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
 
 
 # --------------------------------------------------------------------------- main
@@ -502,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     section = render_report(cfg, tables, issues, files, load_avg=load_avg, core=core)
     print(section)
     if cfg.markdown is not None:
-        write_markdown(cfg.markdown, section)
+        write_markdown_section(cfg.markdown, section, begin=BEGIN, end=END)
     bad_verify = any(rk["verify"] != "ok" for r in runs for rk in r.ranks)
     return 1 if bad_verify or any(r.error for r in runs) else 0
 
