@@ -300,6 +300,8 @@ def _verify(group: str, ctx: Ctx) -> str:
 
 
 def _setup(group: str, method: str, size: str, paths: dict[str, str]) -> Ctx:
+    if method.startswith("shardtune"):
+        import shardtune.checkpoint  # noqa: F401 - imported untimed, as the baselines' modules are
     model = build_model(size)
     ctx = Ctx(model=model, rank=dist.get_rank(), paths=paths)
     if group == "save":

@@ -31,9 +31,8 @@ from tqdm import tqdm
 from shardtune.checkpoint import hf_export
 from shardtune.checkpoint.atomic import fsync_dir
 from shardtune.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorSlice, parse_size
-from shardtune.state_dict import comm, load_from_full_model_state_dict, nf4
+from shardtune.state_dict import comm, load_from_full_model_state_dict
 from shardtune.state_dict.keys import format_problems, model_entries
-from shardtune.state_dict.layout import layout_of
 from shardtune.state_dict.load import model_signature
 
 __all__ = [
@@ -208,7 +207,7 @@ def load_hf_checkpoint(
 
 
 def _expected_reads(model: nn.Module, checkpoint: HFCheckpoint, shared_filesystem: bool) -> int:
-    """Bytes this rank will read: its own pieces (whole NF4 or plain tensors), or all when it scatters."""
+    """Bytes this rank will read: the rows of its own local tensors, or everything when it scatters."""
     if not shared_filesystem:
         return checkpoint.total_bytes
     total = 0
@@ -217,23 +216,10 @@ def _expected_reads(model: nn.Module, checkpoint: HFCheckpoint, shared_filesyste
         if key is None:
             continue
         meta = checkpoint.files[checkpoint.weight_map[key]].entries[key]
-        try:
-            layout = layout_of(entry.tensor, comm.world_size())
-        except ValueError:
-            continue
+        # A rank reads exactly its local block (NF4 included: quantized per shard from its rows).
         local = getattr(entry.tensor, "_local_tensor", entry.tensor)
-        if layout.pieces is None or nf4.is_nf4(local) or not meta.shape:
-            total += meta.nbytes
-        else:
-            total += layout.pieces[comm.rank()].numel * meta.nbytes // max(1, _numel(meta.shape))
+        total += local.numel() * meta.dtype.itemsize
     return total
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 # --- writing ---------------------------------------------------------------------------------
@@ -249,6 +235,7 @@ def save_hf_checkpoint(
     merge_adapters: bool = True,
     config: Mapping[str, Any] | None = None,
     tokenizer_dir: str | os.PathLike | None = None,
+    direct_io: bool = True,
 ) -> list[str]:
     """Write ``model`` as an HF checkpoint directory loadable by ``AutoModelForCausalLM.from_pretrained``.
 
@@ -259,8 +246,11 @@ def save_hf_checkpoint(
     tokenizer files found in ``tokenizer_dir``. Floating tensors are cast to ``dtype`` when
     given; NF4 bases are dequantized; with ``merge_adapters`` each LoRA linear is written as
     ``W + scaling * B @ A`` and its adapters are left out. A tied ``lm_head.weight`` is left
-    out when the config says ``tie_word_embeddings``. Returns, on every rank, the names of
-    the config and weight files written (tokenizer files not included). Errors raise :class:`CheckpointError` with the same message on every rank.
+    out when the config says ``tie_word_embeddings``. With ``direct_io`` large ranges bypass
+    the page cache (``O_DIRECT``, where the filesystem allows it; see
+    :class:`~shardtune.checkpoint.safetensors_io.RangeWriter`). Returns, on every rank, the
+    names of the config and weight files written (tokenizer files not included). Errors
+    raise :class:`CheckpointError` with the same message on every rank.
     """
     out_dir = os.fspath(out_dir)
     start = time.perf_counter()
@@ -283,7 +273,7 @@ def save_hf_checkpoint(
     )
     total = sum(it.nbytes for it in items)
     with _progress(total, desc="save") as bar:
-        problems = hf_export.write_data(out_dir, files, on_item=bar.update, fault="save:mid_tensor")
+        problems = hf_export.write_data(out_dir, files, on_item=bar.update, fault="save:mid_tensor", direct_io=direct_io)
     comm.raise_on_every_rank(problems, header=f"Writing the HF checkpoint in {out_dir} failed:", error=CheckpointError)
     if comm.rank() == 0:
         _log_done("Saved", out_dir, total, start)

@@ -3,7 +3,7 @@
 
 Every rank computes the same export plan (names, dtypes, shapes, files, header bytes) from
 the model alone. Rank 0 creates the files (header written, size set); then each rank writes
-its own rows with ``os.pwrite``. Only blocks that are not whole rows travel (to rank 0, one
+its own rows in place (``O_DIRECT`` where the filesystem allows it). Only blocks that are not whole rows travel (to rank 0, one
 tensor at a time); LoRA's small ``lora_A`` (and ``lora_B`` when its rows do not line up with
 the base's) are gathered whole on every rank to merge ``W + scaling * B @ A`` per rank.
 """
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardtune.checkpoint.safetensors_io import build_header, pwrite_tensor
+from shardtune.checkpoint.safetensors_io import RangeWriter, build_header
 from shardtune.faults import fault_point
 from shardtune.peft.lora import LoRALinear
 from shardtune.state_dict import comm, nf4
@@ -195,15 +195,21 @@ def create_files(out_dir: str, files: list[FilePlan]) -> None:
 
 @torch.no_grad()
 def write_data(
-    out_dir: str, files: list[FilePlan], *, on_item: Callable[[int], None] | None = None, fault: str | None = None
+    out_dir: str,
+    files: list[FilePlan],
+    *,
+    on_item: Callable[[int], None] | None = None,
+    fault: str | None = None,
+    direct_io: bool = True,
 ) -> list[str]:
     """Collective: call on all ranks. Each rank writes its blocks into the files; returns this
     rank's problems (to be raised on every rank by the caller, after the last collective).
 
-    ``fault`` names the :func:`~shardtune.faults.fault_point` reached once, after this rank's
-    first tensor is written (reliability tests)."""
+    ``direct_io``: see :class:`~shardtune.checkpoint.safetensors_io.RangeWriter`. ``fault``
+    names the :func:`~shardtune.faults.fault_point` reached once, after this rank's first
+    tensor is written (reliability tests)."""
     problems = comm.Problems()
-    writer = _Writer(out_dir, problems, fault=fault)
+    writer = _Writer(out_dir, problems, fault=fault, direct_io=direct_io)
     for plan in files:
         for item in plan.items:
             _write_item(item, plan, writer, problems)
@@ -214,35 +220,32 @@ def write_data(
 
 
 class _Writer:
-    """This rank's open output files, opened on first write and fsynced at the end."""
+    """This rank's output files, opened on first write and fsynced at the end."""
 
-    def __init__(self, out_dir: str, problems: comm.Problems, *, fault: str | None = None) -> None:
+    def __init__(self, out_dir: str, problems: comm.Problems, *, fault: str | None = None, direct_io: bool = True) -> None:
         self.out_dir = out_dir
         self.problems = problems
-        self.fds: dict[str, int] = {}
+        self.ranges = RangeWriter(direct_io=direct_io)
         self.fault = fault  # reached after the first write, then cleared
 
     def write(self, file_name: str, tensor: torch.Tensor, offset: int) -> None:
-        if file_name not in self.fds:
-            path = os.path.join(self.out_dir, file_name)
-            try:
-                self.fds[file_name] = os.open(path, os.O_WRONLY)
-            except FileNotFoundError:
-                raise FileNotFoundError(
-                    f"{path} does not exist on rank {comm.rank()}; rank 0 created it, so out_dir must be on a "
-                    "filesystem shared by all ranks"
-                ) from None
-        pwrite_tensor(self.fds[file_name], tensor, offset)
+        path = os.path.join(self.out_dir, file_name)
+        try:
+            self.ranges.write(path, tensor, offset)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{path} does not exist on rank {comm.rank()}; rank 0 created it, so out_dir must be on a "
+                "filesystem shared by all ranks"
+            ) from None
         if self.fault is not None:
             fault, self.fault = self.fault, None
             fault_point(fault)
 
     def close(self) -> None:
-        for file_name, fd in self.fds.items():
-            with self.problems.guard(os.path.join(self.out_dir, file_name)):
-                os.fsync(fd)
-            os.close(fd)
-        self.fds.clear()
+        for path in self.ranges.paths:
+            with self.problems.guard(path):
+                self.ranges.close(path)
+        self.ranges.release()
 
 
 def _write_item(item: ExportItem, plan: FilePlan, writer: _Writer, problems: comm.Problems) -> None:

@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from shardtune.checkpoint import hf_export
-from shardtune.checkpoint.safetensors_io import CheckpointError
+from shardtune.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
 from shardtune.state_dict import comm, load_from_full_optimizer_state_dict
 from shardtune.state_dict.keys import ModelEntry
 from shardtune.state_dict.layout import layout_of
@@ -70,21 +69,37 @@ def _export_item(name: str, value: torch.Tensor, position: int) -> hf_export.Exp
 def load_optimizer(model: nn.Module, opt: torch.optim.Optimizer, in_dir: Path, *, device: torch.device | str) -> None:
     """Load optimizer state written by :func:`save_optimizer`, on any number of ranks.
 
-    Collective: call on all ranks; every rank reads the files (only its own rows of the tensors).
+    Collective: call on all ranks; every rank reads the files (only its own rows of the
+    tensors, straight from the file). A missing or corrupt file raises
+    :class:`CheckpointError` naming it on every rank.
     """
-    meta = json.loads((in_dir / OPTIMIZER_META).read_text())
-    _restore_tuples(meta["param_groups"], opt.param_groups)
-    state: dict[str, dict[str, Any]] = {}
-    for fqn, values in meta["scalars"].items():
-        for key, item in values.items():
-            state.setdefault(fqn, {})[key] = (
-                torch.tensor(item["tensor"], dtype=getattr(torch, item["dtype"])) if "tensor" in item else item["value"]
-            )
-    with safe_open(str(in_dir / OPTIMIZER_TENSORS), framework="pt") as f:
-        for name in f.keys():
+    tensors, meta, problems = None, None, []
+    try:
+        meta = json.loads((in_dir / OPTIMIZER_META).read_text())
+        tensors = SafetensorsFile(in_dir / OPTIMIZER_TENSORS)
+        problems += [
+            f"{tensors.path}: tensor {name!r} is not named '<param fqn>{_SEP}<state key>'"
+            for name in tensors.entries
+            if len(name.split(_SEP)) != 2
+        ]
+    except (OSError, ValueError, CheckpointError) as exc:  # json errors are ValueErrors
+        problems.append(f"{in_dir}: {exc}")
+    try:
+        comm.raise_on_every_rank(problems, header=f"Cannot load the optimizer state from {in_dir}:", error=CheckpointError)
+        _restore_tuples(meta["param_groups"], opt.param_groups)
+        state: dict[str, dict[str, Any]] = {}
+        for fqn, values in meta["scalars"].items():
+            for key, item in values.items():
+                state.setdefault(fqn, {})[key] = (
+                    torch.tensor(item["tensor"], dtype=getattr(torch, item["dtype"])) if "tensor" in item else item["value"]
+                )
+        for name in tensors.entries:
             fqn, key = name.split(_SEP)
-            state.setdefault(fqn, {})[key] = f.get_slice(name)
+            state.setdefault(fqn, {})[key] = tensors.slice(name)
         load_from_full_optimizer_state_dict(model, opt, {"state": state, "param_groups": meta["param_groups"]}, device)
+    finally:
+        if tensors is not None:
+            tensors.close()
 
 
 def _restore_tuples(saved_groups: list[dict[str, Any]], live_groups: list[dict[str, Any]]) -> None:

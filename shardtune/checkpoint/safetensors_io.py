@@ -7,7 +7,7 @@ JSON, offsets past the end, dtype/shape that do not match the data size) and rai
 so a dim-0 shard of a row-major tensor is one contiguous read.
 
 Writing: :func:`build_header` gives the exact header bytes from names, dtypes and shapes
-alone, so every rank of a job computes the same layout; :func:`pwrite_tensor` writes a
+alone, so every rank of a job computes the same layout; :class:`RangeWriter` writes a
 block of rows into its place in an already-sized file.
 
 Layout of a file: 8-byte little-endian header length ``n``, ``n`` bytes of JSON (padded
@@ -17,7 +17,9 @@ with spaces to a multiple of 8), then the tensors' bytes, row-major, little-endi
 
 from __future__ import annotations
 
+import errno
 import json
+import mmap
 import os
 import re
 import struct
@@ -32,16 +34,18 @@ __all__ = [
     "DTYPES",
     "CheckpointError",
     "HeaderEntry",
+    "RangeWriter",
     "SafetensorsFile",
     "TensorSlice",
     "build_header",
     "dtype_name",
     "parse_size",
-    "pwrite_tensor",
     "read_header",
 ]
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+_PAGE_BYTES = mmap.PAGESIZE
+_PREFAULT_MIN_BYTES = 1 << 20
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -217,7 +221,12 @@ class SafetensorsFile:
         """Fill the contiguous CPU tensor ``buf`` with the file's bytes from ``offset``."""
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)
-        view = memoryview(buf.view(-1).view(torch.uint8).numpy())
+        flat = buf.view(-1).view(torch.uint8)
+        if flat.numel() >= _PREFAULT_MIN_BYTES:
+            # Fault fresh pages in with one user-space write per page first: faults taken inside
+            # the kernel's copy cost about twice as much (1.4 GiB: 0.57 s instead of 0.94 s).
+            flat[::_PAGE_BYTES] = 0
+        view = memoryview(flat.numpy())
         done = 0
         while done < len(view):
             n = os.preadv(self._fd, [view[done:]], offset + done)
@@ -272,6 +281,24 @@ class TensorSlice:
         rows = self._read_rows(start, max(stop - start, 0))
         return rows[(slice(None), *index[1:])]
 
+    def read_block_into(self, index: tuple[slice, ...], out: torch.Tensor) -> bool:
+        """Read the block ``index`` straight into ``out`` when it is a range of whole rows and
+        ``out`` is a contiguous CPU tensor of this dtype and the block's shape; False otherwise
+        (nothing read)."""
+        shape = self.entry.shape
+        if out.dtype != self.entry.dtype or out.device.type != "cpu" or not out.is_contiguous() or not shape:
+            return False
+        index = _expand_index(index, len(shape), self.entry.name)
+        start, stop, step = index[0].indices(shape[0])
+        rest = [s.indices(n) for s, n in zip(index[1:], shape[1:])]
+        if step != 1 or any(r != (0, n, 1) for r, n in zip(rest, shape[1:])):
+            return False
+        if tuple(out.shape) != (max(stop - start, 0), *shape[1:]):
+            return False
+        if out.numel():
+            self.file.read_into(out, self.entry.start + start * _numel(shape[1:]) * out.element_size())
+        return True
+
     def to_tensor(self) -> torch.Tensor:
         return self[...]
 
@@ -317,11 +344,111 @@ def build_header(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) ->
     return prefix, {name: len(prefix) + offset for name, offset in relative.items()}
 
 
-def pwrite_tensor(fd: int, tensor: torch.Tensor, offset: int) -> int:
-    """Write ``tensor``'s bytes (row-major) at ``offset`` of the open file ``fd``; returns bytes written."""
-    data = tensor.detach().to("cpu").contiguous().reshape(-1)
-    view = memoryview(data.view(torch.uint8).numpy())
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s data as a flat uint8 CPU tensor (a view when it already is contiguous on CPU)."""
+    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> int:
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
     return done
+
+
+DIRECT_IO_ALIGN = 4096  # offsets, lengths and buffers of O_DIRECT writes: a page, a multiple of any block size
+DIRECT_IO_MIN_BYTES = 1 << 20  # smaller writes go through the page cache
+STAGING_BYTES = 16 << 20
+
+
+class RangeWriter:
+    """Writes tensors' bytes at given offsets of existing files; one per rank and save.
+
+    With ``direct_io`` (the default) the aligned middle of each large range is written with
+    ``O_DIRECT`` from a page-aligned staging buffer, bypassing the page cache: on a shared
+    machine the page cache's dirty-page throttling, not the disk, limits buffered writers
+    (measured: 2 ranks x 1.4 GiB into one file, 1.1-1.8 s direct vs 5-9 s buffered, both
+    fsynced). The unaligned head and tail of a range, which may share a disk block with
+    another rank's range, always go through the page cache, so ranks never overwrite each
+    other's bytes. Where the filesystem refuses ``O_DIRECT`` (tmpfs, some FUSE mounts) every
+    byte is written buffered. :meth:`close` fsyncs every file: data written either way is
+    durable only after it.
+    """
+
+    def __init__(self, *, direct_io: bool = True) -> None:
+        self.direct_io = direct_io and hasattr(os, "O_DIRECT")
+        self._fds: dict[str, tuple[int, int | None]] = {}  # path -> (buffered fd, O_DIRECT fd or None)
+        self._staging: mmap.mmap | None = None
+        self.direct_bytes = 0  # bytes written with O_DIRECT so far
+
+    @property
+    def paths(self) -> list[str]:
+        return list(self._fds)
+
+    def write(self, path: str, tensor: torch.Tensor, offset: int) -> int:
+        """Write ``tensor``'s bytes (row-major) at byte ``offset`` of ``path``; returns bytes written.
+
+        Raises FileNotFoundError when ``path`` does not exist (files are created beforehand)."""
+        fd, direct_fd = self._open(path)
+        data = _as_bytes(tensor)
+        end = offset + data.numel()
+        first = -(-offset // DIRECT_IO_ALIGN) * DIRECT_IO_ALIGN
+        last = end // DIRECT_IO_ALIGN * DIRECT_IO_ALIGN
+        view = memoryview(data.numpy())
+        if direct_fd is None or data.numel() < DIRECT_IO_MIN_BYTES or last <= first:
+            return _pwrite_all(fd, view, offset)
+        _pwrite_all(fd, view[: first - offset], offset)
+        written = self._write_direct(path, data[first - offset : last - offset], first)
+        _pwrite_all(fd, view[first - offset + written :], first + written)  # the tail (and any refused rest)
+        return data.numel()
+
+    def _open(self, path: str) -> tuple[int, int | None]:
+        if path not in self._fds:
+            fd = os.open(path, os.O_WRONLY)
+            direct_fd = None
+            if self.direct_io:
+                try:
+                    direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+                except OSError:  # the filesystem has no O_DIRECT: buffered only
+                    direct_fd = None
+            self._fds[path] = (fd, direct_fd)
+        return self._fds[path]
+
+    def _write_direct(self, path: str, data: torch.Tensor, offset: int) -> int:
+        """Write the aligned range through the staging buffer; returns bytes written before the
+        filesystem refused O_DIRECT (then the file is written buffered from there on)."""
+        if self._staging is None:
+            self._staging = mmap.mmap(-1, STAGING_BYTES)  # anonymous mappings are page aligned
+        staging = torch.frombuffer(self._staging, dtype=torch.uint8)
+        fd, direct_fd = self._fds[path]
+        done = 0
+        while done < data.numel():
+            n = min(STAGING_BYTES, data.numel() - done)  # a multiple of DIRECT_IO_ALIGN
+            staging[:n].copy_(data[done : done + n])
+            try:
+                _pwrite_all(direct_fd, memoryview(self._staging)[:n], offset + done)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                os.close(direct_fd)
+                self._fds[path] = (fd, None)
+                return done
+            done += n
+            self.direct_bytes += n
+        return done
+
+    def close(self, path: str) -> None:
+        """fsync and close ``path``; raises OSError when the data cannot be made durable."""
+        fd, direct_fd = self._fds.pop(path)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            if direct_fd is not None:
+                os.close(direct_fd)
+
+    def release(self) -> None:
+        """Free the staging buffer (files still open stay open)."""
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -75,13 +76,27 @@ def dtensor_layout(
     shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...], world_size: int
 ) -> TensorLayout:
     """Layout of a DTensor of global ``shape`` placed by ``placements`` on ``mesh``."""
-    if mesh.mesh.numel() != world_size:
+    mesh_ranks, mesh_shape = _mesh_ranks(mesh)
+    if len(mesh_ranks) != world_size:
         raise ValueError(
-            f"DTensor mesh {tuple(mesh.mesh.shape)} spans {mesh.mesh.numel()} ranks but the "
+            f"DTensor mesh {mesh_shape} spans {len(mesh_ranks)} ranks but the "
             f"world has {world_size}; shard over a mesh of all ranks"
         )
-    mesh_ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
-    return TensorLayout(shape=shape, pieces=_pieces(shape, mesh_ranks, tuple(mesh.mesh.shape), placements))
+    return TensorLayout(shape=shape, pieces=_pieces(shape, mesh_ranks, mesh_shape, placements))
+
+
+_MESH_RANKS: weakref.WeakKeyDictionary[DeviceMesh, tuple[tuple[int, ...], tuple[int, ...]]] = weakref.WeakKeyDictionary()
+
+
+def _mesh_ranks(mesh: DeviceMesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The mesh's ranks (row-major) and shape; cached because ``DeviceMesh.mesh`` builds a new
+    tensor on every access (a model has hundreds of DTensors on one mesh)."""
+    cached = _MESH_RANKS.get(mesh)
+    if cached is None:
+        grid = mesh.mesh
+        cached = (tuple(int(r) for r in grid.flatten().tolist()), tuple(grid.shape))
+        _MESH_RANKS[mesh] = cached
+    return cached
 
 
 @lru_cache(maxsize=4096)

@@ -26,7 +26,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from shardtune.state_dict import comm, nf4
 from shardtune.state_dict.faults import fault_point
 from shardtune.state_dict.keys import ModelEntry, model_entries
-from shardtune.state_dict.layout import TensorLayout, layout_of, unsupported_placement
+from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, unsupported_placement
 
 EVERY_RANK = "every_rank"
 RANK0 = "rank0"
@@ -70,9 +70,10 @@ def load_from_full_model_state_dict(
     transfer_device = comm.comm_device(device)
     plan = _agree_on_plan(model_entries(model), full_sd, strict=strict)
     problems = comm.Problems()
+    send_buffer = SendBuffer()
     for index, item in enumerate(plan.items):
         value = full_sd[item.key] if full_sd else None
-        new_local = _my_piece(item, value, plan.mode, local_device, transfer_device, problems)
+        new_local = _my_piece(item, value, plan.mode, local_device, transfer_device, problems, send_buffer)
         with problems.guard(item.key):
             _install(item.entry, new_local)
             if index == 0:
@@ -253,7 +254,13 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _my_piece(
-    item: _Item, value: Any, mode: str, device: torch.device, transfer_device: torch.device, problems: comm.Problems
+    item: _Item,
+    value: Any,
+    mode: str,
+    device: torch.device,
+    transfer_device: torch.device,
+    problems: comm.Problems,
+    send_buffer: SendBuffer,
 ) -> torch.Tensor | None:
     """This rank's local tensor for ``item`` (the param's own storage when it can be filled in
     place); collective in rank-0 mode."""
@@ -266,7 +273,7 @@ def _my_piece(
     if mode == RANK0:
         return scatter_dense(
             item.layout, value, dtype=like.dtype, device=device, transfer_device=transfer_device,
-            on_error=problems, key=item.key, into=into,
+            on_error=problems, key=item.key, into=into, send_buffer=send_buffer,
         )
     with problems.guard(item.key):
         return copy_block(value, _my_block(item.layout), dtype=like.dtype, device=device, into=into)
@@ -296,6 +303,14 @@ def read_block(value: Any, slices: tuple[slice, ...]) -> torch.Tensor:
     return value[slices]
 
 
+def read_block_into(value: Any, slices: tuple[slice, ...], out: torch.Tensor) -> bool:
+    """Fill ``out`` with the block ``slices`` of a lazy value straight from its source, when the
+    value offers ``read_block_into(slices, out) -> bool`` (a file-backed slice whose dtype is
+    ``out``'s); False when it does not or cannot, and the caller copies instead."""
+    reader = getattr(value, "read_block_into", None)
+    return not isinstance(value, torch.Tensor) and reader is not None and bool(reader(slices, out))
+
+
 def copy_block(
     value: Any,
     block: tuple[tuple[int, ...], tuple[slice, ...]],
@@ -307,6 +322,8 @@ def copy_block(
     """``value``'s block as a contiguous tensor on ``device`` in ``dtype`` (one copy), written
     into ``into`` (of the block's shape) when given, else into new memory."""
     shape, slices = block
+    if into is not None and read_block_into(value, slices, into):
+        return into
     data = read_block(value, slices)
     if into is None and _is_fresh(value, data, dtype=dtype, device=device):
         return data  # a lazy read returned new memory nobody else holds: adopt it, no second copy
@@ -327,6 +344,25 @@ def _is_fresh(value: Any, data: torch.Tensor, *, dtype: torch.dtype, device: tor
     )
 
 
+class SendBuffer:
+    """Rank 0's one reusable buffer for outgoing blocks that need a copy (a cast, a strided
+    view, a lazy read): its pages are faulted in once, and it never holds more than the
+    largest block sent."""
+
+    def __init__(self) -> None:
+        self._bytes: torch.Tensor | None = None
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * dtype.itemsize
+        if self._bytes is None or self._bytes.numel() < nbytes or self._bytes.device != device:
+            self._bytes = None  # free the smaller one first
+            self._bytes = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._bytes[:nbytes].view(dtype).view(shape)
+
+
 def scatter_dense(
     layout: TensorLayout,
     value: Any,
@@ -337,34 +373,58 @@ def scatter_dense(
     on_error: comm.Problems,
     key: str,
     into: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Collective: call on all ranks. Rank 0 holds ``value``; returns this rank's block of it on ``device``.
+    send_buffer: SendBuffer | None = None,
+) -> torch.Tensor | None:
+    """Collective: call on all ranks. Rank 0 holds ``value``; returns this rank's block of it on
+    ``device`` (None on rank 0 when its own block could not be read; the error is in ``on_error``).
 
-    Sharded tensors are scattered (each rank receives only its own block); plain tensors,
-    needed whole on every rank, are broadcast. ``into`` (this rank's block shape, ``dtype``,
-    ``device``) receives the data in place when given.
+    Sharded tensors go point to point: rank 0 sends every other rank only its block, one rank
+    at a time (at most one outgoing block is staged, in ``send_buffer``), then takes its own;
+    plain tensors, needed whole on every rank, are broadcast. ``into`` (this rank's block
+    shape, ``dtype``, ``device``) receives the data in place when given.
     """
     if layout.pieces is None:
         direct = into is not None and into.device == transfer_device
         buf = into if direct else torch.empty(layout.shape, dtype=dtype, device=transfer_device)
         if comm.rank() == 0:
             with on_error.guard(key):
-                buf.copy_(read_block(value, tuple(slice(None) for _ in layout.shape)))
+                if not read_block_into(value, tuple(slice(None) for _ in layout.shape), buf):
+                    buf.copy_(read_block(value, tuple(slice(None) for _ in layout.shape)))
         comm.broadcast_from_rank0(buf)
         return _deliver(buf, into, device)
-    pieces = layout.pieces
-
-    def block_for(r: int) -> torch.Tensor | None:
+    mine = layout.pieces[comm.rank()]
+    if comm.rank() != 0:
+        direct = into is not None and into.device == transfer_device
+        buf = into if direct else torch.empty(mine.shape, dtype=dtype, device=transfer_device)
+        if mine.numel:
+            comm.recv(buf, 0).wait()
+        return _deliver(buf, into, device)
+    send_buffer = send_buffer if send_buffer is not None else SendBuffer()
+    for r, piece in enumerate(layout.pieces[1:], start=1):
+        if not piece.numel:
+            continue
+        block = None
         with on_error.guard(key):
-            return read_block(value, pieces[r].slices)
-        return None
+            block = _block_to_send(value, piece, dtype, transfer_device, send_buffer)
+        if block is None:  # rank r still waits for bytes: send zeros, the error is raised at the end
+            block = send_buffer.take(piece.shape, dtype, transfer_device).zero_()
+        comm.send(block, r).wait()  # before the buffer is reused
+    with on_error.guard(key):
+        return copy_block(value, (mine.shape, mine.slices), dtype=dtype, device=device, into=into)
+    return None
 
-    transfer_into = into if into is not None and into.device == transfer_device else None
-    flat = comm.scatter_from_rank0(
-        block_for if comm.rank() == 0 else None, [p.numel for p in pieces], dtype=dtype, device=transfer_device,
-        into=transfer_into,
-    )
-    return into if transfer_into is not None else _deliver(flat.view(pieces[comm.rank()].shape), into, device)
+
+def _block_to_send(value: Any, piece: Piece, dtype: torch.dtype, device: torch.device, send_buffer: SendBuffer) -> torch.Tensor:
+    """``piece`` of ``value`` as a contiguous tensor: a view of an in-memory value when it
+    already is one (no copy), else staged in ``send_buffer``."""
+    if isinstance(value, torch.Tensor) and not nf4.is_nf4(value):
+        view = value[piece.slices]
+        if view.is_contiguous() and view.dtype == dtype and view.device == device:
+            return view
+    staged = send_buffer.take(piece.shape, dtype, device)
+    if not read_block_into(value, piece.slices, staged):
+        staged.copy_(read_block(value, piece.slices))
+    return staged
 
 
 def _deliver(received: torch.Tensor, into: torch.Tensor | None, device: torch.device) -> torch.Tensor:

@@ -23,7 +23,7 @@ from shardtune.state_dict import comm
 from shardtune.state_dict.gather import gather_to_rank0
 from shardtune.state_dict.keys import StateDictError, model_entries
 from shardtune.state_dict.layout import TensorLayout, layout_of
-from shardtune.state_dict.load import EVERY_RANK, RANK0, agree_on_mode, copy_block, fillable, scatter_dense
+from shardtune.state_dict.load import EVERY_RANK, RANK0, SendBuffer, agree_on_mode, copy_block, fillable, scatter_dense
 
 
 def _param_fqns(model: nn.Module) -> dict[int, str]:
@@ -146,6 +146,7 @@ def load_from_full_optimizer_state_dict(
 
     errors = comm.Problems()
     transfer_device = comm.comm_device(device)
+    send_buffer = SendBuffer()
     native_state: dict[int, dict[str, Any]] = {}
     native_groups = []
     index = 0
@@ -155,7 +156,8 @@ def load_from_full_optimizer_state_dict(
             if fqn in reference["state"]:
                 native_state[index] = {
                     key: _load_value(
-                        kind, local, fqn, key, params[fqn], mode, transfer_device, errors, opt.state.get(params[fqn], {}).get(key)
+                        kind, local, fqn, key, params[fqn], mode, transfer_device, errors,
+                        opt.state.get(params[fqn], {}).get(key), send_buffer,
                     )
                     for key, kind in reference["state"][fqn].items()
                 }
@@ -241,7 +243,7 @@ def _check(desc: dict, groups: list[list[str]], params: dict[str, torch.Tensor])
     return problems
 
 
-def _load_value(kind, local, fqn, key, param, mode, transfer_device, errors, existing) -> Any:
+def _load_value(kind, local, fqn, key, param, mode, transfer_device, errors, existing, send_buffer: SendBuffer) -> Any:
     """This rank's value of one state entry; written into ``existing`` (the optimizer's current
     tensor for it) when shapes and dtypes allow, so a load allocates nothing new."""
     if kind[0] == "inline":
@@ -259,7 +261,7 @@ def _load_value(kind, local, fqn, key, param, mode, transfer_device, errors, exi
     if mode == RANK0:
         block = scatter_dense(
             layout, value, dtype=dtype, device=target_device, transfer_device=transfer_device,
-            on_error=errors, key=f"{fqn}.{key}", into=into,
+            on_error=errors, key=f"{fqn}.{key}", into=into, send_buffer=send_buffer,
         )
     else:
         block = None

@@ -216,6 +216,19 @@ def test_incomplete_checkpoints_are_never_picked_and_leftovers_are_cleaned(pool2
     assert not any(p.name.startswith(".tmp-") for p in out.iterdir())
 
 
+def test_corrupt_optimizer_file_is_a_clear_error_on_every_rank(pool2, base_dir, tmp_path):
+    """Same size (the manifest still matches) but a damaged header: resume names the file on every rank."""
+    out = tmp_path / "out"
+    pool2.run_ok(_three_saves, base_dir, str(out), None)
+    optimizer_file = out / "epoch_3" / "training_state" / "optimizer.safetensors"
+    with open(optimizer_file, "r+b") as f:
+        f.seek(8)
+        f.write(b"#")  # the header JSON no longer parses
+    outcomes = pool2.run(_resume_step, base_dir, str(out), timeout=120)
+    assert all(not o.ok and o.error.startswith("CheckpointError") for o in outcomes), outcomes
+    assert all(str(optimizer_file) in o.error and "corrupt header JSON" in o.error for o in outcomes)
+
+
 def _dcp_async_round_trip(base: str, out: str, lora: bool):
     model, opt, sched, ck = _setup(base, out, lora=lora)
     ck = Checkpointer(output_dir=out, model=model, optimizer=opt, lr_scheduler=sched, base_dir=base,

@@ -116,6 +116,29 @@ def _load_and_save(src: str, shared: bool, dtype_name: str, out: str, max_shard_
     return {"keys": keys, "read": read, "received": received, "logits": logits, "sd": full, "files": files}
 
 
+def _save_direct_and_buffered(src: str, out_direct: str, out_buffered: str) -> int:
+    """Load, then save twice (O_DIRECT and page cache); returns bytes this rank wrote with O_DIRECT."""
+    from shardtune.checkpoint import safetensors_io
+
+    model = shard_model(build_model(src, device="meta"))
+    load_hf_checkpoint(model, src, device="cpu")
+    direct = []
+    write_direct = safetensors_io.RangeWriter._write_direct
+
+    def counting(self, path, data, offset):
+        written = write_direct(self, path, data, offset)
+        direct.append(written)
+        return written
+
+    safetensors_io.RangeWriter._write_direct = counting
+    try:
+        save_hf_checkpoint(model, out_direct, direct_io=True)
+        save_hf_checkpoint(model, out_buffered, direct_io=False)
+    finally:
+        safetensors_io.RangeWriter._write_direct = write_direct
+    return sum(direct)
+
+
 def _lora_model(src: str, *, quantize: bool):
     model = apply_lora(
         build_model(src, device="meta"), rank=LORA_RANK, alpha=LORA_ALPHA, target_modules=LORA_TARGETS, quantize_base=quantize
@@ -212,6 +235,34 @@ def test_load_then_save_round_trip(pool2, ckpts, tmp_path, src, shared, dtype, m
     assert reloaded.dtype == getattr(torch, dtype)
     if dtype == "float32":
         assert torch.equal(_logits(reloaded), ckpts["logits"])
+
+
+def test_direct_io_save_writes_the_same_files_as_buffered(pool2, tmp_path):
+    """Tensors of MiBs whose rank boundaries fall inside disk blocks: the O_DIRECT writer gives
+    byte-identical files, equal to transformers' weights (the buffered path is checked above)."""
+    import transformers
+
+    torch.manual_seed(5)
+    config = transformers.LlamaConfig(
+        vocab_size=3001, hidden_size=384, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=1536, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    reference = transformers.LlamaForCausalLM(config).eval()
+    src = tmp_path / "src"
+    reference.save_pretrained(src, safe_serialization=True)
+    direct, buffered = tmp_path / "direct", tmp_path / "buffered"
+    written = pool2.run_ok(_save_direct_and_buffered, str(src), str(direct), str(buffered))
+    with open(direct / "model.safetensors", "rb") as a, open(buffered / "model.safetensors", "rb") as b:
+        assert a.read() == b.read()
+    saved = _saved_tensors(direct)
+    assert all(torch.equal(saved[k], v) for k, v in reference.state_dict().items())
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_DIRECT))
+    except OSError:
+        return  # no O_DIRECT on this filesystem: both saves were buffered
+    assert all(w > 2 << 20 for w in written), written  # each rank wrote its big rows directly
 
 
 def test_tied_embeddings(pool2, ckpts, tmp_path):

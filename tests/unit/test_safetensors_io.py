@@ -17,10 +17,11 @@ from shardtune.checkpoint.safetensors_io import (
     CheckpointError,
     SafetensorsFile,
     build_header,
+    RangeWriter,
     parse_size,
-    pwrite_tensor,
     read_header,
 )
+from shardtune.checkpoint import safetensors_io
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -36,23 +37,43 @@ def _tensors() -> dict[str, torch.Tensor]:
     }
 
 
-def _write_with_ours(path: str, tensors: dict[str, torch.Tensor]) -> None:
+def _create(path: str, tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """The file with its header and final size (as rank 0 creates it); returns the offsets."""
     header, offsets = build_header((k, v.dtype, tuple(v.shape)) for k, v in tensors.items())
     size = len(header) + sum(v.numel() * v.element_size() for v in tensors.values())
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.pwrite(fd, header, 0)
         os.ftruncate(fd, size)
-        for name, tensor in reversed(tensors.items()):  # any order: each block goes to its place
-            if tensor.dim() >= 2 and tensor.shape[0] >= 2:  # rows written separately, as ranks do
-                half = tensor.shape[0] // 2
-                row = tensor[0].numel() * tensor.element_size()
-                pwrite_tensor(fd, tensor[half:], offsets[name] + half * row)
-                pwrite_tensor(fd, tensor[:half], offsets[name])
-            else:
-                pwrite_tensor(fd, tensor, offsets[name])
     finally:
         os.close(fd)
+    return offsets
+
+
+def _write_with_ours(path: str, tensors: dict[str, torch.Tensor], *, direct_io: bool = False) -> RangeWriter:
+    offsets = _create(path, tensors)
+    writer = RangeWriter(direct_io=direct_io)
+    for name, tensor in reversed(tensors.items()):  # any order: each block goes to its place
+        if tensor.dim() >= 2 and tensor.shape[0] >= 2:  # rows written separately, as ranks do
+            half = tensor.shape[0] // 2
+            row = tensor[0].numel() * tensor.element_size()
+            writer.write(path, tensor[half:], offsets[name] + half * row)
+            writer.write(path, tensor[:half], offsets[name])
+        else:
+            writer.write(path, tensor, offsets[name])
+    writer.close(path)
+    writer.release()
+    return writer
+
+
+def _filesystem_has_direct_io(directory) -> bool:
+    probe = os.path.join(directory, "probe")
+    open(probe, "wb").close()
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_DIRECT))
+        return True
+    except (OSError, AttributeError):
+        return False
 
 
 def test_written_file_parses_with_safetensors_and_equals_save_file(tmp_path):
@@ -69,6 +90,113 @@ def test_written_file_parses_with_safetensors_and_equals_save_file(tmp_path):
     with open(ours, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
     assert length % 8 == 0
+
+
+def _large_tensors() -> dict[str, torch.Tensor]:
+    """Ranges of several MiB at offsets that are not block aligned (a 13-byte tensor comes first)."""
+    g = torch.Generator().manual_seed(1)
+    return {
+        "odd": torch.arange(13, dtype=torch.uint8),
+        "big.bf16": torch.randn(1500, 1031, generator=g).to(torch.bfloat16),
+        "big.f32": torch.randn(777, 2049, generator=g),
+        "tail": torch.arange(5, dtype=torch.int16),
+    }
+
+
+def _same_bytes(a: str, b: str) -> bool:
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        return fa.read() == fb.read()
+
+
+def test_direct_io_writes_the_same_bytes_as_buffered_writes(tmp_path, monkeypatch):
+    monkeypatch.setattr(safetensors_io, "STAGING_BYTES", 1 << 20)  # several staging rounds per range
+    tensors = _large_tensors()
+    direct, buffered = str(tmp_path / "direct.safetensors"), str(tmp_path / "buffered.safetensors")
+    writer = _write_with_ours(direct, tensors, direct_io=True)
+    _write_with_ours(buffered, tensors, direct_io=False)
+    assert _same_bytes(direct, buffered)
+    for name, got in load_file(direct).items():
+        assert torch.equal(got, tensors[name]), name
+    if _filesystem_has_direct_io(tmp_path):
+        assert writer.direct_bytes > 8 << 20  # most bytes bypassed the page cache
+
+
+def _write_rows(path: str, tensor: torch.Tensor, offset: int) -> None:
+    writer = RangeWriter(direct_io=True)
+    writer.write(path, tensor, offset)
+    writer.close(path)
+
+
+def test_concurrent_writers_sharing_a_disk_block_do_not_overwrite_each_other(tmp_path):
+    """Two processes write adjacent row ranges whose boundary falls inside one 4 KiB block."""
+    import multiprocessing
+
+    tensors = _large_tensors()
+    path = str(tmp_path / "shared.safetensors")
+    offsets = _create(path, tensors)
+    big = tensors["big.bf16"]
+    row_bytes = big[0].numel() * big.element_size()  # 2062: row boundaries are not block aligned
+    split = 733
+    ctx = multiprocessing.get_context("fork")
+    procs = [
+        ctx.Process(target=_write_rows, args=(path, big[:split], offsets["big.bf16"])),
+        ctx.Process(target=_write_rows, args=(path, big[split:], offsets["big.bf16"] + split * row_bytes)),
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    assert (offsets["big.bf16"] + split * row_bytes) % 4096  # the boundary really is inside a block
+    with safe_open(path, "pt") as f:
+        assert torch.equal(f.get_tensor("big.bf16"), big)
+
+
+def test_filesystem_without_direct_io_is_written_buffered(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    tensors = _large_tensors()
+    path = str(tmp_path / "t.safetensors")
+    writer = _write_with_ours(path, tensors, direct_io=True)
+    assert writer.direct_bytes == 0
+    for name, got in load_file(path).items():
+        assert torch.equal(got, tensors[name]), name
+
+
+def test_direct_write_refused_midway_falls_back_to_buffered(tmp_path, monkeypatch):
+    if not _filesystem_has_direct_io(tmp_path):
+        pytest.skip("this filesystem has no O_DIRECT")
+    monkeypatch.setattr(safetensors_io, "STAGING_BYTES", 1 << 20)
+    real_open, real_pwrite = os.open, os.pwrite
+    direct_fds: dict[int, int] = {}
+
+    def tracking_open(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        if flags & os.O_DIRECT:
+            direct_fds[fd] = 0
+        return fd
+
+    def flaky_pwrite(fd, data, offset):
+        if fd in direct_fds:
+            direct_fds[fd] += 1
+            if direct_fds[fd] > 1:  # the first direct write succeeds, then the filesystem refuses
+                raise OSError(22, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "open", tracking_open)
+    monkeypatch.setattr(os, "pwrite", flaky_pwrite)
+    tensors = _large_tensors()
+    path = str(tmp_path / "t.safetensors")
+    writer = _write_with_ours(path, tensors, direct_io=True)
+    assert 0 < writer.direct_bytes <= 2 << 20
+    for name, got in load_file(path).items():
+        assert torch.equal(got, tensors[name]), name
 
 
 def test_reader_slices_read_rows_of_a_save_file_checkpoint(tmp_path):
@@ -88,6 +216,25 @@ def test_reader_slices_read_rows_of_a_save_file_checkpoint(tmp_path):
     assert file.slice("scalar")[...].item() == 2.5
     assert file.slice("empty")[...].shape == (0, 4)
     assert torch.equal(file.slice("mask")[...], tensors["mask"])
+    file.close()
+
+
+def test_read_block_into_fills_whole_row_ranges_and_declines_the_rest(tmp_path):
+    tensors = _tensors()
+    path = str(tmp_path / "t.safetensors")
+    save_file(tensors, path)
+    file = SafetensorsFile(path)
+    lazy, w = file.slice("w.f16"), tensors["w.f16"]
+    out = torch.empty(2, 4, 2, dtype=torch.float16)
+    assert lazy.read_block_into((slice(1, 3), slice(None), slice(0, 2)), out) and torch.equal(out, w[1:3])
+    untouched = torch.full((2, 4, 2), 7.0, dtype=torch.float16)
+    assert not lazy.read_block_into((slice(1, 3), slice(0, 2)), untouched)  # not whole rows
+    assert not lazy.read_block_into((slice(0, 4, 2),), untouched)  # strided
+    assert not lazy.read_block_into((slice(1, 3),), untouched.float())  # would need a cast
+    assert not lazy.read_block_into((slice(0, 3),), untouched)  # shape differs from the block
+    assert torch.all(untouched == 7.0)
+    empty = torch.empty(0, 4, dtype=torch.float32)
+    assert file.slice("empty").read_block_into((slice(None),), empty)
     file.close()
 
 
