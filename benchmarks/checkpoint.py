@@ -7,13 +7,13 @@ Groups and methods (each run = fresh processes; methods interleaved across repea
 
 * ``load``: HF checkpoint directory -> meta FSDP2 ``LlamaForCausalLM``. ``shardtune_direct``
   (``load_hf_checkpoint(shared_filesystem=True)``: every rank reads its own rows),
-  ``shardtune_rank0`` (``shared_filesystem=False``: rank 0 reads and scatters),
+  ``shardtune_rank0`` (``shared_filesystem=False``: rank 0 reads and sends each rank its rows),
   ``dsd_broadcast`` (rank 0 ``load_file``, ``set_model_state_dict(broadcast_from_rank0)``),
   ``torchtune_distribute`` (torchtune 0.6.1: every rank ``load_file``, ``distribute_tensor``
   per param, ``load_state_dict(assign=True)``), ``dcp_hf_reader`` (``to_empty`` +
   ``dcp.load(model.state_dict(), HuggingFaceStorageReader)``).
 * ``save``: materialized sharded model -> HF directory. ``shardtune`` (``save_hf_checkpoint``:
-  every rank pwrites its rows) vs ``dsd`` (``get_model_state_dict(full_state_dict, cpu_offload)``
+  every rank writes its rows, ``O_DIRECT``) vs ``dsd`` (``get_model_state_dict(full_state_dict, cpu_offload)``
   + ``safetensors.torch.save_file`` on rank 0); both fsync their files.
 * ``resume``: model + AdamW state into a fresh meta model and fresh optimizer. ``shardtune``
   (``Checkpointer.resume()``) vs ``dsd`` (``to_empty``, ``get_state_dict``, ``dcp.load``,
@@ -462,13 +462,16 @@ def render_report(cfg: Config, groups: dict[str, Group], tables: list[str], targ
         " each repeat's time in brackets. *× DSD*: ratio of medians to the DSD method of the same group in this run "
         "(*× DCP-HF*: to `dcp_hf_reader`).",
         "- `load`: the timed step includes opening the files (`safetensors.torch.load_file` mmap for "
-        "`dsd_broadcast`/`torchtune_distribute`; shardtune `preadv`s each rank's rows). `dcp_hf_reader` times "
+        "`dsd_broadcast`/`torchtune_distribute`; shardtune `preadv`s each rank's rows; with `shared_filesystem=False` "
+        "rank 0 reads its own rows in place and every other rank's rows into one reused buffer, sent point to point)."
+        " `dcp_hf_reader` times "
         "`model.to_empty(device=\"cpu\")` + `dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(dir))`"
         " (the DTensors share storage with the params, so they are filled in place). DSD and torchtune load the meta"
         " model directly (assign), no `to_empty`.",
         "- `save`: setup (untimed) fills the meta model from per-rank slices of the fixture (no collectives). "
-        "shardtune `save_hf_checkpoint(model, dir)`: rank 0 writes headers/config, every rank `pwrite`s its rows "
-        "and fsyncs. DSD: `get_model_state_dict(full_state_dict=True, cpu_offload=True)`, then rank 0 "
+        "shardtune `save_hf_checkpoint(model, dir)`: rank 0 writes headers/config, every rank writes its rows "
+        "(the block-aligned middle of each range with `O_DIRECT` from a 16 MiB staging buffer, the unaligned edges "
+        "through the page cache) and fsyncs. DSD: `get_model_state_dict(full_state_dict=True, cpu_offload=True)`, then rank 0 "
         "`safetensors.torch.save_file` + `config.json`, **both fsynced (and the directory) inside the timed step**, "
         "for parity with shardtune, which fsyncs. The output directory is deleted and `os.sync()` called before each "
         "run (untimed), so no earlier run's dirty pages are written back during it; the disk's write speed still "

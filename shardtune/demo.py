@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardtune.distributed import init_distributed, shard_model
+from shardtune.distributed import end_process, init_distributed, shard_model
 from shardtune.models import build_model
 from shardtune.state_dict import stats
 from shardtune.state_dict.comm import all_gather_objects
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.model)
-        return 0
+        end_process(0)
     from torch.distributed.run import main as torchrun
 
     torchrun(["--standalone", "--nproc_per_node", str(args.nproc), "-m", "shardtune.demo", "--worker", "--model", args.model])

@@ -47,27 +47,53 @@ class MetricLogger:
         shown = " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
         tqdm.write(shown)  # keeps the progress bar intact
         for sink in self._sinks:
-            sink(row)
+            sink.log(row)
 
     def close(self) -> None:
+        """Close the file and flush and finish the sinks (the process may end without atexit hooks)."""
         if self._file is not None:
             self._file.close()
             self._file = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
 
-def _optional_sink(name: str, output_dir: Path):
-    if name == "tensorboard":
+class _TensorBoardSink:
+    def __init__(self, output_dir: Path) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
             raise ValueError("loggers: tensorboard needs `pip install tensorboard`") from exc
-        writer = SummaryWriter(str(output_dir / "tensorboard"))
-        return lambda row: [writer.add_scalar(k, v, row["step"]) for k, v in row.items() if isinstance(v, (int, float))]
-    if name == "wandb":
+        self.writer = SummaryWriter(str(output_dir / "tensorboard"))
+
+    def log(self, row: dict[str, Any]) -> None:
+        for key, value in row.items():
+            if isinstance(value, (int, float)):
+                self.writer.add_scalar(key, value, row["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandbSink:
+    def __init__(self, output_dir: Path) -> None:
         try:
             import wandb
         except ImportError as exc:
             raise ValueError("loggers: wandb needs `pip install wandb`") from exc
-        run = wandb.init(dir=str(output_dir))
-        return lambda row: run.log(row, step=row["step"])
+        self.run = wandb.init(dir=str(output_dir))
+
+    def log(self, row: dict[str, Any]) -> None:
+        self.run.log(row, step=row["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _optional_sink(name: str, output_dir: Path) -> _TensorBoardSink | _WandbSink:
+    if name == "tensorboard":
+        return _TensorBoardSink(output_dir)
+    if name == "wandb":
+        return _WandbSink(output_dir)
     raise ValueError(f"unknown logger {name!r}; choose tensorboard or wandb")
