@@ -17,12 +17,14 @@ with spaces to a multiple of 8), then the tensors' bytes, row-major, little-endi
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import mmap
 import os
 import re
 import struct
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -202,6 +204,40 @@ def _check_overlaps(path: str, entries: Iterable[HeaderEntry]) -> None:
         previous = entry
 
 
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+
+
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_madvise = _libc_madvise()
+
+
+def _prefault(flat: torch.Tensor) -> None:
+    """Fault in the pages of a buffer about to be filled by ``preadv``.
+
+    Page faults taken one 4 KiB page at a time inside the kernel's copy dominate reading into
+    fresh memory; populating the range in one ``madvise(MADV_POPULATE_WRITE)`` first is
+    cheaper (1.4 GiB: 0.85 s instead of 1.04 s alone, 0.93 s instead of 1.04 s with a second
+    process reading too). Kernels without it get one user-space write per page instead.
+    Contents are not read: the caller overwrites every byte.
+    """
+    start = -(-flat.data_ptr() // _PAGE_BYTES) * _PAGE_BYTES
+    end = (flat.data_ptr() + flat.numel()) // _PAGE_BYTES * _PAGE_BYTES
+    if end > start and _madvise is not None and _madvise(start, end - start, _MADV_POPULATE_WRITE) == 0:
+        return
+    flat[::_PAGE_BYTES] = 0
+
+
 class SafetensorsFile:
     """A validated safetensors file opened for positional reads (no mmap, no whole-file read).
 
@@ -223,9 +259,7 @@ class SafetensorsFile:
             self._fd = os.open(self.path, os.O_RDONLY)
         flat = buf.view(-1).view(torch.uint8)
         if flat.numel() >= _PREFAULT_MIN_BYTES:
-            # Fault fresh pages in with one user-space write per page first: faults taken inside
-            # the kernel's copy cost about twice as much (1.4 GiB: 0.57 s instead of 0.94 s).
-            flat[::_PAGE_BYTES] = 0
+            _prefault(flat)
         view = memoryview(flat.numpy())
         done = 0
         while done < len(view):
