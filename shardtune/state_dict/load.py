@@ -400,27 +400,42 @@ def scatter_dense(
             comm.recv(buf, 0).wait()
         return _deliver(buf, into, device)
     send_buffer = send_buffer if send_buffer is not None else SendBuffer()
+    in_flight: list = []
     for r, piece in enumerate(layout.pieces[1:], start=1):
         if not piece.numel:
             continue
         block = None
         with on_error.guard(key):
-            block = _block_to_send(value, piece, dtype, transfer_device, send_buffer)
+            block = _block_to_send(value, piece, dtype, transfer_device, send_buffer, in_flight)
         if block is None:  # rank r still waits for bytes: send zeros, the error is raised at the end
+            _wait_all(in_flight)
             block = send_buffer.take(piece.shape, dtype, transfer_device).zero_()
-        comm.send(block, r).wait()  # before the buffer is reused
+        in_flight.append(comm.send(block, r))
+    # Rank 0's own block is read while the last send is still on the wire.
+    own = None
     with on_error.guard(key):
-        return copy_block(value, (mine.shape, mine.slices), dtype=dtype, device=device, into=into)
-    return None
+        own = copy_block(value, (mine.shape, mine.slices), dtype=dtype, device=device, into=into)
+    _wait_all(in_flight)
+    return own
 
 
-def _block_to_send(value: Any, piece: Piece, dtype: torch.dtype, device: torch.device, send_buffer: SendBuffer) -> torch.Tensor:
+def _wait_all(works: list) -> None:
+    for work in works:
+        work.wait()
+    works.clear()
+
+
+def _block_to_send(
+    value: Any, piece: Piece, dtype: torch.dtype, device: torch.device, send_buffer: SendBuffer, in_flight: list
+) -> torch.Tensor:
     """``piece`` of ``value`` as a contiguous tensor: a view of an in-memory value when it
-    already is one (no copy), else staged in ``send_buffer``."""
+    already is one (no copy), else staged in ``send_buffer`` once the sends that may still
+    read it (``in_flight``) are done."""
     if isinstance(value, torch.Tensor) and not nf4.is_nf4(value):
         view = value[piece.slices]
         if view.is_contiguous() and view.dtype == dtype and view.device == device:
             return view
+    _wait_all(in_flight)
     staged = send_buffer.take(piece.shape, dtype, device)
     if not read_block_into(value, piece.slices, staged):
         staged.copy_(read_block(value, piece.slices))
