@@ -303,12 +303,16 @@ def read_block(value: Any, slices: tuple[slice, ...]) -> torch.Tensor:
     return value[slices]
 
 
-def read_block_into(value: Any, slices: tuple[slice, ...], out: torch.Tensor) -> bool:
-    """Fill ``out`` with the block ``slices`` of a lazy value straight from its source, when the
-    value offers ``read_block_into(slices, out) -> bool`` (a file-backed slice whose dtype is
-    ``out``'s); False when it does not or cannot, and the caller copies instead."""
+def fill_block(value: Any, slices: tuple[slice, ...], out: torch.Tensor) -> torch.Tensor:
+    """Write the block ``slices`` of ``value`` into ``out`` (its shape) and return ``out``.
+
+    A lazy value offering ``read_block_into(slices, out) -> bool`` (a file-backed slice) reads
+    straight into ``out`` when it can; anything else is read, then copied (and cast) once.
+    """
     reader = getattr(value, "read_block_into", None)
-    return not isinstance(value, torch.Tensor) and reader is not None and bool(reader(slices, out))
+    if isinstance(value, torch.Tensor) or reader is None or not reader(slices, out):
+        out.copy_(read_block(value, slices))
+    return out
 
 
 def copy_block(
@@ -322,14 +326,12 @@ def copy_block(
     """``value``'s block as a contiguous tensor on ``device`` in ``dtype`` (one copy), written
     into ``into`` (of the block's shape) when given, else into new memory."""
     shape, slices = block
-    if into is not None and read_block_into(value, slices, into):
-        return into
+    if into is not None:
+        return fill_block(value, slices, into)
     data = read_block(value, slices)
-    if into is None and _is_fresh(value, data, dtype=dtype, device=device):
+    if _is_fresh(value, data, dtype=dtype, device=device):
         return data  # a lazy read returned new memory nobody else holds: adopt it, no second copy
-    out = into if into is not None else torch.empty(shape, dtype=dtype, device=device)
-    out.copy_(data)
-    return out
+    return torch.empty(shape, dtype=dtype, device=device).copy_(data)
 
 
 def _is_fresh(value: Any, data: torch.Tensor, *, dtype: torch.dtype, device: torch.device) -> bool:
@@ -384,18 +386,15 @@ def scatter_dense(
     shape, ``dtype``, ``device``) receives the data in place when given.
     """
     if layout.pieces is None:
-        direct = into is not None and into.device == transfer_device
-        buf = into if direct else torch.empty(layout.shape, dtype=dtype, device=transfer_device)
+        buf = _receive_buffer(into, layout.shape, dtype, transfer_device)
         if comm.rank() == 0:
             with on_error.guard(key):
-                if not read_block_into(value, tuple(slice(None) for _ in layout.shape), buf):
-                    buf.copy_(read_block(value, tuple(slice(None) for _ in layout.shape)))
+                fill_block(value, tuple(slice(None) for _ in layout.shape), buf)
         comm.broadcast_from_rank0(buf)
         return _deliver(buf, into, device)
     mine = layout.pieces[comm.rank()]
     if comm.rank() != 0:
-        direct = into is not None and into.device == transfer_device
-        buf = into if direct else torch.empty(mine.shape, dtype=dtype, device=transfer_device)
+        buf = _receive_buffer(into, mine.shape, dtype, transfer_device)
         if mine.numel:
             comm.recv(buf, 0).wait()
         return _deliver(buf, into, device)
@@ -436,10 +435,16 @@ def _block_to_send(
         if view.is_contiguous() and view.dtype == dtype and view.device == device:
             return view
     _wait_all(in_flight)
-    staged = send_buffer.take(piece.shape, dtype, device)
-    if not read_block_into(value, piece.slices, staged):
-        staged.copy_(read_block(value, piece.slices))
-    return staged
+    return fill_block(value, piece.slices, send_buffer.take(piece.shape, dtype, device))
+
+
+def _receive_buffer(
+    into: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, transfer_device: torch.device
+) -> torch.Tensor:
+    """``into`` when the collective can write straight into it, else new memory on ``transfer_device``."""
+    if into is not None and into.device == transfer_device:
+        return into
+    return torch.empty(shape, dtype=dtype, device=transfer_device)
 
 
 def _deliver(received: torch.Tensor, into: torch.Tensor | None, device: torch.device) -> torch.Tensor:
