@@ -24,18 +24,26 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
-    set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-from benchmarks._fixtures import DTYPE, SIZES, LlamaShape, local_slices
+from benchmarks._fixtures import (
+    DTYPE,
+    SIZES,
+    LlamaShape,
+    load_dsd_broadcast,
+    load_torchtune,
+    local_bytes,
+    local_slices,
+    materialize_from_file,
+)
 from benchmarks._measure import measure_step
 
 CPU = torch.device("cpu")
@@ -94,23 +102,6 @@ def build_model(size: str) -> nn.Module:
     return shard_model(model)
 
 
-def local_bytes(model: nn.Module) -> int:
-    """Bytes of this rank's own parameter shards (works on meta)."""
-    return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-
-
-@torch.no_grad()
-def materialize_from_file(model: nn.Module, path: str) -> None:
-    """Give the meta sharded model storage and fill each shard from its rows of ``path``.
-
-    Plain safetensors slices, no collectives and no shardtune code: setup favours no method.
-    """
-    model.to_empty(device=CPU)
-    with safe_open(path, "pt") as f:
-        for name, p in model.named_parameters():
-            p.to_local().copy_(f.get_slice(name)[local_slices(p)])
-
-
 def adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
 
@@ -137,23 +128,11 @@ def _load_shardtune_rank0(ctx: Ctx) -> Any:
 
 
 def _load_dsd_broadcast(ctx: Ctx) -> Any:
-    # DSD accepts the meta model: it broadcasts each full tensor, slices it, loads with assign=True.
-    sd = load_file(os.path.join(ctx.paths["hf_dir"], HF_WEIGHTS)) if ctx.rank == 0 else {}
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    return set_model_state_dict(ctx.model, sd, options=options)
+    return load_dsd_broadcast(ctx.model, os.path.join(ctx.paths["hf_dir"], HF_WEIGHTS), ctx.rank)
 
 
 def _load_torchtune(ctx: Ctx) -> Any:
-    """torchtune 0.6.1 ``load_from_full_model_state_dict`` (non-DSD path), inlined."""
-    full_sd = load_file(os.path.join(ctx.paths["hf_dir"], HF_WEIGHTS))
-    meta_sd = ctx.model.state_dict()
-    sharded_sd = {}
-    for name, full_tensor in full_sd.items():
-        meta = meta_sd[name]
-        full_tensor = full_tensor.to(meta.dtype).to(CPU)
-        sharded = distribute_tensor(full_tensor, meta.device_mesh, meta.placements)
-        sharded_sd[name] = nn.Parameter(sharded)
-    return ctx.model.load_state_dict(sharded_sd, strict=False, assign=True)
+    return load_torchtune(ctx.model, os.path.join(ctx.paths["hf_dir"], HF_WEIGHTS))
 
 
 def _load_dcp_hf(ctx: Ctx) -> Any:

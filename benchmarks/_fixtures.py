@@ -220,3 +220,54 @@ def local_slices(param: torch.Tensor) -> tuple[slice, ...]:
         param.shape, param.device_mesh, param.placements
     )
     return tuple(slice(o, o + n) for n, o in zip(shape, offset, strict=True))
+
+
+def local_bytes(model: nn.Module) -> int:
+    """Bytes of this rank's own parameter shards (works on meta)."""
+    return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+
+
+@torch.no_grad()
+def materialize_from_file(model: nn.Module, path: str) -> None:
+    """Give a meta sharded model real CPU storage and fill each shard from its rows of ``path``.
+
+    Plain safetensors slices, no collectives and no shardtune code: setup favours no method.
+    """
+    from safetensors import safe_open
+
+    model.to_empty(device="cpu")
+    with safe_open(path, "pt") as f:
+        for name, p in model.named_parameters():
+            p.to_local().copy_(f.get_slice(name)[local_slices(p)])
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+def load_dsd_broadcast(model: nn.Module, path: str, rank: int) -> object:
+    """torch DSD: rank 0 ``load_file``, ``set_model_state_dict(full_state_dict, broadcast_from_rank0)``.
+
+    DSD accepts a meta model: it broadcasts each full tensor, slices it, loads with assign=True."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    sd = load_file(path) if rank == 0 else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    return set_model_state_dict(model, sd, options=options)
+
+
+def load_torchtune(model: nn.Module, path: str) -> object:
+    """torchtune 0.6.1 ``load_from_full_model_state_dict`` (non-DSD path), inlined: every rank
+    ``load_file``, ``distribute_tensor`` per param, ``load_state_dict(assign=True)``."""
+    from safetensors.torch import load_file
+    from torch.distributed.tensor import distribute_tensor
+
+    full_sd = load_file(path)
+    meta_sd = model.state_dict()
+    sharded_sd = {}
+    for name, full_tensor in full_sd.items():
+        meta = meta_sd[name]
+        full_tensor = full_tensor.to(meta.dtype).to("cpu")
+        sharded = distribute_tensor(full_tensor, meta.device_mesh, meta.placements)
+        sharded_sd[name] = nn.Parameter(sharded)
+    return model.load_state_dict(sharded_sd, strict=False, assign=True)

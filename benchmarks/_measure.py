@@ -16,6 +16,7 @@ used by :func:`spawn_ranks`; it is not meant to be called by hand.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import gc
@@ -29,11 +30,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from benchmarks._fixtures import SIZES
 
 _STATUS_FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
 _REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -174,6 +177,49 @@ def warm_page_cache(path: str | os.PathLike[str], *, chunk_bytes: int = 64 << 20
         buf = bytearray(chunk_bytes)
         while f.readinto(buf):
             pass
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def parse_run_options(
+    argv: list[str] | None,
+    *,
+    module: str,
+    description: str,
+    groups: Iterable[str],
+    cold_help: str,
+    smoke_help: str,
+) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """The options every benchmark script takes: the parsed namespace and the common fields of
+    its ``Config`` (``--smoke`` means tiny, 1 repeat, a short timeout and no BENCHMARKS.md)."""
+    names = list(groups)
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--groups", default=",".join(names), help="comma list of " + ",".join(names))
+    p.add_argument("--cold", action="store_true", help=cold_help)
+    p.add_argument("--smoke", action="store_true", help=smoke_help)
+    p.add_argument("--bench-dir", type=Path, default=_REPO_ROOT / "bench_out")
+    p.add_argument("--markdown", type=Path, default=_REPO_ROOT / "BENCHMARKS.md")
+    p.add_argument("--no-markdown", action="store_true")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
+    a = p.parse_args(argv)
+    chosen = tuple(g for g in a.groups.split(",") if g)
+    if unknown := set(chosen) - set(names):
+        p.error(f"unknown groups {sorted(unknown)}")
+    return a, {
+        "size": "tiny" if a.smoke else a.size,
+        "world": a.world,
+        "repeats": 1 if a.smoke else a.repeats,
+        "groups": chosen,
+        "cold": a.cold,
+        "bench_dir": a.bench_dir.resolve(),
+        "markdown": None if (a.smoke or a.no_markdown) else a.markdown,
+        "timeout_s": 120.0 if a.smoke else a.timeout,
+        "command": f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
 
 
 # --------------------------------------------------------------------------- processes

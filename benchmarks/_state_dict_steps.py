@@ -22,12 +22,20 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-from benchmarks._fixtures import SIZES, build_sharded_meta_model, local_slices, read_metadata
+from benchmarks._fixtures import (
+    SIZES,
+    build_sharded_meta_model,
+    load_dsd_broadcast,
+    load_torchtune,
+    local_bytes,
+    local_slices,
+    materialize_from_file,
+    read_metadata,
+)
 from benchmarks._measure import measure_step
 
 CPU = torch.device("cpu")
@@ -63,22 +71,6 @@ def _byte_counter() -> Any | None:
     if all(hasattr(stats, a) for a in ("bytes_received", "bytes_sent", "reset")):
         return stats
     return None
-
-
-def _local_bytes(model: nn.Module) -> int:
-    """Bytes of this rank's own parameter shards (works on meta)."""
-    return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-
-
-def _materialize_from_file(model: nn.Module, path: str) -> None:
-    """Give a meta sharded model real storage and fill each shard from its file slice.
-
-    No collectives: each rank reads its own rows, so this setup favours no method.
-    """
-    model.to_empty(device=CPU)
-    with torch.no_grad(), safe_open(path, "pt") as f:
-        for name, p in model.named_parameters():
-            p.to_local().copy_(f.get_slice(name)[local_slices(p)])
 
 
 def _stepped_adamw(model: nn.Module) -> torch.optim.Optimizer:
@@ -118,23 +110,11 @@ def _load_shardtune_all(ctx: Ctx) -> Any:
 
 
 def _load_dsd_broadcast(ctx: Ctx) -> Any:
-    # DSD accepts a meta model: it broadcasts each tensor, slices it and loads with assign=True.
-    sd = load_file(ctx.model_path) if ctx.rank == 0 else {}
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    return set_model_state_dict(ctx.model, sd, options=options)
+    return load_dsd_broadcast(ctx.model, ctx.model_path, ctx.rank)
 
 
 def _load_torchtune(ctx: Ctx) -> Any:
-    """torchtune 0.6.1 ``load_from_full_model_state_dict`` (non-DSD path), inlined."""
-    full_sd = load_file(ctx.model_path)
-    meta_sd = ctx.model.state_dict()
-    sharded_sd = {}
-    for name, full_tensor in full_sd.items():
-        meta = meta_sd[name]
-        full_tensor = full_tensor.to(meta.dtype).to(CPU)
-        sharded = distribute_tensor(full_tensor, meta.device_mesh, meta.placements)
-        sharded_sd[name] = nn.Parameter(sharded)
-    return ctx.model.load_state_dict(sharded_sd, strict=False, assign=True)
+    return load_torchtune(ctx.model, ctx.model_path)
 
 
 def _gather_shardtune(ctx: Ctx) -> dict:
@@ -261,7 +241,7 @@ def _setup(group: str, size: str, model_path: str, optim_path: str | None) -> Ct
     model = build_sharded_meta_model(SIZES[size])
     ctx = Ctx(model=model, rank=dist.get_rank(), model_path=model_path, optim_path=optim_path)
     if group != "load":
-        _materialize_from_file(model, model_path)
+        materialize_from_file(model, model_path)
     if group.startswith("optim"):
         ctx.opt = _stepped_adamw(model)
     return ctx
@@ -272,7 +252,7 @@ def run(*, group: str, method: str, size: str, model_path: str, optim_path: str 
     ctx = _setup(group, size, model_path, optim_path)
     step = STEPS[group][method]
     counter = _byte_counter() if method.startswith("shardtune") else None
-    own_bytes = _local_bytes(ctx.model) * (len(_ADAM_KEYS) if group.startswith("optim") else 1)
+    own_bytes = local_bytes(ctx.model) * (len(_ADAM_KEYS) if group.startswith("optim") else 1)
     if counter is not None:
         counter.reset()
     out, measurement = measure_step(lambda: step(ctx), barrier=dist.barrier)

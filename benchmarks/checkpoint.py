@@ -25,7 +25,6 @@ Results print as Markdown tables and, unless ``--no-markdown``/``--smoke``, repl
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -44,7 +43,7 @@ import torch
 
 from benchmarks._checkpoint_steps import HF_WEIGHTS, STEPS, hf_storage_reader, model_args
 from benchmarks._fixtures import DTYPE, SIZES, write_random_safetensors
-from benchmarks._measure import RankFailure, drop_page_cache, spawn_ranks, warm_page_cache, write_markdown_section
+from benchmarks._measure import RankFailure, parse_run_options, drop_page_cache, spawn_ranks, warm_page_cache, write_markdown_section
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- checkpoint:begin -->", "<!-- checkpoint:end -->"
@@ -94,32 +93,12 @@ class Group:
 
 def parse_args(argv: list[str] | None = None) -> Config:
     """Parse the command line into a :class:`Config`."""
-    p = argparse.ArgumentParser(prog="python -m benchmarks.checkpoint", description=__doc__.split("\n")[0])
-    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--groups", default=",".join(STEPS), help="comma list of " + ",".join(STEPS))
-    p.add_argument("--cold", action="store_true", help="posix_fadvise(DONTNEED) the files a run reads before it")
-    p.add_argument("--smoke", action="store_true", help="tiny, 1 repeat, no BENCHMARKS.md (CI)")
-    p.add_argument("--bench-dir", type=Path, default=REPO_ROOT / "bench_out")
-    p.add_argument("--markdown", type=Path, default=REPO_ROOT / "BENCHMARKS.md")
-    p.add_argument("--no-markdown", action="store_true")
-    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
-    a = p.parse_args(argv)
-    groups = tuple(g for g in a.groups.split(",") if g)
-    if unknown := set(groups) - set(STEPS):
-        p.error(f"unknown groups {sorted(unknown)}")
-    return Config(
-        size="tiny" if a.smoke else a.size,
-        world=a.world,
-        repeats=1 if a.smoke else a.repeats,
-        groups=groups,
-        cold=a.cold,
-        bench_dir=a.bench_dir.resolve(),
-        markdown=None if (a.smoke or a.no_markdown) else a.markdown,
-        timeout_s=120.0 if a.smoke else a.timeout,
-        command="python -m benchmarks.checkpoint " + " ".join(sys.argv[1:] if argv is None else argv),
+    _, common = parse_run_options(
+        argv, module="benchmarks.checkpoint", description=__doc__.split("\n")[0], groups=STEPS,
+        cold_help="posix_fadvise(DONTNEED) the files a run reads before it",
+        smoke_help="tiny, 1 repeat, no BENCHMARKS.md (CI)",
     )
+    return Config(**common)
 
 
 def model_bytes(size: str) -> int:

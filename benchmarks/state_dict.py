@@ -19,7 +19,6 @@ Results print as Markdown tables and, unless ``--no-markdown``/``--smoke``, repl
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -36,6 +35,7 @@ import torch
 
 from benchmarks._fixtures import DTYPE, SIZES, write_random_safetensors
 from benchmarks._measure import (
+    parse_run_options,
     write_markdown_section,
     RankFailure,
     drop_page_cache,
@@ -90,34 +90,12 @@ class Run:
 
 def parse_args(argv: list[str] | None = None) -> Config:
     """Parse the command line into a :class:`Config`."""
-    p = argparse.ArgumentParser(prog="python -m benchmarks.state_dict", description=__doc__.split("\n")[0])
-    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--groups", default=",".join(STEPS), help="comma list of " + ",".join(STEPS))
-    p.add_argument("--cold", action="store_true", help="posix_fadvise(DONTNEED) the files before each run")
-    p.add_argument("--smoke", action="store_true",
-                   help="CI check: tiny, 1 repeat, all methods in one process pair, no BENCHMARKS.md")
-    p.add_argument("--bench-dir", type=Path, default=REPO_ROOT / "bench_out")
-    p.add_argument("--markdown", type=Path, default=REPO_ROOT / "BENCHMARKS.md")
-    p.add_argument("--no-markdown", action="store_true")
-    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
-    a = p.parse_args(argv)
-    groups = tuple(g for g in a.groups.split(",") if g)
-    if unknown := set(groups) - set(STEPS):
-        p.error(f"unknown groups {sorted(unknown)}")
-    return Config(
-        size="tiny" if a.smoke else a.size,
-        world=a.world,
-        repeats=1 if a.smoke else a.repeats,
-        groups=groups,
-        cold=a.cold,
-        bench_dir=a.bench_dir.resolve(),
-        markdown=None if (a.smoke or a.no_markdown) else a.markdown,
-        timeout_s=120.0 if a.smoke else a.timeout,
-        shared_processes=a.smoke,
-        command="python -m benchmarks.state_dict " + " ".join(sys.argv[1:] if argv is None else argv),
+    a, common = parse_run_options(
+        argv, module="benchmarks.state_dict", description=__doc__.split("\n")[0], groups=STEPS,
+        cold_help="posix_fadvise(DONTNEED) the files before each run",
+        smoke_help="CI check: tiny, 1 repeat, all methods in one process pair, no BENCHMARKS.md",
     )
+    return Config(**common, shared_processes=a.smoke)
 
 
 def shardtune_status() -> str | None:
