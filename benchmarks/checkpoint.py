@@ -31,7 +31,6 @@ import math
 import os
 import platform
 import shutil
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -43,13 +42,21 @@ import torch
 
 from benchmarks._checkpoint_steps import HF_WEIGHTS, STEPS, hf_storage_reader, model_args
 from benchmarks._fixtures import DTYPE, SIZES, write_random_safetensors
+from benchmarks._report import (
+    CONTRACT_MIN_BYTES,
+    GIB,
+    fmt_bytes,
+    fmt_ranks,
+    largest_tensor_bytes,
+    model_bytes,
+    ram_bytes,
+    summarize_runs,
+)
 from benchmarks._measure import RankFailure, parse_run_options, drop_page_cache, spawn_ranks, warm_page_cache, write_markdown_section
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- checkpoint:begin -->", "<!-- checkpoint:end -->"
 RESUME_MEMORY_LIMIT = 18 << 30  # all processes together
-GIB = 1 << 30
-CONTRACT_MIN_BYTES = 32 << 20  # largest tensor below this: allocator noise decides the check
 DSD = {"load": "dsd_broadcast", "save": "dsd", "resume": "dsd"}
 
 
@@ -99,14 +106,6 @@ def parse_args(argv: list[str] | None = None) -> Config:
         smoke_help="tiny, 1 repeat, no BENCHMARKS.md (CI)",
     )
     return Config(**common)
-
-
-def model_bytes(size: str) -> int:
-    return SIZES[size].num_params() * DTYPE.itemsize
-
-
-def largest_tensor_bytes(size: str) -> int:
-    return max(math.prod(s) for s in SIZES[size].param_shapes().values()) * DTYPE.itemsize
 
 
 def resume_size(size: str) -> str:
@@ -254,34 +253,16 @@ def analytic_bytes(group: str, method: str, size: str, world: int) -> tuple[list
 # --------------------------------------------------------------------------- summaries
 
 
-def _per_rank_median(runs: list[Run], key: str) -> list[float]:
-    world = len(runs[0].ranks)
-    return [statistics.median(run.ranks[r]["measurement"][key] for run in runs) for r in range(world)]
-
-
 def summarize(group: str, method: str, runs: list[Run], size: str, world: int) -> dict[str, Any]:
-    """Medians over repeats; time is the slowest rank of each repeat."""
-    ok = [r for r in runs if r.error is None]
-    row: dict[str, Any] = {"group": group, "method": method, "size": size, "runs": len(runs), "ok": len(ok),
-                           "errors": [r.error for r in runs if r.error]}
+    """Medians over repeats (time: the slowest rank of each), each repeat's time, memory held."""
+    row, ok = summarize_runs(group, method, runs, size, world, analytic_bytes)
     if not ok:
         return row
-    row["seconds"] = statistics.median(max(rk["measurement"]["seconds"] for rk in r.ranks) for r in ok)
     row["all_seconds"] = [max(rk["measurement"]["seconds"] for rk in r.ranks) for r in ok]
-    for key in ("peak_anon_delta", "baseline_anon", "vm_hwm", "peak_file"):
-        row[key] = _per_rank_median(ok, key)
-    row["own_shard_bytes"] = [rk["own_shard_bytes"] for rk in ok[0].ranks]
     # Save starts with the shards materialized (in the baseline); load/resume start from meta.
     pre = row["own_shard_bytes"] if group == "save" else [0] * world
     row["held"] = [p + d for p, d in zip(pre, row["peak_anon_delta"], strict=True)]
     row["reference"] = [own + largest_tensor_bytes(size) for own in row["own_shard_bytes"]]
-    row["verify"] = sorted({rk["verify"] for r in ok for rk in r.ranks})
-    if ok[0].ranks[0]["counted_bytes"] is not None:
-        row["recv"] = [statistics.median(r.ranks[i]["counted_bytes"]["received"] for r in ok) for i in range(world)]
-        row["sent"] = [statistics.median(r.ranks[i]["counted_bytes"]["sent"] for r in ok) for i in range(world)]
-        row["bytes_how"] = "counted: shardtune.state_dict.stats"
-    elif (a := analytic_bytes(group, method, size, world)) is not None:
-        row["recv"], row["sent"], row["bytes_how"] = a
     return row
 
 
@@ -295,18 +276,6 @@ def contract(row: dict[str, Any], ranks: list[int] | None = None) -> str:
 
 
 # --------------------------------------------------------------------------- rendering
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "—"
-    if n == 0:
-        return "0"
-    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / (1 << 20):.1f} MiB"
-
-
-def _ranks(values: list[float] | None) -> str:
-    return " / ".join(fmt_bytes(v) for v in values) if values else "—"
 
 
 def _ratio(row: dict[str, Any], other: dict[str, Any] | None) -> str:
@@ -330,7 +299,7 @@ def render_group(group: str, rows: list[dict[str, Any]]) -> str:
     own = next((r["own_shard_bytes"] for r in rows if "own_shard_bytes" in r), None)
     what = "params + exp_avg + exp_avg_sq" if group == "resume" else "params"
     extra = " | × DCP-HF" if group == "load" else ""
-    lines = [f"**{TITLES[group]}** (size {size}; own shard per rank ({what}) {_ranks(own)}, "
+    lines = [f"**{TITLES[group]}** (size {size}; own shard per rank ({what}) {fmt_ranks(own)}, "
              f"largest tensor {fmt_bytes(largest_tensor_bytes(size))})", "",
              f"| method | median s (runs) | × DSD{extra} | peak RssAnon Δ (r0 / r1) | held at peak | own + largest"
              " | contract ≤ 1.1× | baseline RssAnon | VmHWM | peak RssFile | recv bytes | r0 sent | bytes obtained by"
@@ -347,9 +316,9 @@ def render_group(group: str, rows: list[dict[str, Any]]) -> str:
         ratios = _ratio(r, dsd) + (f" | {_ratio(r, dcp_hf)}" if extra else "")
         sent = fmt_bytes(r["sent"][0]) if "sent" in r else "—"
         lines.append(
-            f"| {r['method']} | {r['seconds']:.3f} ({runs}) | {ratios} | {_ranks(r['peak_anon_delta'])} | "
-            f"{_ranks(r['held'])} | {_ranks(r['reference'])} | {contract(r)} | {_ranks(r['baseline_anon'])} | "
-            f"{_ranks(r['vm_hwm'])} | {_ranks(r['peak_file'])} | {_ranks(r.get('recv'))} | {sent} | "
+            f"| {r['method']} | {r['seconds']:.3f} ({runs}) | {ratios} | {fmt_ranks(r['peak_anon_delta'])} | "
+            f"{fmt_ranks(r['held'])} | {fmt_ranks(r['reference'])} | {contract(r)} | {fmt_ranks(r['baseline_anon'])} | "
+            f"{fmt_ranks(r['vm_hwm'])} | {fmt_ranks(r['peak_file'])} | {fmt_ranks(r.get('recv'))} | {sent} | "
             f"{r.get('bytes_how', '—')} | {'; '.join(r['verify'])} |"
         )
     return "\n".join(lines)
@@ -395,15 +364,11 @@ def render_targets(rows: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
     direct = rows.get(("load", "shardtune_direct"), {})
     if "recv" in direct:
         zero = not any(direct["recv"]) and not any(direct["sent"])
-        out.append(f"| load: zero bytes over collectives (shardtune_direct, counted) | recv {_ranks(direct['recv'])}, "
-                   f"sent {_ranks(direct['sent'])} | {'met' if zero else '**MISSED**'} |")
+        out.append(f"| load: zero bytes over collectives (shardtune_direct, counted) | recv {fmt_ranks(direct['recv'])}, "
+                   f"sent {fmt_ranks(direct['sent'])} | {'met' if zero else '**MISSED**'} |")
     ratio_line("save time ≤ 0.5 × DSD (shardtune / dsd)", ("save", "shardtune"), ("save", "dsd"), 0.5)
     memory_line("save: rank-0 peak ≤ 1.1 × (own shard + largest tensor) (shardtune)", ("save", "shardtune"), [0])
     return out
-
-
-def _ram_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def render_report(cfg: Config, groups: dict[str, Group], tables: list[str], targets: list[str], notes: list[str], *,
@@ -421,7 +386,7 @@ def render_report(cfg: Config, groups: dict[str, Group], tables: list[str], targ
         f"- Command: `{cfg.command}`",
         f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}; torch {torch.__version__}, "
         f"safetensors {safetensors.__version__}, Python {platform.python_version()}",
-        f"- Machine: {os.cpu_count()} CPU cores, {_ram_bytes() / GIB:.1f} GiB RAM, no GPU; gloo on 127.0.0.1, "
+        f"- Machine: {os.cpu_count()} CPU cores, {ram_bytes() / GIB:.1f} GiB RAM, no GPU; gloo on 127.0.0.1, "
         f"OMP_NUM_THREADS=1 per rank (as torchrun sets); 1-min load average {load_avg[0][0]:.2f} before, "
         f"{load_avg[1][0]:.2f} after (the machine is shared)",
         f"- Model: `{cfg.size}` = {shape} → {shape.num_params() / 1e9:.3f} B params, "

@@ -24,7 +24,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -34,6 +33,16 @@ from typing import Any
 import torch
 
 from benchmarks._fixtures import DTYPE, SIZES, write_random_safetensors
+from benchmarks._report import (
+    CONTRACT_MIN_BYTES,
+    GIB,
+    fmt_bytes,
+    fmt_ranks,
+    largest_tensor_bytes,
+    model_bytes,
+    ram_bytes,
+    summarize_runs,
+)
 from benchmarks._measure import (
     parse_run_options,
     write_markdown_section,
@@ -54,8 +63,6 @@ SHARDTUNE_API = (
     "load_from_full_optimizer_state_dict",
 )
 OPTIM_MEMORY_LIMIT = 20 << 30  # all processes together, for the optimizer groups
-GIB = 1 << 30
-CONTRACT_MIN_BYTES = 32 << 20  # largest tensor below this: allocator noise decides the check
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,10 +121,6 @@ def core_fingerprint(root: Path) -> str:
     for path in sorted((root / "shardtune" / "state_dict").glob("*.py")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:12]
-
-
-def model_bytes(size: str) -> int:
-    return SIZES[size].num_params() * DTYPE.itemsize
 
 
 def optim_size(size: str) -> str:
@@ -260,44 +263,12 @@ def analytic_bytes(group: str, method: str, size: str, world: int) -> tuple[list
 # --------------------------------------------------------------------------- reporting
 
 
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "—"
-    if n == 0:
-        return "0"
-    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / (1 << 20):.1f} MiB"
-
-
-def _per_rank_median(runs: list[Run], key: str) -> list[float]:
-    world = len(runs[0].ranks)
-    return [statistics.median(run.ranks[r]["measurement"][key] for run in runs) for r in range(world)]
-
-
 def summarize(group: str, method: str, runs: list[Run], size: str, world: int) -> dict[str, Any]:
     """Medians over repeats; time is the slowest rank of each repeat."""
-    ok = [r for r in runs if r.error is None]
-    row: dict[str, Any] = {"group": group, "method": method, "size": size, "runs": len(runs), "ok": len(ok),
-                           "errors": [r.error for r in runs if r.error]}
-    if not ok:
-        return row
-    row["seconds"] = statistics.median(max(rk["measurement"]["seconds"] for rk in r.ranks) for r in ok)
-    for key in ("peak_anon_delta", "baseline_anon", "vm_hwm", "peak_file"):
-        row[key] = _per_rank_median(ok, key)
-    row["own_shard_bytes"] = [rk["own_shard_bytes"] for rk in ok[0].ranks]
-    row["verify"] = sorted({rk["verify"] for r in ok for rk in r.ranks})
-    if ok[0].ranks[0]["counted_bytes"] is not None:
-        row["recv"] = [statistics.median(r.ranks[i]["counted_bytes"]["received"] for r in ok) for i in range(world)]
-        row["sent"] = [statistics.median(r.ranks[i]["counted_bytes"]["sent"] for r in ok) for i in range(world)]
-        row["bytes_how"] = "counted: shardtune.state_dict.stats"
-    elif (a := analytic_bytes(group, method, size, world)) is not None:
-        row["recv"], row["sent"], row["bytes_how"] = a
-    else:
+    row, ok = summarize_runs(group, method, runs, size, world, analytic_bytes)
+    if ok and "bytes_how" not in row:
         row["bytes_how"] = "not available (core exposes no stats counter)"
     return row
-
-
-def largest_tensor_bytes(size: str) -> int:
-    return max(math.prod(s) for s in SIZES[size].param_shapes().values()) * DTYPE.itemsize
 
 
 def _newly_held(row: dict[str, Any], rank: int) -> int:
@@ -324,16 +295,12 @@ def _contract(row: dict[str, Any], size: str) -> str:
     return "yes" if not failing else "NO: " + ", ".join(failing)
 
 
-def _ranks(values: list[float] | None) -> str:
-    return " / ".join(fmt_bytes(v) for v in values) if values else "—"
-
-
 def render_group(group: str, rows: list[dict[str, Any]]) -> str:
     """Markdown table for one group; ratio is to the DSD method's median time."""
     dsd = next((r.get("seconds") for r in rows if r["method"].startswith("dsd")), None)
     size = rows[0]["size"]
     lines = [f"**{group}** (size {size}; own shard per rank "
-             f"{_ranks(next((r['own_shard_bytes'] for r in rows if 'own_shard_bytes' in r), None))}, "
+             f"{fmt_ranks(next((r['own_shard_bytes'] for r in rows if 'own_shard_bytes' in r), None))}, "
              f"largest tensor {fmt_bytes(largest_tensor_bytes(size))})", "",
              "| method | median s | × DSD | peak RssAnon Δ (r0 / r1 …) | baseline RssAnon | VmHWM | peak RssFile"
              " | recv bytes | r0 sent | bytes obtained by | contract | verify |",
@@ -345,16 +312,12 @@ def render_group(group: str, rows: list[dict[str, Any]]) -> str:
         ratio = f"{r['seconds'] / dsd:.2f}" if dsd else "—"
         sent = fmt_bytes(r["sent"][0]) if "sent" in r else "—"
         lines.append(
-            f"| {r['method']} | {r['seconds']:.3f} | {ratio} | {_ranks(r['peak_anon_delta'])} | "
-            f"{_ranks(r['baseline_anon'])} | {_ranks(r['vm_hwm'])} | {_ranks(r['peak_file'])} | "
-            f"{_ranks(r.get('recv'))} | {sent} | {r['bytes_how']} | {_contract(r, size)} | "
+            f"| {r['method']} | {r['seconds']:.3f} | {ratio} | {fmt_ranks(r['peak_anon_delta'])} | "
+            f"{fmt_ranks(r['baseline_anon'])} | {fmt_ranks(r['vm_hwm'])} | {fmt_ranks(r['peak_file'])} | "
+            f"{fmt_ranks(r.get('recv'))} | {sent} | {r['bytes_how']} | {_contract(r, size)} | "
             f"{'; '.join(r['verify'])} |"
         )
     return "\n".join(lines)
-
-
-def _ram_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def render_report(
@@ -379,7 +342,7 @@ def render_report(
         f"- Command: `{cfg.command}`",
         f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}; torch {torch.__version__}, "
         f"safetensors {safetensors.__version__}, Python {platform.python_version()}",
-        f"- Machine: {os.cpu_count()} CPU cores, {_ram_bytes() / GIB:.1f} GiB RAM, no GPU; gloo on 127.0.0.1, "
+        f"- Machine: {os.cpu_count()} CPU cores, {ram_bytes() / GIB:.1f} GiB RAM, no GPU; gloo on 127.0.0.1, "
         f"OMP_NUM_THREADS=1 per rank (as torchrun sets); 1-min load average {load_avg[0][0]:.2f} before, "
         f"{load_avg[1][0]:.2f} after (the machine is shared)",
         f"- Model: `{cfg.size}` = {shape} → {shape.num_params() / 1e9:.3f} B params, "
