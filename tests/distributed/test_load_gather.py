@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardtune.state_dict import stats
+from shardtune.state_dict.load import materialize_meta
 from shardtune.training import gather_cpu_state_dict, load_from_full_model_state_dict
 from tests.distributed import toy
 
@@ -56,6 +57,32 @@ def test_round_trip_world4_and_hsdp(pool4, mode):
         assert res[0]["mismatched"] == [], mesh_kind
         assert all(r["empty"] for r in res[1:])
     assert res[0]["placements"] == "(Replicate(), Shard(dim=0))"
+
+
+def _partly_materialized(mode: str):
+    """Layer 0 materialized (filled in place), everything else on meta (replaced after the reads)."""
+    sd = toy.full_state_dict(seed=3)
+    model = toy.build_sharded(meta=True)
+    materialize_meta(model.layers[0], "cpu")
+    params = dict(model.named_parameters())
+    storage = {n: p.to_local().data_ptr() for n, p in params.items() if not p.to_local().is_meta}
+    load_from_full_model_state_dict(model, _give(sd, mode), "cpu", strict=True)
+    out = gather_cpu_state_dict(model, dist.get_rank() == 0)
+    return {
+        "materialized": sorted(storage),
+        "same_objects": all(p is params[n] for n, p in model.named_parameters()),
+        "filled_in_place": all(params[n].to_local().data_ptr() == ptr for n, ptr in storage.items()),
+        "meta_left": [n for n, p in model.named_parameters() if p.to_local().is_meta],
+        "mismatched": [k for k in out if not torch.equal(out[k], sd[k])] if dist.get_rank() == 0 else [],
+    }
+
+
+@pytest.mark.parametrize("mode", ["every_rank", "rank0"])
+def test_partly_materialized_model(pool2, mode):
+    for r in pool2.run_ok(_partly_materialized, mode):
+        assert r["materialized"] and all(n.startswith("layers.0.") for n in r["materialized"])
+        assert r["same_objects"] and r["filled_in_place"] and r["meta_left"] == []
+        assert r["mismatched"] == []
 
 
 def _forward(mode: str):
