@@ -161,6 +161,16 @@ def measure_step(
 # --------------------------------------------------------------------------- files
 
 
+def rotated(items: list, shift: int) -> list:
+    """``items`` started at position ``shift`` (wrapping): repeat ``k`` runs the methods in
+    this order, so over the repeats no method always runs first or right after the same one
+    (the memory a previous run freed, or its page-cache traffic, can slow the next)."""
+    if not items:
+        return []
+    k = shift % len(items)
+    return items[k:] + items[:k]
+
+
 def drop_page_cache(path: str | os.PathLike[str]) -> None:
     """Evict ``path`` from the page cache (``POSIX_FADV_DONTNEED``) for a cold run."""
     fd = os.open(path, os.O_RDONLY)

@@ -3,7 +3,8 @@
     python -m benchmarks.checkpoint --size {tiny,250m,1b} --world 2 --repeats 3 [--cold]
     python -m benchmarks.checkpoint --smoke          # tiny, 1 repeat, no BENCHMARKS.md
 
-Groups and methods (each run = fresh processes; methods interleaved across repeats):
+Groups and methods (each run = fresh processes; methods interleaved, their order rotated by
+one each repeat):
 
 * ``load``: HF checkpoint directory -> meta FSDP2 ``LlamaForCausalLM``. ``shardtune_direct``
   (``load_hf_checkpoint(shared_filesystem=True)``: every rank reads its own rows),
@@ -52,7 +53,15 @@ from benchmarks._report import (
     ram_bytes,
     summarize_runs,
 )
-from benchmarks._measure import RankFailure, parse_run_options, drop_page_cache, spawn_ranks, warm_page_cache, write_markdown_section
+from benchmarks._measure import (
+    RankFailure,
+    drop_page_cache,
+    parse_run_options,
+    rotated,
+    spawn_ranks,
+    warm_page_cache,
+    write_markdown_section,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- checkpoint:begin -->", "<!-- checkpoint:end -->"
@@ -183,12 +192,12 @@ def setup_resume(cfg: Config, size: str, paths: dict[str, str]) -> list[str]:
 
 
 def run_all(cfg: Config, groups: dict[str, Group]) -> list[Run]:
-    """Every (group, method) once per repeat, interleaved (A B C A B C ...), in fresh processes."""
+    """Every (group, method) once per repeat, interleaved and rotated (A B C, B C A, ...), in fresh processes."""
     runs = []
     for repeat in range(cfg.repeats):
         for group in cfg.groups:
             g = groups[group]
-            for method in STEPS[group]:
+            for method in rotated(list(STEPS[group]), repeat):
                 run = Run(group, method, repeat)
                 if group == "load" and method == "dcp_hf_reader" and hf_storage_reader() is None:
                     run.error = "unavailable: torch.distributed.checkpoint has no HuggingFaceStorageReader"
@@ -397,8 +406,8 @@ def render_report(cfg: Config, groups: dict[str, Group], tables: list[str], targ
         "- Checkpoint: HF directory (`config.json` + one `model.safetensors`, seeded random bf16, "
         "`--bench-dir`/`hf_<size>/`)",
         f"- shardtune: sha256 of `shardtune/{{state_dict,checkpoint}}/*.py` = `{fingerprint}`; DCP HF reader {reader}",
-        f"- World {cfg.world}, {cfg.repeats} repeats, methods interleaved across repeats, every run in fresh "
-        f"processes; page cache **{cache}**",
+        f"- World {cfg.world}, {cfg.repeats} repeats, methods interleaved, their order rotated by one each repeat, "
+        f"every run in fresh processes; page cache **{cache}**",
     ]
     how = [
         "How to read it:",

@@ -3,7 +3,8 @@
     python -m benchmarks.state_dict --size {tiny,250m,1b} --world 2 --repeats 3 [--cold]
     python -m benchmarks.state_dict --smoke          # tiny, 1 repeat, no BENCHMARKS.md
 
-Groups and methods (each run = fresh processes; methods interleaved across repeats):
+Groups and methods (each run = fresh processes; methods interleaved, their order rotated by
+one each repeat):
 
 * ``load``: safetensors file -> meta FSDP2 model. ``shardtune_rank0`` (rank 0 passes
   the mmap'd file dict, others ``{}``), ``dsd_broadcast`` (``set_model_state_dict`` with
@@ -48,6 +49,7 @@ from benchmarks._measure import (
     write_markdown_section,
     RankFailure,
     drop_page_cache,
+    rotated,
     snapshot_sources,
     spawn_ranks,
     warm_page_cache,
@@ -176,7 +178,7 @@ def _spawn(cfg: Config, target: str, kwargs: dict[str, Any], root: Path) -> tupl
 def run_all(
     cfg: Config, pairs: list[tuple[str, str]], files: dict[str, tuple[str, Path, Path | None]], *, root: Path
 ) -> list[Run]:
-    """Run every pair once per repeat, interleaved (A B C A B C ...), each in fresh processes.
+    """Run every pair once per repeat, interleaved and rotated (A B C, B C A, ...), each in fresh processes.
 
     The ranks import ``shardtune`` and ``benchmarks`` from the source snapshot ``root``. With
     ``cfg.shared_processes`` (smoke) one process pair runs every pair of a repeat in turn.
@@ -190,7 +192,7 @@ def run_all(
             batch = [Run(g, m, repeat, [r[i] for r in per_rank], error) for i, (g, m) in enumerate(pairs)]
         else:
             batch = []
-            for group, method in pairs:
+            for group, method in rotated(pairs, repeat):
                 _, mpath, opath = files[group]
                 _set_page_cache([p for p in (mpath, opath) if p is not None], cold=cfg.cold)
                 ranks, error = _spawn(cfg, "run", _run_kwargs(group, method, files), root)
@@ -350,7 +352,7 @@ def render_report(
         f"1-D mesh of {cfg.world} ranks (Shard(0))",
         f"- shardtune core: sha256 of `shardtune/state_dict/*.py` = `{core}`; `shardtune/` and `benchmarks/` "
         "are copied before the first run and every rank imports that copy (no mid-run edits leak in)",
-        f"- World {cfg.world}, {cfg.repeats} repeats, methods interleaved across repeats, {processes}; "
+        f"- World {cfg.world}, {cfg.repeats} repeats, methods interleaved, their order rotated by one each repeat, {processes}; "
         f"page cache **{cache}**",
         "- Files (in `--bench-dir`, default `bench_out/`): " + "; ".join(file_names),
     ]
