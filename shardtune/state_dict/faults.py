@@ -37,7 +37,7 @@ POINTS = frozenset(
         "save:weights_written",  # weights (and adapters) written, training state not yet
         "save:before_publish",  # rank 0, everything staged, manifest not yet written
         "save:after_publish",  # the checkpoint is published, save() not yet returned
-        "load:mid",  # the first tensor of a model load is installed (once per load)
+        "load:mid",  # the first tensor of a model load is in hand (once per load)
         "train:step",  # after every optimizer step
     }
 )

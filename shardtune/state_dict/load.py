@@ -71,9 +71,8 @@ def load_from_full_model_state_dict(
     plan = _agree_on_plan(model_entries(model), full_sd, strict=strict)
     problems = comm.Problems()
     send_buffer = SendBuffer()
-    first = True
     deferred: list[tuple[_Item, torch.Tensor | None]] = []
-    for item in plan.items:
+    for index, item in enumerate(plan.items):
         value = full_sd[item.key] if full_sd else None
         new_local = _my_piece(item, value, plan.mode, local_device, transfer_device, problems, send_buffer)
         if _local(item.entry.tensor).is_meta:
@@ -83,9 +82,12 @@ def load_from_full_model_state_dict(
             # storage they replace or the copy they fill from is freed as the load goes.
             deferred.append((item, new_local))
         else:
-            first = _install_item(item, new_local, problems, first=first)
+            _install_item(item, new_local, problems)
+        if index == 0:
+            with problems.guard(item.key):
+                fault_point("load:mid")
     for item, new_local in deferred:
-        first = _install_item(item, new_local, problems, first=first)
+        _install_item(item, new_local, problems)
     comm.raise_on_every_rank(problems, header="Loading the full model state dict failed:")
     return _IncompatibleKeys(plan.missing, plan.unexpected)
 
@@ -529,14 +531,10 @@ def _scatter_nf4(item, value, like, device, transfer_device, problems) -> torch.
 # --- installing the new local tensor into the model ------------------------------------------
 
 
-def _install_item(item: _Item, new_local: torch.Tensor | None, problems: comm.Problems, *, first: bool) -> bool:
-    """Install one loaded piece, recording a failure under its key; returns False (the next
-    install is no longer the load's first)."""
+def _install_item(item: _Item, new_local: torch.Tensor | None, problems: comm.Problems) -> None:
+    """Install one loaded piece, recording a failure under its key."""
     with problems.guard(item.key):
         _install(item.entry, new_local)
-        if first:
-            fault_point("load:mid")
-    return False
 
 
 def _install(entry: ModelEntry, new_local: torch.Tensor | None) -> None:
