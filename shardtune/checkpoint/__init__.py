@@ -1,7 +1,7 @@
 """Checkpoints: HF safetensors and PEFT formats, training state, and the Checkpointer."""
 
 from shardtune.checkpoint.checkpointer import Checkpointer
-from shardtune.checkpoint.hf import load_hf_checkpoint, open_hf_checkpoint, save_hf_checkpoint
+from shardtune.checkpoint.hf import load_hf_checkpoint, open_hf_checkpoint, save_hf_checkpoint, stage_hf_checkpoint
 from shardtune.checkpoint.peft_format import load_peft_adapter, save_peft_adapter
 from shardtune.checkpoint.safetensors_io import CheckpointError
 from shardtune.checkpoint.state import FingerprintMismatchError, TrainingProgress, fingerprint
@@ -16,5 +16,6 @@ __all__ = [
     "load_peft_adapter",
     "open_hf_checkpoint",
     "save_hf_checkpoint",
+    "stage_hf_checkpoint",
     "save_peft_adapter",
 ]

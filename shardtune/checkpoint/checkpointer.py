@@ -11,7 +11,9 @@ A checkpoint ``<output_dir>/epoch_<n>`` (or ``step_<n>`` mid-epoch) holds:
   (``training_state.json``) and per-rank RNG states.
 
 It is written under ``.tmp-<name>-<token>``, fsynced, given a manifest, and renamed: a crash
-at any moment leaves the previous checkpoint as the newest complete one.
+at any moment leaves the previous checkpoint as the newest complete one. With ``async_save``
+an intermediate checkpoint's tensors are copied to CPU memory and written by a background
+thread; it is published by the next ``save``/``wait``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,9 +32,11 @@ from torch import nn
 
 from shardtune.checkpoint import atomic
 from shardtune.checkpoint.dcp_format import DCP_DIR, load_dcp, save_dcp, write_model_description
-from shardtune.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
-from shardtune.checkpoint.optimizer_io import load_optimizer, save_optimizer
+from shardtune.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint, stage_hf_checkpoint
+from shardtune.checkpoint.hf_export import StagedWrites
+from shardtune.checkpoint.optimizer_io import load_optimizer, save_optimizer, stage_optimizer
 from shardtune.checkpoint.peft_format import load_peft_adapter, save_peft_adapter
+from shardtune.checkpoint.safetensors_io import CheckpointError
 from shardtune.checkpoint.state import (
     RNG_DIR,
     TRAINING_STATE,
@@ -91,8 +95,6 @@ class Checkpointer:
     ) -> None:
         if intermediate_format not in ("hf", "dcp"):
             raise ValueError(f"intermediate_format={intermediate_format!r}: choose 'hf' or 'dcp'")
-        if async_save and intermediate_format != "dcp":
-            raise ValueError("async_save needs intermediate_format='dcp' (HF exports are written synchronously)")
         self.output_dir = Path(output_dir)
         self.model = model
         self.optimizer = optimizer
@@ -110,7 +112,9 @@ class Checkpointer:
         self.async_save = async_save
         self._pending: _PendingSave | None = None
         # DCP's background writer needs its own CPU-capable group, apart from training's collectives.
-        self._async_group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        use_group = async_save and intermediate_format == "dcp" and dist.is_initialized()
+        self._async_group = dist.new_group(backend="gloo") if use_group else None
+        self._background: ThreadPoolExecutor | None = None  # writes staged HF checkpoints
 
     # --- loading ---------------------------------------------------------------------------
 
@@ -189,14 +193,17 @@ class Checkpointer:
 
         Collective. ``batches_in_epoch == 0`` names it ``epoch_<epoch>``, otherwise ``step_<step>``.
         With ``intermediate_format="dcp"`` non-final checkpoints hold DCP shards instead of HF
-        files; with ``async_save`` those are written in the background and published by the next
-        ``save``/``wait`` (until then the previous checkpoint stays the newest complete one).
-        The ``final`` checkpoint is always HF (and PEFT) format, written synchronously.
+        files. With ``async_save`` non-final checkpoints are copied to CPU memory (about each
+        rank's own shards of the model and optimizer), written by a background thread, and
+        published by the next ``save``/``wait`` (until then the previous checkpoint stays the
+        newest complete one). The ``final`` checkpoint is always HF (and PEFT) format, written
+        synchronously.
         """
         self.wait()
         name = f"epoch_{epoch}" if batches_in_epoch == 0 else f"step_{step}"
         target = self.output_dir / name
         use_dcp = self.intermediate_format == "dcp" and not final
+        in_background = self.async_save and not final
         staging = self._begin(name)
         fault_point("save:begin")
         problems = comm.Problems()
@@ -205,12 +212,16 @@ class Checkpointer:
             if comm.rank() == 0:
                 with problems.guard("model description"):
                     write_model_description(self.model, staging, self.base_dir)
-            future = save_dcp(self.model, self.optimizer, staging / DCP_DIR, async_save=self.async_save, group=self._async_group)
+            future = save_dcp(self.model, self.optimizer, staging / DCP_DIR, async_save=in_background, group=self._async_group)
+        elif in_background:
+            future = self._write_in_background(self._stage_weights_and_optimizer(staging))
         else:
             self._write_weights(staging)
         fault_point("save:weights_written")
         with problems.guard("training state"):
-            self._write_state(staging, step, epoch, batches_in_epoch, sampler_state, extra, optimizer_in_dcp=use_dcp)
+            self._write_state(
+                staging, step, epoch, batches_in_epoch, sampler_state, extra, with_optimizer=not (use_dcp or in_background)
+            )
         comm.raise_on_every_rank(problems, header=f"Saving checkpoint {target} failed:")
         pending = _PendingSave(future=future, staging=staging, target=target, step=step, epoch=epoch)
         if future is not None:
@@ -227,7 +238,7 @@ class Checkpointer:
         problems = comm.Problems()
         with problems.guard(f"background save of {pending.target}"):
             pending.future.result()
-        comm.raise_on_every_rank(problems, header=f"Saving checkpoint {pending.target} failed:")
+        comm.raise_on_every_rank(problems, header=f"Saving checkpoint {pending.target} failed:", error=CheckpointError)
         self._publish(pending)
 
     def _publish(self, pending: _PendingSave) -> None:
@@ -259,13 +270,38 @@ class Checkpointer:
         return staging
 
     def _write_weights(self, staging: Path) -> None:
-        if self.is_lora:
-            save_peft_adapter(self.model, staging / ADAPTER_DIR, base_model_name_or_path=str(self.base_dir) if self.base_dir else None)
-            if self.adapter_weights_only:
-                return
+        if self._write_adapter(staging):
+            return
         save_hf_checkpoint(
             self.model, staging, max_shard_size=self.max_shard_size, merge_adapters=True, tokenizer_dir=self.base_dir
         )
+
+    def _write_adapter(self, staging: Path) -> bool:
+        """LoRA models: write the PEFT adapter (small, always at once); True when it is all the
+        checkpoint's weights (``adapter_weights_only``)."""
+        if not self.is_lora:
+            return False
+        base = str(self.base_dir) if self.base_dir else None
+        save_peft_adapter(self.model, staging / ADAPTER_DIR, base_model_name_or_path=base)
+        return self.adapter_weights_only
+
+    def _stage_weights_and_optimizer(self, staging: Path) -> list[StagedWrites]:
+        """Collective: everything but the big tensors is written now; their rows are copied to CPU."""
+        stages = []
+        if not self._write_adapter(staging):
+            stages.append(
+                stage_hf_checkpoint(
+                    self.model, staging, max_shard_size=self.max_shard_size, merge_adapters=True, tokenizer_dir=self.base_dir
+                )
+            )
+        if self.optimizer is not None:
+            stages.append(stage_optimizer(self.model, self.optimizer, staging / STATE_DIR))
+        return stages
+
+    def _write_in_background(self, stages: list[StagedWrites]) -> Future:
+        if self._background is None:
+            self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtune-save")
+        return self._background.submit(_flush, stages)
 
     def _write_state(
         self,
@@ -276,10 +312,10 @@ class Checkpointer:
         sampler_state: dict[str, Any] | None,
         extra: dict[str, Any] | None,
         *,
-        optimizer_in_dcp: bool,
+        with_optimizer: bool,
     ) -> None:
         state_dir = staging / STATE_DIR
-        if self.optimizer is not None and not optimizer_in_dcp:
+        if self.optimizer is not None and with_optimizer:  # else in the DCP shards or staged
             save_optimizer(self.model, self.optimizer, state_dir)
         save_rng(state_dir / RNG_DIR, comm.rank())
         if comm.rank() == 0:
@@ -294,3 +330,10 @@ class Checkpointer:
                 extra=extra or {},
             )
             (state_dir / TRAINING_STATE).write_text(progress.to_json())
+
+
+def _flush(stages: list[StagedWrites]) -> None:
+    """Background thread: write and fsync every staged block; raise with every problem."""
+    problems = [problem for stage in stages for problem in stage.flush()]
+    if problems:
+        raise CheckpointError("; ".join(problems))

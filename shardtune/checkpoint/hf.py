@@ -42,6 +42,7 @@ __all__ = [
     "load_hf_checkpoint",
     "open_hf_checkpoint",
     "save_hf_checkpoint",
+    "stage_hf_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -254,6 +255,63 @@ def save_hf_checkpoint(
     """
     out_dir = os.fspath(out_dir)
     start = time.perf_counter()
+    files = _begin_save(
+        model, out_dir, max_shard_size=max_shard_size, dtype=dtype, merge_adapters=merge_adapters, config=config,
+        tokenizer_dir=tokenizer_dir,
+    )
+    total = sum(item.nbytes for plan in files for item in plan.items)
+    with _progress(total, desc="save") as bar:
+        problems = hf_export.write_data(out_dir, files, on_item=bar.update, fault="save:mid_tensor", direct_io=direct_io)
+    comm.raise_on_every_rank(problems, header=f"Writing the HF checkpoint in {out_dir} failed:", error=CheckpointError)
+    if comm.rank() == 0:
+        _log_done("Saved", out_dir, total, start)
+    names = [f.name for f in files]
+    return ["config.json", *names, *([hf_export.INDEX_FILE] if len(files) > 1 else [])]
+
+
+@torch.no_grad()
+def stage_hf_checkpoint(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    merge_adapters: bool = True,
+    config: Mapping[str, Any] | None = None,
+    tokenizer_dir: str | os.PathLike | None = None,
+    direct_io: bool = True,
+) -> hf_export.StagedWrites:
+    """:func:`save_hf_checkpoint` in two halves, for saving in the background.
+
+    Collective: call on all ranks. Writes everything but the tensors' data (config, tokenizer,
+    sized files with their headers), copies this rank's rows to CPU memory (about its own
+    shard's bytes) and returns them; training may then change the model. The returned
+    object's ``flush()`` writes and fsyncs the rows without collectives (so it can run in a
+    thread) and returns this rank's problems; the checkpoint is complete once every rank's
+    ``flush()`` has returned none. Errors before that raise the same CheckpointError on every rank.
+    """
+    out_dir = os.fspath(out_dir)
+    files = _begin_save(
+        model, out_dir, max_shard_size=max_shard_size, dtype=dtype, merge_adapters=merge_adapters, config=config,
+        tokenizer_dir=tokenizer_dir,
+    )
+    staged, problems = hf_export.stage_data(out_dir, files, fault="save:mid_tensor", direct_io=direct_io)
+    comm.raise_on_every_rank(problems, header=f"Staging the HF checkpoint for {out_dir} failed:", error=CheckpointError)
+    return staged
+
+
+def _begin_save(
+    model: nn.Module,
+    out_dir: str,
+    *,
+    max_shard_size: int | str,
+    dtype: torch.dtype | None,
+    merge_adapters: bool,
+    config: Mapping[str, Any] | None,
+    tokenizer_dir: str | os.PathLike | None,
+) -> list[hf_export.FilePlan]:
+    """Collective: agree on the export plan, then rank 0 writes the skeleton (directory, sized
+    files with headers, index, config, tokenizer); returns the plan of files on every rank."""
     problems: list[str] = []
     hf_config = _hf_config(model, config, problems)
     items, plan_problems = hf_export.plan_export(
@@ -271,14 +329,7 @@ def save_hf_checkpoint(
         header=f"Cannot create the HF checkpoint in {out_dir}:",
         error=CheckpointError,
     )
-    total = sum(it.nbytes for it in items)
-    with _progress(total, desc="save") as bar:
-        problems = hf_export.write_data(out_dir, files, on_item=bar.update, fault="save:mid_tensor", direct_io=direct_io)
-    comm.raise_on_every_rank(problems, header=f"Writing the HF checkpoint in {out_dir} failed:", error=CheckpointError)
-    if comm.rank() == 0:
-        _log_done("Saved", out_dir, total, start)
-    names = [f.name for f in files]
-    return ["config.json", *names, *([hf_export.INDEX_FILE] if len(files) > 1 else [])]
+    return files
 
 
 def _hf_config(model: nn.Module, config: Mapping[str, Any] | None, problems: list[str]) -> dict[str, Any]:

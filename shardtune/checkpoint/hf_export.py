@@ -3,7 +3,8 @@
 
 Every rank computes the same export plan (names, dtypes, shapes, files, header bytes) from
 the model alone. Rank 0 creates the files (header written, size set); then each rank writes
-its own rows in place (``O_DIRECT`` where the filesystem allows it). Only blocks that are
+its own rows in place (``O_DIRECT`` where the filesystem allows it), at once or, for a
+background save, from copies staged in CPU memory first. Only blocks that are
 not whole rows travel (to rank 0, one tensor at a time); LoRA's small ``lora_A`` (and
 ``lora_B`` when its rows do not line up with the base's) are gathered whole on every rank to
 merge ``W + scaling * B @ A`` per rank.
@@ -211,17 +212,39 @@ def write_data(
     tensor is written (reliability tests)."""
     problems = comm.Problems()
     writer = _Writer(out_dir, problems, fault=fault, direct_io=direct_io)
+    _visit_items(files, writer, problems, on_item)
+    writer.close()
+    return list(problems)
+
+
+@torch.no_grad()
+def stage_data(
+    out_dir: str, files: list[FilePlan], *, fault: str | None = None, direct_io: bool = True
+) -> tuple[StagedWrites, list[str]]:
+    """Collective: call on all ranks. Like :func:`write_data`, but each rank copies its blocks
+    to CPU memory (its own shard's bytes) instead of writing them; returns them with this
+    rank's problems. The model may change afterwards: :meth:`StagedWrites.flush` writes the
+    copies."""
+    problems = comm.Problems()
+    staged = StagedWrites(out_dir, fault=fault, direct_io=direct_io)
+    _visit_items(files, staged, problems, None)
+    return staged, list(problems)
+
+
+def _visit_items(
+    files: list[FilePlan], writer: _Writer | StagedWrites, problems: comm.Problems, on_item: Callable[[int], None] | None
+) -> None:
     for plan in files:
         for item in plan.items:
             _write_item(item, plan, writer, problems)
             if on_item is not None:
                 on_item(item.nbytes)
-    writer.close()
-    return list(problems)
 
 
 class _Writer:
     """This rank's output files, opened on first write and fsynced at the end."""
+
+    copies_blocks = False  # blocks are written before the model can change
 
     def __init__(self, out_dir: str, problems: comm.Problems, *, fault: str | None = None, direct_io: bool = True) -> None:
         self.out_dir = out_dir
@@ -249,25 +272,57 @@ class _Writer:
         self.ranges.release()
 
 
-def _write_item(item: ExportItem, plan: FilePlan, writer: _Writer, problems: comm.Problems) -> None:
+class StagedWrites:
+    """This rank's blocks of a checkpoint, copied to CPU memory by :func:`stage_data`, to be
+    written into the files (which rank 0 already created) by :meth:`flush`."""
+
+    copies_blocks = True  # the model and optimizer keep training while the copies wait
+
+    def __init__(self, out_dir: str, *, fault: str | None = None, direct_io: bool = True) -> None:
+        self.out_dir = out_dir
+        self.fault = fault
+        self.direct_io = direct_io
+        self.blocks: list[tuple[str, torch.Tensor, int]] = []
+
+    def write(self, file_name: str, tensor: torch.Tensor, offset: int) -> None:
+        self.blocks.append((file_name, tensor, offset))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t, _ in self.blocks)
+
+    def flush(self) -> list[str]:
+        """Write every staged block and fsync the files; returns this rank's problems and frees
+        the copies. No collectives: it may run in a background thread."""
+        problems = comm.Problems()
+        writer = _Writer(self.out_dir, problems, fault=self.fault, direct_io=self.direct_io)
+        blocks, self.blocks = self.blocks, []
+        for file_name, tensor, offset in blocks:
+            with problems.guard(os.path.join(self.out_dir, file_name)):
+                writer.write(file_name, tensor, offset)
+        writer.close()
+        return list(problems)
+
+
+def _write_item(item: ExportItem, plan: FilePlan, writer: _Writer | StagedWrites, problems: comm.Problems) -> None:
     me, layout = comm.rank(), item.layout
     offset = plan.offsets[item.name]
     adapters = _gather_adapters(item)  # collective for sharded adapters: every rank, same order
     if not layout.is_sharded:
         if me == 0:
             with problems.guard(item.name):
-                writer.write(plan.name, _local_block(item, adapters), offset)
+                writer.write(plan.name, _local_block(item, adapters, copy=writer.copies_blocks), offset)
         return
     owners = layout.owners()
     if all(piece.is_row_range(layout.shape) for piece in owners):
         piece = layout.pieces[me]
         if owners.get(piece) == me:
             with problems.guard(item.name):
-                writer.write(plan.name, _local_block(item, adapters), offset + _row_offset(item, piece))
+                writer.write(plan.name, _local_block(item, adapters, copy=writer.copies_blocks), offset + _row_offset(item, piece))
         return
     block = None
     with problems.guard(item.name):
-        block = _local_block(item, adapters)
+        block = _local_block(item, adapters, copy=False)  # sent now; rank 0 writes or stages the gathered copy
     if block is None:
         block = torch.zeros(layout.pieces[me].shape, dtype=item.dtype)
     full = gather_to_rank0(block, layout, transfer_device=comm.comm_device(None), on_error=problems, key=item.name)
@@ -326,8 +381,9 @@ def _rows_line_up(w: TensorLayout, b: TensorLayout) -> bool:
     )
 
 
-def _local_block(item: ExportItem, adapters: _Adapters | None) -> torch.Tensor:
-    """This rank's block of the written tensor: dequantized, merged, cast, on CPU."""
+def _local_block(item: ExportItem, adapters: _Adapters | None, *, copy: bool) -> torch.Tensor:
+    """This rank's block of the written tensor: dequantized, merged, cast, on CPU; with
+    ``copy`` never a view of the model's (or optimizer's) storage."""
     piece = _my_piece(item.layout)
     local = nf4.dequantize(_local(item.entry.tensor)).detach()
     if tuple(local.shape) != piece.shape:
@@ -338,4 +394,4 @@ def _local_block(item: ExportItem, adapters: _Adapters | None) -> torch.Tensor:
         a = adapters.a
         delta = b.float() @ a[:, cols].to(b.device).float()
         local = (local.float() + item.merge.scaling * delta.to(local.device)).to(local.dtype)
-    return local.to(device="cpu", dtype=item.dtype)
+    return local.to(device="cpu", dtype=item.dtype, copy=copy)

@@ -33,6 +33,27 @@ def save_optimizer(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) 
     shard rows, as for model weights); hyper-parameters and scalars (``step``) go to
     ``optimizer.json``, written by rank 0. Errors raise the same CheckpointError on every rank.
     """
+    files = _begin_save(model, opt, out_dir)
+    written = hf_export.write_data(str(out_dir), files)
+    comm.raise_on_every_rank(written, header=f"Writing the optimizer to {out_dir} failed:", error=CheckpointError)
+
+
+def stage_optimizer(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) -> hf_export.StagedWrites:
+    """:func:`save_optimizer` in two halves, for saving in the background.
+
+    Collective: call on all ranks. Writes ``optimizer.json`` and the sized tensor file, copies
+    this rank's rows of the state to CPU memory and returns them; their ``flush()`` writes
+    them (no collectives) while the optimizer keeps stepping.
+    """
+    files = _begin_save(model, opt, out_dir)
+    staged, problems = hf_export.stage_data(str(out_dir), files)
+    comm.raise_on_every_rank(problems, header=f"Staging the optimizer for {out_dir} failed:", error=CheckpointError)
+    return staged
+
+
+def _begin_save(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) -> list[hf_export.FilePlan]:
+    """Collective: plan the tensor file from the state's shapes (same on every rank), then rank 0
+    creates it and writes ``optimizer.json``; returns the plan on every rank."""
     groups = param_group_fqns(model, opt)
     items, scalars = [], {}
     for fqns, group in zip(groups, opt.param_groups):
@@ -57,8 +78,7 @@ def save_optimizer(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) 
             meta = {"param_groups": [{**hyperparameters(g), "params": list(f)} for f, g in zip(groups, opt.param_groups)], "scalars": scalars}
             (out_dir / OPTIMIZER_META).write_text(json.dumps(meta, indent=1))
     comm.raise_on_every_rank(problems + list(created), header=f"Cannot save the optimizer to {out_dir}:", error=CheckpointError)
-    written = hf_export.write_data(str(out_dir), files)
-    comm.raise_on_every_rank(written, header=f"Writing the optimizer to {out_dir} failed:", error=CheckpointError)
+    return files
 
 
 def _export_item(name: str, value: torch.Tensor, position: int) -> hf_export.ExportItem:

@@ -123,7 +123,7 @@ BASE_SCHEMA = Schema(
         "save_every_n_steps": Field((int, None), None, gt=0),
         "keep_last_n": Field((int, None), None, gt=0, help="checkpoints to keep; null keeps all"),
         "checkpoint_format": Field(str, "hf", choices=("hf", "dcp"), help="format of intermediate checkpoints"),
-        "async_save": Field(bool, False, help="write intermediate DCP checkpoints in the background"),
+        "async_save": Field(bool, False, help="write intermediate checkpoints (HF or DCP) in the background from a CPU copy"),
     },
     checks=(_check_base,),
 )

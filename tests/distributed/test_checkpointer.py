@@ -229,6 +229,61 @@ def test_corrupt_optimizer_file_is_a_clear_error_on_every_rank(pool2, base_dir, 
     assert all(str(optimizer_file) in o.error and "corrupt header JSON" in o.error for o in outcomes)
 
 
+def _hf_async_round_trip(base: str, out: str, lora: bool):
+    """async_save with HF intermediates: train on while the save is written, then resume from it."""
+    model, opt, sched, _ = _setup(base, out, lora=lora)
+    ck = Checkpointer(output_dir=out, model=model, optimizer=opt, lr_scheduler=sched, base_dir=base,
+                      fingerprint={"model": "a"}, seed=7, async_save=True)
+    _start(model, ck, lora=lora)
+    _train(model, opt, sched, range(2))
+    saved = gather_cpu_state_dict(model, dist.get_rank() == 0)
+    saved_optim = get_full_optimizer_state_dict(model, opt, dist.get_rank() == 0)
+    path = ck.save(step=2, epoch=0, batches_in_epoch=2)
+    published_early = Path(path).exists()
+    uninterrupted = _train(model, opt, sched, range(2, 4))  # changes params and state under the write
+    ck.wait()
+    model2, opt2, sched2, ck2 = _setup(base, out, lora=lora)
+    progress = _start(model2, ck2, lora=lora)
+    restored = gather_cpu_state_dict(model2, dist.get_rank() == 0)
+    restored_optim = get_full_optimizer_state_dict(model2, opt2, dist.get_rank() == 0)
+    resumed = _train(model2, opt2, sched2, range(2, 4))
+    dist.barrier()
+    files = sorted(str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file()) if dist.get_rank() == 0 else None
+    same_state = None
+    if dist.get_rank() == 0:
+        optim_tensors = [
+            (restored_optim["state"][k][s], v)
+            for k, states in saved_optim["state"].items() for s, v in states.items() if isinstance(v, torch.Tensor) and v.dim()
+        ]
+        same_state = (
+            len(optim_tensors) >= 2 * len(saved_optim["state"]) > 0
+            and all(torch.equal(restored[k], v) for k, v in saved.items())
+            and all(torch.equal(a, b) for a, b in optim_tensors)
+        )
+    return {"early": published_early, "files": files, "step": progress.step, "same": resumed == uninterrupted,
+            "same_state": same_state, "path": str(path), "saved": saved if dist.get_rank() == 0 else None}
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_hf_async_intermediate_checkpoint_holds_the_state_at_save_and_resumes(pool2, base_dir, tmp_path, lora):
+    import transformers
+
+    res = pool2.run_ok(_hf_async_round_trip, base_dir, str(tmp_path / "out"), lora)
+    assert all(r["same"] and r["step"] == 2 for r in res)
+    assert not res[0]["early"] and res[0]["same_state"]
+    files = res[0]["files"]
+    assert "model.safetensors" in files and "training_state/optimizer.safetensors" in files
+    assert ("adapter/adapter_model.safetensors" in files) == lora
+    hf = transformers.AutoModelForCausalLM.from_pretrained(res[0]["path"]).eval()
+    saved = res[0]["saved"]
+    if not lora:
+        assert all(torch.equal(hf.state_dict()[k], v) for k, v in saved.items())
+    else:  # merged: W + scaling * B @ A of the adapters at save time
+        q = "model.layers.0.self_attn.q_proj"
+        merged = saved[f"{q}.weight"] + LORA["alpha"] / LORA["rank"] * saved[f"{q}.lora_B.weight"] @ saved[f"{q}.lora_A.weight"]
+        assert torch.allclose(hf.state_dict()[f"{q}.weight"], merged, atol=1e-6)
+
+
 def _dcp_async_round_trip(base: str, out: str, lora: bool):
     model, opt, sched, ck = _setup(base, out, lora=lora)
     ck = Checkpointer(output_dir=out, model=model, optimizer=opt, lr_scheduler=sched, base_dir=base,

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from shardtune.checkpoint.hf import load_hf_checkpoint, open_hf_checkpoint, save_hf_checkpoint
+from shardtune.checkpoint.hf import load_hf_checkpoint, open_hf_checkpoint, save_hf_checkpoint, stage_hf_checkpoint
 from shardtune.distributed import shard_model
 from shardtune.models import build_model
 from shardtune.peft import apply_lora
@@ -137,6 +137,21 @@ def _save_direct_and_buffered(src: str, out_direct: str, out_buffered: str) -> i
     finally:
         safetensors_io.RangeWriter._write_direct = write_direct
     return sum(direct)
+
+
+def _stage_change_flush(src: str, staged_dir: str, changed_dir: str):
+    """Stage a save, change every param in place (as an optimizer step would), then write the
+    staged copy; also save the changed model normally."""
+    model = shard_model(build_model(src, device="meta"))
+    load_hf_checkpoint(model, src, device="cpu")
+    staged = stage_hf_checkpoint(model, staged_dir, max_shard_size="300KB", tokenizer_dir=src)
+    staged_bytes = staged.nbytes
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().add_(1.0)
+    problems = staged.flush()
+    save_hf_checkpoint(model, changed_dir)
+    return {"problems": problems, "staged_bytes": staged_bytes, "left": staged.nbytes, "own_bytes": sum(p.to_local().nbytes for p in model.parameters())}
 
 
 def _lora_model(src: str, *, quantize: bool):
@@ -263,6 +278,20 @@ def test_direct_io_save_writes_the_same_files_as_buffered(pool2, tmp_path):
     except OSError:
         return  # no O_DIRECT on this filesystem: both saves were buffered
     assert all(w > 2 << 20 for w in written), written  # each rank wrote its big rows directly
+
+
+def test_staged_save_writes_the_model_as_it_was_when_staged(pool2, ckpts, tmp_path):
+    """stage_hf_checkpoint copies each rank's rows: params changed in place before flush() do
+    not leak into the files, which load in transformers with the original logits."""
+    src, staged, changed = str(ckpts["root"] / "multi"), tmp_path / "staged", tmp_path / "changed"
+    res = pool2.run_ok(_stage_change_flush, src, str(staged), str(changed))
+    assert all(r["problems"] == [] and r["staged_bytes"] == r["own_bytes"] and r["left"] == 0 for r in res), res
+    saved = _saved_tensors(staged)
+    assert sorted(saved) == sorted(ckpts["sd"]) and all(torch.equal(saved[k], v) for k, v in ckpts["sd"].items())
+    assert (staged / "model.safetensors.index.json").is_file() and (staged / "config.json").is_file()
+    assert torch.equal(_logits(_from_pretrained(staged)), ckpts["logits"])
+    after = _saved_tensors(changed)
+    assert all(torch.equal(after[k], v + 1.0) for k, v in ckpts["sd"].items())
 
 
 def test_tied_embeddings(pool2, ckpts, tmp_path):

@@ -138,30 +138,31 @@ def test_kill_9_at_every_save_point_then_resume_exactly(case, references, tiny_b
     _finish(case, tiny_base, out, reference_dir, reference)
 
 
-def test_kill_9_while_an_async_dcp_save_is_in_flight_then_resume_exactly(references, tiny_base, tmp_path):
-    """``checkpoint_format=dcp async_save=true``: rank 1 is killed right after the optimizer step
-    that follows a save whose background write may still be running. That save is never
+@pytest.mark.parametrize("fmt", ["dcp", "hf"])
+def test_kill_9_while_an_async_save_is_in_flight_then_resume_exactly(fmt, references, tiny_base, tmp_path):
+    """``async_save=true`` (DCP shards or HF files): rank 1 is killed right after the optimizer
+    step that follows a save whose background write may still be running. That save is never
     published, the one before it is (the next ``save`` publishes its predecessor), and the
     resumed run logs the uninterrupted run's losses and ends with its final weights."""
     recipe, config = RECIPES["full"]
     reference_dir = references.output_dir("full")
     reference = {row["step"]: row["loss"] for row in metrics_rows(reference_dir)}
     out = tmp_path / "run"
-    dcp = ("checkpoint_format=dcp", "async_save=true")
-    proc = run_cli(recipe, config, overrides(tiny_base, out, *dcp), fault="train:step:1:kill:3", timeout=RUN_TIMEOUT_S)
+    background = ("checkpoint_format=dcp", "async_save=true") if fmt == "dcp" else ("async_save=true",)
+    proc = run_cli(recipe, config, overrides(tiny_base, out, *background), fault="train:step:1:kill:3", timeout=RUN_TIMEOUT_S)
     assert proc.returncode != 0 and proc.fault_at is not None, proc.tail()
     assert proc.seconds_after_fault() < EXIT_AFTER_KILL_S, proc.tail()
     assert sorted(_published(out)) == ["step_1"] and atomic.verify(out / "step_1") is not None
-    assert (out / "step_1" / "dcp").is_dir()
+    assert (out / "step_1" / ("dcp" if fmt == "dcp" else "model.safetensors")).exists()
     leftovers = _leftovers(out)
     assert len(leftovers) == 1 and leftovers[0].startswith(".tmp-step_2-"), leftovers
     # Step 3's collectives were done before the kill, so rank 0 still logs it.
-    _check_new_losses(out, 0, [1, 2, 3], reference, "async DCP run killed at step 3")
+    _check_new_losses(out, 0, [1, 2, 3], reference, f"async {fmt} run killed at step 3")
 
-    proc = run_cli(recipe, config, overrides(tiny_base, out, *dcp, "resume_from_checkpoint=True"), timeout=RUN_TIMEOUT_S)
+    proc = run_cli(recipe, config, overrides(tiny_base, out, *background, "resume_from_checkpoint=True"), timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.tail()
     assert f"resumed from {out / 'step_1'}" in proc.output, proc.tail()
-    _check_new_losses(out, 3, list(range(2, STEPS + 1)), reference, "resume after the async DCP crash")
+    _check_new_losses(out, 3, list(range(2, STEPS + 1)), reference, f"resume after the async {fmt} crash")
     assert _leftovers(out) == []
     final, expected = _digest(out / "epoch_1"), _digest(reference_dir / "epoch_1")
     tensors = [name for name in expected if name.endswith(".safetensors")]

@@ -38,13 +38,13 @@ POOL_TIMEOUT_S = 45  # less than the pool's own 60 s collective timeout: a rank 
 # --- in the pool: direct calls -------------------------------------------------------------------
 
 
-def _build(base: str, out: str) -> Checkpointer:
+def _build(base: str, out: str, **options) -> Checkpointer:
     with torch.device("meta"):
         model = llama_from_hf_config(base)
         apply_lora(model, rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
     shard_model(model)
     opt = build_optimizer(model.parameters(), lr=1e-2)
-    return Checkpointer(output_dir=out, model=model, optimizer=opt, base_dir=base, seed=0)
+    return Checkpointer(output_dir=out, model=model, optimizer=opt, base_dir=base, seed=0, **options)
 
 
 def _load(ck: Checkpointer) -> None:
@@ -59,6 +59,19 @@ def _save_with_fault(base: str, out: str, fault: str) -> str:
     set_fault(fault)
     try:
         return str(ck.save(step=1, epoch=0, batches_in_epoch=1))
+    finally:
+        set_fault(None)
+
+
+def _async_save_with_fault(base: str, out: str, fault: str) -> str:
+    """The fault fires in the background thread that writes the staged tensors; ``wait`` reports it."""
+    ck = _build(base, out, async_save=True)
+    _load(ck)
+    set_fault(fault)
+    try:
+        path = ck.save(step=1, epoch=0, batches_in_epoch=1)
+        ck.wait()
+        return str(path)
     finally:
         set_fault(None)
 
@@ -114,6 +127,15 @@ def test_save_failing_on_one_rank_raises_the_same_error_everywhere(pool2, tiny_b
     kind, needles = SAVE_FAULTS[fault]
     message = _same_error_on_every_rank(pool2.run(_save_with_fault, str(tiny_base), str(out), fault, timeout=POOL_TIMEOUT_S), *needles)
     assert message.startswith(kind), message
+    _assert_nothing_published_then_recovered(pool2, tiny_base, out)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_background_write_failing_on_one_rank_raises_the_same_error_everywhere(pool2, tiny_base, tmp_path, rank):
+    out = tmp_path / "out"
+    outcomes = pool2.run(_async_save_with_fault, str(tiny_base), str(out), f"save:mid_tensor:{rank}:raise", timeout=POOL_TIMEOUT_S)
+    message = _same_error_on_every_rank(outcomes, "Saving checkpoint", f"[rank {rank}]", "fault injected at save:mid_tensor")
+    assert message.startswith("CheckpointError"), message
     _assert_nothing_published_then_recovered(pool2, tiny_base, out)
 
 
