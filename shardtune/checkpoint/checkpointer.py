@@ -13,7 +13,8 @@ A checkpoint ``<output_dir>/epoch_<n>`` (or ``step_<n>`` mid-epoch) holds:
 It is written under ``.tmp-<name>-<token>``, fsynced, given a manifest, and renamed: a crash
 at any moment leaves the previous checkpoint as the newest complete one. With ``async_save``
 an intermediate checkpoint's tensors are copied to CPU memory and written by a background
-thread; it is published by the next ``save``/``wait``.
+thread; it is published by the next ``save``/``wait``. The CPU copy's memory is kept for the
+next background save unless ``keep_staging_memory=False``.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from shardtune.checkpoint import atomic
 from shardtune.checkpoint.dcp_format import DCP_DIR, load_dcp, save_dcp, write_model_description
 from shardtune.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint, stage_hf_checkpoint
-from shardtune.checkpoint.hf_export import StagedWrites
+from shardtune.checkpoint.hf_export import StagedWrites, StagingMemory
 from shardtune.checkpoint.optimizer_io import load_optimizer, save_optimizer, stage_optimizer
 from shardtune.checkpoint.peft_format import load_peft_adapter, save_peft_adapter
 from shardtune.checkpoint.safetensors_io import CheckpointError
@@ -92,6 +94,7 @@ class Checkpointer:
         shared_filesystem: bool = True,
         intermediate_format: str = "hf",
         async_save: bool = False,
+        keep_staging_memory: bool = True,
     ) -> None:
         if intermediate_format not in ("hf", "dcp"):
             raise ValueError(f"intermediate_format={intermediate_format!r}: choose 'hf' or 'dcp'")
@@ -115,6 +118,10 @@ class Checkpointer:
         use_group = async_save and intermediate_format == "dcp" and dist.is_initialized()
         self._async_group = dist.new_group(backend="gloo") if use_group else None
         self._background: ThreadPoolExecutor | None = None  # writes staged HF checkpoints
+        # CPU copies of background saves, kept for the next one (which then skips allocating them).
+        keep = async_save and keep_staging_memory
+        self._staging_memory = StagingMemory() if keep and intermediate_format == "hf" else None
+        self._dcp_stager = _caching_dcp_stager() if keep and intermediate_format == "dcp" else None
 
     # --- loading ---------------------------------------------------------------------------
 
@@ -194,7 +201,8 @@ class Checkpointer:
         Collective. ``batches_in_epoch == 0`` names it ``epoch_<epoch>``, otherwise ``step_<step>``.
         With ``intermediate_format="dcp"`` non-final checkpoints hold DCP shards instead of HF
         files. With ``async_save`` non-final checkpoints are copied to CPU memory (about each
-        rank's own shards of the model and optimizer), written by a background thread, and
+        rank's own shards of the model and optimizer; that memory is kept for the next background
+        save unless ``keep_staging_memory=False``), written by a background thread, and
         published by the next ``save``/``wait`` (until then the previous checkpoint stays the
         newest complete one). The ``final`` checkpoint is always HF (and PEFT) format, written
         synchronously.
@@ -212,7 +220,10 @@ class Checkpointer:
             if comm.rank() == 0:
                 with problems.guard("model description"):
                     write_model_description(self.model, staging, self.base_dir)
-            future = save_dcp(self.model, self.optimizer, staging / DCP_DIR, async_save=in_background, group=self._async_group)
+            future = save_dcp(
+                self.model, self.optimizer, staging / DCP_DIR, async_save=in_background, group=self._async_group,
+                stager=self._dcp_stager,
+            )
         elif in_background:
             future = self._write_in_background(self._stage_weights_and_optimizer(staging))
         else:
@@ -288,14 +299,18 @@ class Checkpointer:
     def _stage_weights_and_optimizer(self, staging: Path) -> list[StagedWrites]:
         """Collective: everything but the big tensors is written now; their rows are copied to CPU."""
         stages = []
+        memory = self._staging_memory
         if not self._write_adapter(staging):
             stages.append(
                 stage_hf_checkpoint(
-                    self.model, staging, max_shard_size=self.max_shard_size, merge_adapters=True, tokenizer_dir=self.base_dir
+                    self.model, staging, max_shard_size=self.max_shard_size, merge_adapters=True,
+                    tokenizer_dir=self.base_dir, staging_memory=memory,
                 )
             )
         if self.optimizer is not None:
-            stages.append(stage_optimizer(self.model, self.optimizer, staging / STATE_DIR))
+            stages.append(stage_optimizer(self.model, self.optimizer, staging / STATE_DIR, staging_memory=memory))
+        if memory is not None:
+            memory.drop_unused()
         return stages
 
     def _write_in_background(self, stages: list[StagedWrites]) -> Future:
@@ -330,6 +345,18 @@ class Checkpointer:
                 extra=extra or {},
             )
             (state_dir / TRAINING_STATE).write_text(progress.to_json())
+
+
+def _caching_dcp_stager() -> DefaultStager:
+    """DCP's stager that keeps each tensor's CPU copy for the next save (it copies in the caller's
+    thread, as ``dcp.async_save`` does by default; pinned only where CUDA can use it)."""
+    options = StagingOptions(
+        use_pinned_memory=torch.cuda.is_available(),
+        use_shared_memory=False,
+        use_async_staging=False,
+        use_non_blocking_copy=False,
+    )
+    return DefaultStager(options)
 
 
 def _flush(stages: list[StagedWrites]) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from shardtune.state_dict.load import materialize_meta
@@ -38,17 +39,24 @@ def _state(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict:
 
 
 def save_dcp(
-    model: nn.Module, opt: torch.optim.Optimizer | None, path: Path, *, async_save: bool, group: dist.ProcessGroup | None = None
+    model: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    path: Path,
+    *,
+    async_save: bool,
+    group: dist.ProcessGroup | None = None,
+    stager: AsyncStager | None = None,
 ) -> Future | None:
     """Write the trainable params (and optimizer state) under ``path``.
 
-    Collective: call on all ranks. With ``async_save`` the shards are staged in CPU memory and
-    written by a background thread: returns a Future that each rank must wait on before the
-    checkpoint is published; otherwise returns None after writing.
+    Collective: call on all ranks. With ``async_save`` the shards are staged in CPU memory (by
+    ``stager`` when given, e.g. one that keeps its buffers between saves) and written by a
+    background thread: returns a Future that each rank must wait on before the checkpoint is
+    published; otherwise returns None after writing.
     """
     state = _state(model, opt)
     if async_save:
-        return dcp.async_save(state, checkpoint_id=str(path), process_group=group)
+        return dcp.async_save(state, checkpoint_id=str(path), process_group=group, async_stager=stager)
     dcp.save(state, checkpoint_id=str(path))
     return None
 

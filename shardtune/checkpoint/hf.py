@@ -280,12 +280,14 @@ def stage_hf_checkpoint(
     config: Mapping[str, Any] | None = None,
     tokenizer_dir: str | os.PathLike | None = None,
     direct_io: bool = True,
+    staging_memory: hf_export.StagingMemory | None = None,
 ) -> hf_export.StagedWrites:
     """:func:`save_hf_checkpoint` in two halves, for saving in the background.
 
     Collective: call on all ranks. Writes everything but the tensors' data (config, tokenizer,
     sized files with their headers), copies this rank's rows to CPU memory (about its own
-    shard's bytes) and returns them; training may then change the model. The returned
+    shard's bytes; into ``staging_memory``'s buffers, kept between saves, when given) and
+    returns them; training may then change the model. The returned
     object's ``flush()`` writes and fsyncs the rows without collectives (so it can run in a
     thread) and returns this rank's problems; the checkpoint is complete once every rank's
     ``flush()`` has returned none. Errors before that raise the same CheckpointError on every rank.
@@ -295,7 +297,9 @@ def stage_hf_checkpoint(
         model, out_dir, max_shard_size=max_shard_size, dtype=dtype, merge_adapters=merge_adapters, config=config,
         tokenizer_dir=tokenizer_dir,
     )
-    staged, problems = hf_export.stage_data(out_dir, files, fault="save:mid_tensor", direct_io=direct_io)
+    staged, problems = hf_export.stage_data(
+        out_dir, files, memory=staging_memory, fault="save:mid_tensor", direct_io=direct_io
+    )
     comm.raise_on_every_rank(problems, header=f"Staging the HF checkpoint for {out_dir} failed:", error=CheckpointError)
     return staged
 

@@ -219,14 +219,19 @@ def write_data(
 
 @torch.no_grad()
 def stage_data(
-    out_dir: str, files: list[FilePlan], *, fault: str | None = None, direct_io: bool = True
+    out_dir: str,
+    files: list[FilePlan],
+    *,
+    memory: StagingMemory | None = None,
+    fault: str | None = None,
+    direct_io: bool = True,
 ) -> tuple[StagedWrites, list[str]]:
     """Collective: call on all ranks. Like :func:`write_data`, but each rank copies its blocks
-    to CPU memory (its own shard's bytes) instead of writing them; returns them with this
-    rank's problems. The model may change afterwards: :meth:`StagedWrites.flush` writes the
-    copies."""
+    to CPU memory (its own shard's bytes; buffers from ``memory`` when given) instead of
+    writing them; returns them with this rank's problems. The model may change afterwards:
+    :meth:`StagedWrites.flush` writes the copies."""
     problems = comm.Problems()
-    staged = StagedWrites(out_dir, fault=fault, direct_io=direct_io)
+    staged = StagedWrites(out_dir, memory=memory, fault=fault, direct_io=direct_io)
     _visit_items(files, staged, problems, None)
     return staged, list(problems)
 
@@ -244,7 +249,7 @@ def _visit_items(
 class _Writer:
     """This rank's output files, opened on first write and fsynced at the end."""
 
-    copies_blocks = False  # blocks are written before the model can change
+    block_device: str | None = "cpu"  # blocks are written at once, straight from CPU views
 
     def __init__(self, out_dir: str, problems: comm.Problems, *, fault: str | None = None, direct_io: bool = True) -> None:
         self.out_dir = out_dir
@@ -272,28 +277,67 @@ class _Writer:
         self.ranges.release()
 
 
+class StagingMemory:
+    """CPU buffers for staged blocks, kept from one background save to the next.
+
+    The first save allocates them; later saves of the same model copy into them, so they skip
+    the first-touch page faults of fresh memory (most of a copy's cost on some hosts) and, for
+    accelerator models, pinning. It holds one save's blocks (this rank's rows of the model and
+    optimizer). Not thread-safe: take buffers only after the previous flush has returned them.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[tuple[int, ...], torch.dtype, bool], list[torch.Tensor]] = {}
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        """A CPU buffer with ``like``'s shape and dtype (pinned when ``like`` is on an accelerator)."""
+        pinned = like.device.type != "cpu"
+        free = self._free.get((tuple(like.shape), like.dtype, pinned))
+        if free:
+            return free.pop()
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=pinned)
+
+    def give_back(self, buffers: list[torch.Tensor]) -> None:
+        for buffer in buffers:
+            self._free.setdefault((tuple(buffer.shape), buffer.dtype, buffer.is_pinned()), []).append(buffer)
+
+    def drop_unused(self) -> None:
+        """Free the buffers no block took since the last flush (shapes that went away)."""
+        self._free.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for free in self._free.values() for t in free)
+
+
 class StagedWrites:
     """This rank's blocks of a checkpoint, copied to CPU memory by :func:`stage_data`, to be
     written into the files (which rank 0 already created) by :meth:`flush`."""
 
-    copies_blocks = True  # the model and optimizer keep training while the copies wait
+    block_device: str | None = None  # blocks stay where the shards live until copied into CPU buffers
 
-    def __init__(self, out_dir: str, *, fault: str | None = None, direct_io: bool = True) -> None:
+    def __init__(
+        self, out_dir: str, *, memory: StagingMemory | None = None, fault: str | None = None, direct_io: bool = True
+    ) -> None:
         self.out_dir = out_dir
+        self.memory = memory if memory is not None else StagingMemory()
         self.fault = fault
         self.direct_io = direct_io
         self.blocks: list[tuple[str, torch.Tensor, int]] = []
 
     def write(self, file_name: str, tensor: torch.Tensor, offset: int) -> None:
-        self.blocks.append((file_name, tensor, offset))
+        # A copy, never a view: the model and optimizer keep training while it waits.
+        buffer = self.memory.take(tensor)
+        buffer.copy_(tensor)
+        self.blocks.append((file_name, buffer, offset))
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, t, _ in self.blocks)
 
     def flush(self) -> list[str]:
-        """Write every staged block and fsync the files; returns this rank's problems and frees
-        the copies. No collectives: it may run in a background thread."""
+        """Write every staged block and fsync the files; returns this rank's problems and hands
+        the buffers back to the staging memory. No collectives: it may run in a background thread."""
         problems = comm.Problems()
         writer = _Writer(self.out_dir, problems, fault=self.fault, direct_io=self.direct_io)
         blocks, self.blocks = self.blocks, []
@@ -301,6 +345,7 @@ class StagedWrites:
             with problems.guard(os.path.join(self.out_dir, file_name)):
                 writer.write(file_name, tensor, offset)
         writer.close()
+        self.memory.give_back([tensor for _, tensor, _ in blocks])
         return list(problems)
 
 
@@ -311,18 +356,18 @@ def _write_item(item: ExportItem, plan: FilePlan, writer: _Writer | StagedWrites
     if not layout.is_sharded:
         if me == 0:
             with problems.guard(item.name):
-                writer.write(plan.name, _local_block(item, adapters, copy=writer.copies_blocks), offset)
+                writer.write(plan.name, _local_block(item, adapters, device=writer.block_device), offset)
         return
     owners = layout.owners()
     if all(piece.is_row_range(layout.shape) for piece in owners):
         piece = layout.pieces[me]
         if owners.get(piece) == me:
             with problems.guard(item.name):
-                writer.write(plan.name, _local_block(item, adapters, copy=writer.copies_blocks), offset + _row_offset(item, piece))
+                writer.write(plan.name, _local_block(item, adapters, device=writer.block_device), offset + _row_offset(item, piece))
         return
     block = None
     with problems.guard(item.name):
-        block = _local_block(item, adapters, copy=False)  # sent now; rank 0 writes or stages the gathered copy
+        block = _local_block(item, adapters, device="cpu")  # sent now; rank 0 writes or stages the gathered copy
     if block is None:
         block = torch.zeros(layout.pieces[me].shape, dtype=item.dtype)
     full = gather_to_rank0(block, layout, transfer_device=comm.comm_device(None), on_error=problems, key=item.name)
@@ -381,9 +426,9 @@ def _rows_line_up(w: TensorLayout, b: TensorLayout) -> bool:
     )
 
 
-def _local_block(item: ExportItem, adapters: _Adapters | None, *, copy: bool) -> torch.Tensor:
-    """This rank's block of the written tensor: dequantized, merged, cast, on CPU; with
-    ``copy`` never a view of the model's (or optimizer's) storage."""
+def _local_block(item: ExportItem, adapters: _Adapters | None, *, device: str | None) -> torch.Tensor:
+    """This rank's block of the written tensor: dequantized, merged, cast, moved to ``device``
+    (``None``: where the shard lives); may be a view of the model's (or optimizer's) storage."""
     piece = _my_piece(item.layout)
     local = nf4.dequantize(_local(item.entry.tensor)).detach()
     if tuple(local.shape) != piece.shape:
@@ -394,4 +439,4 @@ def _local_block(item: ExportItem, adapters: _Adapters | None, *, copy: bool) ->
         a = adapters.a
         delta = b.float() @ a[:, cols].to(b.device).float()
         local = (local.float() + item.merge.scaling * delta.to(local.device)).to(local.dtype)
-    return local.to(device="cpu", dtype=item.dtype, copy=copy)
+    return local.to(device=device if device is not None else local.device, dtype=item.dtype)

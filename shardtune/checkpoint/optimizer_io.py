@@ -38,15 +38,18 @@ def save_optimizer(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) 
     comm.raise_on_every_rank(written, header=f"Writing the optimizer to {out_dir} failed:", error=CheckpointError)
 
 
-def stage_optimizer(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) -> hf_export.StagedWrites:
+def stage_optimizer(
+    model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path, *, staging_memory: hf_export.StagingMemory | None = None
+) -> hf_export.StagedWrites:
     """:func:`save_optimizer` in two halves, for saving in the background.
 
     Collective: call on all ranks. Writes ``optimizer.json`` and the sized tensor file, copies
-    this rank's rows of the state to CPU memory and returns them; their ``flush()`` writes
+    this rank's rows of the state to CPU memory (``staging_memory``'s buffers when given) and
+    returns them; their ``flush()`` writes
     them (no collectives) while the optimizer keeps stepping.
     """
     files = _begin_save(model, opt, out_dir)
-    staged, problems = hf_export.stage_data(str(out_dir), files)
+    staged, problems = hf_export.stage_data(str(out_dir), files, memory=staging_memory)
     comm.raise_on_every_rank(problems, header=f"Staging the optimizer for {out_dir} failed:", error=CheckpointError)
     return staged
 

@@ -124,6 +124,9 @@ BASE_SCHEMA = Schema(
         "keep_last_n": Field((int, None), None, gt=0, help="checkpoints to keep; null keeps all"),
         "checkpoint_format": Field(str, "hf", choices=("hf", "dcp"), help="format of intermediate checkpoints"),
         "async_save": Field(bool, False, help="write intermediate checkpoints (HF or DCP) in the background from a CPU copy"),
+        "keep_staging_memory": Field(
+            bool, True, help="with async_save: keep the CPU copy's memory (each rank's shards) for the next save, which then skips allocating it"
+        ),
     },
     checks=(_check_base,),
 )

@@ -170,6 +170,7 @@ def build_checkpointer(cfg: Config, run: Run, model, opt, sched, base_dir: Path,
         device=run.device,
         intermediate_format=cfg.checkpoint_format,
         async_save=cfg.async_save,
+        keep_staging_memory=cfg.keep_staging_memory,
     )
 
 

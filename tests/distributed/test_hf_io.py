@@ -19,6 +19,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from shardtune.checkpoint.hf import load_hf_checkpoint, open_hf_checkpoint, save_hf_checkpoint, stage_hf_checkpoint
+from shardtune.checkpoint.hf_export import StagingMemory
 from shardtune.distributed import shard_model
 from shardtune.models import build_model
 from shardtune.peft import apply_lora
@@ -152,6 +153,26 @@ def _stage_change_flush(src: str, staged_dir: str, changed_dir: str):
     problems = staged.flush()
     save_hf_checkpoint(model, changed_dir)
     return {"problems": problems, "staged_bytes": staged_bytes, "left": staged.nbytes, "own_bytes": sum(p.to_local().nbytes for p in model.parameters())}
+
+
+def _stage_twice_in_kept_memory(src: str, first_dir: str, second_dir: str):
+    """Two staged saves sharing one StagingMemory, each followed by an in-place change of every
+    param before its flush(); returns where the blocks lived and what the memory kept."""
+    model = shard_model(build_model(src, device="meta"))
+    load_hf_checkpoint(model, src, device="cpu")
+    memory = StagingMemory()
+    addresses, kept = [], []
+    for out in (first_dir, second_dir):
+        staged = stage_hf_checkpoint(model, out, max_shard_size="300KB", staging_memory=memory)
+        addresses.append(sorted(t.data_ptr() for _, t, _ in staged.blocks))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().add_(1.0)
+        problems = staged.flush()
+        assert problems == [], problems
+        kept.append(memory.nbytes)
+    own = sum(p.to_local().nbytes for p in model.parameters())
+    return {"addresses": addresses, "kept": kept, "own_bytes": own}
 
 
 def _lora_model(src: str, *, quantize: bool):
@@ -292,6 +313,21 @@ def test_staged_save_writes_the_model_as_it_was_when_staged(pool2, ckpts, tmp_pa
     assert torch.equal(_logits(_from_pretrained(staged)), ckpts["logits"])
     after = _saved_tensors(changed)
     assert all(torch.equal(after[k], v + 1.0) for k, v in ckpts["sd"].items())
+
+
+def test_second_staged_save_reuses_the_kept_memory_and_writes_its_own_state(pool2, ckpts, tmp_path):
+    """With a StagingMemory the second save copies into the first save's buffers (no new
+    allocation), and each checkpoint still holds the model as it was when it was staged."""
+    src, first, second = str(ckpts["root"] / "multi"), tmp_path / "first", tmp_path / "second"
+    res = pool2.run_ok(_stage_twice_in_kept_memory, src, str(first), str(second))
+    for r in res:
+        assert r["addresses"][0] == r["addresses"][1] and len(r["addresses"][0]) > 0
+        assert r["kept"] == [r["own_bytes"], r["own_bytes"]]
+    before, after = _saved_tensors(first), _saved_tensors(second)
+    assert sorted(before) == sorted(after) == sorted(ckpts["sd"])
+    assert all(torch.equal(before[k], v) for k, v in ckpts["sd"].items())
+    assert all(torch.equal(after[k], v + 1.0) for k, v in ckpts["sd"].items())
+    assert torch.equal(_logits(_from_pretrained(first)), ckpts["logits"])
 
 
 def test_tied_embeddings(pool2, ckpts, tmp_path):

@@ -332,3 +332,20 @@ def test_parse_size():
     for bad in ("big", 0, "-1GB"):
         with pytest.raises(ValueError, match="max_shard_size"):
             parse_size(bad)
+
+
+def test_staging_memory_hands_out_a_kept_buffer_only_for_the_same_shape_and_dtype():
+    from shardtune.checkpoint import StagingMemory
+
+    memory = StagingMemory()
+    block = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
+    first = memory.take(block)
+    assert first.shape == block.shape and first.dtype == block.dtype and first.data_ptr() != block.data_ptr()
+    memory.give_back([first])
+    assert memory.nbytes == block.nbytes
+    assert memory.take(torch.zeros(4, 3, dtype=torch.bfloat16)) is not first  # other shape
+    assert memory.take(torch.zeros(3, 4, dtype=torch.float32)) is not first  # other dtype
+    assert memory.take(block) is first and memory.nbytes == 0
+    memory.give_back([first])
+    memory.drop_unused()
+    assert memory.nbytes == 0 and memory.take(block) is not first
