@@ -114,7 +114,7 @@ BASE_SCHEMA = Schema(
         "dtype": Field(str, "bf16", choices=("bf16", "fp32")),
         "dataset": OneOrMany(DATASET_SCHEMA),
         "max_seq_len": Field(int, 2048, gt=0),
-        "packed": Field(bool, False),
+        "packed": Field(bool, False, help="pack samples into max_seq_len rows; positions restart and attention stays within each sample"),
         "shuffle": Field(bool, True),
         "log_every_n_steps": Field(int, 1, gt=0),
         "enable_activation_checkpointing": Field(bool, False),

@@ -11,8 +11,9 @@ exactly ``max_seq_len`` positions:
 * ``position_ids``: restart at 0 for every sample (RoPE positions as if each sample stood
   alone); the padding continues the last sample's positions.
 
-Attention is not masked between samples of a pack (the model is causal only): a token can
-attend to earlier samples of its pack. Samples are tokenized once, when the pack is built.
+The recipes pass ``position_ids`` to the model, which keeps attention inside each sample
+(:func:`shardtune.models.sample_attention_mask`), so a packed sample trains as it would alone.
+Samples are tokenized once, when the pack is built.
 """
 
 from __future__ import annotations

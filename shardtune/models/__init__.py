@@ -7,7 +7,7 @@ from shardtune.models.args import (
     model_args_to_hf_config,
 )
 from shardtune.models.layer_dropout import layer_dropout_probs
-from shardtune.models.llama import Attention, DecoderLayer, LlamaForCausalLM, LlamaModel, MLP, RMSNorm
+from shardtune.models.llama import Attention, DecoderLayer, LlamaForCausalLM, LlamaModel, MLP, RMSNorm, sample_attention_mask
 from shardtune.models.losses import (
     cross_entropy_loss,
     early_exit_loss,
@@ -46,4 +46,5 @@ __all__ = [
     "model_args_from_hf_config",
     "model_args_to_hf_config",
     "register_model_args",
+    "sample_attention_mask",
 ]

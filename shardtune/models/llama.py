@@ -21,7 +21,7 @@ from shardtune.models.args import ModelArgs
 from shardtune.models.layer_dropout import LayerDropoutSchedule, layer_dropout_probs
 from shardtune.models.rope import RotaryEmbedding, apply_rotary_emb
 
-__all__ = ["Attention", "DecoderLayer", "LlamaForCausalLM", "LlamaModel", "MLP", "RMSNorm"]
+__all__ = ["Attention", "DecoderLayer", "LlamaForCausalLM", "LlamaModel", "MLP", "RMSNorm", "sample_attention_mask"]
 
 
 class RMSNorm(nn.Module):
@@ -59,7 +59,8 @@ def _init_linear(linear: nn.Module, std: float) -> None:
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention through ``scaled_dot_product_attention`` (causal)."""
+    """Grouped-query self-attention through ``scaled_dot_product_attention``: causal, or
+    block-causal with a ``mask`` from :func:`sample_attention_mask` (packed rows)."""
 
     def __init__(self, args: ModelArgs, *, device=None, dtype=None) -> None:
         super().__init__()
@@ -77,14 +78,18 @@ class Attention(nn.Module):
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
             _init_linear(proj, std)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_emb(q, k, cos, sin)
         # enable_gqa lets SDPA broadcast kv heads without materializing repeated k/v.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        gqa = self.n_kv_heads != self.n_heads
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -122,8 +127,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm.reset_parameters()
         self.post_attention_layernorm.reset_parameters()
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -155,20 +160,40 @@ class LlamaModel(nn.Module):
         position_ids: Tensor | None = None,
         output_hidden_states: Iterable[int] | None = None,
     ) -> tuple[Tensor, dict[int, Tensor]]:
-        """Return the final (normed) hidden state and ``{layer: output of layer}`` for requested layers."""
+        """Return the final (normed) hidden state and ``{layer: output of layer}`` for requested layers.
+
+        ``position_ids`` (packed rows): a new sample starts wherever they are 0, and attention
+        stays within each sample; without them every row is one causal sequence.
+        """
         wanted = _check_layer_ids(output_hidden_states, len(self.layers))
         h = self.embed_tokens(tokens)
+        mask = None
         if position_ids is None:
             position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+        else:
+            mask = sample_attention_mask(position_ids)
         cos, sin = self.rotary_emb(position_ids, h.dtype)
         skipped = self._skipped_layers()
         hidden: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             if skipped is None or not skipped[i]:
-                h = layer(h, cos, sin)
+                h = layer(h, cos, sin, mask)
             if i in wanted:
                 hidden[i] = h
         return self.norm(h), hidden
+
+
+def sample_attention_mask(position_ids: Tensor) -> Tensor:
+    """Block-causal mask ``[b, 1, s, s]`` (True = may attend) for rows of packed samples: a
+    token sees itself and the earlier tokens of its own sample, which starts where
+    ``position_ids`` is 0 (or at the row's start). Built from the ids alone, without a
+    device sync."""
+    starts = position_ids == 0
+    starts[..., 0] = True
+    sample = starts.cumsum(dim=-1)  # which sample of the row each token belongs to
+    s = position_ids.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()
+    return ((sample.unsqueeze(-1) == sample.unsqueeze(-2)) & causal).unsqueeze(1)
 
 
 def _check_layer_ids(ids: Iterable[int] | None, n_layers: int) -> set[int]:

@@ -185,12 +185,22 @@ def load_weights(cfg: Config, run: Run, model: nn.Module, checkpointer: Checkpoi
     return progress
 
 
+def on_device(batch: dict[str, torch.Tensor], run: Run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``tokens``, ``labels`` and ``position_ids`` (packed data only, else None) on the run's device."""
+    positions = batch.get("position_ids")
+    return (
+        batch["tokens"].to(run.device),
+        batch["labels"].to(run.device),
+        positions.to(run.device) if positions is not None else None,
+    )
+
+
 def next_token_loss(model: nn.Module, run: Run):
     """``loss_fn`` for the loop: next-token cross-entropy of ``model`` on a batch."""
 
     def loss_fn(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        labels = batch["labels"].to(run.device)
-        return lm_loss(model(batch["tokens"].to(run.device)), labels), label_tokens(labels)
+        tokens, labels, positions = on_device(batch, run)
+        return lm_loss(model(tokens, position_ids=positions), labels), label_tokens(labels)
 
     return loss_fn
 

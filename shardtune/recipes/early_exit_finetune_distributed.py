@@ -56,9 +56,9 @@ def recipe_main(cfg: Config) -> None:
     total_steps = steps_per_epoch(len(loader), setup.loop_settings(cfg)) * cfg.epochs
 
     def loss_fn(batch):
-        tokens, labels = batch["tokens"].to(run.device), batch["labels"].to(run.device)
+        tokens, labels, positions = setup.on_device(batch, run)
         exits = active_layers(candidates, cfg.early_exit.curriculum, sched.last_epoch, total_steps)
-        logits, by_layer = model(tokens, output_hidden_states=exits, hidden_to_logits=True)
+        logits, by_layer = model(tokens, position_ids=positions, output_hidden_states=exits, hidden_to_logits=True)
         loss = setup.lm_loss(logits, labels)
         if by_layer:
             shifted = {i: lg[:, :-1].float() for i, lg in by_layer.items()}

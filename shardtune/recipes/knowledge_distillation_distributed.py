@@ -38,10 +38,10 @@ def recipe_main(cfg: Config) -> None:
     progress = setup.load_weights(cfg, run, model, checkpointer)
 
     def loss_fn(batch):
-        tokens, labels = batch["tokens"].to(run.device), batch["labels"].to(run.device)
-        logits = model(tokens)
+        tokens, labels, positions = setup.on_device(batch, run)
+        logits = model(tokens, position_ids=positions)
         with torch.no_grad():
-            teacher_logits = teacher(tokens)
+            teacher_logits = teacher(tokens, position_ids=positions)
         ce = setup.lm_loss(logits, labels)
         kd = forward_kl_loss(logits[:, :-1].float(), teacher_logits[:, :-1].float(), labels[:, 1:])
         return (1 - cfg.kd_ratio) * ce + cfg.kd_ratio * kd, setup.label_tokens(labels)

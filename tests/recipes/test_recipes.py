@@ -51,17 +51,29 @@ def runs(tiny_dirs, tmp_path_factory) -> dict[str, Path]:
 # --- an independent reference for the first step: transformers on the same global batch -----
 
 
-def _first_global_batch(config: str, base: Path) -> list[dict]:
+def _first_global_batch(config: str, base: Path, *, packed: bool = False) -> list[dict]:
     cfg = load_config(config, ["output_dir=/unused", f"checkpoint_dir={base}"], schema=RECIPE_SCHEMAS[CASES_BY_CONFIG[config]])
     tokenizer = load_tokenizer(cfg.tokenizer, checkpoint_dir=base)
     datasets = cfg.dataset if isinstance(cfg.dataset, (list, tuple)) else [cfg.dataset]
-    dataset = build_dataset([d.to_dict() for d in datasets], tokenizer, max_seq_len=cfg.max_seq_len)
+    dataset = build_dataset([d.to_dict() for d in datasets], tokenizer, max_seq_len=cfg.max_seq_len, packed=packed)
     order = ResumableDistributedSampler(len(dataset), num_replicas=1, rank=0, seed=cfg.seed).global_order(0)
     per_rank = [[dataset[i] for i in order[: 2 * BATCH][r::2]] for r in range(2)]
     return [collate(samples, pad_id=tokenizer.pad_id) for samples in per_rank]
 
 
 CASES_BY_CONFIG = {config: recipe for recipe, config in CASES.values()}
+
+
+def _samples(batch: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tokens, labels) ``[1, n]`` of every sample: whole rows, or for packed rows each run of
+    positions from a 0 to the next (the last one with the padding, which comes after it)."""
+    if "position_ids" not in batch:
+        return [(batch["tokens"], batch["labels"])]
+    out = []
+    for row, positions in enumerate(batch["position_ids"]):
+        starts = (positions == 0).nonzero().flatten().tolist() + [len(positions)]
+        out += [(batch["tokens"][row : row + 1, a:b], batch["labels"][row : row + 1, a:b]) for a, b in zip(starts, starts[1:])]
+    return out
 
 
 def _ce_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
@@ -87,7 +99,7 @@ def _quantized(model, targets: list[str]):
     return model
 
 
-def _reference_first_loss(case: str, dirs) -> float:
+def _reference_first_loss(case: str, dirs, *, packed: bool = False) -> float:
     import transformers
 
     recipe, config = CASES[case]
@@ -97,18 +109,21 @@ def _reference_first_loss(case: str, dirs) -> float:
     teacher = transformers.AutoModelForCausalLM.from_pretrained(dirs["teacher"]).eval() if case == "kd" else None
     total, tokens = 0.0, 0
     with torch.no_grad():
-        for batch in _first_global_batch(config, dirs["base"]):
-            out = model(batch["tokens"], output_hidden_states=True)
-            ce, n = _ce_sum(out.logits, batch["labels"])
+        # Packed samples each run alone here: none may see another (a packed row's first label
+        # of a sample is -100, so summing per sample equals summing the row).
+        samples = [x for batch in _first_global_batch(config, dirs["base"], packed=packed) for x in _samples(batch)]
+        for sample_tokens, labels in samples:
+            out = model(sample_tokens, output_hidden_states=True)
+            ce, n = _ce_sum(out.logits, labels)
             loss_sum = ce
             if case == "kd":
-                kl = _kd_sum(out.logits, teacher(batch["tokens"]).logits, batch["labels"])
+                kl = _kd_sum(out.logits, teacher(sample_tokens).logits, labels)
                 loss_sum = 0.5 * ce + 0.5 * kl
             if case == "early_exit":
                 # rotational curriculum, step 0: the first candidate (layer 1) with weight 1
                 hidden = out.hidden_states[2]  # output of layer 1
                 early = model.lm_head(model.model.norm(hidden))
-                loss_sum = ce + _ce_sum(early, batch["labels"])[0]
+                loss_sum = ce + _ce_sum(early, labels)[0]
             total += loss_sum
             tokens += n
     return total / tokens
@@ -124,6 +139,17 @@ def test_first_step_loss_equals_transformers_reference(runs, tiny_dirs, tmp_path
         logged = losses(runs[case])[1]
     expected = _reference_first_loss(case, tiny_dirs)
     assert math.isclose(logged, expected, rel_tol=1e-5), (logged, expected)
+
+
+@pytest.mark.parametrize("case", ["full", "kd", "early_exit"])
+def test_packed_first_step_loss_equals_transformers_on_each_sample_alone(tiny_dirs, tmp_path, case):
+    """packed=true: each packed sample's loss is what transformers gives that sample by itself
+    (positions restart per sample, attention stays inside it)."""
+    recipe, config = CASES[case]
+    extra = ["layer_dropout.max_prob=0.0"] if case == "early_exit" else []
+    run_recipe(recipe, config, *_overrides(tiny_dirs, case, tmp_path / "run", epochs=1, steps=1), "packed=true", *extra)
+    expected = _reference_first_loss(case, tiny_dirs, packed=True)
+    assert math.isclose(losses(tmp_path / "run")[1], expected, rel_tol=1e-5), (losses(tmp_path / "run")[1], expected)
 
 
 # --- resume ----------------------------------------------------------------------------------

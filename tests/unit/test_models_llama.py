@@ -20,6 +20,7 @@ from shardtune.models import (
     llama_from_hf_config,
     model_args_from_hf_config,
     model_args_to_hf_config,
+    sample_attention_mask,
 )
 
 
@@ -117,6 +118,39 @@ def test_logits_match_transformers_qwen2_with_qkv_bias():
     x = tokens()
     with torch.no_grad():
         torch.testing.assert_close(ours(x), hf(x).logits, atol=1e-4, rtol=0)
+
+
+def test_packed_row_gives_each_sample_the_logits_it_has_alone_in_transformers():
+    """A row of three packed samples (positions restarting at 0, then padding) equals, sample by
+    sample, transformers run on each sample by itself: attention does not cross samples."""
+    hf = hf_model(hf_llama_config(**PARITY_CONFIGS["gqa"]))
+    ours = ours_from_hf(hf)
+    lengths, pad = [7, 12, 5], 4
+    samples = [tokens(batch=1, seq=n, seed=10 + i) for i, n in enumerate(lengths)]
+    row = torch.cat(samples + [torch.zeros(1, pad, dtype=torch.long)], dim=1)
+    positions = torch.cat([torch.arange(n) for n in lengths] + [torch.arange(lengths[-1], lengths[-1] + pad)]).unsqueeze(0)
+    with torch.no_grad():
+        packed = ours(row, position_ids=positions)
+        causal_only = ours(row, position_ids=None)
+        start = 0
+        for sample in samples:
+            n = sample.shape[1]
+            torch.testing.assert_close(packed[:, start : start + n], hf(sample).logits, atol=1e-4, rtol=0)
+            start += n
+    # Without the mask the later samples would see the earlier ones.
+    assert (causal_only[:, lengths[0] :] - packed[:, lengths[0] :]).abs().max() > 1e-2
+
+
+def test_sample_attention_mask_is_block_causal():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]])
+    mask = sample_attention_mask(positions)
+    assert mask.shape == (2, 1, 6, 6) and mask.dtype == torch.bool
+    assert torch.equal(mask[1, 0], torch.ones(6, 6, dtype=torch.bool).tril())  # one sample: causal
+    expected = torch.zeros(6, 6, dtype=torch.bool)
+    for lo, hi in ((0, 3), (3, 5), (5, 6)):
+        expected[lo:hi, lo:hi] = torch.ones(hi - lo, hi - lo, dtype=torch.bool).tril()
+    assert torch.equal(mask[0, 0], expected)
+    assert torch.equal(positions[0], torch.tensor([0, 1, 2, 0, 1, 0]))  # the ids are not modified
 
 
 def test_tied_embeddings_share_one_parameter():
