@@ -46,6 +46,7 @@ from shardtune.checkpoint.state import (
     check_fingerprint,
     load_rng,
     reseed,
+    rng_state,
     save_rng,
     set_rng_state,
 )
@@ -73,8 +74,11 @@ ADAPTER_DIR = "adapter"
 class Checkpointer:
     """Saves and resumes model, adapters, optimizer and training progress.
 
-    Every method is collective: call it on all ranks, in the same order. ``output_dir`` must
-    be on a filesystem every rank sees (shared across nodes in multi-node runs).
+    Every method is collective: call it on all ranks, in the same order. ``output_dir`` and
+    ``base_dir`` are on a filesystem every rank sees (shared across nodes in multi-node runs),
+    or with ``shared_filesystem=False`` only on rank 0's: rank 0 then reads the base weights
+    and reads and writes every checkpoint file, one gathered tensor at a time, and sends each
+    rank its piece (synchronous HF checkpoints only).
     """
 
     def __init__(
@@ -98,6 +102,12 @@ class Checkpointer:
     ) -> None:
         if intermediate_format not in ("hf", "dcp"):
             raise ValueError(f"intermediate_format={intermediate_format!r}: choose 'hf' or 'dcp'")
+        if not shared_filesystem and (async_save or intermediate_format == "dcp"):
+            # Both have every rank write its own files; rank 0 alone would have to hold them all.
+            raise ValueError(
+                "shared_filesystem=False (output_dir only on rank 0's node) needs synchronous HF checkpoints: "
+                "set async_save=False and intermediate_format='hf', or put output_dir on a filesystem all ranks share"
+            )
         self.output_dir = Path(output_dir)
         self.model = model
         self.optimizer = optimizer
@@ -152,19 +162,20 @@ class Checkpointer:
         if found is None:
             return None
         path = Path(found)
-        progress = TrainingProgress.from_json((path / STATE_DIR / TRAINING_STATE).read_text())
+        progress, has_dcp_shards = self._read_progress(path)
         check_fingerprint(progress.fingerprint, self.fingerprint, where=path)
         if self.is_lora:
             self.load_base()
-        if (path / DCP_DIR).is_dir():
+        shared = self.shared_filesystem
+        if has_dcp_shards:
             load_dcp(self.model, self.optimizer, path / DCP_DIR, device=self.device)
         else:
             if self.is_lora:
-                load_peft_adapter(self.model, path / ADAPTER_DIR, device=self.device)
+                load_peft_adapter(self.model, path / ADAPTER_DIR, device=self.device, shared_filesystem=shared)
             else:
-                load_hf_checkpoint(self.model, path, device=self.device, strict=True, shared_filesystem=self.shared_filesystem)
+                load_hf_checkpoint(self.model, path, device=self.device, strict=True, shared_filesystem=shared)
             if self.optimizer is not None:
-                load_optimizer(self.model, self.optimizer, path / STATE_DIR, device=self.device)
+                load_optimizer(self.model, self.optimizer, path / STATE_DIR, device=self.device, shared_filesystem=shared)
         if self.lr_scheduler is not None and progress.lr_scheduler:
             self.lr_scheduler.load_state_dict(progress.lr_scheduler)
         self._restore_rng(path, progress)
@@ -176,9 +187,24 @@ class Checkpointer:
         info = atomic.latest_complete(self.output_dir)
         return str(info.path) if info is not None else None
 
+    def _read_progress(self, path: Path) -> tuple[TrainingProgress, bool]:
+        """Collective: rank 0 reads the training state and whether the weights are DCP shards;
+        every rank gets them, or the same error."""
+        problems, read = comm.Problems(), None
+        if comm.rank() == 0:
+            with problems.guard(str(path / STATE_DIR / TRAINING_STATE)):
+                read = (TrainingProgress.from_json((path / STATE_DIR / TRAINING_STATE).read_text()), (path / DCP_DIR).is_dir())
+        comm.raise_on_every_rank(problems, header=f"Cannot resume from {path}:", error=CheckpointError)
+        return comm.all_gather_objects(read)[0]
+
     def _restore_rng(self, path: Path, progress: TrainingProgress) -> None:
         same_world = progress.world_size == comm.world_size()
-        state = load_rng(path / STATE_DIR / RNG_DIR, comm.rank()) if same_world else None
+        state = None
+        if same_world and self.shared_filesystem:
+            state = load_rng(path / STATE_DIR / RNG_DIR, comm.rank())
+        elif same_world:  # rank 0 reads every rank's file; each takes its own
+            states = [load_rng(path / STATE_DIR / RNG_DIR, r) for r in range(comm.world_size())] if comm.rank() == 0 else None
+            state = comm.all_gather_objects(states)[0][comm.rank()]
         if state is not None:
             set_rng_state(state)
         else:
@@ -284,7 +310,8 @@ class Checkpointer:
         if self._write_adapter(staging):
             return
         save_hf_checkpoint(
-            self.model, staging, max_shard_size=self.max_shard_size, merge_adapters=True, tokenizer_dir=self.base_dir
+            self.model, staging, max_shard_size=self.max_shard_size, merge_adapters=True, tokenizer_dir=self.base_dir,
+            shared_filesystem=self.shared_filesystem,
         )
 
     def _write_adapter(self, staging: Path) -> bool:
@@ -331,8 +358,14 @@ class Checkpointer:
     ) -> None:
         state_dir = staging / STATE_DIR
         if self.optimizer is not None and with_optimizer:  # else in the DCP shards or staged
-            save_optimizer(self.model, self.optimizer, state_dir)
-        save_rng(state_dir / RNG_DIR, comm.rank())
+            save_optimizer(self.model, self.optimizer, state_dir, shared_filesystem=self.shared_filesystem)
+        if self.shared_filesystem:
+            save_rng(state_dir / RNG_DIR, comm.rank())
+        else:  # rank 0 writes every rank's RNG state (a few KiB each)
+            states = comm.all_gather_objects(rng_state())
+            if comm.rank() == 0:
+                for rank, state in enumerate(states):
+                    save_rng(state_dir / RNG_DIR, rank, state)
         if comm.rank() == 0:
             progress = TrainingProgress(
                 step=step,

@@ -237,11 +237,13 @@ def save_hf_checkpoint(
     config: Mapping[str, Any] | None = None,
     tokenizer_dir: str | os.PathLike | None = None,
     direct_io: bool = True,
+    shared_filesystem: bool = True,
 ) -> list[str]:
     """Write ``model`` as an HF checkpoint directory loadable by ``AutoModelForCausalLM.from_pretrained``.
 
-    Collective: call on all ranks; ``out_dir`` must be on a filesystem all ranks share. No
-    rank gathers the model: each writes its own rows in place. Writes ``config.json`` (from
+    Collective: call on all ranks. No rank gathers the model: with ``shared_filesystem``
+    (``out_dir`` on a filesystem all ranks share) each rank writes its own rows in place;
+    without it only rank 0 touches ``out_dir`` and writes one gathered tensor at a time. Writes ``config.json`` (from
     ``config`` or ``model.args``, with the saved dtype), ``model.safetensors`` or HF-named
     shards of at most ``max_shard_size`` plus ``model.safetensors.index.json``, and the
     tokenizer files found in ``tokenizer_dir``. Floating tensors are cast to ``dtype`` when
@@ -261,7 +263,10 @@ def save_hf_checkpoint(
     )
     total = sum(item.nbytes for plan in files for item in plan.items)
     with _progress(total, desc="save") as bar:
-        problems = hf_export.write_data(out_dir, files, on_item=bar.update, fault="save:mid_tensor", direct_io=direct_io)
+        problems = hf_export.write_data(
+            out_dir, files, on_item=bar.update, fault="save:mid_tensor", direct_io=direct_io,
+            rank0_writes=not shared_filesystem,
+        )
     comm.raise_on_every_rank(problems, header=f"Writing the HF checkpoint in {out_dir} failed:", error=CheckpointError)
     if comm.rank() == 0:
         _log_done("Saved", out_dir, total, start)

@@ -203,16 +203,19 @@ def write_data(
     on_item: Callable[[int], None] | None = None,
     fault: str | None = None,
     direct_io: bool = True,
+    rank0_writes: bool = False,
 ) -> list[str]:
     """Collective: call on all ranks. Each rank writes its blocks into the files; returns this
     rank's problems (to be raised on every rank by the caller, after the last collective).
 
+    With ``rank0_writes`` (``out_dir`` only on rank 0's filesystem) every tensor is gathered to
+    rank 0 in turn and written there: rank 0 holds one full tensor at a time.
     ``direct_io``: see :class:`~shardtune.checkpoint.safetensors_io.RangeWriter`. ``fault``
     names the :func:`~shardtune.faults.fault_point` reached once, after this rank's first
     tensor is written (reliability tests)."""
     problems = comm.Problems()
     writer = _Writer(out_dir, problems, fault=fault, direct_io=direct_io)
-    _visit_items(files, writer, problems, on_item)
+    _visit_items(files, writer, problems, on_item, gather=rank0_writes)
     writer.close()
     return list(problems)
 
@@ -232,16 +235,21 @@ def stage_data(
     :meth:`StagedWrites.flush` writes the copies."""
     problems = comm.Problems()
     staged = StagedWrites(out_dir, memory=memory, fault=fault, direct_io=direct_io)
-    _visit_items(files, staged, problems, None)
+    _visit_items(files, staged, problems, None, gather=False)
     return staged, list(problems)
 
 
 def _visit_items(
-    files: list[FilePlan], writer: _Writer | StagedWrites, problems: comm.Problems, on_item: Callable[[int], None] | None
+    files: list[FilePlan],
+    writer: _Writer | StagedWrites,
+    problems: comm.Problems,
+    on_item: Callable[[int], None] | None,
+    *,
+    gather: bool,
 ) -> None:
     for plan in files:
         for item in plan.items:
-            _write_item(item, plan, writer, problems)
+            _write_item(item, plan, writer, problems, gather=gather)
             if on_item is not None:
                 on_item(item.nbytes)
 
@@ -349,7 +357,11 @@ class StagedWrites:
         return list(problems)
 
 
-def _write_item(item: ExportItem, plan: FilePlan, writer: _Writer | StagedWrites, problems: comm.Problems) -> None:
+def _write_item(
+    item: ExportItem, plan: FilePlan, writer: _Writer | StagedWrites, problems: comm.Problems, *, gather: bool
+) -> None:
+    """Write (or stage) ``item``: its owner ranks write their rows in place, or, with
+    ``gather`` or blocks that are not whole rows, rank 0 writes the gathered tensor."""
     me, layout = comm.rank(), item.layout
     offset = plan.offsets[item.name]
     adapters = _gather_adapters(item)  # collective for sharded adapters: every rank, same order
@@ -359,7 +371,7 @@ def _write_item(item: ExportItem, plan: FilePlan, writer: _Writer | StagedWrites
                 writer.write(plan.name, _local_block(item, adapters, device=writer.block_device), offset)
         return
     owners = layout.owners()
-    if all(piece.is_row_range(layout.shape) for piece in owners):
+    if not gather and all(piece.is_row_range(layout.shape) for piece in owners):
         piece = layout.pieces[me]
         if owners.get(piece) == me:
             with problems.guard(item.name):

@@ -1,7 +1,8 @@
 """Optimizer state on disk: tensors in ``optimizer.safetensors``, the rest in ``optimizer.json``.
 
 Both are FQN keyed, so a checkpoint written on N ranks loads on M. No rank gathers the state:
-on save every rank writes its own rows in place, on load every rank reads only its own rows.
+on save every rank writes its own rows in place, on load every rank reads only its own rows
+(without a shared filesystem rank 0 does the file I/O, one tensor at a time).
 """
 
 from __future__ import annotations
@@ -25,16 +26,17 @@ OPTIMIZER_META = "optimizer.json"
 _SEP = "::"  # FQNs never contain it
 
 
-def save_optimizer(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) -> None:
-    """Write the optimizer's state without gathering it: every rank writes its own rows.
+def save_optimizer(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path, *, shared_filesystem: bool = True) -> None:
+    """Write the optimizer's state without gathering it.
 
-    Collective: call on all ranks; ``out_dir`` must be on a filesystem all ranks share. Tensors
-    go to ``optimizer.safetensors`` (header computed from shapes, each rank ``pwrite``s its
-    shard rows, as for model weights); hyper-parameters and scalars (``step``) go to
-    ``optimizer.json``, written by rank 0. Errors raise the same CheckpointError on every rank.
+    Collective: call on all ranks. Tensors go to ``optimizer.safetensors`` (header computed
+    from shapes; with ``shared_filesystem`` each rank ``pwrite``s its shard rows, as for model
+    weights, otherwise rank 0 writes one gathered tensor at a time); hyper-parameters and
+    scalars (``step``) go to ``optimizer.json``, written by rank 0. Errors raise the same
+    CheckpointError on every rank.
     """
     files = _begin_save(model, opt, out_dir)
-    written = hf_export.write_data(str(out_dir), files)
+    written = hf_export.write_data(str(out_dir), files, rank0_writes=not shared_filesystem)
     comm.raise_on_every_rank(written, header=f"Writing the optimizer to {out_dir} failed:", error=CheckpointError)
 
 
@@ -89,40 +91,51 @@ def _export_item(name: str, value: torch.Tensor, position: int) -> hf_export.Exp
     return hf_export.ExportItem(name=name, entry=entry, dtype=value.dtype, layout=layout_of(value, comm.world_size()))
 
 
-def load_optimizer(model: nn.Module, opt: torch.optim.Optimizer, in_dir: Path, *, device: torch.device | str) -> None:
+def load_optimizer(
+    model: nn.Module, opt: torch.optim.Optimizer, in_dir: Path, *, device: torch.device | str, shared_filesystem: bool = True
+) -> None:
     """Load optimizer state written by :func:`save_optimizer`, on any number of ranks.
 
-    Collective: call on all ranks; every rank reads the files (only its own rows of the
-    tensors, straight from the file). A missing or corrupt file raises
-    :class:`CheckpointError` naming it on every rank.
+    Collective: call on all ranks. With ``shared_filesystem`` every rank reads the files (only
+    its own rows of the tensors, straight from the file); without it only rank 0 reads and
+    sends each rank its rows. A missing or corrupt file raises :class:`CheckpointError`
+    naming it on every rank.
     """
+    reads = shared_filesystem or comm.rank() == 0
     tensors, meta, problems = None, None, []
-    try:
-        meta = json.loads((in_dir / OPTIMIZER_META).read_text())
-        tensors = SafetensorsFile(in_dir / OPTIMIZER_TENSORS)
-        problems += [
-            f"{tensors.path}: tensor {name!r} is not named '<param fqn>{_SEP}<state key>'"
-            for name in tensors.entries
-            if len(name.split(_SEP)) != 2
-        ]
-    except (OSError, ValueError, CheckpointError) as exc:  # json errors are ValueErrors
-        problems.append(f"{in_dir}: {exc}")
+    if reads:
+        try:
+            meta = json.loads((in_dir / OPTIMIZER_META).read_text())
+            tensors = SafetensorsFile(in_dir / OPTIMIZER_TENSORS)
+            problems += [
+                f"{tensors.path}: tensor {name!r} is not named '<param fqn>{_SEP}<state key>'"
+                for name in tensors.entries
+                if len(name.split(_SEP)) != 2
+            ]
+        except (OSError, ValueError, CheckpointError) as exc:  # json errors are ValueErrors
+            problems.append(f"{in_dir}: {exc}")
     try:
         comm.raise_on_every_rank(problems, header=f"Cannot load the optimizer state from {in_dir}:", error=CheckpointError)
-        _restore_tuples(meta["param_groups"], opt.param_groups)
-        state: dict[str, dict[str, Any]] = {}
-        for fqn, values in meta["scalars"].items():
-            for key, item in values.items():
-                state.setdefault(fqn, {})[key] = (
-                    torch.tensor(item["tensor"], dtype=getattr(torch, item["dtype"])) if "tensor" in item else item["value"]
-                )
-        for name in tensors.entries:
-            fqn, key = name.split(_SEP)
-            state.setdefault(fqn, {})[key] = tensors.slice(name)
-        load_from_full_optimizer_state_dict(model, opt, {"state": state, "param_groups": meta["param_groups"]}, device)
+        full_sd = _full_state(meta, tensors, opt) if reads else {}  # {} elsewhere: the core's rank-0 mode
+        load_from_full_optimizer_state_dict(model, opt, full_sd, device)
     finally:
         if tensors is not None:
             tensors.close()
+
+
+def _full_state(meta: dict[str, Any], tensors: SafetensorsFile, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The FQN-keyed full state dict of the files, tensors as lazy slices of ``tensors``."""
+    _restore_tuples(meta["param_groups"], opt.param_groups)
+    state: dict[str, dict[str, Any]] = {}
+    for fqn, values in meta["scalars"].items():
+        for key, item in values.items():
+            state.setdefault(fqn, {})[key] = (
+                torch.tensor(item["tensor"], dtype=getattr(torch, item["dtype"])) if "tensor" in item else item["value"]
+            )
+    for name in tensors.entries:
+        fqn, key = name.split(_SEP)
+        state.setdefault(fqn, {})[key] = tensors.slice(name)
+    return {"state": state, "param_groups": meta["param_groups"]}
 
 
 def _restore_tuples(saved_groups: list[dict[str, Any]], live_groups: list[dict[str, Any]]) -> None:

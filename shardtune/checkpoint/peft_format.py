@@ -42,14 +42,18 @@ def save_peft_adapter(model: nn.Module, out_dir: Path, *, base_model_name_or_pat
     comm.raise_on_every_rank(problems, header=f"Writing the PEFT adapter to {out_dir} failed:", error=CheckpointError)
 
 
-def load_peft_adapter(model: nn.Module, adapter_dir: Path, *, device: torch.device | str, strict: bool = True) -> None:
+def load_peft_adapter(
+    model: nn.Module, adapter_dir: Path, *, device: torch.device | str, strict: bool = True, shared_filesystem: bool = True
+) -> None:
     """Load PEFT-format adapters into a (sharded) LoRA model.
 
-    Collective: call on all ranks; every rank reads the (small) adapter file. With ``strict``,
-    every adapter of the model must be in the file and the file must hold nothing else.
+    Collective: call on all ranks; every rank reads the (small) adapter file, or only rank 0
+    without ``shared_filesystem`` (it then sends each rank its piece). With ``strict``, every
+    adapter of the model must be in the file and the file must hold nothing else.
     """
     path = Path(adapter_dir) / ADAPTER_WEIGHTS
-    adapters = from_peft_adapter_state_dict(load_file(str(path))) if path.is_file() else {}
+    reads = shared_filesystem or comm.rank() == 0
+    adapters = from_peft_adapter_state_dict(load_file(str(path))) if reads and path.is_file() else {}
     keys = load_from_full_model_state_dict(model, adapters, device)
     missing = [k for k in keys.missing_keys if "lora" in k]
     if strict and (missing or keys.unexpected_keys):

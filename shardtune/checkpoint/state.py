@@ -97,9 +97,10 @@ def reseed(seed: int, *, step: int) -> None:
     random.seed(derived)
 
 
-def save_rng(directory: Path, rank: int) -> None:
+def save_rng(directory: Path, rank: int, state: dict[str, Any] | None = None) -> None:
+    """Write ``rank``'s RNG state (this process's when ``state`` is None)."""
     directory.mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(), directory / f"rank_{rank}.pt")
+    torch.save(state if state is not None else rng_state(), directory / f"rank_{rank}.pt")
 
 
 def load_rng(directory: Path, rank: int) -> dict[str, Any] | None:

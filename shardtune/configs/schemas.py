@@ -123,6 +123,11 @@ BASE_SCHEMA = Schema(
         "save_every_n_steps": Field((int, None), None, gt=0),
         "keep_last_n": Field((int, None), None, gt=0, help="checkpoints to keep; null keeps all"),
         "checkpoint_format": Field(str, "hf", choices=("hf", "dcp"), help="format of intermediate checkpoints"),
+        "shared_filesystem": Field(
+            bool, True,
+            help="false: output_dir is only on rank 0's node (node-local disks); rank 0 reads the base weights and "
+            "reads/writes every checkpoint file, one tensor at a time (every rank still reads config.json and the tokenizer)",
+        ),
         "async_save": Field(bool, False, help="write intermediate checkpoints (HF or DCP) in the background from a CPU copy"),
         "keep_staging_memory": Field(
             bool, True, help="with async_save: keep the CPU copy's memory (each rank's shards) for the next save, which then skips allocating it"

@@ -171,6 +171,7 @@ def build_checkpointer(cfg: Config, run: Run, model, opt, sched, base_dir: Path,
         intermediate_format=cfg.checkpoint_format,
         async_save=cfg.async_save,
         keep_staging_memory=cfg.keep_staging_memory,
+        shared_filesystem=cfg.shared_filesystem,
     )
 
 

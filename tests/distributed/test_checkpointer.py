@@ -344,6 +344,66 @@ def test_background_saves_in_a_row_each_hold_the_state_at_their_save(pool2, base
             assert r["kept"] == (r["own"] if keep else None)
 
 
+def _node_local_round_trip(root: str, base: str, lora: bool):
+    """shared_filesystem=False: each rank has its own output_dir (rank 1's is never created) and
+    its own base_dir (rank 1's holds only config.json), as with node-local disks."""
+    rank = dist.get_rank()
+    node = Path(root) / f"node{rank}"
+    out = node / "out"
+    if rank != 0:
+        (node / "base").mkdir(parents=True)
+        (node / "base" / "config.json").write_text((Path(base) / "config.json").read_text())
+        base = str(node / "base")
+
+    def setup():
+        model, opt, sched, _ = _setup(base, str(out), lora=lora)
+        ck = Checkpointer(output_dir=out, model=model, optimizer=opt, lr_scheduler=sched, base_dir=base,
+                          fingerprint={"model": "a"}, seed=7, shared_filesystem=False)
+        return model, opt, sched, ck
+
+    model, opt, sched, ck = setup()
+    assert _start(model, ck, lora=lora) is None
+    _train(model, opt, sched, range(2))
+    at_save = _full_state(model, opt)
+    path = ck.save(step=2, epoch=1)
+    uninterrupted = _train(model, opt, sched, range(2, 5))
+    model2, opt2, sched2, ck2 = setup()
+    progress = _start(model2, ck2, lora=lora)
+    restored = _full_state(model2, opt2)
+    resumed = _train(model2, opt2, sched2, range(2, 5))
+    dist.barrier()
+    files = sorted(str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file()) if rank == 0 else None
+    return {"same": resumed == uninterrupted, "step": progress.step, "files": files, "path": str(path),
+            "same_state": _same_state(at_save, restored) if rank == 0 else None,
+            "saved": at_save[0] if rank == 0 else None, "rank1_out_exists": (Path(root) / "node1" / "out").exists()}
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_node_local_output_dir_rank0_writes_and_reads_everything_and_resumes_exactly(pool2, base_dir, tmp_path, lora):
+    import transformers
+
+    res = pool2.run_ok(_node_local_round_trip, str(tmp_path), base_dir, lora)
+    assert all(r["same"] and r["step"] == 2 for r in res)
+    assert not res[0]["rank1_out_exists"] and Path(res[0]["path"]).parent == tmp_path / "node0" / "out"
+    assert res[0]["same_state"]
+    files = res[0]["files"]
+    for needed in ("model.safetensors", "training_state/optimizer.safetensors", "training_state/rng/rank_0.pt",
+                   "training_state/rng/rank_1.pt", "training_state/training_state.json"):
+        assert needed in files
+    assert ("adapter/adapter_model.safetensors" in files) == lora
+    hf = transformers.AutoModelForCausalLM.from_pretrained(res[0]["path"]).eval()
+    saved = res[0]["saved"]
+    if not lora:
+        assert all(torch.equal(hf.state_dict()[k], v) for k, v in saved.items())
+
+
+@pytest.mark.parametrize("options", [{"async_save": True}, {"intermediate_format": "dcp"}])
+def test_node_local_output_dir_refuses_per_rank_files(tmp_path, options):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="shared_filesystem=False .* async_save=False and intermediate_format='hf'"):
+        Checkpointer(output_dir=tmp_path, model=model, shared_filesystem=False, **options)
+
+
 def _dcp_async_round_trip(base: str, out: str, lora: bool):
     model, opt, sched, ck = _setup(base, out, lora=lora)
     ck = Checkpointer(output_dir=out, model=model, optimizer=opt, lr_scheduler=sched, base_dir=base,

@@ -273,6 +273,21 @@ def test_async_dcp_intermediate_checkpoints_resume_exactly(runs, tiny_dirs, tmp_
     assert sorted(again) == [3, 4, 5, 6] and all(again[s] == losses(first)[s] for s in again)
 
 
+def test_node_local_checkpoints_train_and_resume_like_shared_ones(runs, tiny_dirs, tmp_path):
+    """shared_filesystem=false (rank 0 does all checkpoint file I/O): the same losses as the
+    default run, and a mid-epoch resume continues them exactly."""
+    recipe, config = CASES["full"]
+    first = tmp_path / "first"
+    run_recipe(recipe, config, *_overrides(tiny_dirs, "full", first), "shared_filesystem=false")
+    assert losses(first) == losses(runs["full"])
+    assert (first / "step_2" / "training_state" / "rng" / "rank_1.pt").is_file()
+    resumed = resume_copy(first, "step_2", tmp_path / "resumed")
+    run_recipe(recipe, config, *_overrides(tiny_dirs, "full", resumed), "shared_filesystem=false", "resume_from_checkpoint=True")
+    again = losses(resumed)
+    assert sorted(again) == [3, 4, 5, 6] and all(again[s] == losses(first)[s] for s in again)
+    _assert_same_final_weights(first / "epoch_2", resumed / "epoch_2")
+
+
 def test_bf16_qlora_with_activation_checkpointing_trains_and_exports_bf16(tiny_dirs, tmp_path):
     import json
 
