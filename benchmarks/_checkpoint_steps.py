@@ -158,6 +158,13 @@ def _save_shardtune(ctx: Ctx) -> Any:
     return save_hf_checkpoint(ctx.model, ctx.paths["out_dir"])
 
 
+def _save_shardtune_rank0(ctx: Ctx) -> Any:
+    """``shared_filesystem=False``: rank 0 writes every tensor, gathered one at a time."""
+    from shardtune.checkpoint import save_hf_checkpoint
+
+    return save_hf_checkpoint(ctx.model, ctx.paths["out_dir"], shared_filesystem=False)
+
+
 def _fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -268,6 +275,7 @@ STEPS: dict[str, dict[str, Callable[[Ctx], Any]]] = {
     },
     "save": {
         "shardtune": _save_shardtune,
+        "shardtune_rank0": _save_shardtune_rank0,
         "dsd": _save_dsd,
         "shardtune_async": _save_shardtune_async,
         "dcp_async": _save_dcp_async,

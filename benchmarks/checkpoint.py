@@ -14,7 +14,8 @@ one each repeat):
   per param, ``load_state_dict(assign=True)``), ``dcp_hf_reader`` (``to_empty`` +
   ``dcp.load(model.state_dict(), HuggingFaceStorageReader)``).
 * ``save``: materialized sharded model -> HF directory. ``shardtune`` (``save_hf_checkpoint``:
-  every rank writes its rows, ``O_DIRECT``) vs ``dsd`` (``get_model_state_dict(full_state_dict, cpu_offload)``
+  every rank writes its rows, ``O_DIRECT``), ``shardtune_rank0`` (``shared_filesystem=False``:
+  rank 0 writes each tensor, gathered one at a time) vs ``dsd`` (``get_model_state_dict(full_state_dict, cpu_offload)``
   + ``safetensors.torch.save_file`` on rank 0); both fsync their files. Background saves:
   ``shardtune_async`` (``stage_hf_checkpoint``) vs ``dcp_async`` (``dcp.async_save``), timed up to
   the point training could go on; the writing half is recorded apart. ``*_2nd``: the second
@@ -405,6 +406,8 @@ def render_targets(rows: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
                    f"sent {fmt_ranks(direct['sent'])} | {'met' if zero else '**MISSED**'} |")
     ratio_line("save time ≤ 0.5 × DSD (shardtune / dsd)", ("save", "shardtune"), ("save", "dsd"), 0.5)
     memory_line("save: rank-0 peak ≤ 1.1 × (own shard + largest tensor) (shardtune)", ("save", "shardtune"), [0])
+    memory_line("save without a shared filesystem: rank-0 peak ≤ 1.1 × (own shard + largest tensor) (shardtune_rank0)",
+                ("save", "shardtune_rank0"), [0])
     return out
 
 
@@ -454,7 +457,8 @@ def render_report(cfg: Config, groups: dict[str, Group], tables: list[str], targ
         "- `save`: setup (untimed) fills the meta model from per-rank slices of the fixture (no collectives). "
         "shardtune `save_hf_checkpoint(model, dir)`: rank 0 writes headers/config, every rank writes its rows "
         "(the block-aligned middle of each range with `O_DIRECT` from a 16 MiB staging buffer, the unaligned edges "
-        "through the page cache) and fsyncs. DSD: `get_model_state_dict(full_state_dict=True, cpu_offload=True)`, then rank 0 "
+        "through the page cache) and fsyncs. `shardtune_rank0`: `save_hf_checkpoint(model, dir, shared_filesystem=False)`, "
+        "rank 0 receives each tensor's other rows point to point into one full tensor, writes it, frees it. DSD: `get_model_state_dict(full_state_dict=True, cpu_offload=True)`, then rank 0 "
         "`safetensors.torch.save_file` + `config.json`, **both fsynced (and the directory) inside the timed step**, "
         "for parity with shardtune, which fsyncs. The output directory is deleted and `os.sync()` called before each "
         "run (untimed), so no earlier run's dirty pages are written back during it; the disk's write speed still "
