@@ -198,12 +198,17 @@ class Checkpointer:
         return comm.all_gather_objects(read)[0]
 
     def _restore_rng(self, path: Path, progress: TrainingProgress) -> None:
+        """Collective: this rank's saved RNG state on the same world size, else re-derived."""
         same_world = progress.world_size == comm.world_size()
-        state = None
-        if same_world and self.shared_filesystem:
-            state = load_rng(path / STATE_DIR / RNG_DIR, comm.rank())
-        elif same_world:  # rank 0 reads every rank's file; each takes its own
-            states = [load_rng(path / STATE_DIR / RNG_DIR, r) for r in range(comm.world_size())] if comm.rank() == 0 else None
+        rng_dir = path / STATE_DIR / RNG_DIR
+        problems, state, states = comm.Problems(), None, None
+        with problems.guard(str(rng_dir)):
+            if same_world and self.shared_filesystem:
+                state = load_rng(rng_dir, comm.rank())
+            elif same_world and comm.rank() == 0:  # rank 0 reads every rank's file
+                states = [load_rng(rng_dir, r) for r in range(comm.world_size())]
+        comm.raise_on_every_rank(problems, header=f"Cannot resume from {path}:", error=CheckpointError)
+        if same_world and not self.shared_filesystem:
             state = comm.all_gather_objects(states)[0][comm.rank()]
         if state is not None:
             set_rng_state(state)

@@ -230,6 +230,19 @@ def test_corrupt_optimizer_file_is_a_clear_error_on_every_rank(pool2, base_dir, 
     assert all(str(optimizer_file) in o.error and "corrupt header JSON" in o.error for o in outcomes)
 
 
+@pytest.mark.parametrize("damaged", ["training_state/rng/rank_1.pt", "training_state/training_state.json"])
+def test_corrupt_training_state_file_is_a_clear_error_on_every_rank(pool2, base_dir, tmp_path, damaged):
+    """Same size (the manifest still matches) but garbage inside: every rank raises the same
+    CheckpointError naming the file (rank 1's RNG file is read only by rank 1)."""
+    out = tmp_path / "out"
+    pool2.run_ok(_three_saves, base_dir, str(out), None)
+    path = out / "epoch_3" / damaged
+    path.write_bytes(b"\xff" * path.stat().st_size)
+    outcomes = pool2.run(_resume_step, base_dir, str(out), timeout=120)
+    assert all(not o.ok and o.error.startswith("CheckpointError") for o in outcomes), outcomes
+    assert all(str(path.parent) in o.error for o in outcomes), outcomes
+
+
 def _hf_async_round_trip(base: str, out: str, lora: bool):
     """async_save with HF intermediates: train on while the save is written, then resume from it."""
     model, opt, sched, _ = _setup(base, out, lora=lora)
