@@ -53,8 +53,8 @@ def _load(ck: Checkpointer) -> None:
     ck.model.init_buffers("cpu")
 
 
-def _save_with_fault(base: str, out: str, fault: str) -> str:
-    ck = _build(base, out)
+def _save_with_fault(base: str, out: str, fault: str, shared_filesystem: bool = True) -> str:
+    ck = _build(base, out, shared_filesystem=shared_filesystem)
     _load(ck)
     set_fault(fault)
     try:
@@ -127,6 +127,16 @@ def test_save_failing_on_one_rank_raises_the_same_error_everywhere(pool2, tiny_b
     kind, needles = SAVE_FAULTS[fault]
     message = _same_error_on_every_rank(pool2.run(_save_with_fault, str(tiny_base), str(out), fault, timeout=POOL_TIMEOUT_S), *needles)
     assert message.startswith(kind), message
+    _assert_nothing_published_then_recovered(pool2, tiny_base, out)
+
+
+def test_rank0_write_failing_without_a_shared_filesystem_raises_the_same_error_everywhere(pool2, tiny_base, tmp_path):
+    """shared_filesystem=False: rank 0 writes every gathered tensor; when one write fails the
+    other ranks, still sending their rows, end with the same error."""
+    out = tmp_path / "out"
+    outcomes = pool2.run(_save_with_fault, str(tiny_base), str(out), "save:mid_tensor:0:raise", False, timeout=POOL_TIMEOUT_S)
+    message = _same_error_on_every_rank(outcomes, "Writing the HF checkpoint", "[rank 0]", "fault injected at save:mid_tensor")
+    assert message.startswith("CheckpointError"), message
     _assert_nothing_published_then_recovered(pool2, tiny_base, out)
 
 
