@@ -3,8 +3,8 @@
     python -m benchmarks.checkpoint --size {tiny,250m,1b} --world 2 --repeats 3 [--cold]
     python -m benchmarks.checkpoint --smoke          # tiny, 1 repeat, no BENCHMARKS.md
 
-Groups and methods (each run = fresh processes; the groups one after another, within a group
-the methods interleaved, their order rotated by one each repeat):
+Groups and methods (each run = fresh processes; methods interleaved, their order rotated by
+one each repeat):
 
 * ``load``: HF checkpoint directory -> meta FSDP2 ``LlamaForCausalLM``. ``shardtune_direct``
   (``load_hf_checkpoint(shared_filesystem=True)``: every rank reads its own rows),
@@ -199,13 +199,11 @@ def setup_resume(cfg: Config, size: str, paths: dict[str, str]) -> list[str]:
 
 
 def run_all(cfg: Config, groups: dict[str, Group]) -> list[Run]:
-    """Group after group; within a group every method once per repeat, interleaved and rotated
-    (A B C, B C A, ...), in fresh processes. A group's runs are not interleaved with another
-    group's, whose GBs of reads and writes (and the reclaim after them) would disturb them."""
+    """Every (group, method) once per repeat, interleaved and rotated (A B C, B C A, ...), in fresh processes."""
     runs = []
-    for group in cfg.groups:
-        g = groups[group]
-        for repeat in range(cfg.repeats):
+    for repeat in range(cfg.repeats):
+        for group in cfg.groups:
+            g = groups[group]
             for method in rotated(list(STEPS[group]), repeat):
                 run = Run(group, method, repeat)
                 if group == "load" and method == "dcp_hf_reader" and hf_storage_reader() is None:
@@ -439,8 +437,7 @@ def render_report(cfg: Config, groups: dict[str, Group], tables: list[str], targ
         "- Checkpoint: HF directory (`config.json` + one `model.safetensors`, seeded random bf16, "
         "`--bench-dir`/`hf_<size>/`)",
         f"- shardtune: sha256 of `shardtune/{{state_dict,checkpoint}}/*.py` = `{fingerprint}`; DCP HF reader {reader}",
-        f"- World {cfg.world}, {cfg.repeats} repeats; the groups run one after another, within a group the methods "
-        "interleaved, their order rotated by one each repeat, "
+        f"- World {cfg.world}, {cfg.repeats} repeats, methods interleaved, their order rotated by one each repeat, "
         f"every run in fresh processes; page cache **{cache}**",
     ]
     how = [
