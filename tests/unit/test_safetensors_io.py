@@ -219,6 +219,18 @@ def test_reader_slices_read_rows_of_a_save_file_checkpoint(tmp_path):
     file.close()
 
 
+def test_file_truncated_after_opening_is_a_clear_error(tmp_path):
+    """A file cut short after its header was validated (a copy still running, a full disk)."""
+    g = torch.Generator().manual_seed(1)
+    path = str(tmp_path / "big.safetensors")
+    save_file({"odd": torch.randn(3, generator=g), "w": torch.randn(600, 1000, generator=g)}, path)
+    file = SafetensorsFile(path)
+    os.truncate(path, file.entries["w"].start + 4096)
+    with pytest.raises(CheckpointError, match="big.safetensors: read past the end of the file.*re-copy it"):
+        file.slice("w")[...]
+    file.close()
+
+
 def test_read_block_into_fills_whole_row_ranges_and_declines_the_rest(tmp_path):
     tensors = _tensors()
     path = str(tmp_path / "t.safetensors")
