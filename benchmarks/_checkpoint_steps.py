@@ -159,7 +159,7 @@ def _save_shardtune(ctx: Ctx) -> Any:
 
 
 def _save_shardtune_rank0(ctx: Ctx) -> Any:
-    """``shared_filesystem=False``: rank 0 writes every tensor, gathered one at a time."""
+    """``shared_filesystem=False``: rank 0 gathers every tensor and writes it (in a background thread)."""
     from shardtune.checkpoint import save_hf_checkpoint
 
     return save_hf_checkpoint(ctx.model, ctx.paths["out_dir"], shared_filesystem=False)

@@ -15,7 +15,7 @@ one each repeat):
   ``dcp.load(model.state_dict(), HuggingFaceStorageReader)``).
 * ``save``: materialized sharded model -> HF directory. ``shardtune`` (``save_hf_checkpoint``:
   every rank writes its rows, ``O_DIRECT``), ``shardtune_rank0`` (``shared_filesystem=False``:
-  rank 0 writes each tensor, gathered one at a time) vs ``dsd`` (``get_model_state_dict(full_state_dict, cpu_offload)``
+  rank 0 gathers each tensor into a reused ring while a thread writes the previous ones) vs ``dsd`` (``get_model_state_dict(full_state_dict, cpu_offload)``
   + ``safetensors.torch.save_file`` on rank 0); both fsync their files. Background saves:
   ``shardtune_async`` (``stage_hf_checkpoint``) vs ``dcp_async`` (``dcp.async_save``), timed up to
   the point training could go on; the writing half is recorded apart. ``*_2nd``: the second
@@ -458,7 +458,8 @@ def render_report(cfg: Config, groups: dict[str, Group], tables: list[str], targ
         "shardtune `save_hf_checkpoint(model, dir)`: rank 0 writes headers/config, every rank writes its rows "
         "(the block-aligned middle of each range with `O_DIRECT` from a 16 MiB staging buffer, the unaligned edges "
         "through the page cache) and fsyncs. `shardtune_rank0`: `save_hf_checkpoint(model, dir, shared_filesystem=False)`, "
-        "rank 0 receives each tensor's other rows point to point into one full tensor, writes it, frees it. DSD: `get_model_state_dict(full_state_dict=True, cpu_offload=True)`, then rank 0 "
+        "rank 0 receives each tensor's other rows point to point into its place in a reused ring of memory "
+        "(the largest tensor's size) while a background thread writes the tensors gathered before it. DSD: `get_model_state_dict(full_state_dict=True, cpu_offload=True)`, then rank 0 "
         "`safetensors.torch.save_file` + `config.json`, **both fsynced (and the directory) inside the timed step**, "
         "for parity with shardtune, which fsyncs. The output directory is deleted and `os.sync()` called before each "
         "run (untimed), so no earlier run's dirty pages are written back during it; the disk's write speed still "

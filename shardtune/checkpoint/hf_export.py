@@ -5,7 +5,8 @@ Every rank computes the same export plan (names, dtypes, shapes, files, header b
 the model alone. Rank 0 creates the files (header written, size set); then each rank writes
 its own rows in place (``O_DIRECT`` where the filesystem allows it), at once or, for a
 background save, from copies staged in CPU memory first. Only blocks that are
-not whole rows travel (to rank 0, one tensor at a time); LoRA's small ``lora_A`` (and
+not whole rows travel (to rank 0, one tensor at a time; without a shared filesystem every
+tensor does, and rank 0 writes them in a background thread, see ``rank0_writes``); LoRA's small ``lora_A`` (and
 ``lora_B`` when its rows do not line up with the base's) are gathered whole on every rank to
 merge ``W + scaling * B @ A`` per rank.
 """
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardtune.checkpoint.rank0_writes import BackgroundWrites, ByteRing
 from shardtune.checkpoint.safetensors_io import RangeWriter, build_header
 from shardtune.faults import fault_point
 from shardtune.peft.lora import LoRALinear
@@ -209,13 +211,17 @@ def write_data(
     rank's problems (to be raised on every rank by the caller, after the last collective).
 
     With ``rank0_writes`` (``out_dir`` only on rank 0's filesystem) every tensor is gathered to
-    rank 0 in turn and written there: rank 0 holds one full tensor at a time.
+    rank 0 in turn and written there by a background thread while the next one is gathered;
+    rank 0's gathered tensors in flight never hold more than the largest tensor's bytes.
     ``direct_io``: see :class:`~shardtune.checkpoint.safetensors_io.RangeWriter`. ``fault``
     names the :func:`~shardtune.faults.fault_point` reached once, after this rank's first
     tensor is written (reliability tests)."""
     problems = comm.Problems()
     writer = _Writer(out_dir, problems, fault=fault, direct_io=direct_io)
-    _visit_items(files, writer, problems, on_item, gather=rank0_writes)
+    if rank0_writes:
+        _gather_and_write(files, writer, problems, on_item)
+    else:
+        _visit_items(files, writer, problems, on_item)
     writer.close()
     return list(problems)
 
@@ -235,7 +241,7 @@ def stage_data(
     :meth:`StagedWrites.flush` writes the copies."""
     problems = comm.Problems()
     staged = StagedWrites(out_dir, memory=memory, fault=fault, direct_io=direct_io)
-    _visit_items(files, staged, problems, None, gather=False)
+    _visit_items(files, staged, problems, None)
     return staged, list(problems)
 
 
@@ -244,14 +250,38 @@ def _visit_items(
     writer: _Writer | StagedWrites,
     problems: comm.Problems,
     on_item: Callable[[int], None] | None,
-    *,
-    gather: bool,
 ) -> None:
     for plan in files:
         for item in plan.items:
-            _write_item(item, plan, writer, problems, gather=gather)
+            _write_item(item, plan, writer, problems)
             if on_item is not None:
                 on_item(item.nbytes)
+
+
+def _gather_and_write(
+    files: list[FilePlan], writer: _Writer, problems: comm.Problems, on_item: Callable[[int], None] | None
+) -> None:
+    """Collective: call on all ranks. Rank 0 gathers each tensor into a reused ring (the
+    largest tensor's size) and writes it in the background while gathering the next; the
+    other ranks send their blocks. Rank 0's write problems land in ``problems``."""
+    background = ring = None
+    if comm.rank() == 0:
+        ring = ByteRing(max((item.nbytes for plan in files for item in plan.items if item.layout.is_sharded), default=0))
+        background = BackgroundWrites(writer, problems)
+    try:
+        for plan in files:
+            for item in plan.items:
+                if item.layout.is_sharded:
+                    full = _gather_item(item, problems, out=ring.take(item.shape, item.dtype) if ring is not None else None)
+                    if background is not None:
+                        background.write(item.name, plan.name, full, plan.offsets[item.name], done=ring.release_oldest)
+                else:
+                    _write_whole(item, plan, background, problems)
+                if on_item is not None:
+                    on_item(item.nbytes)
+    finally:
+        if background is not None:
+            background.close()
 
 
 class _Writer:
@@ -357,35 +387,49 @@ class StagedWrites:
         return list(problems)
 
 
-def _write_item(
-    item: ExportItem, plan: FilePlan, writer: _Writer | StagedWrites, problems: comm.Problems, *, gather: bool
-) -> None:
-    """Write (or stage) ``item``: its owner ranks write their rows in place, or, with
-    ``gather`` or blocks that are not whole rows, rank 0 writes the gathered tensor."""
+def _write_whole(item: ExportItem, plan: FilePlan, background: BackgroundWrites | None, problems: comm.Problems) -> None:
+    """Collective: call on all ranks. Rank 0 queues its whole (unsharded) ``item`` for writing,
+    straight from the model's memory (the save waits for the write before returning)."""
+    adapters = _gather_adapters(item)  # collective for sharded adapters: every rank, same order
+    if background is not None:
+        with problems.guard(item.name):
+            background.write(item.name, plan.name, _local_block(item, adapters, device="cpu"), plan.offsets[item.name])
+
+
+def _write_item(item: ExportItem, plan: FilePlan, writer: _Writer | StagedWrites, problems: comm.Problems) -> None:
+    """Write (or stage) ``item``: its owner ranks write their rows in place, or, for blocks
+    that are not whole rows, rank 0 writes the gathered tensor."""
     me, layout = comm.rank(), item.layout
     offset = plan.offsets[item.name]
+    owners = layout.owners() if layout.is_sharded else {}
+    if not all(piece.is_row_range(layout.shape) for piece in owners):
+        full = _gather_item(item, problems)
+        if full is not None:
+            with problems.guard(item.name):
+                writer.write(plan.name, full, offset)
+        return
     adapters = _gather_adapters(item)  # collective for sharded adapters: every rank, same order
     if not layout.is_sharded:
         if me == 0:
             with problems.guard(item.name):
                 writer.write(plan.name, _local_block(item, adapters, device=writer.block_device), offset)
         return
-    owners = layout.owners()
-    if not gather and all(piece.is_row_range(layout.shape) for piece in owners):
-        piece = layout.pieces[me]
-        if owners.get(piece) == me:
-            with problems.guard(item.name):
-                writer.write(plan.name, _local_block(item, adapters, device=writer.block_device), offset + _row_offset(item, piece))
-        return
+    piece = layout.pieces[me]
+    if owners.get(piece) == me:
+        with problems.guard(item.name):
+            writer.write(plan.name, _local_block(item, adapters, device=writer.block_device), offset + _row_offset(item, piece))
+
+
+def _gather_item(item: ExportItem, problems: comm.Problems, *, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Collective: call on all ranks. Returns ``item``'s whole tensor on rank 0 (CPU, in
+    ``out`` when given, else new memory), None elsewhere."""
+    adapters = _gather_adapters(item)  # collective for sharded adapters: every rank, same order
     block = None
     with problems.guard(item.name):
-        block = _local_block(item, adapters, device="cpu")  # sent now; rank 0 writes or stages the gathered copy
-    if block is None:
-        block = torch.zeros(layout.pieces[me].shape, dtype=item.dtype)
-    full = gather_to_rank0(block, layout, transfer_device=comm.comm_device(None), on_error=problems, key=item.name)
-    if full is not None:
-        with problems.guard(item.name):
-            writer.write(plan.name, full, offset)
+        block = _local_block(item, adapters, device="cpu")
+    if block is None:  # still take part, so no rank waits; the problem is raised everywhere later
+        block = torch.zeros(_my_piece(item.layout).shape, dtype=item.dtype)
+    return gather_to_rank0(block, item.layout, transfer_device=comm.comm_device(None), on_error=problems, key=item.name, out=out)
 
 
 def _row_offset(item: ExportItem, piece: Piece) -> int:

@@ -2,7 +2,8 @@
 
 Both are FQN keyed, so a checkpoint written on N ranks loads on M. No rank gathers the state:
 on save every rank writes its own rows in place, on load every rank reads only its own rows
-(without a shared filesystem rank 0 does the file I/O, one tensor at a time).
+(without a shared filesystem rank 0 does the file I/O, gathering each tensor while it writes
+the previous ones).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def save_optimizer(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path, 
 
     Collective: call on all ranks. Tensors go to ``optimizer.safetensors`` (header computed
     from shapes; with ``shared_filesystem`` each rank ``pwrite``s its shard rows, as for model
-    weights, otherwise rank 0 writes one gathered tensor at a time); hyper-parameters and
+    weights, otherwise rank 0 gathers each tensor and writes it in the background); hyper-parameters and
     scalars (``step``) go to ``optimizer.json``, written by rank 0. Errors raise the same
     CheckpointError on every rank.
     """

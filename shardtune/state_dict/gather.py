@@ -87,17 +87,20 @@ def gather_to_rank0(
     transfer_device: torch.device,
     on_error: comm.Problems,
     key: str,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Collective: call on all ranks. Returns the full tensor on rank 0 (CPU, new memory), None elsewhere.
+    """Collective: call on all ranks. Returns the full tensor on rank 0 (CPU: ``out`` when
+    given, a contiguous CPU tensor of the full shape and dtype, else new memory), None elsewhere.
 
     Each distinct non-empty shard is sent once, by the lowest rank holding it, directly into
     its place in rank 0's output when that block is contiguous.
     """
     me = comm.rank()
     local = _dense_local(tensor, on_error, key)
+    if me == 0 and out is None:
+        out = torch.empty(layout.shape, dtype=tensor.dtype, device="cpu")
     if not layout.is_sharded:
-        return _cpu_copy(local) if me == 0 else None
-    out = torch.empty(layout.shape, dtype=tensor.dtype, device="cpu") if me == 0 else None
+        return out.copy_(local) if me == 0 else None
     works, staged, in_flight = [], [], []
     for piece, owner in layout.owners().items():
         if me == 0 and owner == 0:
@@ -128,8 +131,3 @@ def _dense_local(tensor: torch.Tensor, on_error: comm.Problems, key: str) -> tor
         return nf4.dequantize(local).detach()
     return torch.zeros(local.shape, dtype=tensor.dtype, device=local.device)
 
-
-def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-    out.copy_(tensor)
-    return out

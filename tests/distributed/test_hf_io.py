@@ -6,6 +6,7 @@ process; the ranks only use shardtune. transformers is imported in the test proc
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -102,6 +103,25 @@ def _rchar() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
 
 
+@contextlib.contextmanager
+def _counting_file_writes():
+    """Yields a list that receives the bytes of every block this process writes into checkpoint files."""
+    from shardtune.checkpoint.safetensors_io import RangeWriter
+
+    written: list[int] = []
+    write = RangeWriter.write
+
+    def counting(self, path, tensor, offset):
+        written.append(tensor.numel() * tensor.element_size())
+        return write(self, path, tensor, offset)
+
+    RangeWriter.write = counting
+    try:
+        yield written
+    finally:
+        RangeWriter.write = write  # pool workers run later tests
+
+
 def _load_and_save(src: str, shared: bool, dtype_name: str, out: str, max_shard_size):
     dtype = getattr(torch, dtype_name)
     model = shard_model(build_model(src, device="meta", dtype=dtype))
@@ -113,8 +133,10 @@ def _load_and_save(src: str, shared: bool, dtype_name: str, out: str, max_shard_
     with torch.no_grad():
         logits = model(TOKENS)
     full = gather_cpu_state_dict(model, dist.get_rank() == 0)
-    files = save_hf_checkpoint(model, out, max_shard_size=max_shard_size, tokenizer_dir=src)
-    return {"keys": keys, "read": read, "received": received, "logits": logits, "sd": full, "files": files}
+    with _counting_file_writes() as written:
+        files = save_hf_checkpoint(model, out, max_shard_size=max_shard_size, tokenizer_dir=src, shared_filesystem=shared)
+    return {"keys": keys, "read": read, "received": received, "logits": logits, "sd": full, "files": files,
+            "written": sum(written)}
 
 
 def _save_direct_and_buffered(src: str, out_direct: str, out_buffered: str) -> int:
@@ -190,15 +212,15 @@ def _lora_model(src: str, *, quantize: bool):
     return model, adapters
 
 
-def _save_lora(src: str, out: str, quantize: bool, merge: bool):
+def _save_lora(src: str, out: str, quantize: bool, merge: bool, shared: bool = True):
     model, adapters = _lora_model(src, quantize=quantize)
     with torch.no_grad():
         logits = model(TOKENS)
-    save_hf_checkpoint(model, out, max_shard_size="400KB", merge_adapters=merge)
+    save_hf_checkpoint(model, out, max_shard_size="400KB", merge_adapters=merge, shared_filesystem=shared)
     return {"logits": logits, "adapters": adapters if dist.get_rank() == 0 else None}
 
 
-def _placed_lora_save(src: str, out: str):
+def _placed_lora_save(src: str, out: str, shared: bool):
     """Shard(1) for matrices, Replicate for vectors (no FSDP): every block goes through the
     gather-to-rank-0 fallback, and LoRA merges need B whole."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -216,7 +238,7 @@ def _placed_lora_save(src: str, out: str):
     gen = torch.Generator().manual_seed(12)
     adapters = {n: torch.randn(p.shape, generator=gen) * 0.05 for n, p in model.named_parameters() if "lora" in n}
     load_from_full_model_state_dict(model, adapters, "cpu")
-    save_hf_checkpoint(model, out, max_shard_size="1MB")
+    save_hf_checkpoint(model, out, max_shard_size="1MB", shared_filesystem=shared)
     return adapters
 
 
@@ -253,8 +275,9 @@ def test_load_then_save_round_trip(pool2, ckpts, tmp_path, src, shared, dtype, m
     if shared:  # direct reads: nothing received, each rank read about its half of the file
         assert [r["received"] for r in res] == [0, 0]
         assert all(r["read"] < 0.7 * total for r in res), [r["read"] for r in res]
-    else:  # rank 0 reads and scatters; rank 1 reads no weights
+    else:  # rank 0 reads and scatters, then gathers and writes; rank 1 reads and writes no weights
         assert res[1]["received"] > 0 and res[1]["read"] < 0.01 * total
+        assert [r["written"] for r in res] == [total, 0]
     # save: the files equal transformers' tensors and load in transformers with the same logits
     saved = _saved_tensors(out)
     assert sorted(saved) == sorted(expected) and all(torch.equal(saved[k], expected[k]) for k in expected)
@@ -367,11 +390,12 @@ def test_lora_saved_unmerged_keeps_adapters(pool2, ckpts, tmp_path):
     assert all(torch.equal(saved[k], v) for k, v in ckpts["sd"].items())
 
 
-def test_qlora_saved_merged_equals_dequantized_reference(pool2, ckpts, tmp_path):
+@pytest.mark.parametrize("shared", [True, False])
+def test_qlora_saved_merged_equals_dequantized_reference(pool2, ckpts, tmp_path, shared):
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
     out = tmp_path / "qmerged"
-    res = pool2.run_ok(_save_lora, str(ckpts["root"] / "multi"), str(out), True, True)
+    res = pool2.run_ok(_save_lora, str(ckpts["root"] / "multi"), str(out), True, True, shared)
     saved, adapters = _saved_tensors(out), res[0]["adapters"]
     assert sorted(saved) == sorted(ckpts["sd"])
     merged = 0
@@ -388,8 +412,9 @@ def test_qlora_saved_merged_equals_dequantized_reference(pool2, ckpts, tmp_path)
     assert (_logits(_from_pretrained(out)) - res[0]["logits"]).abs().max() <= 1e-4
 
 
-def test_column_sharded_and_replicated_params_save_via_rank0(pool2, ckpts, tmp_path):
-    adapters = pool2.run_ok(_placed_lora_save, str(ckpts["root"] / "single"), str(tmp_path / "out"))[0]
+@pytest.mark.parametrize("shared", [True, False])
+def test_column_sharded_and_replicated_params_save_via_rank0(pool2, ckpts, tmp_path, shared):
+    adapters = pool2.run_ok(_placed_lora_save, str(ckpts["root"] / "single"), str(tmp_path / "out"), shared)[0]
     saved = _saved_tensors(tmp_path / "out")
     assert sorted(saved) == sorted(ckpts["sd"])
     for key, weight in ckpts["sd"].items():
