@@ -200,6 +200,7 @@ def parse_run_options(
     groups: Iterable[str],
     cold_help: str,
     smoke_help: str,
+    add_options: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> tuple[argparse.Namespace, dict[str, Any]]:
     """The options every benchmark script takes: the parsed namespace and the common fields of
     its ``Config`` (``--smoke`` means tiny, 1 repeat, a short timeout and no BENCHMARKS.md)."""
@@ -215,6 +216,8 @@ def parse_run_options(
     p.add_argument("--markdown", type=Path, default=_REPO_ROOT / "BENCHMARKS.md")
     p.add_argument("--no-markdown", action="store_true")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
+    if add_options is not None:
+        add_options(p)
     a = p.parse_args(argv)
     chosen = tuple(g for g in a.groups.split(",") if g)
     if unknown := set(chosen) - set(names):

@@ -89,15 +89,16 @@ class Config:
     markdown: Path | None
     timeout_s: float
     command: str
+    load_rounds: int = 1
 
 
 @dataclass
 class Run:
-    """One method, one repeat: every rank's record, or the failure."""
+    """One method, one round of its group: every rank's record, or the failure."""
 
     group: str
     method: str
-    repeat: int
+    repeat: int  # the group's round: the repeat, or with several load rounds per repeat, their count
     ranks: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
 
@@ -116,12 +117,16 @@ class Group:
 
 def parse_args(argv: list[str] | None = None) -> Config:
     """Parse the command line into a :class:`Config`."""
-    _, common = parse_run_options(
+    a, common = parse_run_options(
         argv, module="benchmarks.checkpoint", description=__doc__.split("\n")[0], groups=STEPS,
         cold_help="posix_fadvise(DONTNEED) the files a run reads before it",
         smoke_help="tiny, 1 repeat, no BENCHMARKS.md (CI)",
+        add_options=lambda p: p.add_argument(
+            "--load-rounds", type=int, default=2,
+            help="times the load group runs in each repeat (its ~1 s runs swing most with the machine's slow spells)",
+        ),
     )
-    return Config(**common)
+    return Config(**common, load_rounds=1 if a.smoke else a.load_rounds)
 
 
 def resume_size(size: str) -> str:
@@ -198,33 +203,48 @@ def setup_resume(cfg: Config, size: str, paths: dict[str, str]) -> list[str]:
 # --------------------------------------------------------------------------- running
 
 
+def rounds_per_repeat(cfg: Config, group: str) -> int:
+    return cfg.load_rounds if group == "load" else 1
+
+
 def run_all(cfg: Config, groups: dict[str, Group]) -> list[Run]:
-    """Every (group, method) once per repeat, interleaved and rotated (A B C, B C A, ...), in fresh processes."""
+    """Every (group, method) once per round, ``rounds_per_repeat`` rounds of each group per
+    repeat, groups interleaved, methods rotated each round (A B C, B C A, ...), in fresh processes."""
     runs = []
-    for repeat in range(cfg.repeats):
+    done = dict.fromkeys(cfg.groups, 0)
+    for _ in range(cfg.repeats):
         for group in cfg.groups:
-            g = groups[group]
-            for method in rotated(list(STEPS[group]), repeat):
-                run = Run(group, method, repeat)
-                if group == "load" and method == "dcp_hf_reader" and hf_storage_reader() is None:
-                    run.error = "unavailable: torch.distributed.checkpoint has no HuggingFaceStorageReader"
-                    runs.append(run)
-                    continue
-                paths = dict(g.paths)
-                if group == "save":
-                    paths["out_dir"] = paths[f"out_dir:{method}"]
-                    shutil.rmtree(paths["out_dir"], ignore_errors=True)
-                for path in g.reads[method]:
-                    drop_page_cache(path) if cfg.cold and group != "save" else warm_page_cache(path)
-                os.sync()  # no dirty pages of earlier runs (or other work) left to write back during this one
-                kwargs = {"group": group, "method": method, "size": g.size, "paths": paths}
-                try:
-                    run.ranks = spawn_ranks("benchmarks._checkpoint_steps:run", world=cfg.world,
-                                            kwargs=kwargs, timeout_s=cfg.timeout_s)
-                except RankFailure as e:
-                    run.error = str(e)
-                print(f"[{repeat + 1}/{cfg.repeats}] {group}/{method}: " + _one_line(run), file=sys.stderr)
-                runs.append(run)
+            for _ in range(rounds_per_repeat(cfg, group)):
+                runs += _run_round(cfg, groups[group], group, done[group])
+                done[group] += 1
+    return runs
+
+
+def _run_round(cfg: Config, g: Group, group: str, index: int) -> list[Run]:
+    """Round ``index`` of ``group``: each method once, in fresh processes, the order rotated by ``index``."""
+    runs = []
+    total = cfg.repeats * rounds_per_repeat(cfg, group)
+    for method in rotated(list(STEPS[group]), index):
+        run = Run(group, method, index)
+        if group == "load" and method == "dcp_hf_reader" and hf_storage_reader() is None:
+            run.error = "unavailable: torch.distributed.checkpoint has no HuggingFaceStorageReader"
+            runs.append(run)
+            continue
+        paths = dict(g.paths)
+        if group == "save":
+            paths["out_dir"] = paths[f"out_dir:{method}"]
+            shutil.rmtree(paths["out_dir"], ignore_errors=True)
+        for path in g.reads[method]:
+            drop_page_cache(path) if cfg.cold and group != "save" else warm_page_cache(path)
+        os.sync()  # no dirty pages of earlier runs (or other work) left to write back during this one
+        kwargs = {"group": group, "method": method, "size": g.size, "paths": paths}
+        try:
+            run.ranks = spawn_ranks("benchmarks._checkpoint_steps:run", world=cfg.world,
+                                    kwargs=kwargs, timeout_s=cfg.timeout_s)
+        except RankFailure as e:
+            run.error = str(e)
+        print(f"[{index + 1}/{total}] {group}/{method}: " + _one_line(run), file=sys.stderr)
+        runs.append(run)
     return runs
 
 
@@ -379,7 +399,7 @@ def render_targets(rows: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
         ok = sa <= limit * sb
         per_repeat = paired_ratios(rows[a], rows[b])
         spread = "" if per_repeat is None else (
-            f" (per repeat: {', '.join(f'{x:.2f}' for x in per_repeat)}; median {statistics.median(per_repeat):.2f})")
+            f" (per round: {', '.join(f'{x:.2f}' for x in per_repeat)}; median {statistics.median(per_repeat):.2f})")
         out.append(f"| {label} | {sa:.3f} s / {sb:.3f} s = {sa / sb:.2f}{spread} | {'met' if ok else '**MISSED**'} |")
 
     def memory_line(label: str, key: tuple[str, str], ranks: list[int] | None) -> None:
@@ -411,6 +431,13 @@ def render_targets(rows: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
     return out
 
 
+def _load_rounds_text(cfg: Config) -> str:
+    if "load" not in cfg.groups or cfg.load_rounds == 1:
+        return ""
+    return (f"the load group runs {cfg.load_rounds} rounds per repeat ({cfg.repeats * cfg.load_rounds} runs per "
+            "method: its runs take ~1 s, so one slow spell of the machine moves a median of few runs), the others one; ")
+
+
 def render_report(cfg: Config, groups: dict[str, Group], tables: list[str], targets: list[str], notes: list[str], *,
                   load_avg: tuple[tuple[float, ...], tuple[float, ...]], fingerprint: str) -> str:
     """The Markdown section (without begin/end markers)."""
@@ -437,16 +464,16 @@ def render_report(cfg: Config, groups: dict[str, Group], tables: list[str], targ
         "- Checkpoint: HF directory (`config.json` + one `model.safetensors`, seeded random bf16, "
         "`--bench-dir`/`hf_<size>/`)",
         f"- shardtune: sha256 of `shardtune/{{state_dict,checkpoint}}/*.py` = `{fingerprint}`; DCP HF reader {reader}",
-        f"- World {cfg.world}, {cfg.repeats} repeats, methods interleaved, their order rotated by one each repeat, "
-        f"every run in fresh processes; page cache **{cache}**",
+        f"- World {cfg.world}, {cfg.repeats} repeats, groups interleaved, methods interleaved, their order rotated by "
+        f"one each round; {_load_rounds_text(cfg)}every run in fresh processes; page cache **{cache}**",
     ]
     how = [
         "How to read it:",
-        "- *median s (runs)*: per repeat the slowest rank's `perf_counter` time between two barriers, then the median;"
-        " each repeat's time in brackets. *× DSD*: ratio of medians to the DSD method of the same group in this run "
+        "- *median s (runs)*: per round the slowest rank's `perf_counter` time between two barriers, then the median;"
+        " each round's time in brackets. *× DSD*: ratio of medians to the DSD method of the same group in this run "
         "(*× DCP-HF*: to `dcp_hf_reader`). Targets are judged on that ratio of medians; next to it, the ratio within "
-        "each repeat and its median: the machine's slow and fast spells tend to hit both methods of a repeat, so the "
-        "per-repeat ratio varies less than either time.",
+        "each round and its median: the machine's slow and fast spells tend to hit both methods of a round, so the "
+        "per-round ratio varies less than either time.",
         "- `load`: the timed step includes opening the files (`safetensors.torch.load_file` mmap for "
         "`dsd_broadcast`/`torchtune_distribute`; shardtune `preadv`s each rank's rows; with `shared_filesystem=False` "
         "rank 0 reads its own rows in place and every other rank's rows into one reused buffer, sent point to point)."
