@@ -4,11 +4,11 @@
 Every rank computes the same export plan (names, dtypes, shapes, files, header bytes) from
 the model alone. Rank 0 creates the files (header written, size set); then each rank writes
 its own rows in place (``O_DIRECT`` where the filesystem allows it), at once or, for a
-background save, from copies staged in CPU memory first. Only blocks that are
-not whole rows travel (to rank 0, one tensor at a time; without a shared filesystem every
-tensor does, and rank 0 writes them in a background thread, see ``rank0_writes``); LoRA's small ``lora_A`` (and
-``lora_B`` when its rows do not line up with the base's) are gathered whole on every rank to
-merge ``W + scaling * B @ A`` per rank.
+background save, from copies staged in CPU memory first. Only blocks that are not whole rows
+travel (to rank 0, one tensor at a time; without a shared filesystem every tensor does, and
+rank 0 writes them in a background thread, see ``rank0_writes``); LoRA's small ``lora_A``
+(and ``lora_B`` when its rows do not line up with the base's) are gathered whole on every
+rank to merge ``W + scaling * B @ A`` per rank.
 """
 
 from __future__ import annotations

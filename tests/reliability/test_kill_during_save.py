@@ -35,7 +35,12 @@ CHAIN = {
              ("save:after_publish", 1)],
     "full": [("save:begin", 0), ("save:mid_tensor", 0), ("save:weights_written", 1), ("save:before_publish", 0),
              ("save:after_publish", 0)],
+    # Node-local output dir: rank 0 alone writes, from its background thread (mid_tensor is
+    # reached there, after its first write); rank 1 only sends.
+    "full_node_local": [("save:mid_tensor", 0), ("save:weights_written", 1), ("save:before_publish", 0)],
 }
+# case -> (recipe case of RECIPES and of the uninterrupted reference, extra overrides)
+SETTINGS = {"lora": ("lora", ()), "full": ("full", ()), "full_node_local": ("full", ("shared_filesystem=false",))}
 EXIT_AFTER_KILL_S = PG_TIMEOUT_S + 15  # the launcher must be gone well before a collective timeout or two
 RUN_TIMEOUT_S = 150  # a run still alive after this is a hang
 
@@ -70,20 +75,20 @@ def _check_new_losses(out: Path, rows_before: int, expected_steps: list[int], re
         assert row["loss"] == reference[row["step"]], f"{what}: step {row['step']} loss {row['loss']} != {reference[row['step']]}"
 
 
-def _args(base: Path, out: Path, *, resume: bool) -> list[str]:
-    return overrides(base, out, *(["resume_from_checkpoint=True"] if resume else []))
+def _args(case: str, base: Path, out: Path, *, resume: bool) -> list[str]:
+    return overrides(base, out, *SETTINGS[case][1], *(["resume_from_checkpoint=True"] if resume else []))
 
 
 def _crash_once(case: str, base: Path, out: Path, point: str, rank: int, reference: dict[int, float]) -> None:
     """One run, killed during its 2nd save; checks what it leaves behind."""
-    recipe, config = RECIPES[case]
+    recipe, config = RECIPES[SETTINGS[case][0]]
     start = _latest_step(out)
     before = _published(out) if out.exists() else {}
     rows_before = len(metrics_rows(out))
     what = f"{case}: kill -9 of rank {rank} at {point} (resuming from step {start})"
 
     proc = run_cli(
-        recipe, config, _args(base, out, resume=start > 0), fault=f"{point}:{rank}:kill:2", timeout=RUN_TIMEOUT_S
+        recipe, config, _args(case, base, out, resume=start > 0), fault=f"{point}:{rank}:kill:2", timeout=RUN_TIMEOUT_S
     )
     assert proc.returncode != 0, f"{what}: the launcher exited 0\n{proc.tail()}"
     assert proc.fault_at is not None, f"{what}: the fault never fired\n{proc.tail()}"
@@ -112,10 +117,10 @@ def _crash_once(case: str, base: Path, out: Path, point: str, rank: int, referen
 
 def _finish(case: str, base: Path, out: Path, reference_dir: Path, reference: dict[int, float]) -> None:
     """The last resume: runs to the end, removes leftovers, ends with the uninterrupted run's state."""
-    recipe, config = RECIPES[case]
+    recipe, config = RECIPES[SETTINGS[case][0]]
     start = _latest_step(out)
     rows_before = len(metrics_rows(out))
-    proc = run_cli(recipe, config, _args(base, out, resume=True), timeout=RUN_TIMEOUT_S)
+    proc = run_cli(recipe, config, _args(case, base, out, resume=True), timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.tail()
     assert f"resumed from {out / f'step_{start}'}" in proc.output, proc.tail()
     _check_new_losses(out, rows_before, list(range(start + 1, STEPS + 1)), reference, f"{case}: final resume")
@@ -129,7 +134,7 @@ def _finish(case: str, base: Path, out: Path, reference_dir: Path, reference: di
 
 @pytest.mark.parametrize("case", list(CHAIN))
 def test_kill_9_at_every_save_point_then_resume_exactly(case, references, tiny_base, tmp_path):
-    reference_dir = references.output_dir(case)
+    reference_dir = references.output_dir(SETTINGS[case][0])
     reference = {row["step"]: row["loss"] for row in metrics_rows(reference_dir)}
     assert sorted(reference) == list(range(1, STEPS + 1))
     out = tmp_path / "run"
