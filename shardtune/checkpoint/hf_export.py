@@ -274,9 +274,9 @@ def _gather_and_write(
                 if item.layout.is_sharded:
                     full = _gather_item(item, problems, out=ring.take(item.shape, item.dtype) if ring is not None else None)
                     if background is not None:
-                        background.write(item.name, plan.name, full, plan.offsets[item.name], done=ring.release_oldest)
-                else:
-                    _write_whole(item, plan, background, problems)
+                        background.write(plan.name, full, plan.offsets[item.name], done=ring.release_oldest)
+                else:  # rank 0 queues it whole, from the model's memory: the save waits for the write
+                    _write_item(item, plan, background if background is not None else writer, problems)
                 if on_item is not None:
                     on_item(item.nbytes)
     finally:
@@ -387,16 +387,9 @@ class StagedWrites:
         return list(problems)
 
 
-def _write_whole(item: ExportItem, plan: FilePlan, background: BackgroundWrites | None, problems: comm.Problems) -> None:
-    """Collective: call on all ranks. Rank 0 queues its whole (unsharded) ``item`` for writing,
-    straight from the model's memory (the save waits for the write before returning)."""
-    adapters = _gather_adapters(item)  # collective for sharded adapters: every rank, same order
-    if background is not None:
-        with problems.guard(item.name):
-            background.write(item.name, plan.name, _local_block(item, adapters, device="cpu"), plan.offsets[item.name])
-
-
-def _write_item(item: ExportItem, plan: FilePlan, writer: _Writer | StagedWrites, problems: comm.Problems) -> None:
+def _write_item(
+    item: ExportItem, plan: FilePlan, writer: _Writer | StagedWrites | BackgroundWrites, problems: comm.Problems
+) -> None:
     """Write (or stage) ``item``: its owner ranks write their rows in place, or, for blocks
     that are not whole rows, rank 0 writes the gathered tensor."""
     me, layout = comm.rank(), item.layout

@@ -82,21 +82,24 @@ class BlockWriter(Protocol):
 class BackgroundWrites:
     """Writes blocks with ``writer`` in one background thread, in the order they are queued.
 
-    A failed write is recorded in ``problems`` under its key (raised on every rank later, by
-    the caller) and the writes after it still run. :meth:`close` waits for the last write.
+    A failed write is recorded in ``problems`` under its file name (raised on every rank
+    later, by the caller) and the writes after it still run. :meth:`close` waits for the last
+    write.
     """
+
+    block_device: str | None = "cpu"  # as the writer it stands in for: blocks queued as CPU tensors
 
     def __init__(self, writer: BlockWriter, problems: comm.Problems) -> None:
         self._writer = writer
         self._problems = problems
-        self._queue: queue.Queue[tuple[str, str, torch.Tensor, int, Callable[[], None] | None] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, torch.Tensor, int, Callable[[], None] | None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="shardtune-rank0-writes", daemon=True)
         self._thread.start()
 
-    def write(self, key: str, file_name: str, tensor: torch.Tensor, offset: int, *, done: Callable[[], None] | None = None) -> None:
+    def write(self, file_name: str, tensor: torch.Tensor, offset: int, *, done: Callable[[], None] | None = None) -> None:
         """Queue ``tensor`` for writing at ``offset`` of ``file_name``; ``done()`` runs after
         the write (or its failure). ``tensor`` must not change until then."""
-        self._queue.put((key, file_name, tensor, offset, done))
+        self._queue.put((file_name, tensor, offset, done))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -104,9 +107,9 @@ class BackgroundWrites:
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
-            key, file_name, tensor, offset, done = job
+            file_name, tensor, offset, done = job
             try:
-                with self._problems.guard(key):
+                with self._problems.guard(file_name):
                     self._writer.write(file_name, tensor, offset)
             finally:
                 del tensor, job

@@ -81,15 +81,15 @@ class _Recorder:
         self.writes.append((file_name, tensor.tolist(), offset))
 
 
-def test_background_writes_keep_order_record_failures_by_key_and_go_on():
+def test_background_writes_keep_order_record_failures_by_file_and_go_on():
     problems = comm.Problems()
     recorder = _Recorder(fail_on="b.safetensors")
     background = BackgroundWrites(recorder, problems)
     done: list[str] = []
-    background.write("w1", "a.safetensors", torch.tensor([1.0]), 8, done=lambda: done.append("w1"))
-    background.write("w2", "b.safetensors", torch.tensor([2.0]), 16, done=lambda: done.append("w2"))
-    background.write("w3", "a.safetensors", torch.tensor([3.0]), 24)
+    background.write("a.safetensors", torch.tensor([1.0]), 8, done=lambda: done.append("w1"))
+    background.write("b.safetensors", torch.tensor([2.0]), 16, done=lambda: done.append("w2"))
+    background.write("a.safetensors", torch.tensor([3.0]), 24)
     background.close()
     assert recorder.writes == [("a.safetensors", [1.0], 8), ("a.safetensors", [3.0], 24)]
     assert done == ["w1", "w2"]  # the failed write still released its memory
-    assert problems == ["w2: OSError: [Errno 28] No space left on device"]
+    assert problems == ["b.safetensors: OSError: [Errno 28] No space left on device"]
