@@ -433,11 +433,14 @@ def scatter_dense(
         sends = []
         for r in batch:
             piece = layout.pieces[r]
-            block = None
-            with on_error.guard(key):
-                block = _block_to_send(value, piece, dtype, transfer_device, send_buffer)
-            if block is None:  # rank r still waits for bytes: send zeros, the error is raised at the end
-                block = send_buffer.take(piece.shape, dtype).zero_()
+            block = _view_to_send(value, piece, dtype, transfer_device)
+            if block is None:
+                block = send_buffer.take(piece.shape, dtype)
+                failures = len(on_error)
+                with on_error.guard(key):
+                    fill_block(value, piece.slices, block)
+                if len(on_error) > failures:  # rank r still waits for bytes: send zeros, the error is raised at the end
+                    block.zero_()
             sends.append((block, r))
         comm.exchange(sends, [])
     own = None
@@ -446,16 +449,14 @@ def scatter_dense(
     return own
 
 
-def _block_to_send(
-    value: Any, piece: Piece, dtype: torch.dtype, device: torch.device, send_buffer: SendBuffer
-) -> torch.Tensor:
-    """``piece`` of ``value`` as a contiguous tensor on the transfer ``device``: a view of an
-    in-memory value when it already is one (no copy), else staged in ``send_buffer``."""
+def _view_to_send(value: Any, piece: Piece, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """``piece`` of an in-memory ``value`` when it already is a contiguous tensor in ``dtype`` on
+    the transfer ``device`` (sent without a copy); None when it must be staged."""
     if isinstance(value, torch.Tensor) and not nf4.is_nf4(value):
         view = value[piece.slices]
         if view.is_contiguous() and view.dtype == dtype and comm.on_transfer_device(view, device):
             return view
-    return fill_block(value, piece.slices, send_buffer.take(piece.shape, dtype))
+    return None
 
 
 def _receive_buffer(

@@ -211,3 +211,100 @@ def _outside_the_block():
 
 def test_harness_sees_only_its_block(pool2):
     assert pool2.run_ok(_outside_the_block, timeout=60) == [{"all_reduce": 1}, {"all_reduce": 1}]
+
+
+# --- reads and writes without a shared filesystem (rank 0 does the file I/O) -------------------
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A transformers-made checkpoint in several files and its weights (the reference)."""
+    from tests.distributed.test_hf_io import _hf_model
+
+    root = tmp_path_factory.mktemp("nccl_hf")
+    model = _hf_model(tied=False, seed=5)
+    model.save_pretrained(root, safe_serialization=True, max_shard_size="300KB")
+    return {"dir": root, "sd": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def _qlora_rank0_save_then_load(src: str, out: str):
+    """Save a QLoRA model merged via rank 0, then load the result via rank 0 into a plain model
+    and gather it; every model registered as host memory, as if CPU-offloaded."""
+    from shardtune.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
+    from shardtune.distributed import shard_model
+    from shardtune.models import build_model
+    from tests.distributed.test_hf_io import _lora_model
+
+    model, adapters = _lora_model(src, quantize=True)
+    with nccl_rules() as rules:
+        rules.host(model)
+        save_hf_checkpoint(model, out, max_shard_size="400KB", merge_adapters=True, shared_filesystem=False)
+        plain = build_model(out, device="meta")
+        shard_model(plain)
+        load_hf_checkpoint(plain, out, device="cpu", shared_filesystem=False, strict=True)
+        rules.host(plain)
+        gathered = gather_cpu_state_dict(plain, dist.get_rank() == 0)
+    if dist.get_rank() != 0:
+        return {"counts": dict(rules.counts)}
+    return {"counts": dict(rules.counts), "adapters": adapters, "gathered": gathered}
+
+
+def test_rank0_writes_and_reads_obey_nccl_rules(pool2, hf_dir, tmp_path):
+    from tests.distributed.test_hf_io import LORA_ALPHA, LORA_RANK, _saved_tensors
+
+    res = pool2.run_ok(_qlora_rank0_save_then_load, str(hf_dir["dir"]), str(tmp_path / "out"))
+    saved, adapters, gathered = _saved_tensors(tmp_path / "out"), res[0]["adapters"], res[0]["gathered"]
+    assert sorted(saved) == sorted(hf_dir["sd"]) == sorted(gathered)
+    merged = 0
+    for key, weight in hf_dir["sd"].items():
+        a = adapters.get(key.replace(".weight", ".lora_A.weight"))
+        if a is None:
+            expected = weight
+        else:
+            b = adapters[key.replace(".weight", ".lora_B.weight")]
+            expected = to_nf4(weight).get_original_weight() + (LORA_ALPHA / LORA_RANK) * (b @ a)
+            merged += 1
+        torch.testing.assert_close(saved[key], expected, atol=1e-6, rtol=0)
+        assert torch.equal(gathered[key], saved[key]), key
+    assert merged > 0
+    for r in res:
+        assert not any(k in r["counts"] for k in P2P) and r["counts"]["batch_isend_irecv"] >= 1
+
+
+def _optimizer_files_round_trip(out: str):
+    """Optimizer state saved and loaded with rank 0 doing the file I/O, under the rules, equals
+    a single-process optimizer trained the same way."""
+    from pathlib import Path
+
+    from shardtune.checkpoint.optimizer_io import load_optimizer, save_optimizer
+
+    sd = toy.full_state_dict(seed=23)
+    model = toy.build_sharded(meta=True)
+    load_from_full_model_state_dict(model, sd, "cpu", cpu_offload=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with nccl_rules() as rules:
+        rules.host(model, opt)
+        save_optimizer(model, opt, Path(out), shared_filesystem=False)
+        load_optimizer(model, fresh, Path(out), device="cpu", shared_filesystem=False)
+        rules.host(fresh)
+        again = get_full_optimizer_state_dict(model, fresh, dist.get_rank() == 0)
+    result = {"counts": dict(rules.counts)}
+    if dist.get_rank() == 0:
+        ref = toy.reference(sd)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        _train(ref, ref_opt, 2)
+        names = {id(p): n for n, p in ref.named_parameters()}
+        result["worst"] = max(
+            (again["state"][names[id(p)]][k].float() - v.float()).abs().max().item()
+            for p, state in ref_opt.state.items()
+            for k, v in state.items()
+        )
+    return result
+
+
+def test_optimizer_rank0_files_obey_nccl_rules(pool2, tmp_path):
+    res = pool2.run_ok(_optimizer_files_round_trip, str(tmp_path / "opt"))
+    assert res[0]["worst"] < 1e-5
+    assert all(not any(k in r["counts"] for k in P2P) and r["counts"]["batch_isend_irecv"] >= 1 for r in res)
