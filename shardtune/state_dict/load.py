@@ -371,7 +371,7 @@ class SendBuffer:
     def reserve(self, sizes: list[int], device: torch.device) -> None:
         """Make room for blocks of ``sizes`` bytes on ``device``; blocks taken before are given up."""
         nbytes = sum(self._aligned(n) for n in sizes)
-        if self._bytes is None or self._bytes.numel() < nbytes or self._bytes.device != device:
+        if nbytes and (self._bytes is None or self._bytes.numel() < nbytes or self._bytes.device != device):
             self._bytes = None  # free the smaller one first
             self._bytes = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self._used = 0
@@ -429,11 +429,12 @@ def scatter_dense(
         return _deliver(buf, into, device)
     send_buffer = send_buffer if send_buffer is not None else SendBuffer()
     for batch in comm.batches(others):
-        send_buffer.reserve([others[r] for r in batch], transfer_device)
+        views = {r: _view_to_send(value, layout.pieces[r], dtype, transfer_device) for r in batch}
+        send_buffer.reserve([others[r] for r in batch if views[r] is None], transfer_device)
         sends = []
         for r in batch:
             piece = layout.pieces[r]
-            block = _view_to_send(value, piece, dtype, transfer_device)
+            block = views[r]
             if block is None:
                 block = send_buffer.take(piece.shape, dtype)
                 failures = len(on_error)

@@ -308,3 +308,32 @@ def test_optimizer_rank0_files_obey_nccl_rules(pool2, tmp_path):
     res = pool2.run_ok(_optimizer_files_round_trip, str(tmp_path / "opt"))
     assert res[0]["worst"] < 1e-5
     assert all(not any(k in r["counts"] for k in P2P) and r["counts"]["batch_isend_irecv"] >= 1 for r in res)
+
+
+def _small_batches(mode: str):
+    """Rank-0 load and gather with one rank per batch (the bound hit on every tensor), under the rules."""
+    sd = toy.full_state_dict(seed=24)
+    model = toy.build_sharded(meta=True, mesh_kind="2d")
+    given = sd if dist.get_rank() == 0 else {}
+    limit, comm.BATCH_BYTES = comm.BATCH_BYTES, 1
+    try:
+        with nccl_rules() as rules:
+            rules.host(given)
+            load_from_full_model_state_dict(model, given, "cpu", strict=True)
+            out = gather_cpu_state_dict(model, dist.get_rank() == 0)
+    finally:
+        comm.BATCH_BYTES = limit
+    sharded = sum(1 for p in model.parameters() if p.placements[-1].is_shard())
+    result = {"batches": rules.counts["batch_isend_irecv"], "sharded": sharded}
+    if dist.get_rank() == 0:
+        result["mismatched"] = [k for k in sd if not torch.equal(out[k], sd[k])]
+    return result
+
+
+def test_one_rank_per_batch_on_an_hsdp_mesh(pool4):
+    res = pool4.run_ok(_small_batches, "rank0")
+    assert res[0]["mismatched"] == []
+    # rank 0 scatters to 3 ranks and gathers from the other shard's lowest owner (rank 1), batch by batch
+    assert res[0]["batches"] == res[0]["sharded"] * (3 + 1)
+    assert res[1]["batches"] == 2 * res[1]["sharded"]  # rank 1: one receive, and one send of its distinct shard
+    assert all(r["batches"] == r["sharded"] for r in res[2:])  # replicas: one receive, nothing to send
