@@ -89,12 +89,34 @@ def test_allowed_forms_pass_and_move_the_right_values(pool2):
         assert r["counts"]["batch_isend_irecv"] == 1 and not any(k in r["counts"] for k in P2P)
 
 
-def test_normalize_device():
+def test_normalize_device_gives_accelerators_the_current_index(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert comm.normalize_device(None) is None
     assert comm.normalize_device("cpu") == torch.device("cpu")
     assert comm.normalize_device(torch.device("meta")) == torch.device("meta")
-    if torch.cuda.is_available():
-        assert comm.normalize_device("cuda") == torch.device("cuda", torch.cuda.current_device())
+    assert comm.normalize_device("cuda") == comm.normalize_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert comm.normalize_device("cuda:1") == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize(
+    ("backend", "device", "expected"),
+    [
+        ("nccl", None, "cuda:2"),
+        ("nccl", "cuda", "cuda:2"),
+        ("nccl", "cuda:1", "cuda:1"),
+        ("nccl", "cpu", "cuda:2"),  # CPU-offloaded shards still move on the accelerator
+        ("cpu:gloo,cuda:nccl", "cuda", "cuda:2"),
+        ("gloo", "cuda", "cpu"),
+        ("cpu:gloo", None, "cpu"),
+    ],
+)
+def test_transfer_device_follows_the_backend(monkeypatch, backend, device, expected):
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert comm.comm_device(device) == torch.device(expected)
 
 
 def test_batches_are_bounded_and_cover_every_rank():
