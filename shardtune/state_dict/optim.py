@@ -20,10 +20,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardtune.state_dict import comm
+from shardtune.state_dict.blocks import SendBuffer, copy_block, scatter_dense
 from shardtune.state_dict.gather import gather_to_rank0
 from shardtune.state_dict.keys import StateDictError, model_entries
 from shardtune.state_dict.layout import TensorLayout, layout_of
-from shardtune.state_dict.load import EVERY_RANK, RANK0, SendBuffer, agree_on_mode, copy_block, fillable, scatter_dense
+from shardtune.state_dict.load import EVERY_RANK, RANK0, agree_on_mode, fillable
 
 
 def _param_fqns(model: nn.Module) -> dict[int, str]:

@@ -1,0 +1,187 @@
+"""A rank's block of a full tensor: read from a value it holds, or sent to it by rank 0.
+
+A value is a tensor, an NF4 tensor, or a lazy slice (e.g. of a safetensors file). Reading
+copies once, into the caller's tensor when given. Rank 0's sends move only each rank's
+block, in batched exchanges (:func:`comm.exchange`) through at most one batch of staged
+blocks; a plain tensor, needed whole everywhere, is broadcast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardtune.state_dict import comm, nf4
+from shardtune.state_dict.layout import Piece, TensorLayout
+
+
+def read_block(value: Any, slices: tuple[slice, ...]) -> torch.Tensor:
+    """The block ``slices`` of a full value (tensor, NF4 tensor, or lazy slice object)."""
+    if nf4.is_nf4(value):
+        value = nf4.dequantize(value)
+    if not slices:  # 0-dim
+        return value if isinstance(value, torch.Tensor) else value[...]
+    return value[slices]
+
+
+def fill_block(value: Any, slices: tuple[slice, ...], out: torch.Tensor) -> torch.Tensor:
+    """Write the block ``slices`` of ``value`` into ``out`` (its shape) and return ``out``.
+
+    A lazy value offering ``read_block_into(slices, out) -> bool`` (a file-backed slice) reads
+    straight into ``out`` when it can; anything else is read, then copied (and cast) once.
+    """
+    reader = getattr(value, "read_block_into", None)
+    if isinstance(value, torch.Tensor) or reader is None or not reader(slices, out):
+        out.copy_(read_block(value, slices))
+    return out
+
+
+def copy_block(
+    value: Any,
+    block: tuple[tuple[int, ...], tuple[slice, ...]],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    into: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``value``'s block as a contiguous tensor on ``device`` in ``dtype`` (one copy), written
+    into ``into`` (of the block's shape) when given, else into new memory."""
+    shape, slices = block
+    if into is not None:
+        return fill_block(value, slices, into)
+    data = read_block(value, slices)
+    if _is_fresh(value, data, dtype=dtype, device=device):
+        return data  # a lazy read returned new memory nobody else holds: adopt it, no second copy
+    return torch.empty(shape, dtype=dtype, device=device).copy_(data)
+
+
+def _is_fresh(value: Any, data: torch.Tensor, *, dtype: torch.dtype, device: torch.device) -> bool:
+    """True when ``data`` came from a lazy (file-backed) value, already in the wanted dtype, device and layout."""
+    return (
+        not isinstance(value, torch.Tensor)
+        and data.dtype == dtype
+        and data.device == device
+        and data.is_contiguous()
+        and data.storage_offset() == 0
+        and data.untyped_storage().nbytes() == data.numel() * data.element_size()  # not a view of a bigger read
+    )
+
+
+class SendBuffer:
+    """Rank 0's reusable staging memory for the outgoing blocks of one exchange batch that need
+    a copy (a cast, a strided view, a lazy read, a host-to-device move): its pages are faulted
+    in once, and it never holds more than the largest batch (at most one tensor's blocks)."""
+
+    _ALIGN = 64
+
+    def __init__(self) -> None:
+        self._bytes: torch.Tensor | None = None
+        self._used = 0
+
+    def reserve(self, sizes: list[int], device: torch.device) -> None:
+        """Make room for blocks of ``sizes`` bytes on ``device``; blocks taken before are given up."""
+        nbytes = sum(self._aligned(n) for n in sizes)
+        if nbytes and (self._bytes is None or self._bytes.numel() < nbytes or self._bytes.device != device):
+            self._bytes = None  # free the smaller one first
+            self._bytes = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._used = 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The next block of the reserved room, as a tensor of ``shape`` and ``dtype``."""
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * dtype.itemsize
+        start, self._used = self._used, self._used + self._aligned(nbytes)
+        return self._bytes[start : start + nbytes].view(dtype).view(shape)
+
+    @classmethod
+    def _aligned(cls, nbytes: int) -> int:
+        return -(-nbytes // cls._ALIGN) * cls._ALIGN
+
+
+def scatter_dense(
+    layout: TensorLayout,
+    value: Any,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    transfer_device: torch.device,
+    on_error: comm.Problems,
+    key: str,
+    into: torch.Tensor | None = None,
+    send_buffer: SendBuffer | None = None,
+) -> torch.Tensor | None:
+    """Collective: call on all ranks. Rank 0 holds ``value``; returns this rank's block of it on
+    ``device`` (None on rank 0 when its own block could not be read; the error is in ``on_error``).
+
+    Sharded tensors go in batched point-to-point exchanges (:func:`comm.exchange`, in
+    :func:`comm.batches`): rank 0 sends every other rank only its block, staging at most one
+    batch of blocks in ``send_buffer``, and takes its own; each other rank receives once and
+    waits for its bytes. Plain tensors, needed whole on every rank, are broadcast. ``into``
+    (this rank's block shape, ``dtype``, ``device``) receives the data in place when it is on
+    the transfer device.
+    """
+    if layout.pieces is None:
+        buf = _receive_buffer(into, layout.shape, dtype, transfer_device)
+        if comm.rank() == 0:
+            with on_error.guard(key):
+                fill_block(value, tuple(slice(None) for _ in layout.shape), buf)
+        comm.broadcast_from_rank0(buf)
+        return _deliver(buf, into, device)
+    mine = layout.pieces[comm.rank()]
+    itemsize = dtype.itemsize
+    others = {r: p.numel * itemsize for r, p in enumerate(layout.pieces) if r and p.numel}
+    if comm.rank() != 0:
+        buf = _receive_buffer(into, mine.shape, dtype, transfer_device)
+        if mine.numel:
+            comm.exchange([], [(buf, 0)])
+        return _deliver(buf, into, device)
+    send_buffer = send_buffer if send_buffer is not None else SendBuffer()
+    for batch in comm.batches(others):
+        views = {r: _view_to_send(value, layout.pieces[r], dtype, transfer_device) for r in batch}
+        send_buffer.reserve([others[r] for r in batch if views[r] is None], transfer_device)
+        sends = []
+        for r in batch:
+            piece = layout.pieces[r]
+            block = views[r]
+            if block is None:
+                block = send_buffer.take(piece.shape, dtype)
+                failures = len(on_error)
+                with on_error.guard(key):
+                    fill_block(value, piece.slices, block)
+                if len(on_error) > failures:  # rank r still waits for bytes: send zeros, the error is raised at the end
+                    block.zero_()
+            sends.append((block, r))
+        comm.exchange(sends, [])
+    own = None
+    with on_error.guard(key):
+        own = copy_block(value, (mine.shape, mine.slices), dtype=dtype, device=device, into=into)
+    return own
+
+
+def _view_to_send(value: Any, piece: Piece, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """``piece`` of an in-memory ``value`` when it already is a contiguous tensor in ``dtype`` on
+    the transfer ``device`` (sent without a copy); None when it must be staged."""
+    if isinstance(value, torch.Tensor) and not nf4.is_nf4(value):
+        view = value[piece.slices]
+        if view.is_contiguous() and view.dtype == dtype and comm.on_transfer_device(view, device):
+            return view
+    return None
+
+
+def _receive_buffer(
+    into: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, transfer_device: torch.device
+) -> torch.Tensor:
+    """``into`` when the collective can write straight into it, else new memory on ``transfer_device``."""
+    if into is not None and comm.on_transfer_device(into, transfer_device):
+        return into
+    return torch.empty(shape, dtype=dtype, device=transfer_device)
+
+
+def _deliver(received: torch.Tensor, into: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The received block, copied into ``into`` when given (unless it already is ``into``)."""
+    if into is None:
+        return received.to(device)
+    return into if received is into else into.copy_(received)
