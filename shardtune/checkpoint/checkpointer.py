@@ -50,6 +50,7 @@ from shardtune.checkpoint.state import (
     save_rng,
     set_rng_state,
 )
+from shardtune.distributed import device_type
 from shardtune.faults import fault_point
 from shardtune.state_dict import comm
 from shardtune.state_dict.keys import StateDictError
@@ -78,7 +79,9 @@ class Checkpointer:
     ``base_dir`` are on a filesystem every rank sees (shared across nodes in multi-node runs),
     or with ``shared_filesystem=False`` only on rank 0's: rank 0 then reads the base weights
     and reads and writes every checkpoint file, one gathered tensor at a time, and sends each
-    rank its piece (synchronous HF checkpoints only).
+    rank its piece (synchronous HF checkpoints only). ``device`` is where loaded shards go
+    (default: the current accelerator, else CPU); pass ``cpu_offload=True`` for a model sharded
+    with it, so its loaded shards stay on CPU.
     """
 
     def __init__(
@@ -94,7 +97,8 @@ class Checkpointer:
         max_shard_size: int | str = "5GB",
         fingerprint: dict[str, str] | None = None,
         seed: int = 0,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
+        cpu_offload: bool = False,
         shared_filesystem: bool = True,
         intermediate_format: str = "hf",
         async_save: bool = False,
@@ -118,7 +122,10 @@ class Checkpointer:
         self.max_shard_size = max_shard_size
         self.fingerprint = fingerprint or {}
         self.seed = seed
-        self.device = device
+        # Where loaded shards go (the current accelerator unless given; "cuda" means the current
+        # GPU); with ``cpu_offload`` (the model was sharded with it) model shards stay on CPU.
+        self.device = comm.normalize_device(device if device is not None else device_type())
+        self.cpu_offload = cpu_offload
         self.shared_filesystem = shared_filesystem
         self.is_lora = getattr(model, "lora_config", None) is not None
         self.intermediate_format = intermediate_format
@@ -143,7 +150,8 @@ class Checkpointer:
         if self.base_dir is None:
             raise ValueError("Checkpointer(base_dir=...) is needed to load the base model")
         keys = load_hf_checkpoint(
-            self.model, self.base_dir, device=self.device, shared_filesystem=self.shared_filesystem
+            self.model, self.base_dir, device=self.device, shared_filesystem=self.shared_filesystem,
+            cpu_offload=self.cpu_offload,
         )
         missing = [k for k in keys.missing_keys if not (self.is_lora and "lora" in k)]
         if missing:
@@ -171,9 +179,15 @@ class Checkpointer:
             load_dcp(self.model, self.optimizer, path / DCP_DIR, device=self.device)
         else:
             if self.is_lora:
-                load_peft_adapter(self.model, path / ADAPTER_DIR, device=self.device, shared_filesystem=shared)
+                load_peft_adapter(
+                    self.model, path / ADAPTER_DIR, device=self.device, shared_filesystem=shared,
+                    cpu_offload=self.cpu_offload,
+                )
             else:
-                load_hf_checkpoint(self.model, path, device=self.device, strict=True, shared_filesystem=shared)
+                load_hf_checkpoint(
+                    self.model, path, device=self.device, strict=True, shared_filesystem=shared,
+                    cpu_offload=self.cpu_offload,
+                )
             if self.optimizer is not None:
                 load_optimizer(self.model, self.optimizer, path / STATE_DIR, device=self.device, shared_filesystem=shared)
         if self.lr_scheduler is not None and progress.lr_scheduler:

@@ -20,10 +20,10 @@ from shardtune.checkpoint import Checkpointer, fingerprint
 from shardtune.checkpoint.tiny import create_tiny_base
 from shardtune.config import Config
 from shardtune.data import build_dataloader, build_dataset, collate, load_tokenizer
-from shardtune.distributed import init_distributed, shard_model
+from shardtune.distributed import device_type, init_distributed, shard_model
 from shardtune.models import cross_entropy_loss, llama_from_hf_config
 from shardtune.peft import apply_lora, init_lora_parameters
-from shardtune.state_dict.comm import all_gather_objects
+from shardtune.state_dict.comm import all_gather_objects, normalize_device
 from shardtune.training.loop import LoopSettings, run_training, steps_per_epoch
 from shardtune.training.metrics import MetricLogger
 from shardtune.training.optim import build_lr_scheduler, build_optimizer
@@ -51,7 +51,7 @@ def start(cfg: Config) -> Run:
     _agree_on_config(cfg)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    device = torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda", torch.cuda.current_device())
+    device = normalize_device(device_type())  # the GPU init_distributed selected, with its index
     return Run(rank=rank, world_size=world, device=device, dtype=DTYPES[cfg.dtype])
 
 

@@ -190,3 +190,15 @@ def recv(tensor: torch.Tensor, src: int) -> dist.Work:
     """Point-to-point: starts receiving into the contiguous ``tensor`` from rank ``src``."""
     stats.bytes_received += tensor.numel() * tensor.element_size()
     return dist.irecv(tensor, src)
+
+
+def normalize_device(device: torch.device | str | None) -> torch.device | None:
+    """``device`` as a ``torch.device``; ``"cuda"`` without an index means the current CUDA device
+    (``torch.device("cuda") != torch.device("cuda", k)``, so an unnormalized one defeats every
+    device comparison). None stays None."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
