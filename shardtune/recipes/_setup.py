@@ -117,6 +117,7 @@ def build_data(cfg: Config, run: Run, base_dir: Path):
         seed=cfg.seed,
         shuffle=cfg.shuffle,
         collate_fn=lambda batch: collate(batch, pad_id=tokenizer.pad_id),
+        pin_memory=run.device.type == "cuda",  # so on_device's copies can overlap compute
     )
     return tokenizer, loader, sampler
 
@@ -187,12 +188,15 @@ def load_weights(cfg: Config, run: Run, model: nn.Module, checkpointer: Checkpoi
 
 
 def on_device(batch: dict[str, torch.Tensor], run: Run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``tokens``, ``labels`` and ``position_ids`` (packed data only, else None) on the run's device."""
+    """``tokens``, ``labels`` and ``position_ids`` (packed data only, else None) on the run's device.
+
+    The copies do not block the host (the loader pins its batches on CUDA); count tokens on
+    the CPU batch (:func:`label_tokens`), never on these."""
     positions = batch.get("position_ids")
     return (
-        batch["tokens"].to(run.device),
-        batch["labels"].to(run.device),
-        positions.to(run.device) if positions is not None else None,
+        batch["tokens"].to(run.device, non_blocking=True),
+        batch["labels"].to(run.device, non_blocking=True),
+        positions.to(run.device, non_blocking=True) if positions is not None else None,
     )
 
 
@@ -201,7 +205,7 @@ def next_token_loss(model: nn.Module, run: Run):
 
     def loss_fn(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         tokens, labels, positions = on_device(batch, run)
-        return lm_loss(model(tokens, position_ids=positions), labels), label_tokens(labels)
+        return lm_loss(model(tokens, position_ids=positions), labels), label_tokens(batch["labels"])
 
     return loss_fn
 
@@ -224,6 +228,8 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def label_tokens(labels: torch.Tensor) -> int:
+    """Label tokens the loss averages over; pass the CPU batch's labels (a device tensor would
+    make ``int`` wait for the device)."""
     return int((labels[:, 1:] != -100).sum())
 
 
