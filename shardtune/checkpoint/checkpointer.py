@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from shardtune.checkpoint import atomic
 from shardtune.checkpoint.dcp_format import DCP_DIR, load_dcp, save_dcp, write_model_description
-from shardtune.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint, stage_hf_checkpoint
-from shardtune.checkpoint.hf_export import StagedWrites, StagingMemory
-from shardtune.checkpoint.optimizer_io import load_optimizer, save_optimizer, stage_optimizer
+from shardtune.checkpoint.hf import begin_hf_stage, load_hf_checkpoint, save_hf_checkpoint
+from shardtune.checkpoint.hf_export import StagedWrites, StagingMemory, stage_data
+from shardtune.checkpoint.optimizer_io import begin_optimizer_stage, load_optimizer, save_optimizer
 from shardtune.checkpoint.peft_format import load_peft_adapter, save_peft_adapter
 from shardtune.checkpoint.safetensors_io import CheckpointError
 from shardtune.checkpoint.state import (
@@ -135,7 +135,7 @@ class Checkpointer:
         use_group = async_save and intermediate_format == "dcp" and dist.is_initialized()
         self._async_group = dist.new_group(backend="gloo") if use_group else None
         self._background: ThreadPoolExecutor | None = None  # writes staged HF checkpoints
-        # CPU copies of background saves, kept for the next one (which then skips allocating them).
+        # The arena of background saves' CPU copies, kept for the next one (which then skips allocating it).
         keep = async_save and keep_staging_memory
         self._staging_memory = StagingMemory() if keep and intermediate_format == "hf" else None
         self._dcp_stager = _caching_dcp_stager() if keep and intermediate_format == "dcp" else None
@@ -343,20 +343,20 @@ class Checkpointer:
         return self.adapter_weights_only
 
     def _stage_weights_and_optimizer(self, staging: Path) -> list[StagedWrites]:
-        """Collective: everything but the big tensors is written now; their rows are copied to CPU."""
-        stages = []
-        memory = self._staging_memory
+        """Collective: everything but the big tensors is written now; their rows are copied to
+        CPU, model and optimizer into one arena (kept for the next save with keep_staging_memory)."""
+        plans = []
         if not self._write_adapter(staging):
-            stages.append(
-                stage_hf_checkpoint(
+            plans.append(
+                begin_hf_stage(
                     self.model, staging, max_shard_size=self.max_shard_size, merge_adapters=True,
-                    tokenizer_dir=self.base_dir, staging_memory=memory,
+                    tokenizer_dir=self.base_dir,
                 )
             )
         if self.optimizer is not None:
-            stages.append(stage_optimizer(self.model, self.optimizer, staging / STATE_DIR, staging_memory=memory))
-        if memory is not None:
-            memory.drop_unused()
+            plans.append(begin_optimizer_stage(self.model, self.optimizer, staging / STATE_DIR))
+        stages, problems = stage_data(plans, memory=self._staging_memory)
+        comm.raise_on_every_rank(problems, header=f"Staging checkpoint {staging} failed:", error=CheckpointError)
         return stages
 
     def _write_in_background(self, stages: list[StagedWrites]) -> Future:
