@@ -417,7 +417,7 @@ def _gather_item(item: ExportItem, problems: comm.Problems, *, out: torch.Tensor
     adapters = _gather_adapters(item)  # collective for sharded adapters: every rank, same order
     block = None
     with problems.guard(item.name):
-        block = _local_block(item, adapters, device="cpu")
+        block = _local_block(item, adapters, device=None)  # where the shard lives: the gather moves it once
     if block is None:  # still take part, so no rank waits; the problem is raised everywhere later
         block = torch.zeros(_my_piece(item.layout).shape, dtype=item.dtype)
     return gather_to_rank0(block, item.layout, transfer_device=comm.comm_device(None), on_error=problems, key=item.name, out=out)
@@ -452,15 +452,16 @@ class _Adapters:
 
 def _gather_adapters(item: ExportItem) -> _Adapters | None:
     """Collective when the adapters are DTensors: A whole, B whole unless its local rows are the
-    base's local rows. Decided from the global layouts, so every rank makes the same calls."""
+    base's local rows. Decided from the global layouts, so every rank makes the same calls.
+    Gathered adapters are on the transfer device (CPU-offloaded ones are copied there first)."""
     if item.merge is None:
         return None
     a, b = item.merge.lora_a.tensor, item.merge.lora_b.tensor
-    a_full = a.full_tensor() if isinstance(a, DTensor) else a
+    transfer_device = comm.comm_device(None)
+    a_full = comm.full_tensor(a.detach(), transfer_device)
     if _rows_line_up(item.layout, layout_of(b, comm.world_size())):
-        return _Adapters(a_full.detach(), _local(b).detach(), b_is_local=True)
-    b_full = b.full_tensor() if isinstance(b, DTensor) else b
-    return _Adapters(a_full.detach(), b_full.detach(), b_is_local=False)
+        return _Adapters(a_full, _local(b).detach(), b_is_local=True)
+    return _Adapters(a_full, comm.full_tensor(b.detach(), transfer_device), b_is_local=False)
 
 
 def _rows_line_up(w: TensorLayout, b: TensorLayout) -> bool:

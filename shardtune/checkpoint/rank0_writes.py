@@ -32,7 +32,7 @@ class ByteRing:
 
     def __init__(self, nbytes: int) -> None:
         self.capacity = _region_bytes(nbytes)
-        self._memory = torch.empty(self.capacity, dtype=torch.uint8)
+        self._memory = comm.host_empty(self.capacity, dtype=torch.uint8)
         self._in_use: deque[tuple[int, int]] = deque()  # (start, end), oldest first
         self._changed = threading.Condition()
 

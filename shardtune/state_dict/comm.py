@@ -1,7 +1,12 @@
 """Collectives used by the state-dict functions, with exact byte accounting.
 
-Every function here is collective over the default process group unless it says it is
-point-to-point. All ranks must call them in the same order with matching arguments.
+Every function here is collective over the default process group. All ranks must call them
+in the same order with matching arguments. NCCL's rules hold for every call, so a process
+group created with NCCL alone works: tensors handed to a collective are on the transfer
+device (:func:`comm_device`; :func:`to_transfer` is the one way there), with a dtype NCCL
+knows (others travel as raw bytes), and point-to-point traffic goes through
+``batch_isend_irecv`` (:func:`exchange`), which reuses the group's communicator rather than
+building one per pair of ranks.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from shardtune.state_dict.keys import StateDictError, format_problems
 
@@ -51,20 +57,87 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def comm_device(device: torch.device | str | None) -> torch.device:
-    """Device that tensors must be on for this process group's backend.
+def normalize_device(device: torch.device | str | None) -> torch.device | None:
+    """``device`` as a ``torch.device`` with an index for accelerators: ``"cuda"`` means the
+    current CUDA device (``torch.device("cuda") != torch.device("cuda", 0)``, so comparing an
+    unindexed device with a tensor's never matches). CPU, meta and None pass through."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.index is not None or device.type in ("cpu", "meta"):
+        return device
+    current = getattr(getattr(torch, device.type, None), "current_device", None)
+    return device if current is None else torch.device(device.type, current())
 
-    gloo moves CPU tensors; NCCL-like backends need accelerator tensors, on ``device`` when
-    given (CPU-offloaded shards are moved there for the collective) or the current accelerator.
+
+def comm_device(device: torch.device | str | None) -> torch.device:
+    """Device that tensors must be on for this process group's backend (the transfer device).
+
+    gloo moves CPU tensors; a group with an accelerator backend (NCCL alone, or
+    ``"cpu:gloo,cuda:nccl"``) moves accelerator tensors: on ``device`` when it is an
+    accelerator (CPU-offloaded shards are copied there for the collective), else on the
+    current accelerator.
     """
-    if not dist.is_initialized() or dist.get_backend() == "gloo":
+    if not dist.is_initialized():
         return torch.device("cpu")
-    if device is not None and torch.device(device).type != "cpu":
-        return torch.device(device)
+    backend = str(dist.get_backend())
     accelerator = torch.accelerator.current_accelerator()
-    if accelerator is None:
+    if backend == "gloo" or accelerator is None or (":" in backend and f"{accelerator.type}:" not in backend):
         return torch.device("cpu")
+    device = normalize_device(device)
+    if device is not None and device.type != "cpu":
+        return device
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def on_transfer_device(tensor: torch.Tensor, device: torch.device) -> bool:
+    """True when a collective may use ``tensor``'s own memory: it lives on the transfer ``device``.
+
+    The one place that decides it (the CPU test harness answers False for memory that is the
+    host's on a GPU run, such as CPU-offloaded shards, so the code copies as it would there)."""
+    return tensor.device == device
+
+
+def to_transfer(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` as a contiguous tensor on the transfer ``device``: itself when it already is
+    one, else a copy. Every tensor that may live in host memory reaches a collective through here."""
+    if on_transfer_device(tensor, device):
+        return tensor.contiguous()
+    return tensor.to(device=device, memory_format=torch.contiguous_format, copy=True)
+
+
+def host_empty(shape: tuple[int, ...] | int, *, dtype: torch.dtype) -> torch.Tensor:
+    """New CPU memory for results on the host (gathered tensors, write buffers); a collective
+    writes into it only when :func:`on_transfer_device` allows."""
+    return torch.empty(shape, dtype=dtype, device="cpu")
+
+
+# What NCCL can reduce or move as typed data; other dtypes travel as their bytes (uint8).
+NCCL_DTYPES = frozenset(
+    {
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.float8_e4m3fnuz,
+        torch.float8_e5m2fnuz,
+    }
+)
+
+
+def wire(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (contiguous) or, for a dtype NCCL lacks (uint16/32/64, int16, ...), a flat
+    uint8 view of the same memory: moving it moves the same bytes. Not for reductions."""
+    if tensor.dtype in NCCL_DTYPES:
+        return tensor
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def all_gather_objects(obj: object) -> list[object]:
@@ -111,23 +184,24 @@ def scatter_from_rank0(
     ``numels[r]`` is rank r's block size (known to every rank). On rank 0, ``block_for(r)``
     returns rank r's block (any shape/dtype/device; None if it could not be produced, which
     sends zeros so the collective still completes); other ranks pass None. Blocks are padded
-    to the longest so one ``scatter`` moves them and each rank receives only its own bytes.
-    Returns this rank's block, flat: written into ``into`` (a contiguous tensor of this rank's
-    size, dtype and device) when given, so no new memory is needed, else in new memory.
+    to the longest so one ``scatter`` (on ``device``, the transfer device) moves them and
+    each rank receives only its own bytes. Returns this rank's block, flat: written into
+    ``into`` (a contiguous tensor of this rank's size, dtype and device) when given, so no
+    new memory is needed, else in new memory.
     """
     me = rank()
     longest = max(numels)
-    direct = into is not None and into.numel() == longest and into.dtype == dtype and into.device == device
+    direct = into is not None and into.numel() == longest and into.dtype == dtype and on_transfer_device(into, device)
     out = into.view(-1) if direct else torch.empty(longest, dtype=dtype, device=device)
     scatter_list = None
     if me == 0:
         # Views of the caller's blocks where they fit: the scatter itself copies rank 0's own
         # block into ``out``, so each byte is copied once.
-        scatter_list = [_flat_padded(block_for(r), longest, dtype, device) for r in range(len(numels))]
+        scatter_list = [wire(_flat_padded(block_for(r), longest, dtype, device)) for r in range(len(numels))]
         stats.bytes_sent += longest * out.element_size() * (len(numels) - 1)
     else:
         stats.bytes_received += longest * out.element_size()
-    dist.scatter(out, scatter_list, src=0)
+    dist.scatter(wire(out), scatter_list, src=0)
     if into is not None and not direct:
         into.view(-1).copy_(out[: numels[me]])
         return into.view(-1)
@@ -135,13 +209,13 @@ def scatter_from_rank0(
 
 
 def _flat_padded(block: torch.Tensor | None, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``block`` flattened to ``length`` elements; a view (no copy) when it already fits."""
+    """``block`` flattened to ``length`` elements on ``device``; a view (no copy) when it already fits."""
     if (
         block is not None
         and block.numel() == length
         and block.is_contiguous()
         and block.dtype == dtype
-        and block.device == device
+        and on_transfer_device(block, device)
     ):
         return block.view(-1)
     buf = torch.empty(length, dtype=dtype, device=device)
@@ -156,23 +230,25 @@ def _copy_into(block: torch.Tensor | None, flat: torch.Tensor) -> None:
         flat[: block.numel()].view(block.shape).copy_(block)
 
 
-def all_gather_varlen(local: torch.Tensor, numels: list[int]) -> list[torch.Tensor]:
+def all_gather_varlen(local: torch.Tensor, numels: list[int], *, device: torch.device) -> list[torch.Tensor]:
     """Collective: call on all ranks. Every rank's flat ``local`` (rank r has ``numels[r]``
-    elements), padded to the longest for one ``all_gather``; returned unpadded, by rank."""
+    elements, anywhere), padded to the longest for one ``all_gather`` on the transfer
+    ``device``; returned unpadded, by rank, on ``device``."""
     longest = max(numels)
-    padded = torch.zeros(longest, dtype=local.dtype, device=local.device)
-    padded[: local.numel()] = local.flatten()
+    padded = torch.zeros(longest, dtype=local.dtype, device=device)
+    padded[: local.numel()] = local.flatten()  # the host-to-device copy, when local is offloaded
     gathered = [torch.empty_like(padded) for _ in numels]
-    dist.all_gather(gathered, padded)
+    dist.all_gather([wire(g) for g in gathered], wire(padded))
     stats.bytes_sent += longest * padded.element_size() * (len(numels) - 1)
     stats.bytes_received += longest * padded.element_size() * (len(numels) - 1)
     return [g[:n] for g, n in zip(gathered, numels)]
 
 
 def broadcast_from_rank0(tensor: torch.Tensor) -> torch.Tensor:
-    """Collective: call on all ranks. Rank 0's ``tensor`` is copied into every rank's ``tensor``."""
+    """Collective: call on all ranks. Rank 0's ``tensor`` (contiguous, on the transfer device)
+    is copied into every rank's ``tensor``; returns it."""
     nbytes = tensor.numel() * tensor.element_size()
-    dist.broadcast(tensor, src=0)
+    dist.broadcast(wire(tensor), src=0)
     if rank() == 0:
         stats.bytes_sent += nbytes * (world_size() - 1)
     else:
@@ -180,25 +256,61 @@ def broadcast_from_rank0(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def send(tensor: torch.Tensor, dst: int) -> dist.Work:
-    """Point-to-point: starts sending a contiguous ``tensor`` to rank ``dst``."""
-    stats.bytes_sent += tensor.numel() * tensor.element_size()
-    return dist.isend(tensor, dst)
+def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
+    """Batched point-to-point: sends each ``(tensor, dst)`` and receives into each ``(tensor, src)``
+    in one ``batch_isend_irecv``, then waits for all of them.
+
+    Collective over the ranks named: every rank that appears in another rank's call makes one
+    matching call (a send to rank r pairs with r's receive from this rank, in the same order,
+    same size). On NCCL the batch runs on the group's own communicator. Tensors are contiguous
+    and on the transfer device. On an accelerator the host waits until the bytes arrived, so a
+    rank never queues more than one batch and then idles inside a collective until the timeout
+    while rank 0 reads a large checkpoint. Returns None on every rank; a rank with no ops
+    returns at once.
+    """
+    ops = [dist.P2POp(dist.isend, wire(t), dst) for t, dst in sends]
+    ops += [dist.P2POp(dist.irecv, wire(t), src) for t, src in recvs]
+    if not ops:
+        return
+    stats.bytes_sent += sum(t.numel() * t.element_size() for t, _ in sends)
+    stats.bytes_received += sum(t.numel() * t.element_size() for t, _ in recvs)
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    device = ops[0].tensor.device
+    if device.type != "cpu":
+        torch.accelerator.current_stream(device).synchronize()
 
 
-def recv(tensor: torch.Tensor, src: int) -> dist.Work:
-    """Point-to-point: starts receiving into the contiguous ``tensor`` from rank ``src``."""
-    stats.bytes_received += tensor.numel() * tensor.element_size()
-    return dist.irecv(tensor, src)
+BATCH_BYTES = 256 << 20  # bytes one exchange batch moves at most (unless one block alone is larger)
 
 
-def normalize_device(device: torch.device | str | None) -> torch.device | None:
-    """``device`` as a ``torch.device``; ``"cuda"`` without an index means the current CUDA device
-    (``torch.device("cuda") != torch.device("cuda", k)``, so an unnormalized one defeats every
-    device comparison). None stays None."""
-    if device is None:
-        return None
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
+def batches(nbytes: dict[int, int], *, limit: int = BATCH_BYTES) -> list[list[int]]:
+    """The ranks of ``nbytes`` (rank -> bytes it sends or receives), in order, split into
+    consecutive batches of at most ``limit`` bytes (a larger block gets a batch of its own).
+
+    Identical on every rank given the same ``nbytes``: rank 0 takes part in every batch, each
+    other rank in its own one, so rank 0 holds at most one batch of staged blocks."""
+    groups: list[list[int]] = []
+    total = 0
+    for r, size in nbytes.items():
+        if not groups or total + size > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(r)
+        total += size
+    return groups
+
+
+def full_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Collective for a DTensor: call on all ranks of its mesh. Returns the whole tensor on the
+    transfer ``device`` (a plain tensor is returned as it is).
+
+    ``DTensor.full_tensor()`` would all-gather the local tensor where it lives, in host memory
+    for a CPU-offloaded param, which NCCL refuses; the local tensor is copied first."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    local = to_transfer(tensor._local_tensor, device)
+    moved = DTensor.from_local(
+        local, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+    )
+    return moved.full_tensor()

@@ -1,8 +1,10 @@
 """Sharded model -> full CPU state dict on rank 0 (``gather_cpu_state_dict``).
 
-Rank 0 allocates each full tensor once and receives every distinct shard straight into
-its place (point-to-point from the lowest rank holding it), so each shard crosses the
-network once and rank 0 never holds two copies. Plain (replicated) tensors are already
+Rank 0 allocates each full tensor once and receives every distinct shard from the lowest
+rank holding it, in batched exchanges (``batch_isend_irecv`` on the group's communicator),
+straight into its place when the output is on the transfer device (gloo), else through a
+staging block per shard of one batch. Each shard crosses the network once and rank 0 holds
+the output plus at most one batch of one tensor. Plain (replicated) tensors are already
 whole on rank 0 and move not at all.
 """
 
@@ -14,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from shardtune.state_dict import comm, nf4
 from shardtune.state_dict.keys import ModelEntry, StateDictError, is_adapter_key, model_entries, state_dict_order
-from shardtune.state_dict.layout import TensorLayout, layout_of
+from shardtune.state_dict.layout import Piece, TensorLayout, layout_of
 from shardtune.state_dict.load import model_signature
 
 
@@ -34,6 +36,7 @@ def gather_cpu_state_dict(
     (names containing ``lora`` or ``magnitude``), filtered before anything is sent.
     ``device`` is where CPU-offloaded shards go for the collective (NCCL); gloo uses CPU.
     """
+    device = comm.normalize_device(device)
     entries = model_entries(model)
     if adapter_weights_only:
         entries = _adapter_entries(entries)
@@ -92,35 +95,42 @@ def gather_to_rank0(
     """Collective: call on all ranks. Returns the full tensor on rank 0 (CPU: ``out`` when
     given, a contiguous CPU tensor of the full shape and dtype, else new memory), None elsewhere.
 
-    Each distinct non-empty shard is sent once, by the lowest rank holding it, directly into
-    its place in rank 0's output when that block is contiguous.
+    Each distinct non-empty shard is sent once, by the lowest rank holding it (from wherever it
+    lives, copied to the transfer device when it is elsewhere), and lands directly in its place
+    in rank 0's output when that block is contiguous and on the transfer device.
     """
     me = comm.rank()
     local = _dense_local(tensor, on_error, key)
     if me == 0 and out is None:
-        out = torch.empty(layout.shape, dtype=tensor.dtype, device="cpu")
+        out = comm.host_empty(layout.shape, dtype=tensor.dtype)
     if not layout.is_sharded:
         return out.copy_(local) if me == 0 else None
-    works, staged, in_flight = [], [], []
-    for piece, owner in layout.owners().items():
-        if me == 0 and owner == 0:
-            out[piece.slices].copy_(local)
-        elif me == 0:
-            region = out[piece.slices]
-            if region.is_contiguous() and transfer_device.type == "cpu":
-                works.append(comm.recv(region, owner))
-            else:
-                tmp = torch.empty(piece.shape, dtype=tensor.dtype, device=transfer_device)
-                works.append(comm.recv(tmp, owner))
-                staged.append((region, tmp))
-        elif owner == me:
-            in_flight.append(local.to(device=transfer_device).contiguous())  # alive until wait()
-            works.append(comm.send(in_flight[-1], 0))
-    for work in works:
-        work.wait()
+    senders = {owner: piece for piece, owner in layout.owners().items()}
+    if me == 0 and 0 in senders:
+        out[senders[0].slices].copy_(local)
+    itemsize = tensor.dtype.itemsize
+    for batch in comm.batches({r: p.numel * itemsize for r, p in senders.items() if r}):
+        if me == 0:
+            _receive_batch(out, {r: senders[r] for r in batch}, transfer_device)
+        elif me in batch:
+            comm.exchange([(comm.to_transfer(local, transfer_device), 0)], [])
+    return out
+
+
+def _receive_batch(out: torch.Tensor, pieces: dict[int, Piece], transfer_device: torch.device) -> None:
+    """Rank 0's side of one batch: each sender's piece into its place in ``out``."""
+    recvs, staged = [], []
+    for r, piece in pieces.items():
+        region = out[piece.slices]
+        if region.is_contiguous() and comm.on_transfer_device(region, transfer_device):
+            recvs.append((region, r))
+        else:
+            tmp = torch.empty(piece.shape, dtype=out.dtype, device=transfer_device)
+            recvs.append((tmp, r))
+            staged.append((region, tmp))
+    comm.exchange([], recvs)
     for region, tmp in staged:
         region.copy_(tmp)
-    return out
 
 
 def _dense_local(tensor: torch.Tensor, on_error: comm.Problems, key: str) -> torch.Tensor:

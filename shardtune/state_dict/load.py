@@ -66,7 +66,8 @@ def load_from_full_model_state_dict(
     ``cpu_offload``. Returns the same ``_IncompatibleKeys(missing, unexpected)`` on every rank;
     with ``strict=True`` raises :class:`StateDictError` on every rank before any data moves.
     """
-    local_device = torch.device("cpu") if cpu_offload else torch.device(device)
+    device = comm.normalize_device(device)
+    local_device = torch.device("cpu") if cpu_offload else device
     transfer_device = comm.comm_device(device)
     plan = _agree_on_plan(model_entries(model), full_sd, strict=strict)
     problems = comm.Problems()
@@ -278,7 +279,7 @@ def _my_piece(
     if nf4.is_nf4(like):
         if mode == RANK0:
             return _scatter_nf4(item, value, like, device, transfer_device, problems)
-        return _slice_nf4(item, value, like, device, problems)
+        return _slice_nf4(item, value, like, device, transfer_device, problems)
     into = fillable(like, device=device)
     if mode == RANK0:
         return scatter_dense(
@@ -357,22 +358,36 @@ def _is_fresh(value: Any, data: torch.Tensor, *, dtype: torch.dtype, device: tor
 
 
 class SendBuffer:
-    """Rank 0's one reusable buffer for outgoing blocks that need a copy (a cast, a strided
-    view, a lazy read): its pages are faulted in once, and it never holds more than the
-    largest block sent."""
+    """Rank 0's reusable staging memory for the outgoing blocks of one exchange batch that need
+    a copy (a cast, a strided view, a lazy read, a host-to-device move): its pages are faulted
+    in once, and it never holds more than the largest batch (at most one tensor's blocks)."""
+
+    _ALIGN = 64
 
     def __init__(self) -> None:
         self._bytes: torch.Tensor | None = None
+        self._used = 0
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def reserve(self, sizes: list[int], device: torch.device) -> None:
+        """Make room for blocks of ``sizes`` bytes on ``device``; blocks taken before are given up."""
+        nbytes = sum(self._aligned(n) for n in sizes)
+        if self._bytes is None or self._bytes.numel() < nbytes or self._bytes.device != device:
+            self._bytes = None  # free the smaller one first
+            self._bytes = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._used = 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The next block of the reserved room, as a tensor of ``shape`` and ``dtype``."""
         numel = 1
         for s in shape:
             numel *= s
         nbytes = numel * dtype.itemsize
-        if self._bytes is None or self._bytes.numel() < nbytes or self._bytes.device != device:
-            self._bytes = None  # free the smaller one first
-            self._bytes = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return self._bytes[:nbytes].view(dtype).view(shape)
+        start, self._used = self._used, self._used + self._aligned(nbytes)
+        return self._bytes[start : start + nbytes].view(dtype).view(shape)
+
+    @classmethod
+    def _aligned(cls, nbytes: int) -> int:
+        return -(-nbytes // cls._ALIGN) * cls._ALIGN
 
 
 def scatter_dense(
@@ -390,10 +405,12 @@ def scatter_dense(
     """Collective: call on all ranks. Rank 0 holds ``value``; returns this rank's block of it on
     ``device`` (None on rank 0 when its own block could not be read; the error is in ``on_error``).
 
-    Sharded tensors go point to point: rank 0 sends every other rank only its block, one rank
-    at a time (at most one outgoing block is staged, in ``send_buffer``), then takes its own;
-    plain tensors, needed whole on every rank, are broadcast. ``into`` (this rank's block
-    shape, ``dtype``, ``device``) receives the data in place when given.
+    Sharded tensors go in batched point-to-point exchanges (:func:`comm.exchange`, in
+    :func:`comm.batches`): rank 0 sends every other rank only its block, staging at most one
+    batch of blocks in ``send_buffer``, and takes its own; each other rank receives once and
+    waits for its bytes. Plain tensors, needed whole on every rank, are broadcast. ``into``
+    (this rank's block shape, ``dtype``, ``device``) receives the data in place when it is on
+    the transfer device.
     """
     if layout.pieces is None:
         buf = _receive_buffer(into, layout.shape, dtype, transfer_device)
@@ -403,56 +420,50 @@ def scatter_dense(
         comm.broadcast_from_rank0(buf)
         return _deliver(buf, into, device)
     mine = layout.pieces[comm.rank()]
+    itemsize = dtype.itemsize
+    others = {r: p.numel * itemsize for r, p in enumerate(layout.pieces) if r and p.numel}
     if comm.rank() != 0:
         buf = _receive_buffer(into, mine.shape, dtype, transfer_device)
         if mine.numel:
-            comm.recv(buf, 0).wait()
+            comm.exchange([], [(buf, 0)])
         return _deliver(buf, into, device)
     send_buffer = send_buffer if send_buffer is not None else SendBuffer()
-    in_flight: list = []
-    for r, piece in enumerate(layout.pieces[1:], start=1):
-        if not piece.numel:
-            continue
-        block = None
-        with on_error.guard(key):
-            block = _block_to_send(value, piece, dtype, transfer_device, send_buffer, in_flight)
-        if block is None:  # rank r still waits for bytes: send zeros, the error is raised at the end
-            _wait_all(in_flight)
-            block = send_buffer.take(piece.shape, dtype, transfer_device).zero_()
-        in_flight.append(comm.send(block, r))
-    # Rank 0's own block is read while the last send is still on the wire.
+    for batch in comm.batches(others):
+        send_buffer.reserve([others[r] for r in batch], transfer_device)
+        sends = []
+        for r in batch:
+            piece = layout.pieces[r]
+            block = _view_to_send(value, piece, dtype, transfer_device)
+            if block is None:
+                block = send_buffer.take(piece.shape, dtype)
+                failures = len(on_error)
+                with on_error.guard(key):
+                    fill_block(value, piece.slices, block)
+                if len(on_error) > failures:  # rank r still waits for bytes: send zeros, the error is raised at the end
+                    block.zero_()
+            sends.append((block, r))
+        comm.exchange(sends, [])
     own = None
     with on_error.guard(key):
         own = copy_block(value, (mine.shape, mine.slices), dtype=dtype, device=device, into=into)
-    _wait_all(in_flight)
     return own
 
 
-def _wait_all(works: list) -> None:
-    for work in works:
-        work.wait()
-    works.clear()
-
-
-def _block_to_send(
-    value: Any, piece: Piece, dtype: torch.dtype, device: torch.device, send_buffer: SendBuffer, in_flight: list
-) -> torch.Tensor:
-    """``piece`` of ``value`` as a contiguous tensor: a view of an in-memory value when it
-    already is one (no copy), else staged in ``send_buffer`` once the sends that may still
-    read it (``in_flight``) are done."""
+def _view_to_send(value: Any, piece: Piece, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """``piece`` of an in-memory ``value`` when it already is a contiguous tensor in ``dtype`` on
+    the transfer ``device`` (sent without a copy); None when it must be staged."""
     if isinstance(value, torch.Tensor) and not nf4.is_nf4(value):
         view = value[piece.slices]
-        if view.is_contiguous() and view.dtype == dtype and view.device == device:
+        if view.is_contiguous() and view.dtype == dtype and comm.on_transfer_device(view, device):
             return view
-    _wait_all(in_flight)
-    return fill_block(value, piece.slices, send_buffer.take(piece.shape, dtype, device))
+    return None
 
 
 def _receive_buffer(
     into: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, transfer_device: torch.device
 ) -> torch.Tensor:
     """``into`` when the collective can write straight into it, else new memory on ``transfer_device``."""
-    if into is not None and into.device == transfer_device:
+    if into is not None and comm.on_transfer_device(into, transfer_device):
         return into
     return torch.empty(shape, dtype=dtype, device=transfer_device)
 
@@ -475,7 +486,14 @@ def _whole(value: Any, layout: TensorLayout) -> Any:
     return value if nf4.is_nf4(value) else read_block(value, tuple(slice(None) for _ in layout.shape))
 
 
-def _slice_nf4(item: _Item, value: Any, like: torch.Tensor, device: torch.device, problems: comm.Problems) -> torch.Tensor | None:
+def _slice_nf4(
+    item: _Item,
+    value: Any,
+    like: torch.Tensor,
+    device: torch.device,
+    transfer_device: torch.device,
+    problems: comm.Problems,
+) -> torch.Tensor | None:
     """This rank's NF4 block when every rank holds the full value.
 
     An NF4 value (same block sizes) is cut by rows. A plain value is read and quantized per
@@ -496,8 +514,8 @@ def _slice_nf4(item: _Item, value: Any, like: torch.Tensor, device: torch.device
     with problems.guard(item.key):
         rows = read_block(value, item.layout.pieces[comm.rank()].slices).to(device=device, dtype=like.dtype)
         scalers = nf4.block_scalers(rows, like)
-    parts = comm.all_gather_varlen(scalers, numels)  # collective even after a failed read
-    mean = torch.cat([parts[rank] for _, rank in owners]).mean()
+    parts = comm.all_gather_varlen(scalers, numels, device=transfer_device)  # collective even after a failed read
+    mean = torch.cat([parts[rank] for _, rank in owners]).mean().to(device)
     if rows is None:
         return None
     with problems.guard(item.key):

@@ -68,8 +68,10 @@ def get_full_optimizer_state_dict(
 
     Collective: call on all ranks. Rank 0 returns ``{"state": {fqn: {...}}, "param_groups":
     [{..., "params": [fqn, ...]}]}`` with full, independent CPU tensors; other ranks ``{}``.
-    Params without state (frozen, never stepped) are listed in ``params`` only.
+    Params without state (frozen, never stepped) are listed in ``params`` only. ``device`` is
+    where CPU-offloaded state goes for the collectives (NCCL); gloo uses CPU.
     """
+    device = comm.normalize_device(device)
     groups = param_group_fqns(model, opt)
     view = [
         [(fqn, [(k, _value_kind(v)) for k, v in opt.state.get(p, {}).items()]) for fqn, p in zip(fqns, g["params"])]
@@ -128,6 +130,7 @@ def load_from_full_optimizer_state_dict(
     from it. State shaped like its param is sharded like the param (rank 0 scatters only each
     rank's block). Problems raise :class:`StateDictError` on every rank before data moves.
     """
+    device = comm.normalize_device(device)
     groups = param_group_fqns(model, opt)
     params = {fqn: p for fqns, g in zip(groups, opt.param_groups) for fqn, p in zip(fqns, g["params"])}
     local = _fqn_keyed(full_sd, groups) if full_sd else None
