@@ -79,14 +79,12 @@ def _loopback_hostname_warnings(env: Mapping[str, str], backend: str) -> list[st
     common /etc/hosts default) is unreachable from other nodes, so their gloo groups hang."""
     if "gloo" not in backend or env.get("GLOO_SOCKET_IFNAME") or not _several_nodes(env):
         return []
-    if _is_loopback(env.get("MASTER_ADDR", "")):  # the rendezvous is on this host: so are all nodes
+    master = _address_of(env.get("MASTER_ADDR", ""))
+    if master is None or _is_loopback(master):  # the nodes meet on this host: they all are on it
         return []
     hostname = socket.gethostname()
-    try:
-        address = socket.gethostbyname(hostname)
-    except OSError:
-        return []  # gloo then falls back to an interface of its own choice and says so
-    if not _is_loopback(address):
+    address = _address_of(hostname)
+    if address is None or not _is_loopback(address):  # unresolvable: gloo picks an interface and says so
         return []
     warning = (
         f"this host's name {hostname!r} resolves to the loopback address {address}, which gloo binds to: other "
@@ -106,9 +104,15 @@ def _several_nodes(env: Mapping[str, str]) -> bool:
     return world.isdigit() and local.isdigit() and int(world) > int(local)
 
 
+def _address_of(name: str) -> str | None:
+    """The address ``name`` (a hostname or an address) resolves to; None when it does not."""
+    try:
+        return socket.gethostbyname(name) if name else None
+    except OSError:
+        return None
+
+
 def _is_loopback(address: str) -> bool:
-    if address == "localhost":
-        return True
     try:
         return ipaddress.ip_address(address).is_loopback
     except ValueError:

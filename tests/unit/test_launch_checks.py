@@ -22,7 +22,14 @@ def hostname_on(monkeypatch):
 
     def set_address(address: str) -> None:
         monkeypatch.setattr(socket, "gethostname", lambda: "node1")
-        monkeypatch.setattr(socket, "gethostbyname", lambda name: address if name == "node1" else "10.0.0.1")
+        table = {"node1": address, "node0": "10.0.0.1", "127.0.0.1": "127.0.0.1"}
+
+        def resolve(name: str) -> str:
+            if name not in table:
+                raise socket.gaierror(f"unknown host {name}")
+            return table[name]
+
+        monkeypatch.setattr(socket, "gethostbyname", resolve)
 
     return set_address
 
@@ -83,6 +90,8 @@ def test_no_loopback_warning_when_it_cannot_matter(hostname_on):
     assert check_launch({**TORCHRUN, "GLOO_SOCKET_IFNAME": "eth0"}, backend="gloo") == []
     assert check_launch({**TORCHRUN, "LOCAL_WORLD_SIZE": "16"}, backend="gloo") == []  # one node
     assert check_launch({**TORCHRUN, "MASTER_ADDR": "127.0.0.1"}, backend="gloo") == []  # all on this host
+    assert check_launch({**TORCHRUN, "MASTER_ADDR": "node1"}, backend="gloo") == []  # so is this host's own name
+    assert check_launch({**TORCHRUN, "MASTER_ADDR": "unknown"}, backend="gloo") == []  # torchrun fails clearly then
     assert check_launch(TORCHRUN, backend="nccl") == []  # no gloo group
     hostname_on("10.1.2.3")
     assert check_launch(TORCHRUN, backend="gloo") == []
