@@ -15,6 +15,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from shardtune.launch_checks import check_launch
+
+log = logging.getLogger(__name__)
+
 
 def end_process(code: int) -> NoReturn:
     """Flush output and logs, then end this rank's process without interpreter finalization.
@@ -41,21 +45,30 @@ def init_distributed(*, backend: str | None = None, timeout_s: float = 600.0) ->
     """Initialise the default process group from torchrun's environment; returns (rank, world size).
 
     Without torchrun's variables, a single-process group is created so recipes also run with
-    plain ``python``. ``timeout_s`` bounds every collective: a dead rank surfaces as an error
-    on the others after that long instead of a hang.
+    plain ``python`` (but not under ``srun``/``mpirun`` with several tasks: see
+    :mod:`shardtune.launch_checks`, whose checks run first on every rank). ``timeout_s``
+    bounds every collective: a dead rank surfaces as an error on the others after that long
+    instead of a hang. On CUDA the group is bound to ``LOCAL_RANK``'s GPU (``device_id``), so
+    NCCL's communicator is created at once and every collective and batched point-to-point
+    transfer shares it.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    kind = device_type()
+    if backend is None:
+        backend = "gloo" if kind == "cpu" else "cpu:gloo,cuda:nccl" if kind == "cuda" else None
+    for warning in check_launch(os.environ, backend=backend):
+        log.warning(warning)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    kind = device_type()
-    if backend is None:
-        backend = "gloo" if kind == "cpu" else "cpu:gloo,cuda:nccl" if kind == "cuda" else None
+    device_id = None
     if kind != "cpu":
-        torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.accelerator.set_device_index(local_rank)
+        device_id = torch.device(kind, local_rank) if kind == "cuda" else None
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), device_id=device_id)
     return dist.get_rank(), dist.get_world_size()
 
 

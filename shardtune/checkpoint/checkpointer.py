@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from shardtune.checkpoint import atomic
 from shardtune.checkpoint.dcp_format import DCP_DIR, load_dcp, save_dcp, write_model_description
-from shardtune.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint, stage_hf_checkpoint
-from shardtune.checkpoint.hf_export import StagedWrites, StagingMemory
-from shardtune.checkpoint.optimizer_io import load_optimizer, save_optimizer, stage_optimizer
+from shardtune.checkpoint.hf import begin_hf_stage, load_hf_checkpoint, save_hf_checkpoint
+from shardtune.checkpoint.hf_export import StagedWrites, StagingMemory, stage_data
+from shardtune.checkpoint.optimizer_io import begin_optimizer_stage, load_optimizer, save_optimizer
 from shardtune.checkpoint.peft_format import load_peft_adapter, save_peft_adapter
 from shardtune.checkpoint.safetensors_io import CheckpointError
 from shardtune.checkpoint.state import (
@@ -50,6 +50,7 @@ from shardtune.checkpoint.state import (
     save_rng,
     set_rng_state,
 )
+from shardtune.distributed import device_type
 from shardtune.faults import fault_point
 from shardtune.state_dict import comm
 from shardtune.state_dict.keys import StateDictError
@@ -78,7 +79,9 @@ class Checkpointer:
     ``base_dir`` are on a filesystem every rank sees (shared across nodes in multi-node runs),
     or with ``shared_filesystem=False`` only on rank 0's: rank 0 then reads the base weights
     and reads and writes every checkpoint file, one gathered tensor at a time, and sends each
-    rank its piece (synchronous HF checkpoints only).
+    rank its piece (synchronous HF checkpoints only). ``device`` is where loaded shards go
+    (default: the current accelerator, else CPU); pass ``cpu_offload=True`` for a model sharded
+    with it, so its loaded shards stay on CPU.
     """
 
     def __init__(
@@ -94,7 +97,8 @@ class Checkpointer:
         max_shard_size: int | str = "5GB",
         fingerprint: dict[str, str] | None = None,
         seed: int = 0,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
+        cpu_offload: bool = False,
         shared_filesystem: bool = True,
         intermediate_format: str = "hf",
         async_save: bool = False,
@@ -118,7 +122,10 @@ class Checkpointer:
         self.max_shard_size = max_shard_size
         self.fingerprint = fingerprint or {}
         self.seed = seed
-        self.device = device
+        # Where loaded shards go (the current accelerator unless given; "cuda" means the current
+        # GPU); with ``cpu_offload`` (the model was sharded with it) model shards stay on CPU.
+        self.device = comm.normalize_device(device if device is not None else device_type())
+        self.cpu_offload = cpu_offload
         self.shared_filesystem = shared_filesystem
         self.is_lora = getattr(model, "lora_config", None) is not None
         self.intermediate_format = intermediate_format
@@ -128,7 +135,7 @@ class Checkpointer:
         use_group = async_save and intermediate_format == "dcp" and dist.is_initialized()
         self._async_group = dist.new_group(backend="gloo") if use_group else None
         self._background: ThreadPoolExecutor | None = None  # writes staged HF checkpoints
-        # CPU copies of background saves, kept for the next one (which then skips allocating them).
+        # The arena of background saves' CPU copies, kept for the next one (which then skips allocating it).
         keep = async_save and keep_staging_memory
         self._staging_memory = StagingMemory() if keep and intermediate_format == "hf" else None
         self._dcp_stager = _caching_dcp_stager() if keep and intermediate_format == "dcp" else None
@@ -143,7 +150,8 @@ class Checkpointer:
         if self.base_dir is None:
             raise ValueError("Checkpointer(base_dir=...) is needed to load the base model")
         keys = load_hf_checkpoint(
-            self.model, self.base_dir, device=self.device, shared_filesystem=self.shared_filesystem
+            self.model, self.base_dir, device=self.device, shared_filesystem=self.shared_filesystem,
+            cpu_offload=self.cpu_offload,
         )
         missing = [k for k in keys.missing_keys if not (self.is_lora and "lora" in k)]
         if missing:
@@ -171,9 +179,15 @@ class Checkpointer:
             load_dcp(self.model, self.optimizer, path / DCP_DIR, device=self.device)
         else:
             if self.is_lora:
-                load_peft_adapter(self.model, path / ADAPTER_DIR, device=self.device, shared_filesystem=shared)
+                load_peft_adapter(
+                    self.model, path / ADAPTER_DIR, device=self.device, shared_filesystem=shared,
+                    cpu_offload=self.cpu_offload,
+                )
             else:
-                load_hf_checkpoint(self.model, path, device=self.device, strict=True, shared_filesystem=shared)
+                load_hf_checkpoint(
+                    self.model, path, device=self.device, strict=True, shared_filesystem=shared,
+                    cpu_offload=self.cpu_offload,
+                )
             if self.optimizer is not None:
                 load_optimizer(self.model, self.optimizer, path / STATE_DIR, device=self.device, shared_filesystem=shared)
         if self.lr_scheduler is not None and progress.lr_scheduler:
@@ -329,20 +343,20 @@ class Checkpointer:
         return self.adapter_weights_only
 
     def _stage_weights_and_optimizer(self, staging: Path) -> list[StagedWrites]:
-        """Collective: everything but the big tensors is written now; their rows are copied to CPU."""
-        stages = []
-        memory = self._staging_memory
+        """Collective: everything but the big tensors is written now; their rows are copied to
+        CPU, model and optimizer into one arena (kept for the next save with keep_staging_memory)."""
+        plans = []
         if not self._write_adapter(staging):
-            stages.append(
-                stage_hf_checkpoint(
+            plans.append(
+                begin_hf_stage(
                     self.model, staging, max_shard_size=self.max_shard_size, merge_adapters=True,
-                    tokenizer_dir=self.base_dir, staging_memory=memory,
+                    tokenizer_dir=self.base_dir,
                 )
             )
         if self.optimizer is not None:
-            stages.append(stage_optimizer(self.model, self.optimizer, staging / STATE_DIR, staging_memory=memory))
-        if memory is not None:
-            memory.drop_unused()
+            plans.append(begin_optimizer_stage(self.model, self.optimizer, staging / STATE_DIR))
+        stages, problems = stage_data(plans, memory=self._staging_memory)
+        comm.raise_on_every_rank(problems, header=f"Staging checkpoint {staging} failed:", error=CheckpointError)
         return stages
 
     def _write_in_background(self, stages: list[StagedWrites]) -> Future:

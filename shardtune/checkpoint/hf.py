@@ -291,22 +291,40 @@ def stage_hf_checkpoint(
 
     Collective: call on all ranks. Writes everything but the tensors' data (config, tokenizer,
     sized files with their headers), copies this rank's rows to CPU memory (about its own
-    shard's bytes; into ``staging_memory``'s buffers, kept between saves, when given) and
-    returns them; training may then change the model. The returned
+    shard's bytes, in one arena of exactly that size: ``staging_memory``'s, kept between
+    saves, when given) and returns them; training may then change the model. The returned
     object's ``flush()`` writes and fsyncs the rows without collectives (so it can run in a
     thread) and returns this rank's problems; the checkpoint is complete once every rank's
     ``flush()`` has returned none. Errors before that raise the same CheckpointError on every rank.
     """
+    plan = begin_hf_stage(
+        model, out_dir, max_shard_size=max_shard_size, dtype=dtype, merge_adapters=merge_adapters, config=config,
+        tokenizer_dir=tokenizer_dir, direct_io=direct_io,
+    )
+    (staged,), problems = hf_export.stage_data([plan], memory=staging_memory)
+    comm.raise_on_every_rank(problems, header=f"Staging the HF checkpoint for {out_dir} failed:", error=CheckpointError)
+    return staged
+
+
+def begin_hf_stage(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    merge_adapters: bool = True,
+    config: Mapping[str, Any] | None = None,
+    tokenizer_dir: str | os.PathLike | None = None,
+    direct_io: bool = True,
+) -> hf_export.StagePlan:
+    """Collective: the first half of :func:`stage_hf_checkpoint` (the files' skeleton), for
+    staging it with other files in one arena (:func:`hf_export.stage_data`)."""
     out_dir = os.fspath(out_dir)
     files = _begin_save(
         model, out_dir, max_shard_size=max_shard_size, dtype=dtype, merge_adapters=merge_adapters, config=config,
         tokenizer_dir=tokenizer_dir,
     )
-    staged, problems = hf_export.stage_data(
-        out_dir, files, memory=staging_memory, fault="save:mid_tensor", direct_io=direct_io
-    )
-    comm.raise_on_every_rank(problems, header=f"Staging the HF checkpoint for {out_dir} failed:", error=CheckpointError)
-    return staged
+    return hf_export.StagePlan(out_dir, files, fault="save:mid_tensor", direct_io=direct_io)
 
 
 def _begin_save(

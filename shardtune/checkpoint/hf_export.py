@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from shardtune.checkpoint.rank0_writes import BackgroundWrites, ByteRing
 from shardtune.checkpoint.safetensors_io import RangeWriter, build_header
+from shardtune.checkpoint.staging_memory import StagingMemory, aligned
 from shardtune.faults import fault_point
 from shardtune.peft.lora import LoRALinear
 from shardtune.state_dict import comm, nf4
@@ -226,22 +227,36 @@ def write_data(
     return list(problems)
 
 
+@dataclass
+class StagePlan:
+    """One set of files to stage (planned, created by rank 0, not yet copied)."""
+
+    out_dir: str
+    files: list[FilePlan]
+    fault: str | None = None
+    direct_io: bool = True
+
+
 @torch.no_grad()
-def stage_data(
-    out_dir: str,
-    files: list[FilePlan],
-    *,
-    memory: StagingMemory | None = None,
-    fault: str | None = None,
-    direct_io: bool = True,
-) -> tuple[StagedWrites, list[str]]:
+def stage_data(plans: list[StagePlan], *, memory: StagingMemory | None = None) -> tuple[list[StagedWrites], list[str]]:
     """Collective: call on all ranks. Like :func:`write_data`, but each rank copies its blocks
-    to CPU memory (its own shard's bytes; buffers from ``memory`` when given) instead of
-    writing them; returns them with this rank's problems. The model may change afterwards:
-    :meth:`StagedWrites.flush` writes the copies."""
+    to CPU memory (its own shard's bytes) instead of writing them; returns them, one
+    :class:`StagedWrites` per plan, with this rank's problems. The model may change afterwards:
+    :meth:`StagedWrites.flush` writes the copies.
+
+    Every plan's blocks go into one arena of exactly their size (``memory``'s, reused by the
+    next save of that size, when given; else one that goes with the returned objects)."""
+    memory = memory if memory is not None else StagingMemory()
+    items = [item for plan in plans for file in plan.files for item in file.items]
+    memory.reserve(
+        sum(aligned(_block_nbytes(item)) for item in items),
+        pinned=any(_local(item.entry.tensor).device.type != "cpu" for item in items),
+    )
     problems = comm.Problems()
-    staged = StagedWrites(out_dir, memory=memory, fault=fault, direct_io=direct_io)
-    _visit_items(files, staged, problems, None)
+    staged = []
+    for plan in plans:
+        staged.append(StagedWrites(plan.out_dir, memory=memory, fault=plan.fault, direct_io=plan.direct_io))
+        _visit_items(plan.files, staged[-1], problems, None)
     return staged, list(problems)
 
 
@@ -315,57 +330,22 @@ class _Writer:
         self.ranges.release()
 
 
-class StagingMemory:
-    """CPU buffers for staged blocks, kept from one background save to the next.
-
-    The first save allocates them; later saves of the same model copy into them, so they skip
-    the first-touch page faults of fresh memory (most of a copy's cost on some hosts) and, for
-    accelerator models, pinning. It holds one save's blocks (this rank's rows of the model and
-    optimizer). Not thread-safe: take buffers only after the previous flush has returned them.
-    """
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[tuple[int, ...], torch.dtype, bool], list[torch.Tensor]] = {}
-
-    def take(self, like: torch.Tensor) -> torch.Tensor:
-        """A CPU buffer with ``like``'s shape and dtype (pinned when ``like`` is on an accelerator)."""
-        pinned = like.device.type != "cpu"
-        free = self._free.get((tuple(like.shape), like.dtype, pinned))
-        if free:
-            return free.pop()
-        return torch.empty(like.shape, dtype=like.dtype, pin_memory=pinned)
-
-    def give_back(self, buffers: list[torch.Tensor]) -> None:
-        for buffer in buffers:
-            self._free.setdefault((tuple(buffer.shape), buffer.dtype, buffer.is_pinned()), []).append(buffer)
-
-    def drop_unused(self) -> None:
-        """Free the buffers no block took since the last flush (shapes that went away)."""
-        self._free.clear()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for free in self._free.values() for t in free)
-
-
 class StagedWrites:
     """This rank's blocks of a checkpoint, copied to CPU memory by :func:`stage_data`, to be
     written into the files (which rank 0 already created) by :meth:`flush`."""
 
     block_device: str | None = None  # blocks stay where the shards live until copied into CPU buffers
 
-    def __init__(
-        self, out_dir: str, *, memory: StagingMemory | None = None, fault: str | None = None, direct_io: bool = True
-    ) -> None:
+    def __init__(self, out_dir: str, *, memory: StagingMemory, fault: str | None = None, direct_io: bool = True) -> None:
         self.out_dir = out_dir
-        self.memory = memory if memory is not None else StagingMemory()
+        self.memory = memory  # holds the arena the blocks are slices of
         self.fault = fault
         self.direct_io = direct_io
         self.blocks: list[tuple[str, torch.Tensor, int]] = []
 
     def write(self, file_name: str, tensor: torch.Tensor, offset: int) -> None:
         # A copy, never a view: the model and optimizer keep training while it waits.
-        buffer = self.memory.take(tensor)
+        buffer = self.memory.take(tensor)  # the slice stage_data reserved for this block
         buffer.copy_(tensor)
         self.blocks.append((file_name, buffer, offset))
 
@@ -374,8 +354,8 @@ class StagedWrites:
         return sum(t.numel() * t.element_size() for _, t, _ in self.blocks)
 
     def flush(self) -> list[str]:
-        """Write every staged block and fsync the files; returns this rank's problems and hands
-        the buffers back to the staging memory. No collectives: it may run in a background thread."""
+        """Write every staged block and fsync the files; returns this rank's problems. No
+        collectives: it may run in a background thread."""
         problems = comm.Problems()
         writer = _Writer(self.out_dir, problems, fault=self.fault, direct_io=self.direct_io)
         blocks, self.blocks = self.blocks, []
@@ -383,7 +363,6 @@ class StagedWrites:
             with problems.guard(os.path.join(self.out_dir, file_name)):
                 writer.write(file_name, tensor, offset)
         writer.close()
-        self.memory.give_back([tensor for _, tensor, _ in blocks])
         return list(problems)
 
 
@@ -392,25 +371,44 @@ def _write_item(
 ) -> None:
     """Write (or stage) ``item``: its owner ranks write their rows in place, or, for blocks
     that are not whole rows, rank 0 writes the gathered tensor."""
-    me, layout = comm.rank(), item.layout
+    route, piece = _route(item)
     offset = plan.offsets[item.name]
-    owners = layout.owners() if layout.is_sharded else {}
-    if not all(piece.is_row_range(layout.shape) for piece in owners):
+    if route == "gather":
         full = _gather_item(item, problems)
         if full is not None:
             with problems.guard(item.name):
                 writer.write(plan.name, full, offset)
         return
     adapters = _gather_adapters(item)  # collective for sharded adapters: every rank, same order
-    if not layout.is_sharded:
-        if me == 0:
-            with problems.guard(item.name):
-                writer.write(plan.name, _local_block(item, adapters, device=writer.block_device), offset)
-        return
-    piece = layout.pieces[me]
-    if owners.get(piece) == me:
+    if piece is not None:
         with problems.guard(item.name):
             writer.write(plan.name, _local_block(item, adapters, device=writer.block_device), offset + _row_offset(item, piece))
+
+
+def _route(item: ExportItem) -> tuple[str, Piece | None]:
+    """How :func:`_write_item` writes ``item`` (``gather``: rank 0 writes the gathered tensor;
+    ``whole``: rank 0 writes an unsharded tensor; ``rows``: owners write their rows) and the
+    piece this rank writes (None when it writes nothing)."""
+    me, layout = comm.rank(), item.layout
+    whole = Piece(shape=layout.shape, offset=(0,) * len(layout.shape))
+    owners = layout.owners() if layout.is_sharded else {}
+    if not all(piece.is_row_range(layout.shape) for piece in owners):
+        return "gather", whole if me == 0 else None
+    if not layout.is_sharded:
+        return "whole", whole if me == 0 else None
+    piece = layout.pieces[me]
+    return "rows", piece if owners.get(piece) == me else None
+
+
+def _block_nbytes(item: ExportItem) -> int:
+    """Bytes of the block this rank writes for ``item`` (0 when none)."""
+    piece = _route(item)[1]
+    if piece is None:
+        return 0
+    numel = 1
+    for s in piece.shape:
+        numel *= s
+    return numel * torch.empty((), dtype=item.dtype).element_size()
 
 
 def _gather_item(item: ExportItem, problems: comm.Problems, *, out: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -47,14 +47,19 @@ def stage_optimizer(
     """:func:`save_optimizer` in two halves, for saving in the background.
 
     Collective: call on all ranks. Writes ``optimizer.json`` and the sized tensor file, copies
-    this rank's rows of the state to CPU memory (``staging_memory``'s buffers when given) and
+    this rank's rows of the state to CPU memory (in ``staging_memory``'s arena when given) and
     returns them; their ``flush()`` writes
     them (no collectives) while the optimizer keeps stepping.
     """
-    files = _begin_save(model, opt, out_dir)
-    staged, problems = hf_export.stage_data(str(out_dir), files, memory=staging_memory)
+    (staged,), problems = hf_export.stage_data([begin_optimizer_stage(model, opt, out_dir)], memory=staging_memory)
     comm.raise_on_every_rank(problems, header=f"Staging the optimizer for {out_dir} failed:", error=CheckpointError)
     return staged
+
+
+def begin_optimizer_stage(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) -> hf_export.StagePlan:
+    """Collective: the first half of :func:`stage_optimizer` (``optimizer.json`` and the sized
+    file), for staging it with other files in one arena (:func:`hf_export.stage_data`)."""
+    return hf_export.StagePlan(str(out_dir), _begin_save(model, opt, out_dir))
 
 
 def _begin_save(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) -> list[hf_export.FilePlan]:

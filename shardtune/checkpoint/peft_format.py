@@ -43,18 +43,25 @@ def save_peft_adapter(model: nn.Module, out_dir: Path, *, base_model_name_or_pat
 
 
 def load_peft_adapter(
-    model: nn.Module, adapter_dir: Path, *, device: torch.device | str, strict: bool = True, shared_filesystem: bool = True
+    model: nn.Module,
+    adapter_dir: Path,
+    *,
+    device: torch.device | str,
+    strict: bool = True,
+    shared_filesystem: bool = True,
+    cpu_offload: bool = False,
 ) -> None:
     """Load PEFT-format adapters into a (sharded) LoRA model.
 
     Collective: call on all ranks; every rank reads the (small) adapter file, or only rank 0
     without ``shared_filesystem`` (it then sends each rank its piece). With ``strict``, every
-    adapter of the model must be in the file and the file must hold nothing else.
+    adapter of the model must be in the file and the file must hold nothing else. With
+    ``cpu_offload`` (a model sharded with it) the adapters' shards stay on CPU.
     """
     path = Path(adapter_dir) / ADAPTER_WEIGHTS
     reads = shared_filesystem or comm.rank() == 0
     adapters = from_peft_adapter_state_dict(load_file(str(path))) if reads and path.is_file() else {}
-    keys = load_from_full_model_state_dict(model, adapters, device)
+    keys = load_from_full_model_state_dict(model, adapters, device, cpu_offload=cpu_offload)
     missing = [k for k in keys.missing_keys if "lora" in k]
     if strict and (missing or keys.unexpected_keys):
         raise StateDictError(

@@ -20,10 +20,10 @@ from shardtune.checkpoint import Checkpointer, fingerprint
 from shardtune.checkpoint.tiny import create_tiny_base
 from shardtune.config import Config
 from shardtune.data import build_dataloader, build_dataset, collate, load_tokenizer
-from shardtune.distributed import init_distributed, shard_model
+from shardtune.distributed import device_type, init_distributed, shard_model
 from shardtune.models import cross_entropy_loss, llama_from_hf_config
 from shardtune.peft import apply_lora, init_lora_parameters
-from shardtune.state_dict.comm import all_gather_objects
+from shardtune.state_dict.comm import all_gather_objects, normalize_device
 from shardtune.training.loop import LoopSettings, run_training, steps_per_epoch
 from shardtune.training.metrics import MetricLogger
 from shardtune.training.optim import build_lr_scheduler, build_optimizer
@@ -51,7 +51,7 @@ def start(cfg: Config) -> Run:
     _agree_on_config(cfg)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    device = torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda", torch.cuda.current_device())
+    device = normalize_device(device_type())  # the GPU init_distributed selected, with its index
     return Run(rank=rank, world_size=world, device=device, dtype=DTYPES[cfg.dtype])
 
 
@@ -117,6 +117,7 @@ def build_data(cfg: Config, run: Run, base_dir: Path):
         seed=cfg.seed,
         shuffle=cfg.shuffle,
         collate_fn=lambda batch: collate(batch, pad_id=tokenizer.pad_id),
+        pin_memory=run.device.type == "cuda",  # so on_device's copies can overlap compute
     )
     return tokenizer, loader, sampler
 
@@ -187,12 +188,15 @@ def load_weights(cfg: Config, run: Run, model: nn.Module, checkpointer: Checkpoi
 
 
 def on_device(batch: dict[str, torch.Tensor], run: Run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``tokens``, ``labels`` and ``position_ids`` (packed data only, else None) on the run's device."""
+    """``tokens``, ``labels`` and ``position_ids`` (packed data only, else None) on the run's device.
+
+    The copies do not block the host (the loader pins its batches on CUDA); count tokens on
+    the CPU batch (:func:`label_tokens`), never on these."""
     positions = batch.get("position_ids")
     return (
-        batch["tokens"].to(run.device),
-        batch["labels"].to(run.device),
-        positions.to(run.device) if positions is not None else None,
+        batch["tokens"].to(run.device, non_blocking=True),
+        batch["labels"].to(run.device, non_blocking=True),
+        positions.to(run.device, non_blocking=True) if positions is not None else None,
     )
 
 
@@ -201,7 +205,7 @@ def next_token_loss(model: nn.Module, run: Run):
 
     def loss_fn(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         tokens, labels, positions = on_device(batch, run)
-        return lm_loss(model(tokens, position_ids=positions), labels), label_tokens(labels)
+        return lm_loss(model(tokens, position_ids=positions), labels), label_tokens(batch["labels"])
 
     return loss_fn
 
@@ -224,6 +228,8 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def label_tokens(labels: torch.Tensor) -> int:
+    """Label tokens the loss averages over; pass the CPU batch's labels (a device tensor would
+    make ``int`` wait for the device)."""
     return int((labels[:, 1:] != -100).sum())
 
 

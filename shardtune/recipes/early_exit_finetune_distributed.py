@@ -65,7 +65,7 @@ def recipe_main(cfg: Config) -> None:
             loss = loss + early_exit_loss(
                 shifted, labels[:, 1:], n_layers=n_layers, scale_type=cfg.early_exit.scale_type, e_scale=cfg.early_exit.scale
             )
-        return loss, setup.label_tokens(labels)
+        return loss, setup.label_tokens(batch["labels"])
 
     setup.train_and_finish(
         cfg, run, NAME, model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt,

@@ -44,7 +44,7 @@ def recipe_main(cfg: Config) -> None:
             teacher_logits = teacher(tokens, position_ids=positions)
         ce = setup.lm_loss(logits, labels)
         kd = forward_kl_loss(logits[:, :-1].float(), teacher_logits[:, :-1].float(), labels[:, 1:])
-        return (1 - cfg.kd_ratio) * ce + cfg.kd_ratio * kd, setup.label_tokens(labels)
+        return (1 - cfg.kd_ratio) * ce + cfg.kd_ratio * kd, setup.label_tokens(batch["labels"])
 
     setup.train_and_finish(
         cfg, run, NAME, model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt,

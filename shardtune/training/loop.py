@@ -7,6 +7,11 @@ The optimizer step sees the mean over every label token of the global batch (all
 micro-batches on all ranks): each micro-batch contributes ``mean * n_tokens`` and gradients
 are scaled by ``world / global_tokens`` before the step (FSDP averages over ranks). The
 same global batch therefore gives the same update on any number of ranks.
+
+At most one host-device synchronization per optimizer step: losses are summed where they
+are computed, token counts are host integers (counted from the CPU batch), the step's
+all-reduce and the gradient scale factor stay on the transfer device, and everything a step
+logs (loss, tokens, grad norm) comes back in one :func:`_fetch`, only on steps that log.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from tqdm import tqdm
 from shardtune.checkpoint.checkpointer import Checkpointer
 from shardtune.checkpoint.state import TrainingProgress
 from shardtune.faults import fault_point
+from shardtune.state_dict import comm
 from shardtune.training.metrics import MetricLogger, peak_memory_mib
 
 LossFn = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
@@ -110,57 +116,76 @@ def run_training(
     return progress
 
 
-def _step(model, optimizer, lr_scheduler, clip: float | None) -> float | None:
+def _step(model, optimizer, lr_scheduler, clip: float | None) -> torch.Tensor | None:
+    """Clip (when asked), step and zero; returns the pre-clip grad norm where it was computed."""
     grad_norm = None
     if clip is not None:
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
-        grad_norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+        grad_norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     lr_scheduler.step()
     return grad_norm
 
 
-def _scale_grads(model: torch.nn.Module, global_tokens: float) -> None:
-    """Turn summed per-token gradients into the global-token mean (FSDP already divided by world)."""
+def _scale_grads(model: torch.nn.Module, global_tokens: torch.Tensor) -> None:
+    """Turn summed per-token gradients into the global-token mean (FSDP already divided by world).
+
+    The factor stays a tensor on the device of the reduced token count: no host round trip."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    factor = world / max(global_tokens, 1.0)
+    # A division of two float64 tensors, bitwise Python's ``world / max(tokens, 1.0)``.
+    factor = torch.full_like(global_tokens, world).div_(global_tokens.clamp(min=1.0))
     for p in model.parameters():
         if p.grad is not None:
-            p.grad.mul_(factor)
+            local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+            local.mul_(factor if local.device == factor.device else factor.to(local.device))
+
+
+def _fetch(values: torch.Tensor) -> list[float]:
+    """The loop's only device-to-host copy (and so its only synchronization): one per logged step."""
+    return values.tolist()
 
 
 class _Window:
     """Summed loss and token counts of one optimizer step (its accumulated micro-batches)."""
 
     def __init__(self) -> None:
-        self.loss_sum = torch.zeros((), dtype=torch.float64)
-        self.tokens = 0
-        self.global_loss_sum = 0.0
-        self.global_tokens = 0.0
+        self.loss_sum: torch.Tensor | None = None  # float64, where the losses are computed
+        self.tokens = 0  # this rank's label tokens, counted on the host
+        self.global_loss_sum: torch.Tensor | None = None
+        self.global_tokens: torch.Tensor | None = None
         self.start = time.perf_counter()
 
     def add(self, loss_sum: torch.Tensor, n_tokens: int) -> None:
-        self.loss_sum += loss_sum.double().cpu()
+        loss_sum = loss_sum.double()
+        self.loss_sum = loss_sum if self.loss_sum is None else self.loss_sum + loss_sum
         self.tokens += n_tokens
 
     def reduce(self) -> None:
-        """Collective: sums loss and tokens over ranks (one small all-reduce per step)."""
-        totals = torch.stack([self.loss_sum, torch.tensor(float(self.tokens), dtype=torch.float64)])
+        """Collective: sums loss and tokens over ranks (one small all-reduce per step, on the
+        transfer device; the totals stay there)."""
+        device = comm.comm_device(self.loss_sum.device)
+        tokens = torch.full((), float(self.tokens), dtype=torch.float64, device=device)
+        totals = torch.stack([self.loss_sum.to(device), tokens])
         if dist.is_initialized():
             dist.all_reduce(totals)
-        self.global_loss_sum, self.global_tokens = totals.tolist()
+        self.global_loss_sum, self.global_tokens = totals[0], totals[1]
 
-    def row(self, *, step: int, epoch: int, lr: float, grad_norm: float | None) -> dict[str, Any]:
+    def row(self, *, step: int, epoch: int, lr: float, grad_norm: torch.Tensor | None) -> dict[str, Any]:
+        """The step's metrics; fetches loss, tokens and grad norm from the device in one copy."""
+        values = [self.global_loss_sum, self.global_tokens]
+        if grad_norm is not None:
+            values.append(grad_norm.to(device=self.global_tokens.device, dtype=torch.float64))
+        loss_sum, tokens, *norm = _fetch(torch.stack(values))
         seconds = time.perf_counter() - self.start
         row = {
             "step": step,
             "epoch": epoch,
-            "loss": self.global_loss_sum / max(self.global_tokens, 1.0),
+            "loss": loss_sum / max(tokens, 1.0),
             "lr": lr,
-            "tokens_per_second": self.global_tokens / max(seconds, 1e-9),
+            "tokens_per_second": tokens / max(seconds, 1e-9),
             "peak_memory_mib": peak_memory_mib(),
         }
-        if grad_norm is not None:
-            row["grad_norm"] = grad_norm
+        if norm:
+            row["grad_norm"] = norm[0]
         return row

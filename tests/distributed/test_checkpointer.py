@@ -325,16 +325,20 @@ def _background_saves_in_a_row(base: str, out: str, fmt: str, keep: bool):
                       fingerprint={"model": "a"}, seed=7, intermediate_format=fmt, async_save=True,
                       keep_staging_memory=keep)
     _start(model, ck, lora=False)
-    at_save = {}
+    at_save, arenas = {}, []
     for step in (2, 3):
         _train(model, opt, sched, range(step - 2 if step == 2 else 2, step))
         at_save[step] = _full_state(model, opt)
         ck.save(step=step, epoch=0, batches_in_epoch=step)
+        memory = ck._staging_memory  # private: the memory itself is not API
+        if memory is not None:
+            arenas.append((memory.allocations, memory.arena.data_ptr()))
     _train(model, opt, sched, range(3, 4))  # changes params and state under the second write
     ck.wait()
-    # What the Checkpointer kept for a third save (private: the memory itself is not API).
+    # What the Checkpointer kept for a third save.
     kept = ck._staging_memory.nbytes if ck._staging_memory is not None else None
-    own = sum(p.to_local().nbytes for p in model.parameters()) * 3  # params + exp_avg + exp_avg_sq
+    # This rank's rows of params, exp_avg and exp_avg_sq, each block's start aligned to 64 bytes.
+    own = sum(-(-p.to_local().nbytes // 64) * 64 for p in model.parameters()) * 3
     resumed = {}
     for step in (3, 2):
         model2, opt2, _, ck2 = _setup(base, out, lora=False)
@@ -345,7 +349,7 @@ def _background_saves_in_a_row(base: str, out: str, fmt: str, keep: bool):
             shutil.rmtree(Path(out) / f"step_{step}")
         dist.barrier()
     same = {step: _same_state(at_save[step], resumed[step]) for step in (2, 3)} if dist.get_rank() == 0 else None
-    return {"same": same, "kept": kept, "own": own}
+    return {"same": same, "kept": kept, "own": own, "arenas": arenas}
 
 
 @pytest.mark.parametrize("fmt,keep", [("hf", True), ("hf", False), ("dcp", True)])
@@ -355,6 +359,8 @@ def test_background_saves_in_a_row_each_hold_the_state_at_their_save(pool2, base
     for r in res:
         if fmt == "hf":  # the second save's copy stays for the next one only when asked to
             assert r["kept"] == (r["own"] if keep else None)
+        if fmt == "hf" and keep:  # one arena of exactly the staged bytes, allocated once, reused
+            assert r["arenas"][0] == r["arenas"][1] and r["arenas"][0][0] == 1
 
 
 def _node_local_round_trip(root: str, base: str, lora: bool):

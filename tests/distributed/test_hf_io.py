@@ -183,18 +183,20 @@ def _stage_twice_in_kept_memory(src: str, first_dir: str, second_dir: str):
     model = shard_model(build_model(src, device="meta"))
     load_hf_checkpoint(model, src, device="cpu")
     memory = StagingMemory()
-    addresses, kept = [], []
+    addresses, kept, inside = [], [], []
     for out in (first_dir, second_dir):
         staged = stage_hf_checkpoint(model, out, max_shard_size="300KB", staging_memory=memory)
         addresses.append(sorted(t.data_ptr() for _, t, _ in staged.blocks))
+        start = memory.arena.data_ptr()
+        inside.append(all(start <= t.data_ptr() and t.data_ptr() + t.nbytes <= start + memory.nbytes for _, t, _ in staged.blocks))
         with torch.no_grad():
             for p in model.parameters():
                 p.to_local().add_(1.0)
         problems = staged.flush()
         assert problems == [], problems
         kept.append(memory.nbytes)
-    own = sum(p.to_local().nbytes for p in model.parameters())
-    return {"addresses": addresses, "kept": kept, "own_bytes": own}
+    own = sum(-(-p.to_local().nbytes // 64) * 64 for p in model.parameters())  # block starts 64-byte aligned
+    return {"addresses": addresses, "kept": kept, "own_bytes": own, "allocations": memory.allocations, "inside": inside}
 
 
 def _lora_model(src: str, *, quantize: bool):
@@ -345,7 +347,7 @@ def test_second_staged_save_reuses_the_kept_memory_and_writes_its_own_state(pool
     res = pool2.run_ok(_stage_twice_in_kept_memory, src, str(first), str(second))
     for r in res:
         assert r["addresses"][0] == r["addresses"][1] and len(r["addresses"][0]) > 0
-        assert r["kept"] == [r["own_bytes"], r["own_bytes"]]
+        assert r["kept"] == [r["own_bytes"], r["own_bytes"]] and r["allocations"] == 1 and r["inside"] == [True, True]
     before, after = _saved_tensors(first), _saved_tensors(second)
     assert sorted(before) == sorted(after) == sorted(ckpts["sd"])
     assert all(torch.equal(before[k], v) for k, v in ckpts["sd"].items())

@@ -346,18 +346,23 @@ def test_parse_size():
             parse_size(bad)
 
 
-def test_staging_memory_hands_out_a_kept_buffer_only_for_the_same_shape_and_dtype():
+def test_staging_memory_is_one_exact_arena_sliced_per_block_and_reused_at_the_same_size():
     from shardtune.checkpoint import StagingMemory
 
+    blocks = [torch.zeros(3, 4, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.float32), torch.zeros((), dtype=torch.int64)]
+    sizes = [24, 20, 8]  # bytes; each block starts on a 64-byte boundary
     memory = StagingMemory()
-    block = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
-    first = memory.take(block)
-    assert first.shape == block.shape and first.dtype == block.dtype and first.data_ptr() != block.data_ptr()
-    memory.give_back([first])
-    assert memory.nbytes == block.nbytes
-    assert memory.take(torch.zeros(4, 3, dtype=torch.bfloat16)) is not first  # other shape
-    assert memory.take(torch.zeros(3, 4, dtype=torch.float32)) is not first  # other dtype
-    assert memory.take(block) is first and memory.nbytes == 0
-    memory.give_back([first])
-    memory.drop_unused()
-    assert memory.nbytes == 0 and memory.take(block) is not first
+    memory.reserve(64 + 64 + 64, pinned=False)
+    slices = [memory.take(b) for b in blocks]
+    start = memory.arena.data_ptr()
+    assert [s.data_ptr() - start for s in slices] == [0, 64, 128]
+    assert [(s.shape, s.dtype, s.nbytes) for s in slices] == [(b.shape, b.dtype, n) for b, n in zip(blocks, sizes)]
+    assert memory.nbytes == 192 and memory.allocations == 1
+    with pytest.raises(RuntimeError, match="overruns the 192-byte arena"):
+        memory.take(torch.zeros(1))
+    memory.reserve(192, pinned=False)  # the next save of the same size: same memory, from its start
+    assert memory.allocations == 1 and memory.arena.data_ptr() == start and memory.take(blocks[0]).data_ptr() == start
+    memory.reserve(128, pinned=False)  # another size: replaced by an exact one
+    assert memory.allocations == 2 and memory.nbytes == 128
+    memory.release()
+    assert memory.nbytes == 0 and memory.arena is None
