@@ -11,8 +11,8 @@ import re
 import sys
 from pathlib import Path
 
-_SECTION = re.compile(r"^## Quick start\s*$(.*?)(?=^## |\Z)", re.M | re.S)
-_BLOCK = re.compile(r"^[ \t]*```bash[ \t]*\n(.*?)^[ \t]*```[ \t]*$", re.M | re.S)
+_SECTION = re.compile(r"^## Quick start\s*$(.*?)(?=^## |\Z)", re.MULTILINE | re.DOTALL)
+_BLOCK = re.compile(r"^[ \t]*```bash[ \t]*\n(.*?)^[ \t]*```[ \t]*$", re.MULTILINE | re.DOTALL)
 
 
 def quick_start_commands(readme: str) -> list[str]:
