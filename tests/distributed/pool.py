@@ -43,7 +43,11 @@ def _worker(rank: int, world: int, port: int, backend: str, inbox, outbox) -> No
         torch.cuda.set_device(rank)
         options["device_id"] = torch.device("cuda", rank)
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60),
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
         **options,
     )
     while True:
@@ -70,7 +74,9 @@ class RankPool:
         self.inboxes = [ctx.Queue() for _ in range(self.world)]
         self.outbox = ctx.Queue()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, self.world, port, self.backend, self.inboxes[r], self.outbox), daemon=True)
+            ctx.Process(
+                target=_worker, args=(r, self.world, port, self.backend, self.inboxes[r], self.outbox), daemon=True
+            )
             for r in range(self.world)
         ]
         for p in self.procs:
