@@ -22,6 +22,7 @@ from tests.recipes.conftest import losses, resume_copy
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 RECIPE_WITH_SYNC_COUNTS = str(Path(__file__).with_name("sync_counting_recipe.py"))
+ROOT = Path(__file__).resolve().parents[2]  # the code under test, also for the recipe processes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -115,7 +116,7 @@ def _run(
     env = {
         **os.environ,
         "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
-        "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
