@@ -47,9 +47,10 @@ from benchmarks._fixtures import (
     local_slices,
     materialize_from_file,
 )
-from benchmarks._measure import measure_step
+from benchmarks._measure import bench_device, measure_step
 
 CPU = torch.device("cpu")
+DEVICE = bench_device()  # where the model lives: CPU, or this rank's GPU under --device cuda
 HF_WEIGHTS = "model.safetensors"
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 OPTIM_SEP = "::"  # shardtune's optimizer.safetensors keys: f"{fqn}::{state key}"
@@ -99,12 +100,12 @@ def model_args(shape: LlamaShape) -> Any:
 
 def build_model(size: str) -> nn.Module:
     """shardtune ``LlamaForCausalLM`` on meta, bf16, sharded with ``shard_model`` (no memory)."""
-    from shardtune.distributed import shard_model
+    from shardtune.distributed import make_mesh, shard_model
     from shardtune.models import LlamaForCausalLM
 
     with torch.device("meta"):
         model = LlamaForCausalLM(model_args(SIZES[size]), dtype=DTYPE)
-    return shard_model(model)
+    return shard_model(model, mesh=make_mesh(device=DEVICE.type))
 
 
 def adamw(model: nn.Module) -> torch.optim.Optimizer:
@@ -123,13 +124,13 @@ def _byte_counter() -> Any:
 def _load_shardtune_direct(ctx: Ctx) -> Any:
     from shardtune.checkpoint import load_hf_checkpoint
 
-    return load_hf_checkpoint(ctx.model, ctx.paths["hf_dir"], device="cpu", shared_filesystem=True)
+    return load_hf_checkpoint(ctx.model, ctx.paths["hf_dir"], device=DEVICE, shared_filesystem=True)
 
 
 def _load_shardtune_rank0(ctx: Ctx) -> Any:
     from shardtune.checkpoint import load_hf_checkpoint
 
-    return load_hf_checkpoint(ctx.model, ctx.paths["hf_dir"], device="cpu", shared_filesystem=False)
+    return load_hf_checkpoint(ctx.model, ctx.paths["hf_dir"], device=DEVICE, shared_filesystem=False)
 
 
 def _load_dsd_broadcast(ctx: Ctx) -> Any:
@@ -137,13 +138,13 @@ def _load_dsd_broadcast(ctx: Ctx) -> Any:
 
 
 def _load_torchtune(ctx: Ctx) -> Any:
-    return load_torchtune(ctx.model, os.path.join(ctx.paths["hf_dir"], HF_WEIGHTS))
+    return load_torchtune(ctx.model, os.path.join(ctx.paths["hf_dir"], HF_WEIGHTS), device=DEVICE)
 
 
 def _load_dcp_hf(ctx: Ctx) -> Any:
     """``dcp.load`` with the HF safetensors reader into the materialized model (to_empty timed)."""
     reader = hf_storage_reader()
-    ctx.model.to_empty(device=CPU)
+    ctx.model.to_empty(device=DEVICE)
     sd = ctx.model.state_dict()  # sharded DTensors sharing storage with the params: filled in place
     dcp.load(sd, storage_reader=reader(ctx.paths["hf_dir"]))
     return None
@@ -257,7 +258,7 @@ def _resume_shardtune(ctx: Ctx) -> Any:
 
 def _resume_dsd(ctx: Ctx) -> Any:
     """torchtitan-style: to_empty, get_state_dict (initializes AdamW state), dcp.load, set_state_dict."""
-    ctx.model.to_empty(device=CPU)
+    ctx.model.to_empty(device=DEVICE)
     msd, osd = get_state_dict(ctx.model, ctx.opt)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=ctx.paths["dcp_dir"])
@@ -297,11 +298,11 @@ def _check_params(model: nn.Module, path: str) -> str:
         if keys != set(names):
             return f"keys differ: only in file {sorted(keys - set(names))[:3]}, only in model {sorted(set(names) - keys)[:3]}"
         for name, p in model.named_parameters():
-            if not isinstance(p, DTensor) or p.is_meta or p.device != CPU:
-                return f"{name}: not a materialized CPU DTensor ({type(p).__name__}, {p.device})"
+            if not isinstance(p, DTensor) or p.is_meta or p.device != DEVICE:
+                return f"{name}: not a materialized DTensor on {DEVICE} ({type(p).__name__}, {p.device})"
             if p.dtype != DTYPE:
                 return f"{name}: dtype {p.dtype}"
-            if not torch.equal(p.to_local(), f.get_slice(name)[local_slices(p)]):
+            if not torch.equal(p.to_local().cpu(), f.get_slice(name)[local_slices(p)]):
                 return f"{name}: local shard differs from {os.path.basename(path)}"
     return "ok"
 
@@ -324,7 +325,7 @@ def _check_optim(model: nn.Module, opt: torch.optim.Optimizer, path: str, step: 
                 value = state[key]
                 if not isinstance(value, DTensor) or value.is_meta:
                     return f"{fqn}.{key}: not a materialized DTensor"
-                if not torch.equal(value.to_local(), f.get_slice(f"{fqn}{OPTIM_SEP}{key}")[local_slices(p)]):
+                if not torch.equal(value.to_local().cpu(), f.get_slice(f"{fqn}{OPTIM_SEP}{key}")[local_slices(p)]):
                     return f"{fqn}.{key}: local shard differs from optimizer.safetensors"
     return "ok"
 
@@ -371,7 +372,7 @@ def _setup(group: str, method: str, size: str, paths: dict[str, str]) -> Ctx:
     model = build_model(size)
     ctx = Ctx(model=model, rank=dist.get_rank(), paths=paths)
     if group == "save":
-        materialize_from_file(model, os.path.join(paths["hf_dir"], HF_WEIGHTS))
+        materialize_from_file(model, os.path.join(paths["hf_dir"], HF_WEIGHTS), device=DEVICE)
         if method.startswith("dcp_async"):
             ctx.group = dist.new_group(backend="gloo")
         if method.endswith("_2nd"):
@@ -382,7 +383,7 @@ def _setup(group: str, method: str, size: str, paths: dict[str, str]) -> Ctx:
             from shardtune.checkpoint import Checkpointer
 
             ctx.checkpointer = Checkpointer(
-                output_dir=paths["resume_dir"], model=model, optimizer=ctx.opt, base_dir=paths["hf_dir"]
+                output_dir=paths["resume_dir"], model=model, optimizer=ctx.opt, base_dir=paths["hf_dir"], device=DEVICE
             )
     return ctx
 
@@ -429,14 +430,15 @@ def setup_resume(*, size: str, paths: dict[str, str]) -> dict:
     from shardtune.checkpoint import Checkpointer
 
     model = build_model(size)
-    materialize_from_file(model, os.path.join(paths["hf_dir"], HF_WEIGHTS))
+    materialize_from_file(model, os.path.join(paths["hf_dir"], HF_WEIGHTS), device=DEVICE)
     opt = adamw(model)
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    ckpt = Checkpointer(output_dir=paths["resume_dir"], model=model, optimizer=opt, base_dir=paths["hf_dir"])
+    ckpt = Checkpointer(output_dir=paths["resume_dir"], model=model, optimizer=opt, base_dir=paths["hf_dir"],
+                        device=DEVICE)
     saved = ckpt.save(step=1, epoch=1)
     t1 = time.perf_counter()
     msd, osd = get_state_dict(model, opt)

@@ -228,14 +228,14 @@ def local_bytes(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def materialize_from_file(model: nn.Module, path: str) -> None:
-    """Give a meta sharded model real CPU storage and fill each shard from its rows of ``path``.
+def materialize_from_file(model: nn.Module, path: str, *, device: torch.device | str = "cpu") -> None:
+    """Give a meta sharded model real storage on ``device`` and fill each shard from its rows of ``path``.
 
     Plain safetensors slices, no collectives and no shardtune code: setup favours no method.
     """
     from safetensors import safe_open
 
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     with safe_open(path, "pt") as f:
         for name, p in model.named_parameters():
             p.to_local().copy_(f.get_slice(name)[local_slices(p)])
@@ -256,7 +256,7 @@ def load_dsd_broadcast(model: nn.Module, path: str, rank: int) -> object:
     return set_model_state_dict(model, sd, options=options)
 
 
-def load_torchtune(model: nn.Module, path: str) -> object:
+def load_torchtune(model: nn.Module, path: str, *, device: torch.device | str = "cpu") -> object:
     """torchtune 0.6.1 ``load_from_full_model_state_dict`` (non-DSD path), inlined: every rank
     ``load_file``, ``distribute_tensor`` per param, ``load_state_dict(assign=True)``."""
     from safetensors.torch import load_file
@@ -267,7 +267,7 @@ def load_torchtune(model: nn.Module, path: str) -> object:
     sharded_sd = {}
     for name, full_tensor in full_sd.items():
         meta = meta_sd[name]
-        full_tensor = full_tensor.to(meta.dtype).to("cpu")
+        full_tensor = full_tensor.to(device=device, dtype=meta.dtype)
         sharded = distribute_tensor(full_tensor, meta.device_mesh, meta.placements)
         sharded_sd[name] = nn.Parameter(sharded)
     return model.load_state_dict(sharded_sd, strict=False, assign=True)

@@ -7,7 +7,7 @@ Three jobs, reusable by any benchmark in this package:
 * timing: :func:`measure_step` wraps one collective step with barriers and
   ``time.perf_counter``;
 * processes: :func:`spawn_ranks` runs a function in ``world`` fresh Python processes
-  (torchrun-like environment, gloo on 127.0.0.1, a free port) and returns what each
+  (torchrun-like environment, gloo on 127.0.0.1 or NCCL on GPUs, a free port) and returns what each
   rank returned, and :func:`drop_page_cache` evicts a file for cold-cache runs.
 
 Run as ``python -m benchmarks._measure SPEC RANK``: that is the per-rank entry point
@@ -36,8 +36,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from benchmarks._fixtures import SIZES
 
+DEVICE_ENV = "SHARDTUNE_BENCH_DEVICE"  # "cpu" or "cuda", set by spawn_ranks for its ranks
 _STATUS_FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -114,6 +117,7 @@ class StepMeasurement:
     peak_file: int
     vm_hwm: int
     samples: int
+    cuda_peak_delta: int | None = None  # peak CUDA memory allocated above the pre-step level
 
     @property
     def peak_anon_delta(self) -> int:
@@ -135,15 +139,24 @@ def measure_step(
 
     Sequence: free memory, reset ``VmHWM``, record the baseline, start the sampler,
     ``barrier()``, ``perf_counter``, ``step()``, ``perf_counter``, ``barrier()``, stop
-    the sampler, read ``VmHWM``. The time excludes both barriers.
+    the sampler, read ``VmHWM``. The time excludes both barriers. On CUDA the step's kernels
+    are waited for before the clock stops, and the CUDA peak (``max_memory_allocated``) is
+    recorded above the pre-step allocation.
     """
+    on_cuda = bench_device().type == "cuda"
     release_free_memory()
     reset_peak_rss()
     baseline = read_status()
+    if on_cuda:
+        torch.cuda.synchronize()
+        cuda_base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     with RssSampler(interval_s=interval_s) as sampler:
         barrier()
         start = time.perf_counter()
         result = step()
+        if on_cuda:
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         barrier()
     measurement = StepMeasurement(
@@ -154,6 +167,7 @@ def measure_step(
         peak_file=sampler.peak_file,
         vm_hwm=read_status()["VmHWM"],
         samples=sampler.samples,
+        cuda_peak_delta=torch.cuda.max_memory_allocated() - cuda_base if on_cuda else None,
     )
     return result, measurement
 
@@ -262,9 +276,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_env(*, rank: int, world: int, port: int, threads: int, root: Path) -> dict[str, str]:
+def bench_device() -> torch.device:
+    """The device a benchmark rank computes on: ``cuda:<LOCAL_RANK>`` under ``--device cuda``, else CPU."""
+    if os.environ.get(DEVICE_ENV, "cpu") == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _rank_env(*, rank: int, world: int, port: int, threads: int, root: Path, device: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
+        **{DEVICE_ENV: device},
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
@@ -305,11 +327,12 @@ def spawn_ranks(
     timeout_s: float = 600.0,
     threads_per_rank: int = 1,
     root: Path = _REPO_ROOT,
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     """Run ``target`` (``"module:function"``) once in each of ``world`` fresh processes.
 
-    Each rank joins a gloo process group on 127.0.0.1 before ``target(**kwargs)`` is
-    called; the JSON-serializable dict it returns is collected per rank. ``root`` is the
+    Each rank joins a process group on 127.0.0.1 (gloo; with ``device="cuda"`` NCCL alone, one
+    GPU per rank, which :func:`bench_device` returns) before ``target(**kwargs)`` is called; the JSON-serializable dict it returns is collected per rank. ``root`` is the
     ranks' working directory and first import path (a source snapshot, for instance).
     Raises :class:`RankFailure` with every failing rank's stderr tail if any rank fails.
     """
@@ -325,7 +348,9 @@ def spawn_ranks(
                 procs.append(
                     subprocess.Popen(
                         [sys.executable, "-m", "benchmarks._measure", str(spec_path), str(rank)],
-                        env=_rank_env(rank=rank, world=world, port=port, threads=threads_per_rank, root=root),
+                        env=_rank_env(
+                            rank=rank, world=world, port=port, threads=threads_per_rank, root=root, device=device
+                        ),
                         cwd=root,
                         stdout=log,
                         stderr=subprocess.STDOUT,
@@ -349,11 +374,17 @@ def _rank_main(spec_path: str, rank: int) -> None:
     spec = json.loads(Path(spec_path).read_text())
     module_name, _, func_name = spec["target"].partition(":")
     func = getattr(importlib.import_module(module_name), func_name)
+    device = bench_device()
+    options = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        options["device_id"] = device
     dist.init_process_group(
-        "gloo",
+        "nccl" if device.type == "cuda" else "gloo",
         rank=rank,
         world_size=int(os.environ["WORLD_SIZE"]),
         timeout=timedelta(seconds=spec["timeout_s"]),
+        **options,
     )
     try:
         result = func(**spec["kwargs"])

@@ -2,6 +2,7 @@
 
     python -m benchmarks.checkpoint --size {tiny,250m,1b} --world 2 --repeats 3 [--cold]
     python -m benchmarks.checkpoint --smoke          # tiny, 1 repeat, no BENCHMARKS.md
+    python -m benchmarks.checkpoint --device cuda --world 1 --size 1b   # on GPUs (NCCL), own section
 
 Groups and methods (each run = fresh processes; methods interleaved, their order rotated by
 one each repeat):
@@ -25,7 +26,10 @@ one each repeat):
   ``set_state_dict``); both checkpoints are written once, untimed, from the same state.
 
 Results print as Markdown tables and, unless ``--no-markdown``/``--smoke``, replace the
-``checkpoint`` section of BENCHMARKS.md at the repo root (other sections are kept).
+``checkpoint`` section of BENCHMARKS.md at the repo root (other sections are kept). With
+``--device cuda`` every rank holds its model on its own GPU (NCCL alone, one GPU per rank, so
+``--world`` at most the GPU count), the CUDA peak above the pre-step allocation is recorded
+too, and the results replace the ``checkpoint-cuda`` section instead.
 """
 
 from __future__ import annotations
@@ -69,7 +73,10 @@ from benchmarks._measure import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-BEGIN, END = "<!-- checkpoint:begin -->", "<!-- checkpoint:end -->"
+MARKERS = {
+    "cpu": ("<!-- checkpoint:begin -->", "<!-- checkpoint:end -->"),
+    "cuda": ("<!-- checkpoint-cuda:begin -->", "<!-- checkpoint-cuda:end -->"),
+}
 RESUME_MEMORY_LIMIT = 18 << 30  # all processes together
 DSD = {"load": "dsd_broadcast", "save": "dsd", "resume": "dsd"}
 # timed: the blocking half; the writing half is recorded apart
@@ -90,6 +97,7 @@ class Config:
     timeout_s: float
     command: str
     load_rounds: int = 1
+    device: str = "cpu"
 
 
 @dataclass
@@ -121,12 +129,21 @@ def parse_args(argv: list[str] | None = None) -> Config:
         argv, module="benchmarks.checkpoint", description=__doc__.split("\n")[0], groups=STEPS,
         cold_help="posix_fadvise(DONTNEED) the files a run reads before it",
         smoke_help="tiny, 1 repeat, no BENCHMARKS.md (CI)",
-        add_options=lambda p: p.add_argument(
-            "--load-rounds", type=int, default=2,
-            help="times the load group runs in each repeat (its ~1 s runs swing most with the machine's slow spells)",
-        ),
+        add_options=_add_options,
     )
-    return Config(**common, load_rounds=1 if a.smoke else a.load_rounds)
+    if a.device == "cuda" and a.world > torch.cuda.device_count():
+        raise SystemExit(f"--device cuda --world {a.world}: this machine has {torch.cuda.device_count()} GPUs "
+                         "(one per rank); lower --world")
+    return Config(**common, load_rounds=1 if a.smoke else a.load_rounds, device=a.device)
+
+
+def _add_options(p: Any) -> None:
+    p.add_argument(
+        "--load-rounds", type=int, default=2,
+        help="times the load group runs in each repeat (its ~1 s runs swing most with the machine's slow spells)",
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the ranks hold the model: cpu (gloo) or cuda (NCCL, one GPU per rank)")
 
 
 def resume_size(size: str) -> str:
@@ -190,7 +207,7 @@ def setup_resume(cfg: Config, size: str, paths: dict[str, str]) -> list[str]:
     shutil.rmtree(Path(paths["resume_dir"]).parent, ignore_errors=True)
     start = time.perf_counter()
     ranks = spawn_ranks("benchmarks._checkpoint_steps:setup_resume", world=cfg.world,
-                        kwargs={"size": size, "paths": paths}, timeout_s=cfg.timeout_s)
+                        kwargs={"size": size, "paths": paths}, timeout_s=cfg.timeout_s, device=cfg.device)
     bad = [f"r{r['rank']}: {r['verify']}" for r in ranks if r["verify"] != "ok"]
     print(f"resume setup ({size}): {time.perf_counter() - start:.1f} s, Checkpointer.save "
           f"{max(r['checkpointer_save_s'] for r in ranks):.2f} s, dcp.save {max(r['dcp_save_s'] for r in ranks):.2f} s",
@@ -240,7 +257,7 @@ def _run_round(cfg: Config, g: Group, group: str, index: int) -> list[Run]:
         kwargs = {"group": group, "method": method, "size": g.size, "paths": paths}
         try:
             run.ranks = spawn_ranks("benchmarks._checkpoint_steps:run", world=cfg.world,
-                                    kwargs=kwargs, timeout_s=cfg.timeout_s)
+                                    kwargs=kwargs, timeout_s=cfg.timeout_s, device=cfg.device)
         except RankFailure as e:
             run.error = str(e)
         print(f"[{index + 1}/{total}] {group}/{method}: " + _one_line(run), file=sys.stderr)
@@ -303,6 +320,9 @@ def summarize(group: str, method: str, runs: list[Run], size: str, world: int) -
     row["reference"] = [own + largest_tensor_bytes(size) for own in row["own_shard_bytes"]]
     if method in BACKGROUND:
         row["background_s"] = statistics.median(max(rk["background_s"] for rk in r.ranks) for r in ok)
+    if ok[0].ranks[0]["measurement"].get("cuda_peak_delta") is not None:
+        row["cuda_peak"] = [statistics.median(r.ranks[i]["measurement"]["cuda_peak_delta"] for r in ok)
+                            for i in range(world)]
     return row
 
 
@@ -363,6 +383,10 @@ def render_group(group: str, rows: list[dict[str, Any]]) -> str:
             f"{fmt_ranks(r['vm_hwm'])} | {fmt_ranks(r['peak_file'])} | {fmt_ranks(r.get('recv'))} | {sent} | "
             f"{r.get('bytes_how', '—')} | {'; '.join(r['verify'])} |"
         )
+    cuda = [f"`{r['method']}` {fmt_ranks(r['cuda_peak'])}" for r in rows if "cuda_peak" in r]
+    if cuda:
+        lines += ["", "CUDA peak allocated above the pre-step level (`torch.cuda.max_memory_allocated`, per rank): "
+                  + ", ".join(cuda) + "."]
     background = [f"`{r['method']}` {r['background_s']:.2f} s" for r in rows if "background_s" in r]
     if background:
         lines += ["", "Background saves: the time above is the blocking half (what training waits for); writing "
@@ -438,6 +462,13 @@ def _load_rounds_text(cfg: Config) -> str:
             "method: its runs take ~1 s, so one slow spell of the machine moves a median of few runs), the others one; ")
 
 
+def _accelerator_text(cfg: Config) -> str:
+    if cfg.device == "cuda":
+        return (f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}; models on the GPUs, NCCL alone "
+                f"(CUDA {torch.version.cuda})")
+    return "no GPU; gloo on 127.0.0.1"
+
+
 def render_report(cfg: Config, groups: dict[str, Group], tables: list[str], targets: list[str], notes: list[str], *,
                   load_avg: tuple[tuple[float, ...], tuple[float, ...]], fingerprint: str) -> str:
     """The Markdown section (without begin/end markers)."""
@@ -453,7 +484,7 @@ def render_report(cfg: Config, groups: dict[str, Group], tables: list[str], targ
         f"- Command: `{cfg.command}`",
         f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}; torch {torch.__version__}, "
         f"safetensors {safetensors.__version__}, Python {platform.python_version()}",
-        f"- Machine: {os.cpu_count()} CPU cores, {ram_bytes() / GIB:.1f} GiB RAM, no GPU; gloo on 127.0.0.1, "
+        f"- Machine: {os.cpu_count()} CPU cores, {ram_bytes() / GIB:.1f} GiB RAM, {_accelerator_text(cfg)}, "
         f"OMP_NUM_THREADS=1 per rank (as torchrun sets); 1-min load average {load_avg[0][0]:.2f} before, "
         f"{load_avg[1][0]:.2f} after (the machine is shared)",
         f"- Model: `{cfg.size}` = {shape} → {shape.num_params() / 1e9:.3f} B params, "
@@ -557,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
                             fingerprint=fingerprint)
     print(section)
     if cfg.markdown is not None:
-        write_markdown_section(cfg.markdown, section, begin=BEGIN, end=END)
+        begin, end = MARKERS[cfg.device]
+        write_markdown_section(cfg.markdown, section, begin=begin, end=end)
     bad_verify = any(rk["verify"] != "ok" for r in runs for rk in r.ranks)
     failed = any(r.error and not r.error.startswith("unavailable") for r in runs)
     return 1 if bad_verify or failed else 0

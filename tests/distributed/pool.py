@@ -1,4 +1,4 @@
-"""A pool of rank processes (gloo on 127.0.0.1) kept alive across tests.
+"""A pool of rank processes (gloo on 127.0.0.1, or NCCL with one GPU per rank) kept alive across tests.
 
 Spawning and importing torch costs seconds per process; a pool pays it once per world size.
 ``pool.run(fn, *args)`` runs ``fn(*args)`` on every rank and returns each rank's outcome.
@@ -32,14 +32,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
+def _worker(rank: int, world: int, port: int, backend: str, inbox, outbox) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    options = {}
+    if backend == "nccl":  # one GPU per rank, communicator built eagerly
+        torch.cuda.set_device(rank)
+        options["device_id"] = torch.device("cuda", rank)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+        **options,
     )
     while True:
         task = inbox.get()
@@ -54,8 +63,9 @@ def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
 
 
 class RankPool:
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, *, backend: str = "gloo") -> None:
         self.world = world
+        self.backend = backend
         self._start()
 
     def _start(self) -> None:
@@ -64,7 +74,9 @@ class RankPool:
         self.inboxes = [ctx.Queue() for _ in range(self.world)]
         self.outbox = ctx.Queue()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, self.world, port, self.inboxes[r], self.outbox), daemon=True)
+            ctx.Process(
+                target=_worker, args=(r, self.world, port, self.backend, self.inboxes[r], self.outbox), daemon=True
+            )
             for r in range(self.world)
         ]
         for p in self.procs:

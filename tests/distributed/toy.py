@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4, to_nf4
 
@@ -96,21 +96,29 @@ def reference(sd: dict[str, torch.Tensor], **kwargs) -> Toy:
     return model
 
 
-def mesh_for(kind: str):
+def mesh_for(kind: str, device: str = "cpu"):
     world = torch.distributed.get_world_size()
     if kind == "2d":
-        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh("cpu", (world,))
+        return init_device_mesh(device, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device, (world,))
 
 
 def build_sharded(
-    *, meta: bool = True, mesh_kind: str = "1d", dtype: torch.dtype = torch.float32, checkpointing: bool = False, **kwargs
+    *,
+    meta: bool = True,
+    mesh_kind: str = "1d",
+    dtype: torch.dtype = torch.float32,
+    checkpointing: bool = False,
+    device: str = "cpu",
+    cpu_offload: bool = False,
+    **kwargs,
 ) -> Toy:
     """FSDP2-shard a Toy per block then root, on meta (unmaterialized) or materialized with zeros.
 
     ``checkpointing`` wraps each block in an activation-checkpoint wrapper first, which adds
-    ``_checkpoint_wrapped_module`` to module paths (never to state-dict keys)."""
-    with torch.device("meta" if meta else "cpu"):
+    ``_checkpoint_wrapped_module`` to module paths (never to state-dict keys). ``device`` is the
+    mesh's device type; ``cpu_offload`` shards with FSDP's CPU offload policy."""
+    with torch.device("meta" if meta else device):
         model = Toy(**kwargs)
         if dtype != torch.float32:  # .to() would dequantize NF4 params
             model = model.to(dtype)
@@ -119,13 +127,14 @@ def build_sharded(
             for p in model.parameters():
                 if not hasattr(p, "quantized_data"):
                     p.zero_()
-    mesh = mesh_for(mesh_kind)
+    mesh = mesh_for(mesh_kind, device)
     if checkpointing:
         for i, block in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(block)
+    options = {"mesh": mesh, "offload_policy": CPUOffloadPolicy()} if cpu_offload else {"mesh": mesh}
     for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, **options)
+    fully_shard(model, **options)
     return model
 
 

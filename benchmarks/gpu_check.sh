@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One prepared GPU check (about 10 minutes on one H200): the GPU tests, then the checkpoint
+# benchmark on CUDA. Run from anywhere on a machine with a CUDA GPU and this repository:
+#   bash benchmarks/gpu_check.sh
+# Assumes torch with CUDA is already installed (CUDA wheels cannot be fetched offline); without
+# torch it installs torch==2.13.0 from the configured index. Outputs go under $OUT when set
+# (else ./gpu_check_out): pytest's log, the benchmark's tables and raw runs, and BENCHMARKS.md
+# with the new "checkpoint-cuda" section.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-$PWD/gpu_check_out}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+python -c "import torch" 2>/dev/null || pip install torch==2.13.0
+# No build isolation and no dependencies: nothing to fetch, and the CUDA torch stays. The
+# repository is on PYTHONPATH anyway, so a failed editable install costs only the console script.
+pip install -q --no-build-isolation --no-deps -e . >"$out/pip.log" 2>&1 || echo "editable install failed (see $out/pip.log)"
+missing=$(python -c "import importlib.util as u; print(' '.join(m for m in ['numpy', 'torchao', 'safetensors', 'tokenizers', 'tqdm', 'yaml', 'pytest', 'pytest_timeout'] if u.find_spec(m) is None))")
+if [ -n "$missing" ]; then
+    pip install -q -e ".[test]" >>"$out/pip.log" 2>&1 || { echo "missing: $missing; pip could not install them (see $out/pip.log)"; exit 1; }
+fi
+python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0))" | tee "$out/device.txt"
+
+status=0
+start=$SECONDS
+timeout 270 python -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$out/tests_gpu.log" || status=1
+echo "tests/gpu: $((SECONDS - start)) s" | tee -a "$out/device.txt"
+
+# 1b at world 1, one repeat: load, save and resume against DSD/DCP, each run in fresh processes.
+start=$SECONDS
+cp BENCHMARKS.md "$out/BENCHMARKS.md"
+timeout 300 python -m benchmarks.checkpoint --device cuda --world 1 --size 1b --repeats 1 --load-rounds 1 \
+    --bench-dir "$out/bench" --markdown "$out/BENCHMARKS.md" 2>&1 | tee "$out/benchmark_cuda.log" || status=1
+echo "benchmark: $((SECONDS - start)) s" | tee -a "$out/device.txt"
+rm -rf "$out/bench"/hf_* "$out/bench"/save_* "$out/bench"/resume_*  # GBs of fixtures; the runs JSON stays
+exit $status

@@ -1,0 +1,222 @@
+"""Bodies of the GPU tests: each runs on every rank of an initialized process group.
+
+Each takes the device type (``"cuda"``, or ``"cpu"`` to dry-run the logic under gloo) and
+compares against an independent reference: the full state dict it loaded, ``to_nf4`` of it,
+or an unsharded single-process model trained the same way. Rank 0 returns the findings;
+the other ranks return what they got (``{}`` from the gathers).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+from shardtune.training import (
+    gather_cpu_state_dict,
+    get_full_optimizer_state_dict,
+    load_from_full_model_state_dict,
+    load_from_full_optimizer_state_dict,
+)
+from tests.distributed import toy
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+NF4_KEYS = [f"layers.{i}.{p}.weight" for i in range(2) for p in ("q_proj", "up_proj", "down_proj")]
+
+
+def current_device(kind: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+
+
+def _full_sd(dtype: torch.dtype, lora_rank: int, seed: int) -> dict[str, torch.Tensor]:
+    sd = toy.full_state_dict(seed=seed, lora_rank=lora_rank)
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+
+
+def _local_devices(model: torch.nn.Module) -> set[str]:
+    return {(p._local_tensor if isinstance(p, DTensor) else p).device.type for p in model.parameters()}
+
+
+def model_round_trip(kind: str, dtype_name: str, qlora: bool, cpu_offload: bool, rank0_only: bool) -> dict:
+    """Full state dict -> sharded model -> full CPU state dict on rank 0; bit-exact against the
+    input (NF4 bases: against ``to_nf4`` of the input, quantized on the same device)."""
+    device = current_device(kind)
+    dtype, lora_rank, rank = DTYPES[dtype_name], 4 if qlora else 0, dist.get_rank()
+    sd = _full_sd(dtype, lora_rank, seed=21)
+    model = toy.build_sharded(
+        meta=True, device=kind, dtype=dtype, lora_rank=lora_rank, nf4=qlora, cpu_offload=cpu_offload
+    )
+    given = sd if rank == 0 or not rank0_only else {}
+    keys = load_from_full_model_state_dict(model, given, device, strict=True, cpu_offload=cpu_offload)
+    where = _local_devices(model)
+    nf4_types = {type(model.layers[0].q_proj.weight._local_tensor).__name__} if qlora else set()
+    out = gather_cpu_state_dict(model, rank == 0, device=device)
+    if rank != 0:
+        return {"out": out, "where": where}
+    expected = {
+        k: to_nf4(v.to(device)).get_original_weight().cpu() if qlora and k in NF4_KEYS else v for k, v in sd.items()
+    }
+    return {
+        "keys_match": sorted(out) == sorted(expected) and not keys.missing_keys and not keys.unexpected_keys,
+        "mismatched": [k for k, v in expected.items() if not (out[k].dtype == v.dtype and torch.equal(out[k], v))],
+        "out_devices": {v.device.type for v in out.values()},
+        "where": where,
+        "nf4_types": nf4_types,
+    }
+
+
+def _batch(step: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, toy.VOCAB, (2, 12), generator=g).to(device)
+
+
+def _train(model, opt, steps: range, device: torch.device) -> list[float]:
+    losses = []
+    for step in steps:
+        tokens = _batch(step, device)
+        logits = model(tokens).float()
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, toy.VOCAB), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1
+    )
+
+
+def _state_tensors(full: dict) -> dict[tuple[str, str], torch.Tensor]:
+    return {(fqn, k): v for fqn, st in full["state"].items() for k, v in st.items() if isinstance(v, torch.Tensor)}
+
+
+def optimizer_round_trip(kind: str, dtype_name: str, lora: bool, cpu_offload: bool) -> dict:
+    """Train 3 steps, gather model and optimizer to rank 0, load both (rank-0-only input) into a
+    fresh sharded model and optimizer, gather again: bit-identical, and the next 2 steps give
+    the same losses. The gathered state is also compared with an unsharded reference optimizer."""
+    device = current_device(kind)
+    dtype, lora_rank, rank = DTYPES[dtype_name], 4 if lora else 0, dist.get_rank()
+    sd = _full_sd(dtype, lora_rank, seed=11)
+
+    def build(full_model: dict):
+        model = toy.build_sharded(meta=True, device=kind, dtype=dtype, lora_rank=lora_rank, cpu_offload=cpu_offload)
+        load_from_full_model_state_dict(model, full_model, device, strict=True, cpu_offload=cpu_offload)
+        return model, _adamw(model)
+
+    model, opt = build(sd if rank == 0 else {})
+    _train(model, opt, range(3), device)
+    full_model = gather_cpu_state_dict(model, rank == 0, device=device)
+    full_optim = get_full_optimizer_state_dict(model, opt, rank == 0, device=device)
+    model2, opt2 = build(full_model)
+    load_from_full_optimizer_state_dict(model2, opt2, full_optim, device)
+    again = get_full_optimizer_state_dict(model2, opt2, rank == 0, device=device)
+    uninterrupted = _train(model, opt, range(3, 5), device)
+    resumed = _train(model2, opt2, range(3, 5), device)
+    if rank != 0:
+        return {"full": full_optim, "same_losses": resumed == uninterrupted}
+
+    first, second = _state_tensors(full_optim), _state_tensors(again)
+    ref = toy.reference(sd, lora_rank=lora_rank).to(device=device, dtype=dtype)
+    ref_opt = _adamw(ref)
+    _train(ref, ref_opt, range(3), device)
+    names = {id(p): n for n, p in ref.named_parameters()}
+    expected = {(names[id(p)], k): v for p, st in ref_opt.state.items() for k, v in st.items() if v.dim()}
+    worst = max(
+        ((first[key].float() - v.cpu().float()).abs().max() / v.float().abs().max().clamp_min(1e-12)).item()
+        for key, v in expected.items()
+    )
+    return {
+        "same_keys": sorted(first) == sorted(second) and {k for k in first if first[k].dim()} == set(expected),
+        "bit_identical": all(torch.equal(first[k], second[k]) and first[k].dtype == second[k].dtype for k in first),
+        "groups_equal": full_optim["param_groups"] == again["param_groups"],
+        "same_losses": resumed == uninterrupted,
+        "relative_error_vs_reference": worst,
+        "n_states": len(expected),
+    }
+
+
+def _safetensors_data(path: Path) -> tuple[int, int]:
+    """Bytes of tensor data in a safetensors file and its tensor count, from its header (independent of shardtune)."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    offsets = [meta["data_offsets"] for key, meta in header.items() if key != "__metadata__"]
+    return sum(end - start for start, end in offsets), len(offsets)
+
+
+def _pinned() -> tuple[int, int]:
+    stats = torch.cuda.host_memory_stats()
+    return stats.get("allocated_bytes.current", 0), stats.get("num_host_alloc", 0)
+
+
+def staging_size(kind: str, base_dir: str, out_dir: str) -> dict:
+    """Two background saves of a full fine-tune on ONE rank: the staging memory holds this rank's
+    bytes of every safetensors file written (model + optimizer), each block's start at most
+    64-byte aligned; the caching host allocator grows by at most that, in at most one
+    allocation, and the second save allocates nothing."""
+    from shardtune.checkpoint import Checkpointer
+    from shardtune.distributed import make_mesh, shard_model
+    from shardtune.models import llama_from_hf_config
+    from shardtune.training.optim import build_lr_scheduler, build_optimizer
+
+    device = current_device(kind)
+    with torch.device("meta"):
+        model = llama_from_hf_config(base_dir)
+    shard_model(model, mesh=make_mesh(device=kind))
+    opt = build_optimizer(model.parameters(), lr=1e-3, weight_decay=0.0)
+    sched = build_lr_scheduler(opt, name="cosine", warmup_steps=1, total_steps=10)
+    ck = Checkpointer(
+        output_dir=out_dir,
+        model=model,
+        optimizer=opt,
+        lr_scheduler=sched,
+        base_dir=base_dir,
+        fingerprint={"model": "gpu"},
+        seed=0,
+        device=device,
+        async_save=True,
+    )
+    ck.load_base()
+    model.init_buffers(device)
+    vocab = model.config.vocab_size if hasattr(model, "config") else 256
+
+    def step(i: int) -> None:
+        tokens = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(i)).to(device)
+        logits = model(tokens).float()
+        F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+    step(0)
+    if kind == "cuda":
+        torch.cuda.synchronize()
+    before = _pinned() if kind == "cuda" else (0, 0)
+    first = Path(ck.save(step=1, epoch=0, batches_in_epoch=1))
+    ck.wait()
+    after_first = _pinned() if kind == "cuda" else (0, 0)
+    step(1)
+    second = Path(ck.save(step=2, epoch=0, batches_in_epoch=2))
+    ck.wait()
+    after_second = _pinned() if kind == "cuda" else (0, 0)
+    memory = ck._staging_memory  # the kept staging memory (None unless async_save and keep_staging_memory)
+    files = [[_safetensors_data(p) for p in path.rglob("*.safetensors")] for path in (first, second)]
+    return {
+        "written": [sum(nbytes for nbytes, _ in found) for found in files],
+        "tensors": sum(n for _, n in files[0]),
+        "staged": memory.nbytes if memory is not None else None,
+        "arenas": getattr(memory, "allocations", None),
+        "pinned_growth": after_first[0] - before[0],
+        "pinned_allocs": after_first[1] - before[1],
+        "second_growth": after_second[0] - after_first[0],
+        "second_allocs": after_second[1] - after_first[1],
+    }

@@ -1,0 +1,193 @@
+"""On CUDA with NCCL alone: the state-dict core, async-save staging, the loop's host syncs and
+the recipes. Skipped without a GPU; the two-rank tests need two.
+
+    python -m pytest tests/gpu -q -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardtune.checkpoint.tiny import create_tiny_base
+from tests.distributed.pool import RankPool
+from tests.gpu import checks
+from tests.recipes.conftest import losses, resume_copy
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+RECIPE_WITH_SYNC_COUNTS = str(Path(__file__).with_name("sync_counting_recipe.py"))
+ROOT = Path(__file__).resolve().parents[2]  # the code under test, also for the recipe processes
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU"),
+    pytest.mark.timeout(600),
+]
+two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs two CUDA GPUs")
+
+
+@pytest.fixture(scope="module")
+def nccl1():
+    pool = RankPool(1, backend="nccl")
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def nccl2():
+    pool = RankPool(2, backend="nccl")
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory) -> Path:
+    return create_tiny_base(tmp_path_factory.mktemp("models") / "tiny_base")
+
+
+def _check_model_round_trip(res: list[dict], *, cpu_offload: bool, qlora: bool) -> None:
+    found = res[0]
+    assert found["keys_match"] and found["mismatched"] == []
+    assert found["out_devices"] == {"cpu"}
+    assert all(r["where"] == ({"cpu"} if cpu_offload else {"cuda"}) for r in res)
+    if qlora:
+        assert found["nf4_types"] == {"NF4Tensor"}
+    assert all(r["out"] == {} for r in res[1:])
+
+
+MODEL_CASES = [  # dtype, qlora, cpu_offload
+    ("bf16", False, False),
+    ("fp32", True, False),
+    ("bf16", False, True),
+    ("fp32", True, True),
+]
+
+
+@pytest.mark.parametrize("dtype,qlora,cpu_offload", MODEL_CASES)
+def test_model_round_trip_is_exact_on_one_gpu(nccl1, dtype, qlora, cpu_offload):
+    res = nccl1.run_ok(checks.model_round_trip, "cuda", dtype, qlora, cpu_offload, True)
+    _check_model_round_trip(res, cpu_offload=cpu_offload, qlora=qlora)
+
+
+@pytest.mark.parametrize(
+    "dtype,lora,cpu_offload", [("fp32", False, False), ("bf16", True, False), ("fp32", False, True)]
+)
+def test_optimizer_round_trip_is_exact_on_one_gpu(nccl1, dtype, lora, cpu_offload):
+    found = nccl1.run_ok(checks.optimizer_round_trip, "cuda", dtype, lora, cpu_offload)[0]
+    assert found["n_states"] > 0 and found["same_keys"]
+    assert found["bit_identical"] and found["groups_equal"] and found["same_losses"]
+    assert found["relative_error_vs_reference"] < (2e-2 if dtype == "bf16" else 1e-4)
+
+
+def test_async_save_staging_is_one_exact_pinned_allocation(nccl1, tiny_base, tmp_path):
+    found = nccl1.run_ok(checks.staging_size, "cuda", str(tiny_base), str(tmp_path / "out"))[0]
+    written = found["written"]
+    assert written[0] == written[1] > 0
+    # exactly this rank's bytes of model and optimizer, block starts aligned to at most 64 bytes
+    assert written[0] <= found["staged"] < written[0] + 64 * found["tensors"]
+    assert found["arenas"] in (None, 1)  # one allocation for both saves
+    # no power-of-two rounding by the caching host allocator; the second save reuses the memory
+    assert 0 <= found["pinned_growth"] <= written[0] and found["pinned_allocs"] <= 1
+    assert found["second_growth"] == 0 and found["second_allocs"] == 0
+
+
+def _run(
+    recipe: str, config: str, *overrides: str, nproc: int = 1, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``shardtune run --nproc_per_node N RECIPE --config CONFIG overrides`` (the code under test on PYTHONPATH)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardtune.cli",
+        "run",
+        "--nproc_per_node",
+        str(nproc),
+        recipe,
+        "--config",
+        config,
+        *overrides,
+    ]
+    env = {
+        **os.environ,
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def _falls(by_step: dict[int, float]) -> bool:
+    values = [by_step[s] for s in sorted(by_step)]
+    return len(values) >= 6 and sum(values[-3:]) < sum(values[:3])
+
+
+@pytest.mark.parametrize("config", ["tiny/lora", "tiny/qlora"])
+def test_tiny_recipe_trains_with_a_falling_loss(tiny_base, tmp_path, config):
+    out = tmp_path / "out"
+    _run(
+        "lora_finetune_distributed",
+        config,
+        f"output_dir={out}",
+        f"checkpoint_dir={tiny_base}",
+        "epochs=1",
+        "log_every_n_steps=1",
+    )
+    assert _falls(losses(out)), losses(out)
+    assert (out / "epoch_1" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_at_most_one_host_sync_per_optimizer_step(tiny_base, tmp_path):
+    out = tmp_path / "out"
+    _run(
+        RECIPE_WITH_SYNC_COUNTS,
+        "tiny/lora",
+        f"output_dir={out}",
+        f"checkpoint_dir={tiny_base}",
+        "epochs=1",
+        "max_steps_per_epoch=12",
+        "log_every_n_steps=1",
+        "clip_grad_norm=1.0",
+    )
+    per_step = json.loads((out / "syncs.json").read_text())["per_step"]
+    assert len(per_step) >= 5 and max(per_step) <= 1, per_step
+
+
+@two_gpus
+@pytest.mark.parametrize("dtype,qlora,cpu_offload", MODEL_CASES)
+def test_rank0_load_and_gather_on_two_gpus(nccl2, dtype, qlora, cpu_offload):
+    res = nccl2.run_ok(checks.model_round_trip, "cuda", dtype, qlora, cpu_offload, True)
+    _check_model_round_trip(res, cpu_offload=cpu_offload, qlora=qlora)
+
+
+@two_gpus
+def test_optimizer_round_trip_on_two_gpus(nccl2):
+    res = nccl2.run_ok(checks.optimizer_round_trip, "cuda", "fp32", True, False)
+    assert res[0]["bit_identical"] and res[0]["groups_equal"] and res[0]["same_keys"]
+    assert all(r["same_losses"] for r in res) and res[1]["full"] == {}
+    assert res[0]["relative_error_vs_reference"] < 1e-4
+
+
+@two_gpus
+def test_two_rank_recipe_resumes_exactly(tiny_base, tmp_path):
+    first = tmp_path / "first"
+    common = [f"checkpoint_dir={tiny_base}", "epochs=2", "max_steps_per_epoch=6", "log_every_n_steps=1"]
+    _run("lora_finetune_distributed", "tiny/lora", f"output_dir={first}", *common, nproc=2)
+    second = resume_copy(first, "epoch_1", tmp_path / "second")
+    _run(
+        "lora_finetune_distributed",
+        "tiny/lora",
+        f"output_dir={second}",
+        "resume_from_checkpoint=True",
+        *common,
+        nproc=2,
+    )
+    uninterrupted, resumed = losses(first), losses(second)
+    assert resumed and all(uninterrupted[step] == loss for step, loss in resumed.items()), (uninterrupted, resumed)
+    assert min(resumed) == 7
