@@ -15,6 +15,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from shardtune.state_dict.nf4 import is_nf4
+
 from shardtune.launch_checks import check_launch
 
 log = logging.getLogger(__name__)
@@ -109,9 +111,16 @@ def shard_model(
     Works on meta-device models (follow with ``load_from_full_model_state_dict``). A 2-D
     ``mesh`` gives HSDP (replicate x shard). ``activation_checkpointing`` wraps each layer
     first; state-dict names are unchanged by it. Returns the same (now sharded) model.
+
+    On a mesh whose shard dimension has one rank, NF4 params stay plain (FSDP2 ignores them):
+    FSDP2 then skips its all-gather and rebuilds each param from the first all-gather input
+    alone, which loses the NF4 scalers (torchao's ``fsdp_post_all_gather`` needs all three).
+    They are frozen, so FSDP has nothing to reduce for them.
     """
     mesh = mesh or make_mesh()
     options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mesh.size(mesh.ndim - 1) == 1:
+        options["ignored_params"] = {p for p in model.parameters() if is_nf4(p)}
     if cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
     if mp_policy is not None:

@@ -141,6 +141,13 @@ def test_first_step_loss_equals_transformers_reference(runs, tiny_dirs, tmp_path
     assert math.isclose(logged, expected, rel_tol=1e-5), (logged, expected)
 
 
+def test_qlora_on_one_rank_first_step_loss_equals_transformers_reference(tiny_dirs, tmp_path):
+    """One rank (a single GPU): FSDP2 skips its all-gather there, so the NF4 base must still be whole."""
+    recipe, config = CASES["qlora"]
+    run_recipe(recipe, config, *_overrides(tiny_dirs, "qlora", tmp_path / "run", batch=2 * BATCH, epochs=1, steps=1), nproc=1)
+    assert math.isclose(losses(tmp_path / "run")[1], _reference_first_loss("qlora", tiny_dirs), rel_tol=1e-5)
+
+
 @pytest.mark.parametrize("case", ["full", "kd", "early_exit"])
 def test_packed_first_step_loss_equals_transformers_on_each_sample_alone(tiny_dirs, tmp_path, case):
     """packed=true: each packed sample's loss is what transformers gives that sample by itself
