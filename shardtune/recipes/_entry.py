@@ -14,7 +14,7 @@ from shardtune.distributed import end_process
 def main(recipe: Callable[[Config], None], name: str, argv: list[str] | None = None) -> int:
     """Parse the config and run ``recipe``; returns 2 on a config error. After a finished run the
     process ends here (:func:`~shardtune.distributed.end_process`)."""
-    parser = argparse.ArgumentParser(prog=f"shardtune run {name}", description=(recipe.__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(prog=f"shardtune run {name}", description=next(iter((recipe.__doc__ or "").splitlines()), None))
     parser.add_argument("--config", required=True, help="bundled config name (e.g. tiny/lora) or a YAML path")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optimizer.lr=1e-4")
     args = parser.parse_args(argv)
