@@ -1,0 +1,218 @@
+"""Benchmark of the CRC32C checksums' cost: ``Checkpointer`` save and resume with and without them.
+
+    python -m benchmarks.checksums --size 250m --repeats 5
+    python -m benchmarks.checksums --smoke          # tiny, 1 repeat, no BENCHMARKS.md
+
+Each repeat is one set of fresh rank processes: the model is filled from the HF fixture and
+given one AdamW step (untimed), then ``Checkpointer(..., checksums=True/False).save(step=1,
+epoch=1)`` (model, optimizer, training state; fsynced and published) and, into a fresh meta
+model and optimizer, ``Checkpointer(..., checksums=True/False).resume()`` of the checkpoint
+saved with checksums (with them it first verifies every file block, each rank a share). The two
+variants alternate, their order rotated each repeat. Results print as a Markdown table and,
+unless ``--no-markdown``/``--smoke``, replace the ``checksums`` section of BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from benchmarks._checkpoint_steps import HF_WEIGHTS, adamw, build_model
+from benchmarks._fixtures import SIZES, materialize_from_file
+from benchmarks._measure import (
+    drop_page_cache,
+    parse_run_options,
+    rotated,
+    spawn_ranks,
+    warm_page_cache,
+    write_markdown_section,
+)
+from benchmarks._report import GIB, fmt_bytes, model_bytes, ram_bytes
+from benchmarks.checkpoint import hf_dir
+
+BEGIN, END = "<!-- checksums:begin -->", "<!-- checksums:end -->"
+VARIANTS = ("with", "without")
+STEPS = ("save", "resume")
+TARGET = 1.05
+
+
+def _timed(fn) -> float:
+    """This rank's seconds for ``fn()`` between two barriers."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - start
+    dist.barrier()
+    return seconds
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def run_round(*, size: str, hf: str, out_root: str, order: list[str], cold: bool) -> dict:
+    """Rank side of one repeat: both saves, then both resumes, in ``order``."""
+    from shardtune.checkpoint import Checkpointer
+
+    rank = dist.get_rank()
+    model = build_model(size)
+    materialize_from_file(model, os.path.join(hf, HF_WEIGHTS))
+    opt = adamw(model)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    seconds: dict[str, float] = {}
+    for variant in order:
+        out = Path(out_root) / f"save_{variant}"
+        if rank == 0:
+            shutil.rmtree(out, ignore_errors=True)
+            os.sync()  # no earlier run's dirty pages are written back during this one
+        saver = Checkpointer(output_dir=out, model=model, optimizer=opt, base_dir=hf, checksums=variant == "with")
+        seconds[f"save_{variant}"] = _timed(lambda saver=saver: saver.save(step=1, epoch=1))
+    del model, opt
+    saved = Path(out_root) / "save_with"
+    steps = {}
+    for variant in order:
+        if rank == 0:
+            for path in _files(saved):
+                (drop_page_cache if cold else warm_page_cache)(path)
+        fresh = build_model(size)
+        fresh_opt = adamw(fresh)
+        ck = Checkpointer(output_dir=saved, model=fresh, optimizer=fresh_opt, base_dir=hf, checksums=variant == "with")
+
+        def resume(ck=ck, variant=variant) -> None:
+            steps[variant] = ck.resume().step
+
+        seconds[f"resume_{variant}"] = _timed(resume)
+        del fresh, fresh_opt, ck
+    verify = "ok" if set(steps.values()) == {1} else f"resume returned steps {steps}, expected 1"
+    checksummed = sum(p.stat().st_size for p in _files(saved)) if rank == 0 else None
+    return {"rank": rank, "seconds": seconds, "verify": verify, "checkpoint_bytes": checksummed}
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def report(
+    rounds: list[list[dict]], *, size: str, world: int, cold: bool, command: str, load: tuple
+) -> tuple[str, bool]:
+    """The Markdown section and whether every overhead target was met."""
+    slowest = {  # per step and variant: the slowest rank's seconds, per round
+        f"{s}_{v}": [max(r["seconds"][f"{s}_{v}"] for r in ranks) for ranks in rounds] for s in STEPS for v in VARIANTS
+    }
+    nbytes = rounds[0][0]["checkpoint_bytes"]
+    lines = [
+        "## Checksum overhead (`benchmarks/checksums.py`)",
+        "",
+        f"- Command: `{command}`",
+        (
+            f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; torch {torch.__version__}, Python "
+            f"{platform.python_version()}"
+        ),
+        (
+            f"- Machine: {os.cpu_count()} CPU cores, {ram_bytes() / GIB:.1f} GiB RAM, no GPU; gloo on 127.0.0.1, "
+            f"OMP_NUM_THREADS=1 per rank; 1-min load average {load[0]:.2f} before, {load[1]:.2f} after "
+            "(the machine is shared)"
+        ),
+        (
+            f"- Model: `{size}` = {SIZES[size]} ({fmt_bytes(model_bytes(size))} bf16) + AdamW state (bf16); "
+            f"checkpoint {fmt_bytes(nbytes)}; world {world}, {len(rounds)} repeats, fresh processes each, the two "
+            "variants alternating (order rotated each repeat); page cache before each resume: "
+            f"{'cold (POSIX_FADV_DONTNEED)' if cold else 'warm (files read once, untimed)'}"
+        ),
+        "",
+        (
+            "| step | with checksums: median s (runs) | without: median s (runs) | with / without (medians) "
+            "| per-round ratios (median) | target ≤ 1.05 |"
+        ),
+        "|---|---|---|---|---|---|",
+    ]
+    met = True
+    for step in STEPS:
+        on, off = slowest[f"{step}_with"], slowest[f"{step}_without"]
+        ratio = _median(on) / _median(off)
+        per_round = [a / b for a, b in zip(on, off)]
+        ok = _median(per_round) <= TARGET
+        met &= ok
+        lines.append(
+            f"| {step} | {_median(on):.3f} ({', '.join(f'{x:.2f}' for x in on)}) | {_median(off):.3f} "
+            f"({', '.join(f'{x:.2f}' for x in off)}) | {ratio:.3f} | {', '.join(f'{x:.2f}' for x in per_round)} "
+            f"({_median(per_round):.3f}) | {'met' if ok else 'NOT met'} |"
+        )
+    lines += [
+        "",
+        (
+            "How to read it: *save* is `Checkpointer.save(step=1, epoch=1)` of the model (HF safetensors), AdamW state, "
+            "training state and RNG, fsynced and published; with checksums every rank checksums (CRC32C, `crc32c` "
+            "package) the memory it writes while it writes (a helper thread, overlapping the `pwrite`), and rank 0 gathers "
+            "and combines the pieces into the manifest: no byte is read back. *resume* is `Checkpointer.resume()` into "
+            "a fresh meta model and optimizer; with checksums it first reads and checksums every 64 MiB block of the "
+            "checkpoint, each rank a share by bytes, before loading. Times are the slowest rank's, between barriers. "
+            "The target is judged on the median of the per-round ratios (a slow spell of this shared machine tends to "
+            "hit both variants of a round)."
+        ),
+    ]
+    return "\n".join(lines), met
+
+
+def main(argv: list[str] | None = None) -> int:
+    _, cfg = parse_run_options(
+        argv,
+        module="benchmarks.checksums",
+        description=__doc__.split("\n")[0],
+        groups=STEPS,
+        cold_help="drop the checkpoint from the page cache before each resume",
+        smoke_help="tiny, 1 repeat, no BENCHMARKS.md (CI)",
+    )
+    bench = cfg["bench_dir"]
+    bench.mkdir(parents=True, exist_ok=True)
+    hf = hf_dir(bench, cfg["size"])
+    out_root = bench / f"checksums_{cfg['size']}"
+    load_before = os.getloadavg()[0]
+    rounds = []
+    for repeat in range(cfg["repeats"]):
+        order = rotated(list(VARIANTS), repeat)
+        ranks = spawn_ranks(
+            "benchmarks.checksums:run_round",
+            world=cfg["world"],
+            kwargs={"size": cfg["size"], "hf": str(hf), "out_root": str(out_root), "order": order, "cold": cfg["cold"]},
+            timeout_s=cfg["timeout_s"],
+        )
+        bad = [f"r{r['rank']}: {r['verify']}" for r in ranks if r["verify"] != "ok"]
+        if bad:
+            print("verification failed: " + "; ".join(bad), file=sys.stderr)
+            return 1
+        print(
+            f"[{repeat + 1}/{cfg['repeats']}] "
+            + ", ".join(f"{k} {max(r['seconds'][k] for r in ranks):.2f} s" for k in ranks[0]["seconds"]),
+            file=sys.stderr,
+        )
+        rounds.append(ranks)
+    shutil.rmtree(out_root, ignore_errors=True)
+    section, met = report(
+        rounds,
+        size=cfg["size"],
+        world=cfg["world"],
+        cold=cfg["cold"],
+        command=cfg["command"],
+        load=(load_before, os.getloadavg()[0]),
+    )
+    print(section)
+    if cfg["markdown"] is not None:
+        write_markdown_section(cfg["markdown"], section, begin=BEGIN, end=END)
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
