@@ -82,7 +82,8 @@ class Checkpointer:
     ``base_dir`` are on a filesystem every rank sees (shared across nodes in multi-node runs),
     or with ``shared_filesystem=False`` only on rank 0's: rank 0 then reads the base weights
     and reads and writes every checkpoint file, one gathered tensor at a time, and sends each
-    rank its piece (synchronous HF checkpoints only).
+    rank its piece (synchronous HF checkpoints only). ``checksums=False`` records no checksums
+    on save and checks none on resume: it exists to measure their cost (benchmarks/checksums.py).
     """
 
     def __init__(
@@ -201,7 +202,8 @@ class Checkpointer:
         return str(info.path) if info is not None else None
 
     def _pick(self, checkpoint: str | os.PathLike | None) -> Path | None:
-        """Collective: the checkpoint to resume from, verified; see :meth:`resume`."""
+        """Collective: call on all ranks. Returns, on every rank, the verified checkpoint to resume
+        from (None if there is none), or raises the same CheckpointError; see :meth:`resume`."""
         if checkpoint is not None:
             info = atomic.verify(Path(checkpoint)) if comm.rank() == 0 else None
             found = comm.all_gather_objects(None if info is None else [(str(info.path), info.manifest)])[0]
@@ -232,7 +234,8 @@ class Checkpointer:
         return None
 
     def _verify(self, path: Path, manifest: dict) -> integrity.Verdict:
-        """Collective: ``path``'s files against its manifest (each rank checks a share)."""
+        """Collective: call on all ranks. Returns, on every rank, the same verdict on ``path``'s
+        files against its manifest (each rank checks a share)."""
         if not self.checksums:
             return integrity.Verdict(checksummed=False)
         verdict = integrity.verify_on_ranks(path, manifest, shared_filesystem=self.shared_filesystem)

@@ -241,9 +241,8 @@ def read_block_crc(path: str | os.PathLike, offset: int, length: int) -> int:
     read through a mapping of just that block, so memory stays one block."""
     if length == 0:
         return 0
+    # No MADV_SEQUENTIAL: it lets the kernel drop the pages right after, and the load reads them next.
     with open(path, "rb") as f, mmap.mmap(f.fileno(), length, offset=offset, access=mmap.ACCESS_READ) as mapped:
-        if hasattr(mapped, "madvise"):
-            mapped.madvise(mmap.MADV_SEQUENTIAL)
         view = memoryview(mapped)
         try:
             return crc32c(view)

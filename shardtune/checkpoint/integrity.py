@@ -3,7 +3,8 @@
 Rule: nothing of a checkpoint is used before its bytes match what the save wrote. Resume
 verifies collectively (:func:`verify_on_ranks`): the manifest's blocks are split over the
 ranks by bytes, each rank reads and checksums only its share (~1/world of the checkpoint;
-rank 0 everything without a shared filesystem), and every rank gets the same verdict.
+rank 0 everything without a shared filesystem; in threads where the node has more cores than
+ranks), and every rank gets the same verdict.
 :func:`verify_files` checks everything in one process (``shardtune verify``). A checkpoint
 whose manifest has no checksums (written before they existed) can only be checked by size.
 """
@@ -11,12 +12,14 @@ whose manifest has no checksums (written before they existed) can only be checke
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardtune.checkpoint import checksums
 from shardtune.state_dict import comm
 
+_MAX_THREADS = 8
 UNVERIFIABLE = "its manifest has no checksums (written by an older shardtune); only file sizes can be checked"
 
 
@@ -82,6 +85,12 @@ def _check_sizes(root: Path, manifest: dict) -> dict[str, list[str]]:
     return problems
 
 
+def _threads() -> int:
+    """Threads each rank checks blocks with: its share of the CPU cores this node's ranks have."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(_MAX_THREADS, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+
+
 def verify_files(root: Path, manifest: dict) -> Verdict:
     """Every file of the checkpoint at ``root`` against ``manifest`` (sizes, then every block's
     CRC32C), in this process."""
@@ -120,9 +129,11 @@ def verify_on_ranks(root: Path, manifest: dict, *, shared_filesystem: bool) -> V
                 )
     world = comm.world_size() if shared_filesystem else 1
     mine = checksums.share_of([(rel, start, length) for rel, start, length, _ in blocks], world)
-    for i in mine[comm.rank()] if comm.rank() < world else []:
-        rel, start, length, crc = blocks[i]
-        if (problem := _check_block(root, rel, start, length, crc)) is not None:
+    mine = mine[comm.rank()] if comm.rank() < world else []
+    with ThreadPoolExecutor(max_workers=_threads()) as pool:  # CRC32C and reads release the GIL
+        found = list(pool.map(lambda i: (blocks[i][0], _check_block(root, *blocks[i])), mine))
+    for rel, problem in found:
+        if problem is not None:
             problems.setdefault(rel, []).append(problem)
     merged: dict[str, list[str]] = {}
     for rank_problems in comm.all_gather_objects(problems):
