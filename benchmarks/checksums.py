@@ -10,7 +10,8 @@ model and optimizer, ``Checkpointer(..., checksums=True/False).resume()`` of the
 saved with checksums (with them it first verifies every file block, each rank a share). The two
 variants alternate, their order rotated each repeat, after an untimed warm-up save and resume
 (a process's first one pays for fresh memory). Use an even number of repeats. Results print as a Markdown table and,
-unless ``--no-markdown``/``--smoke``, replace the ``checksums`` section of BENCHMARKS.md.
+unless ``--no-markdown``/``--smoke``, replace the ``checksums`` (or with ``--cold``
+``checksums_cold``) section of BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ from benchmarks._measure import (
 from benchmarks._report import GIB, fmt_bytes, model_bytes, ram_bytes
 from benchmarks.checkpoint import hf_dir
 
-BEGIN, END = "<!-- checksums:begin -->", "<!-- checksums:end -->"
+MARKERS = {  # BENCHMARKS.md keeps a warm and a cold (--cold) section
+    False: ("<!-- checksums:begin -->", "<!-- checksums:end -->"),
+    True: ("<!-- checksums_cold:begin -->", "<!-- checksums_cold:end -->"),
+}
 VARIANTS = ("with", "without")
 STEPS = ("save", "resume")
 TARGET = 1.05
@@ -149,6 +153,10 @@ def _median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
 def _runs(values: list[float]) -> str:
     return ", ".join(f"{x:.2f}" for x in values)
 
@@ -162,7 +170,7 @@ def report(
     }
     nbytes = rounds[0][0]["checkpoint_bytes"]
     lines = [
-        "## Checksum overhead (`benchmarks/checksums.py`)",
+        f"## Checksum overhead{', cold page cache' if cold else ''} (`benchmarks/checksums.py`)",
         "",
         f"- Command: `{command}`",
         (
@@ -184,7 +192,7 @@ def report(
         (
             "| step | with checksums: median s (runs) | without: median s (runs) | with / without (medians) "
             "| per-round ratios (median) | checksum work waited for: median s (runs) | its share of *without* "
-            "| target ≤ 5 % |"
+            "| ≤ 5 %: end to end (per-round median) / checksum work |"
         ),
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -209,12 +217,12 @@ def report(
         ratio = _median(on) / _median(off)
         per_round = [a / b for a, b in zip(on, off)]
         share = _median(work) / _median(off)
-        ok = share <= TARGET - 1
-        met &= ok
+        end_to_end_ok, work_ok = _median(per_round) <= TARGET, share <= TARGET - 1
+        met &= end_to_end_ok and work_ok
         lines.append(
             f"| {step} | {_median(on):.3f} ({_runs(on)}) | {_median(off):.3f} ({_runs(off)}) | {ratio:.3f} "
             f"| {_runs(per_round)} ({_median(per_round):.3f}) | {_median(work):.3f} ({_runs(work)}) "
-            f"| {100 * share:.1f} % | {'met' if ok else 'NOT met'} |"
+            f"| {100 * share:.1f} % | {_verdict(end_to_end_ok)} / {_verdict(work_ok)} |"
         )
         cpu_on, cpu_off = ([sum(r["seconds"][f"{step}_{v}_cpu"] for r in ranks) for ranks in rounds] for v in VARIANTS)
         cpu_rows.append(
@@ -235,9 +243,12 @@ def report(
             "writes, waiting for a large write's checksum thread, gathering and combining; for resume the whole "
             "verification), on the rank slowest in that step (a faster rank's time in the checksums' collectives is "
             "mostly waiting for it), measured by wrapping those functions in the benchmark's processes. On this "
-            "shared 2-core machine the end-to-end times of the two variants swing by more than the checksums cost, so "
-            "the target is judged on that share of the median step time without checksums; CPU time of the checksum "
-            "thread competing with the writer on 2 busy cores is not in it (it shows only end to end)."
+            "shared 2-core machine the end-to-end times of the two variants can swing by more than the checksums "
+            "cost, so the 5 % target is judged both ways: end to end (median of the per-round ratios) and as that "
+            "share of the median step time without checksums. With a cold page cache the verification's reads "
+            "(sequential, every rank at once) bring in the pages the load then reads, so there the end-to-end ratio "
+            "is what counts; CPU time of the save's checksum thread is hidden behind the disk where the save waits "
+            "for it, and shows in the CPU table."
         ),
     ]
     return "\n".join(lines), met
@@ -287,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(section)
     if cfg["markdown"] is not None:
-        write_markdown_section(cfg["markdown"], section, begin=BEGIN, end=END)
+        begin, end = MARKERS[cfg["cold"]]
+        write_markdown_section(cfg["markdown"], section, begin=begin, end=end)
     return 0 if met else 1
 
 
