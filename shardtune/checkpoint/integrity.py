@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardtune.checkpoint import checksums
+from shardtune.checkpoint import atomic, checksums
 from shardtune.state_dict import comm
 
 _MAX_THREADS = 8
@@ -100,9 +100,7 @@ def verify_files(root: Path, manifest: dict) -> Verdict:
     try:
         blocks = _blocks(manifest)
     except (KeyError, TypeError, ValueError) as exc:
-        verdict.problems.setdefault(checksums.ALGORITHM, []).append(
-            f"{root}: unreadable checksums in the manifest ({exc})"
-        )
+        verdict.problems.setdefault(atomic.MANIFEST, []).append(f"{root}: unreadable checksums in the manifest ({exc})")
         return verdict
     for rel, start, length, crc in blocks:
         if rel not in verdict.problems and (problem := _check_block(root, rel, start, length, crc)) is not None:
@@ -124,9 +122,7 @@ def verify_on_ranks(root: Path, manifest: dict, *, shared_filesystem: bool) -> V
             blocks = _blocks(manifest)
         except (KeyError, TypeError, ValueError) as exc:  # same manifest, same outcome on every rank
             if comm.rank() == 0:
-                problems.setdefault(checksums.ALGORITHM, []).append(
-                    f"{root}: unreadable checksums in the manifest ({exc})"
-                )
+                problems.setdefault(atomic.MANIFEST, []).append(f"{root}: unreadable checksums in the manifest ({exc})")
     world = comm.world_size() if shared_filesystem else 1
     mine = checksums.share_of([(rel, start, length) for rel, start, length, _ in blocks], world)
     mine = mine[comm.rank()] if comm.rank() < world else []
