@@ -164,7 +164,8 @@ class Checkpointer:
         None (nothing loaded) if there is none.
 
         Collective. Before anything is loaded the checkpoint's files are checked against its
-        manifest's sizes and CRC32C checksums, each rank reading a share. A damaged newest
+        manifest's sizes and the files it reads against their CRC32C checksums (LoRA: not the
+        merged model beside the adapter), each rank reading a share. A damaged newest
         checkpoint is skipped with a warning naming the damaged files, for the next older
         intact one; when every checkpoint is damaged, or the named ``checkpoint`` is, every rank
         raises the same :class:`CheckpointError` naming the files and byte ranges. Checkpoints
@@ -238,10 +239,18 @@ class Checkpointer:
         files against its manifest (each rank checks a share)."""
         if not self.checksums:
             return integrity.Verdict(checksummed=False)
-        verdict = integrity.verify_on_ranks(path, manifest, shared_filesystem=self.shared_filesystem)
+        verdict = integrity.verify_on_ranks(
+            path, manifest, shared_filesystem=self.shared_filesystem, skip=self._not_read if self.is_lora else None
+        )
         if not verdict.checksummed and comm.rank() == 0:
             log.warning("checkpoint %s cannot be verified: %s", path, integrity.UNVERIFIABLE)
         return verdict
+
+    @staticmethod
+    def _not_read(rel: str) -> bool:
+        """LoRA resume reads the adapter, training state and DCP shards, not the merged model
+        beside them (``shardtune verify`` checks that): its blocks are not read to verify."""
+        return not rel.startswith((f"{ADAPTER_DIR}/", f"{STATE_DIR}/", f"{DCP_DIR}/"))
 
     def _read_progress(self, path: Path) -> tuple[TrainingProgress, bool]:
         """Collective: rank 0 reads the training state and whether the weights are DCP shards;

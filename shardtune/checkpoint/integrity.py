@@ -12,6 +12,7 @@ whose manifest has no checksums (written before they existed) can only be checke
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,10 +109,13 @@ def verify_files(root: Path, manifest: dict) -> Verdict:
     return verdict
 
 
-def verify_on_ranks(root: Path, manifest: dict, *, shared_filesystem: bool) -> Verdict:
+def verify_on_ranks(
+    root: Path, manifest: dict, *, shared_filesystem: bool, skip: Callable[[str], bool] | None = None
+) -> Verdict:
     """Collective: call on all ranks with the same ``manifest``. Sizes are checked by rank 0;
     the blocks are split over the ranks by bytes (all on rank 0 without ``shared_filesystem``)
-    and each rank checks its share. Returns the same :class:`Verdict` on every rank."""
+    and each rank checks its share; files for which ``skip(relative path)`` is true are checked
+    by size only. Returns the same :class:`Verdict` on every rank."""
     problems: dict[str, list[str]] = {}
     checksummed = "checksums" in manifest
     if comm.rank() == 0:
@@ -119,7 +123,7 @@ def verify_on_ranks(root: Path, manifest: dict, *, shared_filesystem: bool) -> V
     blocks: list[tuple[str, int, int, int]] = []
     if checksummed:
         try:
-            blocks = _blocks(manifest)
+            blocks = [block for block in _blocks(manifest) if skip is None or not skip(block[0])]
         except (KeyError, TypeError, ValueError) as exc:  # same manifest, same outcome on every rank
             if comm.rank() == 0:
                 problems.setdefault(atomic.MANIFEST, []).append(f"{root}: unreadable checksums in the manifest ({exc})")

@@ -275,3 +275,18 @@ def test_node_local_and_background_saves_record_checksums_of_what_they_wrote(poo
         assert all("/dcp/" in p for p in r["read"]["dcp"])
     assert sum(len(r["read"]["dcp"]) for r in res) >= 2 and all(r["read"]["dcp"] for r in res)  # split over ranks
     assert res[0]["error"] == res[1]["error"] and str(node_local / "model.safetensors") in res[0]["error"]
+
+
+def test_lora_resume_checks_what_it_reads_and_verify_checks_the_merged_model(
+    pool2, base_dir, saved, tmp_path, capsys, monkeypatch
+):
+    """A LoRA resume reads the adapter and training state, not the merged model: a flipped bit
+    there does not send resume to an older checkpoint, but ``shardtune verify`` names it."""
+    out = _copy(saved, "lora", tmp_path)
+    damaged = out / "epoch_2" / "model.safetensors"
+    _flip_bit(damaged)
+    res = pool2.run_ok(_resume, base_dir, str(out), True, None)
+    assert [r["step"] for r in res] == [2, 2] and not any("damaged" in w for w in res[0]["warnings"])
+    monkeypatch.setattr(checksums, "BLOCK_BYTES", SMALL_BLOCK)
+    assert cli_main(["verify", str(out / "epoch_2")]) == 1
+    assert f"DAMAGED  {damaged}: bytes" in capsys.readouterr().out
