@@ -5,6 +5,7 @@
     shardtune cp CONFIG PATH
     shardtune validate CONFIG [--recipe RECIPE] [key=value ...]
     shardtune convert CHECKPOINT OUT_DIR [--base-dir DIR]
+    shardtune verify CHECKPOINT_DIR|OUTPUT_DIR [--latest]
     shardtune make-tiny-base DIR
 """
 
@@ -127,6 +128,69 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Every file of a checkpoint (or of every checkpoint in an output_dir) against its manifest."""
+    import json
+
+    from shardtune.checkpoint import atomic, integrity
+
+    path = Path(args.path)
+    if (path / atomic.MANIFEST).is_file():
+        checkpoints = [path]
+    elif path.is_dir():
+        checkpoints = sorted(
+            (p for p in path.iterdir() if p.is_dir() and (p / atomic.MANIFEST).is_file()), key=_checkpoint_order
+        )
+        checkpoints = checkpoints[-1:] if args.latest else checkpoints
+    else:
+        raise SystemExit(f"shardtune verify: {path} is not a directory")
+    if not checkpoints:
+        raise SystemExit(f"shardtune verify: no checkpoint in {path} (no {atomic.MANIFEST} in it or its subdirectories)")
+    damaged = []
+    for checkpoint in checkpoints:
+        try:
+            manifest = json.loads((checkpoint / atomic.MANIFEST).read_text())
+            verdict = integrity.verify_files(checkpoint, manifest)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            sys.stdout.write(f"DAMAGED  {checkpoint / atomic.MANIFEST}: unreadable manifest ({exc})\n")
+            damaged.append(str(checkpoint / atomic.MANIFEST))
+            continue
+        for rel, size in manifest["files"].items():
+            if rel in verdict.problems:
+                damaged.append(str(checkpoint / rel))
+                for problem in verdict.problems[rel]:
+                    sys.stdout.write(f"DAMAGED  {problem}\n")
+            else:
+                state = "ok" if verdict.checksummed else "size ok"
+                sys.stdout.write(f"{state:8} {checkpoint / rel} ({size} bytes)\n")
+        for problem in verdict.problems.get(atomic.MANIFEST, []):  # its checksums are unreadable
+            damaged.append(str(checkpoint / atomic.MANIFEST))
+            sys.stdout.write(f"DAMAGED  {problem}\n")
+        if not verdict.intact:
+            summary = f"DAMAGED: {len(verdict.problems)} file(s)"
+        elif verdict.checksummed:
+            summary = "intact (sizes and CRC32C checksums match)"
+        else:
+            summary = f"sizes match, but {integrity.UNVERIFIABLE}"
+        sys.stdout.write(f"{checkpoint}: {summary}\n")
+    if damaged:
+        sys.stderr.write("shardtune verify: damaged files:\n  " + "\n  ".join(damaged) + "\n")
+        return 1
+    return 0
+
+
+def _checkpoint_order(path: Path) -> tuple[int, str]:
+    """Oldest first, as resume orders them: by the step the manifest records."""
+    import json
+
+    from shardtune.checkpoint import atomic
+
+    try:
+        return int(json.loads((path / atomic.MANIFEST).read_text())["step"]), path.name
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1, path.name
+
+
 def cmd_make_tiny_base(args: argparse.Namespace) -> int:
     from shardtune.checkpoint.tiny import create_tiny_base
 
@@ -162,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("out_dir")
     convert.add_argument("--base-dir", help="the HF base model (LoRA checkpoints; default: the one recorded at save)")
     convert.set_defaults(fn=cmd_convert)
+    verify = sub.add_parser("verify", help="check a checkpoint's files against its manifest (sizes and checksums)")
+    verify.add_argument("path", help="a checkpoint (e.g. <output_dir>/step_100), or an output_dir: all its checkpoints")
+    verify.add_argument("--latest", action="store_true", help="with an output_dir, only its newest checkpoint")
+    verify.set_defaults(fn=cmd_verify)
     tiny = sub.add_parser("make-tiny-base", help="create the tiny demo base model (HF layout) in DIR")
     tiny.add_argument("dir")
     tiny.set_defaults(fn=cmd_make_tiny_base)

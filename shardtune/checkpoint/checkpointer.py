@@ -11,7 +11,10 @@ A checkpoint ``<output_dir>/epoch_<n>`` (or ``step_<n>`` mid-epoch) holds:
   (``training_state.json``) and per-rank RNG states.
 
 It is written under ``.tmp-<name>-<token>``, fsynced, given a manifest, and renamed: a crash
-at any moment leaves the previous checkpoint as the newest complete one. With ``async_save``
+at any moment leaves the previous checkpoint as the newest complete one. The manifest records
+each file's size and CRC32C checksums of what the save wrote (computed from the memory written,
+see :mod:`~shardtune.checkpoint.checksums`); resume checks them before using anything (see
+:meth:`Checkpointer.resume`). With ``async_save``
 an intermediate checkpoint's tensors are copied to CPU memory and written by a background
 thread; it is published by the next ``save``/``wait``. The CPU copy's memory is kept for the
 next background save unless ``keep_staging_memory=False``.
@@ -32,7 +35,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from shardtune.checkpoint import atomic
+from shardtune.checkpoint import atomic, integrity
+from shardtune.checkpoint import checksums as crc
 from shardtune.checkpoint.dcp_format import DCP_DIR, load_dcp, save_dcp, write_model_description
 from shardtune.checkpoint.hf import begin_hf_stage, load_hf_checkpoint, save_hf_checkpoint
 from shardtune.checkpoint.hf_export import StagedWrites, StagingMemory, stage_data
@@ -53,7 +57,7 @@ from shardtune.checkpoint.state import (
 from shardtune.distributed import device_type
 from shardtune.faults import fault_point
 from shardtune.state_dict import comm
-from shardtune.state_dict.keys import StateDictError
+from shardtune.state_dict.keys import StateDictError, format_problems
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +85,8 @@ class Checkpointer:
     and reads and writes every checkpoint file, one gathered tensor at a time, and sends each
     rank its piece (synchronous HF checkpoints only). ``device`` is where loaded shards go
     (default: the current accelerator, else CPU); pass ``cpu_offload=True`` for a model sharded
-    with it, so its loaded shards stay on CPU.
+    with it, so its loaded shards stay on CPU. ``checksums=False`` records no checksums on save
+    and checks none on resume: it exists to measure their cost (benchmarks/checksums.py).
     """
 
     def __init__(
@@ -103,6 +108,7 @@ class Checkpointer:
         intermediate_format: str = "hf",
         async_save: bool = False,
         keep_staging_memory: bool = True,
+        checksums: bool = True,
     ) -> None:
         if intermediate_format not in ("hf", "dcp"):
             raise ValueError(f"intermediate_format={intermediate_format!r}: choose 'hf' or 'dcp'")
@@ -130,6 +136,7 @@ class Checkpointer:
         self.is_lora = getattr(model, "lora_config", None) is not None
         self.intermediate_format = intermediate_format
         self.async_save = async_save
+        self.checksums = checksums  # False: none recorded on save nor checked on resume (benchmark baseline)
         self._pending: _PendingSave | None = None
         # DCP's background writer needs its own CPU-capable group, apart from training's collectives.
         use_group = async_save and intermediate_format == "dcp" and dist.is_initialized()
@@ -160,16 +167,23 @@ class Checkpointer:
                 "point checkpoint_dir at a model of the same architecture."
             )
 
-    def resume(self) -> TrainingProgress | None:
-        """Restore everything from the newest complete checkpoint; None (nothing loaded) if there is none.
+    def resume(self, *, checkpoint: str | os.PathLike | None = None) -> TrainingProgress | None:
+        """Restore everything from the newest intact checkpoint, or from ``checkpoint`` when given;
+        None (nothing loaded) if there is none.
 
-        Collective. On the same world size RNG states are restored exactly; on another
-        world size they are re-derived from (seed, step), alike on every rank.
+        Collective. Before anything is loaded the checkpoint's files are checked against its
+        manifest's sizes and the files it reads against their CRC32C checksums (LoRA: not the
+        merged model beside the adapter), each rank reading a share. A damaged newest
+        checkpoint is skipped with a warning naming the damaged files, for the next older
+        intact one; when every checkpoint is damaged, or the named ``checkpoint`` is, every rank
+        raises the same :class:`CheckpointError` naming the files and byte ranges. Checkpoints
+        written without checksums load with a warning that they cannot be verified. On the same
+        world size RNG states are restored exactly; on another world size they are re-derived
+        from (seed, step), alike on every rank.
         """
-        found = comm.all_gather_objects(self.latest_checkpoint() if comm.rank() == 0 else None)[0]
-        if found is None:
+        path = self._pick(checkpoint)
+        if path is None:
             return None
-        path = Path(found)
         progress, has_dcp_shards = self._read_progress(path)
         check_fingerprint(progress.fingerprint, self.fingerprint, where=path)
         if self.is_lora:
@@ -197,9 +211,60 @@ class Checkpointer:
         return progress
 
     def latest_checkpoint(self) -> str | None:
-        """Path of the newest complete checkpoint in ``output_dir`` (local, not collective)."""
+        """Path of the newest complete checkpoint in ``output_dir`` (local, not collective; file
+        sizes checked, not checksums: :meth:`resume` checks those)."""
         info = atomic.latest_complete(self.output_dir)
         return str(info.path) if info is not None else None
+
+    def _pick(self, checkpoint: str | os.PathLike | None) -> Path | None:
+        """Collective: call on all ranks. Returns, on every rank, the verified checkpoint to resume
+        from (None if there is none), or raises the same CheckpointError; see :meth:`resume`."""
+        if checkpoint is not None:
+            info = atomic.verify(Path(checkpoint)) if comm.rank() == 0 else None
+            found = comm.all_gather_objects(None if info is None else [(str(info.path), info.manifest)])[0]
+            if found is None:
+                raise CheckpointError(
+                    f"{checkpoint} is not a complete checkpoint (no {atomic.MANIFEST}, or its files do not have the "
+                    "recorded sizes); name a step_<n>/epoch_<n> directory a save published"
+                )
+        else:
+            listed = [(str(i.path), i.manifest) for i in reversed(atomic.complete_checkpoints(self.output_dir))]
+            found = comm.all_gather_objects(listed if comm.rank() == 0 else None)[0]
+        damaged = []
+        for path, manifest in found:
+            verdict = self._verify(Path(path), manifest)  # the same on every rank
+            if verdict.intact:
+                if damaged and comm.rank() == 0:
+                    log.warning("resuming from %s, the newest intact checkpoint", path)
+                return Path(path)
+            if checkpoint is not None:
+                raise CheckpointError(format_problems(f"Cannot resume from {path}: it is damaged (re-copy these files):", verdict.lines()))
+            damaged += verdict.lines()
+            if comm.rank() == 0:
+                log.warning("checkpoint %s is damaged, trying an older one:\n  %s", path, "\n  ".join(verdict.lines()))
+        if damaged:
+            raise CheckpointError(
+                format_problems(f"Cannot resume: every checkpoint in {self.output_dir} is damaged (re-copy these files):", damaged)
+            )
+        return None
+
+    def _verify(self, path: Path, manifest: dict) -> integrity.Verdict:
+        """Collective: call on all ranks. Returns, on every rank, the same verdict on ``path``'s
+        files against its manifest (each rank checks a share)."""
+        if not self.checksums:
+            return integrity.Verdict(checksummed=False)
+        verdict = integrity.verify_on_ranks(
+            path, manifest, shared_filesystem=self.shared_filesystem, skip=self._not_read if self.is_lora else None
+        )
+        if not verdict.checksummed and comm.rank() == 0:
+            log.warning("checkpoint %s cannot be verified: %s", path, integrity.UNVERIFIABLE)
+        return verdict
+
+    @staticmethod
+    def _not_read(rel: str) -> bool:
+        """LoRA resume reads the adapter, training state and DCP shards, not the merged model
+        beside them (``shardtune verify`` checks that): its blocks are not read to verify."""
+        return not rel.startswith((f"{ADAPTER_DIR}/", f"{STATE_DIR}/", f"{DCP_DIR}/"))
 
     def _read_progress(self, path: Path) -> tuple[TrainingProgress, bool]:
         """Collective: rank 0 reads the training state and whether the weights are DCP shards;
@@ -299,11 +364,16 @@ class Checkpointer:
 
     def _publish(self, pending: _PendingSave) -> None:
         """Rank 0 writes the manifest and renames the staged directory; every rank learns the outcome."""
+        extra: dict[str, Any] = {"world_size": comm.world_size()}
+        if self.checksums:
+            recorded = crc.gather_checksums(pending.staging, skip={atomic.MANIFEST}, shared_filesystem=self.shared_filesystem)
+            if recorded is not None:
+                extra["checksums"] = recorded
         publish_problems = comm.Problems()
         if comm.rank() == 0:
             with publish_problems.guard(str(pending.target)):
                 fault_point("save:before_publish")
-                atomic.write_manifest(pending.staging, step=pending.step, epoch=pending.epoch, extra={"world_size": comm.world_size()})
+                atomic.write_manifest(pending.staging, step=pending.step, epoch=pending.epoch, extra=extra)
                 atomic.publish(pending.staging, pending.target)
                 for old in atomic.apply_retention(self.output_dir, self.keep_last_n):
                     log.info("removed old checkpoint %s (keep_last_n=%s)", old, self.keep_last_n)
@@ -316,6 +386,9 @@ class Checkpointer:
         """Agree on a staging directory; rank 0 clears leftovers of interrupted saves first."""
         token = comm.all_gather_objects(uuid.uuid4().hex[:8])[0]
         staging = atomic.staging_path(self.output_dir, name, token)
+        crc.discard_recordings(self.output_dir)  # of saves that failed
+        if self.checksums:
+            crc.start_recording(staging)
         problems = comm.Problems()
         if comm.rank() == 0:
             with problems.guard(str(staging)):
@@ -396,7 +469,7 @@ class Checkpointer:
                 fingerprint=self.fingerprint,
                 extra=extra or {},
             )
-            (state_dir / TRAINING_STATE).write_text(progress.to_json())
+            crc.write_bytes(state_dir / TRAINING_STATE, progress.to_json().encode())
 
 
 def _caching_dcp_stager() -> DefaultStager:

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from shardtune.checkpoint import checksums
 from shardtune.state_dict.load import materialize_meta
 
 DCP_DIR = "dcp"
@@ -80,12 +81,12 @@ def write_model_description(model: nn.Module, directory: Path, base_dir: Path | 
     from shardtune.models import model_args_to_hf_config
 
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(model_args_to_hf_config(model.args), indent=2))
+    checksums.write_bytes(directory / "config.json", json.dumps(model_args_to_hf_config(model.args), indent=2).encode())
     lora = getattr(model, "lora_config", None)
     if lora is not None:
         info = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": list(lora.target_modules),
                 "quantize_base": lora.quantize_base, "base_dir": str(base_dir) if base_dir else None}
-        (directory / LORA_FILE).write_text(json.dumps(info, indent=2))
+        checksums.write_bytes(directory / LORA_FILE, json.dumps(info, indent=2).encode())
 
 
 def convert_dcp_to_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, base_dir: str | os.PathLike | None = None) -> Path:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -28,7 +27,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 from tqdm import tqdm
 
-from shardtune.checkpoint import hf_export
+from shardtune.checkpoint import checksums, hf_export
 from shardtune.checkpoint.atomic import fsync_dir
 from shardtune.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorSlice, parse_size
 from shardtune.state_dict import comm, load_from_full_model_state_dict
@@ -432,11 +431,7 @@ def _remove_stale_weights(out_dir: str) -> None:
 
 
 def _write_json(path: str, obj: object) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    checksums.write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"), fsync=True)
 
 
 def _copy_tokenizer(tokenizer_dir: str, out_dir: str) -> None:
@@ -445,10 +440,8 @@ def _copy_tokenizer(tokenizer_dir: str, out_dir: str) -> None:
     for name in TOKENIZER_FILES:
         src = os.path.join(tokenizer_dir, name)
         if os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(os.path.join(out_dir, name)):
-            dst = os.path.join(out_dir, name)
-            shutil.copyfile(src, dst)
-            with open(dst, "rb+") as f:
-                os.fsync(f.fileno())
+            with open(src, "rb") as f:  # small files: checksummed from the bytes copied
+                checksums.write_bytes(os.path.join(out_dir, name), f.read(), fsync=True)
 
 
 # --- progress --------------------------------------------------------------------------------

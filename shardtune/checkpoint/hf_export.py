@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardtune.checkpoint import checksums
 from shardtune.checkpoint.rank0_writes import BackgroundWrites, ByteRing
 from shardtune.checkpoint.safetensors_io import RangeWriter, build_header
 from shardtune.checkpoint.staging_memory import StagingMemory, aligned
@@ -186,13 +187,15 @@ def index_json(files: list[FilePlan]) -> dict:
 def create_files(out_dir: str, files: list[FilePlan]) -> None:
     """Write each file's header and set its final size (data regions are filled by the ranks)."""
     for plan in files:
-        fd = os.open(os.path.join(out_dir, plan.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        path = os.path.join(out_dir, plan.name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.pwrite(fd, plan.header, 0)
             os.ftruncate(fd, plan.size)
             os.fsync(fd)
         finally:
             os.close(fd)
+        checksums.record(path, 0, plan.header)
 
 
 # --- every rank: data ------------------------------------------------------------------------

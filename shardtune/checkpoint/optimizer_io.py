@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtune.checkpoint import hf_export
+from shardtune.checkpoint import checksums, hf_export
 from shardtune.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
 from shardtune.state_dict import comm, load_from_full_optimizer_state_dict
 from shardtune.state_dict.keys import ModelEntry
@@ -87,7 +87,7 @@ def _begin_save(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) -> 
             out_dir.mkdir(parents=True, exist_ok=True)
             hf_export.create_files(str(out_dir), files)
             meta = {"param_groups": [{**hyperparameters(g), "params": list(f)} for f, g in zip(groups, opt.param_groups)], "scalars": scalars}
-            (out_dir / OPTIMIZER_META).write_text(json.dumps(meta, indent=1))
+            checksums.write_bytes(out_dir / OPTIMIZER_META, json.dumps(meta, indent=1).encode())
     comm.raise_on_every_rank(problems + list(created), header=f"Cannot save the optimizer to {out_dir}:", error=CheckpointError)
     return files
 

@@ -10,9 +10,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from torch import nn
 
+from shardtune.checkpoint import checksums
 from shardtune.checkpoint.safetensors_io import CheckpointError
 from shardtune.peft import from_peft_adapter_state_dict, to_peft_adapter_state_dict
 from shardtune.state_dict import comm, gather_cpu_state_dict, load_from_full_model_state_dict
@@ -36,9 +37,10 @@ def save_peft_adapter(model: nn.Module, out_dir: Path, *, base_model_name_or_pat
     if comm.rank() == 0:
         with problems.guard(str(out_dir)):
             out_dir.mkdir(parents=True, exist_ok=True)
-            save_file(to_peft_adapter_state_dict(adapters), str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+            weights = save(to_peft_adapter_state_dict(adapters), metadata={"format": "pt"})  # small: bytes in memory
+            checksums.write_bytes(out_dir / ADAPTER_WEIGHTS, weights)
             peft_config = config.to_peft_config(base_model_name_or_path=base_model_name_or_path)
-            (out_dir / ADAPTER_CONFIG).write_text(json.dumps(peft_config, indent=2))
+            checksums.write_bytes(out_dir / ADAPTER_CONFIG, json.dumps(peft_config, indent=2).encode())
     comm.raise_on_every_rank(problems, header=f"Writing the PEFT adapter to {out_dir} failed:", error=CheckpointError)
 
 

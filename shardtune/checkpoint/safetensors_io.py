@@ -8,7 +8,8 @@ so a dim-0 shard of a row-major tensor is one contiguous read.
 
 Writing: :func:`build_header` gives the exact header bytes from names, dtypes and shapes
 alone, so every rank of a job computes the same layout; :class:`RangeWriter` writes a
-block of rows into its place in an already-sized file.
+block of rows into its place in an already-sized file, checksumming it while it writes when
+the file is below a directory being recorded (see :mod:`shardtune.checkpoint.checksums`).
 
 Layout of a file: 8-byte little-endian header length ``n``, ``n`` bytes of JSON (padded
 with spaces to a multiple of 8), then the tensors' bytes, row-major, little-endian, each at
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardtune.checkpoint import checksums
 from shardtune.state_dict.keys import StateDictError
 
 __all__ = [
@@ -425,16 +427,28 @@ class RangeWriter:
         Raises FileNotFoundError when ``path`` does not exist (files are created beforehand)."""
         fd, direct_fd = self._open(path)
         data = _as_bytes(tensor)
+        view = memoryview(data.numpy())
+        checksum = checksums.begin(path, offset, view)  # runs alongside the write, from the same memory
+        try:
+            self._write(path, fd, direct_fd, data, view, offset)
+        except BaseException:
+            if checksum is not None:
+                checksum.abandon()
+            raise
+        if checksum is not None:
+            checksum.finish()
+        return data.numel()
+
+    def _write(self, path: str, fd: int, direct_fd: int | None, data: torch.Tensor, view: memoryview, offset: int) -> None:
         end = offset + data.numel()
         first = -(-offset // DIRECT_IO_ALIGN) * DIRECT_IO_ALIGN
         last = end // DIRECT_IO_ALIGN * DIRECT_IO_ALIGN
-        view = memoryview(data.numpy())
         if direct_fd is None or data.numel() < DIRECT_IO_MIN_BYTES or last <= first:
-            return _pwrite_all(fd, view, offset)
+            _pwrite_all(fd, view, offset)
+            return
         _pwrite_all(fd, view[: first - offset], offset)
         written = self._write_direct(path, data[first - offset : last - offset], first)
         _pwrite_all(fd, view[first - offset + written :], first + written)  # the tail (and any refused rest)
-        return data.numel()
 
     def _open(self, path: str) -> tuple[int, int | None]:
         if path not in self._fds:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import random
 from dataclasses import asdict, dataclass, field
@@ -10,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from shardtune.checkpoint import checksums
 
 TRAINING_STATE = "training_state.json"
 RNG_DIR = "rng"
@@ -100,7 +103,9 @@ def reseed(seed: int, *, step: int) -> None:
 def save_rng(directory: Path, rank: int, state: dict[str, Any] | None = None) -> None:
     """Write ``rank``'s RNG state (this process's when ``state`` is None)."""
     directory.mkdir(parents=True, exist_ok=True)
-    torch.save(state if state is not None else rng_state(), directory / f"rank_{rank}.pt")
+    buffer = io.BytesIO()
+    torch.save(state if state is not None else rng_state(), buffer)
+    checksums.write_bytes(directory / f"rank_{rank}.pt", buffer.getvalue())
 
 
 def load_rng(directory: Path, rank: int) -> dict[str, Any] | None:

@@ -84,7 +84,7 @@ def _save_with_rank0_adapter_write_failing(base: str, out: str) -> str:
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    with mock.patch.object(peft_format, "save_file", disk_full) if dist.get_rank() == 0 else nullcontext():
+    with mock.patch.object(peft_format.checksums, "write_bytes", disk_full) if dist.get_rank() == 0 else nullcontext():
         return str(ck.save(step=1, epoch=0, batches_in_epoch=1))
 
 
