@@ -39,7 +39,7 @@ def base_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-def _setup(base: str, out: str, *, lora: bool, adapter_only: bool = False, fingerprint: str = "a"):
+def _setup(base: str, out: str, *, lora: bool, adapter_only: bool = False, fingerprint: str = "a", **options):
     with torch.device("meta"):
         model = llama_from_hf_config(base)
         if lora:
@@ -49,7 +49,7 @@ def _setup(base: str, out: str, *, lora: bool, adapter_only: bool = False, finge
     sched = build_lr_scheduler(opt, name="cosine", warmup_steps=1, total_steps=10)
     ck = Checkpointer(
         output_dir=out, model=model, optimizer=opt, lr_scheduler=sched, base_dir=base,
-        adapter_weights_only=adapter_only, fingerprint={"model": fingerprint}, seed=7,
+        adapter_weights_only=adapter_only, fingerprint={"model": fingerprint}, seed=7, **options,
     )
     return model, opt, sched, ck
 
@@ -100,6 +100,35 @@ def _save_then_resume(base: str, out: str, lora: bool, adapter_only: bool):
     return {"uninterrupted": uninterrupted, "resumed": resumed, "step": progress.step, "epoch": progress.epoch,
             "lr": opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"], "files": files, "path": str(path),
             "logits": logits}
+
+
+def _save_resume_under_nccl_rules(base: str, out: str, lora: bool, shared: bool):
+    from tests.nccl_rules import nccl_rules
+
+    model, opt, sched, ck = _setup(base, out, lora=lora, shared_filesystem=shared)
+    with nccl_rules() as saving:
+        _start(model, ck, lora=lora)
+        _train(model, opt, sched, range(2))
+        ck.save(step=2, epoch=1)
+    uninterrupted = _train(model, opt, sched, range(2, 4))
+    model2, opt2, sched2, ck2 = _setup(base, out, lora=lora, shared_filesystem=shared)
+    with nccl_rules() as resuming:
+        progress = _start(model2, ck2, lora=lora)
+    return {"resumed": _train(model2, opt2, sched2, range(2, 4)), "uninterrupted": uninterrupted,
+            "step": progress.step, "counts": [dict(saving.counts), dict(resuming.counts)]}
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("shared", [True, False])
+def test_checkpointer_save_and_resume_obey_nccl_rules(pool2, base_dir, tmp_path, lora, shared):
+    """Base load, save and resume, with and without a shared filesystem, under tests/nccl_rules.py:
+    no unbatched point-to-point, only NCCL dtypes, no host memory handed to a collective."""
+    res = pool2.run_ok(_save_resume_under_nccl_rules, base_dir, str(tmp_path / "out"), lora, shared)
+    for r in res:
+        assert r["resumed"] == r["uninterrupted"] and r["step"] == 2  # bitwise
+        assert all(counts for counts in r["counts"])  # the harness saw the collectives
+    if not shared:  # rank 0 moved every tensor of the base load, save and resume through batches
+        assert all(counts.get("batch_isend_irecv") for counts in res[1]["counts"])
 
 
 @pytest.mark.parametrize("lora,adapter_only", [(False, False), (True, False), (True, True)])
