@@ -1,1 +1,1 @@
-"""Reproducible shardtune benchmarks; results go to BENCHMARKS.md (see DESIGN.md §7)."""
+"""Reproducible shardtune benchmarks; results go to BENCHMARKS.md."""

@@ -1,4 +1,4 @@
-"""Shared measurement helpers for shardtune benchmarks (see DESIGN.md §7).
+"""Shared measurement helpers for shardtune benchmarks.
 
 Three jobs, reusable by any benchmark in this package:
 

@@ -274,7 +274,7 @@ def summarize(group: str, method: str, runs: list[Run], size: str, world: int) -
 
 
 def _newly_held(row: dict[str, Any], rank: int) -> int:
-    """Bytes the step must newly hold on ``rank`` (DESIGN.md §3 memory contract)."""
+    """Bytes the step must newly hold on ``rank`` (the state-dict core's memory contract)."""
     own = row["own_shard_bytes"]
     match row["group"]:
         case "load":  # meta model: the step materializes this rank's shards
@@ -369,7 +369,7 @@ def render_report(
         "where available, otherwise derived from the algorithm (column *bytes obtained by*); object-list "
         "metadata (a few KiB) is not included.",
         "- *contract*: every rank's peak RssAnon Δ ≤ 1.1 × (bytes the step must newly hold + largest tensor) "
-        "(DESIGN.md §3): `load` into a meta model newly holds the rank's own shard; `gather`/`optim_get` newly "
+        "(the memory contract of the state-dict core): `load` into a meta model newly holds the rank's own shard; `gather`/`optim_get` newly "
         "hold the full state on rank 0 and nothing elsewhere; `optim_load` into an optimizer that already has "
         "state newly holds nothing. Own shard of `optim_*` = both AdamW states. A failing rank is named.",
         "- *verify*: after the step (untimed) every rank's shards, or rank 0's full dict, are compared to the files.",
