@@ -14,6 +14,7 @@ rank to merge ``W + scaling * B @ A`` per rank.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,10 +63,7 @@ class ExportItem:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for s in self.shape:
-            numel *= s
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass
@@ -177,7 +175,7 @@ def index_json(files: list[FilePlan]) -> dict:
     """transformers' ``model.safetensors.index.json`` content."""
     weight_map = {it.name: f.name for f in files for it in f.items}
     total = sum(it.nbytes for f in files for it in f.items)
-    params = sum(it.nbytes // torch.empty((), dtype=it.dtype).element_size() for f in files for it in f.items)
+    params = sum(it.nbytes // it.dtype.itemsize for f in files for it in f.items)
     return {"metadata": {"total_parameters": params, "total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
 
 
@@ -408,10 +406,7 @@ def _block_nbytes(item: ExportItem) -> int:
     piece = _route(item)[1]
     if piece is None:
         return 0
-    numel = 1
-    for s in piece.shape:
-        numel *= s
-    return numel * torch.empty((), dtype=item.dtype).element_size()
+    return math.prod(piece.shape) * item.dtype.itemsize
 
 
 def _gather_item(item: ExportItem, problems: comm.Problems, *, out: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -430,10 +425,7 @@ def _row_offset(item: ExportItem, piece: Piece) -> int:
     """Byte offset of ``piece``'s first row within its tensor's data."""
     if not item.shape:
         return 0
-    row_numel = 1
-    for s in item.shape[1:]:
-        row_numel *= s
-    return piece.offset[0] * row_numel * torch.empty((), dtype=item.dtype).element_size()
+    return piece.offset[0] * math.prod(item.shape[1:]) * item.dtype.itemsize
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

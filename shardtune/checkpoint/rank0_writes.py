@@ -10,6 +10,7 @@ as gathering and writing one tensor at a time.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections import deque
@@ -38,10 +39,7 @@ class ByteRing:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``shape`` and ``dtype`` backed by the ring (contents undefined)."""
-        numel = 1
-        for s in shape:
-            numel *= s
-        nbytes = numel * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         region = _region_bytes(nbytes)
         if region > self.capacity:
             raise ValueError(f"a {nbytes}-byte region does not fit a {self.capacity}-byte ring")

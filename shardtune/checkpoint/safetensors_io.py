@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import json
+import math
 import mmap
 import os
 import re
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from shardtune.checkpoint import checksums
+from shardtune.state_dict.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_NAMES
 from shardtune.state_dict.keys import StateDictError
 
 __all__ = [
@@ -51,24 +53,7 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 _PAGE_BYTES = mmap.PAGESIZE
 _PREFAULT_MIN_BYTES = 1 << 20
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U64": torch.uint64,
-    "U32": torch.uint32,
-    "U16": torch.uint16,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPES = SAFETENSORS_DTYPES  # re-exported; the one table lives in shardtune.state_dict.dtypes
 
 
 class CheckpointError(StateDictError):
@@ -81,20 +66,10 @@ class CheckpointError(StateDictError):
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The safetensors name of a torch dtype (``torch.bfloat16`` -> ``"BF16"``)."""
-    if dtype not in _NAMES:
-        raise CheckpointError(f"dtype {dtype} cannot be stored in safetensors; cast to one of {sorted(map(str, _NAMES))}")
-    return _NAMES[dtype]
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _numel(shape: Iterable[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    if dtype not in SAFETENSORS_NAMES:
+        supported = sorted(map(str, SAFETENSORS_NAMES))
+        raise CheckpointError(f"dtype {dtype} cannot be stored in safetensors; cast to one of {supported}")
+    return SAFETENSORS_NAMES[dtype]
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
@@ -184,7 +159,7 @@ def _entry(path: str, name: str, meta: object, data_start: int, size: int) -> He
     ):
         raise CheckpointError(f"{where}: data_offsets {offsets!r} must be two ints 0 <= begin <= end")
     begin, end = offsets
-    expected = _numel(shape) * _itemsize(DTYPES[dtype])
+    expected = math.prod(shape) * DTYPES[dtype].itemsize
     if end - begin != expected:
         raise CheckpointError(
             f"{where}: dtype {dtype} and shape {shape} need {expected} bytes but data_offsets {offsets} span "
@@ -296,7 +271,7 @@ class TensorSlice:
         return list(self.entry.shape)
 
     def get_dtype(self) -> str:
-        return _NAMES[self.entry.dtype]
+        return SAFETENSORS_NAMES[self.entry.dtype]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -332,7 +307,7 @@ class TensorSlice:
         if tuple(out.shape) != (max(stop - start, 0), *shape[1:]):
             return False
         if out.numel():
-            self.file.read_into(out, self.entry.start + start * _numel(shape[1:]) * out.element_size())
+            self.file.read_into(out, self.entry.start + start * math.prod(shape[1:]) * out.element_size())
         return True
 
     def to_tensor(self) -> torch.Tensor:
@@ -340,7 +315,7 @@ class TensorSlice:
 
     def _read_rows(self, start: int, count: int) -> torch.Tensor:
         shape = self.entry.shape
-        row_numel = _numel(shape[1:])
+        row_numel = math.prod(shape[1:])
         out = torch.empty((count, *shape[1:]) if shape else (1,), dtype=self.entry.dtype)
         if out.numel():
             self.file.read_into(out, self.entry.start + start * row_numel * out.element_size())
@@ -370,7 +345,7 @@ def build_header(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) ->
     relative: dict[str, int] = {}
     pos = 0
     for name, dtype, shape in tensors:
-        nbytes = _numel(shape) * _itemsize(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
         meta[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
         relative[name] = pos
         pos += nbytes

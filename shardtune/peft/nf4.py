@@ -6,12 +6,13 @@ the model layer never pay for (or print warnings from) the torchao import.
 
 from __future__ import annotations
 
+import math
+
 from torch import Tensor
 
 from shardtune.state_dict.nf4 import dequantize
-from shardtune.state_dict.nf4 import is_nf4 as _is_nf4
 
-__all__ = ["check_nf4_shape", "dequantize", "is_nf4", "linear_nf4", "to_nf4"]
+__all__ = ["check_nf4_shape", "dequantize", "linear_nf4", "to_nf4"]
 
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_SCALER_BLOCK_SIZE = 256
@@ -23,16 +24,9 @@ def _nf4_module():
     return nf4_tensor
 
 
-def is_nf4(t: Tensor) -> bool:
-    """True for a torchao ``NF4Tensor`` (or a DTensor whose local tensor is one), without importing torchao."""
-    return _is_nf4(getattr(t, "_local_tensor", t))  # DTensor shards keep the NF4 local tensor
-
-
 def check_nf4_shape(name: str, shape: tuple[int, ...], *, block_size: int, scaler_block_size: int) -> None:
     """Raise a ``ValueError`` naming ``name`` when NF4 cannot quantize a weight of ``shape``."""
-    numel = 1
-    for s in shape:
-        numel *= s
+    numel = math.prod(shape)
     if numel % block_size != 0 or (numel // block_size) % scaler_block_size != 0:
         raise ValueError(
             f"cannot quantize {name} (shape {tuple(shape)}, {numel} elements) to NF4: the element count must be "

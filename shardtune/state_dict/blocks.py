@@ -8,6 +8,7 @@ blocks; a plain tensor, needed whole everywhere, is broadcast.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -89,10 +90,7 @@ class SendBuffer:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The next block of the reserved room, as a tensor of ``shape`` and ``dtype``."""
-        numel = 1
-        for s in shape:
-            numel *= s
-        nbytes = numel * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         start, self._used = self._used, self._used + self._aligned(nbytes)
         return self._bytes[start : start + nbytes].view(dtype).view(shape)
 

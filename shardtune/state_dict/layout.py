@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
@@ -23,10 +24,7 @@ class Piece:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def slices(self) -> tuple[slice, ...]:

@@ -25,6 +25,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from shardtune.state_dict import comm, nf4
 from shardtune.state_dict.blocks import SendBuffer, copy_block, read_block, scatter_dense
+from shardtune.state_dict.dtypes import SAFETENSORS_DTYPES
 from shardtune.state_dict.faults import fault_point
 from shardtune.state_dict.keys import ModelEntry, model_entries
 from shardtune.state_dict.layout import TensorLayout, layout_of, unsupported_placement
@@ -121,10 +122,10 @@ def number_kind(value: Any) -> str | None:
         dtype = value.dtype
     else:
         dtype = value if isinstance(value, torch.dtype) else None
+    if isinstance(dtype, str):
+        dtype = SAFETENSORS_DTYPES.get(dtype.upper())
     if isinstance(dtype, torch.dtype):
         return "float" if dtype.is_floating_point or dtype.is_complex else "int"
-    if isinstance(dtype, str) and dtype:
-        return "float" if dtype.upper().startswith(("F", "BF", "C")) else "int"
     return None
 
 

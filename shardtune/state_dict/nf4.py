@@ -8,6 +8,7 @@ they share its ``scaler_mean`` and FSDP's all-gather of the inner tensors reasse
 
 from __future__ import annotations
 
+import math
 from functools import cache
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -41,9 +42,7 @@ def block_sizes(tensor: NF4Tensor) -> tuple[int, int]:
 
 def nf4_layout_problem(fqn: str, layout: TensorLayout, block_size: int, scaler_block_size: int) -> str | None:
     """Why a tensor of ``layout`` cannot be stored as NF4 with these block sizes, or None."""
-    numel = 1
-    for s in layout.shape:
-        numel *= s
+    numel = math.prod(layout.shape)
     group = block_size * scaler_block_size
     if len(layout.shape) > 2 or numel % group:
         return (
@@ -125,9 +124,8 @@ def nf4_rows(q: NF4Tensor, start: int, rows: int) -> NF4Tensor:
 
 def packed_numel(numel: int, block_size: int, scaler_block_size: int, dtype: torch.dtype) -> int:
     """Bytes of an NF4 piece of ``numel`` elements as packed by :func:`pack`."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
     floats = numel // (block_size * scaler_block_size) + 1 + 16  # factors, mean, lookup table
-    return floats * itemsize + numel // block_size + numel // 2
+    return floats * dtype.itemsize + numel // block_size + numel // 2
 
 
 def pack(q: NF4Tensor, out: torch.Tensor) -> None:
@@ -142,11 +140,8 @@ def pack(q: NF4Tensor, out: torch.Tensor) -> None:
 
 def unpack(buf: torch.Tensor, shape: tuple[int, ...], like: NF4Tensor, *, device: torch.device) -> NF4Tensor:
     """Inverse of :func:`pack`: an NF4 tensor of ``shape`` with ``like``'s dtype and block sizes."""
-    numel = 1
-    for s in shape:
-        numel *= s
+    numel = math.prod(shape)
     buf = buf.to(device)
-    itemsize = torch.empty((), dtype=like.dtype).element_size()
     sizes = [
         (numel // (like.block_size * like.scaler_block_size), like.dtype),
         (1, like.dtype),
@@ -156,7 +151,7 @@ def unpack(buf: torch.Tensor, shape: tuple[int, ...], like: NF4Tensor, *, device
     ]
     parts, pos = [], 0
     for count, dtype in sizes:
-        nbytes = count * (itemsize if dtype == like.dtype else 1)
+        nbytes = count * dtype.itemsize
         parts.append(buf[pos : pos + nbytes].view(dtype).clone())
         pos += nbytes
     factor, mean, lookup, scalers, data = parts

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from shardtune.state_dict import comm
 from shardtune.state_dict.blocks import SendBuffer, copy_block, scatter_dense
+from shardtune.state_dict.dtypes import SAFETENSORS_DTYPES
 from shardtune.state_dict.gather import gather_to_rank0
 from shardtune.state_dict.keys import StateDictError, model_entries
 from shardtune.state_dict.layout import TensorLayout, layout_of
@@ -215,15 +216,9 @@ def _describe(full_sd: dict) -> dict:
     }
 
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}
-
-
 def _lazy_dtype(value: Any) -> torch.dtype:
     dtype = value.get_dtype() if hasattr(value, "get_dtype") else "F32"
-    return dtype if isinstance(dtype, torch.dtype) else _SAFETENSORS_DTYPES.get(str(dtype), torch.float32)
+    return dtype if isinstance(dtype, torch.dtype) else SAFETENSORS_DTYPES.get(str(dtype), torch.float32)
 
 
 def _check(desc: dict, groups: list[list[str]], params: dict[str, torch.Tensor]) -> list[str]:

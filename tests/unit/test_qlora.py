@@ -17,9 +17,7 @@ from shardtune.peft import (
     is_adapter_key,
     merge_lora,
 )
-from shardtune.peft.nf4 import is_nf4
-
-
+from shardtune.state_dict.nf4 import is_nf4
 
 # Every linear has a multiple of 64 * 256 elements, as NF4's default block sizes need.
 ARGS = ModelArgs(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=4, intermediate_size=256)
