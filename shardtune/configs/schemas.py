@@ -71,14 +71,16 @@ def _check_base(cfg: dict[str, Any]) -> list[str]:
             "tokenizer: null means 'checkpoint_dir's tokenizer', but checkpoint_dir is not set; "
             "set tokenizer=byte or tokenizer=<dir or tokenizer.json>"
         )
-    if isinstance(model, str):
-        from shardtune.models import list_models
+    for key in ("model", "teacher_model"):
+        preset = cfg.get(key)
+        if isinstance(preset, str):
+            from shardtune.models import list_models
 
-        names = list_models()
-        if model not in names:
-            close = difflib.get_close_matches(model, names, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            problems.append(f"model: {model!r} is not a model preset {names}{hint}")
+            names = list_models()
+            if preset not in names:
+                close = difflib.get_close_matches(preset, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                problems.append(f"{key}: {preset!r} is not a model preset {names}{hint}")
     return problems
 
 
@@ -86,7 +88,12 @@ BASE_SCHEMA = Schema(
     {
         "output_dir": Field(str, help="where checkpoints and logs go"),
         "checkpoint_dir": Field((str, None), None, help="HF model directory to start from"),
-        "model": Field((str, None), None, help="preset name, or null to read checkpoint_dir/config.json"),
+        "model": Field(
+            (str, None), None,
+            help="the preset that creates a missing base (only tiny can be created); when checkpoint_dir holds a "
+            "model (config.json), that model trains and a preset of another shape is warned about; null: always "
+            "checkpoint_dir's",
+        ),
         "tokenizer": Field((str, None), None, help="byte, a dir or tokenizer.json; null: checkpoint_dir"),
         "resume_from_checkpoint": Field(bool, False),
         "seed": Field(int, 0),
@@ -150,7 +157,11 @@ LORA_SCHEMA = BASE_SCHEMA | {"lora": LORA_SECTION, "save_adapter_weights_only": 
 
 KD_SCHEMA = LORA_SCHEMA | {
     "teacher_checkpoint_dir": Field(str, help="HF model directory of the teacher"),
-    "teacher_model": Field((str, None), None, help="preset name, or null to read its config.json"),
+    "teacher_model": Field(
+        (str, None), None,
+        help="the preset that creates a missing teacher (only tiny); a model in teacher_checkpoint_dir wins, as for "
+        "model",
+    ),
     "kd_ratio": Field(float, 0.5, ge=0, le=1),
 }
 

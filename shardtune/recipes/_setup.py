@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import random
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,13 @@ from shardtune.checkpoint.tiny import create_tiny_base
 from shardtune.config import Config
 from shardtune.data import build_dataloader, build_dataset, collate, load_tokenizer
 from shardtune.distributed import device_type, init_distributed, shard_model
-from shardtune.models import cross_entropy_loss, llama_from_hf_config
+from shardtune.models import (
+    ModelArgs,
+    cross_entropy_loss,
+    get_model_args,
+    llama_from_hf_config,
+    model_args_from_hf_config,
+)
 from shardtune.peft import apply_lora, init_lora_parameters
 from shardtune.state_dict.comm import all_gather_objects, normalize_device
 from shardtune.training.loop import LoopSettings, run_training, steps_per_epoch
@@ -67,24 +74,62 @@ def _agree_on_config(cfg: Config) -> None:
         )
 
 
-def base_model_dir(cfg: Config, run: Run, *, key: str = "checkpoint_dir", preset_key: str = "model", seed: int | None = None) -> Path:
-    """The HF model directory to start from; the tiny preset's is created when missing."""
+def base_model_dir(
+    cfg: Config, run: Run, *, key: str = "checkpoint_dir", preset_key: str = "model", seed: int | None = None
+) -> Path:
+    """The HF model directory to start from.
+
+    A model already in ``cfg.<key>`` (its ``config.json``) is the one trained. The preset
+    ``cfg.<preset_key>`` only names the base to create when the directory holds none (only
+    ``tiny`` can be created); a preset of another shape than the directory's model is reported
+    with a warning on rank 0, not an error, so a bundled tiny config pointed at a user's own
+    model with ``checkpoint_dir=...`` alone trains that model. Collective (a barrier) when the
+    tiny base is created.
+    """
     directory = getattr(cfg, key)
     preset = getattr(cfg, preset_key)
     if directory is None:
         directory = str(Path(cfg.output_dir).parent / f"{preset}_base")
     path = Path(directory)
-    if not (path / "config.json").is_file():
-        if preset != "tiny":
-            raise FileNotFoundError(
-                f"{key}={directory} has no config.json; download the HF model there "
-                f"(e.g. huggingface-cli download <repo> --local-dir {directory})"
-            )
-        if run.is_rank_zero:
-            log.info("creating the tiny base model in %s", path)
-            create_tiny_base(path) if seed is None else create_tiny_base(path, seed=seed)
-        dist.barrier()
+    if (path / "config.json").is_file():
+        if preset is not None and run.is_rank_zero:
+            _warn_if_preset_differs(path, preset, key=key, preset_key=preset_key)
+        return path
+    if preset != "tiny":
+        raise FileNotFoundError(
+            f"{key}={directory} has no config.json; download the HF model there "
+            f"(e.g. huggingface-cli download <repo> --local-dir {directory})"
+        )
+    if run.is_rank_zero:
+        log.info("creating the tiny base model in %s", path)
+        create_tiny_base(path) if seed is None else create_tiny_base(path, seed=seed)
+    dist.barrier()
     return path
+
+
+def _warn_if_preset_differs(path: Path, preset: str, *, key: str, preset_key: str) -> None:
+    try:
+        have, want = model_args_from_hf_config(path), get_model_args(preset)
+    except (OSError, ValueError, KeyError):
+        return  # build_model reports an unreadable config.json on every rank; the schema an unknown preset
+    if _shape(have) != _shape(want):
+        warnings.warn(
+            f"{preset_key}={preset} ({_describe(want)}) is not the model in {key}={path} ({_describe(have)}); "
+            f"training the model in {key}. {preset_key} only names the preset that creates a missing base: "
+            f"drop {preset_key} ({preset_key}=null) or point {key} at another directory.",
+            stacklevel=3,
+        )
+
+
+def _shape(args: ModelArgs) -> tuple[int, ...]:
+    return (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.intermediate_size, args.vocab_size)
+
+
+def _describe(args: ModelArgs) -> str:
+    return (
+        f"hidden size {args.dim}, {args.n_layers} layers, {args.n_heads} heads ({args.n_kv_heads} kv), "
+        f"intermediate size {args.intermediate_size}, vocab {args.vocab_size}"
+    )
 
 
 def build_model(base_dir: Path, run: Run, cfg: Config, *, lora: Config | None = None) -> nn.Module:

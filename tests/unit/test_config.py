@@ -155,6 +155,9 @@ def test_cross_field_and_section_rules():
     assert "kd_ratio: must be <= 1, got 1.5" in validate(
         {**MINIMAL, "teacher_checkpoint_dir": "t", "kd_ratio": 1.5}, KD_SCHEMA
     )
+    (bad_teacher,) = validate({**MINIMAL, "teacher_checkpoint_dir": "t", "teacher_model": "tinny"}, KD_SCHEMA)
+    assert bad_teacher.startswith("teacher_model: 'tinny' is not a model preset [")
+    assert bad_teacher.endswith("did you mean 'tiny'?")
     assert validate({**MINIMAL, "early_exit": {"layers": [0, "x"]}}, EARLY_EXIT_SCHEMA) == [
         "early_exit.layers.1: expected int, got str 'x'"
     ]
