@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shardtune.state_dict.dtypes import SAFETENSORS_NAMES
+
 _CHUNK_ELEMENTS = 1 << 24
 
 
@@ -150,7 +152,8 @@ def _header(shapes: dict[str, tuple[int, ...]], metadata: dict[str, str]) -> byt
     offset = 0
     for name, shape in shapes.items():
         nbytes = math.prod(shape) * DTYPE.itemsize
-        entries[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        span = [offset, offset + nbytes]
+        entries[name] = {"dtype": SAFETENSORS_NAMES[DTYPE], "shape": list(shape), "data_offsets": span}
         offset += nbytes
     raw = json.dumps(entries, separators=(",", ":")).encode()
     return raw + b" " * (-len(raw) % 8)
@@ -172,7 +175,7 @@ def _matches(path: Path, shapes: dict[str, tuple[int, ...]]) -> bool:
         header = json.loads(f.read(n))
     header.pop("__metadata__", None)
     return header.keys() == shapes.keys() and all(
-        header[k]["shape"] == list(v) and header[k]["dtype"] == "BF16" for k, v in shapes.items()
+        header[k]["shape"] == list(v) and header[k]["dtype"] == SAFETENSORS_NAMES[DTYPE] for k, v in shapes.items()
     )
 
 
@@ -224,7 +227,7 @@ def local_slices(param: torch.Tensor) -> tuple[slice, ...]:
 
 def local_bytes(model: nn.Module) -> int:
     """Bytes of this rank's own parameter shards (works on meta)."""
-    return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    return sum(p.to_local().nbytes for p in model.parameters())
 
 
 @torch.no_grad()

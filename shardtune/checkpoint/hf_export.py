@@ -352,7 +352,7 @@ class StagedWrites:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, t, _ in self.blocks)
+        return sum(t.nbytes for _, t, _ in self.blocks)
 
     def flush(self) -> list[str]:
         """Write every staged block and fsync the files; returns this rank's problems. No

@@ -48,7 +48,7 @@ class StagingMemory:
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
         """The next slice of the arena, with ``like``'s shape and dtype (contents undefined)."""
-        nbytes = like.numel() * like.element_size()
+        nbytes = like.nbytes
         start, capacity = self._used, self._arena.numel() if self._arena is not None else 0
         if start + nbytes > capacity:
             raise RuntimeError(

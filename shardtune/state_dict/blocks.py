@@ -65,7 +65,7 @@ def _is_fresh(value: Any, data: torch.Tensor, *, dtype: torch.dtype, device: tor
         and data.device == device
         and data.is_contiguous()
         and data.storage_offset() == 0
-        and data.untyped_storage().nbytes() == data.numel() * data.element_size()  # not a view of a bigger read
+        and data.untyped_storage().nbytes() == data.nbytes  # not a view of a bigger read
     )
 
 

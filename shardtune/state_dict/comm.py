@@ -247,7 +247,7 @@ def all_gather_varlen(local: torch.Tensor, numels: list[int], *, device: torch.d
 def broadcast_from_rank0(tensor: torch.Tensor) -> torch.Tensor:
     """Collective: call on all ranks. Rank 0's ``tensor`` (contiguous, on the transfer device)
     is copied into every rank's ``tensor``; returns it."""
-    nbytes = tensor.numel() * tensor.element_size()
+    nbytes = tensor.nbytes
     dist.broadcast(wire(tensor), src=0)
     if rank() == 0:
         stats.bytes_sent += nbytes * (world_size() - 1)
@@ -272,8 +272,8 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tens
     ops += [dist.P2POp(dist.irecv, wire(t), src) for t, src in recvs]
     if not ops:
         return
-    stats.bytes_sent += sum(t.numel() * t.element_size() for t, _ in sends)
-    stats.bytes_received += sum(t.numel() * t.element_size() for t, _ in recvs)
+    stats.bytes_sent += sum(t.nbytes for t, _ in sends)
+    stats.bytes_received += sum(t.nbytes for t, _ in recvs)
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     device = ops[0].tensor.device
