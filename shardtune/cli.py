@@ -12,36 +12,21 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import shutil
 import sys
 from pathlib import Path
 
-RECIPES = (
-    "full_finetune_distributed",
-    "lora_finetune_distributed",
-    "knowledge_distillation_distributed",
-    "early_exit_finetune_distributed",
-)
-
-
-def recipe_of_config(path: Path) -> str | None:
-    """The recipe a config names in its first line (``# Recipe: <name>``)."""
-    first = path.read_text().splitlines()[:1]
-    if first and first[0].startswith("# Recipe:"):
-        return first[0].split(":", 1)[1].strip()
-    return None
+from shardtune.recipes.registry import RECIPES, UnknownRecipe, get_recipe, recipe_of_config
 
 
 def _recipe_target(recipe: str) -> list[str]:
-    """torchrun's program arguments for a bundled recipe name or a recipe file path."""
-    if recipe in RECIPES:
-        return ["-m", f"shardtune.recipes.{recipe}"]
-    if Path(recipe).is_file():
+    """torchrun's program arguments for a registered recipe name or a recipe file path."""
+    if recipe not in RECIPES and Path(recipe).is_file():
         return [recipe]
-    close = difflib.get_close_matches(recipe, RECIPES, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise SystemExit(f"shardtune run: unknown recipe {recipe!r}{hint} (bundled: {', '.join(RECIPES)}; or a path to a recipe file)")
+    try:
+        return ["-m", get_recipe(recipe).module]
+    except UnknownRecipe as exc:
+        raise SystemExit(f"shardtune run: {exc}; or a path to a recipe file") from None
 
 
 def cmd_run(argv: list[str]) -> int:
@@ -78,14 +63,10 @@ def _takes_value(option: str) -> bool:
 
 
 def cmd_ls(_: argparse.Namespace) -> int:
-    from shardtune.config import list_bundled_configs, resolve_config_path
-
-    by_recipe: dict[str, list[str]] = {r: [] for r in RECIPES}
-    for name in list_bundled_configs():
-        by_recipe.setdefault(recipe_of_config(resolve_config_path(name)) or "?", []).append(name)
+    """The registered recipes, each with its bundled configs."""
     sys.stdout.write(f"{'RECIPE':40} CONFIGS\n")
-    for recipe, configs in by_recipe.items():
-        sys.stdout.write(f"{recipe:40} {', '.join(configs)}\n")
+    for recipe in RECIPES.values():
+        sys.stdout.write(f"{recipe.name:40} {', '.join(recipe.configs)}\n")
     return 0
 
 
@@ -105,18 +86,23 @@ def cmd_cp(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from shardtune.config import ConfigError, load_config, resolve_config_path
-    from shardtune.configs.schemas import RECIPE_SCHEMAS
+    from shardtune.config import ConfigError, load_config
 
-    recipe = args.recipe or recipe_of_config(resolve_config_path(args.config))
-    if recipe not in RECIPE_SCHEMAS:
-        raise SystemExit(f"shardtune validate: cannot tell the recipe of {args.config}; pass --recipe one of {list(RECIPE_SCHEMAS)}")
     try:
-        load_config(args.config, args.overrides, schema=RECIPE_SCHEMAS[recipe])
+        recipe = get_recipe(args.recipe) if args.recipe else recipe_of_config(args.config)
+    except UnknownRecipe as exc:
+        raise SystemExit(f"shardtune validate: {exc}") from None
+    if recipe is None:
+        raise SystemExit(
+            f"shardtune validate: {args.config} is not a bundled config, so its recipe is unknown; "
+            f"pass --recipe one of: {', '.join(RECIPES)}"
+        )
+    try:
+        load_config(args.config, args.overrides, schema=recipe.schema)
     except ConfigError as exc:
         sys.stderr.write(f"{exc}\n")
         return 1
-    sys.stdout.write(f"{args.config}: valid for {recipe}\n")
+    sys.stdout.write(f"{args.config}: valid for {recipe.name}\n")
     return 0
 
 

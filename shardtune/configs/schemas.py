@@ -20,7 +20,6 @@ __all__ = [
     "LAYER_DROPOUT_SECTION",
     "LORA_SCHEMA",
     "LORA_SECTION",
-    "RECIPE_SCHEMAS",
 ]
 
 # Logical column names per dataset format; ``column_map`` maps them to the file's columns.
@@ -184,9 +183,11 @@ LAYER_DROPOUT_SECTION = Schema(
 )
 EARLY_EXIT_SCHEMA = BASE_SCHEMA | {"early_exit": EARLY_EXIT_SECTION, "layer_dropout": LAYER_DROPOUT_SECTION}
 
-RECIPE_SCHEMAS = {
-    "full_finetune_distributed": BASE_SCHEMA,
-    "lora_finetune_distributed": LORA_SCHEMA,
-    "knowledge_distillation_distributed": KD_SCHEMA,
-    "early_exit_finetune_distributed": EARLY_EXIT_SCHEMA,
-}
+
+def __getattr__(name: str) -> Any:
+    """``RECIPE_SCHEMAS`` (recipe name -> schema), read from the recipe registry on each use."""
+    if name == "RECIPE_SCHEMAS":
+        from shardtune.recipes.registry import RECIPES
+
+        return {recipe.name: recipe.schema for recipe in RECIPES.values()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

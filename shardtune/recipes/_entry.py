@@ -7,8 +7,8 @@ import sys
 from collections.abc import Callable
 
 from shardtune.config import Config, ConfigError, load_config
-from shardtune.configs.schemas import RECIPE_SCHEMAS
 from shardtune.distributed import end_process
+from shardtune.recipes.registry import get_recipe
 
 
 def main(recipe: Callable[[Config], None], name: str, argv: list[str] | None = None) -> int:
@@ -19,7 +19,7 @@ def main(recipe: Callable[[Config], None], name: str, argv: list[str] | None = N
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optimizer.lr=1e-4")
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides, schema=RECIPE_SCHEMAS[name])
+        cfg = load_config(args.config, args.overrides, schema=get_recipe(name).schema)
     except ConfigError as exc:
         sys.stderr.write(f"{exc}\n")
         return 2

@@ -1,0 +1,82 @@
+"""The recipes shardtune ships, listed once: name, module, config schema and bundled configs.
+
+Rule: ``shardtune ls``, ``shardtune run``, ``shardtune validate`` and every schema lookup read :data:`RECIPES`; a
+recipe or a bundled config that is not listed here does not exist for them. To add a recipe, write its module in
+``shardtune/recipes/`` and add one :class:`Recipe` line below.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardtune.config import CONFIGS_DIR, Schema
+from shardtune.configs.schemas import BASE_SCHEMA, EARLY_EXIT_SCHEMA, KD_SCHEMA, LORA_SCHEMA
+
+
+class UnknownRecipe(ValueError):
+    """A recipe name that is not in the registry; the message lists the registry's names."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    schema: Schema
+    configs: tuple[str, ...]  # bundled config names (``tiny/lora`` is ``shardtune/configs/tiny/lora.yaml``)
+
+    @property
+    def module(self) -> str:
+        """The module torchrun runs (``python -m``)."""
+        return f"shardtune.recipes.{self.name}"
+
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe(
+            "full_finetune_distributed",
+            BASE_SCHEMA,
+            ("tiny/full", "llama3_2/1B_full", "llama3_2/3B_full", "llama3_1/8B_full"),
+        ),
+        Recipe(
+            "lora_finetune_distributed",
+            LORA_SCHEMA,
+            (
+                "tiny/lora",
+                "tiny/qlora",
+                "tiny/lora_multi_dataset",
+                "llama3_2/1B_lora",
+                "llama3_2/1B_qlora",
+                "llama3_2/3B_lora",
+                "llama3_2/3B_qlora",
+                "llama3_1/8B_lora",
+                "llama3_1/8B_qlora",
+            ),
+        ),
+        Recipe("knowledge_distillation_distributed", KD_SCHEMA, ("tiny/kd", "llama3_2/8B_to_1B_KD_lora")),
+        Recipe("early_exit_finetune_distributed", EARLY_EXIT_SCHEMA, ("tiny/early_exit", "llama3_2/1B_early_exit")),
+    )
+}
+
+
+def get_recipe(name: str) -> Recipe:
+    """The registered recipe ``name``; raises :class:`UnknownRecipe` naming the registered ones."""
+    if name in RECIPES:
+        return RECIPES[name]
+    close = difflib.get_close_matches(name, RECIPES, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise UnknownRecipe(f"unknown recipe {name!r}{hint} (registered: {', '.join(RECIPES)})")
+
+
+def recipe_of_config(config: str | Path) -> Recipe | None:
+    """The recipe a bundled config belongs to (``tiny/lora``, ``tiny/lora.yaml`` or its path); None for any other
+    config file, which needs its recipe named."""
+    path = Path(config)
+    if path.is_file():  # a file given as a path wins over a bundled name, as in ``resolve_config_path``
+        try:
+            path = path.resolve().relative_to(CONFIGS_DIR.resolve())
+        except ValueError:
+            return None
+    stem = path.as_posix().removesuffix(".yaml").removesuffix(".yml")
+    return next((r for r in RECIPES.values() if stem in r.configs), None)
