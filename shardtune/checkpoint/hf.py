@@ -380,20 +380,14 @@ def _agree(
     """Collective: the same error on every rank when any rank found a problem or the ranks'
     plans differ (different models or arguments), before any file is touched."""
     digest = (model_signature(model_entries(model)), hf_export.plan_digest(items, files))
-    gathered = comm.all_gather_objects((local_problems, digest))
-    seen: dict[str, list[int]] = {}
-    for r, (rank_problems, _) in enumerate(gathered):
-        for problem in rank_problems:
-            seen.setdefault(problem, []).append(r)
-    problems = [p if len(ranks) == len(gathered) else f"[rank {', '.join(map(str, ranks))}] {p}" for p, ranks in seen.items()]
-    odd = [r for r, (_, d) in enumerate(gathered) if d != gathered[0][1]]
-    if odd:
-        problems.append(
-            f"ranks {odd} would write different tensors than rank 0 (different model, sharding or save arguments); "
-            "call save_hf_checkpoint with the same model and arguments on every rank"
-        )
-    if problems:
-        raise CheckpointError(format_problems("Cannot save the HF checkpoint:", problems))
+    comm.agree(
+        digest,
+        what="the tensors to write differ between ranks (different model, sharding or save arguments)",
+        fix="call save_hf_checkpoint with the same model and arguments on every rank",
+        header="Cannot save the HF checkpoint:",
+        problems=local_problems,
+        error=CheckpointError,
+    )
 
 
 def _write_skeleton(

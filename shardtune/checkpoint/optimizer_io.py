@@ -79,16 +79,21 @@ def _begin_save(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) -> 
     files = hf_export.plan_files(items, max_shard_bytes=1 << 62)
     if files:
         files[0].name = OPTIMIZER_TENSORS
-    digests = comm.all_gather_objects(hf_export.plan_digest(items, files))
-    problems = [] if len(set(digests)) == 1 else ["optimizer state differs between ranks; every rank must step the same model"]
+    comm.agree(
+        hf_export.plan_digest(items, files),
+        what="optimizer state differs between ranks",
+        fix="every rank must step the same model",
+        header=f"Cannot save the optimizer to {out_dir}:",
+        error=CheckpointError,
+    )
     created = comm.Problems()
-    if comm.rank() == 0 and not problems:
+    if comm.rank() == 0:
         with created.guard(str(out_dir)):
             out_dir.mkdir(parents=True, exist_ok=True)
             hf_export.create_files(str(out_dir), files)
             meta = {"param_groups": [{**hyperparameters(g), "params": list(f)} for f, g in zip(groups, opt.param_groups)], "scalars": scalars}
             checksums.write_bytes(out_dir / OPTIMIZER_META, json.dumps(meta, indent=1).encode())
-    comm.raise_on_every_rank(problems + list(created), header=f"Cannot save the optimizer to {out_dir}:", error=CheckpointError)
+    comm.raise_on_every_rank(created, header=f"Cannot save the optimizer to {out_dir}:", error=CheckpointError)
     return files
 
 

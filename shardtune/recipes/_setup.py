@@ -30,7 +30,7 @@ from shardtune.models import (
     model_args_from_hf_config,
 )
 from shardtune.peft import apply_lora, init_lora_parameters
-from shardtune.state_dict.comm import all_gather_objects, normalize_device
+from shardtune.state_dict.comm import agree, normalize_device
 from shardtune.training.loop import LoopSettings, run_training, steps_per_epoch
 from shardtune.training.metrics import MetricLogger
 from shardtune.training.optim import build_lr_scheduler, build_optimizer
@@ -66,12 +66,13 @@ def _agree_on_config(cfg: Config) -> None:
     """Collective: every rank must run the same config (a node with other files or overrides
     would otherwise fail much later with a cryptic shape error or a hang)."""
     digest = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
-    digests = all_gather_objects(digest)
-    odd = [r for r, d in enumerate(digests) if d != digests[0]]
-    if odd:
-        raise ValueError(
-            f"ranks {odd} run a different config than rank 0; give every node the same config file and overrides"
-        )
+    agree(
+        digest,
+        what="the config differs between ranks",
+        fix="give every node the same config file and overrides",
+        header="Cannot start the run:",
+        error=ValueError,
+    )
 
 
 def base_model_dir(

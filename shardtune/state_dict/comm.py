@@ -11,7 +11,7 @@ building one per pair of ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -156,19 +156,58 @@ def raise_on_every_rank(local_problems: list[str], *, header: str, error: type[E
     listed once with the ranks that saw them, so every rank raises an identical message.
     Returns normally on every rank when no rank reported anything.
     """
-    per_rank = all_gather_objects(list(local_problems))
+    lines = _merge_problems(all_gather_objects(list(local_problems)))
+    if lines:
+        raise error(format_problems(header, lines))
+
+
+def agree(
+    value: object,
+    *,
+    what: str,
+    fix: str,
+    header: str,
+    problems: Sequence[str] = (),
+    error: type[Exception] = StateDictError,
+) -> list[object]:
+    """Collective: call on all ranks. Every rank's ``value`` must equal rank 0's.
+
+    One gather carries ``value`` and this rank's ``problems``. When any rank reported a problem
+    (listed once with the ranks that saw it, as in :func:`raise_on_every_rank`) or some rank's
+    value differs from rank 0's (``"<what>: ranks [..] differ from rank 0; <fix>"``, see
+    :func:`disagreement`), every rank raises the same ``error`` under ``header``. Otherwise
+    returns every rank's value, indexed by rank, on every rank.
+    """
+    gathered = all_gather_objects((list(problems), value))
+    lines = _merge_problems([p for p, _ in gathered]) + disagreement([v for _, v in gathered], what=what, fix=fix)
+    if lines:
+        raise error(format_problems(header, lines))
+    return [v for _, v in gathered]
+
+
+def disagreement(values: Sequence[object], *, what: str, fix: str) -> list[str]:
+    """The problem line of :func:`agree` for values gathered by rank: none when all equal rank 0's."""
+    odd = [r for r, v in enumerate(values) if v != values[0]]
+    return [f"{what}: ranks {odd} differ from rank 0; {fix}"] if odd else []
+
+
+def rank_zero_problems(is_rank_zero: bool) -> list[str]:
+    """This rank's problem (for :func:`agree`) when ``is_rank_zero`` is not ``rank() == 0``."""
+    if bool(is_rank_zero) == (rank() == 0):
+        return []
+    return [f"is_rank_zero is {bool(is_rank_zero)}; pass is_rank_zero=(rank == 0)."]
+
+
+def _merge_problems(per_rank: list[list[str]]) -> list[str]:
+    """Each distinct problem once, prefixed with the ranks that saw it unless every rank did."""
     seen: dict[str, list[int]] = {}
     for r, problems in enumerate(per_rank):
         for problem in problems:
             seen.setdefault(problem, []).append(r)
-    if not seen:
-        return
-    world = world_size()
-    lines = [
-        problem if len(ranks) == world else f"[rank {', '.join(map(str, ranks))}] {problem}"
+    return [
+        problem if len(ranks) == len(per_rank) else f"[rank {', '.join(map(str, ranks))}] {problem}"
         for problem, ranks in seen.items()
     ]
-    raise error(format_problems(header, lines))
 
 
 def scatter_from_rank0(

@@ -15,9 +15,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardtune.state_dict import comm, nf4
-from shardtune.state_dict.keys import ModelEntry, StateDictError, is_adapter_key, model_entries, state_dict_order
+from shardtune.state_dict.keys import ModelEntry, is_adapter_key, model_entries, state_dict_order
 from shardtune.state_dict.layout import Piece, TensorLayout, layout_of
-from shardtune.state_dict.load import model_signature
+from shardtune.state_dict.load import SAME_MODEL, model_signature
 
 
 @torch.no_grad()
@@ -68,19 +68,12 @@ def _adapter_entries(entries: list[ModelEntry]) -> list[ModelEntry]:
 
 def _agree(entries: list[ModelEntry], is_rank_zero: bool) -> None:
     """Collective: every rank checks that all ranks gather the same tensors, in the same order."""
-    views = comm.all_gather_objects((model_signature(entries), bool(is_rank_zero)))
-    problems = []
-    odd = [r for r, (sig, _) in enumerate(views) if sig != views[0][0]]
-    if odd:
-        problems.append(
-            f"the model differs between ranks (names, shapes or placements): ranks {odd} differ from rank 0; "
-            "build and shard the same model on every rank."
-        )
-    claimed = [r for r, (_, zero) in enumerate(views) if zero]
-    if claimed != [0]:
-        problems.append(f"is_rank_zero is True on ranks {claimed}; pass is_rank_zero=(rank == 0).")
-    if problems:
-        raise StateDictError("Cannot gather the model state dict:\n  " + "\n  ".join(problems))
+    comm.agree(
+        model_signature(entries),
+        **SAME_MODEL,
+        header="Cannot gather the model state dict:",
+        problems=comm.rank_zero_problems(is_rank_zero),
+    )
 
 
 def gather_to_rank0(

@@ -129,6 +129,13 @@ def number_kind(value: Any) -> str | None:
     return None
 
 
+# How comm.agree / comm.disagreement report ranks whose model_signature differs from rank 0's.
+SAME_MODEL = {
+    "what": "the model differs between ranks (names, shapes or placements)",
+    "fix": "build and shard the same model on every rank.",
+}
+
+
 def model_signature(entries: list[ModelEntry]) -> str:
     """A digest of names, shapes and placements: equal on all ranks iff their models agree."""
     text = repr(
@@ -161,7 +168,7 @@ def _agree_on_plan(entries: list[ModelEntry], full_sd: Mapping[str, Any], *, str
     gathered = comm.all_gather_objects((local_desc, model_signature(entries)))
     descs = [d for d, _ in gathered]
     mode, problems = agree_on_mode([bool(d) for d in descs], "full_sd")
-    problems += _signature_problems([s for _, s in gathered])
+    problems += comm.disagreement([s for _, s in gathered], **SAME_MODEL)
     reference = descs[0] or {}
     if mode == EVERY_RANK:
         problems += _desc_mismatch_problems(descs)
@@ -169,16 +176,6 @@ def _agree_on_plan(entries: list[ModelEntry], full_sd: Mapping[str, Any], *, str
     local_problems = _number_kind_problems(entries, full_sd) if full_sd else []
     comm.raise_on_every_rank(problems + plan_problems + local_problems, header="Cannot load the full model state dict:")
     return plan
-
-
-def _signature_problems(signatures: list[str]) -> list[str]:
-    odd = [r for r, s in enumerate(signatures) if s != signatures[0]]
-    if not odd:
-        return []
-    return [
-        f"the model differs between ranks (names, shapes or placements): ranks {odd} differ from rank 0; "
-        "build and shard the same model on every rank."
-    ]
 
 
 def _desc_mismatch_problems(descs: list[dict]) -> list[str]:

@@ -79,15 +79,13 @@ def get_full_optimizer_state_dict(
         [(fqn, [(k, _value_kind(v)) for k, v in opt.state.get(p, {}).items()]) for fqn, p in zip(fqns, g["params"])]
         for fqns, g in zip(groups, opt.param_groups)
     ]
-    views = comm.all_gather_objects((view, bool(is_rank_zero)))
-    problems = []
-    if any(v != views[0][0] for v, _ in views):
-        problems.append("optimizer state differs between ranks (params, state keys or shapes); every rank must step the same model.")
-    claimed = [r for r, (_, zero) in enumerate(views) if zero]
-    if claimed != [0]:
-        problems.append(f"is_rank_zero is True on ranks {claimed}; pass is_rank_zero=(rank == 0).")
-    if problems:
-        raise StateDictError("Cannot gather the optimizer state dict:\n  " + "\n  ".join(problems))
+    comm.agree(
+        view,
+        what="optimizer state differs between ranks (params, state keys or shapes)",
+        fix="every rank must step the same model.",
+        header="Cannot gather the optimizer state dict:",
+        problems=comm.rank_zero_problems(is_rank_zero),
+    )
 
     transfer_device = comm.comm_device(device)
     errors = comm.Problems()
@@ -141,8 +139,10 @@ def load_from_full_optimizer_state_dict(
     mode, problems = agree_on_mode([bool(d) for d in descs], "the optimizer full_sd")
     problems += [d for d in descs if isinstance(d, str)][:1]
     reference = descs[0] if isinstance(descs[0], dict) else None
-    if mode == EVERY_RANK and any(d != reference for d in descs):
-        problems.append("the optimizer full_sd differs between ranks; every rank must pass the same one.")
+    if mode == EVERY_RANK:
+        problems += comm.disagreement(
+            descs, what="the optimizer full_sd differs between ranks", fix="every rank must pass the same one."
+        )
     if reference is not None and not problems:
         problems += _check(reference, groups, params)
     comm.raise_on_every_rank(problems, header="Cannot load the full optimizer state dict:")

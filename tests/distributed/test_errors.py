@@ -104,7 +104,7 @@ CASES = {
     "rank1_only": (_given_on_rank1_only, ["non-empty on ranks [1]", "rank 0 only"]),
     "model_differs": (_model_differs_on_one_rank, ["model differs between ranks", "[1]"]),
     "nf4_layout": (_nf4_not_row_sharded, ["weight", "whole rows"]),
-    "is_rank_zero": (_wrong_is_rank_zero, ["is_rank_zero is True on ranks [0, 1]"]),
+    "is_rank_zero": (_wrong_is_rank_zero, ["[rank 1] is_rank_zero is True; pass is_rank_zero=(rank == 0)"]),
     "number_kind": (_integers_for_a_float_weight, ["layers.0.q_proj.weight", "int values", "torch.float32"]),
 }
 
@@ -150,4 +150,30 @@ def _config_differs_on_one_rank():
 def test_recipe_setup_rejects_a_rank_with_another_config(pool2):
     outcomes = pool2.run(_config_differs_on_one_rank, timeout=60)
     assert not any(o.ok for o in outcomes) and len({o.error for o in outcomes}) == 1
-    assert "ranks [1] run a different config" in outcomes[0].error
+    assert "the config differs between ranks: ranks [1] differ from rank 0" in outcomes[0].error
+
+
+def _agree_case(case: str):
+    from shardtune.state_dict import comm
+
+    rank = dist.get_rank()
+    value = {"same": "v", "differs": f"v{rank // 2}", "problem": "v"}[case]
+    problems = ["disk full"] if case == "problem" and rank == 3 else []
+    return comm.agree(
+        value, what="the value differs between ranks", fix="pass the same value", header="H:", problems=problems
+    )
+
+
+@pytest.mark.parametrize(
+    "case, needles",
+    [
+        ("differs", ["H:\n  the value differs between ranks: ranks [2, 3] differ from rank 0; pass the same value"]),
+        ("problem", ["H:\n  [rank 3] disk full"]),
+    ],
+)
+def test_agree_raises_the_same_error_naming_the_odd_ranks(pool4, case, needles):
+    _assert_same_error_everywhere(pool4.run(_agree_case, case, timeout=60), needles)
+
+
+def test_agree_returns_every_rank_value(pool4):
+    assert pool4.run_ok(_agree_case, "same") == [["v"] * 4] * 4
