@@ -28,6 +28,7 @@ from shardtune.checkpoint.rank0_writes import BackgroundWrites, ByteRing
 from shardtune.checkpoint.safetensors_io import RangeWriter, build_header
 from shardtune.checkpoint.staging_memory import StagingMemory, aligned
 from shardtune.faults import fault_point
+from shardtune.peft.adapters import merge_lora_weight
 from shardtune.peft.lora import LoRALinear
 from shardtune.state_dict import comm, nf4
 from shardtune.state_dict.gather import gather_to_rank0
@@ -479,7 +480,5 @@ def _local_block(item: ExportItem, adapters: _Adapters | None, *, device: str | 
     if adapters is not None:
         rows, cols = piece.slices
         b = adapters.b if adapters.b_is_local else adapters.b[rows]
-        a = adapters.a
-        delta = b.float() @ a[:, cols].to(b.device).float()
-        local = (local.float() + item.merge.scaling * delta.to(local.device)).to(local.dtype)
+        local = merge_lora_weight(local, adapters.a[:, cols], b, scaling=item.merge.scaling)
     return local.to(device=device if device is not None else local.device, dtype=item.dtype)

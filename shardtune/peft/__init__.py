@@ -6,6 +6,7 @@ from shardtune.peft.adapters import (
     get_adapter_state_dict,
     get_merged_state_dict,
     is_adapter_key,
+    merge_lora_weight,
     peft_adapter_config,
     to_peft_adapter_state_dict,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "init_lora_parameters",
     "is_adapter_key",
     "merge_lora",
+    "merge_lora_weight",
     "peft_adapter_config",
     "to_peft_adapter_state_dict",
 ]

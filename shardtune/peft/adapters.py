@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from shardtune.peft import nf4
@@ -35,6 +36,17 @@ def get_adapter_state_dict(model_or_state_dict: nn.Module | Mapping[str, Any]) -
     return {k: v for k, v in sd.items() if is_adapter_key(k)}
 
 
+def merge_lora_weight(base: Tensor, lora_a: Tensor, lora_b: Tensor, *, scaling: float) -> Tensor:
+    """``base + scaling * lora_b @ lora_a`` in fp32, returned in ``base``'s dtype and device: the one LoRA merge
+    formula (merged models, merged state dicts, merged HF exports).
+
+    ``base`` is a plain tensor (dequantize NF4 first). A block of the base merges with the matching rows of
+    ``lora_b`` and columns of ``lora_a``. The product is taken on ``lora_b``'s device.
+    """
+    delta = lora_b.float() @ lora_a.to(device=lora_b.device, dtype=torch.float32)
+    return (base.float() + scaling * delta.to(base.device)).to(base.dtype)
+
+
 def get_merged_state_dict(
     state_dict: Mapping[str, Tensor], *, alpha: float, rank: int | None = None
 ) -> dict[str, Tensor]:
@@ -58,8 +70,7 @@ def get_merged_state_dict(
         if rank is not None and rank != r:
             raise ValueError(f"{key} has rank {r} but rank={rank} was passed; pass the rank used for training")
         base = nf4.dequantize(state_dict[prefix + ".weight"])
-        delta = state_dict[prefix + _LORA_B].float() @ lora_a.float()
-        merged[prefix + ".weight"] = (base.float() + (alpha / r) * delta).to(base.dtype)
+        merged[prefix + ".weight"] = merge_lora_weight(base, lora_a, state_dict[prefix + _LORA_B], scaling=alpha / r)
     leftover = sorted(k for k in state_dict if is_adapter_key(k) and not k.endswith((_LORA_A, _LORA_B)))
     if leftover:
         raise ValueError(f"unrecognized adapter keys {leftover[:3]}; expected only '*.lora_A.weight'/'*.lora_B.weight'")

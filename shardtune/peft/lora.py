@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardtune.peft import nf4
-from shardtune.peft.adapters import is_adapter_key, peft_adapter_config
+from shardtune.peft.adapters import is_adapter_key, merge_lora_weight, peft_adapter_config
 
 __all__ = [
     "LORA_TARGETS",
@@ -195,8 +195,7 @@ class LoRALinear(nn.Module):
     def merged_weight(self) -> Tensor:
         """``W + scaling * B @ A`` as a plain tensor in the base dtype (NF4 dequantized)."""
         base = nf4.dequantize(self.weight.detach())
-        delta = self.lora_B.weight.detach().float() @ self.lora_A.weight.detach().float()
-        return (base.float() + self.scaling * delta).to(base.dtype)
+        return merge_lora_weight(base, self.lora_A.weight.detach(), self.lora_B.weight.detach(), scaling=self.scaling)
 
     def extra_repr(self) -> str:
         return (

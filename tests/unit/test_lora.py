@@ -23,12 +23,10 @@ from shardtune.peft import (
     init_lora_parameters,
     is_adapter_key,
     merge_lora,
+    merge_lora_weight,
     peft_adapter_config,
     to_peft_adapter_state_dict,
 )
-
-
-
 
 VOCAB = 96
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
@@ -253,3 +251,17 @@ def test_user_errors_are_reported():
     with pytest.raises(ValueError, match="base_model.model."):
         from_peft_adapter_state_dict({"model.x.lora_A.weight": torch.zeros(1)})
     assert is_adapter_key("a.lora_A.weight") and is_adapter_key("a.magnitude") and not is_adapter_key("a.weight")
+
+
+def test_merge_formula_on_a_block_matches_a_hand_merge():
+    """A block of the base (as one rank merges its shard) with B's rows and A's columns gives that block of
+    ``W + scaling * B @ A`` computed in float64, returned in the base's dtype."""
+    g = torch.Generator().manual_seed(0)
+    w, a, b = (torch.randn(shape, generator=g) for shape in ((6, 8), (3, 8), (6, 3)))
+    expected = (w.double() + 0.5 * (b.double() @ a.double())).to(torch.bfloat16)
+    base = w.to(torch.bfloat16)
+    rows, cols = slice(2, 5), slice(4, 8)
+    block = merge_lora_weight(base[rows, cols], a[:, cols], b[rows], scaling=0.5)
+    assert block.dtype == torch.bfloat16
+    torch.testing.assert_close(block, expected[rows, cols], rtol=0, atol=0.04)
+    assert not torch.equal(block, base[rows, cols])
