@@ -41,24 +41,10 @@ def save_optimizer(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path, 
     comm.raise_on_every_rank(written, header=f"Writing the optimizer to {out_dir} failed:", error=CheckpointError)
 
 
-def stage_optimizer(
-    model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path, *, staging_memory: hf_export.StagingMemory | None = None
-) -> hf_export.StagedWrites:
-    """:func:`save_optimizer` in two halves, for saving in the background.
-
-    Collective: call on all ranks. Writes ``optimizer.json`` and the sized tensor file, copies
-    this rank's rows of the state to CPU memory (in ``staging_memory``'s arena when given) and
-    returns them; their ``flush()`` writes
-    them (no collectives) while the optimizer keeps stepping.
-    """
-    (staged,), problems = hf_export.stage_data([begin_optimizer_stage(model, opt, out_dir)], memory=staging_memory)
-    comm.raise_on_every_rank(problems, header=f"Staging the optimizer for {out_dir} failed:", error=CheckpointError)
-    return staged
-
-
 def begin_optimizer_stage(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) -> hf_export.StagePlan:
-    """Collective: the first half of :func:`stage_optimizer` (``optimizer.json`` and the sized
-    file), for staging it with other files in one arena (:func:`hf_export.stage_data`)."""
+    """Collective: the first half of a background optimizer save (``optimizer.json`` and the
+    sized file), for staging with the model's files in one arena (:func:`hf_export.stage_data`);
+    the staged writes' ``flush()`` writes this rank's rows while the optimizer keeps stepping."""
     return hf_export.StagePlan(str(out_dir), _begin_save(model, opt, out_dir))
 
 
