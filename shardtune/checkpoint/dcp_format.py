@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from shardtune.checkpoint import checksums
-from shardtune.state_dict.load import materialize_meta
+from shardtune.state_dict.install import materialize_meta
 
 DCP_DIR = "dcp"
 LORA_FILE = "lora.json"

@@ -31,8 +31,8 @@ from shardtune.checkpoint import checksums, hf_export
 from shardtune.checkpoint.atomic import fsync_dir
 from shardtune.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorSlice, parse_size
 from shardtune.state_dict import comm, load_from_full_model_state_dict
+from shardtune.state_dict.agreement import model_signature
 from shardtune.state_dict.keys import format_problems, model_entries
-from shardtune.state_dict.load import model_signature
 
 __all__ = [
     "TOKENIZER_FILES",

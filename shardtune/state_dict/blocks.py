@@ -4,17 +4,24 @@ A value is a tensor, an NF4 tensor, or a lazy slice (e.g. of a safetensors file)
 copies once, into the caller's tensor when given. Rank 0's sends move only each rank's
 block, in batched exchanges (:func:`comm.exchange`) through at most one batch of staged
 blocks; a plain tensor, needed whole everywhere, is broadcast.
+
+An NF4 parameter's block is whole rows of ONE quantization of the full tensor: cut from an
+NF4 value, quantized per shard from a plain one (only the mean of the block scalers is
+shared), or quantized once by rank 0 and sent packed.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shardtune.state_dict import comm, nf4
 from shardtune.state_dict.layout import Piece, TensorLayout
+
+if TYPE_CHECKING:
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
 
 
 def read_block(value: Any, slices: tuple[slice, ...]) -> torch.Tensor:
@@ -183,3 +190,92 @@ def _deliver(received: torch.Tensor, into: torch.Tensor | None, device: torch.de
     if into is None:
         return received.to(device)
     return into if received is into else into.copy_(received)
+
+
+def slice_nf4(
+    layout: TensorLayout,
+    value: Any,
+    *,
+    like: NF4Tensor,
+    device: torch.device,
+    transfer_device: torch.device,
+    on_error: comm.Problems,
+    key: str,
+) -> NF4Tensor | None:
+    """Collective: call on all ranks, each holding the full ``value``. Returns this rank's NF4
+    block with ``like``'s dtype and block sizes on ``device`` (None when it could not be made;
+    the error is in ``on_error``).
+
+    An NF4 value (same block sizes) is cut by rows. A plain value is read and quantized per
+    shard: each rank reads only its rows; the one global quantity (the mean of the block
+    scalers) comes from a small all-gather of every shard's scalers (1/block_size of the data).
+    """
+    if nf4.is_nf4(value) and nf4.block_sizes(value) == nf4.block_sizes(like) and value.dtype == like.dtype:
+        with on_error.guard(key):
+            return nf4.nf4_rows(value.to(device), *_row_blocks(layout)[comm.rank()])
+        return None
+    if layout.pieces is None:
+        with on_error.guard(key):
+            return nf4.quantize_like(_whole(value, layout), like, device=device)
+        return None
+    owners = sorted(layout.owners().items(), key=lambda kv: kv[0].offset)
+    numels = [p.numel // like.block_size for p in layout.pieces]
+    rows, scalers = None, torch.zeros(numels[comm.rank()], dtype=like.dtype, device=device)
+    with on_error.guard(key):
+        rows = read_block(value, layout.pieces[comm.rank()].slices).to(device=device, dtype=like.dtype)
+        scalers = nf4.block_scalers(rows, like)
+    parts = comm.all_gather_varlen(scalers, numels, device=transfer_device)  # collective even after a failed read
+    mean = torch.cat([parts[rank] for _, rank in owners]).mean().to(device)
+    if rows is None:
+        return None
+    with on_error.guard(key):
+        return nf4.quantize_shard(rows, like, scaler_mean=mean)
+    return None
+
+
+def scatter_nf4(
+    layout: TensorLayout,
+    value: Any,
+    *,
+    like: NF4Tensor,
+    device: torch.device,
+    transfer_device: torch.device,
+    on_error: comm.Problems,
+    key: str,
+) -> NF4Tensor:
+    """Collective: call on all ranks; rank 0 holds ``value``. Rank 0 quantizes it once (with
+    ``like``'s dtype and block sizes) and sends each rank its packed rows; returns this rank's
+    NF4 block on ``device`` (zeros where rank 0 failed; the error is in rank 0's ``on_error``)."""
+    blocks = _row_blocks(layout)
+    row_numel = like.numel() // like.shape[0] if like.shape[0] else 0
+    sizes = [
+        nf4.packed_numel(rows * row_numel, like.block_size, like.scaler_block_size, like.dtype) for _, rows in blocks
+    ]
+    quantized: list[NF4Tensor] = []
+
+    def block_for(r: int) -> torch.Tensor | None:
+        with on_error.guard(key):
+            if not quantized:
+                quantized.append(nf4.quantize_like(_whole(value, layout), like, device=transfer_device))
+            packed = torch.empty(sizes[r], dtype=torch.uint8, device=transfer_device)
+            nf4.pack(nf4.nf4_rows(quantized[0], *blocks[r]), packed)
+            return packed
+        return None
+
+    flat = comm.scatter_from_rank0(
+        block_for if comm.rank() == 0 else None, sizes, dtype=torch.uint8, device=transfer_device
+    )
+    _, rows = blocks[comm.rank()]
+    return nf4.unpack(flat, (rows, *layout.shape[1:]), like, device=device)
+
+
+def _row_blocks(layout: TensorLayout) -> list[tuple[int, int]]:
+    """(first row, row count) of every rank's NF4 block; a plain param is whole on every rank."""
+    if layout.pieces is None:
+        return [(0, layout.shape[0])] * comm.world_size()
+    return [(p.offset[0], p.shape[0]) for p in layout.pieces]
+
+
+def _whole(value: Any, layout: TensorLayout) -> Any:
+    """The full value: an NF4 tensor as it is, anything else read (a lazy value loaded) whole."""
+    return value if nf4.is_nf4(value) else read_block(value, tuple(slice(None) for _ in layout.shape))

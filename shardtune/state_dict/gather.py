@@ -15,9 +15,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardtune.state_dict import comm, nf4
+from shardtune.state_dict.agreement import SAME_MODEL, model_signature
 from shardtune.state_dict.keys import ModelEntry, is_adapter_key, model_entries, state_dict_order
 from shardtune.state_dict.layout import Piece, TensorLayout, layout_of
-from shardtune.state_dict.load import SAME_MODEL, model_signature
 
 
 @torch.no_grad()
@@ -46,7 +46,11 @@ def gather_cpu_state_dict(
     gathered: dict[str, torch.Tensor] = {}
     for entry in entries:
         full = gather_to_rank0(
-            entry.tensor, layout_of(entry.tensor, comm.world_size()), transfer_device=transfer_device, on_error=problems, key=entry.fqn
+            entry.tensor,
+            layout_of(entry.tensor, comm.world_size()),
+            transfer_device=transfer_device,
+            on_error=problems,
+            key=entry.fqn,
         )
         if full is not None:
             for fqn in entry.fqns:
@@ -133,4 +137,3 @@ def _dense_local(tensor: torch.Tensor, on_error: comm.Problems, key: str) -> tor
     with on_error.guard(key):
         return nf4.dequantize(local).detach()
     return torch.zeros(local.shape, dtype=tensor.dtype, device=local.device)
-

@@ -1,4 +1,4 @@
-"""Where each rank's piece of a DTensor lies in the full tensor."""
+"""Where each rank's piece of a DTensor lies in the full tensor, and which tensor holds it locally."""
 
 from __future__ import annotations
 
@@ -46,6 +46,12 @@ class TensorLayout:
     def is_sharded(self) -> bool:
         return self.pieces is not None
 
+    def piece(self, rank: int) -> Piece:
+        """Rank ``rank``'s block; the whole tensor for a plain one."""
+        if self.pieces is None:
+            return Piece(shape=self.shape, offset=(0,) * len(self.shape))
+        return self.pieces[rank]
+
     def owners(self) -> dict[Piece, int]:
         """Each distinct non-empty piece and the lowest rank holding it (rank 0 first when it holds one)."""
         owners: dict[Piece, int] = {}
@@ -53,6 +59,11 @@ class TensorLayout:
             if piece.numel and piece not in owners:
                 owners[piece] = rank
         return owners
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: a DTensor's local shard, a plain tensor itself."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def unsupported_placement(placements: tuple[Placement, ...]) -> Placement | None:
@@ -83,7 +94,9 @@ def dtensor_layout(
     return TensorLayout(shape=shape, pieces=_pieces(shape, mesh_ranks, mesh_shape, placements))
 
 
-_MESH_RANKS: weakref.WeakKeyDictionary[DeviceMesh, tuple[tuple[int, ...], tuple[int, ...]]] = weakref.WeakKeyDictionary()
+_MESH_RANKS: weakref.WeakKeyDictionary[DeviceMesh, tuple[tuple[int, ...], tuple[int, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _mesh_ranks(mesh: DeviceMesh) -> tuple[tuple[int, ...], tuple[int, ...]]:

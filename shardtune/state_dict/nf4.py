@@ -20,7 +20,7 @@ from shardtune.state_dict.layout import TensorLayout
 if TYPE_CHECKING:
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
 
-__all__ = ["is_nf4", "nf4_layout_problem", "quantize_like", "nf4_rows", "dequantize"]
+__all__ = ["dequantize", "is_nf4", "nf4_layout_problem", "nf4_rows", "quantize_like"]
 
 
 @cache

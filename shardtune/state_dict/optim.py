@@ -20,12 +20,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardtune.state_dict import comm
+from shardtune.state_dict.agreement import EVERY_RANK, RANK0, agree_on_mode
 from shardtune.state_dict.blocks import SendBuffer, copy_block, scatter_dense
 from shardtune.state_dict.dtypes import SAFETENSORS_DTYPES
 from shardtune.state_dict.gather import gather_to_rank0
+from shardtune.state_dict.install import fillable
 from shardtune.state_dict.keys import StateDictError, model_entries
-from shardtune.state_dict.layout import TensorLayout, layout_of
-from shardtune.state_dict.load import EVERY_RANK, RANK0, agree_on_mode, fillable
+from shardtune.state_dict.layout import TensorLayout, layout_of, local_tensor
 
 
 def _param_fqns(model: nn.Module) -> dict[int, str]:
@@ -92,7 +93,7 @@ def get_full_optimizer_state_dict(
     state: dict[str, dict[str, Any]] = {}
     for fqns, group in zip(groups, opt.param_groups):
         for fqn, param in zip(fqns, group["params"]):
-            if param in opt.state and opt.state[param]:
+            if opt.state.get(param):
                 state[fqn] = _gather_param_state(opt.state[param], fqn, transfer_device, errors)
     comm.raise_on_every_rank(errors, header="Gathering the optimizer state dict failed:")
     if not is_rank_zero:
@@ -108,7 +109,11 @@ def _gather_param_state(param_state: dict[str, Any], fqn: str, transfer_device, 
     for key, value in param_state.items():
         if isinstance(value, torch.Tensor):
             out[key] = gather_to_rank0(
-                value, layout_of(value, comm.world_size()), transfer_device=transfer_device, on_error=errors, key=f"{fqn}.{key}"
+                value,
+                layout_of(value, comm.world_size()),
+                transfer_device=transfer_device,
+                on_error=errors,
+                key=f"{fqn}.{key}",
             )
         else:
             out[key] = copy.deepcopy(value)
@@ -161,8 +166,16 @@ def load_from_full_optimizer_state_dict(
             if fqn in reference["state"]:
                 native_state[index] = {
                     key: _load_value(
-                        kind, local, fqn, key, params[fqn], mode, transfer_device, errors,
-                        opt.state.get(params[fqn], {}).get(key), send_buffer,
+                        kind,
+                        local,
+                        fqn,
+                        key,
+                        params[fqn],
+                        mode,
+                        transfer_device,
+                        errors,
+                        opt.state.get(params[fqn], {}).get(key),
+                        send_buffer,
                     )
                     for key, kind in reference["state"][fqn].items()
                 }
@@ -186,7 +199,10 @@ def _fqn_keyed(full_sd: Mapping[str, Any], groups: list[list[str]]) -> dict | st
     mapping = {}
     for i, (saved, fqns) in enumerate(zip(saved_groups, groups)):
         if len(saved["params"]) != len(fqns):
-            return f"param group {i} of the optimizer full_sd has {len(saved['params'])} params; the optimizer has {len(fqns)}."
+            return (
+                f"param group {i} of the optimizer full_sd has {len(saved['params'])} params; "
+                f"the optimizer has {len(fqns)}."
+            )
         mapping.update(zip(saved["params"], fqns))
     unknown = [k for k in full_sd["state"] if k not in mapping]
     if unknown:
@@ -208,7 +224,10 @@ def _describe(full_sd: dict) -> dict:
             elif hasattr(value, "get_shape"):  # lazy (e.g. a safetensors slice): read later, by blocks
                 state[fqn][key] = ("tensor", tuple(value.get_shape()), _lazy_dtype(value))
             else:
-                state[fqn][key] = ("inline", value.detach().cpu().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value))
+                state[fqn][key] = (
+                    "inline",
+                    value.detach().cpu().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value),
+                )
     return {
         "groups": [hyperparameters(g) for g in full_sd["param_groups"]],
         "group_params": [list(g["params"]) for g in full_sd["param_groups"]],
@@ -253,14 +272,21 @@ def _load_value(kind, local, fqn, key, param, mode, transfer_device, errors, exi
     else:
         layout = TensorLayout(shape=shape, pieces=None)
     value = local["state"][fqn][key] if isinstance(local, dict) else None
-    target_device = param.device if not isinstance(param, DTensor) else param._local_tensor.device
+    target_device = local_tensor(param).device
     me = layout.pieces[comm.rank()] if layout.pieces else None
     block_shape = me.shape if me else shape
     into = _reusable(existing, block_shape, dtype, target_device, sharded=me is not None)
     if mode == RANK0:
         block = scatter_dense(
-            layout, value, dtype=dtype, device=target_device, transfer_device=transfer_device,
-            on_error=errors, key=f"{fqn}.{key}", into=into, send_buffer=send_buffer,
+            layout,
+            value,
+            dtype=dtype,
+            device=target_device,
+            transfer_device=transfer_device,
+            on_error=errors,
+            key=f"{fqn}.{key}",
+            into=into,
+            send_buffer=send_buffer,
         )
     else:
         block = None
@@ -273,14 +299,18 @@ def _load_value(kind, local, fqn, key, param, mode, transfer_device, errors, exi
         return existing
     if me is None:
         return block
-    return DTensor.from_local(block, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
+    return DTensor.from_local(
+        block, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
-def _reusable(existing: Any, block_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, sharded: bool) -> torch.Tensor | None:
+def _reusable(
+    existing: Any, block_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, sharded: bool
+) -> torch.Tensor | None:
     """The local storage of the optimizer's current state tensor, if the loaded block fits it."""
     if not isinstance(existing, torch.Tensor) or isinstance(existing, DTensor) != sharded:
         return None
-    local = existing._local_tensor if sharded else existing
+    local = local_tensor(existing)
     if tuple(local.shape) != tuple(block_shape) or local.dtype != dtype:
         return None
     return fillable(local, device=device)

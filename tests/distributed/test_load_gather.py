@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardtune.state_dict import stats
-from shardtune.state_dict.load import materialize_meta
+from shardtune.state_dict.install import materialize_meta
 from shardtune.training import gather_cpu_state_dict, load_from_full_model_state_dict
 from tests.distributed import toy
 
@@ -111,13 +111,19 @@ def _placed(kind: str, mode: str):
     stats.reset()
     load_from_full_model_state_dict(model, _give(sd, mode), "cpu", strict=True)
     received = stats.bytes_received
-    local_bytes = sum(
-        p._local_tensor.numel() * p._local_tensor.element_size() for p in model.parameters()
-    ) + model.scale.numel() * model.scale.element_size()  # the only persistent buffer
+    local_bytes = (
+        sum(p._local_tensor.numel() * p._local_tensor.element_size() for p in model.parameters())
+        + model.scale.numel() * model.scale.element_size()
+    )  # the only persistent buffer
     out = gather_cpu_state_dict(model, dist.get_rank() == 0)
     bad = [k for k in out if not torch.equal(out[k], sd[k])]
-    return {"bad": bad, "n": len(out), "received": received, "local": local_bytes,
-            "placements": str(model.layers[0].up_proj.weight.placements)}
+    return {
+        "bad": bad,
+        "n": len(out),
+        "received": received,
+        "local": local_bytes,
+        "placements": str(model.layers[0].up_proj.weight.placements),
+    }
 
 
 @pytest.mark.parametrize("kind", ["shard1", "replicate"])

@@ -1,0 +1,206 @@
+"""Cross-rank agreement on a load: decided identically on every rank before any data moves.
+
+Each rank describes what it holds (kind and shape of every value, never its data) and a
+digest of its model; one all-gather gives every rank the same descriptions, from which every
+rank derives the same decision (how the full state dict was passed, which model tensor loads
+from which key) and the same list of problems, raised on every rank before a byte is sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardtune.state_dict import comm, nf4
+from shardtune.state_dict.dtypes import SAFETENSORS_DTYPES
+from shardtune.state_dict.keys import ModelEntry
+from shardtune.state_dict.layout import TensorLayout, layout_of, local_tensor, unsupported_placement
+
+# How a full state dict was passed, as agreed by agree_on_mode.
+EVERY_RANK = "every_rank"
+RANK0 = "rank0"
+NOTHING = "nothing"
+
+
+@dataclass
+class LoadItem:
+    """One model tensor to load: its entry, the full-state-dict key it loads from, its layout."""
+
+    entry: ModelEntry
+    key: str
+    layout: TensorLayout
+
+
+@dataclass
+class LoadPlan:
+    """The same on every rank: the mode, the tensors to load, and the keys left unmatched."""
+
+    mode: str
+    items: list[LoadItem]
+    missing: list[str]
+    unexpected: list[str]
+
+
+def describe_value(value: Any) -> tuple:
+    """Kind and shape of a full-state-dict value, without reading its data.
+
+    The dtype is left out on purpose: values are cast to the param's dtype, so ranks whose
+    copies differ only in dtype (or lazy vs. in-memory) still agree.
+    """
+    if isinstance(value, torch.Tensor):
+        if nf4.is_nf4(value):
+            return ("nf4", tuple(value.shape), *nf4.block_sizes(value))
+        return ("dense", tuple(value.shape))
+    if hasattr(value, "get_shape"):  # lazy: a safetensors slice or anything alike
+        return ("dense", tuple(value.get_shape()))
+    return ("invalid", type(value).__name__)
+
+
+def number_kind(value: Any) -> str | None:
+    """``"float"`` or ``"int"`` (bool included) of a dtype, a tensor, or a lazy value with ``get_dtype()``
+    (a torch dtype or a safetensors name such as ``"BF16"``); None when unknown."""
+    if hasattr(value, "get_dtype"):
+        dtype = value.get_dtype()
+    elif isinstance(value, torch.Tensor):
+        dtype = value.dtype
+    else:
+        dtype = value if isinstance(value, torch.dtype) else None
+    if isinstance(dtype, str):
+        dtype = SAFETENSORS_DTYPES.get(dtype.upper())
+    if isinstance(dtype, torch.dtype):
+        return "float" if dtype.is_floating_point or dtype.is_complex else "int"
+    return None
+
+
+# How comm.agree / comm.disagreement report ranks whose model_signature differs from rank 0's.
+SAME_MODEL = {
+    "what": "the model differs between ranks (names, shapes or placements)",
+    "fix": "build and shard the same model on every rank.",
+}
+
+
+def model_signature(entries: list[ModelEntry]) -> str:
+    """A digest of names, shapes and placements: equal on all ranks iff their models agree."""
+    text = repr([(e.fqns, tuple(e.tensor.shape), str(getattr(e.tensor, "placements", None))) for e in entries])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def agree_on_mode(has_data: list[bool], what: str) -> tuple[str, list[str]]:
+    """Pick how the full state dict was passed from every rank's ``has_data``; problems if inconsistent."""
+    if all(has_data):
+        return EVERY_RANK, []
+    if not any(has_data):
+        return NOTHING, []
+    if has_data[0] and not any(has_data[1:]):
+        return RANK0, []
+    given = [r for r, h in enumerate(has_data) if h]
+    empty = [r for r, h in enumerate(has_data) if not h]
+    return NOTHING, [
+        (
+            f"{what} is non-empty on ranks {given} but empty on ranks {empty}; pass it on every rank, "
+            "or on rank 0 only with {} on the other ranks."
+        )
+    ]
+
+
+def agree_on_plan(entries: list[ModelEntry], full_sd: Mapping[str, Any], *, strict: bool) -> LoadPlan:
+    """Match the model's ``entries`` to the keys of ``full_sd`` and check keys, shapes, NF4 layouts and dtypes.
+
+    Collective: call on all ranks, with ``full_sd`` on every rank or on rank 0 only (``{}``
+    elsewhere). Returns the same plan on every rank, or raises the same
+    :class:`StateDictError` on every rank.
+    """
+    local_desc = {key: describe_value(full_sd[key]) for key in full_sd} if full_sd else None
+    gathered = comm.all_gather_objects((local_desc, model_signature(entries)))
+    descs = [d for d, _ in gathered]
+    mode, problems = agree_on_mode([bool(d) for d in descs], "full_sd")
+    problems += comm.disagreement([s for _, s in gathered], **SAME_MODEL)
+    reference = descs[0] or {}
+    if mode == EVERY_RANK:
+        problems += _desc_mismatch_problems(descs)
+    plan, plan_problems = _match(entries, reference, mode, strict=strict)
+    local_problems = _number_kind_problems(entries, full_sd) if full_sd else []
+    comm.raise_on_every_rank(problems + plan_problems + local_problems, header="Cannot load the full model state dict:")
+    return plan
+
+
+def _desc_mismatch_problems(descs: list[dict]) -> list[str]:
+    problems = []
+    reference = descs[0]
+    for r, desc in enumerate(descs[1:], start=1):
+        if desc == reference:
+            continue
+        missing = sorted(set(reference) - set(desc))[:5]
+        extra = sorted(set(desc) - set(reference))[:5]
+        differ = sorted(k for k in set(desc) & set(reference) if desc[k] != reference[k])[:5]
+        problems.append(
+            f"full_sd on rank {r} differs from rank 0 (keys only on rank 0: {missing}, only on rank {r}: "
+            f"{extra}, different shape: {differ}); every rank must pass the same checkpoint."
+        )
+    return problems
+
+
+def _match(entries: list[ModelEntry], desc: dict, mode: str, *, strict: bool) -> tuple[LoadPlan, list[str]]:
+    world = comm.world_size()
+    items, missing, problems = [], [], []
+    known = set()
+    for entry in entries:
+        known.update(entry.fqns)
+        key = next((fqn for fqn in entry.fqns if fqn in desc), None)
+        if key is None:
+            missing.extend(entry.fqns)
+            continue
+        problem = _entry_problem(entry, key, desc[key])
+        if problem is None:
+            try:
+                items.append(LoadItem(entry=entry, key=key, layout=layout_of(entry.tensor, world)))
+            except ValueError as exc:
+                problem = f"{key}: {exc}"
+        if problem is None and nf4.is_nf4(local_tensor(entry.tensor)):
+            local = local_tensor(entry.tensor)
+            problem = nf4.nf4_layout_problem(key, items[-1].layout, *nf4.block_sizes(local))
+        if problem is not None:
+            problems.append(problem)
+    unexpected = [k for k in desc if k not in known]
+    if strict and (missing or unexpected):
+        problems.append(
+            f"strict loading: missing keys {missing[:20]}, unexpected keys {unexpected[:20]}; "
+            "load a checkpoint of this model or pass strict=False."
+        )
+    return LoadPlan(mode=mode, items=items, missing=missing, unexpected=unexpected), problems
+
+
+def _number_kind_problems(entries: list[ModelEntry], full_sd: Mapping[str, Any]) -> list[str]:
+    """This rank's values that are integers for a float tensor of the model, or floats for an
+    integer one: casting would silently turn bytes into wrong numbers (a corrupt header, say)."""
+    problems = []
+    for entry in entries:
+        key = next((fqn for fqn in entry.fqns if fqn in full_sd), None)
+        if key is None:
+            continue
+        have, want = number_kind(full_sd[key]), number_kind(entry.tensor.dtype)
+        if have is not None and have != want:
+            problems.append(
+                f"{key}: the checkpoint holds {have} values but the model's tensor is {entry.tensor.dtype}; "
+                "the file's header is corrupt or the checkpoint belongs to another model."
+            )
+    return problems
+
+
+def _entry_problem(entry: ModelEntry, key: str, desc: tuple) -> str | None:
+    if desc[0] == "invalid":
+        return f"{key}: expected a tensor (or lazy tensor with get_shape()), got {desc[1]}"
+    shape = tuple(entry.tensor.shape)
+    if desc[1] != shape:
+        return (
+            f"{key}: checkpoint shape {desc[1]} does not match the model's {shape}; "
+            "the checkpoint was made for a different model configuration."
+        )
+    placement = unsupported_placement(tuple(getattr(entry.tensor, "placements", ())))
+    if placement is not None:
+        return f"{key}: placement {placement} is not supported; use Shard(d) or Replicate."
+    return None
