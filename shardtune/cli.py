@@ -1,4 +1,4 @@
-"""The ``shardtune`` command: run recipes under torchrun, list/copy/validate configs, tools.
+"""The ``shardtune`` command: run recipes under torchrun, list/copy/validate configs, tools::
 
     shardtune run [--nnodes N] [--nproc_per_node M] [torchrun options] RECIPE --config CONFIG [key=value ...]
     shardtune ls
@@ -7,6 +7,9 @@
     shardtune convert CHECKPOINT OUT_DIR [--base-dir DIR]
     shardtune verify CHECKPOINT_DIR|OUTPUT_DIR [--latest]
     shardtune make-tiny-base DIR
+
+``shardtune run`` validates a registered recipe's config before torchrun starts any rank: every
+problem in one report, exit code 2.
 """
 
 from __future__ import annotations
@@ -19,18 +22,12 @@ from pathlib import Path
 from shardtune.recipes.registry import RECIPES, UnknownRecipe, get_recipe, recipe_of_config
 
 
-def _recipe_target(recipe: str) -> list[str]:
-    """torchrun's program arguments for a registered recipe name or a recipe file path."""
-    if recipe not in RECIPES and Path(recipe).is_file():
-        return [recipe]
-    try:
-        return ["-m", get_recipe(recipe).module]
-    except UnknownRecipe as exc:
-        raise SystemExit(f"shardtune run: {exc}; or a path to a recipe file") from None
-
-
 def cmd_run(argv: list[str]) -> int:
-    """Everything before RECIPE goes to torchrun; RECIPE and what follows go to the recipe."""
+    """Validate the config of a registered recipe once, then launch it under torchrun.
+
+    A config problem (or an unknown recipe) is reported here, once, with exit code 2, before any
+    rank starts. A recipe file given by path has no registered schema: it validates its own config.
+    """
     if not argv or argv[0] in ("-h", "--help"):
         sys.stdout.write(
             "usage: shardtune run [torchrun options] RECIPE --config CONFIG [key=value ...]\n\n"
@@ -39,25 +36,68 @@ def cmd_run(argv: list[str]) -> int:
             "or a path to a recipe file. CONFIG is a bundled config (shardtune ls) or a YAML path.\n"
         )
         return 0
-    split = next((i for i, a in enumerate(argv) if not a.startswith("-") and (i == 0 or not _takes_value(argv[i - 1]))), None)
+    torchrun_args, recipe, recipe_args = split_run_args(argv)
+    if recipe in RECIPES or not Path(recipe).is_file():
+        problems = _config_problems(recipe, recipe_args)
+        if problems:
+            sys.stderr.write(f"shardtune run: {problems}\n")
+            return 2
+        target = ["-m", RECIPES[recipe].module]
+    else:
+        target = [recipe]
+    from torch.distributed.run import main as torchrun
+
+    torchrun([*torchrun_args, *target, *recipe_args])
+    return 0
+
+
+def split_run_args(argv: list[str]) -> tuple[list[str], str, list[str]]:
+    """``shardtune run``'s arguments as (torchrun options, RECIPE, the recipe's arguments).
+
+    Everything before RECIPE (the first word that is not an option or an option's value) goes to
+    torchrun, with ``--nproc_per_node 1`` and ``--standalone`` added when no process count or
+    rendezvous is given; RECIPE and what follows go to the recipe unchanged.
+    """
+    split = next(
+        (i for i, a in enumerate(argv) if not a.startswith("-") and (i == 0 or not _takes_value(argv[i - 1]))), None
+    )
     if split is None:
         raise SystemExit("shardtune run: missing RECIPE (see shardtune run --help)")
     torchrun_args, recipe, recipe_args = argv[:split], argv[split], argv[split + 1 :]
     if not any(a.startswith(("--nproc_per_node", "--nproc-per-node")) for a in torchrun_args):
         torchrun_args = [*torchrun_args, "--nproc_per_node", "1"]
-    if not any(a.startswith(("--rdzv", "--nnodes", "--master")) for a in torchrun_args):
+    if not any(a.startswith(("--rdzv", "--nnodes", "--master", "--standalone")) for a in torchrun_args):
         torchrun_args = ["--standalone", *torchrun_args]
-    from torch.distributed.run import main as torchrun
+    return torchrun_args, recipe, recipe_args
 
-    torchrun([*torchrun_args, *_recipe_target(recipe), *recipe_args])
-    return 0
+
+def _config_problems(recipe: str, recipe_args: list[str]) -> str | None:
+    """The report of everything wrong with the recipe name and its config, or None: the check
+    each rank makes at start (:func:`~shardtune.recipes._entry.load_recipe_config`)."""
+    from shardtune.config import ConfigError
+    from shardtune.recipes._entry import load_recipe_config
+
+    try:
+        load_recipe_config(recipe, recipe_args)
+    except UnknownRecipe as exc:
+        return f"{exc}; or a path to a recipe file"
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 def _takes_value(option: str) -> bool:
     """torchrun options written as ``--opt VALUE`` (not ``--opt=VALUE`` and not flags)."""
     flags = {
-        "--standalone", "--no-python", "--no_python", "--module", "-m", "--run-path", "--run_path",
-        "--virtual-local-rank", "--virtual_local_rank",
+        "--standalone",
+        "--no-python",
+        "--no_python",
+        "--module",
+        "-m",
+        "--run-path",
+        "--run_path",
+        "--virtual-local-rank",
+        "--virtual_local_rank",
     }
     return option.startswith("-") and "=" not in option and option not in flags
 
@@ -131,7 +171,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         raise SystemExit(f"shardtune verify: {path} is not a directory")
     if not checkpoints:
-        raise SystemExit(f"shardtune verify: no checkpoint in {path} (no {atomic.MANIFEST} in it or its subdirectories)")
+        raise SystemExit(
+            f"shardtune verify: no checkpoint in {path} (no {atomic.MANIFEST} in it or its subdirectories)"
+        )
     damaged = []
     for checkpoint in checkpoints:
         try:
@@ -193,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
         return cmd_run(argv[1:])
-    parser = argparse.ArgumentParser(prog="shardtune", description="Distributed fine-tuning with FSDP2 and safe checkpoints.")
+    parser = argparse.ArgumentParser(
+        prog="shardtune", description="Distributed fine-tuning with FSDP2 and safe checkpoints."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="run a recipe under torchrun (shardtune run --help)")
     sub.add_parser("ls", help="list recipes and their bundled configs").set_defaults(fn=cmd_ls)
@@ -205,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     validate = sub.add_parser("validate", help="check a config (all problems at once)")
     validate.add_argument("config")
     validate.add_argument("overrides", nargs="*")
-    validate.add_argument("--recipe", choices=RECIPES, help="the recipe whose schema applies (default: from the config)")
+    validate.add_argument(
+        "--recipe", choices=RECIPES, help="the recipe whose schema applies (default: from the config)"
+    )
     validate.set_defaults(fn=cmd_validate)
     convert = sub.add_parser("convert", help="turn a DCP checkpoint (checkpoint_format=dcp) into an HF model directory")
     convert.add_argument("checkpoint", help="a checkpoint directory holding dcp/ (e.g. <output_dir>/step_100)")

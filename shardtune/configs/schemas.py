@@ -103,7 +103,7 @@ BASE_SCHEMA = Schema(
         "optimizer": Schema(
             {
                 "name": Field(str, "adamw", choices=("adamw", "sgd")),
-                "lr": Field(float, gt=0),
+                "lr": Field(float, ge=0),  # 0: an evaluation or sanity run, weights left unchanged
                 "weight_decay": Field(float, 0.0, ge=0),
                 "betas": Field(list, [0.9, 0.999], item=float, length=2),
                 "eps": Field(float, 1e-8, gt=0),
