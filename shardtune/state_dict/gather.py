@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from shardtune.state_dict import comm, nf4
 from shardtune.state_dict.agreement import SAME_MODEL, model_signature
 from shardtune.state_dict.keys import ModelEntry, is_adapter_key, model_entries, state_dict_order
-from shardtune.state_dict.layout import Piece, TensorLayout, layout_of
+from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor
 
 
 @torch.no_grad()
@@ -133,7 +132,7 @@ def _receive_batch(out: torch.Tensor, pieces: dict[int, Piece], transfer_device:
 def _dense_local(tensor: torch.Tensor, on_error: comm.Problems, key: str) -> torch.Tensor:
     """This rank's block as a plain tensor in the original dtype (zeros if it cannot be read,
     so the collective still completes and the failure is reported on every rank)."""
-    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    local = local_tensor(tensor)
     with on_error.guard(key):
         return nf4.dequantize(local).detach()
     return torch.zeros(local.shape, dtype=tensor.dtype, device=local.device)

@@ -273,9 +273,8 @@ def _load_value(kind, local, fqn, key, param, mode, transfer_device, errors, exi
         layout = TensorLayout(shape=shape, pieces=None)
     value = local["state"][fqn][key] if isinstance(local, dict) else None
     target_device = local_tensor(param).device
-    me = layout.pieces[comm.rank()] if layout.pieces else None
-    block_shape = me.shape if me else shape
-    into = _reusable(existing, block_shape, dtype, target_device, sharded=me is not None)
+    me = layout.piece(comm.rank())
+    into = _reusable(existing, me.shape, dtype, target_device, sharded=layout.is_sharded)
     if mode == RANK0:
         block = scatter_dense(
             layout,
@@ -291,13 +290,12 @@ def _load_value(kind, local, fqn, key, param, mode, transfer_device, errors, exi
     else:
         block = None
         with errors.guard(f"{fqn}.{key}"):
-            slices = me.slices if me else tuple(slice(None) for _ in shape)
-            block = copy_block(value, (block_shape, slices), dtype=dtype, device=target_device, into=into)
+            block = copy_block(value, (me.shape, me.slices), dtype=dtype, device=target_device, into=into)
     if block is None:
         return None
     if into is not None:
         return existing
-    if me is None:
+    if not layout.is_sharded:
         return block
     return DTensor.from_local(
         block, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
