@@ -42,7 +42,13 @@ def _check_dataset(ds: dict[str, Any]) -> list[str]:
 
 DATASET_SCHEMA = Schema(
     {
-        "path": Field(str, help="a .json/.jsonl/.parquet file, or asset:<name> for a bundled one"),
+        "path": Field(
+            str,
+            help="a .json/.jsonl/.parquet file, a datasets save_to_disk directory, a hub dataset name (needs "
+            "pip install shardtune[datasets]), or asset:<name> for a bundled file",
+        ),
+        "split": Field((str, None), None, help="split of a save_to_disk DatasetDict or hub dataset; null: the only one"),
+        "subset": Field((str, None), None, help="configuration (subset) name of a hub dataset"),
         "format": Field(str, "instruct", choices=("instruct", "chat")),
         "template": Field(
             (str, dict, None),

@@ -1,4 +1,4 @@
-"""Supervised fine-tuning datasets from local files.
+"""Supervised fine-tuning datasets from local files and Hugging Face datasets.
 
 Each sample is ``{"tokens": list[int], "labels": list[int]}`` of equal length. Labels are
 **not shifted**: ``labels[i]`` is ``tokens[i]`` where the token is trained and ``-100``
@@ -200,7 +200,7 @@ def _check_chat_records(
             )
         for j, m in enumerate(messages):
             if any_role:
-                ok = isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content", ""), str)
+                ok = isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content") or "", str)
                 expected = "{role: str, content: str}"
             else:
                 ok = isinstance(m, dict) and m.get("role") in CHAT_ROLES and isinstance(m.get("content"), str)
@@ -283,7 +283,7 @@ def build_sft_dataset(spec: Mapping[str, Any], tokenizer: HFTokenizer, *, max_se
 
     source = str(spec.get("path", "<dataset>"))
     spec = validated(_plain(spec), DATASET_SCHEMA, source=f"dataset {source}")
-    records = load_records(spec["path"])
+    records = load_records(spec["path"], split=spec["split"], subset=spec["subset"])
     if spec["max_samples"] is not None:
         records = records[: spec["max_samples"]]
     if not records:
