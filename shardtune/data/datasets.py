@@ -44,6 +44,7 @@ from shardtune.data.tokenizer import HFTokenizer
 __all__ = [
     "CROSS_ENTROPY_IGNORE_IDX",
     "SFTDataset",
+    "build_config_dataset",
     "build_dataset",
     "build_sft_dataset",
     "tokenize_segments",
@@ -321,3 +322,8 @@ def build_dataset(
     if packed:
         dataset = PackedDataset(dataset, max_seq_len=max_seq_len, pad_id=tokenizer.pad_id)
     return dataset
+
+
+def build_config_dataset(cfg: Mapping[str, Any], tokenizer: HFTokenizer, *, packed: bool) -> Dataset:
+    """The training dataset of a recipe config (its ``dataset`` entries and ``max_seq_len``)."""
+    return build_dataset(cfg["dataset"], tokenizer, max_seq_len=cfg["max_seq_len"], packed=packed)
