@@ -270,3 +270,15 @@ def test_template_errors_name_the_file_and_the_fix(tmp_path):
         build_dataset({"path": path, "format": "chat", "add_bos": True}, tok, max_seq_len=256)
     with pytest.raises(ValueError, match="record 0: .*Conversation roles must alternate"):
         build_dataset({"path": path, "format": "chat"}, tok, max_seq_len=256)  # starts with a system turn
+
+
+def test_hf_checkpoints_keep_a_chat_template_file(tmp_path):
+    from shardtune.checkpoint.hf import save_hf_checkpoint
+    from shardtune.checkpoint.tiny import create_tiny_base
+    from shardtune.models import llama_from_hf_config
+
+    create_tiny_base(tmp_path / "base")
+    (tmp_path / "base" / "chat_template.jinja").write_text(CHATML_GENERATION)
+    save_hf_checkpoint(llama_from_hf_config(tmp_path / "base"), tmp_path / "out", tokenizer_dir=tmp_path / "base")
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").chat_template == CHATML_GENERATION
+    assert HFTokenizer.from_dir(tmp_path / "out").chat_template[0] == CHATML_GENERATION
