@@ -71,7 +71,13 @@ def read_hub_dataset(name: str, *, split: str | None, subset: str | None) -> lis
             f"dataset path {name!r} is not a local file or directory, and loading it as a Hugging Face hub "
             "dataset needs the optional datasets package: pip install shardtune[datasets]"
         ) from e
-    loaded = datasets.load_dataset(name, subset, split=split)
+    try:
+        loaded = datasets.load_dataset(name, subset, split=split)
+    except Exception as e:  # datasets raises many kinds (not found, offline, bad config): add what was tried
+        raise ValueError(
+            f"dataset path {name!r} is not a local file or directory, and loading it as a Hugging Face hub dataset "
+            f"(subset={subset!r}, split={split!r}) failed: {type(e).__name__}: {e}"
+        ) from e
     if isinstance(loaded, datasets.DatasetDict):
         loaded = loaded[_choose_split(list(loaded), split, f"hub dataset {name!r}")]
     return loaded.to_list()

@@ -92,6 +92,8 @@ def test_hub_name_goes_through_load_dataset(monkeypatch, tok):
 
     def fake_load_dataset(name, subset=None, *, split=None):  # no network in tests
         calls.append((name, subset, split))
+        if name == "someone/missing":
+            raise FileNotFoundError("Couldn't find 'someone/missing' on the Hugging Face Hub")
         full = datasets.DatasetDict(
             {"train": datasets.Dataset.from_list(CHAT), "test": datasets.Dataset.from_list(CHAT[:1])}
         )
@@ -110,3 +112,5 @@ def test_hub_name_goes_through_load_dataset(monkeypatch, tok):
     assert _trained(tok, ds[2]) == "Ciao<|end_of_text|>"
     with pytest.raises(ValueError, match=r"hub dataset 'someone/chat' has the splits \['train', 'test'\]"):
         load_records("someone/chat")
+    with pytest.raises(ValueError, match=r"'someone/missing' is not a local file or directory.*Couldn't find"):
+        load_records("someone/missing", split="train")
