@@ -240,7 +240,11 @@ def _model_chat_template(spec: Mapping[str, Any], tokenizer: HFTokenizer, source
 
 
 def _chat_renderer(
-    records: Sequence[Mapping[str, Any]], spec: Mapping[str, Any], source: str, model_template: JinjaChatTemplate | None
+    records: Sequence[Mapping[str, Any]],
+    spec: Mapping[str, Any],
+    source: str,
+    tokenizer: HFTokenizer,
+    model_template: JinjaChatTemplate | None,
 ) -> Callable[[Mapping[str, Any]], list[Segment]]:
     column = spec["column_map"].get("messages", "messages")
     _check_chat_records(records, column=column, source=source, any_role=model_template is not None)
@@ -253,8 +257,11 @@ def _chat_renderer(
 
         return render
 
+    def token_starts(text: str) -> list[int]:
+        return [start for start, _ in tokenizer.encode_with_offsets(text)[1]]
+
     def render_with_model_template(record: Mapping[str, Any]) -> list[Segment]:
-        text, spans = model_template.assistant_spans(record[column])
+        text, spans = model_template.assistant_spans(record[column], token_starts=token_starts)
         segments, pos = [], 0
         for start, end in spans:
             segments += [Segment(text[pos:start], trained=False), Segment(text[start:end], trained=True)]
@@ -291,7 +298,7 @@ def build_sft_dataset(spec: Mapping[str, Any], tokenizer: HFTokenizer, *, max_se
         raise ValueError(f"dataset {source} has no records")
     model_template = _model_chat_template(spec, tokenizer, source) if spec["format"] == "chat" else None
     if spec["format"] == "chat":
-        render = _chat_renderer(records, spec, source, model_template)
+        render = _chat_renderer(records, spec, source, tokenizer, model_template)
     else:
         render = _instruct_renderer(records, spec, source)
     return SFTDataset(

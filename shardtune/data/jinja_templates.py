@@ -15,16 +15,17 @@ is found by rendering prefixes of the conversation, never by parsing the templat
   ``transformers`` passes them: keys whose value is ``None`` dropped, reasoning fields aliased.
 * Assistant spans: for the assistant message at index ``i``, the text of ``messages[:i]`` with
   the generation prompt and the text of ``messages[:i + 1]`` must both start the text of the
-  whole conversation; the characters between their ends are that turn's trained span (its
-  content and the end-of-turn marker the template writes). A template that renders earlier turns
-  differently once later turns follow (e.g. one dropping past reasoning) is not prefix-consistent
-  and is refused with the fix: a built-in template.
+  whole conversation (the latter up to the text a template may write at the end of every
+  conversation, e.g. Phi-3's EOS); the characters between their ends are that turn's trained
+  span (its content and the end-of-turn marker the template writes). A template that renders
+  earlier turns differently once later turns follow (e.g. one dropping past reasoning) is not
+  prefix-consistent and is refused with the fix: a built-in template.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar
@@ -175,25 +176,57 @@ class JinjaChatTemplate:
         except jinja2.TemplateError as e:
             raise ValueError(f"{self.name} failed on a conversation of {len(messages)} messages: {e}") from e
 
-    def assistant_spans(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
-        """The whole text and the ``[start, end)`` character span of every assistant turn."""
+    def assistant_spans(
+        self, messages: Sequence[Mapping[str, Any]], *, token_starts: Callable[[str], Sequence[int]]
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """The whole text and the ``[start, end)`` character span of every assistant turn.
+
+        ``token_starts(text)`` gives the character offsets where the tokens of ``text`` start; it is
+        used only for templates that end a conversation with extra text (see ``_turn_end``).
+        """
         text = self.render(messages)
-        spans = []
+        spans: list[tuple[int, int]] = []
+        starts: list[Sequence[int]] = []  # token starts of ``text``, computed once when needed
         for i, message in enumerate(messages):
             if message.get("role") != "assistant":
                 continue
-            start = len(self._prefix(messages[:i], text, add_generation_prompt=True))
-            end = len(self._prefix(messages[: i + 1], text, add_generation_prompt=False))
-            if end < start or (spans and start < spans[-1][1]):
+            prompt = self.render(messages[:i], add_generation_prompt=True)
+            if not text.startswith(prompt):
+                self._inconsistent(i)
+            start = len(prompt)
+            end = self._turn_end(self.render(messages[: i + 1]), text, start, starts, token_starts, index=i)
+            if spans and start < spans[-1][1]:
                 self._inconsistent(i)
             spans.append((start, end))
         return text, spans
 
-    def _prefix(self, messages: Sequence[Mapping[str, Any]], text: str, *, add_generation_prompt: bool) -> str:
-        prefix = self.render(messages, add_generation_prompt=add_generation_prompt)
-        if not text.startswith(prefix):
-            self._inconsistent(len(messages))
-        return prefix
+    def _turn_end(
+        self,
+        upto: str,
+        text: str,
+        start: int,
+        starts: list[Sequence[int]],
+        token_starts: Callable[[str], Sequence[int]],
+        *,
+        index: int,
+    ) -> int:
+        """Where the assistant turn rendered last in ``upto`` ends inside ``text``.
+
+        Usually ``upto`` starts ``text``. Some templates (Phi-3's) end every conversation with extra
+        text, e.g. the EOS when no generation prompt is asked for: then ``upto`` is ``text``'s first
+        part plus that ending. The turn ends at the first token of ``text`` that differs from
+        ``upto`` (a token, not a character: ``<|endoftext|>`` and ``<|user|>`` share ``<|``), and
+        what ``upto`` has from there on must be how ``text`` ends.
+        """
+        if text.startswith(upto):
+            return len(upto)
+        common = next((k for k, (a, b) in enumerate(zip(upto, text)) if a != b), min(len(upto), len(text)))
+        if not starts:
+            starts.append(token_starts(text))
+        end = max((s for s in starts[0] if s <= common), default=0)
+        if end <= start or not text.endswith(upto[end:]):
+            self._inconsistent(index + 1)
+        return end
 
     def _inconsistent(self, index: int):
         raise ValueError(

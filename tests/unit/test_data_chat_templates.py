@@ -87,6 +87,14 @@ MISTRAL = (
     "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
 )
 
+# Phi-3-mini-instruct's chat template: without a generation prompt every conversation ends with EOS.
+PHI3 = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + "
+    "'<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
 # ChatML with {% generation %} around exactly what this library trains: transformers' assistant mask.
 CHATML_GENERATION = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
@@ -105,14 +113,15 @@ LAST_TURN_DIFFERS = (
 
 SPECIALS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
-    "<|end_header_id|>", "<|eot_id|>", "<s>", "</s>",
+    "<|end_header_id|>", "<|eot_id|>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",
 ]  # fmt: skip
 TOKENS = {  # tokenizer_config.json special tokens per family
     "qwen2_5": {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
     "llama3": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
     "mistral": {"bos_token": "<s>", "eos_token": "</s>"},
+    "phi3": {"bos_token": "<s>", "eos_token": "<|endoftext|>"},
 }
-TEMPLATES = {"qwen2_5": QWEN2_5, "llama3": LLAMA3, "mistral": MISTRAL}
+TEMPLATES = {"qwen2_5": QWEN2_5, "llama3": LLAMA3, "mistral": MISTRAL, "phi3": PHI3}
 
 CONVERSATIONS = [
     [
@@ -171,7 +180,7 @@ def _trained_text(tok, sample):
     )
 
 
-@pytest.mark.parametrize("family", ["qwen2_5", "llama3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2_5", "llama3", "mistral", "phi3"])
 def test_ids_equal_transformers_apply_chat_template(tmp_path, family):
     directory = _tokenizer_dir(tmp_path / "tok", family, template=TEMPLATES[family])
     hf = transformers.AutoTokenizer.from_pretrained(directory)
@@ -183,16 +192,18 @@ def test_ids_equal_transformers_apply_chat_template(tmp_path, family):
     for i, conversation in enumerate(conversations):
         expected = _hf_ids(hf, conversation)
         assert ds[i]["tokens"] == expected
-        assert expected.count(hf.bos_token_id) == (hf.bos_token_id is not None)  # the template's BOS, once
+        assert expected.count(hf.bos_token_id) == ("bos_token" in TEMPLATES[family])  # the template's BOS, once
 
 
 EXPECTED_TRAINED = {  # decoded trained tokens of CONVERSATIONS[0], by hand from each template's layout
     "qwen2_5": "Fine, thanks.<|im_end|>\n  4 — obviously.\n<|im_end|>\n",
     "llama3": "Fine, thanks.<|eot_id|>4 — obviously.<|eot_id|>",
+    # the conversation's final EOS trains with its last turn
+    "phi3": "Fine, thanks.<|end|>\n  4 — obviously.\n<|end|>\n<|endoftext|>",
 }
 
 
-@pytest.mark.parametrize("family", ["qwen2_5", "llama3"])
+@pytest.mark.parametrize("family", ["qwen2_5", "llama3", "phi3"])
 def test_only_assistant_turns_are_trained(tmp_path, family):
     tok = HFTokenizer.from_dir(_tokenizer_dir(tmp_path / "tok", family, template=TEMPLATES[family]))
     spec = {"path": _chat_file(tmp_path / "c.jsonl"), "format": "chat", "template": "auto"}
