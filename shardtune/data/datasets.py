@@ -28,7 +28,7 @@ from typing import Any
 from torch.utils.data import ConcatDataset, Dataset
 
 from shardtune.config import ConfigError, validated
-from shardtune.data.jinja_templates import JinjaChatTemplate
+from shardtune.data.jinja_templates import JinjaChatTemplate, default_chat_template
 from shardtune.data.packing import PackedDataset
 from shardtune.data.sources import load_records
 from shardtune.data.templates import (
@@ -220,7 +220,7 @@ def _model_chat_template(spec: Mapping[str, Any], tokenizer: HFTokenizer, source
     template and the tokenizer has one), else ``None`` (a built-in or mapping template)."""
     if spec["template"] not in (None, "auto"):
         return None
-    if tokenizer.chat_template is None:
+    if not tokenizer.chat_templates:
         if spec["template"] is None:
             return None
         raise ValueError(
@@ -235,7 +235,7 @@ def _model_chat_template(spec: Mapping[str, Any], tokenizer: HFTokenizer, source
                 f"dataset {source}: {key} does not apply to the model's chat template, which places BOS/EOS "
                 f"itself; remove {key}, or set template: chat|llama3|<mapping> to control them"
             )
-    text, where = tokenizer.chat_template
+    text, where = default_chat_template(tokenizer.chat_templates, source=tokenizer.source)
     return JinjaChatTemplate(text, name=where, variables=tokenizer.special_tokens)
 
 

@@ -4,7 +4,7 @@ The rule: the rendered text of a whole conversation is tokenized in one piece, s
 equal ``AutoTokenizer.apply_chat_template(messages, tokenize=True)``; which characters are trained
 is found by rendering prefixes of the conversation, never by parsing the template.
 
-* Loading (``load_chat_template``): ``chat_template.jinja`` and ``additional_chat_templates/*.jinja``
+* Loading (``load_chat_templates``, ``default_chat_template``): ``chat_template.jinja`` and ``additional_chat_templates/*.jinja``
   in the tokenizer directory take priority over ``tokenizer_config.json``'s ``chat_template``
   (a string, or a list of ``{name, template}``), as in ``transformers``; of several named
   templates the one named ``default`` is used.
@@ -30,15 +30,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
-__all__ = ["JinjaChatTemplate", "load_chat_template"]
+__all__ = ["JinjaChatTemplate", "default_chat_template", "load_chat_templates"]
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
-def load_chat_template(model_dir: str | Path) -> tuple[str, str] | None:
-    """``(template source, where it was read)`` of a tokenizer directory, or ``None`` if it has none."""
+def load_chat_templates(model_dir: str | Path) -> dict[str, tuple[str, str]]:
+    """The chat templates of a tokenizer directory by name: ``(source, where it was read)``."""
     model_dir = Path(model_dir)
     templates: dict[str, tuple[str, str]] = {}
     config_file = model_dir / "tokenizer_config.json"
@@ -67,13 +67,16 @@ def load_chat_template(model_dir: str | Path) -> tuple[str, str] | None:
         )
     if files:  # template files replace the config's templates, as in transformers
         templates = {name: (path.read_text(encoding="utf-8"), str(path)) for name, path in files.items()}
-    if not templates:
-        return None
+    return templates
+
+
+def default_chat_template(templates: Mapping[str, tuple[str, str]], *, source: str) -> tuple[str, str]:
+    """The template ``transformers`` uses by default: the only one, or the one named ``default``."""
     if len(templates) == 1:
         return next(iter(templates.values()))
     if "default" not in templates:
         raise ValueError(
-            f"{model_dir} has several chat templates {sorted(templates)} and none named 'default'; "
+            f"{source} has several chat templates {sorted(templates)} and none named 'default'; "
             "set the dataset's template to a built-in one (chat, llama3) or a mapping"
         )
     return templates["default"]

@@ -29,7 +29,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from shardtune.data.jinja_templates import load_chat_template
+from shardtune.data.jinja_templates import load_chat_templates
 
 __all__ = [
     "BYTE_TOKENIZER_SPECIALS",
@@ -59,8 +59,9 @@ class HFTokenizer:
 
     ``pad_id`` falls back to ``eos_id`` when the tokenizer has no pad token. ``bos_id`` may be
     ``None`` (some families have no BOS); ``encode(add_bos=True)`` then adds nothing.
-    ``chat_template`` is ``(Jinja source, where it was read)`` or ``None``; ``special_tokens``
-    the named special tokens the directory's files declare (the template's variables).
+    ``chat_templates`` maps template names to ``(Jinja source, where it was read)`` (empty: none);
+    ``special_tokens`` holds the named special tokens the directory's files declare (the
+    templates' variables).
     """
 
     def __init__(
@@ -71,12 +72,12 @@ class HFTokenizer:
         eos_token: str,
         pad_token: str | None = None,
         source: str = "<in memory>",
-        chat_template: tuple[str, str] | None = None,
+        chat_templates: dict[str, tuple[str, str]] | None = None,
         special_tokens: dict[str, str] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.source = source
-        self.chat_template = chat_template
+        self.chat_templates = dict(chat_templates or {})
         self.special_tokens = dict(special_tokens or {})
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -140,7 +141,7 @@ class HFTokenizer:
             pad_token=specials.get("pad_token"),
         )
         tokenizer.source = str(model_dir)
-        tokenizer.chat_template = load_chat_template(model_dir)
+        tokenizer.chat_templates = load_chat_templates(model_dir)
         tokenizer.special_tokens = specials
         return tokenizer
 

@@ -292,4 +292,16 @@ def test_hf_checkpoints_keep_a_chat_template_file(tmp_path):
     (tmp_path / "base" / "chat_template.jinja").write_text(CHATML_GENERATION)
     save_hf_checkpoint(llama_from_hf_config(tmp_path / "base"), tmp_path / "out", tokenizer_dir=tmp_path / "base")
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").chat_template == CHATML_GENERATION
-    assert HFTokenizer.from_dir(tmp_path / "out").chat_template[0] == CHATML_GENERATION
+    assert HFTokenizer.from_dir(tmp_path / "out").chat_templates["default"][0] == CHATML_GENERATION
+
+
+def test_named_templates_without_a_default_fail_only_when_used(tmp_path):
+    named = [{"name": "tool_use", "template": LLAMA3}, {"name": "rag", "template": CHATML_GENERATION}]
+    tok = HFTokenizer.from_dir(_tokenizer_dir(tmp_path / "tok", "llama3", template=named))  # loads fine
+    assert sorted(tok.chat_templates) == ["rag", "tool_use"]
+    with pytest.raises(ValueError, match=r"several chat templates \['rag', 'tool_use'\] and none named 'default'"):
+        build_dataset({"path": _chat_file(tmp_path / "c.jsonl"), "format": "chat"}, tok, max_seq_len=256)
+    builtin = build_dataset(
+        {"path": _chat_file(tmp_path / "c.jsonl"), "format": "chat", "template": "llama3"}, tok, max_seq_len=4096
+    )
+    assert _trained_text(tok, builtin[1]) == "こんにちは<|eot_id|>"
