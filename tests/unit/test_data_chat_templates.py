@@ -305,3 +305,41 @@ def test_named_templates_without_a_default_fail_only_when_used(tmp_path):
         {"path": _chat_file(tmp_path / "c.jsonl"), "format": "chat", "template": "llama3"}, tok, max_seq_len=4096
     )
     assert _trained_text(tok, builtin[1]) == "こんにちは<|eot_id|>"
+
+
+# tojson (no HTML escaping, non-ASCII kept), namespace, loop controls, strftime_now, the generation tag.
+FEATURES = (
+    "{%- set ns = namespace(n=0) %}{%- for m in messages %}{%- if m.role == 'stop' %}{% break %}{% endif %}"
+    "{%- set ns.n = ns.n + 1 %}{{ m | tojson }}\n{% generation %}{{ m.content | upper }}{% endgeneration %}\n"
+    "{%- endfor %}{{ ns.n }} {{ strftime_now('%Y') }} {{ bos_token }}{{ eos_token }}{{ unk_token is defined }}"
+)
+
+
+def test_environment_renders_as_transformers(tmp_path):
+    from shardtune.data.jinja_templates import JinjaChatTemplate
+
+    directory = _tokenizer_dir(tmp_path / "tok", "llama3", template=FEATURES)
+    hf = transformers.AutoTokenizer.from_pretrained(directory)
+    tok = HFTokenizer.from_dir(directory)
+    ours = JinjaChatTemplate(FEATURES, name="features", variables=tok.special_tokens)
+    messages = [
+        {"role": "user", "content": "<b>&'\"</b> 日本 🙂", "name": None},
+        {"role": "assistant", "content": "ok", "reasoning": "because"},
+        {"role": "stop", "content": "x"},
+        {"role": "user", "content": "never"},
+    ]
+    for prompt in (False, True):
+        expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+        assert ours.render(messages, add_generation_prompt=prompt) == expected
+    assert '"<b>&\'\\"</b> 日本 🙂"' in expected and '"reasoning_content": "because"' in expected
+
+
+def test_templates_cannot_reach_python_internals():
+    from shardtune.data.jinja_templates import JinjaChatTemplate
+
+    escape = JinjaChatTemplate("{{ messages.__class__.__mro__ }}", name="evil", variables={})
+    with pytest.raises(ValueError, match="evil failed"):
+        escape.render([{"role": "user", "content": "x"}])
+    namespace = JinjaChatTemplate("{% set ns = namespace(_x=1) %}", name="evil", variables={})
+    with pytest.raises(ValueError, match="cannot set '_x'"):
+        namespace.render([])
