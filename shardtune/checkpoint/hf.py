@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",  # the chat template, when not inside tokenizer_config.json
     "special_tokens_map.json",
     "generation_config.json",
     "tokenizer.model",

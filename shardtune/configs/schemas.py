@@ -42,15 +42,24 @@ def _check_dataset(ds: dict[str, Any]) -> list[str]:
 
 DATASET_SCHEMA = Schema(
     {
-        "path": Field(str, help="a .json/.jsonl/.parquet file, or asset:<name> for a bundled one"),
+        "path": Field(
+            str,
+            help="a .json/.jsonl/.parquet file, a datasets save_to_disk directory, a hub dataset name (needs "
+            "pip install shardtune[datasets]), or asset:<name> for a bundled file",
+        ),
+        "split": Field((str, None), None, help="split of a save_to_disk DatasetDict or hub dataset; null: the only one"),
+        "subset": Field((str, None), None, help="configuration (subset) name of a hub dataset"),
         "format": Field(str, "instruct", choices=("instruct", "chat")),
         "template": Field(
-            (str, dict, None), None, help="instruct: alpaca|simple|format string; chat: chat|llama3|mapping"
+            (str, dict, None),
+            None,
+            help="instruct: alpaca|simple|format string (null: alpaca); chat: auto (the tokenizer's own chat "
+            "template)|chat|llama3|mapping (null: auto when the tokenizer has a chat template, else chat)",
         ),
         "column_map": Field(dict, {}),
         "train_on_input": Field(bool, False),
-        "add_bos": Field(bool, True),
-        "add_eos": Field(bool, True),
+        "add_bos": Field((bool, None), None, help="null: true, except with the model's chat template (it places BOS)"),
+        "add_eos": Field((bool, None), None, help="null: true, except with the model's chat template (it places EOS)"),
         "max_samples": Field((int, None), None, gt=0),
     },
     checks=(_check_dataset,),

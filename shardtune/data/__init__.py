@@ -5,11 +5,13 @@ from shardtune.data.collate import collate
 from shardtune.data.datasets import (
     CROSS_ENTROPY_IGNORE_IDX,
     SFTDataset,
+    build_config_dataset,
     build_dataset,
     build_sft_dataset,
     tokenize_segments,
 )
 from shardtune.data.packing import PackedDataset
+from shardtune.data.preview import config_tokenizer, iter_samples
 from shardtune.data.sampler import ResumableDistributedSampler, build_dataloader
 from shardtune.data.sources import asset_path, list_assets, load_records, resolve_data_path
 from shardtune.data.templates import ChatTemplate, InstructTemplate, Segment, get_chat_template, get_instruct_template
@@ -26,12 +28,15 @@ __all__ = [
     "Segment",
     "asset_path",
     "build_byte_tokenizer",
+    "build_config_dataset",
     "build_dataloader",
     "build_dataset",
     "build_sft_dataset",
     "collate",
+    "config_tokenizer",
     "get_chat_template",
     "get_instruct_template",
+    "iter_samples",
     "list_assets",
     "load_records",
     "load_tokenizer",

@@ -1,4 +1,4 @@
-"""Supervised fine-tuning datasets from local files.
+"""Supervised fine-tuning datasets from local files and Hugging Face datasets.
 
 Each sample is ``{"tokens": list[int], "labels": list[int]}`` of equal length. Labels are
 **not shifted**: ``labels[i]`` is ``tokens[i]`` where the token is trained and ``-100``
@@ -11,6 +11,12 @@ the response is trained. Samples longer than ``max_seq_len`` are cut at ``max_se
 (the EOS and the end of the response are then lost; a prompt longer than ``max_seq_len``
 leaves a sample with no trained label, which adds nothing to a token-mean loss).
 
+Chat data rendered by the model's own Jinja chat template (``template: auto``, the default when
+the tokenizer has one; see ``jinja_templates``) is laid out by the template alone: the rendered
+text is tokenized in one piece (the ids equal ``transformers``' ``apply_chat_template``), the
+template places BOS/EOS, and a token is trained when its characters overlap an assistant turn
+(``transformers``' assistant-mask rule).
+
 Records are read and checked when the dataset is built; tokenization happens per item.
 """
 
@@ -22,6 +28,7 @@ from typing import Any
 from torch.utils.data import ConcatDataset, Dataset
 
 from shardtune.config import ConfigError, validated
+from shardtune.data.jinja_templates import JinjaChatTemplate, default_chat_template
 from shardtune.data.packing import PackedDataset
 from shardtune.data.sources import load_records
 from shardtune.data.templates import (
@@ -34,7 +41,15 @@ from shardtune.data.templates import (
 )
 from shardtune.data.tokenizer import HFTokenizer
 
-__all__ = ["CROSS_ENTROPY_IGNORE_IDX", "SFTDataset", "build_dataset", "build_sft_dataset", "tokenize_segments"]
+__all__ = [
+    "CROSS_ENTROPY_IGNORE_IDX",
+    "SFTDataset",
+    "build_config_dataset",
+    "build_dataset",
+    "build_sft_dataset",
+    "tokenize_segments",
+    "tokenize_whole",
+]
 
 CROSS_ENTROPY_IGNORE_IDX = -100
 Sample = dict[str, list[int]]
@@ -61,8 +76,37 @@ def tokenize_segments(
     return {"tokens": tokens[:max_seq_len], "labels": labels[:max_seq_len]}
 
 
+def tokenize_whole(
+    segments: Sequence[Segment], tokenizer: HFTokenizer, *, train_on_input: bool, max_seq_len: int
+) -> Sample:
+    """Token ids of the segments' joined text tokenized in one piece, truncated to ``max_seq_len``.
+
+    A token is trained when its characters overlap a trained segment (``train_on_input``: every
+    token); a leading BOS is never trained (nothing predicts it).
+    """
+    text, spans, pos = "", [], 0
+    for segment in segments:
+        if segment.trained:
+            spans.append((pos, pos + len(segment.text)))
+        text += segment.text
+        pos += len(segment.text)
+    tokens, offsets = tokenizer.encode_with_offsets(text)
+    labels = [CROSS_ENTROPY_IGNORE_IDX] * len(tokens)
+    span = 0
+    for i, (start, end) in enumerate(offsets):
+        while span < len(spans) and start >= spans[span][1]:
+            span += 1
+        if train_on_input or (span < len(spans) and end > spans[span][0]):
+            labels[i] = tokens[i]
+    if tokens and tokens[0] == tokenizer.bos_id:
+        labels[0] = CROSS_ENTROPY_IGNORE_IDX
+    return {"tokens": tokens[:max_seq_len], "labels": labels[:max_seq_len]}
+
+
 class SFTDataset(Dataset):
-    """Records rendered into segments by ``render`` and tokenized on access."""
+    """Records rendered into segments by ``render`` and tokenized on access: each segment on its
+    own (``tokenize_segments``), or, with ``whole_text``, their joined text in one piece
+    (``tokenize_whole``; ``add_bos`` is then ignored, the text carries its own BOS)."""
 
     def __init__(
         self,
@@ -73,6 +117,7 @@ class SFTDataset(Dataset):
         max_seq_len: int,
         add_bos: bool = True,
         train_on_input: bool = False,
+        whole_text: bool = False,
     ) -> None:
         if max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be > 0, got {max_seq_len}")
@@ -82,12 +127,17 @@ class SFTDataset(Dataset):
         self.max_seq_len = max_seq_len
         self.add_bos = add_bos
         self.train_on_input = train_on_input
+        self.whole_text = whole_text
 
     def __len__(self) -> int:
         return len(self.records)
 
     def __getitem__(self, index: int) -> Sample:
         segments = self.render(self.records[index])
+        if self.whole_text:
+            return tokenize_whole(
+                segments, self.tokenizer, train_on_input=self.train_on_input, max_seq_len=self.max_seq_len
+            )
         return tokenize_segments(
             segments,
             self.tokenizer,
@@ -132,13 +182,16 @@ def _instruct_renderer(
     def render(record: Mapping[str, Any]) -> list[Segment]:
         fields = {**record, **{role: record.get(col, "") for role, col in columns.items()}}
         segments = template.render(fields)
-        return segments + [Segment("", trained=True, eos=True)] if spec["add_eos"] else segments
+        return segments + [Segment("", trained=True, eos=True)] if spec["add_eos"] is not False else segments
 
     return render
 
 
-def _check_chat_records(records: Sequence[Mapping[str, Any]], *, column: str, source: str) -> None:
-    """Every record's ``column`` is a non-empty list of ``{role, content}`` messages."""
+def _check_chat_records(
+    records: Sequence[Mapping[str, Any]], *, column: str, source: str, any_role: bool = False
+) -> None:
+    """Every record's ``column`` is a non-empty list of ``{role, content}`` messages (``any_role``:
+    a model template, which may know more roles and messages without content, e.g. tool calls)."""
     for i, record in enumerate(records):
         messages = record.get(column)
         if not isinstance(messages, list) or not messages:
@@ -147,23 +200,80 @@ def _check_chat_records(records: Sequence[Mapping[str, Any]], *, column: str, so
                 f"{type(messages).__name__}; columns are {sorted(record)} (set column_map.messages=<column>)"
             )
         for j, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
-                raise ValueError(
-                    f"{source} record {i} message {j} must be {{role: {'|'.join(CHAT_ROLES)}, content: str}}, got {m!r}"
-                )
+            if any_role:
+                ok = isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content") or "", str)
+                expected = "{role: str, content: str}"
+            else:
+                ok = isinstance(m, dict) and m.get("role") in CHAT_ROLES and isinstance(m.get("content"), str)
+                expected = f"{{role: {'|'.join(CHAT_ROLES)}, content: str}}"
+            if not ok:
+                raise ValueError(f"{source} record {i} message {j} must be {expected}, got {m!r}")
+
+
+# Records whose assistant spans are located when the dataset is built, so that a template that is
+# not prefix-consistent fails before training starts rather than at its first multi-turn sample.
+_EAGER_TEMPLATE_CHECKS = 16
+
+
+def _model_chat_template(spec: Mapping[str, Any], tokenizer: HFTokenizer, source: str) -> JinjaChatTemplate | None:
+    """The tokenizer's own chat template when the dataset uses it (``template: auto``, or no
+    template and the tokenizer has one), else ``None`` (a built-in or mapping template)."""
+    if spec["template"] not in (None, "auto"):
+        return None
+    if not tokenizer.chat_templates:
+        if spec["template"] is None:
+            return None
+        raise ValueError(
+            f"dataset {source}: template: auto renders with the tokenizer's own chat template, but "
+            f"{tokenizer.source} has none (no chat_template in tokenizer_config.json, no chat_template.jinja); "
+            "point tokenizer= (or checkpoint_dir=) at a model directory whose tokenizer_config.json has a "
+            "chat_template, or set template: chat, template: llama3 or a mapping of per-role format strings"
+        )
+    for key in ("add_bos", "add_eos"):
+        if spec[key] is not None:
+            raise ValueError(
+                f"dataset {source}: {key} does not apply to the model's chat template, which places BOS/EOS "
+                f"itself; remove {key}, or set template: chat|llama3|<mapping> to control them"
+            )
+    text, where = default_chat_template(tokenizer.chat_templates, source=tokenizer.source)
+    return JinjaChatTemplate(text, name=where, variables=tokenizer.special_tokens)
 
 
 def _chat_renderer(
-    records: Sequence[Mapping[str, Any]], spec: Mapping[str, Any], source: str
+    records: Sequence[Mapping[str, Any]],
+    spec: Mapping[str, Any],
+    source: str,
+    tokenizer: HFTokenizer,
+    model_template: JinjaChatTemplate | None,
 ) -> Callable[[Mapping[str, Any]], list[Segment]]:
-    template = get_chat_template(spec["template"])
     column = spec["column_map"].get("messages", "messages")
-    _check_chat_records(records, column=column, source=source)
+    _check_chat_records(records, column=column, source=source, any_role=model_template is not None)
+    if model_template is None:
+        template = get_chat_template(spec["template"])
+        add_eos = spec["add_eos"] is not False
 
-    def render(record: Mapping[str, Any]) -> list[Segment]:
-        return template.render(record[column], add_eos=spec["add_eos"])
+        def render(record: Mapping[str, Any]) -> list[Segment]:
+            return template.render(record[column], add_eos=add_eos)
 
-    return render
+        return render
+
+    def token_starts(text: str) -> list[int]:
+        return [start for start, _ in tokenizer.encode_with_offsets(text)[1]]
+
+    def render_with_model_template(record: Mapping[str, Any]) -> list[Segment]:
+        text, spans = model_template.assistant_spans(record[column], token_starts=token_starts)
+        segments, pos = [], 0
+        for start, end in spans:
+            segments += [Segment(text[pos:start], trained=False), Segment(text[start:end], trained=True)]
+            pos = end
+        return [*segments, Segment(text[pos:], trained=False)]
+
+    for i, record in enumerate(records[:_EAGER_TEMPLATE_CHECKS]):
+        try:
+            render_with_model_template(record)
+        except ValueError as e:
+            raise ValueError(f"{source} record {i}: {e}") from e
+    return render_with_model_template
 
 
 def _plain(value: Any) -> Any:
@@ -181,19 +291,24 @@ def build_sft_dataset(spec: Mapping[str, Any], tokenizer: HFTokenizer, *, max_se
 
     source = str(spec.get("path", "<dataset>"))
     spec = validated(_plain(spec), DATASET_SCHEMA, source=f"dataset {source}")
-    records = load_records(spec["path"])
+    records = load_records(spec["path"], split=spec["split"], subset=spec["subset"])
     if spec["max_samples"] is not None:
         records = records[: spec["max_samples"]]
     if not records:
         raise ValueError(f"dataset {source} has no records")
-    make_renderer = _chat_renderer if spec["format"] == "chat" else _instruct_renderer
+    model_template = _model_chat_template(spec, tokenizer, source) if spec["format"] == "chat" else None
+    if spec["format"] == "chat":
+        render = _chat_renderer(records, spec, source, tokenizer, model_template)
+    else:
+        render = _instruct_renderer(records, spec, source)
     return SFTDataset(
         records,
         tokenizer=tokenizer,
-        render=make_renderer(records, spec, source),
+        render=render,
         max_seq_len=max_seq_len,
-        add_bos=spec["add_bos"],
+        add_bos=spec["add_bos"] is not False,
         train_on_input=spec["train_on_input"],
+        whole_text=model_template is not None,
     )
 
 
@@ -214,3 +329,8 @@ def build_dataset(
     if packed:
         dataset = PackedDataset(dataset, max_seq_len=max_seq_len, pad_id=tokenizer.pad_id)
     return dataset
+
+
+def build_config_dataset(cfg: Mapping[str, Any], tokenizer: HFTokenizer, *, packed: bool) -> Dataset:
+    """The training dataset of a recipe config (its ``dataset`` entries and ``max_seq_len``)."""
+    return build_dataset(cfg["dataset"], tokenizer, max_seq_len=cfg["max_seq_len"], packed=packed)

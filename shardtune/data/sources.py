@@ -1,10 +1,13 @@
-"""Reading records from local files: JSON (a list), JSON Lines, parquet; bundled assets."""
+"""Reading records: local files (JSON list, JSON Lines, parquet), bundled assets, and Hugging Face
+datasets (a ``save_to_disk`` directory, or a hub name; see ``hf_datasets``)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
+
+from shardtune.data.hf_datasets import is_dataset_dir, looks_like_hub_name, read_dataset_dir, read_hub_dataset
 
 __all__ = ["ASSETS_DIR", "asset_path", "list_assets", "load_records", "resolve_data_path"]
 
@@ -26,22 +29,38 @@ def asset_path(name: str) -> Path:
 
 
 def resolve_data_path(path: str | Path) -> Path:
-    """A dataset ``path`` from a config: ``asset:<name>`` for a bundled file, else a local path."""
+    """A dataset ``path`` from a config: ``asset:<name>`` for a bundled file, else a local file or
+    ``save_to_disk`` directory."""
     text = str(path)
     if text.startswith(ASSET_PREFIX):
         return asset_path(text.removeprefix(ASSET_PREFIX))
     resolved = Path(text).expanduser()
-    if not resolved.is_file():
+    if resolved.is_dir() and not is_dataset_dir(resolved):
+        raise ValueError(
+            f"dataset path {text} is a directory without state.json or dataset_dict.json, so not one written by "
+            "datasets' save_to_disk; give that directory, or a .json/.jsonl/.parquet file"
+        )
+    if not resolved.is_file() and not resolved.is_dir():
         raise FileNotFoundError(
-            f"dataset file {text} does not exist; give a local .json/.jsonl/.parquet path "
-            f"or asset:<name> for a bundled one ({', '.join(list_assets())})"
+            f"dataset file {text} does not exist; give a local .json/.jsonl/.parquet path, a directory written by "
+            f"datasets' save_to_disk, a hub dataset name, or asset:<name> for a bundled one ({', '.join(list_assets())})"
         )
     return resolved
 
 
-def load_records(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a ``.json`` (a list of objects), ``.jsonl`` or ``.parquet`` file."""
+def load_records(path: str | Path, *, split: str | None = None, subset: str | None = None) -> list[dict[str, Any]]:
+    """All records of a ``.json`` (a list of objects), ``.jsonl`` or ``.parquet`` file, of a
+    ``save_to_disk`` directory, or of a hub dataset (``split`` and ``subset`` choose among theirs)."""
+    text = str(path)
+    if not text.startswith(ASSET_PREFIX) and not Path(text).expanduser().exists() and looks_like_hub_name(text):
+        return _checked(read_hub_dataset(text, split=split, subset=subset), text)
     path = resolve_data_path(path)
+    if path.is_dir():
+        if subset is not None:
+            raise ValueError(f"dataset {path}: subset applies to hub datasets only; remove it")
+        return _checked(read_dataset_dir(path, split=split), str(path))
+    if split is not None or subset is not None:
+        raise ValueError(f"dataset file {path}: split and subset apply to Hugging Face datasets only; remove them")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
         records = _read_jsonl(path)
@@ -51,9 +70,13 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
         records = _read_parquet(path)
     else:
         raise ValueError(f"dataset file {path} has an unsupported extension; use .json, .jsonl or .parquet")
+    return _checked(records, str(path))
+
+
+def _checked(records: list[Any], source: str) -> list[dict[str, Any]]:
     bad = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
     if bad is not None:
-        raise ValueError(f"{path} record {bad} is a {type(records[bad]).__name__}, not an object with named columns")
+        raise ValueError(f"{source} record {bad} is a {type(records[bad]).__name__}, not an object with named columns")
     return records
 
 
@@ -75,9 +98,9 @@ def _read_json(path: Path) -> list[Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON ({e}); for one object per line use .jsonl") from e
-    if not isinstance(data, list):
-        raise ValueError(f"{path} must hold a JSON list of records, got a {type(data).__name__}")
-    return data
+    if isinstance(data, list):
+        return data
+    raise ValueError(f"{path} must hold a JSON list of records, got a {type(data).__name__}")
 
 
 def _read_parquet(path: Path) -> list[Any]:

@@ -8,6 +8,9 @@ same call behaves the same for every model family.
 Special-token strings that appear in the text (e.g. ``<|eot_id|>``) are parsed as special
 tokens, as ``transformers`` does; chat templates such as ``llama3`` rely on it.
 
+``from_dir`` also reads the directory's chat template (see ``jinja_templates``) and its named
+special tokens, which the template sees as variables (``bos_token``, ``eos_token``, ...).
+
 ``build_byte_tokenizer`` makes the 256-id tokenizer of the ``tiny`` model preset:
 
 * ids 0, 1, 2: ``<|begin_of_text|>`` (bos), ``<|end_of_text|>`` (eos), ``<|pad|>`` (pad);
@@ -25,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from shardtune.data.jinja_templates import load_chat_templates
 
 __all__ = [
     "BYTE_TOKENIZER_SPECIALS",
@@ -45,6 +50,8 @@ _INVALID_UTF8_BYTES = frozenset([0xC0, 0xC1, *range(0xF5, 0x100)])
 _BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 _EOS_CANDIDATES = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>", "<|im_end|>")
 _PAD_CANDIDATES = ("<|pad|>", "<pad>", "<|finetune_right_pad_id|>")
+# The named special tokens transformers passes to chat templates.
+_NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class HFTokenizer:
@@ -52,6 +59,9 @@ class HFTokenizer:
 
     ``pad_id`` falls back to ``eos_id`` when the tokenizer has no pad token. ``bos_id`` may be
     ``None`` (some families have no BOS); ``encode(add_bos=True)`` then adds nothing.
+    ``chat_templates`` maps template names to ``(Jinja source, where it was read)`` (empty: none);
+    ``special_tokens`` holds the named special tokens the directory's files declare (the
+    templates' variables).
     """
 
     def __init__(
@@ -62,9 +72,13 @@ class HFTokenizer:
         eos_token: str,
         pad_token: str | None = None,
         source: str = "<in memory>",
+        chat_templates: dict[str, tuple[str, str]] | None = None,
+        special_tokens: dict[str, str] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.source = source
+        self.chat_templates = dict(chat_templates or {})
+        self.special_tokens = dict(special_tokens or {})
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.pad_token = pad_token
@@ -117,15 +131,19 @@ class HFTokenizer:
                 f"{model_dir} has no tokenizer.json; shardtune needs the fast-tokenizer file that HF "
                 "model directories ship (convert with transformers' AutoTokenizer(...).save_pretrained())"
             )
-        specials: dict[str, str | None] = {}
+        specials: dict[str, str] = {}
         for name in ("special_tokens_map.json", "tokenizer_config.json"):  # later files win
             specials.update(_read_special_tokens(model_dir / name))
-        return cls.from_file(
+        tokenizer = cls.from_file(
             tokenizer_file,
             bos_token=specials.get("bos_token"),
             eos_token=specials.get("eos_token"),
             pad_token=specials.get("pad_token"),
         )
+        tokenizer.source = str(model_dir)
+        tokenizer.chat_templates = load_chat_templates(model_dir)
+        tokenizer.special_tokens = specials
+        return tokenizer
 
     @property
     def vocab_size(self) -> int:
@@ -140,6 +158,11 @@ class HFTokenizer:
         if add_eos:
             ids.append(self.eos_id)
         return ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of ``text`` (no BOS/EOS added) and each token's ``[start, end)`` characters."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``ids``."""
@@ -182,7 +205,7 @@ def _read_special_tokens(path: Path) -> dict[str, str]:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON ({e}); fix or delete it") from e
     found = {}
-    for key in ("bos_token", "eos_token", "pad_token"):
+    for key in _NAMED_SPECIALS:
         content = _token_content(data.get(key))
         if content:
             found[key] = content

@@ -20,7 +20,7 @@ from torch import nn
 from shardtune.checkpoint import Checkpointer, fingerprint
 from shardtune.checkpoint.tiny import create_tiny_base
 from shardtune.config import Config
-from shardtune.data import build_dataloader, build_dataset, collate, load_tokenizer
+from shardtune.data import build_config_dataset, build_dataloader, collate, load_tokenizer
 from shardtune.distributed import device_type, init_distributed, shard_model
 from shardtune.models import (
     ModelArgs,
@@ -152,9 +152,7 @@ def build_model(base_dir: Path, run: Run, cfg: Config, *, lora: Config | None = 
 def build_data(cfg: Config, run: Run, base_dir: Path):
     """Tokenizer, dataset(s), loader and resumable sampler for this rank."""
     tokenizer = load_tokenizer(cfg.tokenizer, checkpoint_dir=base_dir)
-    datasets = cfg.dataset if isinstance(cfg.dataset, (list, tuple)) else [cfg.dataset]
-    dataset = build_dataset([d.to_dict() if hasattr(d, "to_dict") else dict(d) for d in datasets], tokenizer,
-                            max_seq_len=cfg.max_seq_len, packed=cfg.packed)
+    dataset = build_config_dataset(cfg, tokenizer, packed=cfg.packed)
     loader, sampler = build_dataloader(
         dataset,
         batch_size=cfg.batch_size,

@@ -42,7 +42,7 @@ def test_minimal_config_gets_defaults_and_attribute_access(tmp_path):
     cfg = load_config(_write(tmp_path, MINIMAL), schema=BASE_SCHEMA)
     assert cfg.optimizer.lr == 1e-3 and cfg.optimizer.name == "adamw" and cfg.optimizer.betas == [0.9, 0.999]
     assert cfg.epochs == 1 and cfg.max_steps_per_epoch is None and cfg.dtype == "bf16"
-    assert cfg.dataset.format == "instruct" and cfg["dataset"]["add_eos"] is True
+    assert cfg.dataset.format == "instruct" and cfg["dataset"]["add_eos"] is None  # null: the template decides
     with pytest.raises(AttributeError, match="did you mean 'epochs'"):
         _ = cfg.epoch
     with pytest.raises(AttributeError, match="read-only"):
