@@ -16,12 +16,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from shardtune.checkpoint import Checkpointer, fingerprint
 from shardtune.checkpoint.tiny import create_tiny_base
 from shardtune.config import Config
 from shardtune.data import build_dataloader, build_dataset, collate, load_tokenizer
-from shardtune.distributed import device_type, init_distributed, shard_model
+from shardtune.distributed import device_type, init_distributed, make_mesh, shard_model
 from shardtune.models import (
     ModelArgs,
     cross_entropy_loss,
@@ -59,7 +60,23 @@ def start(cfg: Config) -> Run:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     device = normalize_device(device_type())  # the GPU init_distributed selected, with its index
-    return Run(rank=rank, world_size=world, device=device, dtype=DTYPES[cfg.dtype])
+    _check_parallelism(cfg, device=device, world=world)
+    dtype = torch.float32 if cfg.mixed_precision else DTYPES[cfg.dtype]  # params, grads, optimizer state
+    return Run(rank=rank, world_size=world, device=device, dtype=dtype)
+
+
+def _check_parallelism(cfg: Config, *, device: torch.device, world: int) -> None:
+    """What only the launched job can check (the same on every rank, so every rank raises it)."""
+    if cfg.fsdp_cpu_offload and device.type == "cpu":
+        raise ValueError(
+            "fsdp_cpu_offload: true needs a GPU (FSDP2 offloads from an accelerator); on a CPU-only machine the "
+            "params already live in CPU memory: set fsdp_cpu_offload=false"
+        )
+    if world % cfg.data_parallel_replicate:
+        raise ValueError(
+            f"data_parallel_replicate={cfg.data_parallel_replicate} does not divide the world size {world}; "
+            "set it to a divisor (e.g. the number of nodes) or 1"
+        )
 
 
 def _agree_on_config(cfg: Config) -> None:
@@ -146,7 +163,21 @@ def build_model(base_dir: Path, run: Run, cfg: Config, *, lora: Config | None = 
                 target_modules=list(lora.target_modules),
                 quantize_base=lora.quantize_base,
             )
-    return shard_model(model, activation_checkpointing=cfg.enable_activation_checkpointing)
+    return shard_model(
+        model,
+        mesh=make_mesh(replicate=cfg.data_parallel_replicate, device=run.device.type),
+        cpu_offload=cfg.fsdp_cpu_offload,
+        reshard_after_forward=cfg.reshard_after_forward,
+        activation_checkpointing=cfg.enable_activation_checkpointing,
+        mp_policy=_mixed_precision(cfg),
+    )
+
+
+def _mixed_precision(cfg: Config) -> MixedPrecisionPolicy | None:
+    """bf16 compute over fp32 master weights, gradients reduced in fp32; None: compute in the params' dtype."""
+    if not cfg.mixed_precision:
+        return None
+    return MixedPrecisionPolicy(param_dtype=DTYPES[cfg.dtype], reduce_dtype=torch.float32)
 
 
 def build_data(cfg: Config, run: Run, base_dir: Path):
@@ -215,6 +246,7 @@ def build_checkpointer(cfg: Config, run: Run, model, opt, sched, base_dir: Path,
         fingerprint=marks,
         seed=cfg.seed,
         device=run.device,
+        cpu_offload=cfg.fsdp_cpu_offload,
         intermediate_format=cfg.checkpoint_format,
         async_save=cfg.async_save,
         keep_staging_memory=cfg.keep_staging_memory,
