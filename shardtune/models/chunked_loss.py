@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "Head", "chunked_cross_entropy", "chunked_forward_kl"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "Head", "chunked_cross_entropy", "chunked_distillation_loss", "frozen_head"]
 
 Head = Callable[[Tensor], Tensor]
 DEFAULT_CHUNK_TOKENS = 1024
@@ -34,10 +34,23 @@ def _rows(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _chunks(n: int, chunk_tokens: int) -> range:
-    if chunk_tokens <= 0:
-        raise ValueError(f"loss_chunk_tokens must be > 0, got {chunk_tokens}")
-    return range(0, n, chunk_tokens)
+def _chunks(n: int, chunk_tokens: int | None) -> list[tuple[int, int]]:
+    if chunk_tokens is not None and chunk_tokens <= 0:
+        raise ValueError(f"loss_chunk_tokens must be > 0 (or null: unchunked), got {chunk_tokens}")
+    return [(0, n)] if chunk_tokens is None else [(a, a + chunk_tokens) for a in range(0, n, chunk_tokens)]
+
+
+def _run(fn: Callable[..., Tensor], chunked: bool, *args: object) -> Tensor:
+    """``fn(*args)``, inside a non-reentrant checkpoint when chunking (so backward recomputes it)."""
+    return checkpoint(fn, *args, use_reentrant=False) if chunked else fn(*args)
+
+
+def frozen_head(head: torch.nn.Linear) -> Head:
+    """A copy of a (gathered) linear head that outlives FSDP2 resharding: for a frozen teacher whose
+    logits a chunked loss recomputes in backward, after the teacher's forward has ended."""
+    weight = head.weight.detach().clone()
+    bias = None if head.bias is None else head.bias.detach().clone()
+    return lambda hidden: F.linear(hidden, weight, bias)
 
 
 def _ce_sum(hidden: Tensor, labels: Tensor, head: Head, ignore_index: int) -> Tensor:
@@ -50,46 +63,66 @@ def chunked_cross_entropy(
     head: Head,
     labels: Tensor,
     *,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
     ignore_index: int = -100,
 ) -> Tensor:
-    """Sum of next-token cross-entropy of ``head(hidden)`` against ``labels`` (``[..., d]`` and ``[...]``)."""
+    """Sum of the cross-entropy of ``head(hidden)`` against ``labels`` (``[..., d]`` and ``[...]``).
+
+    ``chunk_tokens=None`` computes it in one piece (full logits, no recomputation)."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} do not line up")
     h, y = _rows(hidden), labels.reshape(-1)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for start in _chunks(h.shape[0], chunk_tokens):
-        end = start + chunk_tokens
-        total = total + checkpoint(_ce_sum, h[start:end], y[start:end], head, ignore_index, use_reentrant=False)
+    for start, end in _chunks(h.shape[0], chunk_tokens):
+        total = total + _run(_ce_sum, chunk_tokens is not None, h[start:end], y[start:end], head, ignore_index)
     return total
 
 
-def _kl_sum(
-    student: Tensor, teacher: Tensor, labels: Tensor, student_head: Head, teacher_head: Head, ignore_index: int
-):
+def _distill_sum(
+    student: Tensor,
+    teacher: Tensor,
+    labels: Tensor,
+    student_head: Head,
+    teacher_head: Head,
+    kd_ratio: float,
+    ignore: int,
+) -> Tensor:
     logits = student_head(student).float()
     with torch.no_grad():
-        teacher_prob = F.softmax(teacher_head(teacher), dim=-1, dtype=torch.float32)
+        teacher_logits = teacher_head(teacher)
+        if teacher_logits.shape != logits.shape:
+            raise ValueError(
+                f"student logits {tuple(logits.shape)} and teacher logits {tuple(teacher_logits.shape)} differ; "
+                "student and teacher must share the vocabulary"
+            )
+        teacher_prob = F.softmax(teacher_logits, dim=-1, dtype=torch.float32)
     student_logprob = F.log_softmax(logits, dim=-1)
     prod = torch.masked_fill(teacher_prob * student_logprob, torch.isinf(logits), 0.0)
-    return -(prod.sum(-1) * (labels != ignore_index)).sum()
+    kl = -(prod.sum(-1) * (labels != ignore)).sum()
+    if kd_ratio == 1.0:
+        return kl
+    ce = F.cross_entropy(logits, labels, ignore_index=ignore, reduction="sum")
+    return (1 - kd_ratio) * ce + kd_ratio * kl
 
 
-def chunked_forward_kl(
+def chunked_distillation_loss(
     student_hidden: Tensor,
     student_head: Head,
     teacher_hidden: Tensor,
     teacher_head: Head,
     labels: Tensor,
     *,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    kd_ratio: float = 1.0,
+    chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
     ignore_index: int = -100,
 ) -> Tensor:
-    """Sum over trained tokens of ``-sum_v p_teacher(v) log p_student(v)`` (torchtune's ``ForwardKLLoss``
-    without its normalization), student and teacher logits made chunk by chunk together.
+    """Sum over trained tokens of ``(1 - kd_ratio) * CE + kd_ratio * KD``, where KD is
+    ``-sum_v p_teacher(v) log p_student(v)`` (torchtune's ``ForwardKLLoss`` before its
+    normalization): student and teacher logits are made chunk by chunk together, once per chunk
+    for both terms.
 
-    The teacher head runs under ``no_grad`` (and again in backward); give it weights that stay
-    available until backward (e.g. the teacher's gathered head weight), not a sharded module.
+    The teacher head runs under ``no_grad`` (and again in backward): give it weights that stay
+    valid until backward (:func:`frozen_head`), not a sharded module outside its forward.
     """
     if student_hidden.shape[:-1] != labels.shape or teacher_hidden.shape[:-1] != labels.shape:
         raise ValueError(
@@ -98,16 +131,16 @@ def chunked_forward_kl(
         )
     s, t, y = _rows(student_hidden), _rows(teacher_hidden.detach()), labels.reshape(-1)
     total = torch.zeros((), dtype=torch.float32, device=student_hidden.device)
-    for start in _chunks(s.shape[0], chunk_tokens):
-        end = start + chunk_tokens
-        total = total + checkpoint(
-            _kl_sum,
+    for start, end in _chunks(s.shape[0], chunk_tokens):
+        total = total + _run(
+            _distill_sum,
+            chunk_tokens is not None,
             s[start:end],
             t[start:end],
             y[start:end],
             student_head,
             teacher_head,
+            kd_ratio,
             ignore_index,
-            use_reentrant=False,
         )
     return total

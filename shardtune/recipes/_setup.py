@@ -24,12 +24,13 @@ from shardtune.config import Config
 from shardtune.data import build_dataloader, build_dataset, collate, load_tokenizer
 from shardtune.distributed import device_type, init_distributed, make_mesh, shard_model
 from shardtune.models import (
+    HeadLoss,
     ModelArgs,
-    cross_entropy_loss,
     get_model_args,
     llama_from_hf_config,
     model_args_from_hf_config,
 )
+from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from shardtune.peft import apply_lora, init_lora_parameters
 from shardtune.state_dict.comm import agree, normalize_device
 from shardtune.training.loop import LoopSettings, run_training, steps_per_epoch
@@ -278,14 +279,22 @@ def on_device(batch: dict[str, torch.Tensor], run: Run) -> tuple[torch.Tensor, t
     )
 
 
-def next_token_loss(model: nn.Module, run: Run):
-    """``loss_fn`` for the loop: next-token cross-entropy of ``model`` on a batch."""
+def next_token_loss(model: nn.Module, run: Run, *, chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS):
+    """``loss_fn`` for the loop: next-token cross-entropy of ``model`` on a batch, computed from the
+    final hidden states in chunks of ``chunk_tokens`` (None: from full logits)."""
 
     def loss_fn(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         tokens, labels, positions = on_device(batch, run)
-        return lm_loss(model(tokens, position_ids=positions), labels), label_tokens(batch["labels"])
+        n_tokens = label_tokens(batch["labels"])
+        loss_sum = model(tokens, position_ids=positions, head_loss=next_token_head_loss(labels, chunk_tokens))
+        return loss_sum / max(n_tokens, 1), n_tokens
 
     return loss_fn
+
+
+def next_token_head_loss(labels: torch.Tensor, chunk_tokens: int | None) -> HeadLoss:
+    """The model's ``head_loss``: summed cross-entropy where hidden state t predicts label t+1."""
+    return lambda hidden, head: chunked_cross_entropy(hidden[:, :-1], head, labels[:, 1:], chunk_tokens=chunk_tokens)
 
 
 def train_and_finish(
@@ -298,11 +307,6 @@ def train_and_finish(
         checkpointer=checkpointer, logger=logger, settings=loop_settings(cfg), progress=progress,
     )
     finish(cfg, run, checkpointer, recipe, logger)
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy: position t predicts label t+1 (labels are unshifted)."""
-    return cross_entropy_loss(logits[:, :-1].float(), labels[:, 1:])
 
 
 def label_tokens(labels: torch.Tensor) -> int:

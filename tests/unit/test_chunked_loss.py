@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardtune.models.chunked_loss import chunked_cross_entropy, chunked_forward_kl
+from shardtune.models.chunked_loss import chunked_cross_entropy, chunked_distillation_loss
 
 TOKENS, DIM, VOCAB = 2 * 37, 16, 300
 
@@ -67,20 +67,24 @@ def test_chunked_cross_entropy_never_makes_full_logits():
     assert full.largest == TOKENS * VOCAB  # the recorder sees what the unchunked loss makes
 
 
-def test_chunked_forward_kl_equals_full_logits_loss_and_gradients():
+@pytest.mark.parametrize("kd_ratio", [1.0, 0.5])
+def test_chunked_distillation_loss_equals_full_logits_loss_and_gradients(kd_ratio):
     hidden, weight, labels = _inputs()
     teacher_hidden, teacher_weight, _ = _inputs(seed=1)
     student = (hidden @ weight.T).reshape(-1, VOCAB)
     teacher = (teacher_hidden @ teacher_weight.T).reshape(-1, VOCAB).detach()
     per_token = (F.softmax(teacher, -1) * F.log_softmax(student, -1)).sum(-1)
-    want = -(per_token * (labels.reshape(-1) != -100)).sum()
+    kd = -(per_token * (labels.reshape(-1) != -100)).sum()
+    ce = F.cross_entropy(student, labels.reshape(-1), reduction="sum")
+    want = (1 - kd_ratio) * ce + kd_ratio * kd
     with LargestOutput() as mode:
-        got = chunked_forward_kl(
+        got = chunked_distillation_loss(
             hidden,
             functools.partial(F.linear, weight=weight),
             teacher_hidden,
             functools.partial(F.linear, weight=teacher_weight.detach()),
             labels,
+            kd_ratio=kd_ratio,
             chunk_tokens=10,
         )
         grads = _grads(got, hidden, weight)
@@ -88,6 +92,13 @@ def test_chunked_forward_kl_equals_full_logits_loss_and_gradients():
     _close(got, want)
     for g, w in zip(grads, _grads(want, hidden, weight), strict=True):
         _close(g, w)
+
+
+def test_unchunked_mode_is_the_plain_loss():
+    hidden, weight, labels = _inputs()
+    want = F.cross_entropy((hidden @ weight.T).reshape(-1, VOCAB), labels.reshape(-1), reduction="sum")
+    got = chunked_cross_entropy(hidden, functools.partial(F.linear, weight=weight), labels, chunk_tokens=None)
+    assert torch.equal(got, want)
 
 
 def test_misaligned_labels_and_bad_chunk_size_are_named():
