@@ -79,6 +79,11 @@ def _check_base(cfg: dict[str, Any]) -> list[str]:
             "tokenizer: null means 'checkpoint_dir's tokenizer', but checkpoint_dir is not set; "
             "set tokenizer=byte or tokenizer=<dir or tokenizer.json>"
         )
+    if cfg.get("mixed_precision") and cfg.get("dtype") == "fp32":
+        problems.append(
+            "mixed_precision: true computes in `dtype` and keeps fp32 master weights, but dtype is fp32; "
+            "set dtype=bf16 (or mixed_precision=false for pure fp32)"
+        )
     for key in ("model", "teacher_model"):
         preset = cfg.get(key)
         if isinstance(preset, str):
@@ -133,6 +138,23 @@ BASE_SCHEMA = Schema(
         "shuffle": Field(bool, True),
         "log_every_n_steps": Field(int, 1, gt=0),
         "enable_activation_checkpointing": Field(bool, False),
+        "loss_chunk_tokens": Field(
+            (int, None), 1024, gt=0,
+            help="tokens per chunk of the output projection + loss (no full-vocabulary logits); null: unchunked",
+        ),
+        "mixed_precision": Field(
+            bool, False,
+            help="keep fp32 master weights, optimizer state and gradient reduction; compute in `dtype` (bf16)",
+        ),
+        "fsdp_cpu_offload": Field(
+            bool, False, help="FSDP2 CPUOffloadPolicy: params, grads and the optimizer step on CPU (needs a GPU)"
+        ),
+        "data_parallel_replicate": Field(
+            int, 1, gt=0, help="HSDP: shard within groups of world/N ranks, replicate across N groups"
+        ),
+        "reshard_after_forward": Field(
+            bool, True, help="free gathered params after forward (false: keep them until backward, more memory)"
+        ),
         "loggers": Field(list, [], item=str, choices=("tensorboard", "wandb"), help="extra metric sinks"),
         "process_group_timeout_s": Field(float, 1800.0, gt=0),
         "save_every_n_steps": Field((int, None), None, gt=0),

@@ -7,7 +7,7 @@ from shardtune.models.args import (
     model_args_to_hf_config,
 )
 from shardtune.models.layer_dropout import layer_dropout_probs
-from shardtune.models.llama import Attention, DecoderLayer, LlamaForCausalLM, LlamaModel, MLP, RMSNorm, sample_attention_mask
+from shardtune.models.llama import Attention, DecoderLayer, HeadLoss, LlamaForCausalLM, LlamaModel, MLP, RMSNorm, sample_attention_mask
 from shardtune.models.losses import (
     cross_entropy_loss,
     early_exit_loss,
@@ -26,6 +26,7 @@ from shardtune.models.rope import RotaryEmbedding, compute_inv_freq
 __all__ = [
     "Attention",
     "DecoderLayer",
+    "HeadLoss",
     "LlamaForCausalLM",
     "LlamaModel",
     "MLP",

@@ -11,7 +11,8 @@ positions come after every real token and are masked out of the loss.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,18 @@ from shardtune.models.args import ModelArgs
 from shardtune.models.layer_dropout import LayerDropoutSchedule, layer_dropout_probs
 from shardtune.models.rope import RotaryEmbedding, apply_rotary_emb
 
-__all__ = ["Attention", "DecoderLayer", "LlamaForCausalLM", "LlamaModel", "MLP", "RMSNorm", "sample_attention_mask"]
+__all__ = [
+    "Attention",
+    "DecoderLayer",
+    "HeadLoss",
+    "LlamaForCausalLM",
+    "LlamaModel",
+    "MLP",
+    "RMSNorm",
+    "sample_attention_mask",
+]
+
+HeadLoss = Callable[[Tensor, Callable[[Tensor], Tensor]], Any]  # (hidden, head) -> what forward returns
 
 
 class RMSNorm(nn.Module):
@@ -287,15 +299,28 @@ class LlamaForCausalLM(nn.Module):
         position_ids: Tensor | None = None,
         output_hidden_states: Iterable[int] | None = None,
         hidden_to_logits: bool = False,
-    ) -> Tensor | tuple[Tensor, dict[int, Tensor]]:
+        head_loss: HeadLoss | None = None,
+    ) -> Any:
         """``tokens`` ``[b, s]`` -> logits ``[b, s, vocab]``.
 
         With ``output_hidden_states=[i, ...]`` returns ``(logits, {i: output of layer i})``
         (layer ids are 0-based; HF's ``hidden_states[i + 1]``). ``hidden_to_logits=True``
         maps those through norm + lm_head inside this forward, which keeps the root's
         parameters inside FSDP's forward hooks.
+
+        ``head_loss(hidden, head)`` replaces the logits: it gets the final hidden states and the
+        output head (a function hidden -> logits) and returns what forward returns, e.g. a
+        chunked loss (:mod:`shardtune.models.chunked_loss`) that never makes full logits. With
+        ``output_hidden_states`` each chosen layer's output goes through it too, with the head
+        ``norm + lm_head``: ``(head_loss(final), {i: head_loss(layer i)})``. It runs inside this
+        forward, so FSDP2 has the head's parameters gathered in forward and backward.
         """
         h, hidden = self.model(tokens, position_ids=position_ids, output_hidden_states=output_hidden_states)
+        if head_loss is not None:
+            out = head_loss(h, self.lm_head)
+            if output_hidden_states is None:
+                return out
+            return out, {i: head_loss(x, self.logits_from_hidden) for i, x in hidden.items()}
         logits = self.lm_head(h)
         if output_hidden_states is None:
             return logits

@@ -16,19 +16,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from shardtune.checkpoint import Checkpointer, fingerprint
 from shardtune.checkpoint.tiny import create_tiny_base
 from shardtune.config import Config
 from shardtune.data import build_config_dataset, build_dataloader, collate, load_tokenizer
-from shardtune.distributed import device_type, init_distributed, shard_model
+from shardtune.distributed import device_type, init_distributed, make_mesh, shard_model
 from shardtune.models import (
+    HeadLoss,
     ModelArgs,
-    cross_entropy_loss,
     get_model_args,
     llama_from_hf_config,
     model_args_from_hf_config,
 )
+from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from shardtune.peft import apply_lora, init_lora_parameters
 from shardtune.state_dict.comm import agree, normalize_device
 from shardtune.training.loop import LoopSettings, run_training, steps_per_epoch
@@ -59,7 +61,23 @@ def start(cfg: Config) -> Run:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     device = normalize_device(device_type())  # the GPU init_distributed selected, with its index
-    return Run(rank=rank, world_size=world, device=device, dtype=DTYPES[cfg.dtype])
+    _check_parallelism(cfg, device=device, world=world)
+    dtype = torch.float32 if cfg.mixed_precision else DTYPES[cfg.dtype]  # params, grads, optimizer state
+    return Run(rank=rank, world_size=world, device=device, dtype=dtype)
+
+
+def _check_parallelism(cfg: Config, *, device: torch.device, world: int) -> None:
+    """What only the launched job can check (the same on every rank, so every rank raises it)."""
+    if cfg.fsdp_cpu_offload and device.type == "cpu":
+        raise ValueError(
+            "fsdp_cpu_offload: true needs a GPU (FSDP2 offloads from an accelerator); on a CPU-only machine the "
+            "params already live in CPU memory: set fsdp_cpu_offload=false"
+        )
+    if world % cfg.data_parallel_replicate:
+        raise ValueError(
+            f"data_parallel_replicate={cfg.data_parallel_replicate} does not divide the world size {world}; "
+            "set it to a divisor (e.g. the number of nodes) or 1"
+        )
 
 
 def _agree_on_config(cfg: Config) -> None:
@@ -146,7 +164,21 @@ def build_model(base_dir: Path, run: Run, cfg: Config, *, lora: Config | None = 
                 target_modules=list(lora.target_modules),
                 quantize_base=lora.quantize_base,
             )
-    return shard_model(model, activation_checkpointing=cfg.enable_activation_checkpointing)
+    return shard_model(
+        model,
+        mesh=make_mesh(replicate=cfg.data_parallel_replicate, device=run.device.type),
+        cpu_offload=cfg.fsdp_cpu_offload,
+        reshard_after_forward=cfg.reshard_after_forward,
+        activation_checkpointing=cfg.enable_activation_checkpointing,
+        mp_policy=_mixed_precision(cfg),
+    )
+
+
+def _mixed_precision(cfg: Config) -> MixedPrecisionPolicy | None:
+    """bf16 compute over fp32 master weights, gradients reduced in fp32; None: compute in the params' dtype."""
+    if not cfg.mixed_precision:
+        return None
+    return MixedPrecisionPolicy(param_dtype=DTYPES[cfg.dtype], reduce_dtype=torch.float32)
 
 
 def build_data(cfg: Config, run: Run, base_dir: Path):
@@ -213,6 +245,7 @@ def build_checkpointer(cfg: Config, run: Run, model, opt, sched, base_dir: Path,
         fingerprint=marks,
         seed=cfg.seed,
         device=run.device,
+        cpu_offload=cfg.fsdp_cpu_offload,
         intermediate_format=cfg.checkpoint_format,
         async_save=cfg.async_save,
         keep_staging_memory=cfg.keep_staging_memory,
@@ -244,14 +277,22 @@ def on_device(batch: dict[str, torch.Tensor], run: Run) -> tuple[torch.Tensor, t
     )
 
 
-def next_token_loss(model: nn.Module, run: Run):
-    """``loss_fn`` for the loop: next-token cross-entropy of ``model`` on a batch."""
+def next_token_loss(model: nn.Module, run: Run, *, chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS):
+    """``loss_fn`` for the loop: next-token cross-entropy of ``model`` on a batch, computed from the
+    final hidden states in chunks of ``chunk_tokens`` (None: from full logits)."""
 
     def loss_fn(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         tokens, labels, positions = on_device(batch, run)
-        return lm_loss(model(tokens, position_ids=positions), labels), label_tokens(batch["labels"])
+        n_tokens = label_tokens(batch["labels"])
+        loss_sum = model(tokens, position_ids=positions, head_loss=next_token_head_loss(labels, chunk_tokens))
+        return loss_sum / max(n_tokens, 1), n_tokens
 
     return loss_fn
+
+
+def next_token_head_loss(labels: torch.Tensor, chunk_tokens: int | None) -> HeadLoss:
+    """The model's ``head_loss``: summed cross-entropy where hidden state t predicts label t+1."""
+    return lambda hidden, head: chunked_cross_entropy(hidden[:, :-1], head, labels[:, 1:], chunk_tokens=chunk_tokens)
 
 
 def train_and_finish(
@@ -264,11 +305,6 @@ def train_and_finish(
         checkpointer=checkpointer, logger=logger, settings=loop_settings(cfg), progress=progress,
     )
     finish(cfg, run, checkpointer, recipe, logger)
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy: position t predicts label t+1 (labels are unshifted)."""
-    return cross_entropy_loss(logits[:, :-1].float(), labels[:, 1:])
 
 
 def label_tokens(labels: torch.Tensor) -> int:

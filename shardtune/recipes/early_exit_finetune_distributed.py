@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from shardtune.config import Config
-from shardtune.models import early_exit_loss
+from shardtune.models import early_exit_loss_scales
 from shardtune.models.layer_dropout import parse_layer_range
 from shardtune.recipes import _setup as setup
 from shardtune.recipes._entry import main
@@ -57,15 +57,15 @@ def recipe_main(cfg: Config) -> None:
 
     def loss_fn(batch):
         tokens, labels, positions = setup.on_device(batch, run)
+        n_tokens = setup.label_tokens(batch["labels"])
         exits = active_layers(candidates, cfg.early_exit.curriculum, sched.last_epoch, total_steps)
-        logits, by_layer = model(tokens, position_ids=positions, output_hidden_states=exits, hidden_to_logits=True)
-        loss = setup.lm_loss(logits, labels)
+        head_loss = setup.next_token_head_loss(labels, cfg.loss_chunk_tokens)
+        loss_sum, by_layer = model(tokens, position_ids=positions, output_hidden_states=exits, head_loss=head_loss)
         if by_layer:
-            shifted = {i: lg[:, :-1].float() for i, lg in by_layer.items()}
-            loss = loss + early_exit_loss(
-                shifted, labels[:, 1:], n_layers=n_layers, scale_type=cfg.early_exit.scale_type, e_scale=cfg.early_exit.scale
-            )
-        return loss, setup.label_tokens(batch["labels"])
+            ids = sorted(by_layer)
+            scales = early_exit_loss_scales(ids, n_layers, scale_type=cfg.early_exit.scale_type, e_scale=cfg.early_exit.scale)
+            loss_sum = loss_sum + sum(scale * by_layer[i] for scale, i in zip(scales.tolist(), ids, strict=True))
+        return loss_sum / max(n_tokens, 1), n_tokens
 
     setup.train_and_finish(
         cfg, run, NAME, model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt,

@@ -1,7 +1,8 @@
 """Knowledge distillation: a LoRA student learns from a frozen, sharded teacher.
 
 Loss = (1 - kd_ratio) * cross-entropy + kd_ratio * forward KL(teacher || student) on the
-response tokens. Student and teacher may differ in size but share the vocabulary.
+response tokens, made from student and teacher logits chunk by chunk (``loss_chunk_tokens``).
+Student and teacher may differ in size but share the vocabulary.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from shardtune.checkpoint import load_hf_checkpoint
 from shardtune.config import Config
-from shardtune.models import forward_kl_loss
+from shardtune.models.chunked_loss import chunked_distillation_loss, frozen_head
 from shardtune.recipes import _setup as setup
 from shardtune.recipes._entry import main
 
@@ -27,7 +28,7 @@ def recipe_main(cfg: Config) -> None:
     teacher_dir = setup.base_model_dir(cfg, run, key="teacher_checkpoint_dir", preset_key="teacher_model", seed=TEACHER_SEED)
     model = setup.build_model(base_dir, run, cfg, lora=cfg.lora)
     teacher = setup.build_model(teacher_dir, run, cfg)
-    load_hf_checkpoint(teacher, teacher_dir, device=run.device, strict=True)
+    load_hf_checkpoint(teacher, teacher_dir, device=run.device, strict=True, cpu_offload=cfg.fsdp_cpu_offload)
     teacher.init_buffers(run.device)
     teacher.requires_grad_(False).eval()
     _, loader, sampler = setup.build_data(cfg, run, base_dir)
@@ -39,17 +40,27 @@ def recipe_main(cfg: Config) -> None:
 
     def loss_fn(batch):
         tokens, labels, positions = setup.on_device(batch, run)
-        logits = model(tokens, position_ids=positions)
+        n_tokens = setup.label_tokens(batch["labels"])
         with torch.no_grad():
-            teacher_logits = teacher(tokens, position_ids=positions)
-        ce = setup.lm_loss(logits, labels)
-        kd = forward_kl_loss(logits[:, :-1].float(), teacher_logits[:, :-1].float(), labels[:, 1:])
-        return (1 - cfg.kd_ratio) * ce + cfg.kd_ratio * kd, setup.label_tokens(batch["labels"])
+            teacher_hidden, teacher_head = teacher(tokens, position_ids=positions, head_loss=_hidden_and_head)
+
+        def head_loss(hidden, head):
+            return chunked_distillation_loss(
+                hidden[:, :-1], head, teacher_hidden[:, :-1], teacher_head, labels[:, 1:],
+                kd_ratio=cfg.kd_ratio, chunk_tokens=cfg.loss_chunk_tokens,
+            )
+
+        return model(tokens, position_ids=positions, head_loss=head_loss) / max(n_tokens, 1), n_tokens
 
     setup.train_and_finish(
         cfg, run, NAME, model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt,
         lr_scheduler=sched, checkpointer=checkpointer, progress=progress,
     )
+
+
+def _hidden_and_head(hidden, head):
+    """The teacher's final hidden states and a copy of its head that outlives its forward."""
+    return hidden, frozen_head(head)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from shardtune.checkpoint.checkpointer import Checkpointer
 from shardtune.checkpoint.state import TrainingProgress
 from shardtune.faults import fault_point
 from shardtune.state_dict import comm
+from shardtune.training.grad_norm import clip_grad_norm
 from shardtune.training.metrics import MetricLogger, peak_memory_mib
 
 LossFn = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
@@ -118,10 +119,7 @@ def run_training(
 
 def _step(model, optimizer, lr_scheduler, clip: float | None) -> torch.Tensor | None:
     """Clip (when asked), step and zero; returns the pre-clip grad norm where it was computed."""
-    grad_norm = None
-    if clip is not None:
-        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
-        grad_norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    grad_norm = clip_grad_norm(model.parameters(), clip) if clip is not None else None
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     lr_scheduler.step()
@@ -135,10 +133,13 @@ def _scale_grads(model: torch.nn.Module, global_tokens: torch.Tensor) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     # A division of two float64 tensors, bitwise Python's ``world / max(tokens, 1.0)``.
     factor = torch.full_like(global_tokens, world).div_(global_tokens.clamp(min=1.0))
+    factors = {factor.device: factor}  # CPU-offloaded gradients: one copy of the factor, not one per param
     for p in model.parameters():
         if p.grad is not None:
             local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-            local.mul_(factor if local.device == factor.device else factor.to(local.device))
+            if local.device not in factors:
+                factors[local.device] = factor.to(local.device)
+            local.mul_(factors[local.device])
 
 
 def _fetch(values: torch.Tensor) -> list[float]:

@@ -72,7 +72,7 @@ def recipe_main(cfg: Config) -> None:
     checkpointer = setup.build_checkpointer(cfg, run, model, opt, sched, base_dir)
     progress = setup.load_weights(cfg, run, model, checkpointer)
     counter = SyncCounter()
-    loss_fn = counter.wrap(setup.next_token_loss(model, run))
+    loss_fn = counter.wrap(setup.next_token_loss(model, run, chunk_tokens=cfg.loss_chunk_tokens))
     logger = MetricLogger(cfg.output_dir, enabled=run.is_rank_zero, loggers=tuple(cfg.loggers))
     run_training(
         model=model,

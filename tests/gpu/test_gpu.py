@@ -191,3 +191,24 @@ def test_two_rank_recipe_resumes_exactly(tiny_base, tmp_path):
     uninterrupted, resumed = losses(first), losses(second)
     assert resumed and all(uninterrupted[step] == loss for step, loss in resumed.items()), (uninterrupted, resumed)
     assert min(resumed) == 7
+
+
+def test_fsdp_cpu_offload_trains_like_the_gpu_run_and_resumes_exactly(tiny_base, tmp_path):
+    """``fsdp_cpu_offload``: params, grads and the AdamW step on CPU; clipping included."""
+    common = [
+        f"checkpoint_dir={tiny_base}", "epochs=2", "max_steps_per_epoch=4", "log_every_n_steps=1",
+        "clip_grad_norm=1.0", "dtype=fp32",
+    ]
+    on_gpu, offloaded = tmp_path / "gpu", tmp_path / "offloaded"
+    _run("full_finetune_distributed", "tiny/full", f"output_dir={on_gpu}", *common)
+    _run("full_finetune_distributed", "tiny/full", f"output_dir={offloaded}", "fsdp_cpu_offload=true", *common)
+    want, got = losses(on_gpu), losses(offloaded)
+    assert sorted(got) == sorted(want)
+    assert [got[s] for s in got] == pytest.approx([want[s] for s in got], rel=1e-4)
+    resumed = resume_copy(offloaded, "epoch_1", tmp_path / "resumed")
+    _run(
+        "full_finetune_distributed", "tiny/full", f"output_dir={resumed}", "fsdp_cpu_offload=true",
+        "resume_from_checkpoint=True", *common,
+    )
+    again = losses(resumed)
+    assert min(again) == 5 and all(got[s] == v for s, v in again.items()), (got, again)
