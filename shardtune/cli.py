@@ -7,6 +7,7 @@
     shardtune convert CHECKPOINT OUT_DIR [--base-dir DIR]
     shardtune verify CHECKPOINT_DIR|OUTPUT_DIR [--latest]
     shardtune make-tiny-base DIR
+    shardtune inspect-data --config CONFIG [--recipe RECIPE] [--limit N] [--decode] [key=value ...]
 
 ``shardtune run`` validates a registered recipe's config before torchrun starts any rank: every
 problem in one report, exit code 2.
@@ -219,6 +220,32 @@ def _checkpoint_order(path: Path) -> tuple[int, str]:
         return -1, path.name
 
 
+def cmd_inspect_data(args: argparse.Namespace) -> int:
+    """One JSON object per sample, exactly as the recipe tokenizes and masks it (unpacked, in dataset order)."""
+    import json
+
+    from shardtune.config import ConfigError, load_config
+    from shardtune.data import iter_samples
+
+    try:
+        recipe = get_recipe(args.recipe) if args.recipe else recipe_of_config(args.config)
+    except UnknownRecipe as exc:
+        raise SystemExit(f"shardtune inspect-data: {exc}") from None
+    if recipe is None:
+        raise SystemExit(
+            f"shardtune inspect-data: {args.config} is not a bundled config, so its recipe is unknown; "
+            f"pass --recipe one of: {', '.join(RECIPES)}"
+        )
+    try:
+        cfg = load_config(args.config, args.overrides, schema=recipe.schema)
+    except ConfigError as exc:
+        sys.stderr.write(f"{exc}\n")
+        return 2
+    for sample in iter_samples(cfg, limit=args.limit, decode=args.decode):
+        sys.stdout.write(json.dumps(sample, ensure_ascii=False) + "\n")
+    return 0
+
+
 def cmd_make_tiny_base(args: argparse.Namespace) -> int:
     from shardtune.checkpoint.tiny import create_tiny_base
 
@@ -253,6 +280,15 @@ def main(argv: list[str] | None = None) -> int:
         "--recipe", choices=RECIPES, help="the recipe whose schema applies (default: from the config)"
     )
     validate.set_defaults(fn=cmd_validate)
+    inspect = sub.add_parser(
+        "inspect-data", help="print the samples a config feeds the model: token ids and labels (-100: not trained)"
+    )
+    inspect.add_argument("--config", required=True, help="bundled config name or YAML path")
+    inspect.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    inspect.add_argument("--recipe", choices=RECIPES, help="the recipe whose schema applies (default: from the config)")
+    inspect.add_argument("--limit", type=int, default=10, help="samples to print (default 10)")
+    inspect.add_argument("--decode", action="store_true", help="add each sample's text")
+    inspect.set_defaults(fn=cmd_inspect_data)
     convert = sub.add_parser("convert", help="turn a DCP checkpoint (checkpoint_format=dcp) into an HF model directory")
     convert.add_argument("checkpoint", help="a checkpoint directory holding dcp/ (e.g. <output_dir>/step_100)")
     convert.add_argument("out_dir")
