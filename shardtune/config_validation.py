@@ -157,9 +157,10 @@ class ListOf:
 
 @dataclass(frozen=True)
 class OneOrMany:
-    """A section or a non-empty list of sections."""
+    """A section or a non-empty list of sections; ``nullable``: also ``null`` (the default when absent)."""
 
     schema: Schema
+    nullable: bool = False
 
 
 Spec = Field | Schema | ListOf | OneOrMany
@@ -201,6 +202,8 @@ def _check(value: Any, spec: Spec, path: str, root_paths: Sequence[str]) -> tupl
     if isinstance(spec, Schema):
         return _check_section(value, spec, path, root_paths)
     if isinstance(spec, OneOrMany):
+        if value is None and spec.nullable:
+            return None, []
         if isinstance(value, list):
             if not value:
                 return value, [f"{path}: the list is empty; give at least one mapping"]
@@ -244,7 +247,7 @@ def _check_section(value: Any, schema: Schema, path: str, root_paths: Sequence[s
             problems.append(f"{prefix}{name}: required key is missing; set {prefix}{name}=<{spec.expected()}>{help_}")
         elif isinstance(spec, Field):
             out[name] = copy.deepcopy(spec.default)
-        elif isinstance(spec, Schema) and spec.nullable:
+        elif isinstance(spec, (Schema, OneOrMany)) and spec.nullable:
             out[name] = None
         elif isinstance(spec, Schema):
             out[name], sub_problems = _check_section({}, spec, prefix + name, root_paths)

@@ -79,6 +79,11 @@ def _check_base(cfg: dict[str, Any]) -> list[str]:
             "tokenizer: null means 'checkpoint_dir's tokenizer', but checkpoint_dir is not set; "
             "set tokenizer=byte or tokenizer=<dir or tokenizer.json>"
         )
+    if cfg.get("eval_every_n_steps") is not None and cfg.get("validation_dataset") is None:
+        problems.append(
+            "eval_every_n_steps is set but there is no validation_dataset; add validation_dataset=<a dataset "
+            "mapping, as for dataset> or set eval_every_n_steps=null"
+        )
     if cfg.get("mixed_precision") and cfg.get("dtype") == "fp32":
         problems.append(
             "mixed_precision: true computes in `dtype` and keeps fp32 master weights, but dtype is fp32; "
@@ -133,6 +138,10 @@ BASE_SCHEMA = Schema(
         "clip_grad_norm": Field((float, None), None, gt=0),
         "dtype": Field(str, "bf16", choices=("bf16", "fp32")),
         "dataset": OneOrMany(DATASET_SCHEMA),
+        "validation_dataset": OneOrMany(DATASET_SCHEMA, nullable=True),
+        "eval_every_n_steps": Field(
+            (int, None), None, gt=0, help="validation loss every N steps (null: at the end of each epoch)"
+        ),
         "max_seq_len": Field(int, 2048, gt=0),
         "packed": Field(bool, False, help="pack samples into max_seq_len rows; positions restart and attention stays within each sample"),
         "shuffle": Field(bool, True),

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from shardtune.checkpoint import Checkpointer, fingerprint
 from shardtune.checkpoint.tiny import create_tiny_base
 from shardtune.config import Config
-from shardtune.data import build_config_dataset, build_dataloader, collate, load_tokenizer
+from shardtune.data import build_config_dataset, build_dataloader, build_dataset, collate, load_tokenizer
 from shardtune.distributed import device_type, init_distributed, make_mesh, shard_model
 from shardtune.models import (
     HeadLoss,
@@ -33,6 +33,7 @@ from shardtune.models import (
 from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from shardtune.peft import apply_lora, init_lora_parameters
 from shardtune.state_dict.comm import agree, normalize_device
+from shardtune.training.evaluate import Evaluator
 from shardtune.training.loop import LoopSettings, run_training, steps_per_epoch
 from shardtune.training.metrics import MetricLogger
 from shardtune.training.optim import build_lr_scheduler, build_optimizer
@@ -206,6 +207,7 @@ def loop_settings(cfg: Config) -> LoopSettings:
         clip_grad_norm=cfg.clip_grad_norm,
         log_every_n_steps=cfg.log_every_n_steps,
         save_every_n_steps=cfg.save_every_n_steps,
+        eval_every_n_steps=cfg.eval_every_n_steps,
     )
 
 
@@ -296,15 +298,43 @@ def next_token_head_loss(labels: torch.Tensor, chunk_tokens: int | None) -> Head
 
 
 def train_and_finish(
-    cfg: Config, run: Run, recipe: str, *, model, loss_fn, loader, sampler, optimizer, lr_scheduler, checkpointer, progress
+    cfg: Config, run: Run, recipe: str, *, model, tokenizer, loss_fn, loader, sampler, optimizer, lr_scheduler,
+    checkpointer, progress,
 ) -> None:
     """The shared loop (metrics to ``<output_dir>/metrics.jsonl``), then the closing message."""
     logger = MetricLogger(cfg.output_dir, enabled=run.is_rank_zero, loggers=tuple(cfg.loggers))
     run_training(
         model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=optimizer, lr_scheduler=lr_scheduler,
         checkpointer=checkpointer, logger=logger, settings=loop_settings(cfg), progress=progress,
+        evaluate=build_evaluator(cfg, run, model, tokenizer),
     )
     finish(cfg, run, checkpointer, recipe, logger)
+
+
+def build_evaluator(cfg: Config, run: Run, model: nn.Module, tokenizer) -> Evaluator | None:
+    """The validation-loss evaluator of ``validation_dataset`` (next-token cross-entropy, unpacked), or None."""
+    if cfg.validation_dataset is None:
+        return None
+    dataset = build_dataset(
+        _dataset_specs(cfg.validation_dataset), tokenizer, max_seq_len=cfg.max_seq_len, packed=False
+    )
+
+    def loss_sum(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        tokens, labels, positions = on_device(batch, run)
+        head_loss = next_token_head_loss(labels, cfg.loss_chunk_tokens)
+        return model(tokens, position_ids=positions, head_loss=head_loss), label_tokens(batch["labels"])
+
+    return Evaluator(
+        dataset,
+        batch_size=cfg.batch_size,
+        collate_fn=lambda batch: collate(batch, pad_id=tokenizer.pad_id),
+        loss_sum=loss_sum,
+    )
+
+
+def _dataset_specs(value) -> list[dict]:
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [d.to_dict() if hasattr(d, "to_dict") else dict(d) for d in items]
 
 
 def label_tokens(labels: torch.Tensor) -> int:

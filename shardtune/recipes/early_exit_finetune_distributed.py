@@ -49,7 +49,7 @@ def recipe_main(cfg: Config) -> None:
             max_prob=cfg.layer_dropout.max_prob, schedule=cfg.layer_dropout.schedule, layers=cfg.layer_dropout.layers
         )
     candidates = exit_layers(cfg.early_exit.layers, n_layers)
-    _, loader, sampler = setup.build_data(cfg, run, base_dir)
+    tokenizer, loader, sampler = setup.build_data(cfg, run, base_dir)
     opt, sched = setup.build_optimization(cfg, model, len(loader))
     checkpointer = setup.build_checkpointer(cfg, run, model, opt, sched, base_dir)
     progress = setup.load_weights(cfg, run, model, checkpointer)
@@ -68,7 +68,7 @@ def recipe_main(cfg: Config) -> None:
         return loss_sum / max(n_tokens, 1), n_tokens
 
     setup.train_and_finish(
-        cfg, run, NAME, model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt,
+        cfg, run, NAME, model=model, tokenizer=tokenizer, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt,
         lr_scheduler=sched, checkpointer=checkpointer, progress=progress,
     )
 

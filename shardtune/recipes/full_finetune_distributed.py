@@ -16,13 +16,13 @@ def recipe_main(cfg: Config) -> None:
     run = setup.start(cfg)
     base_dir = setup.base_model_dir(cfg, run)
     model = setup.build_model(base_dir, run, cfg)
-    _, loader, sampler = setup.build_data(cfg, run, base_dir)
+    tokenizer, loader, sampler = setup.build_data(cfg, run, base_dir)
     opt, sched = setup.build_optimization(cfg, model, len(loader))
     checkpointer = setup.build_checkpointer(cfg, run, model, opt, sched, base_dir)
     progress = setup.load_weights(cfg, run, model, checkpointer)
     loss_fn = setup.next_token_loss(model, run, chunk_tokens=cfg.loss_chunk_tokens)
     setup.train_and_finish(
-        cfg, run, NAME, model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt,
+        cfg, run, NAME, model=model, tokenizer=tokenizer, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt,
         lr_scheduler=sched, checkpointer=checkpointer, progress=progress,
     )
 

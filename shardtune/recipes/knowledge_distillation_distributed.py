@@ -31,7 +31,7 @@ def recipe_main(cfg: Config) -> None:
     load_hf_checkpoint(teacher, teacher_dir, device=run.device, strict=True, cpu_offload=cfg.fsdp_cpu_offload)
     teacher.init_buffers(run.device)
     teacher.requires_grad_(False).eval()
-    _, loader, sampler = setup.build_data(cfg, run, base_dir)
+    tokenizer, loader, sampler = setup.build_data(cfg, run, base_dir)
     opt, sched = setup.build_optimization(cfg, model, len(loader))
     checkpointer = setup.build_checkpointer(
         cfg, run, model, opt, sched, base_dir, adapter_weights_only=cfg.save_adapter_weights_only
@@ -53,7 +53,7 @@ def recipe_main(cfg: Config) -> None:
         return model(tokens, position_ids=positions, head_loss=head_loss) / max(n_tokens, 1), n_tokens
 
     setup.train_and_finish(
-        cfg, run, NAME, model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt,
+        cfg, run, NAME, model=model, tokenizer=tokenizer, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt,
         lr_scheduler=sched, checkpointer=checkpointer, progress=progress,
     )
 

@@ -44,6 +44,7 @@ class LoopSettings:
     clip_grad_norm: float | None = None
     log_every_n_steps: int = 1
     save_every_n_steps: int | None = None
+    eval_every_n_steps: int | None = None  # with an evaluator; None: at the end of each epoch
 
 
 def steps_per_epoch(n_batches: int, settings: LoopSettings) -> int:
@@ -64,11 +65,14 @@ def run_training(
     logger: MetricLogger,
     settings: LoopSettings,
     progress: TrainingProgress | None,
+    evaluate: Callable[[torch.nn.Module], float] | None = None,
 ) -> TrainingProgress:
     """Train from ``progress`` (a resumed state, or None for a fresh start) to the last epoch.
 
     Collective: every rank runs it. A checkpoint is saved at the end of every epoch and,
     with ``save_every_n_steps``, mid-epoch; mid-epoch resumes continue with the next batch.
+    With ``evaluate`` (-> the validation loss), the row of every ``eval_every_n_steps``-th step
+    (or of each epoch's last step) is logged with ``val_loss``.
     """
     progress = progress or TrainingProgress()
     step = progress.step
@@ -98,10 +102,17 @@ def run_training(
             step += 1
             done_in_epoch += 1
             bar.update(1)
-            if step % settings.log_every_n_steps == 0:
-                logger.log(window.row(step=step, epoch=epoch, lr=optimizer.param_groups[0]["lr"], grad_norm=grad_norm))
+            last_in_epoch = done_in_epoch >= total
+            evaluating = evaluate is not None and (
+                step % settings.eval_every_n_steps == 0 if settings.eval_every_n_steps else last_in_epoch
+            )
+            if evaluating or step % settings.log_every_n_steps == 0:
+                row = window.row(step=step, epoch=epoch, lr=optimizer.param_groups[0]["lr"], grad_norm=grad_norm)
+                if evaluating:
+                    row["val_loss"] = evaluate(model)
+                logger.log(row)
             window = _Window()
-            if done_in_epoch >= total:
+            if last_in_epoch:
                 break
             if settings.save_every_n_steps and step % settings.save_every_n_steps == 0:
                 checkpointer.save(
