@@ -146,6 +146,10 @@ BASE_SCHEMA = Schema(
         "packed": Field(bool, False, help="pack samples into max_seq_len rows; positions restart and attention stays within each sample"),
         "shuffle": Field(bool, True),
         "log_every_n_steps": Field(int, 1, gt=0),
+        "peak_tflops": Field(
+            (float, None), None, gt=0,
+            help="the device's peak TFLOP/s for the logged mfu (null: known GPUs' dense bf16 peak; no mfu elsewhere)",
+        ),
         "enable_activation_checkpointing": Field(bool, False),
         "loss_chunk_tokens": Field(
             (int, None), 1024, gt=0,

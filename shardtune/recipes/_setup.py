@@ -5,6 +5,7 @@ Each function does one setup job from the validated config; recipes call them to
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -34,6 +35,7 @@ from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_en
 from shardtune.peft import apply_lora, init_lora_parameters
 from shardtune.state_dict.comm import agree, normalize_device
 from shardtune.training.evaluate import Evaluator
+from shardtune.training.flops import flops_per_token_fn, peak_tflops
 from shardtune.training.loop import LoopSettings, run_training, steps_per_epoch
 from shardtune.training.metrics import MetricLogger
 from shardtune.training.optim import build_lr_scheduler, build_optimizer
@@ -303,9 +305,14 @@ def train_and_finish(
 ) -> None:
     """The shared loop (metrics to ``<output_dir>/metrics.jsonl``), then the closing message."""
     logger = MetricLogger(cfg.output_dir, enabled=run.is_rank_zero, loggers=tuple(cfg.loggers))
+    settings = dataclasses.replace(
+        loop_settings(cfg),
+        flops_per_token=flops_per_token_fn(model),
+        peak_tflops=peak_tflops(run.device, configured=cfg.peak_tflops),
+    )
     run_training(
         model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=optimizer, lr_scheduler=lr_scheduler,
-        checkpointer=checkpointer, logger=logger, settings=loop_settings(cfg), progress=progress,
+        checkpointer=checkpointer, logger=logger, settings=settings, progress=progress,
         evaluate=build_evaluator(cfg, run, model, tokenizer),
     )
     finish(cfg, run, checkpointer, recipe, logger)

@@ -45,6 +45,8 @@ class LoopSettings:
     log_every_n_steps: int = 1
     save_every_n_steps: int | None = None
     eval_every_n_steps: int | None = None  # with an evaluator; None: at the end of each epoch
+    flops_per_token: Callable[[int], float] | None = None  # seq_len -> model FLOPs per token (training/flops.py)
+    peak_tflops: float | None = None  # the device's peak, for ``mfu``
 
 
 def steps_per_epoch(n_batches: int, settings: LoopSettings) -> int:
@@ -92,6 +94,9 @@ def run_training(
             loss, n_tokens = loss_fn(batch)
             (loss * n_tokens).backward()
             window.add(loss.detach() * n_tokens, n_tokens)
+            if settings.flops_per_token is not None:
+                rows, seq_len = batch["tokens"].shape
+                window.flops += rows * seq_len * settings.flops_per_token(seq_len)
             batches += 1
             if (i + 1) % settings.gradient_accumulation_steps:
                 continue
@@ -107,7 +112,9 @@ def run_training(
                 step % settings.eval_every_n_steps == 0 if settings.eval_every_n_steps else last_in_epoch
             )
             if evaluating or step % settings.log_every_n_steps == 0:
-                row = window.row(step=step, epoch=epoch, lr=optimizer.param_groups[0]["lr"], grad_norm=grad_norm)
+                row = window.row(
+                    step=step, epoch=epoch, lr=optimizer.param_groups[0]["lr"], grad_norm=grad_norm, settings=settings
+                )
                 if evaluating:
                     row["val_loss"] = evaluate(model)
                 logger.log(row)
@@ -164,6 +171,7 @@ class _Window:
     def __init__(self) -> None:
         self.loss_sum: torch.Tensor | None = None  # float64, where the losses are computed
         self.tokens = 0  # this rank's label tokens, counted on the host
+        self.flops = 0.0  # this rank's model FLOPs, from the host batch shapes
         self.global_loss_sum: torch.Tensor | None = None
         self.global_tokens: torch.Tensor | None = None
         self.start = time.perf_counter()
@@ -177,18 +185,22 @@ class _Window:
         """Collective: sums loss and tokens over ranks (one small all-reduce per step, on the
         transfer device; the totals stay there)."""
         device = comm.comm_device(self.loss_sum.device)
+        # torch.full fills on the device: no host-to-device copy the host would wait for
         tokens = torch.full((), float(self.tokens), dtype=torch.float64, device=device)
-        totals = torch.stack([self.loss_sum.to(device), tokens])
+        flops = torch.full((), self.flops, dtype=torch.float64, device=device)
+        totals = torch.stack([self.loss_sum.to(device), tokens, flops])
         if dist.is_initialized():
             dist.all_reduce(totals)
-        self.global_loss_sum, self.global_tokens = totals[0], totals[1]
+        self.global_loss_sum, self.global_tokens, self.global_flops = totals[0], totals[1], totals[2]
 
-    def row(self, *, step: int, epoch: int, lr: float, grad_norm: torch.Tensor | None) -> dict[str, Any]:
-        """The step's metrics; fetches loss, tokens and grad norm from the device in one copy."""
-        values = [self.global_loss_sum, self.global_tokens]
+    def row(
+        self, *, step: int, epoch: int, lr: float, grad_norm: torch.Tensor | None, settings: LoopSettings
+    ) -> dict[str, Any]:
+        """The step's metrics; fetches loss, tokens, FLOPs and grad norm from the device in one copy."""
+        values = [self.global_loss_sum, self.global_tokens, self.global_flops]
         if grad_norm is not None:
             values.append(grad_norm.to(device=self.global_tokens.device, dtype=torch.float64))
-        loss_sum, tokens, *norm = _fetch(torch.stack(values))
+        loss_sum, tokens, flops, *norm = _fetch(torch.stack(values))
         seconds = time.perf_counter() - self.start
         row = {
             "step": step,
@@ -198,6 +210,11 @@ class _Window:
             "tokens_per_second": tokens / max(seconds, 1e-9),
             "peak_memory_mib": peak_memory_mib(),
         }
+        if settings.flops_per_token is not None:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            row["tflops_per_device"] = flops / world / max(seconds, 1e-9) / 1e12
+            if settings.peak_tflops:
+                row["mfu"] = row["tflops_per_device"] / settings.peak_tflops
         if norm:
             row["grad_norm"] = norm[0]
         return row

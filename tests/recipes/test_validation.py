@@ -46,6 +46,7 @@ def test_val_loss_equals_transformers_on_the_checkpoint_of_that_step(tiny_dirs, 
     assert [r["step"] for r in rows] == [2, 3, 4]  # every eval step is logged, plus the logging steps
     assert [("val_loss" in r) for r in rows] == [True, False, True]
     assert "val_loss=" in proc.stdout + proc.stderr
+    assert all(r["tflops_per_device"] > 0 and "mfu" not in r for r in rows)  # no known peak on CPU
 
     cfg = load_config(CONFIG, [*overrides], schema=get_recipe(RECIPE).schema)
     tokenizer = load_tokenizer(cfg.tokenizer, checkpoint_dir=tiny_dirs["base"])

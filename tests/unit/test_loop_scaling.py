@@ -130,7 +130,7 @@ def test_step_on_two_ranks_uses_the_token_mean_of_the_global_batch(monkeypatch):
     initial = copy.deepcopy(model)
 
     def all_reduce(totals):
-        totals += torch.tensor([other_loss.item(), other_tokens], dtype=totals.dtype)
+        totals += torch.tensor([other_loss.item(), other_tokens, 0.0], dtype=totals.dtype)  # loss, tokens, FLOPs
 
     scale = loop._scale_grads
 

@@ -128,7 +128,7 @@ def test_one_fetch_per_logged_step_and_no_other_sync(monkeypatch, log_every):
     monkeypatch.undo()
 
     logged = STEPS // log_every
-    assert fetches == [3] * logged  # loss sum, tokens, grad norm in one copy per logged step
+    assert fetches == [4] * logged  # loss sum, tokens, FLOPs, grad norm in one copy per logged step
     assert set(conversions) == {("training/loop.py", "_fetch"), ("recipes/_setup.py", "label_tokens")}
     assert conversions.count(("training/loop.py", "_fetch")) == logged
     assert len(counted_labels) == STEPS * ACCUMULATE and set(counted_labels) <= loader_labels  # CPU labels

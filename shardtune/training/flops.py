@@ -1,0 +1,69 @@
+"""Model FLOPs of a training step, and the peak a device can do, for ``tflops_per_device`` and ``mfu``.
+
+Rule: model FLOPs, not hardware FLOPs: what one forward and backward of the model need, counted
+from its shape, whatever activation checkpointing recomputes. Per processed token (padding
+included) of a sequence of length ``t``:
+
+* matmuls with weights: forward ``2 N`` and the input gradients ``2 N`` for every weight; the
+  weight gradients ``2 N_trainable`` only for weights that train (a LoRA or QLoRA base's do not).
+  ``N`` counts every weight that multiplies activations: not the embedding lookup, but the
+  output head even when it shares the embedding's weight;
+* attention scores and values: ``12 * layers * heads * head_dim * t`` (forward and backward,
+  no causal halving, as PaLM's and torchtitan's MFU count).
+
+For full fine-tuning this is the usual ``6 N + 12 l h q t``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["PEAK_BF16_TFLOPS", "flops_per_token_fn", "peak_tflops"]
+
+# Dense bf16 tensor-core peaks (TFLOP/s) from the vendors' data sheets, by device name fragment.
+PEAK_BF16_TFLOPS: dict[str, float] = {
+    "H200": 989.5,
+    "H100": 989.5,
+    "H800": 989.5,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.05,
+    "B200": 2250.0,
+}
+
+
+def _weights(model: nn.Module) -> tuple[int, int]:
+    """(N, N_trainable): elements of the weights that multiply activations (see the module doc)."""
+    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    total = trainable = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            tied_head = id(param) in embedding_ids and not isinstance(module, nn.Embedding)
+            if (id(param) in seen and not tied_head) or (id(param) in embedding_ids and not tied_head):
+                continue
+            seen.add(id(param))
+            total += param.numel()
+            trainable += param.numel() if param.requires_grad else 0
+    return total, trainable
+
+
+def flops_per_token_fn(model: nn.Module) -> Callable[[int], float]:
+    """``seq_len -> model FLOPs per token`` of a training step of ``model`` (fwd + bwd)."""
+    weights, trainable = _weights(model)
+    args = model.args
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim
+    return lambda seq_len: 4.0 * weights + 2.0 * trainable + attention * seq_len
+
+
+def peak_tflops(device: torch.device, *, configured: float | None) -> float | None:
+    """The device's peak for ``mfu``: the configured value, else the bf16 table entry of a known GPU."""
+    if configured is not None:
+        return configured
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
