@@ -151,6 +151,9 @@ BASE_SCHEMA = Schema(
             help="the device's peak TFLOP/s for the logged mfu (null: known GPUs' dense bf16 peak; no mfu elsewhere)",
         ),
         "enable_activation_checkpointing": Field(bool, False),
+        "enable_activation_offloading": Field(
+            bool, False, help="keep what each layer saves for backward in pinned CPU memory (copied on a side stream)"
+        ),
         "loss_chunk_tokens": Field(
             (int, None), 1024, gt=0,
             help="tokens per chunk of the output projection + loss (no full-vocabulary logits); null: unchunked",

@@ -23,7 +23,7 @@ from shardtune.checkpoint import Checkpointer, fingerprint
 from shardtune.checkpoint.tiny import create_tiny_base
 from shardtune.config import Config
 from shardtune.data import build_config_dataset, build_dataloader, build_dataset, collate, load_tokenizer
-from shardtune.distributed import device_type, init_distributed, make_mesh, shard_model
+from shardtune.distributed import decoder_layers, device_type, init_distributed, make_mesh, shard_model
 from shardtune.models import (
     HeadLoss,
     ModelArgs,
@@ -34,6 +34,7 @@ from shardtune.models import (
 from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from shardtune.peft import apply_lora, init_lora_parameters
 from shardtune.state_dict.comm import agree, normalize_device
+from shardtune.training.activation_offload import offload_layer_activations
 from shardtune.training.evaluate import Evaluator
 from shardtune.training.flops import flops_per_token_fn, peak_tflops
 from shardtune.training.loop import LoopSettings, run_training, steps_per_epoch
@@ -75,6 +76,11 @@ def _check_parallelism(cfg: Config, *, device: torch.device, world: int) -> None
         raise ValueError(
             "fsdp_cpu_offload: true needs a GPU (FSDP2 offloads from an accelerator); on a CPU-only machine the "
             "params already live in CPU memory: set fsdp_cpu_offload=false"
+        )
+    if cfg.enable_activation_offloading and device.type == "cpu":
+        raise ValueError(
+            "enable_activation_offloading: true moves activations from a GPU to CPU memory, but this run is on "
+            "CPU, where they already are: set enable_activation_offloading=false"
         )
     if world % cfg.data_parallel_replicate:
         raise ValueError(
@@ -167,7 +173,7 @@ def build_model(base_dir: Path, run: Run, cfg: Config, *, lora: Config | None = 
                 target_modules=list(lora.target_modules),
                 quantize_base=lora.quantize_base,
             )
-    return shard_model(
+    shard_model(
         model,
         mesh=make_mesh(replicate=cfg.data_parallel_replicate, device=run.device.type),
         cpu_offload=cfg.fsdp_cpu_offload,
@@ -175,6 +181,9 @@ def build_model(base_dir: Path, run: Run, cfg: Config, *, lora: Config | None = 
         activation_checkpointing=cfg.enable_activation_checkpointing,
         mp_policy=_mixed_precision(cfg),
     )
+    if cfg.enable_activation_offloading:
+        offload_layer_activations(decoder_layers(model))
+    return model
 
 
 def _mixed_precision(cfg: Config) -> MixedPrecisionPolicy | None:

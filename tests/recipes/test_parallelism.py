@@ -108,3 +108,13 @@ def test_cpu_offload_without_a_gpu_is_refused_on_every_rank(tiny_dirs, tmp_path)
     for rank in (0, 1):
         assert f"[rank{rank}]: ValueError: fsdp_cpu_offload: true needs a GPU" in text
     assert "set fsdp_cpu_offload=false" in text
+
+
+def test_activation_offloading_on_cpu_is_refused_with_the_fix(tiny_dirs, tmp_path):
+    cmd = [
+        sys.executable, "-m", "shardtune.cli", "run", "--nproc_per_node", "1", RECIPE, "--config", CONFIG,
+        *_overrides(tiny_dirs, tmp_path / "off", "enable_activation_offloading=true"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode != 0
+    assert "set enable_activation_offloading=false" in proc.stdout + proc.stderr
