@@ -105,12 +105,15 @@ def shard_model(
     reshard_after_forward: bool = True,
     activation_checkpointing: bool = False,
     mp_policy: MixedPrecisionPolicy | None = None,
+    compile: bool = False,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2: each decoder layer, then the root (embeddings, norm, lm_head).
 
     Works on meta-device models (follow with ``load_from_full_model_state_dict``). A 2-D
     ``mesh`` gives HSDP (replicate x shard). ``activation_checkpointing`` wraps each layer
-    first; state-dict names are unchanged by it. Returns the same (now sharded) model.
+    first; state-dict names are unchanged by it. ``compile`` then compiles each layer in place
+    (``nn.Module.compile``, so names stay too) before it is sharded, as torchtitan orders it.
+    Returns the same (now sharded) model.
 
     On a mesh whose shard dimension has one rank, NF4 params stay plain (FSDP2 ignores them):
     FSDP2 then skips its all-gather and rebuilds each param from the first all-gather input
@@ -130,6 +133,8 @@ def shard_model(
         if activation_checkpointing:
             layer = checkpoint_wrapper(layer)
             layers[i] = layer
+        if compile:
+            layer.compile()
         fully_shard(layer, **options)
     fully_shard(model, **options)
     return model

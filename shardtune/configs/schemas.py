@@ -158,6 +158,9 @@ BASE_SCHEMA = Schema(
             (int, None), 1024, gt=0,
             help="tokens per chunk of the output projection + loss (no full-vocabulary logits); null: unchunked",
         ),
+        "compile": Field(
+            bool, False, help="torch.compile each decoder layer and the loss's chunks (first steps are slower)"
+        ),
         "mixed_precision": Field(
             bool, False,
             help="keep fp32 master weights, optimizer state and gradient reduction; compute in `dtype` (bf16)",

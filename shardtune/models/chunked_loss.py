@@ -17,6 +17,7 @@ returns a **sum** over the trained tokens in fp32 (divide by the token count for
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -58,6 +59,11 @@ def _ce_sum(hidden: Tensor, labels: Tensor, head: Head, ignore_index: int) -> Te
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
 
 
+@functools.cache
+def _compiled_ce_sum() -> Callable[..., Tensor]:
+    return torch.compile(_ce_sum)
+
+
 def chunked_cross_entropy(
     hidden: Tensor,
     head: Head,
@@ -65,16 +71,19 @@ def chunked_cross_entropy(
     *,
     chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
     ignore_index: int = -100,
+    compile: bool = False,
 ) -> Tensor:
     """Sum of the cross-entropy of ``head(hidden)`` against ``labels`` (``[..., d]`` and ``[...]``).
 
-    ``chunk_tokens=None`` computes it in one piece (full logits, no recomputation)."""
+    ``chunk_tokens=None`` computes it in one piece (full logits, no recomputation); ``compile``
+    runs each chunk's head and loss through ``torch.compile`` (one graph for every full chunk)."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} do not line up")
     h, y = _rows(hidden), labels.reshape(-1)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start, end in _chunks(h.shape[0], chunk_tokens):
-        total = total + _run(_ce_sum, chunk_tokens is not None, h[start:end], y[start:end], head, ignore_index)
+        fn = _compiled_ce_sum() if compile else _ce_sum
+        total = total + _run(fn, chunk_tokens is not None, h[start:end], y[start:end], head, ignore_index)
     return total
 
 

@@ -180,6 +180,7 @@ def build_model(base_dir: Path, run: Run, cfg: Config, *, lora: Config | None = 
         reshard_after_forward=cfg.reshard_after_forward,
         activation_checkpointing=cfg.enable_activation_checkpointing,
         mp_policy=_mixed_precision(cfg),
+        compile=cfg.compile,
     )
     if cfg.enable_activation_offloading:
         offload_layer_activations(decoder_layers(model))
@@ -290,22 +291,26 @@ def on_device(batch: dict[str, torch.Tensor], run: Run) -> tuple[torch.Tensor, t
     )
 
 
-def next_token_loss(model: nn.Module, run: Run, *, chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS):
+def next_token_loss(
+    model: nn.Module, run: Run, *, chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, compile: bool = False
+):
     """``loss_fn`` for the loop: next-token cross-entropy of ``model`` on a batch, computed from the
     final hidden states in chunks of ``chunk_tokens`` (None: from full logits)."""
 
     def loss_fn(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         tokens, labels, positions = on_device(batch, run)
         n_tokens = label_tokens(batch["labels"])
-        loss_sum = model(tokens, position_ids=positions, head_loss=next_token_head_loss(labels, chunk_tokens))
+        loss_sum = model(tokens, position_ids=positions, head_loss=next_token_head_loss(labels, chunk_tokens, compile))
         return loss_sum / max(n_tokens, 1), n_tokens
 
     return loss_fn
 
 
-def next_token_head_loss(labels: torch.Tensor, chunk_tokens: int | None) -> HeadLoss:
+def next_token_head_loss(labels: torch.Tensor, chunk_tokens: int | None, compile: bool = False) -> HeadLoss:
     """The model's ``head_loss``: summed cross-entropy where hidden state t predicts label t+1."""
-    return lambda hidden, head: chunked_cross_entropy(hidden[:, :-1], head, labels[:, 1:], chunk_tokens=chunk_tokens)
+    return lambda hidden, head: chunked_cross_entropy(
+        hidden[:, :-1], head, labels[:, 1:], chunk_tokens=chunk_tokens, compile=compile
+    )
 
 
 def train_and_finish(

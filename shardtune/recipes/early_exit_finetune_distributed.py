@@ -59,7 +59,7 @@ def recipe_main(cfg: Config) -> None:
         tokens, labels, positions = setup.on_device(batch, run)
         n_tokens = setup.label_tokens(batch["labels"])
         exits = active_layers(candidates, cfg.early_exit.curriculum, sched.last_epoch, total_steps)
-        head_loss = setup.next_token_head_loss(labels, cfg.loss_chunk_tokens)
+        head_loss = setup.next_token_head_loss(labels, cfg.loss_chunk_tokens, cfg.compile)
         loss_sum, by_layer = model(tokens, position_ids=positions, output_hidden_states=exits, head_loss=head_loss)
         if by_layer:
             ids = sorted(by_layer)

@@ -144,3 +144,18 @@ def test_qlora_model_loads_sharded_nf4(pool2):
     res = pool2.run_ok(_qlora_round_trip)
     assert res[0]["q_equal"] and res[0]["missing_lora_only"]
     assert res[0]["nf4"] == res[1]["nf4"] == "NF4Tensor"
+
+
+def _compiled_layers_keep_their_names():
+    with torch.device("meta"):
+        model = build_model("tiny", dtype=torch.float32)
+    names = list(model.state_dict())
+    shard_model(model, activation_checkpointing=True, compile=True)
+    compiled = [getattr(layer, "_compiled_call_impl", None) is not None for layer in model.model.layers]
+    return compiled, list(model.state_dict()) == names
+
+
+def test_compile_compiles_every_layer_in_place(pool2):
+    for compiled, same_names in pool2.run_ok(_compiled_layers_keep_their_names):
+        assert compiled and all(compiled)
+        assert same_names

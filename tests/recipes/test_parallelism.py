@@ -5,6 +5,7 @@ refusal of ``fsdp_cpu_offload`` without a GPU. (CPU offload itself runs in tests
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -118,3 +119,14 @@ def test_activation_offloading_on_cpu_is_refused_with_the_fix(tiny_dirs, tmp_pat
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode != 0
     assert "set enable_activation_offloading=false" in proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None, reason="torch.compile on CPU needs a C++ compiler"
+)
+def test_compiled_layers_and_loss_train_like_eager(plain, tiny_dirs, tmp_path):
+    out = tmp_path / "compiled"
+    run_recipe(RECIPE, CONFIG, *_overrides(tiny_dirs, out, "compile=true"), timeout=600)
+    want, got = losses(plain), losses(out)
+    assert sorted(got) == sorted(want)
+    assert [got[s] for s in got] == pytest.approx([want[s] for s in got], rel=1e-4)
