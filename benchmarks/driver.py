@@ -1,6 +1,6 @@
 """The driver every benchmark script shares: its command line, its runs, its BENCHMARKS.md section.
 
-A benchmark script (``state_dict``, ``checkpoint``, ``checksums``) says *what* it measures:
+A benchmark script (``state_dict``, ``checkpoint``, ``checksums``, ``io_choices``) says *what* it measures:
 its steps (run inside rank processes) and its tables. This module does the rest, the same
 way for all of them:
 
