@@ -10,35 +10,36 @@ Three jobs, reusable by any benchmark in this package:
   (torchrun-like environment, gloo on 127.0.0.1 or NCCL on GPUs, a free port) and returns what each
   rank returned, and :func:`drop_page_cache` evicts a file for cold-cache runs.
 
+What to run, in which order, and where the results go is :mod:`benchmarks.driver`'s job.
+
 Run as ``python -m benchmarks._measure SPEC RANK``: that is the per-rank entry point
 used by :func:`spawn_ranks`; it is not meant to be called by hand.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import gc
 import importlib
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from benchmarks._fixtures import SIZES
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 DEVICE_ENV = "SHARDTUNE_BENCH_DEVICE"  # "cpu" or "cuda", set by spawn_ranks for its ranks
 _STATUS_FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
@@ -95,7 +96,7 @@ class RssSampler:
             self._sample()
             time.sleep(self.interval_s)
 
-    def __enter__(self) -> RssSampler:
+    def __enter__(self) -> Self:
         self._sample()
         self._thread.start()
         return self
@@ -175,16 +176,6 @@ def measure_step(
 # --------------------------------------------------------------------------- files
 
 
-def rotated(items: list, shift: int) -> list:
-    """``items`` started at position ``shift`` (wrapping): repeat ``k`` runs the methods in
-    this order, so over the repeats no method always runs first or right after the same one
-    (the memory a previous run freed, or its page-cache traffic, can slow the next)."""
-    if not items:
-        return []
-    k = shift % len(items)
-    return items[k:] + items[:k]
-
-
 def drop_page_cache(path: str | os.PathLike[str]) -> None:
     """Evict ``path`` from the page cache (``POSIX_FADV_DONTNEED``) for a cold run."""
     fd = os.open(path, os.O_RDONLY)
@@ -203,66 +194,7 @@ def warm_page_cache(path: str | os.PathLike[str], *, chunk_bytes: int = 64 << 20
             pass
 
 
-# --------------------------------------------------------------------------- command line
-
-
-def parse_run_options(
-    argv: list[str] | None,
-    *,
-    module: str,
-    description: str,
-    groups: Iterable[str],
-    cold_help: str,
-    smoke_help: str,
-    add_options: Callable[[argparse.ArgumentParser], None] | None = None,
-) -> tuple[argparse.Namespace, dict[str, Any]]:
-    """The options every benchmark script takes: the parsed namespace and the common fields of
-    its ``Config`` (``--smoke`` means tiny, 1 repeat, a short timeout and no BENCHMARKS.md)."""
-    names = list(groups)
-    p = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
-    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--groups", default=",".join(names), help="comma list of " + ",".join(names))
-    p.add_argument("--cold", action="store_true", help=cold_help)
-    p.add_argument("--smoke", action="store_true", help=smoke_help)
-    p.add_argument("--bench-dir", type=Path, default=_REPO_ROOT / "bench_out")
-    p.add_argument("--markdown", type=Path, default=_REPO_ROOT / "BENCHMARKS.md")
-    p.add_argument("--no-markdown", action="store_true")
-    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
-    if add_options is not None:
-        add_options(p)
-    a = p.parse_args(argv)
-    chosen = tuple(g for g in a.groups.split(",") if g)
-    if unknown := set(chosen) - set(names):
-        p.error(f"unknown groups {sorted(unknown)}")
-    return a, {
-        "size": "tiny" if a.smoke else a.size,
-        "world": a.world,
-        "repeats": 1 if a.smoke else a.repeats,
-        "groups": chosen,
-        "cold": a.cold,
-        "bench_dir": a.bench_dir.resolve(),
-        "markdown": None if (a.smoke or a.no_markdown) else a.markdown,
-        "timeout_s": 120.0 if a.smoke else a.timeout,
-        "command": f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv),
-    }
-
-
 # --------------------------------------------------------------------------- processes
-
-
-def snapshot_sources(dest: Path, *, packages: tuple[str, ...] = ("shardtune", "benchmarks")) -> Path:
-    """Copy ``packages`` from the repo root to ``dest`` (replacing it) and return ``dest``.
-
-    Ranks started with ``root=dest`` import the copy, so edits made to the working tree
-    while a long benchmark runs cannot mix code versions between runs.
-    """
-    if dest.exists():
-        shutil.rmtree(dest)
-    for package in packages:
-        shutil.copytree(_REPO_ROOT / package, dest / package, ignore=shutil.ignore_patterns("__pycache__"))
-    return dest
 
 
 class RankFailure(RuntimeError):
@@ -395,21 +327,3 @@ def _rank_main(spec_path: str, rank: int) -> None:
 
 if __name__ == "__main__":
     _rank_main(sys.argv[1], int(sys.argv[2]))
-
-
-def write_markdown_section(path: Path, section: str, *, begin: str, end: str) -> None:
-    """Replace (or append) the ``begin``/``end``-marked section of ``path``; the rest is kept.
-
-    Written to a temporary file and renamed, so an interrupted run leaves the old file intact.
-    """
-    block = f"{begin}\n{section}\n{end}"
-    text = path.read_text() if path.exists() else "# shardtune benchmarks\n"
-    if begin in text and end in text:
-        head, _, rest = text.partition(begin)
-        _, _, tail = rest.partition(end)
-        text = head + block + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)

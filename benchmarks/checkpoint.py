@@ -34,17 +34,14 @@ too, and the results replace the ``checkpoint-cuda`` section instead.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +49,7 @@ import torch
 
 from benchmarks._checkpoint_steps import HF_WEIGHTS, STEPS, hf_storage_reader, model_args
 from benchmarks._fixtures import DTYPE, SIZES, write_random_safetensors
+from benchmarks._measure import spawn_ranks
 from benchmarks._report import (
     CONTRACT_MIN_BYTES,
     GIB,
@@ -59,20 +57,24 @@ from benchmarks._report import (
     fmt_ranks,
     largest_tensor_bytes,
     model_bytes,
-    ram_bytes,
     summarize_runs,
 )
-from benchmarks._measure import (
-    RankFailure,
-    drop_page_cache,
+from benchmarks.driver import (
+    MEMORY_COLUMNS,
+    Options,
+    Run,
+    environment_lines,
+    failed,
+    finish,
     parse_run_options,
+    progress,
     rotated,
-    spawn_ranks,
-    warm_page_cache,
-    write_markdown_section,
+    set_page_cache,
+    sources_fingerprint,
+    try_spawn,
+    write_runs,
 )
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 MARKERS = {
     "cpu": ("<!-- checkpoint:begin -->", "<!-- checkpoint:end -->"),
     "cuda": ("<!-- checkpoint-cuda:begin -->", "<!-- checkpoint-cuda:end -->"),
@@ -84,31 +86,11 @@ BACKGROUND = ("shardtune_async", "dcp_async", "shardtune_async_2nd", "dcp_async_
 
 
 @dataclass(frozen=True, kw_only=True)
-class Config:
+class Config(Options):
     """Command-line options."""
 
-    size: str
-    world: int
-    repeats: int
-    groups: tuple[str, ...]
-    cold: bool
-    bench_dir: Path
-    markdown: Path | None
-    timeout_s: float
-    command: str
     load_rounds: int = 1
     device: str = "cpu"
-
-
-@dataclass
-class Run:
-    """One method, one round of its group: every rank's record, or the failure."""
-
-    group: str
-    method: str
-    repeat: int  # the group's round: the repeat, or with several load rounds per repeat, their count
-    ranks: list[dict[str, Any]] = field(default_factory=list)
-    error: str | None = None
 
 
 @dataclass
@@ -126,24 +108,35 @@ class Group:
 def parse_args(argv: list[str] | None = None) -> Config:
     """Parse the command line into a :class:`Config`."""
     a, common = parse_run_options(
-        argv, module="benchmarks.checkpoint", description=__doc__.split("\n")[0], groups=STEPS,
+        argv,
+        module="benchmarks.checkpoint",
+        description=__doc__.split("\n")[0],
+        groups=STEPS,
         cold_help="posix_fadvise(DONTNEED) the files a run reads before it",
         smoke_help="tiny, 1 repeat, no BENCHMARKS.md (CI)",
         add_options=_add_options,
     )
     if a.device == "cuda" and a.world > torch.cuda.device_count():
-        raise SystemExit(f"--device cuda --world {a.world}: this machine has {torch.cuda.device_count()} GPUs "
-                         "(one per rank); lower --world")
+        raise SystemExit(
+            f"--device cuda --world {a.world}: this machine has {torch.cuda.device_count()} GPUs "
+            "(one per rank); lower --world"
+        )
     return Config(**common, load_rounds=1 if a.smoke else a.load_rounds, device=a.device)
 
 
 def _add_options(p: Any) -> None:
     p.add_argument(
-        "--load-rounds", type=int, default=2,
+        "--load-rounds",
+        type=int,
+        default=2,
         help="times the load group runs in each repeat (its ~1 s runs swing most with the machine's slow spells)",
     )
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where the ranks hold the model: cpu (gloo) or cuda (NCCL, one GPU per rank)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the ranks hold the model: cpu (gloo) or cuda (NCCL, one GPU per rank)",
+    )
 
 
 def resume_size(size: str) -> str:
@@ -169,11 +162,7 @@ def files_under(path: Path) -> list[Path]:
 
 def shardtune_fingerprint() -> str:
     """Short sha256 of the shardtune sources the benchmark exercises, to detect edits mid-run."""
-    digest = hashlib.sha256()
-    for sub in ("state_dict", "checkpoint"):
-        for path in sorted((REPO_ROOT / "shardtune" / sub).glob("*.py")):
-            digest.update(f"{sub}/{path.name}".encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:12]
+    return sources_fingerprint(("state_dict", "checkpoint"))
 
 
 def prepare(cfg: Config) -> tuple[dict[str, Group], list[str]]:
@@ -182,8 +171,10 @@ def prepare(cfg: Config) -> tuple[dict[str, Group], list[str]]:
     for group in cfg.groups:
         size = resume_size(cfg.size) if group == "resume" else cfg.size
         if size != cfg.size:
-            notes.append(f"resume runs at {size}: at {cfg.size} params + grads + 2 AdamW states would need "
-                         f"~{(4 * model_bytes(cfg.size) + (2 << 30)) / GIB:.0f} GiB > {RESUME_MEMORY_LIMIT / GIB:.0f} GiB")
+            notes.append(
+                f"resume runs at {size}: at {cfg.size} params + grads + 2 AdamW states would need "
+                f"~{(4 * model_bytes(cfg.size) + (2 << 30)) / GIB:.0f} GiB > {RESUME_MEMORY_LIMIT / GIB:.0f} GiB"
+            )
         hf = hf_dir(cfg.bench_dir, size)
         paths = {"hf_dir": str(hf)}
         reads: dict[str, list[Path]] = {}
@@ -206,12 +197,19 @@ def setup_resume(cfg: Config, size: str, paths: dict[str, str]) -> list[str]:
     """Write both resume checkpoints from one stepped state (untimed); notes on what happened."""
     shutil.rmtree(Path(paths["resume_dir"]).parent, ignore_errors=True)
     start = time.perf_counter()
-    ranks = spawn_ranks("benchmarks._checkpoint_steps:setup_resume", world=cfg.world,
-                        kwargs={"size": size, "paths": paths}, timeout_s=cfg.timeout_s, device=cfg.device)
+    ranks = spawn_ranks(
+        "benchmarks._checkpoint_steps:setup_resume",
+        world=cfg.world,
+        kwargs={"size": size, "paths": paths},
+        timeout_s=cfg.timeout_s,
+        device=cfg.device,
+    )
     bad = [f"r{r['rank']}: {r['verify']}" for r in ranks if r["verify"] != "ok"]
-    print(f"resume setup ({size}): {time.perf_counter() - start:.1f} s, Checkpointer.save "
-          f"{max(r['checkpointer_save_s'] for r in ranks):.2f} s, dcp.save {max(r['dcp_save_s'] for r in ranks):.2f} s",
-          file=sys.stderr)
+    print(
+        f"resume setup ({size}): {time.perf_counter() - start:.1f} s, Checkpointer.save "
+        f"{max(r['checkpointer_save_s'] for r in ranks):.2f} s, dcp.save {max(r['dcp_save_s'] for r in ranks):.2f} s",
+        file=sys.stderr,
+    )
     if bad:
         return [f"resume setup: shardtune's saved checkpoint differs from the live state ({'; '.join(bad)})"]
     return []
@@ -251,25 +249,19 @@ def _run_round(cfg: Config, g: Group, group: str, index: int) -> list[Run]:
         if group == "save":
             paths["out_dir"] = paths[f"out_dir:{method}"]
             shutil.rmtree(paths["out_dir"], ignore_errors=True)
-        for path in g.reads[method]:
-            drop_page_cache(path) if cfg.cold and group != "save" else warm_page_cache(path)
+        set_page_cache(g.reads[method], cold=cfg.cold and group != "save")
         os.sync()  # no dirty pages of earlier runs (or other work) left to write back during this one
         kwargs = {"group": group, "method": method, "size": g.size, "paths": paths}
-        try:
-            run.ranks = spawn_ranks("benchmarks._checkpoint_steps:run", world=cfg.world,
-                                    kwargs=kwargs, timeout_s=cfg.timeout_s, device=cfg.device)
-        except RankFailure as e:
-            run.error = str(e)
-        print(f"[{index + 1}/{total}] {group}/{method}: " + _one_line(run), file=sys.stderr)
+        run.ranks, run.error = try_spawn(
+            "benchmarks._checkpoint_steps:run",
+            world=cfg.world,
+            kwargs=kwargs,
+            timeout_s=cfg.timeout_s,
+            device=cfg.device,
+        )
+        progress(run, total=total)
         runs.append(run)
     return runs
-
-
-def _one_line(run: Run) -> str:
-    if run.error:
-        return "FAILED: " + run.error.strip().splitlines()[-1][:300]
-    times = [r["measurement"]["seconds"] for r in run.ranks]
-    return f"{max(times):.3f} s, verify " + ",".join(r["verify"] for r in run.ranks)
 
 
 # --------------------------------------------------------------------------- analytic bytes
@@ -278,10 +270,15 @@ def _one_line(run: Run) -> str:
 def analytic_bytes(group: str, method: str, size: str, world: int) -> tuple[list[int], list[int], str] | None:
     """(received per rank, sent per rank, how) for the baselines, from the algorithm's messages."""
     recv, sent = [0] * world, [0] * world
-    kind = {("load", "dsd_broadcast"): "broadcast", ("load", "torchtune_distribute"): "scatter",
-            ("save", "dsd"): "all_gather", ("save", "dcp_async"): "own_writes", ("save", "dcp_async_2nd"): "own_writes",
-            ("load", "dcp_hf_reader"): "none",
-            ("resume", "dsd"): "none"}.get((group, method))
+    kind = {
+        ("load", "dsd_broadcast"): "broadcast",
+        ("load", "torchtune_distribute"): "scatter",
+        ("save", "dsd"): "all_gather",
+        ("save", "dcp_async"): "own_writes",
+        ("save", "dcp_async_2nd"): "own_writes",
+        ("load", "dcp_hf_reader"): "none",
+        ("resume", "dsd"): "none",
+    }.get((group, method))
     if kind is None:
         return None
     for shape in SIZES[size].param_shapes().values():
@@ -297,11 +294,13 @@ def analytic_bytes(group: str, method: str, size: str, world: int) -> tuple[list
             elif kind == "all_gather":  # DTensor.full_tensor(): padded all-gather on every rank
                 recv[r] += (world - 1) * chunk * row
                 sent[r] += (world - 1) * chunk * row
-    how = {"broadcast": "analytic: broadcast of every full tensor",
-           "scatter": "analytic: distribute_tensor scatter from rank 0",
-           "all_gather": "analytic: full_tensor() all-gather on every rank",
-           "none": "analytic: each rank reads its own chunks from the files; only plans (objects) are exchanged",
-           "own_writes": "analytic: each rank writes its own shards; only plans (objects) are exchanged"}[kind]
+    how = {
+        "broadcast": "analytic: broadcast of every full tensor",
+        "scatter": "analytic: distribute_tensor scatter from rank 0",
+        "all_gather": "analytic: full_tensor() all-gather on every rank",
+        "none": "analytic: each rank reads its own chunks from the files; only plans (objects) are exchanged",
+        "own_writes": "analytic: each rank writes its own shards; only plans (objects) are exchanged",
+    }[kind]
     return recv, sent, how
 
 
@@ -321,8 +320,9 @@ def summarize(group: str, method: str, runs: list[Run], size: str, world: int) -
     if method in BACKGROUND:
         row["background_s"] = statistics.median(max(rk["background_s"] for rk in r.ranks) for r in ok)
     if ok[0].ranks[0]["measurement"].get("cuda_peak_delta") is not None:
-        row["cuda_peak"] = [statistics.median(r.ranks[i]["measurement"]["cuda_peak_delta"] for r in ok)
-                            for i in range(world)]
+        row["cuda_peak"] = [
+            statistics.median(r.ranks[i]["measurement"]["cuda_peak_delta"] for r in ok) for i in range(world)
+        ]
     return row
 
 
@@ -361,12 +361,19 @@ def render_group(group: str, rows: list[dict[str, Any]]) -> str:
     own = next((r["own_shard_bytes"] for r in rows if "own_shard_bytes" in r), None)
     what = "params + exp_avg + exp_avg_sq" if group == "resume" else "params"
     extra = " | × DCP-HF" if group == "load" else ""
-    lines = [f"**{TITLES[group]}** (size {size}; own shard per rank ({what}) {fmt_ranks(own)}, "
-             f"largest tensor {fmt_bytes(largest_tensor_bytes(size))})", "",
-             f"| method | median s (runs) | × DSD{extra} | peak RssAnon Δ (r0 / r1) | held at peak | own + largest"
-             " | contract ≤ 1.1× | baseline RssAnon | VmHWM | peak RssFile | recv bytes | r0 sent | bytes obtained by"
-             " | verify |",
-             "|---|---|---|" + ("---|" if extra else "") + "---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            f"**{TITLES[group]}** (size {size}; own shard per rank ({what}) {fmt_ranks(own)}, "
+            f"largest tensor {fmt_bytes(largest_tensor_bytes(size))})"
+        ),
+        "",
+        (
+            f"| method | median s (runs) | × DSD{extra} | peak RssAnon Δ (r0 / r1) | held at peak | own + largest"
+            " | contract ≤ 1.1× | baseline RssAnon | VmHWM | peak RssFile | recv bytes | r0 sent | bytes obtained by"
+            " | verify |"
+        ),
+        "|---|---|---|" + ("---|" if extra else "") + "---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "seconds" not in r:
             reason = r["errors"][0].strip().splitlines()[0][:160] if r["errors"] else "failed"
@@ -385,12 +392,19 @@ def render_group(group: str, rows: list[dict[str, Any]]) -> str:
         )
     cuda = [f"`{r['method']}` {fmt_ranks(r['cuda_peak'])}" for r in rows if "cuda_peak" in r]
     if cuda:
-        lines += ["", "CUDA peak allocated above the pre-step level (`torch.cuda.max_memory_allocated`, per rank): "
-                  + ", ".join(cuda) + "."]
+        lines += [
+            "",
+            "CUDA peak allocated above the pre-step level (`torch.cuda.max_memory_allocated`, per rank): "
+            + ", ".join(cuda)
+            + ".",
+        ]
     background = [f"`{r['method']}` {r['background_s']:.2f} s" for r in rows if "background_s" in r]
     if background:
-        lines += ["", "Background saves: the time above is the blocking half (what training waits for); writing "
-                  "the staged copy then took (median, slowest rank, nothing else running) " + ", ".join(background) + "."]
+        lines += [
+            "",
+            "Background saves: the time above is the blocking half (what training waits for); writing "
+            "the staged copy then took (median, slowest rank, nothing else running) " + ", ".join(background) + ".",
+        ]
     return "\n".join(lines)
 
 
@@ -410,6 +424,7 @@ def paired_ratios(a: dict[str, Any], b: dict[str, Any]) -> list[float] | None:
 
 def render_targets(rows: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
     """The issue's targets, each with the measured value and met / MISSED."""
+
     def sec(g: str, m: str) -> float | None:
         return rows.get((g, m), {}).get("seconds")
 
@@ -422,8 +437,13 @@ def render_targets(rows: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
             return
         ok = sa <= limit * sb
         per_repeat = paired_ratios(rows[a], rows[b])
-        spread = "" if per_repeat is None else (
-            f" (per round: {', '.join(f'{x:.2f}' for x in per_repeat)}; median {statistics.median(per_repeat):.2f})")
+        spread = (
+            ""
+            if per_repeat is None
+            else (
+                f" (per round: {', '.join(f'{x:.2f}' for x in per_repeat)}; median {statistics.median(per_repeat):.2f})"
+            )
+        )
         out.append(f"| {label} | {sa:.3f} s / {sb:.3f} s = {sa / sb:.2f}{spread} | {'met' if ok else '**MISSED**'} |")
 
     def memory_line(label: str, key: tuple[str, str], ranks: list[int] | None) -> None:
@@ -437,126 +457,178 @@ def render_targets(rows: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
         mark = "—" if verdict.startswith("n/a") else ("met" if verdict == "yes" else "**MISSED**")
         out.append(f"| {label} | {measured} | {mark} |")
 
-    ratio_line("load time ≤ 0.5 × DSD (shardtune_direct / dsd_broadcast)", ("load", "shardtune_direct"),
-               ("load", "dsd_broadcast"), 0.5)
-    ratio_line("load time ≤ 0.9 × DCP HF reader (shardtune_direct / dcp_hf_reader)", ("load", "shardtune_direct"),
-               ("load", "dcp_hf_reader"), 0.9)
-    memory_line("load: every rank's peak ≤ 1.1 × (own shard + largest tensor) (shardtune_direct)",
-                ("load", "shardtune_direct"), None)
+    ratio_line(
+        "load time ≤ 0.5 × DSD (shardtune_direct / dsd_broadcast)",
+        ("load", "shardtune_direct"),
+        ("load", "dsd_broadcast"),
+        0.5,
+    )
+    ratio_line(
+        "load time ≤ 0.9 × DCP HF reader (shardtune_direct / dcp_hf_reader)",
+        ("load", "shardtune_direct"),
+        ("load", "dcp_hf_reader"),
+        0.9,
+    )
+    memory_line(
+        "load: every rank's peak ≤ 1.1 × (own shard + largest tensor) (shardtune_direct)",
+        ("load", "shardtune_direct"),
+        None,
+    )
     direct = rows.get(("load", "shardtune_direct"), {})
     if "recv" in direct:
         zero = not any(direct["recv"]) and not any(direct["sent"])
-        out.append(f"| load: zero bytes over collectives (shardtune_direct, counted) | recv {fmt_ranks(direct['recv'])}, "
-                   f"sent {fmt_ranks(direct['sent'])} | {'met' if zero else '**MISSED**'} |")
+        out.append(
+            f"| load: zero bytes over collectives (shardtune_direct, counted) | recv {fmt_ranks(direct['recv'])}, "
+            f"sent {fmt_ranks(direct['sent'])} | {'met' if zero else '**MISSED**'} |"
+        )
     ratio_line("save time ≤ 0.5 × DSD (shardtune / dsd)", ("save", "shardtune"), ("save", "dsd"), 0.5)
     memory_line("save: rank-0 peak ≤ 1.1 × (own shard + largest tensor) (shardtune)", ("save", "shardtune"), [0])
-    memory_line("save without a shared filesystem: rank-0 peak ≤ 1.1 × (own shard + largest tensor) (shardtune_rank0)",
-                ("save", "shardtune_rank0"), [0])
+    memory_line(
+        "save without a shared filesystem: rank-0 peak ≤ 1.1 × (own shard + largest tensor) (shardtune_rank0)",
+        ("save", "shardtune_rank0"),
+        [0],
+    )
     return out
 
 
 def _load_rounds_text(cfg: Config) -> str:
     if "load" not in cfg.groups or cfg.load_rounds == 1:
         return ""
-    return (f"the load group runs {cfg.load_rounds} rounds per repeat ({cfg.repeats * cfg.load_rounds} runs per "
-            "method: its runs take ~1 s, so one slow spell of the machine moves a median of few runs), the others one; ")
+    return (
+        f"the load group runs {cfg.load_rounds} rounds per repeat ({cfg.repeats * cfg.load_rounds} runs per "
+        "method: its runs take ~1 s, so one slow spell of the machine moves a median of few runs), the others one; "
+    )
 
 
 def _accelerator_text(cfg: Config) -> str:
     if cfg.device == "cuda":
-        return (f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}; models on the GPUs, NCCL alone "
-                f"(CUDA {torch.version.cuda})")
+        return (
+            f"{torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}; models on the GPUs, NCCL alone "
+            f"(CUDA {torch.version.cuda})"
+        )
     return "no GPU; gloo on 127.0.0.1"
 
 
-def render_report(cfg: Config, groups: dict[str, Group], tables: list[str], targets: list[str], notes: list[str], *,
-                  load_avg: tuple[tuple[float, ...], tuple[float, ...]], fingerprint: str) -> str:
+def render_report(
+    cfg: Config,
+    groups: dict[str, Group],
+    tables: list[str],
+    targets: list[str],
+    notes: list[str],
+    *,
+    load_avg: tuple[float, float],
+    fingerprint: str,
+) -> str:
     """The Markdown section (without begin/end markers)."""
-    import safetensors
-
     shape = SIZES[cfg.size]
-    cache = ("cold (POSIX_FADV_DONTNEED on the files a run reads, just before it)" if cfg.cold
-             else "warm (the files a run reads are read once just before it, untimed)")
-    reader = "available (`torch.distributed.checkpoint.HuggingFaceStorageReader`)" if hf_storage_reader() else \
-        "**not available** in this torch"
+    cache = (
+        "cold (POSIX_FADV_DONTNEED on the files a run reads, just before it)"
+        if cfg.cold
+        else "warm (the files a run reads are read once just before it, untimed)"
+    )
+    reader = (
+        "available (`torch.distributed.checkpoint.HuggingFaceStorageReader`)"
+        if hf_storage_reader()
+        else "**not available** in this torch"
+    )
     sizes = sorted({(g, v.size) for g, v in groups.items()})
     env = [
-        f"- Command: `{cfg.command}`",
-        f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}; torch {torch.__version__}, "
-        f"safetensors {safetensors.__version__}, Python {platform.python_version()}",
-        f"- Machine: {os.cpu_count()} CPU cores, {ram_bytes() / GIB:.1f} GiB RAM, {_accelerator_text(cfg)}, "
-        f"OMP_NUM_THREADS=1 per rank (as torchrun sets); 1-min load average {load_avg[0][0]:.2f} before, "
-        f"{load_avg[1][0]:.2f} after (the machine is shared)",
-        f"- Model: `{cfg.size}` = {shape} → {shape.num_params() / 1e9:.3f} B params, "
-        f"{fmt_bytes(model_bytes(cfg.size))} bf16; `shardtune.models.LlamaForCausalLM` built on meta (bf16), "
-        f"`shardtune.distributed.shard_model` (FSDP2 per decoder layer, then the root), 1-D mesh of {cfg.world} "
-        "ranks (Shard(0))",
+        *environment_lines(cfg.command, load_avg=load_avg, accelerator=_accelerator_text(cfg)),
+        (
+            f"- Model: `{cfg.size}` = {shape} → {shape.num_params() / 1e9:.3f} B params, "
+            f"{fmt_bytes(model_bytes(cfg.size))} bf16; `shardtune.models.LlamaForCausalLM` built on meta (bf16), "
+            f"`shardtune.distributed.shard_model` (FSDP2 per decoder layer, then the root), 1-D mesh of {cfg.world} "
+            "ranks (Shard(0))"
+        ),
         "- Sizes per group: " + ", ".join(f"{g} `{s}`" for g, s in sizes),
-        "- Checkpoint: HF directory (`config.json` + one `model.safetensors`, seeded random bf16, "
-        "`--bench-dir`/`hf_<size>/`)",
+        (
+            "- Checkpoint: HF directory (`config.json` + one `model.safetensors`, seeded random bf16, "
+            "`--bench-dir`/`hf_<size>/`)"
+        ),
         f"- shardtune: sha256 of `shardtune/{{state_dict,checkpoint}}/*.py` = `{fingerprint}`; DCP HF reader {reader}",
-        f"- World {cfg.world}, {cfg.repeats} repeats, groups interleaved, methods interleaved, their order rotated by "
-        f"one each round; {_load_rounds_text(cfg)}every run in fresh processes; page cache **{cache}**",
+        (
+            f"- World {cfg.world}, {cfg.repeats} repeats, groups interleaved, methods interleaved, their order rotated by "
+            f"one each round; {_load_rounds_text(cfg)}every run in fresh processes; page cache **{cache}**"
+        ),
     ]
     how = [
         "How to read it:",
-        "- *median s (runs)*: per round the slowest rank's `perf_counter` time between two barriers, then the median;"
-        " each round's time in brackets. *× DSD*: ratio of medians to the DSD method of the same group in this run "
-        "(*× DCP-HF*: to `dcp_hf_reader`). Targets are judged on that ratio of medians; next to it, the ratio within "
-        "each round and its median: the machine's slow and fast spells tend to hit both methods of a round, so the "
-        "per-round ratio varies less than either time.",
-        "- `load`: the timed step includes opening the files (`safetensors.torch.load_file` mmap for "
-        "`dsd_broadcast`/`torchtune_distribute`; shardtune `preadv`s each rank's rows; with `shared_filesystem=False` "
-        "rank 0 reads its own rows in place and every other rank's rows into one reused buffer, sent point to point)."
-        " `dcp_hf_reader` times "
-        "`model.to_empty(device=\"cpu\")` + `dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(dir))`"
-        " (the DTensors share storage with the params, so they are filled in place). DSD and torchtune load the meta"
-        " model directly (assign), no `to_empty`.",
-        "- `save`: setup (untimed) fills the meta model from per-rank slices of the fixture (no collectives). "
-        "shardtune `save_hf_checkpoint(model, dir)`: rank 0 writes headers/config, every rank writes its rows "
-        "(the block-aligned middle of each range with `O_DIRECT` from a 16 MiB staging buffer, the unaligned edges "
-        "through the page cache) and fsyncs. `shardtune_rank0`: `save_hf_checkpoint(model, dir, shared_filesystem=False)`, "
-        "rank 0 receives each tensor's other rows point to point into its place in a reused ring of memory "
-        "(the largest tensor's size) while a background thread writes the tensors gathered before it. DSD: `get_model_state_dict(full_state_dict=True, cpu_offload=True)`, then rank 0 "
-        "`safetensors.torch.save_file` + `config.json`, **both fsynced (and the directory) inside the timed step**, "
-        "for parity with shardtune, which fsyncs. The output directory is deleted and `os.sync()` called before each "
-        "run (untimed), so no earlier run's dirty pages are written back during it; the disk's write speed still "
-        "varies a lot on this shared VM (`dd` of 1.5 GiB with fsync: 0.3–1.8 GB/s), and both methods are bound by it. "
-        "Verification: every rank reads its own rows of the written file back with `safetensors.safe_open` and "
-        "compares them to its shards (keys, dtype, values). Background saves (what `async_save=true` does for "
-        "intermediate checkpoints): `shardtune_async` times `stage_hf_checkpoint(model, dir)` (skeleton written, "
-        "a CPU copy of the rank's rows taken), `dcp_async` times `dcp.async_save({\"model\": get_model_state_dict(model)})` "
-        "(DCP format, its own gloo group); their writing halves (`flush()` / `future.result()`, fsynced) run "
-        "right after, untimed but recorded below the table. `shardtune_async`/`dcp_async` are a process's first "
-        "background save (the copy goes to fresh memory); `shardtune_async_2nd`/`dcp_async_2nd` its second, into "
-        "memory kept from the first (untimed setup: a `StagingMemory`, resp. DCP's caching `DefaultStager` without "
-        "pinning, and one whole background save through it, its directory then removed), as `Checkpointer(async_save=True)` "
-        "does by default; their peak Δ excludes the kept copy, which is in the baseline. `dcp_async*` are verified by "
-        "`dcp.load` into zeroed shards. Their memory holds the copy by design (contract n/a).",
-        "- `resume`: setup once per invocation (untimed, outside the repeats): params from the fixture, one AdamW "
-        "(lr 1e-3, foreach=False) step with gradients of ones, then `Checkpointer.save(step=1, epoch=1)` and "
-        "`dcp.save({\"model\", \"optim\"} of get_state_dict(model, opt))` of that same state. Timed: shardtune "
-        "`Checkpointer(output_dir, model, optimizer, base_dir).resume()` into a fresh meta model whose AdamW was "
-        "created on the meta params (model + optimizer + training state + RNG); DSD: `model.to_empty(\"cpu\")`, "
-        "`get_state_dict(model, opt)` (which initializes AdamW state with a zero-grad step), `dcp.load`, "
-        "`set_state_dict` — all inside the timed step. Verification: every shard of params, exp_avg, exp_avg_sq "
-        "equals shardtune's saved files (the DCP checkpoint holds the same state), step = 1, and the optimizer "
-        "still references the model's Parameter objects.",
-        "- *peak RssAnon Δ*: peak of a 2 ms `/proc/self/status` sampler minus the pre-step baseline (*baseline "
-        "RssAnon*, after `gc.collect()` + `malloc_trim(0)`). *VmHWM* is reset by writing `5` to "
-        "`/proc/self/clear_refs` before the step and includes file-backed (mmap) pages, as does *peak RssFile*.",
-        "- *held at peak*: model/optimizer state memory at the peak = shards already held before the step (`save`"
-        " only: the materialized params, part of the baseline) + peak RssAnon Δ. *contract*: held ≤ 1.1 × (own "
-        "shard + largest tensor) on every rank (n/a for tiny: allocator noise dominates).",
-        "- *recv bytes* / *r0 sent*: tensor payload over collectives per rank, counted by shardtune's "
-        "`shardtune.state_dict.stats` for shardtune methods, derived from the algorithm for the baselines (column "
-        "*bytes obtained by*); object collectives (plans, error checks: a few KiB) are not included.",
+        (
+            "- *median s (runs)*: per round the slowest rank's `perf_counter` time between two barriers, then the median;"
+            " each round's time in brackets. *× DSD*: ratio of medians to the DSD method of the same group in this run "
+            "(*× DCP-HF*: to `dcp_hf_reader`). Targets are judged on that ratio of medians; next to it, the ratio within "
+            "each round and its median: the machine's slow and fast spells tend to hit both methods of a round, so the "
+            "per-round ratio varies less than either time."
+        ),
+        (
+            "- `load`: the timed step includes opening the files (`safetensors.torch.load_file` mmap for "
+            "`dsd_broadcast`/`torchtune_distribute`; shardtune `preadv`s each rank's rows; with `shared_filesystem=False` "
+            "rank 0 reads its own rows in place and every other rank's rows into one reused buffer, sent point to point)."
+            " `dcp_hf_reader` times "
+            '`model.to_empty(device="cpu")` + `dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(dir))`'
+            " (the DTensors share storage with the params, so they are filled in place). DSD and torchtune load the meta"
+            " model directly (assign), no `to_empty`."
+        ),
+        (
+            "- `save`: setup (untimed) fills the meta model from per-rank slices of the fixture (no collectives). "
+            "shardtune `save_hf_checkpoint(model, dir)`: rank 0 writes headers/config, every rank writes its rows "
+            "(the block-aligned middle of each range with `O_DIRECT` from a 16 MiB staging buffer, the unaligned edges "
+            "through the page cache) and fsyncs. `shardtune_rank0`: `save_hf_checkpoint(model, dir, shared_filesystem=False)`, "
+            "rank 0 receives each tensor's other rows point to point into its place in a reused ring of memory "
+            "(the largest tensor's size) while a background thread writes the tensors gathered before it. DSD: `get_model_state_dict(full_state_dict=True, cpu_offload=True)`, then rank 0 "
+            "`safetensors.torch.save_file` + `config.json`, **both fsynced (and the directory) inside the timed step**, "
+            "for parity with shardtune, which fsyncs. The output directory is deleted and `os.sync()` called before each "
+            "run (untimed), so no earlier run's dirty pages are written back during it; the disk's write speed still "
+            "varies a lot on this shared VM (`dd` of 1.5 GiB with fsync: 0.3–1.8 GB/s), and both methods are bound by it. "
+            "Verification: every rank reads its own rows of the written file back with `safetensors.safe_open` and "
+            "compares them to its shards (keys, dtype, values). Background saves (what `async_save=true` does for "
+            "intermediate checkpoints): `shardtune_async` times `stage_hf_checkpoint(model, dir)` (skeleton written, "
+            'a CPU copy of the rank\'s rows taken), `dcp_async` times `dcp.async_save({"model": get_model_state_dict(model)})` '
+            "(DCP format, its own gloo group); their writing halves (`flush()` / `future.result()`, fsynced) run "
+            "right after, untimed but recorded below the table. `shardtune_async`/`dcp_async` are a process's first "
+            "background save (the copy goes to fresh memory); `shardtune_async_2nd`/`dcp_async_2nd` its second, into "
+            "memory kept from the first (untimed setup: a `StagingMemory`, resp. DCP's caching `DefaultStager` without "
+            "pinning, and one whole background save through it, its directory then removed), as `Checkpointer(async_save=True)` "
+            "does by default; their peak Δ excludes the kept copy, which is in the baseline. `dcp_async*` are verified by "
+            "`dcp.load` into zeroed shards. Their memory holds the copy by design (contract n/a)."
+        ),
+        (
+            "- `resume`: setup once per invocation (untimed, outside the repeats): params from the fixture, one AdamW "
+            "(lr 1e-3, foreach=False) step with gradients of ones, then `Checkpointer.save(step=1, epoch=1)` and "
+            '`dcp.save({"model", "optim"} of get_state_dict(model, opt))` of that same state. Timed: shardtune '
+            "`Checkpointer(output_dir, model, optimizer, base_dir).resume()` into a fresh meta model whose AdamW was "
+            'created on the meta params (model + optimizer + training state + RNG); DSD: `model.to_empty("cpu")`, '
+            "`get_state_dict(model, opt)` (which initializes AdamW state with a zero-grad step), `dcp.load`, "
+            "`set_state_dict` — all inside the timed step. Verification: every shard of params, exp_avg, exp_avg_sq "
+            "equals shardtune's saved files (the DCP checkpoint holds the same state), step = 1, and the optimizer "
+            "still references the model's Parameter objects."
+        ),
+        MEMORY_COLUMNS,
+        (
+            "- *held at peak*: model/optimizer state memory at the peak = shards already held before the step (`save`"
+            " only: the materialized params, part of the baseline) + peak RssAnon Δ. *contract*: held ≤ 1.1 × (own "
+            "shard + largest tensor) on every rank (n/a for tiny: allocator noise dominates)."
+        ),
+        (
+            "- *recv bytes* / *r0 sent*: tensor payload over collectives per rank, counted by shardtune's "
+            "`shardtune.state_dict.stats` for shardtune methods, derived from the algorithm for the baselines (column "
+            "*bytes obtained by*); object collectives (plans, error checks: a few KiB) are not included."
+        ),
     ]
-    return "\n".join(["## Checkpoint I/O and resume (`benchmarks/checkpoint.py`)", "", *env, "",
-                      *("\n\n".join(tables).split("\n")), "", *targets, "", *how,
-                      *(["", "Notes:", *(f"- {n}" for n in notes)] if notes else [])])
-
-
+    return "\n".join(
+        [
+            "## Checkpoint I/O and resume (`benchmarks/checkpoint.py`)",
+            "",
+            *env,
+            "",
+            *("\n\n".join(tables).split("\n")),
+            "",
+            *targets,
+            "",
+            *how,
+            *(["", "Notes:", *(f"- {n}" for n in notes)] if notes else []),
+        ]
+    )
 
 
 # --------------------------------------------------------------------------- main
@@ -566,13 +638,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; exit status 1 if a run failed or a verification did not pass."""
     cfg = parse_args(argv)
     cfg.bench_dir.mkdir(parents=True, exist_ok=True)
-    fingerprint_before, load_before = shardtune_fingerprint(), os.getloadavg()
+    fingerprint_before, load_before = shardtune_fingerprint(), os.getloadavg()[0]
     groups, notes = prepare(cfg)
     runs = run_all(cfg, groups)
-    load_avg, fingerprint = (load_before, os.getloadavg()), shardtune_fingerprint()
+    load_avg, fingerprint = (load_before, os.getloadavg()[0]), shardtune_fingerprint()
     if fingerprint != fingerprint_before:
         notes.append(f"shardtune sources changed during the run ({fingerprint_before} -> {fingerprint}): rerun")
-    (cfg.bench_dir / f"checkpoint_{cfg.size}_runs.json").write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    write_runs(cfg.bench_dir / f"checkpoint_{cfg.size}_runs.json", runs)
     tables, rows = [], {}
     for group in cfg.groups:
         group_rows = []
@@ -581,18 +653,17 @@ def main(argv: list[str] | None = None) -> int:
             row = summarize(group, method, mine, groups[group].size, cfg.world)
             rows[(group, method)] = row
             group_rows.append(row)
-            notes += [f"{group}/{method} failed: ```{e.strip()[-1500:]}```" for e in row["errors"][:1]
-                      if not e.startswith("unavailable")]
+            notes += [
+                f"{group}/{method} failed: ```{e.strip()[-1500:]}```"
+                for e in row["errors"][:1]
+                if not e.startswith("unavailable")
+            ]
         tables.append(render_group(group, group_rows))
-    section = render_report(cfg, groups, tables, render_targets(rows), notes, load_avg=load_avg,
-                            fingerprint=fingerprint)
-    print(section)
-    if cfg.markdown is not None:
-        begin, end = MARKERS[cfg.device]
-        write_markdown_section(cfg.markdown, section, begin=begin, end=end)
-    bad_verify = any(rk["verify"] != "ok" for r in runs for rk in r.ranks)
-    failed = any(r.error and not r.error.startswith("unavailable") for r in runs)
-    return 1 if bad_verify or failed else 0
+    section = render_report(
+        cfg, groups, tables, render_targets(rows), notes, load_avg=load_avg, fingerprint=fingerprint
+    )
+    finish(section, markdown=cfg.markdown, markers=MARKERS[cfg.device])
+    return 1 if failed(runs, ignore=lambda error: error.startswith("unavailable")) else 0
 
 
 if __name__ == "__main__":

@@ -17,13 +17,11 @@ unless ``--no-markdown``/``--smoke``, replace the ``checksums`` (or with ``--col
 from __future__ import annotations
 
 import os
-import platform
 import shutil
 import statistics
 import sys
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -31,16 +29,10 @@ import torch.distributed as dist
 
 from benchmarks._checkpoint_steps import HF_WEIGHTS, adamw, build_model
 from benchmarks._fixtures import SIZES, materialize_from_file
-from benchmarks._measure import (
-    drop_page_cache,
-    parse_run_options,
-    rotated,
-    spawn_ranks,
-    warm_page_cache,
-    write_markdown_section,
-)
-from benchmarks._report import GIB, fmt_bytes, model_bytes, ram_bytes
+from benchmarks._measure import drop_page_cache, spawn_ranks, warm_page_cache
+from benchmarks._report import fmt_bytes, model_bytes
 from benchmarks.checkpoint import hf_dir
+from benchmarks.driver import Options, environment_lines, finish, parse_run_options, rotated
 
 MARKERS = {  # BENCHMARKS.md keeps a warm and a cold (--cold) section
     False: ("<!-- checksums:begin -->", "<!-- checksums:end -->"),
@@ -172,16 +164,7 @@ def report(
     lines = [
         f"## Checksum overhead{', cold page cache' if cold else ''} (`benchmarks/checksums.py`)",
         "",
-        f"- Command: `{command}`",
-        (
-            f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; torch {torch.__version__}, Python "
-            f"{platform.python_version()}"
-        ),
-        (
-            f"- Machine: {os.cpu_count()} CPU cores, {ram_bytes() / GIB:.1f} GiB RAM, no GPU; gloo on 127.0.0.1, "
-            f"OMP_NUM_THREADS=1 per rank; 1-min load average {load[0]:.2f} before, {load[1]:.2f} after "
-            "(the machine is shared)"
-        ),
+        *environment_lines(command, load_avg=load, libraries=()),
         (
             f"- Model: `{size}` = {SIZES[size]} ({fmt_bytes(model_bytes(size))} bf16) + AdamW state (bf16); "
             f"checkpoint {fmt_bytes(nbytes)}; world {world}, {len(rounds)} repeats, fresh processes each, the two "
@@ -255,7 +238,7 @@ def report(
 
 
 def main(argv: list[str] | None = None) -> int:
-    _, cfg = parse_run_options(
+    _, common = parse_run_options(
         argv,
         module="benchmarks.checksums",
         description=__doc__.split("\n")[0],
@@ -263,26 +246,26 @@ def main(argv: list[str] | None = None) -> int:
         cold_help="drop the checkpoint from the page cache before each resume",
         smoke_help="tiny, 1 repeat, no BENCHMARKS.md (CI)",
     )
-    bench = cfg["bench_dir"]
-    bench.mkdir(parents=True, exist_ok=True)
-    hf = hf_dir(bench, cfg["size"])
-    out_root = bench / f"checksums_{cfg['size']}"
+    cfg = Options(**common)
+    cfg.bench_dir.mkdir(parents=True, exist_ok=True)
+    hf = hf_dir(cfg.bench_dir, cfg.size)
+    out_root = cfg.bench_dir / f"checksums_{cfg.size}"
     load_before = os.getloadavg()[0]
     rounds = []
-    for repeat in range(cfg["repeats"]):
+    for repeat in range(cfg.repeats):
         order = rotated(list(VARIANTS), repeat)
         ranks = spawn_ranks(
             "benchmarks.checksums:run_round",
-            world=cfg["world"],
-            kwargs={"size": cfg["size"], "hf": str(hf), "out_root": str(out_root), "order": order, "cold": cfg["cold"]},
-            timeout_s=cfg["timeout_s"],
+            world=cfg.world,
+            kwargs={"size": cfg.size, "hf": str(hf), "out_root": str(out_root), "order": order, "cold": cfg.cold},
+            timeout_s=cfg.timeout_s,
         )
         bad = [f"r{r['rank']}: {r['verify']}" for r in ranks if r["verify"] != "ok"]
         if bad:
             print("verification failed: " + "; ".join(bad), file=sys.stderr)
             return 1
         print(
-            f"[{repeat + 1}/{cfg['repeats']}] "
+            f"[{repeat + 1}/{cfg.repeats}] "
             + ", ".join(f"{k} {max(r['seconds'][k] for r in ranks):.2f} s" for k in ranks[0]["seconds"]),
             file=sys.stderr,
         )
@@ -290,16 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(out_root, ignore_errors=True)
     section, met = report(
         rounds,
-        size=cfg["size"],
-        world=cfg["world"],
-        cold=cfg["cold"],
-        command=cfg["command"],
+        size=cfg.size,
+        world=cfg.world,
+        cold=cfg.cold,
+        command=cfg.command,
         load=(load_before, os.getloadavg()[0]),
     )
-    print(section)
-    if cfg["markdown"] is not None:
-        begin, end = MARKERS[cfg["cold"]]
-        write_markdown_section(cfg["markdown"], section, begin=begin, end=end)
+    finish(section, markdown=cfg.markdown, markers=MARKERS[cfg.cold])
     return 0 if met else 1
 
 

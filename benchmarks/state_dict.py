@@ -20,18 +20,11 @@ Results print as Markdown tables and, unless ``--no-markdown``/``--smoke``, repl
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import os
-import platform
-import sys
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from benchmarks._fixtures import DTYPE, SIZES, write_random_safetensors
 from benchmarks._report import (
@@ -41,23 +34,27 @@ from benchmarks._report import (
     fmt_ranks,
     largest_tensor_bytes,
     model_bytes,
-    ram_bytes,
     summarize_runs,
 )
-from benchmarks._measure import (
-    parse_run_options,
-    write_markdown_section,
-    RankFailure,
-    drop_page_cache,
-    rotated,
-    snapshot_sources,
-    spawn_ranks,
-    warm_page_cache,
-)
 from benchmarks._state_dict_steps import STEPS
+from benchmarks.driver import (
+    MEMORY_COLUMNS,
+    Options,
+    Run,
+    environment_lines,
+    failed,
+    finish,
+    parse_run_options,
+    progress,
+    rotated,
+    set_page_cache,
+    snapshot_sources,
+    sources_fingerprint,
+    try_spawn,
+    write_runs,
+)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-BEGIN, END = "<!-- state_dict:begin -->", "<!-- state_dict:end -->"
+MARKERS = ("<!-- state_dict:begin -->", "<!-- state_dict:end -->")
 SHARDTUNE_API = (
     "load_from_full_model_state_dict",
     "gather_cpu_state_dict",
@@ -68,30 +65,10 @@ OPTIM_MEMORY_LIMIT = 20 << 30  # all processes together, for the optimizer group
 
 
 @dataclass(frozen=True, kw_only=True)
-class Config:
+class Config(Options):
     """Command-line options."""
 
-    size: str
-    world: int
-    repeats: int
-    groups: tuple[str, ...]
-    cold: bool
-    bench_dir: Path
-    markdown: Path | None
-    timeout_s: float
     shared_processes: bool
-    command: str
-
-
-@dataclass
-class Run:
-    """One method, one repeat: every rank's record, or the failure."""
-
-    group: str
-    method: str
-    repeat: int
-    ranks: list[dict[str, Any]] = field(default_factory=list)
-    error: str | None = None
 
 
 # --------------------------------------------------------------------------- setup
@@ -100,7 +77,10 @@ class Run:
 def parse_args(argv: list[str] | None = None) -> Config:
     """Parse the command line into a :class:`Config`."""
     a, common = parse_run_options(
-        argv, module="benchmarks.state_dict", description=__doc__.split("\n")[0], groups=STEPS,
+        argv,
+        module="benchmarks.state_dict",
+        description=__doc__.split("\n")[0],
+        groups=STEPS,
         cold_help="posix_fadvise(DONTNEED) the files before each run",
         smoke_help="CI check: tiny, 1 repeat, all methods in one process pair, no BENCHMARKS.md",
     )
@@ -111,18 +91,10 @@ def shardtune_status() -> str | None:
     """None if ``shardtune.training`` exposes the four functions, else why not."""
     try:
         from shardtune import training
-    except Exception as e:  # ImportError until the core lands; anything else is a finding
+    except Exception as e:  # noqa: BLE001 - ImportError until the core lands; anything else is a finding
         return f"{type(e).__name__}: {e}"
     missing = [name for name in SHARDTUNE_API if not hasattr(training, name)]
     return f"shardtune.training lacks {missing}" if missing else None
-
-
-def core_fingerprint(root: Path) -> str:
-    """Short sha256 of the core's sources (``shardtune/state_dict/*.py`` under ``root``)."""
-    digest = hashlib.sha256()
-    for path in sorted((root / "shardtune" / "state_dict").glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:12]
 
 
 def optim_size(size: str) -> str:
@@ -162,17 +134,20 @@ def plan(cfg: Config, unavailable: str | None) -> tuple[list[tuple[str, str]], l
 
 def _run_kwargs(group: str, method: str, files: dict[str, tuple[str, Path, Path | None]]) -> dict[str, Any]:
     size, mpath, opath = files[group]
-    return {"group": group, "method": method, "size": size, "model_path": str(mpath),
-            "optim_path": None if opath is None else str(opath)}
+    return {
+        "group": group,
+        "method": method,
+        "size": size,
+        "model_path": str(mpath),
+        "optim_path": None if opath is None else str(opath),
+    }
 
 
 def _spawn(cfg: Config, target: str, kwargs: dict[str, Any], root: Path) -> tuple[list[Any], str | None]:
     """Per-rank results of one spawn, or the failure text."""
-    try:
-        return spawn_ranks(f"benchmarks._state_dict_steps:{target}", world=cfg.world, kwargs=kwargs,
-                           timeout_s=cfg.timeout_s, root=root), None
-    except RankFailure as e:
-        return [], str(e)
+    return try_spawn(
+        f"benchmarks._state_dict_steps:{target}", world=cfg.world, kwargs=kwargs, timeout_s=cfg.timeout_s, root=root
+    )
 
 
 def run_all(
@@ -186,7 +161,7 @@ def run_all(
     runs = []
     for repeat in range(cfg.repeats):
         if cfg.shared_processes:
-            _set_page_cache(sorted({p for _, m, o in files.values() for p in (m, o) if p}), cold=cfg.cold)
+            set_page_cache(sorted({p for _, m, o in files.values() for p in (m, o) if p}), cold=cfg.cold)
             items = [_run_kwargs(g, m, files) for g, m in pairs]
             per_rank, error = _spawn(cfg, "run_many", {"items": items}, root)
             batch = [Run(g, m, repeat, [r[i] for r in per_rank], error) for i, (g, m) in enumerate(pairs)]
@@ -194,35 +169,15 @@ def run_all(
             batch = []
             for group, method in rotated(pairs, repeat):
                 _, mpath, opath = files[group]
-                _set_page_cache([p for p in (mpath, opath) if p is not None], cold=cfg.cold)
+                set_page_cache([p for p in (mpath, opath) if p is not None], cold=cfg.cold)
                 ranks, error = _spawn(cfg, "run", _run_kwargs(group, method, files), root)
                 batch.append(Run(group, method, repeat, ranks, error))
-                _progress(cfg, batch[-1])
+                progress(batch[-1], total=cfg.repeats)
         if cfg.shared_processes:
             for run in batch:
-                _progress(cfg, run)
+                progress(run, total=cfg.repeats)
         runs += batch
     return runs
-
-
-def _progress(cfg: Config, run: Run) -> None:
-    print(f"[{run.repeat + 1}/{cfg.repeats}] {run.group}/{run.method}: " + _one_line(run), file=sys.stderr)
-
-
-def _set_page_cache(paths: list[Path], *, cold: bool) -> None:
-    """Evict (cold) or read (warm) the files a run uses, just before it starts."""
-    for path in paths:
-        if cold:
-            drop_page_cache(path)
-        else:
-            warm_page_cache(path)
-
-
-def _one_line(run: Run) -> str:
-    if run.error:
-        return "FAILED"
-    times = [r["measurement"]["seconds"] for r in run.ranks]
-    return f"{max(times):.3f} s, verify " + ",".join(r["verify"] for r in run.ranks)
 
 
 # --------------------------------------------------------------------------- analytic bytes
@@ -238,9 +193,13 @@ def analytic_bytes(group: str, method: str, size: str, world: int) -> tuple[list
     """(received per rank, sent per rank, how) for baselines, from the algorithm's messages."""
     recv, sent = [0] * world, [0] * world
     states = 2 if group.startswith("optim") else 1
-    kind = {("load", "dsd_broadcast"): "broadcast", ("optim_load", "dsd"): "broadcast",
-            ("load", "torchtune_distribute"): "scatter", ("gather", "dsd"): "all_gather",
-            ("optim_get", "dsd"): "all_gather"}.get((group, method))
+    kind = {
+        ("load", "dsd_broadcast"): "broadcast",
+        ("optim_load", "dsd"): "broadcast",
+        ("load", "torchtune_distribute"): "scatter",
+        ("gather", "dsd"): "all_gather",
+        ("optim_get", "dsd"): "all_gather",
+    }.get((group, method))
     if kind is None:
         return None
     for shape in SIZES[size].param_shapes().values():
@@ -256,9 +215,11 @@ def analytic_bytes(group: str, method: str, size: str, world: int) -> tuple[list
             else:  # DTensor.full_tensor(): padded all-gather on every rank
                 recv[r] += (world - 1) * chunk * row
                 sent[r] += (world - 1) * chunk * row
-    how = {"broadcast": "analytic: broadcast of every full tensor",
-           "scatter": "analytic: distribute_tensor scatter from rank 0",
-           "all_gather": "analytic: full_tensor() all-gather on every rank"}[kind]
+    how = {
+        "broadcast": "analytic: broadcast of every full tensor",
+        "scatter": "analytic: distribute_tensor scatter from rank 0",
+        "all_gather": "analytic: full_tensor() all-gather on every rank",
+    }[kind]
     return recv, sent, how
 
 
@@ -291,8 +252,7 @@ def _contract(row: dict[str, Any], size: str) -> str:
     if largest < CONTRACT_MIN_BYTES:
         return "n/a (tiny)"
     failing = [
-        f"r{r}" for r, delta in enumerate(row["peak_anon_delta"])
-        if delta > 1.1 * (_newly_held(row, r) + largest)
+        f"r{r}" for r, delta in enumerate(row["peak_anon_delta"]) if delta > 1.1 * (_newly_held(row, r) + largest)
     ]
     return "yes" if not failing else "NO: " + ", ".join(failing)
 
@@ -301,12 +261,19 @@ def render_group(group: str, rows: list[dict[str, Any]]) -> str:
     """Markdown table for one group; ratio is to the DSD method's median time."""
     dsd = next((r.get("seconds") for r in rows if r["method"].startswith("dsd")), None)
     size = rows[0]["size"]
-    lines = [f"**{group}** (size {size}; own shard per rank "
-             f"{fmt_ranks(next((r['own_shard_bytes'] for r in rows if 'own_shard_bytes' in r), None))}, "
-             f"largest tensor {fmt_bytes(largest_tensor_bytes(size))})", "",
-             "| method | median s | × DSD | peak RssAnon Δ (r0 / r1 …) | baseline RssAnon | VmHWM | peak RssFile"
-             " | recv bytes | r0 sent | bytes obtained by | contract | verify |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            f"**{group}** (size {size}; own shard per rank "
+            f"{fmt_ranks(next((r['own_shard_bytes'] for r in rows if 'own_shard_bytes' in r), None))}, "
+            f"largest tensor {fmt_bytes(largest_tensor_bytes(size))})"
+        ),
+        "",
+        (
+            "| method | median s | × DSD | peak RssAnon Δ (r0 / r1 …) | baseline RssAnon | VmHWM | peak RssFile"
+            " | recv bytes | r0 sent | bytes obtained by | contract | verify |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "seconds" not in r:
             lines.append(f"| {r['method']} | FAILED ({r['runs']} runs) | | | | | | | | | | see issues |")
@@ -328,60 +295,78 @@ def render_report(
     notes: list[str],
     files: dict[str, tuple[str, Path, Path | None]],
     *,
-    load_avg: tuple[tuple[float, ...], tuple[float, ...]],
+    load_avg: tuple[float, float],
     core: str,
 ) -> str:
     """The Markdown section (without begin/end markers)."""
-    import safetensors
-
     shape = SIZES[cfg.size]
-    processes = ("**smoke: all methods ran in one process pair, in turn; numbers are not measurements**"
-                 if cfg.shared_processes else "every run in fresh processes")
-    cache = ("cold (POSIX_FADV_DONTNEED before each run)" if cfg.cold
-             else "warm (the files a run uses are read just before it, untimed)")
+    processes = (
+        "**smoke: all methods ran in one process pair, in turn; numbers are not measurements**"
+        if cfg.shared_processes
+        else "every run in fresh processes"
+    )
+    cache = (
+        "cold (POSIX_FADV_DONTNEED before each run)"
+        if cfg.cold
+        else "warm (the files a run uses are read just before it, untimed)"
+    )
     file_names = sorted({f"{g}: `{m.name}`" + (f" + `{o.name}`" if o else "") for g, (_, m, o) in files.items()})
     env = [
-        f"- Command: `{cfg.command}`",
-        f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}; torch {torch.__version__}, "
-        f"safetensors {safetensors.__version__}, Python {platform.python_version()}",
-        f"- Machine: {os.cpu_count()} CPU cores, {ram_bytes() / GIB:.1f} GiB RAM, no GPU; gloo on 127.0.0.1, "
-        f"OMP_NUM_THREADS=1 per rank (as torchrun sets); 1-min load average {load_avg[0][0]:.2f} before, "
-        f"{load_avg[1][0]:.2f} after (the machine is shared)",
-        f"- Model: `{cfg.size}` = {shape} → {shape.num_params() / 1e9:.3f} B params, "
-        f"{fmt_bytes(model_bytes(cfg.size))} bf16; Llama HF key names, FSDP2 `fully_shard` per layer then root, "
-        f"1-D mesh of {cfg.world} ranks (Shard(0))",
-        f"- shardtune core: sha256 of `shardtune/state_dict/*.py` = `{core}`; `shardtune/` and `benchmarks/` "
-        "are copied before the first run and every rank imports that copy (no mid-run edits leak in)",
-        f"- World {cfg.world}, {cfg.repeats} repeats, methods interleaved, their order rotated by one each repeat, {processes}; "
-        f"page cache **{cache}**",
+        *environment_lines(cfg.command, load_avg=load_avg),
+        (
+            f"- Model: `{cfg.size}` = {shape} → {shape.num_params() / 1e9:.3f} B params, "
+            f"{fmt_bytes(model_bytes(cfg.size))} bf16; Llama HF key names, FSDP2 `fully_shard` per layer then root, "
+            f"1-D mesh of {cfg.world} ranks (Shard(0))"
+        ),
+        (
+            f"- shardtune core: sha256 of `shardtune/state_dict/*.py` = `{core}`; `shardtune/` and `benchmarks/` "
+            "are copied before the first run and every rank imports that copy (no mid-run edits leak in)"
+        ),
+        (
+            f"- World {cfg.world}, {cfg.repeats} repeats, methods interleaved, their order rotated by one each repeat, {processes}; "
+            f"page cache **{cache}**"
+        ),
         "- Files (in `--bench-dir`, default `bench_out/`): " + "; ".join(file_names),
     ]
     how = [
         "How to read it:",
-        "- *median s*: per repeat the slowest rank's `perf_counter` time between two barriers, then the median. "
-        "`load` steps include opening the safetensors file (mmap, lazy: `safetensors.torch.load_file`); "
-        "DSD loads the meta model directly (it broadcasts, slices, then `load_state_dict(assign=True)`), "
-        "so no `to_empty` was needed and none is timed.",
-        "- *peak RssAnon Δ*: peak of a 2 ms `/proc/self/status` sampler minus the pre-step baseline "
-        "(*baseline RssAnon*, after `gc.collect()` + `malloc_trim(0)`). *VmHWM* is reset by writing `5` to "
-        "`/proc/self/clear_refs` before the step and includes file-backed (mmap) pages, as does *peak RssFile*.",
-        "- *recv bytes*: payload bytes received per rank over collectives, counted by shardtune's own counters "
-        "where available, otherwise derived from the algorithm (column *bytes obtained by*); object-list "
-        "metadata (a few KiB) is not included.",
-        "- *contract*: every rank's peak RssAnon Δ ≤ 1.1 × (bytes the step must newly hold + largest tensor) "
-        "(the memory contract of the state-dict core): `load` into a meta model newly holds the rank's own shard; `gather`/`optim_get` newly "
-        "hold the full state on rank 0 and nothing elsewhere; `optim_load` into an optimizer that already has "
-        "state newly holds nothing. Own shard of `optim_*` = both AdamW states. A failing rank is named.",
+        (
+            "- *median s*: per repeat the slowest rank's `perf_counter` time between two barriers, then the median. "
+            "`load` steps include opening the safetensors file (mmap, lazy: `safetensors.torch.load_file`); "
+            "DSD loads the meta model directly (it broadcasts, slices, then `load_state_dict(assign=True)`), "
+            "so no `to_empty` was needed and none is timed."
+        ),
+        MEMORY_COLUMNS,
+        (
+            "- *recv bytes*: payload bytes received per rank over collectives, counted by shardtune's own counters "
+            "where available, otherwise derived from the algorithm (column *bytes obtained by*); object-list "
+            "metadata (a few KiB) is not included."
+        ),
+        (
+            "- *contract*: every rank's peak RssAnon Δ ≤ 1.1 × (bytes the step must newly hold + largest tensor) "
+            "(the memory contract of the state-dict core, docs/architecture.md): `load` into a meta model newly holds the rank's own shard; `gather`/`optim_get` newly "
+            "hold the full state on rank 0 and nothing elsewhere; `optim_load` into an optimizer that already has "
+            "state newly holds nothing. Own shard of `optim_*` = both AdamW states. A failing rank is named."
+        ),
         "- *verify*: after the step (untimed) every rank's shards, or rank 0's full dict, are compared to the files.",
-        "- `gather`/`optim_*` setup (untimed): the sharded model is filled from per-rank file slices (no collectives); "
-        "`optim_*` then runs one AdamW step (foreach=False) with gradients of ones; `optim_load` loads step 10, "
-        "lr 2e-5 and random states from a file (rank 0 only, others `{}`) into that stepped optimizer.",
+        (
+            "- `gather`/`optim_*` setup (untimed): the sharded model is filled from per-rank file slices (no collectives); "
+            "`optim_*` then runs one AdamW step (foreach=False) with gradients of ones; `optim_load` loads step 10, "
+            "lr 2e-5 and random states from a file (rank 0 only, others `{}`) into that stepped optimizer."
+        ),
     ]
-    return "\n".join(["## State-dict core (`benchmarks/state_dict.py`)", "", *env, "",
-                      *("\n\n".join(tables).split("\n")), "", *how,
-                      *(["", "Notes:", *(f"- {n}" for n in notes)] if notes else [])])
-
-
+    return "\n".join(
+        [
+            "## State-dict core (`benchmarks/state_dict.py`)",
+            "",
+            *env,
+            "",
+            *("\n\n".join(tables).split("\n")),
+            "",
+            *how,
+            *(["", "Notes:", *(f"- {n}" for n in notes)] if notes else []),
+        ]
+    )
 
 
 # --------------------------------------------------------------------------- main
@@ -392,8 +377,10 @@ def prepare_files(cfg: Config) -> tuple[dict[str, tuple[str, Path, Path | None]]
     files, notes = {}, []
     osize = optim_size(cfg.size)
     if osize != cfg.size and any(g.startswith("optim") for g in cfg.groups):
-        notes.append(f"optimizer groups run at {osize}: at {cfg.size} they would need "
-                     f"~{5 * model_bytes(cfg.size) / GIB:.0f} GiB > {OPTIM_MEMORY_LIMIT / GIB:.0f} GiB")
+        notes.append(
+            f"optimizer groups run at {osize}: at {cfg.size} they would need "
+            f"~{5 * model_bytes(cfg.size) / GIB:.0f} GiB > {OPTIM_MEMORY_LIMIT / GIB:.0f} GiB"
+        )
     for group in cfg.groups:
         size = osize if group.startswith("optim") else cfg.size
         opath = optim_file(cfg.bench_dir, size) if group.startswith("optim") else None
@@ -424,20 +411,16 @@ def main(argv: list[str] | None = None) -> int:
     files, notes = prepare_files(cfg)
     pairs, skipped = plan(cfg, shardtune_status())
     issues = [*notes, *skipped]
-    core = core_fingerprint(REPO_ROOT)
+    core = sources_fingerprint(("state_dict",))
     snapshot = snapshot_sources(cfg.bench_dir / "src_snapshot")
-    load_before = os.getloadavg()
+    load_before = os.getloadavg()[0]
     runs = run_all(cfg, pairs, files, root=snapshot)
-    load_avg = (load_before, os.getloadavg())
-    raw = cfg.bench_dir / f"state_dict_{cfg.size}_runs.json"
-    raw.write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    load_avg = (load_before, os.getloadavg()[0])
+    write_runs(cfg.bench_dir / f"state_dict_{cfg.size}_runs.json", runs)
     tables = render_tables(cfg, runs, files, issues)
     section = render_report(cfg, tables, issues, files, load_avg=load_avg, core=core)
-    print(section)
-    if cfg.markdown is not None:
-        write_markdown_section(cfg.markdown, section, begin=BEGIN, end=END)
-    bad_verify = any(rk["verify"] != "ok" for r in runs for rk in r.ranks)
-    return 1 if bad_verify or any(r.error for r in runs) else 0
+    finish(section, markdown=cfg.markdown, markers=MARKERS)
+    return 1 if failed(runs) else 0
 
 
 if __name__ == "__main__":

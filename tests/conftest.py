@@ -1,7 +1,32 @@
+from pathlib import Path
+
 import pytest
 import torch
 
 from tests.distributed.pool import RankPool
+
+# The marker every test of a slow folder gets (see tests/README.md); tests/gpu marks itself.
+_FOLDER_MARKERS = {
+    "distributed": "distributed",
+    "recipes": "e2e",
+    "reliability": "e2e",
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "distributed: runs on a pool of gloo rank processes (tests/distributed)")
+    config.addinivalue_line(
+        "markers", "e2e: recipes through the CLI, injected faults, fuzzed inputs (tests/recipes, tests/reliability)"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks every test by its folder, so ``-m "not distributed and not e2e"`` keeps the fast ones."""
+    root = Path(__file__).parent
+    for item in items:
+        parts = item.path.relative_to(root).parts if item.path.is_relative_to(root) else ()
+        if len(parts) > 1 and parts[0] in _FOLDER_MARKERS:
+            item.add_marker(_FOLDER_MARKERS[parts[0]])
 
 
 @pytest.fixture(autouse=True, scope="session")

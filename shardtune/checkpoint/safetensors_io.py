@@ -203,9 +203,9 @@ def _prefault(flat: torch.Tensor) -> None:
     """Fault in the pages of a buffer about to be filled by ``preadv``.
 
     Page faults taken one 4 KiB page at a time inside the kernel's copy dominate reading into
-    fresh memory; populating the range in one ``madvise(MADV_POPULATE_WRITE)`` first is
-    cheaper (1.4 GiB: 0.85 s instead of 1.04 s alone, 0.93 s instead of 1.04 s with a second
-    process reading too). Kernels without it get one user-space write per page instead.
+    fresh memory; populating the range in one ``madvise(MADV_POPULATE_WRITE)`` first was
+    cheaper when measured (BENCHMARKS.md, "One-off measurements"; "I/O choices" reruns it).
+    Kernels without it get one user-space write per page instead.
     Contents are not read: the caller overwrites every byte.
     """
     start = -(-flat.data_ptr() // _PAGE_BYTES) * _PAGE_BYTES
@@ -378,12 +378,11 @@ class RangeWriter:
     With ``direct_io`` (the default) the aligned middle of each large range is written with
     ``O_DIRECT`` from a page-aligned staging buffer, bypassing the page cache: on a shared
     machine the page cache's dirty-page throttling, not the disk, limits buffered writers
-    (measured: 2 ranks x 1.4 GiB into one file, 1.1-1.8 s direct vs 5-9 s buffered, both
-    fsynced). The unaligned head and tail of a range, which may share a disk block with
-    another rank's range, always go through the page cache, so ranks never overwrite each
-    other's bytes. Where the filesystem refuses ``O_DIRECT`` (tmpfs, some FUSE mounts) every
-    byte is written buffered. :meth:`close` fsyncs every file: data written either way is
-    durable only after it.
+    (BENCHMARKS.md, "I/O choices"). The unaligned head and tail of a range, which may
+    share a disk block with another rank's range, always go through the page cache, so
+    ranks never overwrite each other's bytes. Where the filesystem refuses ``O_DIRECT``
+    (tmpfs, some FUSE mounts) every byte is written buffered. :meth:`close` fsyncs every
+    file: data written either way is durable only after it.
     """
 
     def __init__(self, *, direct_io: bool = True) -> None:

@@ -61,8 +61,8 @@ def load_from_full_model_state_dict(
         new_local = _my_piece(item, value, plan.mode, local_device, transfer_device, problems, send_buffer)
         if local_tensor(item.entry.tensor).is_meta:
             # Replacing a meta tensor frees nothing, so it can wait: swapped in one pass after
-            # the reads it costs a third of the time (each multi-MiB read evicts the
-            # interpreter's data from the CPU caches). Others are installed now, so the
+            # the reads it is cheaper (each multi-MiB read evicts the interpreter's data from
+            # the CPU caches; BENCHMARKS.md, "One-off measurements"). Others are installed now, so the
             # storage they replace or the copy they fill from is freed as the load goes.
             deferred.append((item, new_local))
         else:
