@@ -1,4 +1,4 @@
-"""Llama-family models with HF-compatible ``state_dict`` keys, presets, builders and losses."""
+"""Decoder models of the supported HF families with HF-identical ``state_dict`` keys, presets, builders, losses."""
 
 from shardtune.models.args import (
     ModelArgs,
@@ -6,8 +6,18 @@ from shardtune.models.args import (
     model_args_from_hf_config,
     model_args_to_hf_config,
 )
+from shardtune.models.families import FAMILIES, Family, get_family, supported_model_types
 from shardtune.models.layer_dropout import layer_dropout_probs
-from shardtune.models.llama import Attention, DecoderLayer, LlamaForCausalLM, LlamaModel, MLP, RMSNorm, sample_attention_mask
+from shardtune.models.llama import (
+    MLP,
+    Attention,
+    DecoderForCausalLM,
+    DecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    RMSNorm,
+    sample_attention_mask,
+)
 from shardtune.models.losses import (
     cross_entropy_loss,
     early_exit_loss,
@@ -16,6 +26,7 @@ from shardtune.models.losses import (
 )
 from shardtune.models.registry import (
     build_model,
+    from_hf_config,
     get_model_args,
     list_models,
     llama_from_hf_config,
@@ -24,11 +35,14 @@ from shardtune.models.registry import (
 from shardtune.models.rope import RotaryEmbedding, compute_inv_freq
 
 __all__ = [
+    "FAMILIES",
+    "MLP",
     "Attention",
+    "DecoderForCausalLM",
     "DecoderLayer",
+    "Family",
     "LlamaForCausalLM",
     "LlamaModel",
-    "MLP",
     "ModelArgs",
     "RMSNorm",
     "RotaryEmbedding",
@@ -38,6 +52,8 @@ __all__ = [
     "early_exit_loss",
     "early_exit_loss_scales",
     "forward_kl_loss",
+    "from_hf_config",
+    "get_family",
     "get_model_args",
     "layer_dropout_probs",
     "list_models",
@@ -47,4 +63,5 @@ __all__ = [
     "model_args_to_hf_config",
     "register_model_args",
     "sample_attention_mask",
+    "supported_model_types",
 ]
