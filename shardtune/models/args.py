@@ -200,10 +200,10 @@ def _rope_from_hf(cfg: Mapping[str, Any], family: Family) -> dict[str, Any]:
     if params:
         if not isinstance(params, Mapping) or ("rope_theta" not in params and "rope_type" not in params):
             raise ValueError("config 'rope_parameters' must be a dict with 'rope_type'/'rope_theta'")
-        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        theta = params.get("rope_theta", cfg.get("rope_theta", family.default_theta))
         scaling: dict[str, Any] | None = dict(params)
     else:
-        theta = cfg.get("rope_theta", 10000.0)
+        theta = cfg.get("rope_theta", family.default_theta)
         scaling = dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else None
     partial = (scaling or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if scaling is not None:
@@ -216,9 +216,9 @@ def _rope_from_hf(cfg: Mapping[str, Any], family: Family) -> dict[str, Any]:
         "rope_theta": float(theta),
         "rope_scaling": scaling,
         "partial_rotary_factor": float(partial if partial is not None else 1.0),
-        "rope_local_theta": float(local_theta)
-        if local_theta is not None and family.model_type == "gemma3_text"
-        else None,
+        "rope_local_theta": None
+        if family.default_local_theta is None
+        else float(local_theta or family.default_local_theta),
     }
 
 
@@ -245,7 +245,7 @@ def model_args_from_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> 
         "n_kv_heads": int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
         "intermediate_size": int(cfg["intermediate_size"]),
         "head_dim": int(cfg["head_dim"]) if cfg.get("head_dim") else None,
-        "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "norm_eps": float(cfg.get("rms_norm_eps", family.default_eps)),
         "max_seq_len": int(cfg.get("max_position_embeddings", 2048)),
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", family.default_tie)),
         "model_type": family.model_type,
@@ -284,12 +284,17 @@ def _check_family_features(args: ModelArgs) -> None:
         )
 
 
+def _local_theta(args: ModelArgs) -> float:
+    """The sliding layers' rope base as the model uses it (the global one when unset)."""
+    return args.rope_theta if args.rope_local_theta is None else args.rope_local_theta
+
+
 def _rope_entries(args: ModelArgs, rope_style: str) -> dict[str, Any]:
     scaling = dict(args.rope_scaling) if args.rope_scaling else None
     if rope_style == "legacy":
         out: dict[str, Any] = {"rope_theta": args.rope_theta, "rope_scaling": scaling}
         if args.model_type == "gemma3_text":
-            out["rope_local_base_freq"] = args.rope_local_theta or 10000.0
+            out["rope_local_base_freq"] = _local_theta(args)
         return out
     if rope_style != "rope_parameters":
         raise ValueError(f"rope_style must be 'legacy' or 'rope_parameters', got {rope_style!r}")
@@ -297,7 +302,7 @@ def _rope_entries(args: ModelArgs, rope_style: str) -> dict[str, Any]:
     if args.partial_rotary_factor != 1.0:
         params["partial_rotary_factor"] = args.partial_rotary_factor
     if args.model_type == "gemma3_text":
-        local = {"rope_type": "default", "rope_theta": args.rope_local_theta or 10000.0}
+        local = {"rope_type": "default", "rope_theta": _local_theta(args)}
         return {"rope_parameters": {FULL: params, SLIDING: local}}
     return {"rope_parameters": params}
 

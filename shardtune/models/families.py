@@ -44,6 +44,9 @@ class Family:
     default_tie: bool = False
     lora_aliases: dict[str, str] = field(default_factory=dict)
     rope_type_aliases: dict[str, str] = field(default_factory=dict)
+    default_theta: float = 10000.0
+    default_eps: float = 1e-6
+    default_local_theta: float | None = None  # sliding layers' own rope base (Gemma 3)
 
 
 def _require(args: ModelArgs, family: str, **expected: Any) -> None:
@@ -110,8 +113,8 @@ def _qwen_window(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if types is None:
         first = int(cfg.get("max_window_layers", 28))
         types = [SLIDING if window is not None and i >= first else FULL for i in range(n)]
-    if SLIDING not in types:
-        window = None
+    if window is None or SLIDING not in types:  # transformers drops the window unless both are set
+        window, types = None, [FULL] * n
     return {"sliding_window": int(window) if window else None, "layer_types": list(types)}
 
 
@@ -238,6 +241,7 @@ FAMILIES: dict[str, Family] = {
             _phi3_write,
             fused_qkv=True,
             fused_gate_up=True,
+            default_eps=1e-5,
             lora_aliases=_FUSED,
             rope_type_aliases={"su": "longrope", "yarn": "longrope"},
         ),
@@ -248,6 +252,8 @@ FAMILIES: dict[str, Family] = {
             _gemma3_read,
             lambda a: _gemma_write(a, "gemma3_text"),
             qk_norm=True,
+            default_theta=1_000_000.0,
+            default_local_theta=10_000.0,
             **_GEMMA,
         ),
     )

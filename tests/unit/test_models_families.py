@@ -303,3 +303,106 @@ def test_qlora_forward_runs_and_matches_its_dequantized_merge(name):
         merged = merge_lora(ours)(x)  # in place: torchao cannot deepcopy NF4 with non-default block sizes
         assert torch.isfinite(q_logits).all()
         assert rel_diff(q_logits, merged) <= 1e-4
+
+
+ROPE_CASES = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32},
+    "yarn_mscale": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "mscale": 0.707,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 16,
+        "beta_slow": 2,
+    },
+    "longrope": {
+        "rope_type": "longrope",
+        "original_max_position_embeddings": 32,
+        "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [2.0 + 0.5 * i for i in range(8)],
+    },
+}
+
+
+@pytest.mark.parametrize("seq_len", [None, 100, 300])
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_inv_freq_and_attention_factor_equal_transformers_rope_init(case, seq_len):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from shardtune.models.rope import attention_factor, compute_inv_freq
+
+    params = {**ROPE_CASES[case], "rope_theta": 5e5}
+    config = transformers.LlamaConfig(**{**COMMON, "max_position_embeddings": 128, "rope_parameters": params})
+    expected, expected_factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, None, seq_len=seq_len)
+    args = model_args_from_hf_config(config.to_dict())
+    got = compute_inv_freq(
+        args.rotary_dim,
+        theta=args.rope_theta,
+        rope_scaling=args.rope_scaling,
+        max_position_embeddings=128,
+        seq_len=seq_len,
+    )
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert attention_factor(args.rope_scaling, max_position_embeddings=128) == pytest.approx(expected_factor, rel=1e-12)
+
+
+# Shaped like published config.json files (legacy keys, shrunk): what users' checkpoint dirs hold.
+PUBLISHED = {
+    "qwen2_5": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+        "sliding_window": 131072,
+        "max_window_layers": 28,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": False,
+    },
+    "gemma3_1b": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "head_dim": 16,
+        "query_pre_attn_scalar": 16,
+        "sliding_window": WINDOW,
+        "sliding_window_pattern": 2,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    },
+    "phi3_5_mini": {
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "hidden_act": "silu",
+        "original_max_position_embeddings": 32,
+        "rope_theta": 10000.0,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.5 * i for i in range(8)],
+        },
+        "sliding_window": 31,
+        "pad_token_id": 0,
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_style_configs_match_transformers(tmp_path, name):
+    cfg = {**COMMON, **PUBLISHED[name]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    torch.manual_seed(0)
+    hf_cfg = transformers.AutoConfig.from_pretrained(tmp_path)
+    hf = randomize_(transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager"), 0).eval()
+    ours = from_hf_config(tmp_path).eval()
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    x = tokens()
+    with torch.no_grad():
+        assert rel_diff(ours(x), hf(x).logits) <= TOL
