@@ -21,7 +21,7 @@ from shardtune.models import (
     model_args_to_hf_config,
     supported_model_types,
 )
-from shardtune.peft import LoRALinear, apply_lora, from_peft_adapter_state_dict, merge_lora
+from shardtune.peft import LoRALinear, apply_lora, from_peft_adapter_state_dict, merge_lora, resolve_targets
 
 VOCAB, SEQ, WINDOW = 128, 40, 8
 TOL = 1e-4  # max |ours - hf| / max |hf|
@@ -406,3 +406,86 @@ def test_published_style_configs_match_transformers(tmp_path, name):
     x = tokens()
     with torch.no_grad():
         assert rel_diff(ours(x), hf(x).logits) <= TOL
+
+
+# Full-size shapes of the bundled configs' models: built on meta by both sides, for free.
+FULL_SIZE = {
+    "qwen2_5_7b": (
+        transformers.Qwen2Config,
+        {
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "vocab_size": 152064,
+        },
+    ),
+    "qwen3_8b": (
+        transformers.Qwen3Config,
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+        },
+    ),
+    "mistral_7b": (
+        transformers.MistralConfig,
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "vocab_size": 32768,
+        },
+    ),
+    "gemma2_9b": (
+        transformers.Gemma2Config,
+        {
+            "hidden_size": 3584,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 42,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 256,
+            "vocab_size": 256000,
+        },
+    ),
+    "phi3_5_mini": (
+        transformers.Phi3Config,
+        {
+            "hidden_size": 3072,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "vocab_size": 32064,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FULL_SIZE))
+def test_full_size_meta_builds_have_transformers_shapes(name):
+    cls, kw = FULL_SIZE[name]
+    config = cls(**kw)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+        ours = from_hf_config(config.to_dict())
+    assert all(p.is_meta for p in ours.parameters())
+    expected = {k: v.shape for k, v in hf.state_dict().items()}
+    assert {k: v.shape for k, v in ours.state_dict().items()} == expected
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
+    # QLoRA with the default NF4 block sizes can quantize every target of the real shapes.
+    from shardtune.peft import nf4
+
+    targets = resolve_targets(ours, LLAMA_TARGETS)
+    linears = [(n, m) for n, m in ours.named_modules() if n.rsplit(".", 1)[-1] in targets]
+    assert len(linears) == len(targets) * config.num_hidden_layers
+    for n, linear in linears:
+        nf4.check_nf4_shape(n, tuple(linear.weight.shape), block_size=64, scaler_block_size=256)
