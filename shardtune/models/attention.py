@@ -75,6 +75,8 @@ def attention_mask(
 ) -> Tensor | None:
     """Boolean mask ``[b|1, 1, s, s]`` for causal (packed when ``position_ids``) attention, limited to
     ``window`` tokens (``q - k < window``, HF's rule) when given; ``None`` means plain causal."""
+    if window is not None and window >= seq_len:
+        window = None  # no query is that far from a key: plain causal keeps SDPA's fastest kernels
     if position_ids is None and window is None:
         return None
     if position_ids is None:

@@ -489,3 +489,11 @@ def test_full_size_meta_builds_have_transformers_shapes(name):
     assert len(linears) == len(targets) * config.num_hidden_layers
     for n, linear in linears:
         nf4.check_nf4_shape(n, tuple(linear.weight.shape), block_size=64, scaler_block_size=256)
+
+
+def test_window_longer_than_the_row_is_plain_causal():
+    from shardtune.models.attention import attention_mask
+
+    assert attention_mask(8, device=torch.device("cpu"), window=8) is None
+    mask = attention_mask(8, device=torch.device("cpu"), window=7)
+    assert mask[0, 0, 7, 0].item() is False and mask[0, 0, 7, 1].item() is True and mask[0, 0, 6, 0].item() is True
