@@ -3,7 +3,9 @@
 ``LoRALinear`` keeps the frozen base at ``<module>.weight``/``<module>.bias`` (so HF keys load
 unchanged) and the adapters at ``<module>.lora_A.weight``/``<module>.lora_B.weight`` (PEFT's
 names without ``base_layer``/``.default``). With ``quantize_base=True`` the base weight is a
-torchao ``NF4Tensor`` Parameter (QLoRA). Everything works on the meta device.
+torchao ``NF4Tensor`` Parameter (QLoRA). Everything works on the meta device. Target names are
+PEFT's module names for every family (``qkv_proj``/``gate_up_proj`` for Phi-3); Llama names given
+for a family with fused projections wrap the fused module that holds them.
 """
 
 from __future__ import annotations

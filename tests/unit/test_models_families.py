@@ -213,13 +213,18 @@ def test_build_and_forward_from_a_save_pretrained_dir(tmp_path, name):
     with torch.device("meta"):
         ours = from_hf_config(tmp_path)
     assert all(p.is_meta for p in ours.parameters())
-    missing, unexpected = ours.load_state_dict(load_file(tmp_path / "model.safetensors"), strict=False, assign=True)
+    saved = load_file(tmp_path / "model.safetensors")
+    missing, unexpected = ours.load_state_dict(saved, strict=False, assign=True)
     assert not unexpected and missing == (["lm_head.weight"] if hf.config.tie_word_embeddings else [])
     ours.init_buffers("cpu")
     ours.eval()
     x = tokens()
     with torch.no_grad():
         assert rel_diff(ours(x), hf(x).logits) <= TOL
+    # Saved back: the same keys (a tied head is one tensor) and bit-identical tensors.
+    ours_sd = ours.state_dict()
+    assert set(ours_sd) - set(saved) == set(missing)
+    assert all(torch.equal(ours_sd[k], v) for k, v in saved.items())
     assert llama_from_hf_config is from_hf_config
 
 
