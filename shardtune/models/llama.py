@@ -147,20 +147,19 @@ class LlamaModel(nn.Module):
         wanted = _check_layer_ids(output_hidden_states, len(self.layers))
         h = self.embed_tokens(tokens)
         if self.embed_scale is not None:
-            # HF rounds the scale to the activation dtype before multiplying.
-            h = h * torch.tensor(self.embed_scale, dtype=h.dtype, device=h.device)
+            # HF rounds the scale to the activation dtype first; rounded on the CPU, it costs no device copy.
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype).item()
         seq, device = tokens.shape[1], tokens.device
         types = {layer.layer_type for layer in self.layers}
-        masks = {FULL: attention_mask(seq, device=device, position_ids=position_ids)}
-        if SLIDING in types:
-            window = self.args.sliding_window
-            masks[SLIDING] = attention_mask(seq, device=device, position_ids=position_ids, window=window)
+        window = {FULL: None, SLIDING: self.args.sliding_window}
+        masks = {t: attention_mask(seq, device=device, position_ids=position_ids, window=window[t]) for t in types}
         if position_ids is None:
             position_ids = torch.arange(seq, device=device).unsqueeze(0)
-        rope = {FULL: self.rotary_emb(position_ids, h.dtype)}
-        if SLIDING in types:
-            local = self.local_rotary_emb
-            rope[SLIDING] = rope[FULL] if local is None else local(position_ids, h.dtype)
+        global_rope = self.rotary_emb(position_ids, h.dtype)
+        local = self.local_rotary_emb
+        rope = {FULL: global_rope, SLIDING: global_rope}
+        if local is not None and SLIDING in types:
+            rope[SLIDING] = local(position_ids, h.dtype)
         skipped = self._skipped_layers()
         hidden: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
