@@ -192,7 +192,9 @@ BASE_SCHEMA = Schema(
     checks=(_check_base,),
 )
 
-_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+_LORA_TARGETS = (
+    "q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj", "lm_head"
+)
 LORA_SECTION = Schema(
     {
         "rank": Field(int, 8, gt=0),

@@ -1,4 +1,4 @@
-"""Llama-family models with HF-compatible ``state_dict`` keys, presets, builders and losses."""
+"""Decoder models of the supported HF families with HF-identical ``state_dict`` keys, presets, builders, losses."""
 
 from shardtune.models.args import (
     ModelArgs,
@@ -6,8 +6,19 @@ from shardtune.models.args import (
     model_args_from_hf_config,
     model_args_to_hf_config,
 )
+from shardtune.models.families import FAMILIES, Family, get_family, supported_model_types
 from shardtune.models.layer_dropout import layer_dropout_probs
-from shardtune.models.llama import Attention, DecoderLayer, HeadLoss, LlamaForCausalLM, LlamaModel, MLP, RMSNorm, sample_attention_mask
+from shardtune.models.llama import (
+    MLP,
+    Attention,
+    DecoderForCausalLM,
+    DecoderLayer,
+    HeadLoss,
+    LlamaForCausalLM,
+    LlamaModel,
+    RMSNorm,
+    sample_attention_mask,
+)
 from shardtune.models.losses import (
     cross_entropy_loss,
     early_exit_loss,
@@ -16,6 +27,7 @@ from shardtune.models.losses import (
 )
 from shardtune.models.registry import (
     build_model,
+    from_hf_config,
     get_model_args,
     list_models,
     llama_from_hf_config,
@@ -24,12 +36,15 @@ from shardtune.models.registry import (
 from shardtune.models.rope import RotaryEmbedding, compute_inv_freq
 
 __all__ = [
+    "FAMILIES",
+    "MLP",
     "Attention",
+    "DecoderForCausalLM",
     "DecoderLayer",
+    "Family",
     "HeadLoss",
     "LlamaForCausalLM",
     "LlamaModel",
-    "MLP",
     "ModelArgs",
     "RMSNorm",
     "RotaryEmbedding",
@@ -39,6 +54,8 @@ __all__ = [
     "early_exit_loss",
     "early_exit_loss_scales",
     "forward_kl_loss",
+    "from_hf_config",
+    "get_family",
     "get_model_args",
     "layer_dropout_probs",
     "list_models",
@@ -48,4 +65,5 @@ __all__ = [
     "model_args_to_hf_config",
     "register_model_args",
     "sample_attention_mask",
+    "supported_model_types",
 ]

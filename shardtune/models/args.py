@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import torch
 
+from shardtune.models.families import FULL, SLIDING, Family, get_family
+
 __all__ = [
     "ModelArgs",
     "load_hf_config",
@@ -24,18 +26,22 @@ __all__ = [
     "model_args_to_hf_config",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_YARN_OPTIONAL = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
+_LAYER_TYPES = (FULL, SLIDING)
 
 
 @dataclass
 class ModelArgs:
-    """Architecture of a Llama-family decoder (HF ``LlamaConfig`` / ``Qwen2Config`` subset).
+    """Architecture of a decoder of one supported HF family (``model_type``, see ``families.py``).
 
     ``attention_bias`` adds biases to q/k/v; ``o_proj_bias`` to o_proj. HF Llama's
-    ``attention_bias=True`` means both; Qwen2 means q/k/v only. ``rope_scaling`` is None,
-    ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    "original_max_position_embeddings"}`` or ``{"rope_type": "linear", "factor"}``.
+    ``attention_bias=True`` means both; Qwen2 means q/k/v only. ``rope_scaling`` is None or
+    an HF rope dict of type ``linear``, ``llama3``, ``dynamic``, ``yarn`` or ``longrope``.
+    ``layer_types`` (one ``"full_attention"``/``"sliding_attention"`` per layer; default: all
+    sliding when ``sliding_window`` is set) says which layers see only the last
+    ``sliding_window`` tokens; sliding layers use ``rope_local_theta`` when set (Gemma 3).
+    ``query_pre_attn_scalar`` replaces ``head_dim`` in the ``1/sqrt`` attention scale.
     """
 
     vocab_size: int
@@ -54,6 +60,14 @@ class ModelArgs:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     model_type: str = "llama"
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    partial_rotary_factor: float = 1.0
+    rope_local_theta: float | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     """Free-form metadata (e.g. token ids) carried into ``model_args_to_hf_config``."""
 
@@ -72,18 +86,40 @@ class ModelArgs:
         if self.head_dim is None:
             if self.dim % self.n_heads != 0:
                 raise ValueError(
-                    f"ModelArgs.dim ({self.dim}) is not divisible by n_heads ({self.n_heads}); "
-                    "set head_dim explicitly"
+                    f"ModelArgs.dim ({self.dim}) is not divisible by n_heads ({self.n_heads}); set head_dim explicitly"
                 )
             self.head_dim = self.dim // self.n_heads
-        if self.head_dim % 2 != 0:
-            raise ValueError(f"ModelArgs.head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
+        if self.rotary_dim % 2 != 0 or self.rotary_dim <= 0:
             raise ValueError(
-                f"ModelArgs.model_type {self.model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}"
+                f"ModelArgs: rotary dims head_dim * partial_rotary_factor = {self.rotary_dim} must be even and > 0"
             )
+        get_family(self.model_type)  # raises listing the supported ones
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(
+                f"ModelArgs.hidden_act {self.hidden_act!r} is not supported; use 'silu' or 'gelu_pytorch_tanh'"
+            )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"ModelArgs.sliding_window must be a positive int or None, got {self.sliding_window}")
+        default_type = SLIDING if self.sliding_window is not None else FULL
+        self.layer_types = list(self.layer_types or [default_type] * self.n_layers)
+        if len(self.layer_types) != self.n_layers or not set(self.layer_types) <= set(_LAYER_TYPES):
+            raise ValueError(
+                f"ModelArgs.layer_types must list {self.n_layers} entries from {_LAYER_TYPES}, got {self.layer_types}"
+            )
+        if SLIDING in self.layer_types and self.sliding_window is None:
+            raise ValueError("ModelArgs.layer_types has sliding_attention layers but sliding_window is None")
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling, self.max_seq_len)
         self.extra = dict(self.extra)  # own copy: presets hand out copies via replace()
+
+    @property
+    def family(self) -> Family:
+        """The structural spec of ``model_type`` (fused projections, norms, config keys)."""
+        return get_family(self.model_type)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (``head_dim`` unless partial rotary)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def hidden_size(self) -> int:
@@ -100,29 +136,38 @@ def _normalize_rope_scaling(scaling: Mapping[str, Any] | None, max_seq_len: int)
     if scaling is None:
         return None
     if not isinstance(scaling, Mapping):
-        raise ValueError(f"ModelArgs.rope_scaling must be a dict or None, got {type(scaling).__name__}")
+        raise TypeError(f"ModelArgs.rope_scaling must be a dict or None, got {type(scaling).__name__}")
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return None
-    if rope_type == "linear":
-        if "factor" not in scaling:
-            raise ValueError("rope_scaling of type 'linear' needs a 'factor' key")
-        return {"rope_type": "linear", "factor": float(scaling["factor"])}
-    if rope_type == "llama3":
-        out: dict[str, Any] = {"rope_type": "llama3"}
-        for key in _LLAMA3_KEYS:
-            if key in scaling:
-                out[key] = scaling[key]
-            elif key == "original_max_position_embeddings":
-                out[key] = max_seq_len  # HF falls back to max_position_embeddings too
-            else:
-                raise ValueError(f"rope_scaling of type 'llama3' needs the key {key!r} (got {sorted(scaling)})")
-        if out["high_freq_factor"] == out["low_freq_factor"]:
-            raise ValueError("rope_scaling 'llama3': high_freq_factor must differ from low_freq_factor")
-        return out
-    raise ValueError(
-        f"rope_scaling type {rope_type!r} is not supported; supported types: 'default', 'linear', 'llama3'"
-    )
+    required: tuple[str, ...] = {
+        "linear": ("factor",),
+        "dynamic": ("factor",),
+        "llama3": _LLAMA3_KEYS,
+        "yarn": ("factor", "original_max_position_embeddings"),
+        "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+    }.get(rope_type)
+    if required is None:
+        raise ValueError(
+            f"rope_scaling type {rope_type!r} is not supported; supported types: "
+            "'default', 'linear', 'llama3', 'dynamic', 'yarn', 'longrope'"
+        )
+    optional = {"yarn": _YARN_OPTIONAL, "longrope": ("factor", "attention_factor")}.get(rope_type, ())
+    out: dict[str, Any] = {"rope_type": rope_type}
+    for key in required:
+        if key in scaling and scaling[key] is not None:
+            out[key] = scaling[key]
+        elif key == "original_max_position_embeddings":
+            out[key] = max_seq_len  # HF falls back to max_position_embeddings too
+        else:
+            raise ValueError(f"rope_scaling of type {rope_type!r} needs the key {key!r} (got {sorted(scaling)})")
+    out.update({k: scaling[k] for k in optional if scaling.get(k) is not None})
+    for key in ("factor",):
+        if key in out and rope_type != "longrope":
+            out[key] = float(out[key])
+    if rope_type == "llama3" and out["high_freq_factor"] == out["low_freq_factor"]:
+        raise ValueError("rope_scaling 'llama3': high_freq_factor must differ from low_freq_factor")
+    return out
 
 
 def load_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
@@ -138,41 +183,52 @@ def load_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, A
         return json.load(f)
 
 
-def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either HF rope style."""
+def _rope_from_hf(cfg: Mapping[str, Any], family: Family) -> dict[str, Any]:
+    """``rope_theta``, ``rope_scaling``, ``partial_rotary_factor``, ``rope_local_theta`` from either HF rope style.
+
+    Per-layer-type ``rope_parameters`` (Gemma 3) give the full-attention layers' rope and the
+    sliding layers' base; top-level ``original_max_position_embeddings`` wins, as in transformers.
+    """
     params = cfg.get("rope_parameters")
+    local_theta = cfg.get("rope_local_base_freq")
+    if params and FULL in params:
+        sliding = params.get(SLIDING) or {}
+        if sliding.get("rope_type", "default") != "default":
+            raise ValueError("rope_parameters.sliding_attention: only rope_type 'default' is supported")
+        local_theta = sliding.get("rope_theta", local_theta)
+        params = params[FULL]
     if params:
         if not isinstance(params, Mapping) or ("rope_theta" not in params and "rope_type" not in params):
-            raise ValueError(
-                "config 'rope_parameters' must be one dict with 'rope_type'/'rope_theta'; "
-                "per-layer-type rope parameters are not supported"
-            )
-        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling: Mapping[str, Any] | None = params
+            raise ValueError("config 'rope_parameters' must be a dict with 'rope_type'/'rope_theta'")
+        theta = params.get("rope_theta", cfg.get("rope_theta", family.default_theta))
+        scaling: dict[str, Any] | None = dict(params)
     else:
-        theta = cfg.get("rope_theta", 10000.0)
-        scaling = cfg.get("rope_scaling")
+        theta = cfg.get("rope_theta", family.default_theta)
+        scaling = dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else None
     partial = (scaling or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ValueError(f"partial_rotary_factor={partial} is not supported (only full rotary, 1.0)")
     if scaling is not None:
         scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
-    return float(theta), scaling
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        scaling["rope_type"] = family.rope_type_aliases.get(rope_type, rope_type)
+        if scaling["rope_type"] in ("llama3", "yarn", "longrope") and cfg.get("original_max_position_embeddings"):
+            scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    return {
+        "rope_theta": float(theta),
+        "rope_scaling": scaling,
+        "partial_rotary_factor": float(partial if partial is not None else 1.0),
+        "rope_local_theta": None
+        if family.default_local_theta is None
+        else float(local_theta or family.default_local_theta),
+    }
 
 
 def model_args_from_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> ModelArgs:
-    """``ModelArgs`` from an HF ``config.json`` (dict, file or model directory)."""
+    """``ModelArgs`` from an HF ``config.json`` (dict, file or model directory) of a supported family."""
     cfg = load_hf_config(config)
-    model_type = cfg.get("model_type", "llama")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"config model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
-        )
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"config hidden_act {act!r} is not supported; only 'silu' (SwiGLU) is")
-    if cfg.get("use_sliding_window", False):
-        raise ValueError("config use_sliding_window=true is not supported; set it to false")
+    family = get_family(cfg.get("model_type", "llama"))
+    act = cfg.get(family.act_key) or cfg.get("hidden_act") or family.default_act
+    if act not in ("silu", "gelu_pytorch_tanh"):
+        raise ValueError(f"config {family.act_key} {act!r} is not supported; only 'silu' and 'gelu_pytorch_tanh' are")
     missing = [
         k
         for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
@@ -180,37 +236,75 @@ def model_args_from_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> 
     ]
     if missing:
         raise ValueError(f"HF config lacks required keys {missing}")
-    theta, scaling = _rope_from_hf(cfg)
-    if model_type == "qwen2":
-        qkv_bias, o_bias, mlp_bias = True, False, False
-    else:
-        qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
-        mlp_bias = bool(cfg.get("mlp_bias", False))
-    max_seq_len = int(cfg.get("max_position_embeddings", 2048))
     extra = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
-    return ModelArgs(
-        vocab_size=int(cfg["vocab_size"]),
-        dim=int(cfg["hidden_size"]),
-        n_layers=int(cfg["num_hidden_layers"]),
-        n_heads=int(cfg["num_attention_heads"]),
-        n_kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        head_dim=int(cfg["head_dim"]) if cfg.get("head_dim") else None,
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_seq_len=max_seq_len,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=qkv_bias,
-        o_proj_bias=o_bias,
-        mlp_bias=mlp_bias,
-        model_type=model_type,
-        extra=extra,
-    )
+    kwargs: dict[str, Any] = {
+        "vocab_size": int(cfg["vocab_size"]),
+        "dim": int(cfg["hidden_size"]),
+        "n_layers": int(cfg["num_hidden_layers"]),
+        "n_heads": int(cfg["num_attention_heads"]),
+        "n_kv_heads": int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
+        "intermediate_size": int(cfg["intermediate_size"]),
+        "head_dim": int(cfg["head_dim"]) if cfg.get("head_dim") else None,
+        "norm_eps": float(cfg.get("rms_norm_eps", family.default_eps)),
+        "max_seq_len": int(cfg.get("max_position_embeddings", 2048)),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", family.default_tie)),
+        "model_type": family.model_type,
+        "hidden_act": act,
+        "extra": extra,
+        **_rope_from_hf(cfg, family),
+    }
+    kwargs.update(family.read(cfg))
+    return ModelArgs(**kwargs)
 
 
 def _dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+
+
+def _check_family_features(args: ModelArgs) -> None:
+    """Raise when ``args`` uses a feature the family's HF config cannot say (it would load differently)."""
+    family = args.family
+    unsupported = []
+    if not family.gemma_norm:
+        unsupported += [
+            k
+            for k in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")
+            if getattr(args, k) is not None
+        ]
+        if args.hidden_act != "silu":
+            unsupported.append("hidden_act")
+    if family.model_type != "gemma3_text" and args.rope_local_theta is not None:
+        unsupported.append("rope_local_theta")
+    if family.model_type != "phi3" and args.partial_rotary_factor != 1.0:
+        unsupported.append("partial_rotary_factor")
+    if unsupported:
+        raise ValueError(
+            f"model_type {args.model_type!r} has no config.json keys for ModelArgs {unsupported}; "
+            "pick the model_type whose architecture has them"
+        )
+
+
+def _local_theta(args: ModelArgs) -> float:
+    """The sliding layers' rope base as the model uses it (the global one when unset)."""
+    return args.rope_theta if args.rope_local_theta is None else args.rope_local_theta
+
+
+def _rope_entries(args: ModelArgs, rope_style: str) -> dict[str, Any]:
+    scaling = dict(args.rope_scaling) if args.rope_scaling else None
+    if rope_style == "legacy":
+        out: dict[str, Any] = {"rope_theta": args.rope_theta, "rope_scaling": scaling}
+        if args.model_type == "gemma3_text":
+            out["rope_local_base_freq"] = _local_theta(args)
+        return out
+    if rope_style != "rope_parameters":
+        raise ValueError(f"rope_style must be 'legacy' or 'rope_parameters', got {rope_style!r}")
+    params: dict[str, Any] = {"rope_type": "default", **(scaling or {}), "rope_theta": args.rope_theta}
+    if args.partial_rotary_factor != 1.0:
+        params["partial_rotary_factor"] = args.partial_rotary_factor
+    if args.model_type == "gemma3_text":
+        local = {"rope_type": "default", "rope_theta": _local_theta(args)}
+        return {"rope_parameters": {FULL: params, SLIDING: local}}
+    return {"rope_parameters": params}
 
 
 def model_args_to_hf_config(
@@ -220,39 +314,16 @@ def model_args_to_hf_config(
     rope_style: Literal["legacy", "rope_parameters"] = "legacy",
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A ``config.json`` dict that ``transformers`` loads as ``LlamaForCausalLM``/``Qwen2ForCausalLM``.
+    """A ``config.json`` dict that ``transformers`` loads as the family's ``*ForCausalLM``.
 
     ``rope_style="legacy"`` writes ``rope_theta``/``rope_scaling`` (readable by transformers 4
     and 5); ``"rope_parameters"`` writes the transformers >= 5 form. ``extra`` entries are
     merged last (e.g. ``bos_token_id``).
     """
-    if args.model_type == "qwen2":
-        if args.o_proj_bias or args.mlp_bias or not args.attention_bias:
-            raise ValueError(
-                "model_type 'qwen2' needs attention_bias=True, o_proj_bias=False, mlp_bias=False; "
-                "use model_type='llama' for other bias layouts"
-            )
-        if args.head_dim != args.dim // args.n_heads:
-            raise ValueError("model_type 'qwen2' needs head_dim == dim // n_heads; use model_type='llama'")
-        cfg: dict[str, Any] = {
-            "architectures": ["Qwen2ForCausalLM"],
-            "model_type": "qwen2",
-            "use_sliding_window": False,
-        }
-    else:
-        if args.attention_bias != args.o_proj_bias:
-            raise ValueError(
-                "HF Llama's attention_bias covers q/k/v and o_proj together; set o_proj_bias == attention_bias "
-                "or use model_type='qwen2' (q/k/v biases only)"
-            )
-        cfg = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "attention_bias": args.attention_bias,
-            "mlp_bias": args.mlp_bias,
-            "head_dim": args.head_dim,
-            "pretraining_tp": 1,
-        }
+    family = args.family
+    _check_family_features(args)
+    cfg: dict[str, Any] = {"architectures": [family.architecture], "model_type": family.model_type}
+    cfg.update(family.write(args))
     cfg.update(
         vocab_size=args.vocab_size,
         hidden_size=args.dim,
@@ -260,7 +331,6 @@ def model_args_to_hf_config(
         num_hidden_layers=args.n_layers,
         num_attention_heads=args.n_heads,
         num_key_value_heads=args.n_kv_heads,
-        hidden_act="silu",
         max_position_embeddings=args.max_seq_len,
         rms_norm_eps=args.norm_eps,
         tie_word_embeddings=args.tie_word_embeddings,
@@ -268,13 +338,8 @@ def model_args_to_hf_config(
         initializer_range=0.02,
         use_cache=True,
     )
-    if rope_style == "legacy":
-        cfg["rope_theta"] = args.rope_theta
-        cfg["rope_scaling"] = dict(args.rope_scaling) if args.rope_scaling else None
-    elif rope_style == "rope_parameters":
-        cfg["rope_parameters"] = {"rope_type": "default", **(args.rope_scaling or {}), "rope_theta": args.rope_theta}
-    else:
-        raise ValueError(f"rope_style must be 'legacy' or 'rope_parameters', got {rope_style!r}")
+    cfg[family.act_key] = args.hidden_act
+    cfg.update(_rope_entries(args, rope_style))
     if dtype is not None:
         # transformers 4 reads torch_dtype, 5 writes dtype (and still reads torch_dtype).
         cfg["torch_dtype"] = cfg["dtype"] = _dtype_name(dtype)

@@ -46,17 +46,18 @@ def _run(fn: Callable[..., Tensor], chunked: bool, *args: object) -> Tensor:
     return checkpoint(fn, *args, use_reentrant=False) if chunked else fn(*args)
 
 
-def frozen_head(head: torch.nn.Linear) -> Head:
-    """A copy of a (gathered) linear head that outlives FSDP2 resharding: for a frozen teacher whose
-    logits a chunked loss recomputes in backward, after the teacher's forward has ended."""
+def frozen_head(head: torch.nn.Linear, *, softcap: float | None = None) -> Head:
+    """A copy of a (gathered) linear head, with the family's final soft-capping, that outlives
+    FSDP2 resharding: for a frozen teacher whose logits a chunked loss recomputes in backward,
+    after the teacher's forward has ended. Call it inside that forward (e.g. from ``head_loss``)."""
     weight = head.weight.detach().clone()
     bias = None if head.bias is None else head.bias.detach().clone()
-    return lambda hidden: F.linear(hidden, weight, bias)
 
+    def logits(hidden: Tensor) -> Tensor:
+        out = F.linear(hidden, weight, bias)
+        return out if softcap is None else torch.tanh(out / softcap) * softcap
 
-def _ce_sum(hidden: Tensor, labels: Tensor, head: Head, ignore_index: int) -> Tensor:
-    logits = head(hidden).float()
-    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+    return logits
 
 
 @functools.cache

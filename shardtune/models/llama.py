@@ -1,9 +1,11 @@
-"""Llama-family decoder whose ``state_dict()`` keys equal HF ``LlamaForCausalLM``'s.
+"""One decoder for every supported family, whose ``state_dict()`` keys equal the family's HF ``*ForCausalLM``.
 
 Structure (and therefore FQNs) mirrors transformers: ``model.embed_tokens``,
 ``model.layers[i].{self_attn,mlp,input_layernorm,post_attention_layernorm}``, ``model.norm``,
-``lm_head``. Decoder layers sit in ``model.model.layers`` (an ``nn.ModuleList``) so FSDP2's
-``fully_shard`` can be applied per layer, then to the root.
+``lm_head``, plus what the family's spec (``families.py``) switches on: fused ``qkv_proj``/
+``gate_up_proj`` (Phi-3), ``q_norm``/``k_norm`` (Qwen3, Gemma 3), ``pre_feedforward_layernorm``/
+``post_feedforward_layernorm`` (Gemma 2/3). Decoder layers sit in ``model.model.layers`` (an
+``nn.ModuleList``) so FSDP2's ``fully_shard`` can be applied per layer, then to the root.
 
 Attention is causal only (no padding mask): right-padded batches are fine because padded
 positions come after every real token and are masked out of the loss.
@@ -19,129 +21,88 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardtune.models.args import ModelArgs
+from shardtune.models.attention import Attention, RMSNorm, attention_mask, init_linear, sample_attention_mask
+from shardtune.models.families import FULL, SLIDING
 from shardtune.models.layer_dropout import LayerDropoutSchedule, layer_dropout_probs
-from shardtune.models.rope import RotaryEmbedding, apply_rotary_emb
+from shardtune.models.rope import RotaryEmbedding
 
 __all__ = [
+    "MLP",
     "Attention",
+    "DecoderForCausalLM",
     "DecoderLayer",
     "HeadLoss",
     "LlamaForCausalLM",
     "LlamaModel",
-    "MLP",
     "RMSNorm",
     "sample_attention_mask",
+    "softcap",
 ]
 
 HeadLoss = Callable[[Tensor, Callable[[Tensor], Tensor]], Any]  # (hidden, head) -> what forward returns
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32, cast back, then scaled (HF ``LlamaRMSNorm`` order)."""
-
-    def __init__(self, dim: int, *, eps: float = 1e-6, device=None, dtype=None) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        if not self.weight.is_meta:
-            nn.init.ones_(self.weight)
-
-    def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
-
-
-def _init_linear(linear: nn.Module, std: float) -> None:
-    """Normal(0, std) weight and zero bias; works for ``nn.Linear`` and ``LoRALinear`` bases."""
-    if linear.weight.is_meta:
-        return
-    if type(linear.weight).__name__ == "NF4Tensor" or not linear.weight.is_floating_point():
-        raise ValueError("init_weights cannot re-initialize a quantized (NF4) base weight; initialize before QLoRA")
-    nn.init.normal_(linear.weight, mean=0.0, std=std)
-    if getattr(linear, "bias", None) is not None:
-        nn.init.zeros_(linear.bias)
-
-
-class Attention(nn.Module):
-    """Grouped-query self-attention through ``scaled_dot_product_attention``: causal, or
-    block-causal with a ``mask`` from :func:`sample_attention_mask` (packed rows)."""
-
-    def __init__(self, args: ModelArgs, *, device=None, dtype=None) -> None:
-        super().__init__()
-        self.n_heads = args.n_heads
-        self.n_kv_heads = args.n_kv_heads
-        self.head_dim = args.head_dim
-        kw = {"device": device, "dtype": dtype}
-        q_out, kv_out = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-        self.q_proj = nn.Linear(args.dim, q_out, bias=args.attention_bias, **kw)
-        self.k_proj = nn.Linear(args.dim, kv_out, bias=args.attention_bias, **kw)
-        self.v_proj = nn.Linear(args.dim, kv_out, bias=args.attention_bias, **kw)
-        self.o_proj = nn.Linear(q_out, args.dim, bias=args.o_proj_bias, **kw)
-
-    def init_weights(self, std: float) -> None:
-        for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
-            _init_linear(proj, std)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_emb(q, k, cos, sin)
-        # enable_gqa lets SDPA broadcast kv heads without materializing repeated k/v.
-        gqa = self.n_kv_heads != self.n_heads
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-
-
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """Gated MLP: ``down(act(gate(x)) * up(x))`` with SiLU (SwiGLU) or tanh-GELU (GeGLU); gate and up
+    are one fused ``gate_up_proj`` (gate first) for Phi-3."""
 
     def __init__(self, args: ModelArgs, *, device=None, dtype=None) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype, "bias": args.mlp_bias}
-        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, **kw)
-        self.up_proj = nn.Linear(args.dim, args.intermediate_size, **kw)
+        self.fused = args.family.fused_gate_up
+        if self.fused:
+            self.gate_up_proj = nn.Linear(args.dim, 2 * args.intermediate_size, **kw)
+        else:
+            self.gate_proj = nn.Linear(args.dim, args.intermediate_size, **kw)
+            self.up_proj = nn.Linear(args.dim, args.intermediate_size, **kw)
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, **kw)
+        self.gelu = args.hidden_act == "gelu_pytorch_tanh"
 
     def init_weights(self, std: float) -> None:
-        for proj in (self.gate_proj, self.up_proj, self.down_proj):
-            _init_linear(proj, std)
+        projs = (self.gate_up_proj,) if self.fused else (self.gate_proj, self.up_proj)
+        for proj in (*projs, self.down_proj):
+            init_linear(proj, std)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: attention and MLP, each with a residual."""
+    """Pre-norm transformer block: attention and MLP, each with a residual. With the family's
+    sandwich norms (Gemma 2/3) each branch output is normed too before its residual add."""
 
-    def __init__(self, args: ModelArgs, *, device=None, dtype=None) -> None:
+    def __init__(self, args: ModelArgs, *, layer_type: str = FULL, device=None, dtype=None) -> None:
         super().__init__()
+        self.layer_type = layer_type
+        family = args.family
+        norm = {"eps": args.norm_eps, "offset": family.gemma_norm, "device": device, "dtype": dtype}
         self.self_attn = Attention(args, device=device, dtype=dtype)
         self.mlp = MLP(args, device=device, dtype=dtype)
-        self.input_layernorm = RMSNorm(args.dim, eps=args.norm_eps, device=device, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(args.dim, eps=args.norm_eps, device=device, dtype=dtype)
+        self.input_layernorm = RMSNorm(args.dim, **norm)
+        self.post_attention_layernorm = RMSNorm(args.dim, **norm)
+        self.sandwich = family.sandwich_norm
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(args.dim, **norm)
+            self.post_feedforward_layernorm = RMSNorm(args.dim, **norm)
 
     def init_weights(self, std: float) -> None:
         self.self_attn.init_weights(std)
         self.mlp.init_weights(std)
-        self.input_layernorm.reset_parameters()
-        self.post_attention_layernorm.reset_parameters()
+        for module in self.children():
+            if isinstance(module, RMSNorm):
+                module.reset_parameters()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        if not self.sandwich:
+            h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
 class LlamaModel(nn.Module):
@@ -150,10 +111,21 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, *, device=None, dtype=None) -> None:
         super().__init__()
         self.args = args
+        family = args.family
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(args, device=device, dtype=dtype) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps, device=device, dtype=dtype)
-        self.rotary_emb = RotaryEmbedding(args.head_dim, theta=args.rope_theta, rope_scaling=args.rope_scaling)
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, layer_type=t, device=device, dtype=dtype) for t in args.layer_types
+        )
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps, offset=family.gemma_norm, device=device, dtype=dtype)
+        rope = {"max_position_embeddings": args.max_seq_len}
+        self.rotary_emb = RotaryEmbedding(
+            args.rotary_dim, theta=args.rope_theta, rope_scaling=args.rope_scaling, **rope
+        )
+        # Gemma 3: sliding layers rotate with their own (unscaled) base.
+        self.local_rotary_emb = None
+        if args.rope_local_theta is not None:
+            self.local_rotary_emb = RotaryEmbedding(args.rotary_dim, theta=args.rope_local_theta, **rope)
+        self.embed_scale = args.dim**0.5 if family.gemma_norm else None
         self.layer_dropout_probs: list[float] | None = None
         self.layer_dropout_generator: torch.Generator | None = None
 
@@ -179,33 +151,29 @@ class LlamaModel(nn.Module):
         """
         wanted = _check_layer_ids(output_hidden_states, len(self.layers))
         h = self.embed_tokens(tokens)
-        mask = None
+        if self.embed_scale is not None:
+            # HF rounds the scale to the activation dtype first; rounded on the CPU, it costs no device copy.
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype).item()
+        seq, device = tokens.shape[1], tokens.device
+        types = {layer.layer_type for layer in self.layers}
+        window = {FULL: None, SLIDING: self.args.sliding_window}
+        masks = {t: attention_mask(seq, device=device, position_ids=position_ids, window=window[t]) for t in types}
         if position_ids is None:
-            position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-        else:
-            mask = sample_attention_mask(position_ids)
-        cos, sin = self.rotary_emb(position_ids, h.dtype)
+            position_ids = torch.arange(seq, device=device).unsqueeze(0)
+        global_rope = self.rotary_emb(position_ids, h.dtype)
+        local = self.local_rotary_emb
+        rope = {FULL: global_rope, SLIDING: global_rope}
+        if local is not None and SLIDING in types:
+            rope[SLIDING] = local(position_ids, h.dtype)
         skipped = self._skipped_layers()
         hidden: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             if skipped is None or not skipped[i]:
-                h = layer(h, cos, sin, mask)
+                cos, sin = rope[layer.layer_type]
+                h = layer(h, cos, sin, masks[layer.layer_type])
             if i in wanted:
                 hidden[i] = h
         return self.norm(h), hidden
-
-
-def sample_attention_mask(position_ids: Tensor) -> Tensor:
-    """Block-causal mask ``[b, 1, s, s]`` (True = may attend) for rows of packed samples: a
-    token sees itself and the earlier tokens of its own sample, which starts where
-    ``position_ids`` is 0 (or at the row's start). Built from the ids alone, without a
-    device sync."""
-    starts = position_ids == 0
-    starts[..., 0] = True
-    sample = starts.cumsum(dim=-1)  # which sample of the row each token belongs to
-    s = position_ids.shape[-1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()
-    return ((sample.unsqueeze(-1) == sample.unsqueeze(-2)) & causal).unsqueeze(1)
 
 
 def _check_layer_ids(ids: Iterable[int] | None, n_layers: int) -> set[int]:
@@ -219,7 +187,7 @@ def _check_layer_ids(ids: Iterable[int] | None, n_layers: int) -> set[int]:
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder plus ``lm_head``; keys and numerics match HF ``LlamaForCausalLM``.
+    """Decoder plus ``lm_head``; keys and numerics match the HF ``*ForCausalLM`` of ``args.model_type``.
 
     Build on the meta device for free (``with torch.device("meta"): LlamaForCausalLM(args)``);
     weights are only initialized when parameters are materialized at construction.
@@ -255,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
             layer.init_weights(std)
         self.model.norm.reset_parameters()
         if not self.args.tie_word_embeddings:
-            _init_linear(self.lm_head, std)
+            init_linear(self.lm_head, std)
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """Post-materialization setup: re-tie embeddings and precompute RoPE on ``device``.
@@ -264,7 +232,9 @@ class LlamaForCausalLM(nn.Module):
         or an external loader). RoPE would also be computed lazily on first forward.
         """
         self.tie_weights()
-        self.model.rotary_emb.reset_cache(device)
+        for rope in (self.model.rotary_emb, self.model.local_rotary_emb):
+            if rope is not None:
+                rope.reset_cache(device)
 
     init_rope = init_buffers  # torchtune-style name
 
@@ -290,7 +260,11 @@ class LlamaForCausalLM(nn.Module):
 
     def logits_from_hidden(self, hidden: Tensor) -> Tensor:
         """Apply the shared final norm and ``lm_head`` to an intermediate hidden state (early exit)."""
-        return self.lm_head(self.model.norm(hidden))
+        return self.output_head(self.model.norm(hidden))
+
+    def output_head(self, hidden: Tensor) -> Tensor:
+        """Final hidden states -> logits: ``lm_head``, then the family's final soft-capping (Gemma)."""
+        return softcap(self.lm_head(hidden), self.args.final_logit_softcapping)
 
     def forward(
         self,
@@ -317,13 +291,21 @@ class LlamaForCausalLM(nn.Module):
         """
         h, hidden = self.model(tokens, position_ids=position_ids, output_hidden_states=output_hidden_states)
         if head_loss is not None:
-            out = head_loss(h, self.lm_head)
+            out = head_loss(h, self.output_head)
             if output_hidden_states is None:
                 return out
             return out, {i: head_loss(x, self.logits_from_hidden) for i, x in hidden.items()}
-        logits = self.lm_head(h)
+        logits = self.output_head(h)
         if output_hidden_states is None:
             return logits
         if hidden_to_logits:
             hidden = {i: self.logits_from_hidden(x) for i, x in hidden.items()}
         return logits, hidden
+
+
+def softcap(logits: Tensor, cap: float | None) -> Tensor:
+    """Gemma's final logit soft-capping ``cap * tanh(logits / cap)``; unchanged when ``cap`` is None."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+DecoderForCausalLM = LlamaForCausalLM  # the family-neutral name of the one decoder class

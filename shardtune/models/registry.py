@@ -14,6 +14,7 @@ from shardtune.models.llama import LlamaForCausalLM
 
 __all__ = [
     "build_model",
+    "from_hf_config",
     "get_model_args",
     "list_models",
     "llama_from_hf_config",
@@ -129,17 +130,22 @@ def build_model(
     elif isinstance(name_or_args, (str, os.PathLike)) and Path(name_or_args).exists():
         args = model_args_from_hf_config(name_or_args)
     else:
-        raise KeyError(
-            f"{name_or_args!r} is neither a model preset ({list_models()}) nor an existing HF config path"
-        )
+        raise KeyError(f"{name_or_args!r} is neither a model preset ({list_models()}) nor an existing HF config path")
     return LlamaForCausalLM(args, device=device, dtype=dtype)
 
 
-def llama_from_hf_config(
+def from_hf_config(
     config: Mapping[str, Any] | str | os.PathLike,
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
 ) -> LlamaForCausalLM:
-    """Build from an HF ``config.json`` dict, file path or model directory (either rope style)."""
+    """Build the family named by ``model_type`` from an HF ``config.json`` dict, file path or model directory.
+
+    ``device="meta"`` only creates parameters (no init work); an unsupported ``model_type``
+    raises a ``ValueError`` listing the supported ones.
+    """
     return LlamaForCausalLM(model_args_from_hf_config(config), device=device, dtype=dtype)
+
+
+llama_from_hf_config = from_hf_config  # the name from before other families existed

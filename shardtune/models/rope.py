@@ -1,9 +1,14 @@
-"""Rotary position embeddings in the Hugging Face convention (``rotate_half``).
+"""Rotary position embeddings in the Hugging Face convention (``rotate_half``), all HF rope types.
 
 The inverse frequencies are derived from the config, never stored in ``state_dict``: they
 are computed on first use per device and memoized in a plain attribute. A model built on
 the meta device and materialized later by a loader that only fills ``state_dict`` keys
 therefore needs no extra step (``init_buffers`` exists to warm the cache explicitly).
+
+Rope types follow ``transformers.modeling_rope_utils``: ``linear``, ``llama3`` and ``yarn``
+are static; ``dynamic`` (NTK) and ``longrope`` depend on the longest position in the batch,
+which costs one device sync per forward (as in transformers). With ``rotary_dim < head_dim``
+(partial rotary) only the first ``rotary_dim`` channels of each head are rotated.
 """
 
 from __future__ import annotations
@@ -14,7 +19,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["RotaryEmbedding", "apply_rotary_emb", "compute_inv_freq", "rotate_half"]
+__all__ = ["RotaryEmbedding", "apply_rotary_emb", "attention_factor", "compute_inv_freq", "rotate_half"]
+
+SEQ_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _base_exponents(dim: int, device) -> Tensor:
+    return torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
 
 
 def compute_inv_freq(
@@ -23,21 +34,41 @@ def compute_inv_freq(
     theta: float,
     rope_scaling: dict[str, Any] | None = None,
     device: torch.device | str | None = None,
+    max_position_embeddings: int | None = None,
+    seq_len: int | None = None,
 ) -> Tensor:
-    """fp32 inverse frequencies, ``head_dim // 2`` of them, with optional linear/llama3 scaling.
+    """fp32 inverse frequencies, ``head_dim // 2`` of them (``head_dim``: the rotated channels).
 
     Mirrors ``transformers.modeling_rope_utils`` bit for bit when computed on CPU.
+    ``seq_len`` (longest position + 1) only matters for ``dynamic`` and ``longrope``.
     """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)
+    inv_freq = 1.0 / (theta ** _base_exponents(head_dim, device))
     if rope_scaling is None:
         return inv_freq
     rope_type = rope_scaling["rope_type"]
-    factor = float(rope_scaling["factor"])
     if rope_type == "linear":
-        return inv_freq / factor
-    if rope_type != "llama3":
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: 'linear', 'llama3'")
+        return inv_freq / float(rope_scaling["factor"])
+    if rope_type == "llama3":
+        return _llama3(inv_freq, rope_scaling)
+    if rope_type == "dynamic":
+        max_pos = int(max_position_embeddings or 0)
+        seq = max(seq_len or max_pos, max_pos)
+        factor = float(rope_scaling["factor"])
+        base = theta * ((factor * seq / max_pos) - (factor - 1)) ** (head_dim / (head_dim - 2))
+        return 1.0 / (base ** _base_exponents(head_dim, device))
+    if rope_type == "yarn":
+        return _yarn(head_dim, theta, rope_scaling, device)
+    if rope_type == "longrope":
+        long = seq_len is not None and seq_len > int(rope_scaling["original_max_position_embeddings"])
+        ext = torch.tensor(rope_scaling["long_factor" if long else "short_factor"], dtype=torch.float32, device=device)
+        return 1.0 / (ext * theta ** _base_exponents(head_dim, device))
+    raise ValueError(
+        f"unsupported rope_type {rope_type!r}; supported: 'linear', 'llama3', 'dynamic', 'yarn', 'longrope'"
+    )
+
+
+def _llama3(inv_freq: Tensor, rope_scaling: dict[str, Any]) -> Tensor:
+    factor = float(rope_scaling["factor"])
     low = float(rope_scaling["low_freq_factor"])
     high = float(rope_scaling["high_freq_factor"])
     old_ctx = float(rope_scaling["original_max_position_embeddings"])
@@ -52,6 +83,48 @@ def compute_inv_freq(
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn(dim: int, theta: float, rope_scaling: dict[str, Any], device) -> Tensor:
+    factor = float(rope_scaling["factor"])
+    old_ctx = rope_scaling["original_max_position_embeddings"]
+    beta_fast = rope_scaling.get("beta_fast") or 32
+    beta_slow = rope_scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope_scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(device)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def attention_factor(rope_scaling: dict[str, Any] | None, *, max_position_embeddings: int) -> float:
+    """The factor HF multiplies ``cos``/``sin`` by (1.0 except for ``yarn`` and ``longrope``)."""
+    if rope_scaling is None or rope_scaling["rope_type"] not in ("yarn", "longrope"):
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    factor = rope_scaling.get("factor")
+    old_ctx = rope_scaling["original_max_position_embeddings"]
+    if rope_scaling["rope_type"] == "longrope":
+        factor = max_position_embeddings / old_ctx if factor is None else factor
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
+
+    def mscale(scale: float, m: float = 1) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    if m and m_all:
+        return float(mscale(factor, m) / mscale(factor, m_all))
+    return mscale(factor)
+
+
 def rotate_half(x: Tensor) -> Tensor:
     """Rotate the two halves of the last dim: ``(x1, x2) -> (-x2, x1)``."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -59,30 +132,63 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rotary_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """Rotate ``q``/``k`` of shape ``[b, heads, s, head_dim]`` by ``cos``/``sin`` of ``[b, s, head_dim]``."""
+    """Rotate ``q``/``k`` ``[b, heads, s, head_dim]`` by ``cos``/``sin`` ``[b, s, rotary_dim]``; channels past
+    ``rotary_dim`` pass through unchanged (partial rotary)."""
     cos = cos.unsqueeze(1)
     sin = sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    rot = cos.shape[-1]
+    if rot == q.shape[-1]:
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    q_rot, q_pass = q[..., :rot], q[..., rot:]
+    k_rot, k_pass = k[..., :rot], k[..., rot:]
+    q_out = torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q_pass), dim=-1)
+    return q_out, torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k_pass), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
     """Produces ``(cos, sin)`` for given positions; holds no parameters or buffers."""
 
-    def __init__(self, head_dim: int, *, theta: float, rope_scaling: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        *,
+        theta: float,
+        rope_scaling: dict[str, Any] | None = None,
+        max_position_embeddings: int = 2048,
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
         self.rope_scaling = rope_scaling
+        self.max_position_embeddings = max_position_embeddings
+        self.scale = attention_factor(rope_scaling, max_position_embeddings=max_position_embeddings)
+        self.seq_dependent = rope_scaling is not None and rope_scaling["rope_type"] in SEQ_DEPENDENT_ROPE
         # Plain dict, not a buffer: it must stay out of state_dict and away from meta/FSDP.
-        self._inv_freq_cache: dict[torch.device, Tensor] = {}
+        self._inv_freq_cache: dict[tuple[torch.device, int | None], Tensor] = {}
 
-    def inv_freq(self, device: torch.device) -> Tensor:
+    def _seq_key(self, seq_len: int | None) -> int | None:
+        """Cache key: the only seq_len distinctions the rope type makes."""
+        if not self.seq_dependent or seq_len is None:
+            return None
+        if self.rope_scaling["rope_type"] == "longrope":
+            return int(seq_len > int(self.rope_scaling["original_max_position_embeddings"]))
+        return max(seq_len, self.max_position_embeddings)
+
+    def inv_freq(self, device: torch.device, seq_len: int | None = None) -> Tensor:
         """Inverse frequencies on ``device`` (computed on CPU first, so every device matches HF)."""
-        cached = self._inv_freq_cache.get(device)
+        key = (device, self._seq_key(seq_len))
+        cached = self._inv_freq_cache.get(key)
         if cached is None:
-            cpu = compute_inv_freq(self.head_dim, theta=self.theta, rope_scaling=self.rope_scaling, device="cpu")
+            cpu = compute_inv_freq(
+                self.head_dim,
+                theta=self.theta,
+                rope_scaling=self.rope_scaling,
+                device="cpu",
+                max_position_embeddings=self.max_position_embeddings,
+                seq_len=seq_len,
+            )
             cached = cpu.to(device)
-            self._inv_freq_cache[device] = cached
+            self._inv_freq_cache[key] = cached
         return cached
 
     def reset_cache(self, device: torch.device | str | None = None) -> None:
@@ -93,10 +199,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``position_ids`` ``[b, s]`` (or ``[1, s]``) -> ``cos``, ``sin`` of ``[b, s, head_dim]`` in ``dtype``."""
-        inv_freq = self.inv_freq(position_ids.device)
+        # Only dynamic/longrope read the longest position: a device sync, as in transformers.
+        seq_len = int(position_ids.max()) + 1 if self.seq_dependent else None
+        inv_freq = self.inv_freq(position_ids.device, seq_len)
         freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.to(dtype), sin.to(dtype)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta}, rope_scaling={self.rope_scaling}"

@@ -19,13 +19,14 @@ from shardtune.peft.lora import (
     get_adapter_params,
     init_lora_parameters,
     merge_lora,
+    resolve_targets,
 )
 
 __all__ = [
     "LORA_TARGETS",
+    "PEFT_PREFIX",
     "LoRAConfig",
     "LoRALinear",
-    "PEFT_PREFIX",
     "apply_lora",
     "build_lora_model",
     "from_peft_adapter_state_dict",
@@ -37,5 +38,6 @@ __all__ = [
     "merge_lora",
     "merge_lora_weight",
     "peft_adapter_config",
+    "resolve_targets",
     "to_peft_adapter_state_dict",
 ]

@@ -3,7 +3,9 @@
 ``LoRALinear`` keeps the frozen base at ``<module>.weight``/``<module>.bias`` (so HF keys load
 unchanged) and the adapters at ``<module>.lora_A.weight``/``<module>.lora_B.weight`` (PEFT's
 names without ``base_layer``/``.default``). With ``quantize_base=True`` the base weight is a
-torchao ``NF4Tensor`` Parameter (QLoRA). Everything works on the meta device.
+torchao ``NF4Tensor`` Parameter (QLoRA). Everything works on the meta device. Target names are
+PEFT's module names for every family (``qkv_proj``/``gate_up_proj`` for Phi-3); Llama names given
+for a family with fused projections wrap the fused module that holds them.
 """
 
 from __future__ import annotations
@@ -28,9 +30,21 @@ __all__ = [
     "get_adapter_params",
     "init_lora_parameters",
     "merge_lora",
+    "resolve_targets",
 ]
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+LORA_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "qkv_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "gate_up_proj",
+    "down_proj",
+    "lm_head",
+)
 
 
 @dataclass
@@ -212,6 +226,27 @@ def _shared_param_ids(model: nn.Module) -> set[int]:
     return {i for i, n in seen.items() if n > 1}
 
 
+def resolve_targets(model: nn.Module, target_modules: Iterable[str]) -> list[str]:
+    """PEFT module names to wrap in ``model``: each requested name that names one of its linears, else the
+    fused linear holding it in this family (Phi-3: ``q_proj`` -> ``qkv_proj``, ``up_proj`` -> ``gate_up_proj``),
+    so one config's targets apply to every family."""
+    present = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    args = getattr(model, "args", None)
+    aliases = args.family.lora_aliases if args is not None and hasattr(args, "family") else {}
+    resolved: list[str] = []
+    for name in target_modules:
+        target = name if name in present else aliases.get(name)
+        if target not in present:
+            kind = getattr(args, "model_type", type(model).__name__)
+            raise ValueError(
+                f"LoRA target_modules entry {name!r} names no linear of this {kind} model; "
+                f"its linears are {sorted(present)}"
+            )
+        if target not in resolved:
+            resolved.append(target)
+    return resolved
+
+
 def apply_lora(
     model: nn.Module,
     *,
@@ -228,13 +263,15 @@ def apply_lora(
     In place (also returns ``model``). All non-adapter parameters are frozen; adapters are
     trainable. ``quantize_base`` stores the wrapped bases as NF4 (other weights stay as they
     are). Works on a meta-device model: adapters are then initialized after materialization
-    with ``init_lora_parameters``. Sets ``model.lora_config``.
+    with ``init_lora_parameters``. Names are resolved per family by ``resolve_targets``, and
+    ``model.lora_config`` (which this sets) records the resolved ones.
     """
+    requested = LoRAConfig(rank=rank, alpha=alpha, target_modules=list(target_modules))  # validates the names
     config = LoRAConfig(
         rank=rank,
         alpha=alpha,
         dropout=dropout,
-        target_modules=list(target_modules),
+        target_modules=resolve_targets(model, requested.target_modules),
         quantize_base=quantize_base,
         block_size=block_size,
         scaler_block_size=scaler_block_size,

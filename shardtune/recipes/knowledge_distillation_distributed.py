@@ -13,7 +13,7 @@ import torch
 
 from shardtune.checkpoint import load_hf_checkpoint
 from shardtune.config import Config
-from shardtune.models.chunked_loss import chunked_distillation_loss, frozen_head
+from shardtune.models.chunked_loss import Head, chunked_distillation_loss, frozen_head
 from shardtune.recipes import _setup as setup
 from shardtune.recipes._entry import main
 
@@ -42,7 +42,9 @@ def recipe_main(cfg: Config) -> None:
         tokens, labels, positions = setup.on_device(batch, run)
         n_tokens = setup.label_tokens(batch["labels"])
         with torch.no_grad():
-            teacher_hidden, teacher_head = teacher(tokens, position_ids=positions, head_loss=_hidden_and_head)
+            teacher_hidden, teacher_head = teacher(
+                tokens, position_ids=positions, head_loss=lambda hidden, _head: (hidden, _frozen_head(teacher))
+            )
 
         def head_loss(hidden, head):
             return chunked_distillation_loss(
@@ -58,9 +60,9 @@ def recipe_main(cfg: Config) -> None:
     )
 
 
-def _hidden_and_head(hidden, head):
-    """The teacher's final hidden states and a copy of its head that outlives its forward."""
-    return hidden, frozen_head(head)
+def _frozen_head(teacher) -> Head:
+    """A copy of the teacher's output head that outlives its forward (call it inside that forward)."""
+    return frozen_head(teacher.lm_head, softcap=teacher.args.final_logit_softcapping)
 
 
 if __name__ == "__main__":

@@ -340,11 +340,12 @@ def test_copy_and_device_keyed_rope_cache():
     ("change", "match"),
     [
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"model_type": "mistral"}, "model_type"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
+        ({"model_type": "falcon"}, "supported model types: .*'gemma2'"),
+        ({"rope_scaling": {"rope_type": "mrope", "factor": 2.0}}, "mrope"),
+        ({"rope_scaling": {"rope_type": "yarn"}}, "factor"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 2.0}}, "low_freq_factor"),
         ({"num_key_value_heads": 3}, "n_kv_heads"),
-        ({"use_sliding_window": True}, "use_sliding_window"),
+        ({"model_type": "mistral", "sliding_window": -1}, "sliding_window"),
     ],
 )
 def test_bad_hf_configs_raise_naming_the_key(change, match):

@@ -1,0 +1,170 @@
+"""Self-attention for every supported family, and the masks it uses.
+
+One rule: attention is causal, optionally block-causal over packed samples (positions restarting
+at 0) and optionally limited to the last ``sliding_window`` tokens; masks say exactly that, so a
+sliding window is honoured beyond its length, never ignored. Without logit soft-capping it runs
+through ``scaled_dot_product_attention``; with soft-capping (Gemma 2) an exact eager path
+computes ``cap * tanh(scores / cap)`` before the softmax, since SDPA cannot.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from shardtune.models.args import ModelArgs
+from shardtune.models.rope import apply_rotary_emb
+
+__all__ = ["Attention", "RMSNorm", "attention_mask", "init_linear", "sample_attention_mask"]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32. Llama order: cast back, then scale by ``w``. Gemma order
+    (``offset=True``): scale by ``1 + w`` in fp32, then cast; its weights start at zero."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, offset: bool = False, device=None, dtype=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.offset = offset
+        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            nn.init.zeros_(self.weight) if self.offset else nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * h.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}"
+
+
+def init_linear(linear: nn.Module, std: float) -> None:
+    """Normal(0, std) weight and zero bias; works for ``nn.Linear`` and ``LoRALinear`` bases."""
+    if linear.weight.is_meta:
+        return
+    if type(linear.weight).__name__ == "NF4Tensor" or not linear.weight.is_floating_point():
+        raise ValueError("init_weights cannot re-initialize a quantized (NF4) base weight; initialize before QLoRA")
+    nn.init.normal_(linear.weight, mean=0.0, std=std)
+    if getattr(linear, "bias", None) is not None:
+        nn.init.zeros_(linear.bias)
+
+
+def sample_attention_mask(position_ids: Tensor) -> Tensor:
+    """Block-causal mask ``[b, 1, s, s]`` (True = may attend) for rows of packed samples: a
+    token sees itself and the earlier tokens of its own sample, which starts where
+    ``position_ids`` is 0 (or at the row's start). Built from the ids alone, without a
+    device sync."""
+    starts = position_ids == 0
+    starts[..., 0] = True
+    sample = starts.cumsum(dim=-1)  # which sample of the row each token belongs to
+    s = position_ids.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()
+    return ((sample.unsqueeze(-1) == sample.unsqueeze(-2)) & causal).unsqueeze(1)
+
+
+def attention_mask(
+    seq_len: int, *, device: torch.device, position_ids: Tensor | None = None, window: int | None = None
+) -> Tensor | None:
+    """Boolean mask ``[b|1, 1, s, s]`` for causal (packed when ``position_ids``) attention, limited to
+    ``window`` tokens (``q - k < window``, HF's rule) when given; ``None`` means plain causal."""
+    if window is not None and window >= seq_len:
+        window = None  # no query is that far from a key: plain causal keeps SDPA's fastest kernels
+    if position_ids is None and window is None:
+        return None
+    if position_ids is None:
+        mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
+    else:
+        mask = sample_attention_mask(position_ids)
+    if window is not None:
+        idx = torch.arange(seq_len, device=device)
+        mask = mask & ((idx[:, None] - idx[None, :]) < window)
+    return mask
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with the family's projections (separate or fused ``qkv_proj``),
+    optional per-head q/k RMSNorm, custom scale and logit soft-capping."""
+
+    def __init__(self, args: ModelArgs, *, device=None, dtype=None) -> None:
+        super().__init__()
+        family = args.family
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.scale = (args.query_pre_attn_scalar or args.head_dim) ** -0.5
+        self.softcap = args.attn_logit_softcapping
+        kw = {"device": device, "dtype": dtype}
+        q_out, kv_out = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        self.fused = family.fused_qkv
+        if self.fused:  # HF Phi-3 registers o_proj first: keep its state_dict order
+            self.o_proj = nn.Linear(q_out, args.dim, bias=args.o_proj_bias, **kw)
+            self.qkv_proj = nn.Linear(args.dim, q_out + 2 * kv_out, bias=args.attention_bias, **kw)
+        else:
+            self.q_proj = nn.Linear(args.dim, q_out, bias=args.attention_bias, **kw)
+            self.k_proj = nn.Linear(args.dim, kv_out, bias=args.attention_bias, **kw)
+            self.v_proj = nn.Linear(args.dim, kv_out, bias=args.attention_bias, **kw)
+            self.o_proj = nn.Linear(q_out, args.dim, bias=args.o_proj_bias, **kw)
+        self.q_norm = self.k_norm = None
+        if family.qk_norm:
+            norm_kw = {"eps": args.norm_eps, "offset": family.gemma_norm, **kw}
+            self.q_norm = RMSNorm(args.head_dim, **norm_kw)
+            self.k_norm = RMSNorm(args.head_dim, **norm_kw)
+
+    def init_weights(self, std: float) -> None:
+        projs = (self.qkv_proj, self.o_proj) if self.fused else (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+        for proj in projs:
+            init_linear(proj, std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
+
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        b, s, _ = x.shape
+        if self.fused:
+            q_out, kv_out = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([q_out, kv_out, kv_out], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, s, self.n_heads, self.head_dim)
+        k = k.view(b, s, self.n_kv_heads, self.head_dim)
+        v = v.view(b, s, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        b, s, _ = x.shape
+        q, k, v = self._qkv(x)
+        q, k = apply_rotary_emb(q, k, cos, sin)
+        if self.softcap is not None:
+            out = self._eager_softcapped(q, k, v, mask)
+        else:
+            # enable_gqa lets SDPA broadcast kv heads without materializing repeated k/v.
+            gqa = self.n_kv_heads != self.n_heads
+            if mask is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def _eager_softcapped(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """Exact attention with ``cap * tanh(scores / cap)`` scores; softmax in fp32 as in transformers."""
+        groups = self.n_heads // self.n_kv_heads
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is None:
+            s = q.shape[2]
+            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)

@@ -1,0 +1,275 @@
+"""One spec per supported HF ``model_type``: what differs from Llama and how its config.json reads/writes.
+
+The decoder (``llama.py``) is shared; a ``Family`` only names the structural switches
+(fused projections, QK-norm, Gemma-style norms) and converts the family's own config keys
+to/from ``ModelArgs`` fields. Keys common to every family (sizes, heads, eps, rope, tied
+embeddings) are handled once in ``args.py``. Adding a family = one ``Family`` entry here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shardtune.models.args import ModelArgs
+
+__all__ = ["FAMILIES", "Family", "get_family", "supported_model_types"]
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass(frozen=True)
+class Family:
+    """Structure and config conversion of one HF model family.
+
+    ``read(cfg)`` returns the family-specific ``ModelArgs`` keyword arguments; ``write(args)``
+    returns the family-specific config.json entries (raising when ``args`` uses a feature the
+    family's HF class cannot express). ``lora_aliases`` maps Llama projection names to the
+    fused module that holds them (Phi-3), so generic LoRA targets still apply.
+    """
+
+    model_type: str
+    architecture: str
+    read: Callable[[Mapping[str, Any]], dict[str, Any]]
+    write: Callable[[ModelArgs], dict[str, Any]]
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+    qk_norm: bool = False
+    gemma_norm: bool = False  # (1 + w) RMSNorm weights and embeddings scaled by sqrt(hidden)
+    sandwich_norm: bool = False  # norms after attention/MLP outputs too (Gemma 2/3)
+    act_key: str = "hidden_act"
+    default_act: str = "silu"
+    default_tie: bool = False
+    lora_aliases: dict[str, str] = field(default_factory=dict)
+    rope_type_aliases: dict[str, str] = field(default_factory=dict)
+    default_theta: float = 10000.0
+    default_eps: float = 1e-6
+    default_local_theta: float | None = None  # sliding layers' own rope base (Gemma 3)
+
+
+def _require(args: ModelArgs, family: str, **expected: Any) -> None:
+    """Raise when ``args`` has a value the family's HF class has no config key for."""
+    for name, want in expected.items():
+        if getattr(args, name) != want:
+            raise ValueError(
+                f"model_type {family!r} cannot express ModelArgs.{name}={getattr(args, name)!r} in config.json "
+                f"(needs {want!r}); pick a model_type that has it (see shardtune.models.supported_model_types())"
+            )
+
+
+def _uniform_window(args: ModelArgs, family: str) -> int | None:
+    """The window of families whose sliding window applies to every layer (Mistral, Phi-3)."""
+    if args.sliding_window is None:
+        return None
+    if set(args.layer_types) != {SLIDING}:
+        raise ValueError(f"model_type {family!r} slides every layer or none; got layer_types={args.layer_types}")
+    return args.sliding_window
+
+
+def _read_window(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    window = cfg.get("sliding_window")
+    return {"sliding_window": int(window) if window else None}
+
+
+# --- llama ---------------------------------------------------------------------------------------------------------
+def _llama_read(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    bias = bool(cfg.get("attention_bias", False))
+    return {"attention_bias": bias, "o_proj_bias": bias, "mlp_bias": bool(cfg.get("mlp_bias", False))}
+
+
+def _llama_write(args: ModelArgs) -> dict[str, Any]:
+    if args.attention_bias != args.o_proj_bias:
+        raise ValueError(
+            "HF Llama's attention_bias covers q/k/v and o_proj together; set o_proj_bias == attention_bias "
+            "or use model_type='qwen2' (q/k/v biases only)"
+        )
+    _require(args, "llama", sliding_window=None)
+    return {
+        "attention_bias": args.attention_bias,
+        "mlp_bias": args.mlp_bias,
+        "head_dim": args.head_dim,
+        "pretraining_tp": 1,
+    }
+
+
+# --- mistral ---------------------------------------------------------------------------------------------------------
+def _mistral_read(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    return _read_window(cfg)
+
+
+def _mistral_write(args: ModelArgs) -> dict[str, Any]:
+    _require(args, "mistral", attention_bias=False, o_proj_bias=False, mlp_bias=False)
+    return {"head_dim": args.head_dim, "sliding_window": _uniform_window(args, "mistral")}
+
+
+# --- qwen2 / qwen3 ---------------------------------------------------------------------------------------------------
+def _qwen_window(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen: ``use_sliding_window`` gates the window; ``layer_types`` (or ``max_window_layers``) picks the layers."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        first = int(cfg.get("max_window_layers", 28))
+        types = [SLIDING if window is not None and i >= first else FULL for i in range(n)]
+    if window is None or SLIDING not in types:  # transformers drops the window unless both are set
+        window, types = None, [FULL] * n
+    return {"sliding_window": int(window) if window else None, "layer_types": list(types)}
+
+
+def _qwen_window_write(args: ModelArgs) -> dict[str, Any]:
+    sliding = args.sliding_window is not None
+    return {
+        "use_sliding_window": sliding,
+        "sliding_window": args.sliding_window,
+        "layer_types": list(args.layer_types),
+        "max_window_layers": args.n_layers,
+    }
+
+
+def _qwen2_read(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    return {"attention_bias": True, **_qwen_window(cfg)}
+
+
+def _qwen2_write(args: ModelArgs) -> dict[str, Any]:
+    _require(args, "qwen2", attention_bias=True, o_proj_bias=False, mlp_bias=False)
+    if args.head_dim != args.dim // args.n_heads:
+        raise ValueError("model_type 'qwen2' needs head_dim == dim // n_heads; use model_type='llama'")
+    return _qwen_window_write(args)
+
+
+def _qwen3_read(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    bias = bool(cfg.get("attention_bias", False))
+    return {"attention_bias": bias, "o_proj_bias": bias, **_qwen_window(cfg)}
+
+
+def _qwen3_write(args: ModelArgs) -> dict[str, Any]:
+    _require(args, "qwen3", o_proj_bias=args.attention_bias, mlp_bias=False)
+    return {"attention_bias": args.attention_bias, "head_dim": args.head_dim, **_qwen_window_write(args)}
+
+
+# --- phi3 ------------------------------------------------------------------------------------------------------------
+def _phi3_read(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    return _read_window(cfg)
+
+
+def _phi3_write(args: ModelArgs) -> dict[str, Any]:
+    _require(args, "phi3", attention_bias=False, o_proj_bias=False, mlp_bias=False)
+    if args.head_dim != args.dim // args.n_heads:
+        raise ValueError("model_type 'phi3' needs head_dim == dim // n_heads")
+    out: dict[str, Any] = {
+        "sliding_window": _uniform_window(args, "phi3"),
+        "partial_rotary_factor": args.partial_rotary_factor,
+    }
+    if args.rope_scaling and "original_max_position_embeddings" in args.rope_scaling:
+        out["original_max_position_embeddings"] = args.rope_scaling["original_max_position_embeddings"]
+    return out
+
+
+# --- gemma2 / gemma3_text --------------------------------------------------------------------------------------------
+def _gemma_read(cfg: Mapping[str, Any], pattern: int, softcaps: tuple[float | None, float | None]) -> dict[str, Any]:
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("config use_bidirectional_attention=true is not supported (causal LM training only)")
+    n = int(cfg["num_hidden_layers"])
+    pattern = int(cfg.get("sliding_window_pattern", pattern))
+    types = cfg.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
+    bias = bool(cfg.get("attention_bias", False))
+    return {
+        "attention_bias": bias,
+        "o_proj_bias": bias,
+        "head_dim": int(cfg.get("head_dim", 256)),
+        "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar", 256),
+        "sliding_window": int(cfg.get("sliding_window", 4096)),
+        "layer_types": list(types),
+        "attn_logit_softcapping": cfg.get("attn_logit_softcapping", softcaps[0]),
+        "final_logit_softcapping": cfg.get("final_logit_softcapping", softcaps[1]),
+    }
+
+
+def _gemma_write(args: ModelArgs, family: str) -> dict[str, Any]:
+    _require(args, family, o_proj_bias=args.attention_bias, mlp_bias=False)
+    if args.sliding_window is None:
+        raise ValueError(f"model_type {family!r} needs sliding_window (use layer_types to make every layer full)")
+    return {
+        "attention_bias": args.attention_bias,
+        "head_dim": args.head_dim,
+        "query_pre_attn_scalar": args.query_pre_attn_scalar or args.head_dim,
+        "sliding_window": args.sliding_window,
+        "layer_types": list(args.layer_types),
+        "attn_logit_softcapping": args.attn_logit_softcapping,
+        "final_logit_softcapping": args.final_logit_softcapping,
+        "hidden_activation": args.hidden_act,
+        "use_bidirectional_attention": False,
+    }
+
+
+def _gemma2_read(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    return _gemma_read(cfg, 2, (50.0, 30.0))
+
+
+def _gemma3_read(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    return _gemma_read(cfg, 6, (None, None))
+
+
+_FUSED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+_GEMMA = {
+    "gemma_norm": True,
+    "sandwich_norm": True,
+    "act_key": "hidden_activation",
+    "default_act": "gelu_pytorch_tanh",
+    "default_tie": True,
+}
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family("llama", "LlamaForCausalLM", _llama_read, _llama_write),
+        Family("mistral", "MistralForCausalLM", _mistral_read, _mistral_write),
+        Family("qwen2", "Qwen2ForCausalLM", _qwen2_read, _qwen2_write),
+        Family("qwen3", "Qwen3ForCausalLM", _qwen3_read, _qwen3_write, qk_norm=True),
+        Family(
+            "phi3",
+            "Phi3ForCausalLM",
+            _phi3_read,
+            _phi3_write,
+            fused_qkv=True,
+            fused_gate_up=True,
+            default_eps=1e-5,
+            lora_aliases=_FUSED,
+            rope_type_aliases={"su": "longrope", "yarn": "longrope"},
+        ),
+        Family("gemma2", "Gemma2ForCausalLM", _gemma2_read, lambda a: _gemma_write(a, "gemma2"), **_GEMMA),
+        Family(
+            "gemma3_text",
+            "Gemma3ForCausalLM",
+            _gemma3_read,
+            lambda a: _gemma_write(a, "gemma3_text"),
+            qk_norm=True,
+            default_theta=1_000_000.0,
+            default_local_theta=10_000.0,
+            **_GEMMA,
+        ),
+    )
+}
+
+
+def supported_model_types() -> list[str]:
+    """HF ``model_type`` values shardtune builds."""
+    return list(FAMILIES)
+
+
+def get_family(model_type: str) -> Family:
+    """The spec for ``model_type``; a ``ValueError`` listing the supported ones otherwise."""
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; supported model types: {supported_model_types()}"
+        ) from None

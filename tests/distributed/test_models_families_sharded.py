@@ -1,0 +1,114 @@
+"""The unusual families (soft-capping, sliding windows, fused projections, QK-norm) under FSDP2 against
+single-process references: transformers for plain bases, the unsharded model for QLoRA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from shardtune.distributed import make_mesh, shard_model
+from shardtune.models import from_hf_config
+from shardtune.peft import apply_lora, init_lora_parameters
+from shardtune.training import load_from_full_model_state_dict
+
+pytestmark = pytest.mark.timeout(240)
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _rel(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got - expected).abs().max() / expected.abs().max()).item()
+
+
+def _sharded_vs_single_process(name: str, qlora: bool):
+    from tests.unit.test_models_families import hf_model, tokens
+
+    hf = hf_model(name)
+    full_sd = hf.state_dict()
+    lora = {
+        "rank": 4,
+        "alpha": 8,
+        "target_modules": TARGETS,
+        "quantize_base": True,
+        "block_size": 32,
+        "scaler_block_size": 32,
+    }
+    with torch.device("meta"):
+        model = from_hf_config(hf.config.to_dict())
+        if qlora:
+            apply_lora(model, **lora)
+    shard_model(model, mesh=make_mesh(replicate=1))
+    keys = load_from_full_model_state_dict(model, full_sd if dist.get_rank() == 0 else {}, "cpu", strict=not qlora)
+    if qlora:
+        init_lora_parameters(model, device="cpu")
+    model.init_buffers("cpu")
+    model.eval()
+    x = tokens()
+    with torch.no_grad():
+        got = model(x)
+        if qlora:  # fresh adapters are the identity: the reference is the same QLoRA model, unsharded
+            reference = apply_lora(from_hf_config(hf.config.to_dict()), **lora)
+            reference.load_state_dict(full_sd, strict=False)
+            expected = reference.eval()(x)
+        else:
+            expected = hf(x).logits
+    shard_type = type(model.model.layers[0].mlp.down_proj.weight._local_tensor).__name__
+    return {"diff": _rel(got, expected), "unexpected": keys.unexpected_keys, "type": shard_type}
+
+
+@pytest.mark.parametrize("name", ["gemma2", "phi3", "gemma3_text"])
+def test_sharded_forward_equals_transformers(pool2, name):
+    res = pool2.run_ok(_sharded_vs_single_process, name, False)
+    assert all(r["diff"] <= 1e-4 and r["unexpected"] == [] for r in res), res
+
+
+@pytest.mark.parametrize("name", ["gemma2", "phi3"])
+def test_sharded_qlora_equals_single_process(pool2, name):
+    res = pool2.run_ok(_sharded_vs_single_process, name, True)
+    assert all(r["diff"] <= 1e-4 and r["type"] == "NF4Tensor" for r in res), res
+
+
+def _loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def _sharded_lora_backward(name: str):
+    from tests.unit.test_models_families import hf_model, tokens
+
+    hf = hf_model(name)
+    lora = {"rank": 4, "alpha": 8, "target_modules": TARGETS}
+    reference = apply_lora(from_hf_config(hf.config.to_dict()), **lora)
+    reference.load_state_dict(hf.state_dict(), strict=False)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in reference.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    full_sd = reference.state_dict()
+    with torch.device("meta"):
+        model = apply_lora(from_hf_config(hf.config.to_dict()), **lora)
+    shard_model(model, mesh=make_mesh(replicate=1), activation_checkpointing=True)
+    load_from_full_model_state_dict(model, full_sd if dist.get_rank() == 0 else {}, "cpu", strict=True)
+    model.init_buffers("cpu")
+    x = tokens()
+    loss, ref_loss = _loss(model, x), _loss(reference, x)
+    loss.backward()
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    grads = {}
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            grads[n.replace("_checkpoint_wrapped_module.", "")] = grad
+    worst = max((grads[n] - g).abs().max().item() / g.abs().max().item() for n, g in ref_grads.items())
+    return {"loss": abs(loss.item() - ref_loss.item()), "grad": worst, "names": sorted(grads) == sorted(ref_grads)}
+
+
+@pytest.mark.parametrize("name", ["gemma2", "phi3"])
+def test_sharded_lora_backward_with_checkpointing_equals_single_process(pool2, name):
+    res = pool2.run_ok(_sharded_lora_backward, name)
+    assert all(r["loss"] < 1e-5 and r["grad"] < 1e-4 and r["names"] for r in res), res

@@ -1,0 +1,48 @@
+"""The LoRA recipe trains a non-Llama family from a directory written by transformers' ``save_pretrained``,
+with the generic (Llama-named) targets of ``tiny/lora``; its outputs load in transformers/peft as that family."""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+import transformers
+
+from shardtune.data import save_byte_tokenizer
+from tests.recipes.conftest import losses, run_recipe
+from tests.unit.test_models_families import hf_config, randomize_
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.mark.parametrize("name", ["phi3", "gemma2"])
+def test_lora_recipe_on_a_save_pretrained_dir(tmp_path, name):
+    config = hf_config(name)
+    config.vocab_size, config.pad_token_id, config.bos_token_id, config.eos_token_id = 256, 0, 1, 2
+    torch.manual_seed(0)
+    base = randomize_(transformers.AutoModelForCausalLM.from_config(config), 0)
+    base.save_pretrained(tmp_path / "base")
+    save_byte_tokenizer(tmp_path / "base")
+    out = tmp_path / "run"
+    run_recipe(
+        "lora_finetune_distributed",
+        "tiny/lora",
+        f"checkpoint_dir={tmp_path / 'base'}",
+        "model=null",
+        f"output_dir={out}",
+        "epochs=1",
+        "max_steps_per_epoch=2",
+        "batch_size=2",
+        "log_every_n_steps=1",
+        nproc=1,
+    )
+    assert sorted(losses(out)) == [1, 2]
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out / "epoch_1").eval()
+    assert type(merged) is type(base)
+    x = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base_logits = base.eval()(x).logits
+        with_adapter = peft.PeftModel.from_pretrained(base, out / "epoch_1" / "adapter").eval()  # wraps base in place
+        expected = with_adapter(input_ids=x).logits
+        assert (merged(x).logits - expected).abs().max() <= 1e-4 * expected.abs().max()
+        assert (expected - base_logits).abs().max() > 1e-4  # training changed the adapters
