@@ -60,6 +60,11 @@ def frozen_head(head: torch.nn.Linear, *, softcap: float | None = None) -> Head:
     return logits
 
 
+def _ce_sum(hidden: Tensor, labels: Tensor, head: Head, ignore_index: int) -> Tensor:
+    logits = head(hidden).float()
+    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+
+
 @functools.cache
 def _compiled_ce_sum() -> Callable[..., Tensor]:
     return torch.compile(_ce_sum)
