@@ -8,6 +8,8 @@
     shardtune verify CHECKPOINT_DIR|OUTPUT_DIR [--latest]
     shardtune make-tiny-base DIR
     shardtune inspect-data --config CONFIG [--recipe RECIPE] [--limit N] [--decode] [key=value ...]
+    shardtune generate MODEL_DIR --prompt TEXT [--max_new_tokens N] [--temperature T] [--top_p P] [--seed S]
+                       [--chat] [--adapter DIR]      (also under torchrun: the model is then sharded)
 
 ``shardtune run`` validates a registered recipe's config before torchrun starts any rank: every
 problem in one report, exit code 2.
@@ -246,6 +248,37 @@ def cmd_inspect_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Complete a prompt with an HF model directory; under torchrun every rank holds a shard and rank 0 prints."""
+    import os
+
+    from shardtune.distributed import device_type, end_process, init_distributed
+    from shardtune.generation import load_generator
+    from shardtune.state_dict.comm import normalize_device
+
+    sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    rank = init_distributed()[0] if sharded else 0
+    device = normalize_device(device_type())
+    generator = load_generator(args.model_dir, adapter_dir=args.adapter, device=device, sharded=sharded)
+    text = generator.complete(
+        args.prompt,
+        chat=args.chat,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    if rank == 0:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    if sharded:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        end_process(0)
+    return 0
+
+
 def cmd_make_tiny_base(args: argparse.Namespace) -> int:
     from shardtune.checkpoint.tiny import create_tiny_base
 
@@ -289,6 +322,16 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("--limit", type=int, default=10, help="samples to print (default 10)")
     inspect.add_argument("--decode", action="store_true", help="add each sample's text")
     inspect.set_defaults(fn=cmd_inspect_data)
+    gen = sub.add_parser("generate", help="complete a prompt with an HF model directory (greedy by default)")
+    gen.add_argument("model_dir", help="an HF model directory (a shardtune checkpoint, merged, or a base)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max_new_tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    gen.add_argument("--top_p", type=float, default=1.0, help="sample from the smallest set of this probability")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (the same on every rank)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn in the model's chat template")
+    gen.add_argument("--adapter", help="a PEFT adapter directory to apply to the base in model_dir")
+    gen.set_defaults(fn=cmd_generate)
     convert = sub.add_parser("convert", help="turn a DCP checkpoint (checkpoint_format=dcp) into an HF model directory")
     convert.add_argument("checkpoint", help="a checkpoint directory holding dcp/ (e.g. <output_dir>/step_100)")
     convert.add_argument("out_dir")

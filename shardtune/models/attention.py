@@ -9,12 +9,16 @@ computes ``cap * tanh(scores / cap)`` before the softmax, since SDPA cannot.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardtune.models.args import ModelArgs
 from shardtune.models.rope import apply_rotary_emb
+
+KVUpdate = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # a layer's (new k, new v) -> (all k, all v)
 
 __all__ = ["Attention", "RMSNorm", "attention_mask", "init_linear", "sample_attention_mask"]
 
@@ -140,31 +144,39 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None, kv: KVUpdate | None = None
+    ) -> Tensor:
+        """``kv`` (generation): appends this call's keys and values to the cache and returns all of
+        them; ``mask`` is then ``[new, cached + new]``, and None means every key is visible."""
         b, s, _ = x.shape
         q, k, v = self._qkv(x)
         q, k = apply_rotary_emb(q, k, cos, sin)
+        causal = kv is None
+        if kv is not None:
+            k, v = kv(k, v)
         if self.softcap is not None:
-            out = self._eager_softcapped(q, k, v, mask)
+            out = self._eager_softcapped(q, k, v, mask, causal=causal)
         else:
             # enable_gqa lets SDPA broadcast kv heads without materializing repeated k/v.
             gqa = self.n_kv_heads != self.n_heads
             if mask is None:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.scale, enable_gqa=gqa)
             else:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
-    def _eager_softcapped(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    def _eager_softcapped(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal: bool) -> Tensor:
         """Exact attention with ``cap * tanh(scores / cap)`` scores; softmax in fp32 as in transformers."""
         groups = self.n_heads // self.n_kv_heads
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
         scores = torch.tanh(scores / self.softcap) * self.softcap
-        if mask is None:
+        if mask is None and causal:
             s = q.shape[2]
             mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, v)

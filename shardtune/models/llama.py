@@ -13,6 +13,7 @@ positions come after every real token and are masked out of the loss.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -21,8 +22,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardtune.models.args import ModelArgs
-from shardtune.models.attention import Attention, RMSNorm, attention_mask, init_linear, sample_attention_mask
+from shardtune.models.attention import Attention, KVUpdate, RMSNorm, attention_mask, init_linear, sample_attention_mask
 from shardtune.models.families import FULL, SLIDING
+from shardtune.models.kv_cache import KVCache, cached_attention_mask
 from shardtune.models.layer_dropout import LayerDropoutSchedule, layer_dropout_probs
 from shardtune.models.rope import RotaryEmbedding
 
@@ -97,11 +99,13 @@ class DecoderLayer(nn.Module):
             if isinstance(module, RMSNorm):
                 module.reset_parameters()
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None, kv: KVUpdate | None = None
+    ) -> Tensor:
         if not self.sandwich:
-            h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+            h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
             return h + self.mlp(self.post_attention_layernorm(h))
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask))
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, kv))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
@@ -143,12 +147,16 @@ class LlamaModel(nn.Module):
         *,
         position_ids: Tensor | None = None,
         output_hidden_states: Iterable[int] | None = None,
+        kv_cache: KVCache | None = None,
     ) -> tuple[Tensor, dict[int, Tensor]]:
         """Return the final (normed) hidden state and ``{layer: output of layer}`` for requested layers.
 
         ``position_ids`` (packed rows): a new sample starts wherever they are 0, and attention
-        stays within each sample; without them every row is one causal sequence.
+        stays within each sample; without them every row is one causal sequence. With
+        ``kv_cache`` (generation) the tokens continue the cached ones (see ``kv_cache.py``).
         """
+        if kv_cache is not None:
+            return self._forward_cached(tokens, kv_cache)
         wanted = _check_layer_ids(output_hidden_states, len(self.layers))
         h = self.embed_tokens(tokens)
         if self.embed_scale is not None:
@@ -174,6 +182,27 @@ class LlamaModel(nn.Module):
             if i in wanted:
                 hidden[i] = h
         return self.norm(h), hidden
+
+
+    def _forward_cached(self, tokens: Tensor, cache: KVCache) -> tuple[Tensor, dict[int, Tensor]]:
+        """Tokens after the ``cache.length`` cached ones: positions go on, keys and values are appended."""
+        h = self.embed_tokens(tokens)
+        if self.embed_scale is not None:
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype).item()
+        new, device = tokens.shape[1], tokens.device
+        window = {FULL: None, SLIDING: self.args.sliding_window}
+        types = {layer.layer_type for layer in self.layers}
+        masks = {t: cached_attention_mask(new, cache.length, device=device, window=window[t]) for t in types}
+        position_ids = torch.arange(cache.length, cache.length + new, device=device).unsqueeze(0)
+        global_rope = self.rotary_emb(position_ids, h.dtype)
+        rope = {FULL: global_rope, SLIDING: global_rope}
+        if self.local_rotary_emb is not None and SLIDING in types:
+            rope[SLIDING] = self.local_rotary_emb(position_ids, h.dtype)
+        for i, layer in enumerate(self.layers):
+            cos, sin = rope[layer.layer_type]
+            h = layer(h, cos, sin, masks[layer.layer_type], functools.partial(cache.update, i))
+        cache.advance(new)
+        return self.norm(h), {}
 
 
 def _check_layer_ids(ids: Iterable[int] | None, n_layers: int) -> set[int]:
@@ -274,6 +303,7 @@ class LlamaForCausalLM(nn.Module):
         output_hidden_states: Iterable[int] | None = None,
         hidden_to_logits: bool = False,
         head_loss: HeadLoss | None = None,
+        kv_cache: KVCache | None = None,
     ) -> Any:
         """``tokens`` ``[b, s]`` -> logits ``[b, s, vocab]``.
 
@@ -288,8 +318,13 @@ class LlamaForCausalLM(nn.Module):
         ``output_hidden_states`` each chosen layer's output goes through it too, with the head
         ``norm + lm_head``: ``(head_loss(final), {i: head_loss(layer i)})``. It runs inside this
         forward, so FSDP2 has the head's parameters gathered in forward and backward.
+
+        ``kv_cache`` (generation, :class:`~shardtune.models.kv_cache.KVCache`): ``tokens`` continue
+        the cached ones; returns their logits.
         """
-        h, hidden = self.model(tokens, position_ids=position_ids, output_hidden_states=output_hidden_states)
+        h, hidden = self.model(
+            tokens, position_ids=position_ids, output_hidden_states=output_hidden_states, kv_cache=kv_cache
+        )
         if head_loss is not None:
             out = head_loss(h, self.output_head)
             if output_hidden_states is None:

@@ -1,0 +1,94 @@
+"""Generation against transformers' greedy ``generate`` (and peft's, with an adapter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from shardtune.cli import main
+from shardtune.data.tokenizer import save_byte_tokenizer
+from shardtune.generation import generate, load_generator
+
+PROMPT = "Hello there, how are you doing on this fine day?"
+SMALL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+         "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}  # fmt: skip
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**SMALL),
+    "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=8),  # the prompt is longer
+    "gemma2": lambda: transformers.Gemma2Config(**SMALL, head_dim=16, sliding_window=8),
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=16),
+}
+
+
+def _model_dir(path, family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family](), dtype=torch.float32).eval()
+    model.save_pretrained(path)
+    save_byte_tokenizer(path)
+    return model
+
+
+def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    return model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_equals_transformers_generate(tmp_path, family):
+    reference = _model_dir(tmp_path, family)
+    generator = load_generator(tmp_path)
+    ids = generator.prompt_ids(PROMPT, chat=False)
+    assert len(ids) > 8  # past the sliding windows
+    ours = generate(generator.model, ids, max_new_tokens=24, device="cpu", stop=generator.stop)
+    assert ours == _hf_greedy(reference, ids, 24)
+
+
+def test_stop_token_ends_generation_and_top_p_near_zero_is_greedy(tmp_path):
+    _model_dir(tmp_path, "llama")
+    g = load_generator(tmp_path)
+    ids = g.prompt_ids(PROMPT, chat=False)
+    greedy = generate(g.model, ids, max_new_tokens=12, device="cpu")
+    assert generate(g.model, ids, max_new_tokens=12, device="cpu", temperature=0.7, top_p=1e-6, seed=3) == greedy
+    assert (
+        generate(g.model, ids, max_new_tokens=12, device="cpu", stop=[greedy[4]])
+        == greedy[: greedy.index(greedy[4]) + 1]
+    )
+    sampled = [generate(g.model, ids, max_new_tokens=12, device="cpu", temperature=1.5, seed=s) for s in (1, 1, 2)]
+    assert sampled[0] == sampled[1] != sampled[2]
+
+
+def test_base_plus_adapter_equals_peft_generate(tmp_path):
+    import peft
+
+    base = _model_dir(tmp_path / "base", "llama")
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    with_adapter = peft.get_peft_model(base, config).eval()
+    with_adapter.save_pretrained(tmp_path / "adapter")
+    g = load_generator(tmp_path / "base", adapter_dir=tmp_path / "adapter")
+    ids = g.prompt_ids(PROMPT, chat=False)
+    want = with_adapter.generate(input_ids=torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids) :]
+    assert generate(g.model, ids, max_new_tokens=16, device="cpu", stop=g.stop) == want.tolist()
+
+
+def test_chat_prompt_uses_the_model_template_as_transformers_does(tmp_path):
+    from tests.unit.test_data_chat_templates import LLAMA3, _tokenizer_dir
+
+    directory = _tokenizer_dir(tmp_path, "llama3", template=LLAMA3)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**SMALL, "vocab_size": len(tokenizer)})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    g = load_generator(directory)
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    want = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert g.prompt_ids("What is 2 + 2?", chat=True) == list(want)
+
+
+def test_cli_prints_the_greedy_completion(tmp_path, capsys):
+    reference = _model_dir(tmp_path, "llama")
+    assert main(["generate", str(tmp_path), "--prompt", PROMPT, "--max_new_tokens", "10"]) == 0
+    g = load_generator(tmp_path)
+    want = [i for i in _hf_greedy(reference, g.prompt_ids(PROMPT, chat=False), 10) if i not in g.stop]
+    assert capsys.readouterr().out == g.tokenizer.decode(want) + "\n"
