@@ -1,4 +1,4 @@
-"""The LoRA recipe trains a non-Llama family from a directory written by transformers' ``save_pretrained``,
+"""The LoRA recipe trains a non-Llama family on 2 ranks from a directory written by transformers' ``save_pretrained``,
 with the generic (Llama-named) targets of ``tiny/lora``; its outputs load in transformers/peft as that family."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_lora_recipe_on_a_save_pretrained_dir(tmp_path, name):
         "max_steps_per_epoch=2",
         "batch_size=2",
         "log_every_n_steps=1",
-        nproc=1,
+        nproc=2,
     )
     assert sorted(losses(out)) == [1, 2]
     merged = transformers.AutoModelForCausalLM.from_pretrained(out / "epoch_1").eval()
