@@ -59,7 +59,7 @@ def _sharded_vs_single_process(name: str, qlora: bool):
     return {"diff": _rel(got, expected), "unexpected": keys.unexpected_keys, "type": shard_type}
 
 
-@pytest.mark.parametrize("name", ["gemma2", "phi3", "gemma3_text"])
+@pytest.mark.parametrize("name", ["mistral", "qwen2_tied", "qwen2_sliding", "qwen3", "gemma2", "phi3", "gemma3_text"])
 def test_sharded_forward_equals_transformers(pool2, name):
     res = pool2.run_ok(_sharded_vs_single_process, name, False)
     assert all(r["diff"] <= 1e-4 and r["unexpected"] == [] for r in res), res
