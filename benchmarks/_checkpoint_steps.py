@@ -196,16 +196,17 @@ def _save_dsd(ctx: Ctx) -> Any:
 
 
 def _save_shardtune_async(ctx: Ctx) -> Callable[[], None]:
-    """Blocking half of a background save (``stage_hf_checkpoint``: files sized, headers and
-    config written, a CPU copy of this rank's rows, into ``ctx.staging`` when set); returns the
-    background half."""
+    """Blocking half of a background save (``save_hf_checkpoint`` with a ``StagedSink``: files
+    sized, headers and config written, a CPU copy of this rank's rows, into ``ctx.staging`` when
+    set); returns the background half (the sink's ``flush``)."""
     return _stage_shardtune(ctx, ctx.paths["out_dir"])
 
 
 def _stage_shardtune(ctx: Ctx, out_dir: str) -> Callable[[], None]:
-    from shardtune.checkpoint import stage_hf_checkpoint
+    from shardtune.checkpoint import StagedSink, save_hf_checkpoint
 
-    staged = stage_hf_checkpoint(ctx.model, out_dir, staging_memory=ctx.staging)
+    staged = StagedSink(memory=ctx.staging)
+    save_hf_checkpoint(ctx.model, out_dir, sink=staged)
 
     def write() -> None:
         problems = staged.flush()

@@ -18,7 +18,7 @@ one each repeat):
   every rank writes its rows, ``O_DIRECT``), ``shardtune_rank0`` (``shared_filesystem=False``:
   rank 0 gathers each tensor into a reused ring while a thread writes the previous ones) vs ``dsd`` (``get_model_state_dict(full_state_dict, cpu_offload)``
   + ``safetensors.torch.save_file`` on rank 0); both fsync their files. Background saves:
-  ``shardtune_async`` (``stage_hf_checkpoint``) vs ``dcp_async`` (``dcp.async_save``), timed up to
+  ``shardtune_async`` (``save_hf_checkpoint(..., sink=StagedSink())``) vs ``dcp_async`` (``dcp.async_save``), timed up to
   the point training could go on; the writing half is recorded apart. ``*_2nd``: the second
   background save of a process, into the memory the first one kept (untimed setup).
 * ``resume``: model + AdamW state into a fresh meta model and fresh optimizer. ``shardtune``
@@ -582,7 +582,7 @@ def render_report(
             "varies a lot on this shared VM (`dd` of 1.5 GiB with fsync: 0.3–1.8 GB/s), and both methods are bound by it. "
             "Verification: every rank reads its own rows of the written file back with `safetensors.safe_open` and "
             "compares them to its shards (keys, dtype, values). Background saves (what `async_save=true` does for "
-            "intermediate checkpoints): `shardtune_async` times `stage_hf_checkpoint(model, dir)` (skeleton written, "
+            "intermediate checkpoints): `shardtune_async` times `save_hf_checkpoint(model, dir, sink=StagedSink())` (skeleton written, "
             'a CPU copy of the rank\'s rows taken), `dcp_async` times `dcp.async_save({"model": get_model_state_dict(model)})` '
             "(DCP format, its own gloo group); their writing halves (`flush()` / `future.result()`, fsynced) run "
             "right after, untimed but recorded below the table. `shardtune_async`/`dcp_async` are a process's first "

@@ -13,6 +13,7 @@ import copy
 import difflib
 import math
 import operator
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
@@ -263,9 +264,30 @@ def _check_section(value: Any, schema: Schema, path: str, root_paths: Sequence[s
     return out, problems
 
 
+# Top-level keys given a new name: old -> new. The old name is still read, with a warning.
+RENAMED_KEYS = {"save_adapter_weights_only": "adapter_weights_only"}
+
+
+def _renamed(cfg: Mapping[str, Any], schema: Schema) -> tuple[dict[str, Any], list[str]]:
+    """``cfg`` with old key names moved to their new names (warning once per key), and the
+    problems of configs that give both."""
+    out, problems = dict(cfg), []
+    for old, new in RENAMED_KEYS.items():
+        if old not in out or new not in schema.fields:
+            continue
+        if new in out:
+            problems.append(f"{old}: renamed {new}, and both are given; keep only {new}")
+            continue
+        warnings.warn(f"config key {old!r} is renamed {new!r}; write {new}: {out[old]!r}", FutureWarning, stacklevel=2)
+        out[new] = out.pop(old)
+    return out, problems
+
+
 def check_config(cfg: Mapping[str, Any], schema: Schema) -> tuple[dict[str, Any], list[str]]:
     """``cfg`` with defaults filled in, and every problem found (empty when valid)."""
-    return _check_section(dict(cfg), schema, "", _all_paths(schema))
+    cfg, renamed = _renamed(cfg, schema)
+    normalized, problems = _check_section(cfg, schema, "", _all_paths(schema))
+    return normalized, renamed + problems
 
 
 def validate(cfg: Mapping[str, Any], schema: Schema) -> list[str]:

@@ -1,16 +1,26 @@
-"""Checkpoints: HF safetensors and PEFT formats, training state, and the Checkpointer."""
+"""Checkpoints: HF safetensors and PEFT formats, training state, and the Checkpointer.
+
+A save goes ``checkpointer.py`` (what a checkpoint holds, picked at construction) -> a format
+module that plans the files (``hf_save.py``, ``optimizer_io.py``, ``peft_format.py``) ->
+``writer.py`` (which rank hands which block) -> a sink of ``sinks.py`` (how bytes reach files).
+"""
 
 from shardtune.checkpoint.checkpointer import Checkpointer
-from shardtune.checkpoint.hf import load_hf_checkpoint, open_hf_checkpoint, save_hf_checkpoint, stage_hf_checkpoint
-from shardtune.checkpoint.hf_export import StagingMemory
+from shardtune.checkpoint.hf import load_hf_checkpoint, open_hf_checkpoint
+from shardtune.checkpoint.hf_save import save_hf_checkpoint
 from shardtune.checkpoint.peft_format import load_peft_adapter, save_peft_adapter
 from shardtune.checkpoint.safetensors_io import CheckpointError
+from shardtune.checkpoint.sinks import DirectSink, Rank0Sink, StagedSink, sink_for
+from shardtune.checkpoint.staging_memory import StagingMemory
 from shardtune.checkpoint.state import FingerprintMismatchError, TrainingProgress, fingerprint
 
 __all__ = [
     "CheckpointError",
     "Checkpointer",
+    "DirectSink",
     "FingerprintMismatchError",
+    "Rank0Sink",
+    "StagedSink",
     "StagingMemory",
     "TrainingProgress",
     "fingerprint",
@@ -18,6 +28,6 @@ __all__ = [
     "load_peft_adapter",
     "open_hf_checkpoint",
     "save_hf_checkpoint",
-    "stage_hf_checkpoint",
     "save_peft_adapter",
+    "sink_for",
 ]

@@ -73,7 +73,9 @@ def load_dcp(model: nn.Module, opt: torch.optim.Optimizer | None, path: Path, *,
     if opt is None:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={}, options=_LOAD_OPTIONS)
     else:
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_LOAD_OPTIONS)
+        set_state_dict(
+            model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_LOAD_OPTIONS
+        )
 
 
 def write_model_description(model: nn.Module, directory: Path, base_dir: Path | None) -> None:
@@ -84,19 +86,28 @@ def write_model_description(model: nn.Module, directory: Path, base_dir: Path | 
     checksums.write_bytes(directory / "config.json", json.dumps(model_args_to_hf_config(model.args), indent=2).encode())
     lora = getattr(model, "lora_config", None)
     if lora is not None:
-        info = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": list(lora.target_modules),
-                "quantize_base": lora.quantize_base, "base_dir": str(base_dir) if base_dir else None}
+        info = {
+            "rank": lora.rank,
+            "alpha": lora.alpha,
+            "dropout": lora.dropout,
+            "target_modules": list(lora.target_modules),
+            "quantize_base": lora.quantize_base,
+            "base_dir": str(base_dir) if base_dir else None,
+        }
         checksums.write_bytes(directory / LORA_FILE, json.dumps(info, indent=2).encode())
 
 
-def convert_dcp_to_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, base_dir: str | os.PathLike | None = None) -> Path:
+def convert_dcp_to_hf(
+    checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, base_dir: str | os.PathLike | None = None
+) -> Path:
     """Turn a shardtune checkpoint holding ``dcp/`` into an HF model directory (merged LoRA).
 
     Runs in one process (the full model is held in CPU memory) or, under torchrun, sharded
     over the ranks. LoRA checkpoints need the base model (``base_dir``, default: the one
     recorded at save time).
     """
-    from shardtune.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
+    from shardtune.checkpoint.hf import load_hf_checkpoint
+    from shardtune.checkpoint.hf_save import save_hf_checkpoint
     from shardtune.models import llama_from_hf_config
     from shardtune.peft import apply_lora
 
@@ -110,8 +121,14 @@ def convert_dcp_to_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     lora = json.loads(lora_file.read_text()) if lora_file.is_file() else None
     if lora is not None:
         with torch.device("meta"):
-            apply_lora(model, rank=lora["rank"], alpha=lora["alpha"], dropout=lora["dropout"],
-                       target_modules=lora["target_modules"], quantize_base=lora["quantize_base"])
+            apply_lora(
+                model,
+                rank=lora["rank"],
+                alpha=lora["alpha"],
+                dropout=lora["dropout"],
+                target_modules=lora["target_modules"],
+                quantize_base=lora["quantize_base"],
+            )
     if sharded:
         from shardtune.distributed import shard_model
 

@@ -1,7 +1,8 @@
 """PEFT adapter checkpoints: ``adapter_model.safetensors`` + ``adapter_config.json``.
 
-The layout ``peft.PeftModel.from_pretrained(base, dir)`` loads unchanged. Adapters are small,
-so they are gathered to rank 0 (filtered before anything moves) and written by it.
+Rule: the layout ``peft.PeftModel.from_pretrained(base, dir)`` loads unchanged (PEFT's
+``base_model.model.`` names, the adapters' own dtypes); the weights go through the sharded
+writer and a sink like every other safetensors file (:mod:`~shardtune.checkpoint.writer`).
 """
 
 from __future__ import annotations
@@ -10,38 +11,81 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file
 from torch import nn
 
 from shardtune.checkpoint import checksums
 from shardtune.checkpoint.safetensors_io import CheckpointError
-from shardtune.peft import from_peft_adapter_state_dict, to_peft_adapter_state_dict
-from shardtune.state_dict import comm, gather_cpu_state_dict, load_from_full_model_state_dict
-from shardtune.state_dict.keys import StateDictError
+from shardtune.checkpoint.sinks import sink_for
+from shardtune.checkpoint.writer import FilePlan, Sink, WriteItem, create_files, plan_digest, plan_files, write_files
+from shardtune.peft import from_peft_adapter_state_dict
+from shardtune.peft.adapters import PEFT_PREFIX, is_adapter_key
+from shardtune.state_dict import comm, load_from_full_model_state_dict
+from shardtune.state_dict.keys import StateDictError, model_entries
+from shardtune.state_dict.layout import layout_of
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def save_peft_adapter(model: nn.Module, out_dir: Path, *, base_model_name_or_path: str | None = None) -> None:
-    """Write the model's LoRA adapters in PEFT format to ``out_dir`` (rank 0 writes).
+def save_peft_adapter(
+    model: nn.Module,
+    out_dir: Path,
+    *,
+    base_model_name_or_path: str | None = None,
+    shared_filesystem: bool = True,
+    sink: Sink | None = None,
+) -> None:
+    """Write the model's LoRA adapters in PEFT format to ``out_dir``.
 
-    Collective: call on all ranks. Raises on every rank when the model has no LoRA adapters, and
-    :class:`CheckpointError` with the same message on every rank when rank 0 cannot write.
+    Collective: call on all ranks. The adapter weights go through ``sink`` as model weights do
+    (by default, with ``shared_filesystem`` each rank writes its own rows; without it rank 0
+    writes everything); rank 0 writes ``adapter_config.json``. Raises on every rank when the
+    model has no LoRA adapters, and :class:`CheckpointError` with the same message on every
+    rank when a write fails.
     """
+    if sink is None:
+        sink = sink_for(shared_filesystem=shared_filesystem)
+    elif not shared_filesystem and not sink.gathers_sharded:
+        raise ValueError(
+            f"shared_filesystem=False needs a sink that gathers to rank 0 (Rank0Sink), not {type(sink).__name__}"
+        )
+    files = plan_peft_adapter(model, out_dir, base_model_name_or_path=base_model_name_or_path)
+    problems = write_files(files, sink=sink)
+    comm.raise_on_every_rank(problems, header=f"Writing the PEFT adapter to {out_dir} failed:", error=CheckpointError)
+
+
+def plan_peft_adapter(model: nn.Module, out_dir: Path, *, base_model_name_or_path: str | None = None) -> list[FilePlan]:
+    """Collective: call on all ranks. ``adapter_model.safetensors`` (PEFT names, the adapters'
+    dtypes) planned alike on every rank; rank 0 has created it and written
+    ``adapter_config.json``. Hand the plan to :func:`~shardtune.checkpoint.writer.write_files`."""
     config = getattr(model, "lora_config", None)
     if config is None:
         raise StateDictError("the model has no LoRA adapters (model.lora_config is missing); apply_lora first")
-    adapters = gather_cpu_state_dict(model, comm.rank() == 0, adapter_weights_only=True)
+    world = comm.world_size()
+    named = sorted((pos, fqn, e.tensor) for e in model_entries(model) for pos, fqn in zip(e.positions, e.fqns))
+    items = [
+        WriteItem(PEFT_PREFIX + fqn, tensor, tensor.dtype, layout_of(tensor, world))
+        for _, fqn, tensor in named
+        if is_adapter_key(fqn)
+    ]
+    files = plan_files(items, str(out_dir), max_shard_bytes=1 << 62, name=lambda i, n: ADAPTER_WEIGHTS)
+    comm.agree(
+        plan_digest(files),
+        what="the adapters differ between ranks",
+        fix="call save_peft_adapter with the same model on every rank",
+        header=f"Cannot save the PEFT adapter to {out_dir}:",
+        error=CheckpointError,
+    )
     problems = comm.Problems()
     if comm.rank() == 0:
         with problems.guard(str(out_dir)):
             out_dir.mkdir(parents=True, exist_ok=True)
-            weights = save(to_peft_adapter_state_dict(adapters), metadata={"format": "pt"})  # small: bytes in memory
-            checksums.write_bytes(out_dir / ADAPTER_WEIGHTS, weights)
+            create_files(files)
             peft_config = config.to_peft_config(base_model_name_or_path=base_model_name_or_path)
             checksums.write_bytes(out_dir / ADAPTER_CONFIG, json.dumps(peft_config, indent=2).encode())
     comm.raise_on_every_rank(problems, header=f"Writing the PEFT adapter to {out_dir} failed:", error=CheckpointError)
+    return files
 
 
 def load_peft_adapter(

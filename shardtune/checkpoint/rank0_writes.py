@@ -1,4 +1,5 @@
-"""Rank 0 writing gathered tensors while it gathers the next ones (``shared_filesystem=False``).
+"""Rank 0 writing gathered tensors while it gathers the next ones: the machinery of
+:class:`~shardtune.checkpoint.sinks.Rank0Sink` (``shared_filesystem=False``).
 
 Without a shared filesystem rank 0 writes every byte of a checkpoint. Gathering a tensor
 (receiving the other ranks' rows) and writing it use different resources, so a background
@@ -15,7 +16,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -74,30 +75,28 @@ def _region_bytes(nbytes: int) -> int:
 
 
 class BlockWriter(Protocol):
-    def write(self, file_name: str, tensor: torch.Tensor, offset: int) -> None: ...
+    def write(self, target: Any, tensor: torch.Tensor, offset: int) -> None: ...
 
 
 class BackgroundWrites:
     """Writes blocks with ``writer`` in one background thread, in the order they are queued.
 
-    A failed write is recorded in ``problems`` under its file name (raised on every rank
+    A failed write is recorded in ``problems`` under its target (a file; raised on every rank
     later, by the caller) and the writes after it still run. :meth:`close` waits for the last
     write.
     """
 
-    block_device: str | None = "cpu"  # as the writer it stands in for: blocks queued as CPU tensors
-
     def __init__(self, writer: BlockWriter, problems: comm.Problems) -> None:
         self._writer = writer
         self._problems = problems
-        self._queue: queue.Queue[tuple[str, torch.Tensor, int, Callable[[], None] | None] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Any, torch.Tensor, int, Callable[[], None] | None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="shardtune-rank0-writes", daemon=True)
         self._thread.start()
 
-    def write(self, file_name: str, tensor: torch.Tensor, offset: int, *, done: Callable[[], None] | None = None) -> None:
-        """Queue ``tensor`` for writing at ``offset`` of ``file_name``; ``done()`` runs after
-        the write (or its failure). ``tensor`` must not change until then."""
-        self._queue.put((file_name, tensor, offset, done))
+    def write(self, target: Any, tensor: torch.Tensor, offset: int, *, done: Callable[[], None] | None = None) -> None:
+        """Queue ``tensor`` for writing at ``offset`` of ``target`` (a file); ``done()`` runs
+        after the write (or its failure). ``tensor`` must not change until then."""
+        self._queue.put((target, tensor, offset, done))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -105,10 +104,10 @@ class BackgroundWrites:
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
-            file_name, tensor, offset, done = job
+            target, tensor, offset, done = job
             try:
-                with self._problems.guard(file_name):
-                    self._writer.write(file_name, tensor, offset)
+                with self._problems.guard(str(target)):
+                    self._writer.write(target, tensor, offset)
             finally:
                 del tensor, job
                 if done is not None:

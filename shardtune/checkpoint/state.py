@@ -6,9 +6,9 @@ import hashlib
 import io
 import json
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -22,9 +22,19 @@ class FingerprintMismatchError(RuntimeError):
     """The checkpoint was written for another model, tokenizer or dataset configuration."""
 
 
+class Stateful(Protocol):
+    """What a checkpoint saves of a registered object other than the model (sampler, scheduler)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 @dataclass
 class TrainingProgress:
-    """Where training stands; JSON-serialisable."""
+    """Where training stands; JSON-serialisable. The loop updates the one registered with the
+    Checkpointer; ``sampler``, ``lr_scheduler``, ``world_size`` and ``fingerprint`` are filled
+    in by the save."""
 
     step: int = 0  # optimizer steps taken
     epoch: int = 0  # epochs completed
@@ -41,6 +51,11 @@ class TrainingProgress:
     @classmethod
     def from_json(cls, text: str) -> TrainingProgress:
         return cls(**json.loads(text))
+
+    def update(self, other: TrainingProgress) -> None:
+        """Take every field of ``other`` (in place: whoever holds this object sees the change)."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(other, f.name))
 
 
 def _json_default(value: Any) -> Any:

@@ -204,7 +204,7 @@ LORA_SECTION = Schema(
         "quantize_base": Field(bool, False),
     }
 )
-LORA_SCHEMA = BASE_SCHEMA | {"lora": LORA_SECTION, "save_adapter_weights_only": Field(bool, False)}
+LORA_SCHEMA = BASE_SCHEMA | {"lora": LORA_SECTION, "adapter_weights_only": Field(bool, False, help="LoRA checkpoints hold only the PEFT adapter (no merged model)")}
 
 KD_SCHEMA = LORA_SCHEMA | {
     "teacher_checkpoint_dir": Field(str, help="HF model directory of the teacher"),

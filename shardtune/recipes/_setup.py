@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from shardtune.checkpoint import Checkpointer, fingerprint
+from shardtune.checkpoint import Checkpointer, TrainingProgress, fingerprint
 from shardtune.checkpoint.tiny import create_tiny_base
 from shardtune.config import Config
 from shardtune.data import build_config_dataset, build_dataloader, build_dataset, collate, load_tokenizer
@@ -239,8 +239,11 @@ def build_optimization(cfg: Config, model: nn.Module, n_batches: int):
     return opt, sched
 
 
-def build_checkpointer(cfg: Config, run: Run, model, opt, sched, base_dir: Path, *, adapter_weights_only: bool = False) -> Checkpointer:
-    """The Checkpointer, with a fingerprint of what a resume must match."""
+def build_checkpointer(
+    cfg: Config, run: Run, model, opt, sched, base_dir: Path, *, sampler, adapter_weights_only: bool = False
+) -> Checkpointer:
+    """The Checkpointer, every object a checkpoint holds registered, with a fingerprint of what
+    a resume must match."""
     datasets = cfg.dataset if isinstance(cfg.dataset, (list, tuple)) else [cfg.dataset]
     marks = fingerprint(
         model=(base_dir / "config.json").read_text(),
@@ -253,6 +256,7 @@ def build_checkpointer(cfg: Config, run: Run, model, opt, sched, base_dir: Path,
         model=model,
         optimizer=opt,
         lr_scheduler=sched,
+        sampler=sampler,
         base_dir=base_dir,
         adapter_weights_only=adapter_weights_only,
         keep_last_n=cfg.keep_last_n,
@@ -260,22 +264,28 @@ def build_checkpointer(cfg: Config, run: Run, model, opt, sched, base_dir: Path,
         seed=cfg.seed,
         device=run.device,
         cpu_offload=cfg.fsdp_cpu_offload,
-        intermediate_format=cfg.checkpoint_format,
+        checkpoint_format=cfg.checkpoint_format,
         async_save=cfg.async_save,
         keep_staging_memory=cfg.keep_staging_memory,
         shared_filesystem=cfg.shared_filesystem,
     )
 
 
-def load_weights(cfg: Config, run: Run, model: nn.Module, checkpointer: Checkpointer):
-    """Resume when asked and possible, else load the base (and initialise fresh adapters)."""
+def load_weights(cfg: Config, run: Run, model: nn.Module, checkpointer: Checkpointer) -> TrainingProgress:
+    """Resume when asked and possible, else load the base (and initialise fresh adapters);
+    returns the progress registered with ``checkpointer`` (restored, or a fresh start's)."""
     progress = checkpointer.resume() if cfg.resume_from_checkpoint else None
     if progress is None:
+        if cfg.resume_from_checkpoint and run.is_rank_zero:
+            log.warning(
+                "resume_from_checkpoint=true but %s holds no checkpoint: starting from the base model %s",
+                cfg.output_dir, checkpointer.base_dir,
+            )
         checkpointer.load_base()
         if getattr(model, "lora_config", None) is not None:
             init_lora_parameters(model, device=run.device)
     model.init_buffers(run.device)
-    return progress
+    return checkpointer.progress
 
 
 def on_device(batch: dict[str, torch.Tensor], run: Run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

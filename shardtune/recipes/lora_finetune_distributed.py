@@ -1,6 +1,6 @@
 """LoRA / QLoRA fine-tuning with FSDP2: adapters train, the (optionally NF4) base is frozen.
 
-Checkpoints hold the PEFT adapter and, unless ``save_adapter_weights_only``, the merged HF model.
+Checkpoints hold the PEFT adapter and, unless ``adapter_weights_only``, the merged HF model.
 Several datasets (a list under ``dataset``) are concatenated.
 """
 
@@ -23,7 +23,7 @@ def recipe_main(cfg: Config) -> None:
     tokenizer, loader, sampler = setup.build_data(cfg, run, base_dir)
     opt, sched = setup.build_optimization(cfg, model, len(loader))
     checkpointer = setup.build_checkpointer(
-        cfg, run, model, opt, sched, base_dir, adapter_weights_only=cfg.save_adapter_weights_only
+        cfg, run, model, opt, sched, base_dir, sampler=sampler, adapter_weights_only=cfg.adapter_weights_only
     )
     progress = setup.load_weights(cfg, run, model, checkpointer)
     loss_fn = setup.next_token_loss(model, run, chunk_tokens=cfg.loss_chunk_tokens, compile=cfg.compile)

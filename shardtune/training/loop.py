@@ -69,23 +69,25 @@ def run_training(
     progress: TrainingProgress | None,
     evaluate: Callable[[torch.nn.Module], float] | None = None,
 ) -> TrainingProgress:
-    """Train from ``progress`` (a resumed state, or None for a fresh start) to the last epoch.
+    """Train from ``progress`` to the last epoch; returns ``progress``, updated.
 
-    Collective: every rank runs it. A checkpoint is saved at the end of every epoch and,
-    with ``save_every_n_steps``, mid-epoch; mid-epoch resumes continue with the next batch.
+    Collective: every rank runs it. ``progress`` is the object registered with ``checkpointer``
+    (restored by its ``resume``, with ``sampler``), or None for a fresh start; the loop records
+    each step in it, and ``checkpointer.save()`` saves it at the end of every epoch and, with
+    ``save_every_n_steps``, mid-epoch; mid-epoch resumes continue with the next batch.
     With ``evaluate`` (-> the validation loss), the row of every ``eval_every_n_steps``-th step
     (or of each epoch's last step) is logged with ``val_loss``.
     """
     progress = progress or TrainingProgress()
-    step = progress.step
+    start_epoch, step = progress.epoch, progress.step
     is_rank_zero = not dist.is_initialized() or dist.get_rank() == 0
-    for epoch in range(progress.epoch, settings.epochs):
-        sampler.set_epoch(epoch)
-        total = steps_per_epoch(len(loader), settings)  # measured before a resume moves the sampler
-        resuming = epoch == progress.epoch and bool(progress.sampler)
-        if resuming:
-            sampler.load_state_dict(progress.sampler)
-        done_in_epoch = progress.batches_in_epoch // settings.gradient_accumulation_steps if resuming else 0
+    for epoch in range(start_epoch, settings.epochs):
+        sampler.set_epoch(epoch)  # a resumed sampler keeps its position in its epoch
+        # The checkpointer restored the sampler with its checkpoint: the loader yields the rest of the epoch.
+        resuming = epoch == start_epoch and bool(progress.sampler)
+        done_batches = progress.batches_in_epoch if resuming else 0
+        total = steps_per_epoch(len(loader) + done_batches, settings)
+        done_in_epoch = done_batches // settings.gradient_accumulation_steps
         bar = tqdm(total=total, initial=done_in_epoch, desc=f"epoch {epoch + 1}/{settings.epochs}", disable=not is_rank_zero, leave=False)
         batches = done_in_epoch * settings.gradient_accumulation_steps
         window = _Window()
@@ -122,17 +124,19 @@ def run_training(
             if last_in_epoch:
                 break
             if settings.save_every_n_steps and step % settings.save_every_n_steps == 0:
-                checkpointer.save(
-                    step=step, epoch=epoch, batches_in_epoch=batches, sampler_state=sampler.state_dict()
-                )
+                _advance(progress, step=step, epoch=epoch, batches_in_epoch=batches)
+                checkpointer.save()
         bar.close()
         sampler.set_epoch(epoch + 1)
-        checkpointer.save(
-            step=step, epoch=epoch + 1, sampler_state=sampler.state_dict(), final=epoch + 1 == settings.epochs
-        )
-        progress = TrainingProgress(step=step, epoch=epoch + 1)
+        _advance(progress, step=step, epoch=epoch + 1, batches_in_epoch=0)
+        checkpointer.save(final=epoch + 1 == settings.epochs)
     checkpointer.wait()
     return progress
+
+
+def _advance(progress: TrainingProgress, *, step: int, epoch: int, batches_in_epoch: int) -> None:
+    """Record where training stands in the progress object the checkpointer saves."""
+    progress.step, progress.epoch, progress.batches_in_epoch = step, epoch, batches_in_epoch
 
 
 def _step(model, optimizer, lr_scheduler, clip: float | None) -> torch.Tensor | None:

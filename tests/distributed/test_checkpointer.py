@@ -171,19 +171,35 @@ def test_checkpoint_loads_in_transformers_and_peft(pool2, base_dir, tmp_path):
     assert config["r"] == LORA["rank"] and sorted(config["target_modules"]) == sorted(LORA["target_modules"])
 
 
+class _Position:
+    """A registered sampler stand-in: the checkpoint must carry its state back into it."""
+
+    def __init__(self, consumed: int = 0) -> None:
+        self.consumed = consumed
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed = state["consumed"]
+
+
 def _save_world(base: str, out: str):
-    model, opt, sched, ck = _setup(base, out, lora=False)
+    model, opt, sched, ck = _setup(base, out, lora=False, sampler=_Position(consumed=6))
     _start(model, ck, lora=False)
     _train(model, opt, sched, range(3))
-    ck.save(step=3, epoch=0, batches_in_epoch=3, sampler_state={"consumed": 6})
+    ck.progress.batches_in_epoch = 3  # mid-epoch: named step_<n>
+    ck.save(step=3, epoch=0)
     return gather_cpu_state_dict(model, dist.get_rank() == 0), get_full_optimizer_state_dict(model, opt, dist.get_rank() == 0)
 
 
 def _resume_world(base: str, out: str):
-    model, opt, sched, ck = _setup(base, out, lora=False)
+    sampler = _Position()
+    model, opt, sched, ck = _setup(base, out, lora=False, sampler=sampler)
     progress = _start(model, ck, lora=False)
+    assert progress is ck.progress and progress.batches_in_epoch == 3
     return (gather_cpu_state_dict(model, dist.get_rank() == 0), get_full_optimizer_state_dict(model, opt, dist.get_rank() == 0),
-            progress.step, progress.sampler, progress.world_size, sched.last_epoch)
+            progress.step, sampler.consumed, progress.world_size, sched.last_epoch)
 
 
 @pytest.mark.parametrize("save_pool,load_pool", [("pool2", "pool4"), ("pool4", "pool2")])
@@ -191,7 +207,7 @@ def test_resume_on_another_world_size(request, base_dir, tmp_path, save_pool, lo
     out = str(tmp_path / "out")
     saved_model, saved_opt = request.getfixturevalue(save_pool).run_ok(_save_world, base_dir, out)[0]
     model_sd, opt_sd, step, sampler, world, sched_epoch = request.getfixturevalue(load_pool).run_ok(_resume_world, base_dir, out)[0]
-    assert step == 3 and sampler == {"consumed": 6} and sched_epoch == 3
+    assert step == 3 and sampler == 6 and sched_epoch == 3  # the registered sampler was restored
     assert world == (2 if save_pool == "pool2" else 4)
     assert all(torch.equal(model_sd[k], saved_model[k]) for k in saved_model)
     for fqn, state in saved_opt["state"].items():
@@ -292,7 +308,8 @@ def _hf_async_round_trip(base: str, out: str, lora: bool):
     _train(model, opt, sched, range(2))
     saved = gather_cpu_state_dict(model, dist.get_rank() == 0)
     saved_optim = get_full_optimizer_state_dict(model, opt, dist.get_rank() == 0)
-    path = ck.save(step=2, epoch=0, batches_in_epoch=2)
+    ck.progress.batches_in_epoch = 2  # mid-epoch: named step_<n>
+    path = ck.save(step=2, epoch=0)
     published_early = Path(path).exists()
     uninterrupted = _train(model, opt, sched, range(2, 4))  # changes params and state under the write
     ck.wait()
@@ -362,21 +379,22 @@ def _background_saves_in_a_row(base: str, out: str, fmt: str, keep: bool):
     off), training on under each write; each checkpoint must resume to the state at its save."""
     model, opt, sched, _ = _setup(base, out, lora=False)
     ck = Checkpointer(output_dir=out, model=model, optimizer=opt, lr_scheduler=sched, base_dir=base,
-                      fingerprint={"model": "a"}, seed=7, intermediate_format=fmt, async_save=True,
+                      fingerprint={"model": "a"}, seed=7, checkpoint_format=fmt, async_save=True,
                       keep_staging_memory=keep)
     _start(model, ck, lora=False)
     at_save, arenas = {}, []
     for step in (2, 3):
         _train(model, opt, sched, range(step - 2 if step == 2 else 2, step))
         at_save[step] = _full_state(model, opt)
-        ck.save(step=step, epoch=0, batches_in_epoch=step)
-        memory = ck._staging_memory  # private: the memory itself is not API
+        ck.progress.batches_in_epoch = step  # mid-epoch: named step_<n>
+        ck.save(step=step, epoch=0)
+        memory = ck.staging_memory
         if memory is not None:
             arenas.append((memory.allocations, memory.arena.data_ptr()))
     _train(model, opt, sched, range(3, 4))  # changes params and state under the second write
     ck.wait()
     # What the Checkpointer kept for a third save.
-    kept = ck._staging_memory.nbytes if ck._staging_memory is not None else None
+    kept = ck.staging_memory.nbytes if ck.staging_memory is not None else None
     # This rank's rows of params, exp_avg and exp_avg_sq, each block's start aligned to 64 bytes.
     own = sum(-(-p.to_local().nbytes // 64) * 64 for p in model.parameters()) * 3
     resumed = {}
@@ -456,20 +474,21 @@ def test_node_local_output_dir_rank0_writes_and_reads_everything_and_resumes_exa
         assert all(torch.equal(hf.state_dict()[k], v) for k, v in saved.items())
 
 
-@pytest.mark.parametrize("options", [{"async_save": True}, {"intermediate_format": "dcp"}])
+@pytest.mark.parametrize("options", [{"async_save": True}, {"checkpoint_format": "dcp"}])
 def test_node_local_output_dir_refuses_per_rank_files(tmp_path, options):
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="shared_filesystem=False .* async_save=False and intermediate_format='hf'"):
+    with pytest.raises(ValueError, match="shared_filesystem=False .* async_save=False and checkpoint_format='hf'"):
         Checkpointer(output_dir=tmp_path, model=model, shared_filesystem=False, **options)
 
 
 def _dcp_async_round_trip(base: str, out: str, lora: bool):
     model, opt, sched, ck = _setup(base, out, lora=lora)
     ck = Checkpointer(output_dir=out, model=model, optimizer=opt, lr_scheduler=sched, base_dir=base,
-                      fingerprint={"model": "a"}, seed=7, intermediate_format="dcp", async_save=True)
+                      fingerprint={"model": "a"}, seed=7, checkpoint_format="dcp", async_save=True)
     _start(model, ck, lora=lora)
     _train(model, opt, sched, range(2))
-    path = ck.save(step=2, epoch=0, batches_in_epoch=2)
+    ck.progress.batches_in_epoch = 2  # mid-epoch: named step_<n>
+    path = ck.save(step=2, epoch=0)
     published_early = Path(path).exists()  # not before the background write is waited for
     ck.wait()
     saved = gather_cpu_state_dict(model, dist.get_rank() == 0)

@@ -226,10 +226,11 @@ def _save_variants(root: str, base: str):
                 base_dir=base,
                 fingerprint={"model": "a"},
                 seed=7,
-                intermediate_format=fmt,
+                checkpoint_format=fmt,
                 async_save=True,
             )
-            out[fmt] = str(ck.save(step=1, epoch=0, batches_in_epoch=1))
+            ck.progress.batches_in_epoch = 1  # mid-epoch: named step_<n>
+            out[fmt] = str(ck.save(step=1, epoch=0))
             _train(model, opt, sched, range(1, 2))  # changes the state under the background write
             ck.wait()
             read[fmt] = list(blocks.read_back)

@@ -19,8 +19,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from shardtune.checkpoint.hf import load_hf_checkpoint, open_hf_checkpoint, save_hf_checkpoint, stage_hf_checkpoint
-from shardtune.checkpoint.hf_export import StagingMemory
+from shardtune.checkpoint.hf import load_hf_checkpoint, open_hf_checkpoint
+from shardtune.checkpoint.hf_save import save_hf_checkpoint
+from shardtune.checkpoint.sinks import DirectSink, StagedSink
+from shardtune.checkpoint.staging_memory import StagingMemory
 from shardtune.distributed import shard_model
 from shardtune.models import build_model
 from shardtune.peft import apply_lora
@@ -155,8 +157,8 @@ def _save_direct_and_buffered(src: str, out_direct: str, out_buffered: str) -> i
 
     safetensors_io.RangeWriter._write_direct = counting
     try:
-        save_hf_checkpoint(model, out_direct, direct_io=True)
-        save_hf_checkpoint(model, out_buffered, direct_io=False)
+        save_hf_checkpoint(model, out_direct, sink=DirectSink(direct_io=True))
+        save_hf_checkpoint(model, out_buffered, sink=DirectSink(direct_io=False))
     finally:
         safetensors_io.RangeWriter._write_direct = write_direct
     return sum(direct)
@@ -167,7 +169,8 @@ def _stage_change_flush(src: str, staged_dir: str, changed_dir: str):
     staged copy; also save the changed model normally."""
     model = shard_model(build_model(src, device="meta"))
     load_hf_checkpoint(model, src, device="cpu")
-    staged = stage_hf_checkpoint(model, staged_dir, max_shard_size="300KB", tokenizer_dir=src)
+    staged = StagedSink()
+    save_hf_checkpoint(model, staged_dir, max_shard_size="300KB", tokenizer_dir=src, sink=staged)
     staged_bytes = staged.nbytes
     with torch.no_grad():
         for p in model.parameters():
@@ -185,7 +188,8 @@ def _stage_twice_in_kept_memory(src: str, first_dir: str, second_dir: str):
     memory = StagingMemory()
     addresses, kept, inside = [], [], []
     for out in (first_dir, second_dir):
-        staged = stage_hf_checkpoint(model, out, max_shard_size="300KB", staging_memory=memory)
+        staged = StagedSink(memory=memory)
+        save_hf_checkpoint(model, out, max_shard_size="300KB", sink=staged)
         addresses.append(sorted(t.data_ptr() for _, t, _ in staged.blocks))
         start = memory.arena.data_ptr()
         inside.append(all(start <= t.data_ptr() and t.data_ptr() + t.nbytes <= start + memory.nbytes for _, t, _ in staged.blocks))
@@ -327,7 +331,7 @@ def test_direct_io_save_writes_the_same_files_as_buffered(pool2, tmp_path):
 
 
 def test_staged_save_writes_the_model_as_it_was_when_staged(pool2, ckpts, tmp_path):
-    """stage_hf_checkpoint copies each rank's rows: params changed in place before flush() do
+    """A StagedSink copies each rank's rows: params changed in place before flush() do
     not leak into the files, which load in transformers with the original logits."""
     src, staged, changed = str(ckpts["root"] / "multi"), tmp_path / "staged", tmp_path / "changed"
     res = pool2.run_ok(_stage_change_flush, src, str(staged), str(changed))

@@ -201,14 +201,16 @@ def staging_size(kind: str, base_dir: str, out_dir: str) -> dict:
     if kind == "cuda":
         torch.cuda.synchronize()
     before = _pinned() if kind == "cuda" else (0, 0)
-    first = Path(ck.save(step=1, epoch=0, batches_in_epoch=1))
+    ck.progress.batches_in_epoch = 1  # mid-epoch: named step_<n>
+    first = Path(ck.save(step=1, epoch=0))
     ck.wait()
     after_first = _pinned() if kind == "cuda" else (0, 0)
     step(1)
-    second = Path(ck.save(step=2, epoch=0, batches_in_epoch=2))
+    ck.progress.batches_in_epoch = 2  # mid-epoch: named step_<n>
+    second = Path(ck.save(step=2, epoch=0))
     ck.wait()
     after_second = _pinned() if kind == "cuda" else (0, 0)
-    memory = ck._staging_memory  # the kept staging memory (None unless async_save and keep_staging_memory)
+    memory = ck.staging_memory  # the kept staging memory (None unless async_save and keep_staging_memory)
     files = [[_safetensors_data(p) for p in path.rglob("*.safetensors")] for path in (first, second)]
     return {
         "written": [sum(nbytes for nbytes, _ in found) for found in files],

@@ -323,7 +323,7 @@ KNOWN_KEYS = [
     "gradient_accumulation_steps", "optimizer.name", "optimizer.lr", "optimizer.weight_decay", "optimizer.betas",
     "lr_scheduler.name", "lr_scheduler.warmup_steps", "clip_grad_norm", "dtype", "dataset.0.path", "dataset.0.format",
     "max_seq_len", "packed", "log_every_n_steps", "save_every_n_steps", "keep_last_n", "process_group_timeout_s",
-    "lora.rank", "lora.alpha", "lora.dropout", "lora.target_modules", "save_adapter_weights_only",
+    "lora.rank", "lora.alpha", "lora.dropout", "lora.target_modules", "adapter_weights_only",
     "resume_from_checkpoint",
 ]
 VALUES = ["1", "-3", "0", "2.5", "-1e-4", "1e999", "true", "null", "abc", "''", "[1, 2]", "[q_proj]", "{a: 1}", "[", "cosine", "fp32"]

@@ -58,7 +58,8 @@ def _save_with_fault(base: str, out: str, fault: str, shared_filesystem: bool = 
     _load(ck)
     set_fault(fault)
     try:
-        return str(ck.save(step=1, epoch=0, batches_in_epoch=1))
+        ck.progress.batches_in_epoch = 1  # mid-epoch: named step_<n>
+        return str(ck.save(step=1, epoch=0))
     finally:
         set_fault(None)
 
@@ -69,7 +70,8 @@ def _async_save_with_fault(base: str, out: str, fault: str) -> str:
     _load(ck)
     set_fault(fault)
     try:
-        path = ck.save(step=1, epoch=0, batches_in_epoch=1)
+        ck.progress.batches_in_epoch = 1  # mid-epoch: named step_<n>
+        path = ck.save(step=1, epoch=0)
         ck.wait()
         return str(path)
     finally:
@@ -85,7 +87,8 @@ def _save_with_rank0_adapter_write_failing(base: str, out: str) -> str:
         raise OSError(28, "No space left on device")
 
     with mock.patch.object(peft_format.checksums, "write_bytes", disk_full) if dist.get_rank() == 0 else nullcontext():
-        return str(ck.save(step=1, epoch=0, batches_in_epoch=1))
+        ck.progress.batches_in_epoch = 1  # mid-epoch: named step_<n>
+        return str(ck.save(step=1, epoch=0))
 
 
 def _load_with_fault(base: str, out: str, fault: str) -> None:
@@ -100,7 +103,8 @@ def _load_with_fault(base: str, out: str, fault: str) -> None:
 def _save_cleanly(base: str, out: str) -> str:
     ck = _build(base, out)
     _load(ck)
-    return str(ck.save(step=1, epoch=0, batches_in_epoch=1))
+    ck.progress.batches_in_epoch = 1  # mid-epoch: named step_<n>
+    return str(ck.save(step=1, epoch=0))
 
 
 def _same_error_on_every_rank(outcomes, *needles: str) -> str:

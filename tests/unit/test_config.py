@@ -216,3 +216,19 @@ def test_recipe_entry_takes_a_recipe_without_a_docstring():
     with pytest.raises(SystemExit) as exc:
         main(recipe, "full_finetune_distributed", ["--help"])
     assert exc.value.code == 0
+
+
+def test_old_adapter_weights_only_key_is_read_with_a_warning_naming_the_new_one(tmp_path):
+    path = _write(tmp_path, {**MINIMAL, "save_adapter_weights_only": True})
+    with pytest.warns(FutureWarning, match="'save_adapter_weights_only' is renamed 'adapter_weights_only'"):
+        cfg = load_config(path, schema=LORA_SCHEMA)
+    assert cfg.adapter_weights_only is True and "save_adapter_weights_only" not in cfg
+    with pytest.warns(FutureWarning, match="renamed 'adapter_weights_only'"):  # on the command line too
+        assert load_config(
+            _write(tmp_path, MINIMAL), ["save_adapter_weights_only=true"], schema=LORA_SCHEMA
+        ).adapter_weights_only
+    with pytest.raises(ConfigError, match="both are given; keep only adapter_weights_only"):
+        load_config(
+            _write(tmp_path, {**MINIMAL, "save_adapter_weights_only": True, "adapter_weights_only": False}),
+            schema=LORA_SCHEMA,
+        )

@@ -1,0 +1,346 @@
+"""Saving a sharded model as a Hugging Face model directory: what the format looks like.
+
+Rule: this module decides names, dtypes, files, ``config.json``, the index, the tokenizer
+files and the LoRA merge (a per-block :class:`LoRAMerge`), from the model alone, the same on
+every rank; rank 0 writes the small files and the weight files' headers. The weights' bytes
+go through :func:`~shardtune.checkpoint.writer.write_files` and a sink
+(:mod:`~shardtune.checkpoint.sinks`): no rank gathers the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardtune.checkpoint import checksums
+from shardtune.checkpoint.atomic import fsync_dir
+from shardtune.checkpoint.hf import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES, log_done, progress_bar
+from shardtune.checkpoint.safetensors_io import CheckpointError, parse_size
+from shardtune.checkpoint.sinks import StagedSink, sink_for
+from shardtune.checkpoint.writer import (
+    BlockFn,
+    FilePlan,
+    Sink,
+    WriteItem,
+    create_files,
+    local_tensor,
+    plan_digest,
+    plan_files,
+    write_files,
+)
+from shardtune.peft.adapters import merge_lora_weight
+from shardtune.peft.lora import LoRALinear
+from shardtune.state_dict import comm
+from shardtune.state_dict.keys import ModelEntry, clean_fqn, model_entries
+from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, unsupported_placement
+from shardtune.state_dict.load import model_signature
+
+__all__ = ["LoRAMerge", "plan_hf_checkpoint", "save_hf_checkpoint"]
+
+MID_TENSOR_FAULT = "save:mid_tensor"  # reached after a rank's first block of model weights
+
+
+@torch.no_grad()
+def save_hf_checkpoint(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    merge_adapters: bool = True,
+    config: Mapping[str, Any] | None = None,
+    tokenizer_dir: str | os.PathLike | None = None,
+    shared_filesystem: bool = True,
+    sink: Sink | None = None,
+) -> list[str]:
+    """Write ``model`` as an HF checkpoint directory loadable by ``AutoModelForCausalLM.from_pretrained``.
+
+    Collective: call on all ranks. No rank gathers the model. ``sink`` says how the bytes reach
+    the files (one sink per call): by default, with ``shared_filesystem`` (``out_dir`` on a
+    filesystem all ranks share) each rank writes its own rows in place
+    (:class:`~shardtune.checkpoint.sinks.DirectSink`); without it only rank 0 touches
+    ``out_dir`` and writes one gathered tensor at a time (``Rank0Sink``). With a
+    :class:`~shardtune.checkpoint.sinks.StagedSink` each rank's rows are copied to CPU memory
+    and written by its ``flush()`` (the model may change in between). Writes ``config.json``
+    (from ``config`` or ``model.args``, with the saved dtype), ``model.safetensors`` or
+    HF-named shards of at most ``max_shard_size`` plus ``model.safetensors.index.json``, and
+    the tokenizer files found in ``tokenizer_dir``. Floating tensors are cast to ``dtype`` when
+    given; NF4 bases are dequantized; with ``merge_adapters`` each LoRA linear is written as
+    ``W + scaling * B @ A`` and its adapters are left out. A tied ``lm_head.weight`` is left
+    out when the config says ``tie_word_embeddings``. Returns, on every rank, the names of the
+    config and weight files (tokenizer files not included). Errors raise
+    :class:`CheckpointError` with the same message on every rank.
+    """
+    if sink is None:
+        sink = sink_for(shared_filesystem=shared_filesystem)
+    elif not shared_filesystem and not sink.gathers_sharded:
+        raise ValueError(
+            f"shared_filesystem=False needs a sink that gathers to rank 0 (Rank0Sink), not {type(sink).__name__}"
+        )
+    out_dir = os.fspath(out_dir)
+    start = time.perf_counter()
+    files = plan_hf_checkpoint(
+        model,
+        out_dir,
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+        merge_adapters=merge_adapters,
+        config=config,
+        tokenizer_dir=tokenizer_dir,
+    )
+    total = sum(item.nbytes for plan in files for item in plan.items)
+    with progress_bar(total, desc="save") as bar:
+        problems = write_files(files, sink=sink, on_item=bar.update)
+    comm.raise_on_every_rank(problems, header=f"Writing the HF checkpoint in {out_dir} failed:", error=CheckpointError)
+    if comm.rank() == 0:
+        log_done("Staged" if isinstance(sink, StagedSink) else "Saved", out_dir, total, start)
+    return ["config.json", *(f.name for f in files), *([INDEX_FILE] if len(files) > 1 else [])]
+
+
+def plan_hf_checkpoint(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    merge_adapters: bool = True,
+    config: Mapping[str, Any] | None = None,
+    tokenizer_dir: str | os.PathLike | None = None,
+) -> list[FilePlan]:
+    """Collective: call on all ranks. The weight files of :func:`save_hf_checkpoint`, planned
+    alike on every rank (or the same CheckpointError everywhere); rank 0 has written
+    everything but the weights' data (directory, sized files with headers, index, config,
+    tokenizer). Hand the plan to :func:`~shardtune.checkpoint.writer.write_files`."""
+    out_dir = os.fspath(out_dir)
+    problems: list[str] = []
+    hf_config = _hf_config(model, config, problems)
+    items, item_problems = _plan_items(
+        model,
+        dtype=dtype,
+        merge_adapters=merge_adapters,
+        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings")),
+    )
+    problems += item_problems
+    files = []
+    try:
+        files = plan_files(items, out_dir, max_shard_bytes=parse_size(max_shard_size), name=_file_name)
+    except (ValueError, CheckpointError) as exc:
+        problems.append(str(exc))
+    for file in files:
+        file.fault = MID_TENSOR_FAULT
+    comm.agree(
+        (model_signature(model_entries(model)), plan_digest(files)),
+        what="the tensors to write differ between ranks (different model, sharding or save arguments)",
+        fix="call save_hf_checkpoint with the same model and arguments on every rank",
+        header="Cannot save the HF checkpoint:",
+        problems=problems,
+        error=CheckpointError,
+    )
+    comm.raise_on_every_rank(
+        _write_skeleton(out_dir, files, hf_config, _saved_dtype(items), tokenizer_dir) if comm.rank() == 0 else [],
+        header=f"Cannot create the HF checkpoint in {out_dir}:",
+        error=CheckpointError,
+    )
+    return files
+
+
+def _file_name(i: int, n: int) -> str:
+    """transformers' names: one ``model.safetensors``, or ``model-0000i-of-0000n.safetensors``."""
+    return SINGLE_FILE if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+# --- the tensors (local, identical on every rank) --------------------------------------------
+
+
+@dataclass
+class LoRAMerge:
+    """A LoRA base weight written merged, ``W + scaling * B @ A``, block by block."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scaling: float
+
+    def prepare(self, layout: TensorLayout) -> BlockFn:
+        """Collective when the adapters are DTensors: A whole, B whole unless its local rows are
+        the base's local rows. Decided from the global layouts, so every rank makes the same
+        calls. Gathered adapters are on the transfer device (CPU-offloaded ones are copied
+        there first). Returns the merge of one block of W."""
+        transfer_device = comm.comm_device(None)
+        a = comm.full_tensor(self.lora_a.detach(), transfer_device)
+        b_is_local = _rows_line_up(layout, layout_of(self.lora_b, comm.world_size()))
+        b = (
+            local_tensor(self.lora_b).detach()
+            if b_is_local
+            else comm.full_tensor(self.lora_b.detach(), transfer_device)
+        )
+
+        def merge(block: torch.Tensor, piece: Piece) -> torch.Tensor:
+            rows, cols = piece.slices
+            return merge_lora_weight(block, a[:, cols], b if b_is_local else b[rows], scaling=self.scaling)
+
+        return merge
+
+
+def _rows_line_up(w: TensorLayout, b: TensorLayout) -> bool:
+    """True when, on every rank, B's local rows (whole rows) are exactly W's local rows."""
+    if w.pieces is None or b.pieces is None:
+        return w.pieces is None and b.pieces is None
+    return all(
+        pb.is_row_range(b.shape) and (pw.offset[0], pw.shape[0]) == (pb.offset[0], pb.shape[0])
+        for pw, pb in zip(w.pieces, b.pieces)
+    )
+
+
+def _plan_items(
+    model: nn.Module, *, dtype: torch.dtype | None, merge_adapters: bool, tie_word_embeddings: bool
+) -> tuple[list[WriteItem], list[str]]:
+    """The tensors to write, in ``state_dict()`` order, and any problems found (not raised)."""
+    entries = model_entries(model)
+    by_fqn = {fqn: e for e in entries for fqn in e.fqns}
+    merges, skipped, problems = _lora_merges(model, by_fqn) if merge_adapters else ({}, set(), [])
+    named = sorted((pos, fqn, e) for e in entries for pos, fqn in zip(e.positions, e.fqns))
+    items: list[WriteItem] = []
+    world = comm.world_size()
+    for _, fqn, entry in named:
+        if fqn in skipped or (tie_word_embeddings and _is_tied_head(fqn, entry)):
+            continue
+        if fqn in merges and len(entry.fqns) > 1:
+            problems.append(
+                f"{fqn}: a LoRA base weight tied to {entry.fqns} cannot be merged without changing the others; "
+                "leave it out of LoRA target_modules or save with merge_adapters=False"
+            )
+            continue
+        if local_tensor(entry.tensor).is_meta:
+            problems.append(f"{fqn}: still on the meta device; load or initialize the weights before saving")
+            continue
+        placement = unsupported_placement(tuple(getattr(entry.tensor, "placements", ())))
+        if placement is not None:
+            problems.append(f"{fqn}: placement {placement} is not supported; use Shard(d) or Replicate")
+            continue
+        try:
+            layout = layout_of(entry.tensor, world)
+        except ValueError as exc:
+            problems.append(f"{fqn}: {exc}")
+            continue
+        out_dtype = dtype if dtype is not None and entry.tensor.dtype.is_floating_point else entry.tensor.dtype
+        items.append(
+            WriteItem(name=fqn, tensor=entry.tensor, dtype=out_dtype, layout=layout, transform=merges.get(fqn))
+        )
+    return items, problems
+
+
+def _is_tied_head(fqn: str, entry: ModelEntry) -> bool:
+    return fqn == "lm_head.weight" and "model.embed_tokens.weight" in entry.fqns
+
+
+def _lora_merges(model: nn.Module, by_fqn: dict[str, ModelEntry]) -> tuple[dict[str, LoRAMerge], set[str], list[str]]:
+    merges: dict[str, LoRAMerge] = {}
+    skipped: set[str] = set()
+    problems: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, LoRALinear):
+            continue
+        prefix = clean_fqn(name)
+        keys = [f"{prefix}.weight", f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"]
+        missing = [k for k in keys if k not in by_fqn]
+        if missing:
+            problems.append(f"{prefix}: LoRA module lacks state-dict entries {missing}; cannot merge its adapters")
+            continue
+        merges[keys[0]] = LoRAMerge(by_fqn[keys[1]].tensor, by_fqn[keys[2]].tensor, float(module.scaling))
+        skipped.update(keys[1:])
+    return merges, skipped, problems
+
+
+def _saved_dtype(items: list[WriteItem]) -> torch.dtype | None:
+    """The floating dtype holding most of the written bytes (what ``config.json`` reports)."""
+    totals: dict[torch.dtype, int] = {}
+    for item in items:
+        if item.dtype.is_floating_point:
+            totals[item.dtype] = totals.get(item.dtype, 0) + item.nbytes
+    return max(totals, key=totals.get) if totals else None
+
+
+def _index_json(files: list[FilePlan]) -> dict:
+    """transformers' ``model.safetensors.index.json`` content."""
+    weight_map = {it.name: f.name for f in files for it in f.items}
+    total = sum(it.nbytes for f in files for it in f.items)
+    params = sum(it.nbytes // it.dtype.itemsize for f in files for it in f.items)
+    return {
+        "metadata": {"total_parameters": params, "total_size": total},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+
+
+def _hf_config(model: nn.Module, config: Mapping[str, Any] | None, problems: list[str]) -> dict[str, Any]:
+    if config is not None:
+        return dict(config)
+    args = getattr(model, "args", None)
+    if args is None:
+        problems.append(f"{type(model).__name__} has no .args to build config.json from; pass config=<HF config dict>")
+        return {}
+    from shardtune.models import model_args_to_hf_config
+
+    try:
+        return model_args_to_hf_config(args)
+    except ValueError as exc:
+        problems.append(f"config.json: {exc}; pass config=<HF config dict>")
+        return {}
+
+
+# --- rank 0: everything but the weights' data ------------------------------------------------
+
+
+def _write_skeleton(
+    out_dir: str,
+    files: list[FilePlan],
+    hf_config: dict[str, Any],
+    dtype: torch.dtype | None,
+    tokenizer_dir: str | os.PathLike | None,
+) -> list[str]:
+    """Rank 0: directory, sized weight files with headers, index, config and tokenizer files."""
+    problems = comm.Problems()
+    with problems.guard(out_dir):
+        os.makedirs(out_dir, exist_ok=True)
+        _remove_stale_weights(out_dir)
+        create_files(files)
+        if len(files) > 1:
+            _write_json(os.path.join(out_dir, INDEX_FILE), _index_json(files))
+        if dtype is not None:
+            name = str(dtype).removeprefix("torch.")
+            hf_config = {**hf_config, "torch_dtype": name, "dtype": name}
+        _write_json(os.path.join(out_dir, "config.json"), hf_config)
+        if tokenizer_dir is not None:
+            _copy_tokenizer(os.fspath(tokenizer_dir), out_dir)
+        fsync_dir(Path(out_dir))
+    return list(problems)
+
+
+def _remove_stale_weights(out_dir: str) -> None:
+    """Weights of an earlier save would confuse loaders (an old index beside a new single file)."""
+    for name in os.listdir(out_dir):
+        if name in (SINGLE_FILE, INDEX_FILE) or (
+            name.startswith("model-") and name.endswith(".safetensors") and "-of-" in name
+        ):
+            os.remove(os.path.join(out_dir, name))
+
+
+def _write_json(path: str, obj: object) -> None:
+    checksums.write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"), fsync=True)
+
+
+def _copy_tokenizer(tokenizer_dir: str, out_dir: str) -> None:
+    if not os.path.isdir(tokenizer_dir):
+        raise FileNotFoundError(f"tokenizer_dir {tokenizer_dir} is not a directory; pass the HF model directory")
+    for name in TOKENIZER_FILES:
+        src = os.path.join(tokenizer_dir, name)
+        if os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(os.path.join(out_dir, name)):
+            with open(src, "rb") as f:  # small files: checksummed from the bytes copied
+                checksums.write_bytes(os.path.join(out_dir, name), f.read(), fsync=True)

@@ -1,0 +1,170 @@
+"""How a checkpoint's bytes reach its files: the three sinks of :func:`~shardtune.checkpoint.writer.write_files`.
+
+Rule: a sink receives blocks (a tensor, its file, its byte offset) and nothing about formats;
+each rank's files are fsynced before a sink reports its writes done. Pick one with
+:func:`sink_for`:
+
+* :class:`DirectSink` — every rank writes its own blocks in place, at once (``out_dir`` on a
+  filesystem all ranks share);
+* :class:`StagedSink` — every rank copies its blocks into CPU memory (one arena, see
+  :mod:`~shardtune.checkpoint.staging_memory`) and returns; :meth:`StagedSink.flush` writes
+  them later, without collectives, so a background thread can while training goes on;
+* :class:`Rank0Sink` — ``shared_filesystem=False``: every sharded tensor is gathered to rank 0,
+  which writes it from a background thread while the next one is gathered (see
+  :mod:`~shardtune.checkpoint.rank0_writes`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardtune.checkpoint.rank0_writes import BackgroundWrites, ByteRing
+from shardtune.checkpoint.safetensors_io import RangeWriter
+from shardtune.checkpoint.staging_memory import StagingMemory, aligned
+from shardtune.checkpoint.writer import FilePlan, WriteItem, local_tensor
+from shardtune.faults import fault_point
+from shardtune.state_dict import comm
+
+
+class FileWriter:
+    """This rank's writes into already created files, fsynced by :meth:`close`.
+
+    Reaches a file's ``fault`` point once, after the first block written into such a file."""
+
+    def __init__(self, problems: comm.Problems, *, direct_io: bool = True) -> None:
+        self.problems = problems
+        self.ranges = RangeWriter(direct_io=direct_io)
+        self._fault_reached = False
+
+    def write(self, file: FilePlan, tensor: torch.Tensor, offset: int) -> None:
+        try:
+            self.ranges.write(file.path, tensor, offset)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{file.path} does not exist on rank {comm.rank()}; rank 0 created it, so out_dir must be on a "
+                "filesystem shared by all ranks"
+            ) from None
+        if file.fault is not None and not self._fault_reached:
+            self._fault_reached = True
+            fault_point(file.fault)
+
+    def close(self) -> None:
+        for path in self.ranges.paths:
+            with self.problems.guard(path):
+                self.ranges.close(path)
+        self.ranges.release()
+
+
+class DirectSink:
+    """Every rank writes its blocks in place as they come (``O_DIRECT`` for large ranges where
+    the filesystem allows it, see :class:`~shardtune.checkpoint.safetensors_io.RangeWriter`)."""
+
+    gathers_sharded = False
+    block_device: str | None = "cpu"  # written at once, straight from CPU views
+
+    def __init__(self, *, direct_io: bool = True) -> None:
+        self.direct_io = direct_io
+        self._writer: FileWriter | None = None
+
+    def begin(self, blocks: list[tuple[WriteItem, int]], problems: comm.Problems) -> None:
+        self._writer = FileWriter(problems, direct_io=self.direct_io)
+
+    def buffer(self, item: WriteItem) -> torch.Tensor | None:
+        return None
+
+    def write(self, file: FilePlan, tensor: torch.Tensor, offset: int, *, buffered: bool = False) -> None:
+        self._writer.write(file, tensor, offset)
+
+    def finish(self) -> None:
+        self._writer.close()
+
+
+class StagedSink:
+    """Every rank copies its blocks into CPU memory; :meth:`flush` writes them into the files.
+
+    The copies go into one arena of exactly their size (``memory``'s, kept for the next save
+    of that size, when given; else one that goes with this sink). The model and optimizer may
+    change once the write has returned: the files get the state at staging time."""
+
+    gathers_sharded = False
+    block_device: str | None = None  # blocks stay where the shards live until copied into the arena
+
+    def __init__(self, *, memory: StagingMemory | None = None, direct_io: bool = True) -> None:
+        self.memory = memory if memory is not None else StagingMemory()
+        self.direct_io = direct_io
+        self.blocks: list[tuple[FilePlan, torch.Tensor, int]] = []
+
+    def begin(self, blocks: list[tuple[WriteItem, int]], problems: comm.Problems) -> None:
+        on_accelerator = any(local_tensor(item.tensor).device.type != "cpu" for item, _ in blocks)
+        self.memory.reserve(sum(aligned(nbytes) for _, nbytes in blocks), pinned=on_accelerator)
+
+    def buffer(self, item: WriteItem) -> torch.Tensor | None:
+        return None
+
+    def write(self, file: FilePlan, tensor: torch.Tensor, offset: int, *, buffered: bool = False) -> None:
+        # A copy, never a view: the model and optimizer keep training while it waits.
+        copy = self.memory.take(tensor)  # the slice begin() reserved for this block
+        copy.copy_(tensor)
+        self.blocks.append((file, copy, offset))
+
+    def finish(self) -> None:
+        pass
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes staged and not yet flushed."""
+        return sum(t.nbytes for _, t, _ in self.blocks)
+
+    def flush(self) -> list[str]:
+        """Write every staged block and fsync the files; returns this rank's problems. No
+        collectives: it may run in a background thread. The checkpoint is complete once every
+        rank's flush has returned none."""
+        problems = comm.Problems()
+        writer = FileWriter(problems, direct_io=self.direct_io)
+        blocks, self.blocks = self.blocks, []
+        for file, tensor, offset in blocks:
+            with problems.guard(file.path):
+                writer.write(file, tensor, offset)
+        writer.close()
+        return list(problems)
+
+
+class Rank0Sink:
+    """Rank 0 alone writes (``out_dir`` only on its filesystem): every sharded tensor is gathered
+    to it into a reused :class:`~shardtune.checkpoint.rank0_writes.ByteRing` (the largest
+    tensor's size) and written by a background thread while the next one is gathered; the
+    other ranks only send. Rank 0's write problems are raised on every rank by the caller."""
+
+    gathers_sharded = True
+    block_device: str | None = "cpu"  # queued as CPU tensors
+
+    def __init__(self, *, direct_io: bool = True) -> None:
+        self.direct_io = direct_io
+        self._ring: ByteRing | None = None
+        self._background: BackgroundWrites | None = None
+        self._writer: FileWriter | None = None
+
+    def begin(self, blocks: list[tuple[WriteItem, int]], problems: comm.Problems) -> None:
+        if comm.rank() != 0:
+            return
+        self._ring = ByteRing(max((item.nbytes for item, _ in blocks if item.layout.is_sharded), default=0))
+        self._writer = FileWriter(problems, direct_io=self.direct_io)
+        self._background = BackgroundWrites(self._writer, problems)
+
+    def buffer(self, item: WriteItem) -> torch.Tensor | None:
+        return self._ring.take(item.shape, item.dtype) if self._ring is not None else None
+
+    def write(self, file: FilePlan, tensor: torch.Tensor, offset: int, *, buffered: bool = False) -> None:
+        # Unbuffered blocks are the model's own memory: the save waits for their write (finish).
+        self._background.write(file, tensor, offset, done=self._ring.release_oldest if buffered else None)
+
+    def finish(self) -> None:
+        if self._background is not None:
+            self._background.close()
+            self._writer.close()
+
+
+def sink_for(*, shared_filesystem: bool, direct_io: bool = True) -> DirectSink | Rank0Sink:
+    """The synchronous sink for ``out_dir`` on a filesystem all ranks share (each rank writes
+    its blocks) or only on rank 0's (rank 0 writes everything)."""
+    return DirectSink(direct_io=direct_io) if shared_filesystem else Rank0Sink(direct_io=direct_io)

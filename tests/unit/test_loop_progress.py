@@ -1,0 +1,104 @@
+"""The loop records where training stands in the progress object registered with the checkpointer,
+and continues a mid-epoch resume (progress and sampler restored by the checkpointer) with the next batch."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardtune.checkpoint import TrainingProgress
+from shardtune.data.sampler import build_dataloader
+from shardtune.training import loop
+
+SAMPLES, BATCH, ACCUMULATE, EPOCHS = 16, 2, 2, 2  # 8 batches, 4 optimizer steps per epoch
+
+
+class _RecordingCheckpointer:
+    """Records, at every save, what a Checkpointer would read from its registered objects."""
+
+    def __init__(self, progress: TrainingProgress, sampler) -> None:
+        self.progress = progress
+        self.sampler = sampler
+        self.saves: list[tuple[int, int, int, bool]] = []
+        self.sampler_states: list[dict] = []
+
+    def save(self, *, step: int | None = None, epoch: int | None = None, final: bool = False) -> None:
+        p = self.progress
+        self.saves.append((p.step, p.epoch, p.batches_in_epoch, final))
+        self.sampler_states.append(self.sampler.state_dict())
+
+    def wait(self) -> None:
+        pass
+
+
+class _Rows:
+    def log(self, row) -> None:
+        pass
+
+
+def _train(progress: TrainingProgress, sampler_state: dict | None = None):
+    samples = [{"x": torch.tensor([float(i)])} for i in range(SAMPLES)]
+    loader, sampler = build_dataloader(
+        samples,
+        batch_size=BATCH,
+        rank=0,
+        world_size=1,
+        seed=0,
+        shuffle=True,
+        collate_fn=torch.utils.data.default_collate,
+    )
+    if sampler_state is not None:  # what Checkpointer.resume does with a registered sampler
+        sampler.load_state_dict(sampler_state)
+    model = nn.Linear(1, 1)
+    seen: list[list[float]] = []
+
+    def loss_fn(batch):
+        seen.append(batch["x"].flatten().tolist())
+        return model(batch["x"]).pow(2).mean(), batch["x"].shape[0]
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    ck = _RecordingCheckpointer(progress, sampler)
+    settings = loop.LoopSettings(epochs=EPOCHS, gradient_accumulation_steps=ACCUMULATE, save_every_n_steps=1)
+    returned = loop.run_training(
+        model=model,
+        loss_fn=loss_fn,
+        loader=loader,
+        sampler=sampler,
+        optimizer=opt,
+        lr_scheduler=sched,
+        checkpointer=ck,
+        logger=_Rows(),
+        settings=settings,
+        progress=progress,
+    )
+    assert returned is progress
+    return ck, seen
+
+
+def test_saves_read_step_epoch_and_batches_from_the_registered_progress():
+    ck, seen = _train(TrainingProgress())
+    # By hand: 4 steps an epoch; mid-epoch saves after steps 1-3 (2, 4, 6 batches), the 4th ends the epoch.
+    assert ck.saves == [
+        (1, 0, 2, False),
+        (2, 0, 4, False),
+        (3, 0, 6, False),
+        (4, 1, 0, False),
+        (5, 1, 2, False),
+        (6, 1, 4, False),
+        (7, 1, 6, False),
+        (8, 2, 0, True),
+    ]
+    assert len(seen) == EPOCHS * SAMPLES // BATCH
+    assert ck.progress.step == 8 and ck.progress.epoch == 2
+
+
+def test_mid_epoch_resume_continues_with_the_next_batch_and_the_same_saves():
+    full, full_seen = _train(TrainingProgress())
+    at = 1  # resume from the save after step 2: epoch 0, 4 batches in
+    step, epoch, batches, _ = full.saves[at]
+    state = full.sampler_states[at]
+    resumed = TrainingProgress(step=step, epoch=epoch, batches_in_epoch=batches, sampler=state)
+    ck, seen = _train(resumed, sampler_state=state)
+    assert ck.saves == full.saves[at + 1 :]
+    assert seen == full_seen[batches:]
