@@ -25,7 +25,6 @@ from tqdm import tqdm
 
 from shardtune.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorSlice
 from shardtune.state_dict import comm, load_from_full_model_state_dict
-from shardtune.state_dict.agreement import model_signature
 from shardtune.state_dict.keys import format_problems, model_entries
 
 __all__ = [

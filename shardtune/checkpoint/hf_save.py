@@ -31,7 +31,6 @@ from shardtune.checkpoint.writer import (
     Sink,
     WriteItem,
     create_files,
-    local_tensor,
     plan_digest,
     plan_files,
     write_files,
@@ -39,9 +38,9 @@ from shardtune.checkpoint.writer import (
 from shardtune.peft.adapters import merge_lora_weight
 from shardtune.peft.lora import LoRALinear
 from shardtune.state_dict import comm
+from shardtune.state_dict.agreement import model_signature
 from shardtune.state_dict.keys import ModelEntry, clean_fqn, model_entries
-from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, unsupported_placement
-from shardtune.state_dict.load import model_signature
+from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor, unsupported_placement
 
 __all__ = ["LoRAMerge", "plan_hf_checkpoint", "save_hf_checkpoint"]
 

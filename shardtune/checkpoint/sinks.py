@@ -21,9 +21,10 @@ import torch
 from shardtune.checkpoint.rank0_writes import BackgroundWrites, ByteRing
 from shardtune.checkpoint.safetensors_io import RangeWriter
 from shardtune.checkpoint.staging_memory import StagingMemory, aligned
-from shardtune.checkpoint.writer import FilePlan, WriteItem, local_tensor
+from shardtune.checkpoint.writer import FilePlan, WriteItem
 from shardtune.faults import fault_point
 from shardtune.state_dict import comm
+from shardtune.state_dict.layout import local_tensor
 
 
 class FileWriter:

@@ -20,13 +20,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from shardtune.checkpoint import checksums
 from shardtune.checkpoint.safetensors_io import build_header
 from shardtune.state_dict import comm, nf4
 from shardtune.state_dict.gather import gather_to_rank0
-from shardtune.state_dict.layout import Piece, TensorLayout
+from shardtune.state_dict.layout import Piece, TensorLayout, local_tensor
 
 BlockFn = Callable[[torch.Tensor, Piece], torch.Tensor]
 
@@ -223,7 +222,7 @@ def _gather_item(
     with problems.guard(item.name):
         block = _local_block(item, transform, device=None)  # where the shard lives: the gather moves it once
     if block is None:  # still take part, so no rank waits; the problem is raised everywhere later
-        block = torch.zeros(_my_piece(item.layout).shape, dtype=item.dtype)
+        block = torch.zeros(item.layout.piece(comm.rank()).shape, dtype=item.dtype)
     return gather_to_rank0(
         block, item.layout, transfer_device=comm.comm_device(None), on_error=problems, key=item.name, out=out
     )
@@ -236,21 +235,10 @@ def _row_offset(item: WriteItem, piece: Piece) -> int:
     return piece.offset[0] * math.prod(item.shape[1:]) * item.dtype.itemsize
 
 
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor, or the tensor itself."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
-def _my_piece(layout: TensorLayout) -> Piece:
-    if layout.pieces is None:
-        return Piece(shape=layout.shape, offset=(0,) * len(layout.shape))
-    return layout.pieces[comm.rank()]
-
-
 def _local_block(item: WriteItem, transform: BlockFn | None, *, device: str | None) -> torch.Tensor:
     """This rank's block of the written tensor: dequantized, transformed, cast, moved to ``device``
     (None: where the shard lives); may be a view of the model's (or optimizer's) storage."""
-    piece = _my_piece(item.layout)
+    piece = item.layout.piece(comm.rank())
     local = nf4.dequantize(local_tensor(item.tensor)).detach()
     if tuple(local.shape) != piece.shape:
         raise ValueError(f"local shard has shape {tuple(local.shape)}, expected {piece.shape} from its placement")

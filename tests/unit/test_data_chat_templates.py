@@ -284,7 +284,7 @@ def test_template_errors_name_the_file_and_the_fix(tmp_path):
 
 
 def test_hf_checkpoints_keep_a_chat_template_file(tmp_path):
-    from shardtune.checkpoint.hf import save_hf_checkpoint
+    from shardtune.checkpoint import save_hf_checkpoint
     from shardtune.checkpoint.tiny import create_tiny_base
     from shardtune.models import llama_from_hf_config
 
