@@ -14,16 +14,23 @@ __all__ = [
     "BASE_SCHEMA",
     "DATASET_COLUMNS",
     "DATASET_SCHEMA",
+    "DPO_SECTION",
     "EARLY_EXIT_SCHEMA",
+    "FULL_DPO_SCHEMA",
     "EARLY_EXIT_SECTION",
     "KD_SCHEMA",
     "LAYER_DROPOUT_SECTION",
+    "LORA_DPO_SCHEMA",
     "LORA_SCHEMA",
     "LORA_SECTION",
 ]
 
 # Logical column names per dataset format; ``column_map`` maps them to the file's columns.
-DATASET_COLUMNS = {"instruct": ("instruction", "input", "output"), "chat": ("messages",)}
+DATASET_COLUMNS = {
+    "instruct": ("instruction", "input", "output"),
+    "chat": ("messages",),
+    "preference": ("prompt", "chosen", "rejected"),
+}
 
 
 def _check_dataset(ds: dict[str, Any]) -> list[str]:
@@ -49,7 +56,7 @@ DATASET_SCHEMA = Schema(
         ),
         "split": Field((str, None), None, help="split of a save_to_disk DatasetDict or hub dataset; null: the only one"),
         "subset": Field((str, None), None, help="configuration (subset) name of a hub dataset"),
-        "format": Field(str, "instruct", choices=("instruct", "chat")),
+        "format": Field(str, "instruct", choices=("instruct", "chat", "preference")),
         "template": Field(
             (str, dict, None),
             None,
@@ -234,6 +241,40 @@ LAYER_DROPOUT_SECTION = Schema(
     nullable=True,
 )
 EARLY_EXIT_SCHEMA = BASE_SCHEMA | {"early_exit": EARLY_EXIT_SECTION, "layer_dropout": LAYER_DROPOUT_SECTION}
+
+
+def _check_preference_data(cfg: dict[str, Any]) -> list[str]:
+    datasets = cfg.get("dataset")
+    items = datasets if isinstance(datasets, list) else [datasets]
+    problems = []
+    if any(isinstance(d, dict) and d.get("format") != "preference" for d in items):
+        problems.append(
+            "dataset: DPO recipes train on preference pairs; set dataset.format=preference (prompt/chosen/rejected)"
+        )
+    if cfg.get("validation_dataset") is not None:
+        problems.append("validation_dataset: the DPO recipes do not evaluate a validation set yet; remove it")
+    return problems
+
+
+DPO_SECTION = Schema(
+    {
+        "loss": Field(str, "sigmoid", choices=("sigmoid", "ipo", "simpo"), help="sigmoid (DPO), ipo, simpo"),
+        "beta": Field(float, 0.1, gt=0),
+        "label_smoothing": Field(float, 0.0, ge=0, lt=0.5, help="conservative DPO (sigmoid and simpo)"),
+        "simpo_gamma": Field(float, 0.5, ge=0, help="SimPO's target reward margin"),
+        "reference_free": Field(bool, False, help="compare the policy with 0 instead of a reference (simpo always)"),
+    }
+)
+LORA_DPO_SCHEMA = LORA_SCHEMA | Schema({"dpo": DPO_SECTION}, checks=(_check_preference_data,))
+FULL_DPO_SCHEMA = BASE_SCHEMA | Schema(
+    {
+        "dpo": DPO_SECTION,
+        "reference_checkpoint_dir": Field(
+            (str, None), None, help="HF model directory of the frozen reference (null: the starting checkpoint_dir)"
+        ),
+    },
+    checks=(_check_preference_data,),
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -324,11 +324,27 @@ def build_dataset(
     specs = [cfg] if isinstance(cfg, Mapping) else list(cfg)
     if not specs:
         raise ConfigError(["dataset: the list is empty; give at least one dataset mapping"])
+    if is_preference(specs):
+        from shardtune.data.preference import build_preference_dataset
+
+        if packed:
+            raise ConfigError(["packed: preference pairs are not packed; set packed=false"])
+        parts = [build_preference_dataset(spec, tokenizer, max_seq_len=max_seq_len) for spec in specs]
+        return parts[0] if len(parts) == 1 else ConcatDataset(parts)
     parts = [build_sft_dataset(spec, tokenizer, max_seq_len=max_seq_len) for spec in specs]
     dataset: Dataset = parts[0] if len(parts) == 1 else ConcatDataset(parts)
     if packed:
         dataset = PackedDataset(dataset, max_seq_len=max_seq_len, pad_id=tokenizer.pad_id)
     return dataset
+
+
+def is_preference(specs: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> bool:
+    """Whether dataset entries hold preference pairs (``format: preference``); all or none may."""
+    specs = [specs] if isinstance(specs, Mapping) else list(specs)
+    kinds = {spec.get("format") == "preference" for spec in specs}
+    if len(kinds) > 1:
+        raise ConfigError(["dataset: mixes format: preference with SFT formats; a run trains on one kind"])
+    return kinds == {True}
 
 
 def build_config_dataset(cfg: Mapping[str, Any], tokenizer: HFTokenizer, *, packed: bool) -> Dataset:

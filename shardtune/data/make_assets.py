@@ -131,17 +131,37 @@ def generate_chat(*, seed: int = 0) -> list[dict[str, list[dict[str, str]]]]:
     return records
 
 
+def generate_preference(*, seed: int = 0) -> list[dict[str, str]]:
+    """The records of ``tiny_preference.jsonl``: a prompt, the right answer (chosen) and a wrong one (rejected)."""
+    rng = random.Random(seed)
+    records = []
+    for a, b in rng.sample([(a, b) for a in range(10) for b in range(10)], 60):
+        wrong = (a + b + rng.randrange(1, 5)) % 19
+        records.append({"prompt": f"Q: What is {a} + {b}?\nA: ", "chosen": str(a + b), "rejected": str(wrong)})
+    for w in _WORDS:
+        records.append({"prompt": f"Q: Reverse the word '{w}'.\nA: ", "chosen": w[::-1], "rejected": w})
+    for w, o in _OPPOSITES.items():
+        records.append({"prompt": f"Q: What is the opposite of '{w}'?\nA: ", "chosen": o, "rejected": w})
+    rng.shuffle(records)
+    return records
+
+
 def render_jsonl(records: list[dict]) -> str:
     """JSON Lines text of ``records``."""
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
 
 
 def write_assets(directory: Path | None = None) -> list[Path]:
-    """Write both files into ``directory`` (default: the package's ``assets``)."""
+    """Write the files into ``directory`` (default: the package's ``assets``)."""
     directory = directory or Path(__file__).resolve().parent / "assets"
     directory.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, records in (("tiny_instruct.jsonl", generate_instruct()), ("tiny_chat.jsonl", generate_chat())):
+    assets = (
+        ("tiny_instruct.jsonl", generate_instruct()),
+        ("tiny_chat.jsonl", generate_chat()),
+        ("tiny_preference.jsonl", generate_preference()),
+    )
+    for name, records in assets:
         path = directory / name
         path.write_text(render_jsonl(records), encoding="utf-8")
         written.append(path)

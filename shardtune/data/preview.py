@@ -32,14 +32,22 @@ def iter_samples(
     cfg: Mapping[str, Any], *, limit: int | None = None, decode: bool = False, tokenizer: HFTokenizer | None = None
 ) -> Iterator[dict[str, Any]]:
     """``{"input_ids": [...], "labels": [...]}`` per sample of ``cfg``'s dataset(s), in dataset order,
-    at most ``limit`` of them; ``decode`` adds ``"text"`` (special tokens shown)."""
+    at most ``limit`` of them; ``decode`` adds ``"text"`` (special tokens shown). Preference pairs
+    give ``{"chosen": {...}, "rejected": {...}}``, each side as a sample."""
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
     tokenizer = tokenizer or config_tokenizer(cfg)
     dataset = build_config_dataset(cfg, tokenizer, packed=False)
     for index in range(len(dataset) if limit is None else min(limit, len(dataset))):
-        sample = dataset[index]
-        out: dict[str, Any] = {"input_ids": sample["tokens"], "labels": sample["labels"]}
-        if decode:
-            out["text"] = tokenizer.decode(sample["tokens"], skip_special_tokens=False)
-        yield out
+        item = dataset[index]
+        if "chosen" in item:
+            yield {side: _shown(item[side], tokenizer, decode) for side in ("chosen", "rejected")}
+        else:
+            yield _shown(item, tokenizer, decode)
+
+
+def _shown(sample: dict[str, list[int]], tokenizer: HFTokenizer, decode: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"input_ids": sample["tokens"], "labels": sample["labels"]}
+    if decode:
+        out["text"] = tokenizer.decode(sample["tokens"], skip_special_tokens=False)
+    return out

@@ -23,6 +23,8 @@ from shardtune.checkpoint import Checkpointer, TrainingProgress, fingerprint
 from shardtune.checkpoint.tiny import create_tiny_base
 from shardtune.config import Config
 from shardtune.data import build_config_dataset, build_dataloader, build_dataset, collate, load_tokenizer
+from shardtune.data.datasets import is_preference
+from shardtune.data.preference import collate_pairs
 from shardtune.distributed import decoder_layers, device_type, init_distributed, make_mesh, shard_model
 from shardtune.models import (
     HeadLoss,
@@ -195,9 +197,11 @@ def _mixed_precision(cfg: Config) -> MixedPrecisionPolicy | None:
 
 
 def build_data(cfg: Config, run: Run, base_dir: Path):
-    """Tokenizer, dataset(s), loader and resumable sampler for this rank."""
+    """Tokenizer, dataset(s), loader and resumable sampler for this rank (preference pairs are
+    batched as their chosen rows, then their rejected rows)."""
     tokenizer = load_tokenizer(cfg.tokenizer, checkpoint_dir=base_dir)
     dataset = build_config_dataset(cfg, tokenizer, packed=cfg.packed)
+    batcher = collate_pairs if is_preference(_dataset_specs(cfg.dataset)) else collate
     loader, sampler = build_dataloader(
         dataset,
         batch_size=cfg.batch_size,
@@ -205,7 +209,7 @@ def build_data(cfg: Config, run: Run, base_dir: Path):
         world_size=run.world_size,
         seed=cfg.seed,
         shuffle=cfg.shuffle,
-        collate_fn=lambda batch: collate(batch, pad_id=tokenizer.pad_id),
+        collate_fn=lambda batch: batcher(batch, pad_id=tokenizer.pad_id),
         pin_memory=run.device.type == "cuda",  # so on_device's copies can overlap compute
     )
     return tokenizer, loader, sampler

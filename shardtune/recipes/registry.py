@@ -12,7 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardtune.config import CONFIGS_DIR, Schema
-from shardtune.configs.schemas import BASE_SCHEMA, EARLY_EXIT_SCHEMA, KD_SCHEMA, LORA_SCHEMA
+from shardtune.configs.schemas import (
+    BASE_SCHEMA,
+    EARLY_EXIT_SCHEMA,
+    FULL_DPO_SCHEMA,
+    KD_SCHEMA,
+    LORA_DPO_SCHEMA,
+    LORA_SCHEMA,
+)
 
 
 class UnknownRecipe(ValueError):
@@ -61,6 +68,12 @@ RECIPES: dict[str, Recipe] = {
         ),
         Recipe("knowledge_distillation_distributed", KD_SCHEMA, ("tiny/kd", "llama3_2/8B_to_1B_KD_lora")),
         Recipe("early_exit_finetune_distributed", EARLY_EXIT_SCHEMA, ("tiny/early_exit", "llama3_2/1B_early_exit")),
+        Recipe(
+            "lora_dpo_distributed",
+            LORA_DPO_SCHEMA,
+            ("tiny/lora_dpo", "llama3_2/1B_lora_dpo", "llama3_1/8B_lora_dpo"),
+        ),
+        Recipe("full_dpo_distributed", FULL_DPO_SCHEMA, ("tiny/full_dpo", "llama3_1/8B_full_dpo")),
     )
 }
 

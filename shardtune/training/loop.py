@@ -1,7 +1,11 @@
 """The training loop every recipe shares: accumulation, clipping, stepping, logging, saving.
 
 Recipes provide ``loss_fn(batch) -> (mean loss over the batch's label tokens, n_tokens)``;
-everything else is here, so the recipes stay short and resume the same way.
+everything else is here, so the recipes stay short and resume the same way. A loss may weigh
+other units than tokens (DPO: pairs) and return a third item, ``{name: sum over the batch}``
+of device tensors: each is summed over micro-batches and ranks with the loss and logged as
+``sum / global weight``; a ``"tokens"`` entry (label tokens) is logged as ``tokens_per_second``
+instead of the weight.
 
 The optimizer step sees the mean over every label token of the global batch (all
 micro-batches on all ranks): each micro-batch contributes ``mean * n_tokens`` and gradients
@@ -33,7 +37,7 @@ from shardtune.state_dict import comm
 from shardtune.training.grad_norm import clip_grad_norm
 from shardtune.training.metrics import MetricLogger, peak_memory_mib
 
-LossFn = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
+LossFn = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, int] | tuple[torch.Tensor, int, dict[str, torch.Tensor]]]
 
 
 @dataclass(frozen=True)
@@ -93,9 +97,9 @@ def run_training(
         window = _Window()
         model.train()
         for i, batch in enumerate(loader):
-            loss, n_tokens = loss_fn(batch)
+            loss, n_tokens, *extra = loss_fn(batch)
             (loss * n_tokens).backward()
-            window.add(loss.detach() * n_tokens, n_tokens)
+            window.add(loss.detach() * n_tokens, n_tokens, *extra)
             if settings.flops_per_token is not None:
                 rows, seq_len = batch["tokens"].shape
                 window.flops += rows * seq_len * settings.flops_per_token(seq_len)
@@ -176,14 +180,19 @@ class _Window:
         self.loss_sum: torch.Tensor | None = None  # float64, where the losses are computed
         self.tokens = 0  # this rank's label tokens, counted on the host
         self.flops = 0.0  # this rank's model FLOPs, from the host batch shapes
+        self.metrics: dict[str, torch.Tensor] = {}  # the loss function's extra sums, float64
         self.global_loss_sum: torch.Tensor | None = None
         self.global_tokens: torch.Tensor | None = None
+        self.global_metrics: dict[str, torch.Tensor] = {}
         self.start = time.perf_counter()
 
-    def add(self, loss_sum: torch.Tensor, n_tokens: int) -> None:
+    def add(self, loss_sum: torch.Tensor, n_tokens: int, metrics: dict[str, torch.Tensor] | None = None) -> None:
         loss_sum = loss_sum.double()
         self.loss_sum = loss_sum if self.loss_sum is None else self.loss_sum + loss_sum
         self.tokens += n_tokens
+        for name, value in (metrics or {}).items():
+            value = value.detach().to(device=loss_sum.device, dtype=torch.float64)
+            self.metrics[name] = self.metrics[name] + value if name in self.metrics else value
 
     def reduce(self) -> None:
         """Collective: sums loss and tokens over ranks (one small all-reduce per step, on the
@@ -192,24 +201,30 @@ class _Window:
         # torch.full fills on the device: no host-to-device copy the host would wait for
         tokens = torch.full((), float(self.tokens), dtype=torch.float64, device=device)
         flops = torch.full((), self.flops, dtype=torch.float64, device=device)
-        totals = torch.stack([self.loss_sum.to(device), tokens, flops])
+        names = sorted(self.metrics)  # the same on every rank: the same loss function
+        totals = torch.stack([self.loss_sum.to(device), tokens, flops, *(self.metrics[n].to(device) for n in names)])
         if dist.is_initialized():
             dist.all_reduce(totals)
         self.global_loss_sum, self.global_tokens, self.global_flops = totals[0], totals[1], totals[2]
+        self.global_metrics = dict(zip(names, totals[3:], strict=True))
 
     def row(
         self, *, step: int, epoch: int, lr: float, grad_norm: torch.Tensor | None, settings: LoopSettings
     ) -> dict[str, Any]:
         """The step's metrics; fetches loss, tokens, FLOPs and grad norm from the device in one copy."""
-        values = [self.global_loss_sum, self.global_tokens, self.global_flops]
+        names = sorted(self.global_metrics)
+        values = [self.global_loss_sum, self.global_tokens, self.global_flops, *(self.global_metrics[n] for n in names)]
         if grad_norm is not None:
             values.append(grad_norm.to(device=self.global_tokens.device, dtype=torch.float64))
-        loss_sum, tokens, flops, *norm = _fetch(torch.stack(values))
+        loss_sum, weight, flops, *rest = _fetch(torch.stack(values))
+        metrics, norm = dict(zip(names, rest[: len(names)], strict=True)), rest[len(names) :]
         seconds = time.perf_counter() - self.start
+        tokens = metrics.pop("tokens", weight)
         row = {
             "step": step,
             "epoch": epoch,
-            "loss": loss_sum / max(tokens, 1.0),
+            "loss": loss_sum / max(weight, 1.0),
+            **{name: value / max(weight, 1.0) for name, value in metrics.items()},
             "lr": lr,
             "tokens_per_second": tokens / max(seconds, 1e-9),
             "peak_memory_mib": peak_memory_mib(),

@@ -32,7 +32,11 @@ def _small_model_dir(path):
 
 def _setup_on_rank(checkpoint_dir: str, preset: str | None, key: str, preset_key: str, output_dir: str):
     keys = {key: checkpoint_dir, preset_key: preset}
-    cfg = Config({"output_dir": output_dir, **keys, "enable_activation_checkpointing": False})
+    from shardtune.config import REQUIRED, Field
+    from shardtune.configs.schemas import BASE_SCHEMA
+
+    defaults = {n: f.default for n, f in BASE_SCHEMA.fields.items() if isinstance(f, Field) and f.default is not REQUIRED}
+    cfg = Config({**defaults, "output_dir": output_dir, **keys, "enable_activation_checkpointing": False})
     rank, world = dist.get_rank(), dist.get_world_size()
     run = setup.Run(rank=rank, world_size=world, device=torch.device("cpu"), dtype=torch.float32)
     with warnings.catch_warnings(record=True) as caught:

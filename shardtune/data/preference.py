@@ -1,0 +1,152 @@
+"""Preference pairs (``format: preference``): a prompt with a chosen and a rejected response.
+
+Rule: the two sequences of a pair are tokenized exactly as SFT tokenizes a sample, and only
+the response is trained: every label inside the prompt is masked. A record's ``prompt``,
+``chosen`` and ``rejected`` columns (renamed with ``column_map``) are either
+
+* strings: ``[BOS] prompt response [EOS]``, the prompt and the response tokenized separately
+  (as SFT's segments), or
+* chat ``messages`` lists: the conversation ``prompt + chosen`` (``prompt`` may also be a
+  string, one user turn, or absent, when ``chosen`` and ``rejected`` hold whole conversations
+  and their shared leading messages are the prompt) rendered by the dataset's chat template
+  (the tokenizer's own, or a built-in one), as SFT renders chat data; the rendered prompt must
+  be a prefix of the rendered conversation.
+
+A pair is ``{"chosen": {"tokens", "labels"}, "rejected": {"tokens", "labels"}}``; labels are
+unshifted, as everywhere in shardtune. :func:`collate_pairs` stacks a batch of pairs as the
+chosen rows followed by the rejected rows, so one forward runs both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from shardtune.config import validated
+from shardtune.data.collate import collate
+from shardtune.data.datasets import CROSS_ENTROPY_IGNORE_IDX, SFTDataset, _chat_renderer, _model_chat_template, _plain
+from shardtune.data.sources import load_records
+from shardtune.data.templates import Segment
+from shardtune.data.tokenizer import HFTokenizer
+
+__all__ = ["PreferenceDataset", "build_preference_dataset", "collate_pairs"]
+
+Sample = dict[str, list[int]]
+
+
+class PreferenceDataset(Dataset):
+    """Pairs tokenized on access from records already checked."""
+
+    def __init__(self, records: Sequence[Mapping[str, Any]], *, columns: dict[str, str], sft: _PairTokenizer) -> None:
+        self.records, self.columns, self.sft = records, columns, sft
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> dict[str, Sample]:
+        record = self.records[index]
+        prompt, chosen, rejected = (record.get(self.columns[k]) for k in ("prompt", "chosen", "rejected"))
+        return {
+            "chosen": self.sft.pair_sample(prompt, chosen, rejected, which="chosen", index=index),
+            "rejected": self.sft.pair_sample(prompt, chosen, rejected, which="rejected", index=index),
+        }
+
+
+class _PairTokenizer:
+    """SFT tokenization of one side of a pair, with the prompt's labels masked."""
+
+    def __init__(self, spec: Mapping[str, Any], tokenizer: HFTokenizer, *, max_seq_len: int, source: str) -> None:
+        self.spec, self.tokenizer, self.max_seq_len, self.source = spec, tokenizer, max_seq_len, source
+        self.template = None
+        self._chat: SFTDataset | None = None
+
+    def _chat_dataset(self, conversations: list[list[dict]]) -> SFTDataset:
+        template = _model_chat_template({**self.spec, "add_bos": None, "add_eos": None}, self.tokenizer, self.source)
+        records = [{"messages": c} for c in conversations]
+        spec = {**self.spec, "column_map": {}}
+        render = _chat_renderer(records, spec, self.source, self.tokenizer, template)
+        return SFTDataset(
+            records, tokenizer=self.tokenizer, render=render, max_seq_len=self.max_seq_len,
+            add_bos=self.spec["add_bos"] is not False, whole_text=template is not None,
+        )  # fmt: skip
+
+    def pair_sample(self, prompt: Any, chosen: Any, rejected: Any, *, which: str, index: int) -> Sample:
+        response = chosen if which == "chosen" else rejected
+        if isinstance(response, str):
+            return self._text_sample(prompt, response)
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        if prompt is None:  # whole conversations: the shared leading messages are the prompt
+            shared = 0
+            while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+                shared += 1
+            prompt, response = list(chosen[:shared]), list(response[shared:])
+        data = self._chat_dataset([list(prompt) + list(response), list(prompt)])
+        full, head = data[0], data[1]
+        n = len(head["tokens"])
+        if full["tokens"][:n] != head["tokens"]:
+            raise ValueError(
+                f"{self.source} record {index}: the rendered prompt is not a prefix of the rendered conversation "
+                "(the chat template renders the prompt's turns differently once a response follows); "
+                "use a built-in template (template: chat or llama3)"
+            )
+        labels = [CROSS_ENTROPY_IGNORE_IDX] * n + full["labels"][n:]
+        return {"tokens": full["tokens"], "labels": labels[: len(full["tokens"])]}
+
+    def _text_sample(self, prompt: Any, response: str) -> Sample:
+        from shardtune.data.datasets import tokenize_segments
+
+        segments = [
+            Segment(prompt or "", trained=False),
+            Segment(response, trained=True),
+            Segment("", trained=True, eos=True),
+        ]
+        sample = tokenize_segments(
+            segments, self.tokenizer, add_bos=self.spec["add_bos"] is not False, train_on_input=False,
+            max_seq_len=self.max_seq_len,
+        )  # fmt: skip
+        return sample
+
+
+def _check_pairs(records: Sequence[Mapping[str, Any]], columns: dict[str, str], source: str) -> None:
+    for i, record in enumerate(records):
+        chosen, rejected = record.get(columns["chosen"]), record.get(columns["rejected"])
+        prompt = record.get(columns["prompt"])
+        if chosen is None or rejected is None:
+            raise ValueError(
+                f"{source} record {i} needs {columns['chosen']!r} and {columns['rejected']!r} columns; columns are "
+                f"{sorted(record)}: set column_map.chosen / column_map.rejected"
+            )
+        if isinstance(chosen, str) != isinstance(rejected, str):
+            raise ValueError(f"{source} record {i}: chosen and rejected must both be strings or both message lists")
+        if isinstance(chosen, str) and not isinstance(prompt, str):
+            raise ValueError(
+                f"{source} record {i}: string responses need a string {columns['prompt']!r} column "
+                "(or give chosen/rejected as chat message lists)"
+            )
+
+
+def build_preference_dataset(spec: Mapping[str, Any], tokenizer: HFTokenizer, *, max_seq_len: int) -> PreferenceDataset:
+    """Preference pairs from one config entry (``DATASET_SCHEMA`` keys, ``format: preference``)."""
+    from shardtune.configs.schemas import DATASET_SCHEMA
+
+    source = str(spec.get("path", "<dataset>"))
+    spec = validated(_plain(spec), DATASET_SCHEMA, source=f"dataset {source}")
+    records = load_records(spec["path"], split=spec["split"], subset=spec["subset"])
+    if spec["max_samples"] is not None:
+        records = records[: spec["max_samples"]]
+    if not records:
+        raise ValueError(f"dataset {source} has no records")
+    columns = {k: spec["column_map"].get(k, k) for k in ("prompt", "chosen", "rejected")}
+    _check_pairs(records, columns, source)
+    return PreferenceDataset(
+        records, columns=columns, sft=_PairTokenizer(spec, tokenizer, max_seq_len=max_seq_len, source=source)
+    )
+
+
+def collate_pairs(batch: Sequence[Mapping[str, Sample]], *, pad_id: int) -> dict[str, torch.Tensor]:
+    """``tokens``/``labels`` ``[2b, s]``: the ``b`` chosen sequences, then the ``b`` rejected ones."""
+    return collate([pair["chosen"] for pair in batch] + [pair["rejected"] for pair in batch], pad_id=pad_id)

@@ -1,0 +1,66 @@
+"""Full DPO with FSDP2: every weight of the policy trains against a frozen, sharded reference
+loaded from the starting checkpoint (or ``reference_checkpoint_dir``).
+
+Preference pairs (``format: preference``) run chosen and rejected in one forward; ``dpo.loss``
+picks sigmoid (DPO), IPO or SimPO. A resume restores the policy, optimizer and data position;
+the reference is loaded from the same directory again, so it is the same reference.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from shardtune.checkpoint import load_hf_checkpoint
+from shardtune.config import Config
+from shardtune.recipes import _setup as setup
+from shardtune.recipes._entry import main
+from shardtune.training.dpo import dpo_loss_fn
+
+NAME = "full_dpo_distributed"
+
+
+def recipe_main(cfg: Config) -> None:
+    """Full DPO with FSDP2 across all ranks."""
+    run = setup.start(cfg)
+    base_dir = setup.base_model_dir(cfg, run)
+    model = setup.build_model(base_dir, run, cfg)
+    reference = None
+    if not cfg.dpo.reference_free and cfg.dpo.loss != "simpo":
+        reference_dir = Path(cfg.reference_checkpoint_dir) if cfg.reference_checkpoint_dir else base_dir
+        reference = setup.build_model(reference_dir, run, cfg)
+        load_hf_checkpoint(reference, reference_dir, device=run.device, strict=True, cpu_offload=cfg.fsdp_cpu_offload)
+        reference.init_buffers(run.device)
+        reference.requires_grad_(False).eval()
+    tokenizer, loader, sampler = setup.build_data(cfg, run, base_dir)
+    opt, sched = setup.build_optimization(cfg, model, len(loader))
+    checkpointer = setup.build_checkpointer(cfg, run, model, opt, sched, base_dir, sampler=sampler)
+    progress = setup.load_weights(cfg, run, model, checkpointer)
+    loss_fn = dpo_loss_fn(
+        model,
+        reference=None if reference is None else (lambda t, head_loss: reference(t, head_loss=head_loss)),
+        device=run.device,
+        loss=cfg.dpo.loss,
+        beta=cfg.dpo.beta,
+        label_smoothing=cfg.dpo.label_smoothing,
+        simpo_gamma=cfg.dpo.simpo_gamma,
+        chunk_tokens=cfg.loss_chunk_tokens,
+    )
+    setup.train_and_finish(
+        cfg,
+        run,
+        NAME,
+        model=model,
+        tokenizer=None,
+        loss_fn=loss_fn,
+        loader=loader,
+        sampler=sampler,
+        optimizer=opt,
+        lr_scheduler=sched,
+        checkpointer=checkpointer,
+        progress=progress,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main(recipe_main, NAME))

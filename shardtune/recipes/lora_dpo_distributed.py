@@ -1,0 +1,65 @@
+"""LoRA DPO with FSDP2: the policy's adapters train; the reference is the same base with its
+adapters switched off, so the weights are held once.
+
+Preference pairs (``format: preference``) run chosen and rejected in one forward; ``dpo.loss``
+picks sigmoid (DPO), IPO or SimPO. Checkpoints hold the PEFT adapter and, unless
+``adapter_weights_only``, the merged HF model; a resume restores the adapters, optimizer and
+data position and uses the same reference.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from shardtune.config import Config
+from shardtune.recipes import _setup as setup
+from shardtune.recipes._entry import main
+from shardtune.training.dpo import adapters_disabled, dpo_loss_fn
+
+NAME = "lora_dpo_distributed"
+
+
+def recipe_main(cfg: Config) -> None:
+    """LoRA DPO with FSDP2 across all ranks."""
+    run = setup.start(cfg)
+    base_dir = setup.base_model_dir(cfg, run)
+    model = setup.build_model(base_dir, run, cfg, lora=cfg.lora)
+    tokenizer, loader, sampler = setup.build_data(cfg, run, base_dir)
+    opt, sched = setup.build_optimization(cfg, model, len(loader))
+    checkpointer = setup.build_checkpointer(
+        cfg, run, model, opt, sched, base_dir, sampler=sampler, adapter_weights_only=cfg.adapter_weights_only
+    )
+    progress = setup.load_weights(cfg, run, model, checkpointer)
+
+    def reference(tokens, head_loss):
+        with adapters_disabled(model):
+            return model(tokens, head_loss=head_loss)
+
+    loss_fn = dpo_loss_fn(
+        model,
+        reference=None if cfg.dpo.reference_free else reference,
+        device=run.device,
+        loss=cfg.dpo.loss,
+        beta=cfg.dpo.beta,
+        label_smoothing=cfg.dpo.label_smoothing,
+        simpo_gamma=cfg.dpo.simpo_gamma,
+        chunk_tokens=cfg.loss_chunk_tokens,
+    )
+    setup.train_and_finish(
+        cfg,
+        run,
+        NAME,
+        model=model,
+        tokenizer=None,
+        loss_fn=loss_fn,
+        loader=loader,
+        sampler=sampler,
+        optimizer=opt,
+        lr_scheduler=sched,
+        checkpointer=checkpointer,
+        progress=progress,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main(recipe_main, NAME))

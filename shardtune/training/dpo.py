@@ -1,0 +1,98 @@
+"""The DPO step: policy and reference log-probs of a batch of pairs, the preference loss, its metrics.
+
+Rule: chosen and rejected sequences of a batch go through one forward (the batch holds the
+``b`` chosen rows, then the ``b`` rejected rows; :func:`shardtune.data.preference.collate_pairs`),
+and only response tokens count. The reference is a frozen model (full DPO) or the policy with
+its LoRA adapters switched off (LoRA DPO: no second copy of the weights); it runs under
+``no_grad`` and is skipped for reference-free losses. Per-sequence log-probs come from the
+final hidden states through the chunked cross-entropy, one sequence at a time, so no full
+logits exist. The loss is the mean over pairs (the loop weighs micro-batches by their pairs);
+rewards, margin, accuracy and label tokens are returned as sums for the loop to log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from shardtune.models.chunked_loss import chunked_cross_entropy
+from shardtune.models.preference_losses import preference_loss
+from shardtune.peft.lora import LoRALinear
+
+__all__ = ["adapters_disabled", "dpo_loss_fn", "sequence_logps_head_loss"]
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The model as its base: every LoRA adapter switched off inside the block."""
+    lora = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    if not lora:
+        raise ValueError("adapters_disabled: the model has no LoRA adapters (a LoRA DPO reference needs them)")
+    for module in lora:
+        module.disabled = True
+    try:
+        yield
+    finally:
+        for module in lora:
+            module.disabled = False
+
+
+def sequence_logps_head_loss(labels: Tensor, chunk_tokens: int | None) -> Callable[[Tensor, Any], Tensor]:
+    """The model's ``head_loss``: each sequence's summed ``log p(label)`` (hidden t predicts label t+1), ``[rows]``."""
+
+    def head_loss(hidden: Tensor, head) -> Tensor:
+        rows = [
+            -chunked_cross_entropy(hidden[r, :-1], head, labels[r, 1:], chunk_tokens=chunk_tokens)
+            for r in range(hidden.shape[0])
+        ]
+        return torch.stack(rows)
+
+    return head_loss
+
+
+def dpo_loss_fn(
+    model: nn.Module,
+    *,
+    reference: Callable[[Tensor, Callable], Tensor] | None,
+    device: torch.device,
+    loss: str,
+    beta: float,
+    label_smoothing: float,
+    simpo_gamma: float,
+    chunk_tokens: int | None,
+):
+    """``loss_fn`` for the loop. ``reference(tokens, head_loss)`` runs the reference model (None:
+    reference-free). Returns ``(mean loss over pairs, pairs, {metric sums})``."""
+
+    def loss_fn(batch: dict[str, Tensor]) -> tuple[Tensor, int, dict[str, Tensor]]:
+        tokens = batch["tokens"].to(device, non_blocking=True)
+        labels = batch["labels"].to(device, non_blocking=True)
+        pairs = tokens.shape[0] // 2
+        counts = (batch["labels"][:, 1:] != -100).sum(-1)  # CPU: no device sync
+        head_loss = sequence_logps_head_loss(labels, chunk_tokens)
+        policy = model(tokens, head_loss=head_loss)
+        ref_chosen = ref_rejected = None
+        if reference is not None and loss != "simpo":
+            with torch.no_grad():
+                ref = reference(tokens, head_loss)
+            ref_chosen, ref_rejected = ref[:pairs], ref[pairs:]
+        out = preference_loss(
+            policy[:pairs], policy[pairs:], ref_chosen, ref_rejected,
+            chosen_tokens=counts[:pairs], rejected_tokens=counts[pairs:],
+            loss=loss, beta=beta, label_smoothing=label_smoothing, simpo_gamma=simpo_gamma,
+        )  # fmt: skip
+        margin = out.chosen_rewards - out.rejected_rewards
+        metrics = {
+            "reward_chosen": out.chosen_rewards.sum(),
+            "reward_rejected": out.rejected_rewards.sum(),
+            "reward_margin": margin.sum(),
+            "reward_accuracy": (margin > 0).float().sum(),
+            "tokens": torch.full((), float(counts.sum()), dtype=torch.float64, device=policy.device),
+        }
+        return out.losses.mean(), pairs, metrics
+
+    return loss_fn
