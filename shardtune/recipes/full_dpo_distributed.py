@@ -32,7 +32,7 @@ def recipe_main(cfg: Config) -> None:
         load_hf_checkpoint(reference, reference_dir, device=run.device, strict=True, cpu_offload=cfg.fsdp_cpu_offload)
         reference.init_buffers(run.device)
         reference.requires_grad_(False).eval()
-    tokenizer, loader, sampler = setup.build_data(cfg, run, base_dir)
+    _, loader, sampler = setup.build_data(cfg, run, base_dir)
     opt, sched = setup.build_optimization(cfg, model, len(loader))
     checkpointer = setup.build_checkpointer(cfg, run, model, opt, sched, base_dir, sampler=sampler)
     progress = setup.load_weights(cfg, run, model, checkpointer)

@@ -24,7 +24,7 @@ def recipe_main(cfg: Config) -> None:
     run = setup.start(cfg)
     base_dir = setup.base_model_dir(cfg, run)
     model = setup.build_model(base_dir, run, cfg, lora=cfg.lora)
-    tokenizer, loader, sampler = setup.build_data(cfg, run, base_dir)
+    _, loader, sampler = setup.build_data(cfg, run, base_dir)
     opt, sched = setup.build_optimization(cfg, model, len(loader))
     checkpointer = setup.build_checkpointer(
         cfg, run, model, opt, sched, base_dir, sampler=sampler, adapter_weights_only=cfg.adapter_weights_only
