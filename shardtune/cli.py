@@ -128,18 +128,24 @@ def cmd_cp(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_validate(args: argparse.Namespace) -> int:
-    from shardtune.config import ConfigError, load_config
-
+def _recipe_of(args: argparse.Namespace, *, command: str):
+    """The recipe named by ``--recipe``, else the one a bundled ``--config`` belongs to; exits naming the fix."""
     try:
         recipe = get_recipe(args.recipe) if args.recipe else recipe_of_config(args.config)
     except UnknownRecipe as exc:
-        raise SystemExit(f"shardtune validate: {exc}") from None
+        raise SystemExit(f"shardtune {command}: {exc}") from None
     if recipe is None:
         raise SystemExit(
-            f"shardtune validate: {args.config} is not a bundled config, so its recipe is unknown; "
+            f"shardtune {command}: {args.config} is not a bundled config, so its recipe is unknown; "
             f"pass --recipe one of: {', '.join(RECIPES)}"
         )
+    return recipe
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from shardtune.config import ConfigError, load_config
+
+    recipe = _recipe_of(args, command="validate")
     try:
         load_config(args.config, args.overrides, schema=recipe.schema)
     except ConfigError as exc:
@@ -229,15 +235,7 @@ def cmd_inspect_data(args: argparse.Namespace) -> int:
     from shardtune.config import ConfigError, load_config
     from shardtune.data import iter_samples
 
-    try:
-        recipe = get_recipe(args.recipe) if args.recipe else recipe_of_config(args.config)
-    except UnknownRecipe as exc:
-        raise SystemExit(f"shardtune inspect-data: {exc}") from None
-    if recipe is None:
-        raise SystemExit(
-            f"shardtune inspect-data: {args.config} is not a bundled config, so its recipe is unknown; "
-            f"pass --recipe one of: {', '.join(RECIPES)}"
-        )
+    recipe = _recipe_of(args, command="inspect-data")
     try:
         cfg = load_config(args.config, args.overrides, schema=recipe.schema)
     except ConfigError as exc:

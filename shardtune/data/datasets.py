@@ -285,8 +285,9 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def build_sft_dataset(spec: Mapping[str, Any], tokenizer: HFTokenizer, *, max_seq_len: int) -> SFTDataset:
-    """One dataset from one config entry (keys of ``DATASET_SCHEMA``: path, format, template, ...)."""
+def load_spec_records(spec: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
+    """A dataset entry validated against ``DATASET_SCHEMA`` (defaults filled), its records (at most
+    ``max_samples``) and its name for messages; an empty dataset raises naming it."""
     from shardtune.configs.schemas import DATASET_SCHEMA
 
     source = str(spec.get("path", "<dataset>"))
@@ -296,6 +297,12 @@ def build_sft_dataset(spec: Mapping[str, Any], tokenizer: HFTokenizer, *, max_se
         records = records[: spec["max_samples"]]
     if not records:
         raise ValueError(f"dataset {source} has no records")
+    return spec, records, source
+
+
+def build_sft_dataset(spec: Mapping[str, Any], tokenizer: HFTokenizer, *, max_seq_len: int) -> SFTDataset:
+    """One dataset from one config entry (keys of ``DATASET_SCHEMA``: path, format, template, ...)."""
+    spec, records, source = load_spec_records(spec)
     model_template = _model_chat_template(spec, tokenizer, source) if spec["format"] == "chat" else None
     if spec["format"] == "chat":
         render = _chat_renderer(records, spec, source, tokenizer, model_template)

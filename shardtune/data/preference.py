@@ -25,10 +25,15 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from shardtune.config import validated
 from shardtune.data.collate import collate
-from shardtune.data.datasets import CROSS_ENTROPY_IGNORE_IDX, SFTDataset, _chat_renderer, _model_chat_template, _plain
-from shardtune.data.sources import load_records
+from shardtune.data.datasets import (
+    CROSS_ENTROPY_IGNORE_IDX,
+    SFTDataset,
+    _chat_renderer,
+    _model_chat_template,
+    load_spec_records,
+    tokenize_segments,
+)
 from shardtune.data.templates import Segment
 from shardtune.data.tokenizer import HFTokenizer
 
@@ -97,8 +102,6 @@ class _PairTokenizer:
         return {"tokens": full["tokens"], "labels": labels[: len(full["tokens"])]}
 
     def _text_sample(self, prompt: Any, response: str) -> Sample:
-        from shardtune.data.datasets import tokenize_segments
-
         segments = [
             Segment(prompt or "", trained=False),
             Segment(response, trained=True),
@@ -131,15 +134,7 @@ def _check_pairs(records: Sequence[Mapping[str, Any]], columns: dict[str, str], 
 
 def build_preference_dataset(spec: Mapping[str, Any], tokenizer: HFTokenizer, *, max_seq_len: int) -> PreferenceDataset:
     """Preference pairs from one config entry (``DATASET_SCHEMA`` keys, ``format: preference``)."""
-    from shardtune.configs.schemas import DATASET_SCHEMA
-
-    source = str(spec.get("path", "<dataset>"))
-    spec = validated(_plain(spec), DATASET_SCHEMA, source=f"dataset {source}")
-    records = load_records(spec["path"], split=spec["split"], subset=spec["subset"])
-    if spec["max_samples"] is not None:
-        records = records[: spec["max_samples"]]
-    if not records:
-        raise ValueError(f"dataset {source} has no records")
+    spec, records, source = load_spec_records(spec)
     columns = {k: spec["column_map"].get(k, k) for k in ("prompt", "chosen", "rejected")}
     _check_pairs(records, columns, source)
     return PreferenceDataset(

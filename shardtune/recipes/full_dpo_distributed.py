@@ -40,10 +40,7 @@ def recipe_main(cfg: Config) -> None:
         model,
         reference=None if reference is None else (lambda t, head_loss: reference(t, head_loss=head_loss)),
         device=run.device,
-        loss=cfg.dpo.loss,
-        beta=cfg.dpo.beta,
-        label_smoothing=cfg.dpo.label_smoothing,
-        simpo_gamma=cfg.dpo.simpo_gamma,
+        dpo=cfg.dpo,
         chunk_tokens=cfg.loss_chunk_tokens,
     )
     setup.train_and_finish(

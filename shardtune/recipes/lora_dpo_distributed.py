@@ -36,14 +36,7 @@ def recipe_main(cfg: Config) -> None:
             return model(tokens, head_loss=head_loss)
 
     loss_fn = dpo_loss_fn(
-        model,
-        reference=None if cfg.dpo.reference_free else reference,
-        device=run.device,
-        loss=cfg.dpo.loss,
-        beta=cfg.dpo.beta,
-        label_smoothing=cfg.dpo.label_smoothing,
-        simpo_gamma=cfg.dpo.simpo_gamma,
-        chunk_tokens=cfg.loss_chunk_tokens,
+        model, reference=reference, device=run.device, dpo=cfg.dpo, chunk_tokens=cfg.loss_chunk_tokens
     )
     setup.train_and_finish(
         cfg,

@@ -12,7 +12,7 @@ rewards, margin, accuracy and label tokens are returned as sums for the loop to 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -59,14 +59,15 @@ def dpo_loss_fn(
     *,
     reference: Callable[[Tensor, Callable], Tensor] | None,
     device: torch.device,
-    loss: str,
-    beta: float,
-    label_smoothing: float,
-    simpo_gamma: float,
+    dpo: Mapping[str, Any],
     chunk_tokens: int | None,
 ):
-    """``loss_fn`` for the loop. ``reference(tokens, head_loss)`` runs the reference model (None:
-    reference-free). Returns ``(mean loss over pairs, pairs, {metric sums})``."""
+    """``loss_fn`` for the loop. ``reference(tokens, head_loss)`` runs the reference model (None, or
+    ``dpo["reference_free"]``: reference-free); ``dpo`` is the config's ``dpo`` section (loss, beta,
+    label_smoothing, simpo_gamma). Returns ``(mean loss over pairs, pairs, {metric sums})``."""
+    loss, beta, label_smoothing, simpo_gamma = dpo["loss"], dpo["beta"], dpo["label_smoothing"], dpo["simpo_gamma"]
+    if dpo["reference_free"]:
+        reference = None
 
     def loss_fn(batch: dict[str, Tensor]) -> tuple[Tensor, int, dict[str, Tensor]]:
         tokens = batch["tokens"].to(device, non_blocking=True)

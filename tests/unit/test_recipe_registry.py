@@ -22,6 +22,8 @@ def test_ls_lists_exactly_the_registry(capsys):
         "lora_finetune_distributed",
         "knowledge_distillation_distributed",
         "early_exit_finetune_distributed",
+        "lora_dpo_distributed",
+        "full_dpo_distributed",
     }
 
 
