@@ -8,9 +8,12 @@ its logits, and packed gradients equal the sum of its per-sample gradients.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import transformers
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtune.models import sample_lengths
@@ -111,3 +114,29 @@ def test_packed_rows_need_the_positions_only_or_the_lengths_only():
 def test_sample_lengths_that_do_not_fit_the_batch_are_refused(lengths, message):
     with pytest.raises(ValueError, match=message):
         check_sample_lengths(lengths, batch=2, seq=4)
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None, reason="torch.compile on CPU needs a C++ compiler"
+)
+def test_compiled_checkpointed_layers_take_new_packings_without_recompiling():
+    """As ``shard_model`` wraps them (checkpoint, then compile): recompute sees the same samples, so
+    gradients equal the eager model's, and rows packed differently reuse the compiled layers."""
+    hf = _hf("mistral")
+    eager, compiled = ours_from_hf(hf), ours_from_hf(hf)
+    layers = compiled.model.layers
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer)
+        layers[i].compile()
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(5)
+    for stance, rows in (("default", ((30, 20, 14), (64,))), ("fail_on_recompile", ((5, 9, 50), (12, 12, 40)))):
+        batch = torch.randint(1, VOCAB, (2, 64), generator=gen)
+        grads = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            with torch.compiler.set_stance(stance):
+                model(batch, sample_lengths=rows).square().mean().backward()
+            grads.append([p.grad for p in model.parameters()])
+        for got, want in zip(grads[1], grads[0], strict=True):
+            assert rel_diff(got, want) <= TOL
