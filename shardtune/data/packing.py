@@ -11,8 +11,10 @@ exactly ``max_seq_len`` positions:
 * ``position_ids``: restart at 0 for every sample (RoPE positions as if each sample stood
   alone); the padding continues the last sample's positions.
 
-The recipes pass ``position_ids`` to the model, which keeps attention inside each sample
-(:func:`shardtune.models.sample_attention_mask`), so a packed sample trains as it would alone.
+The recipes pass ``position_ids`` and the samples' lengths read from them on the CPU
+(:func:`shardtune.models.sample_lengths`) to the model, which attends within each sample
+(:mod:`shardtune.models.packed_attention`, no ``max_seq_len x max_seq_len`` mask), so a packed
+sample trains as it would alone.
 Samples are tokenized once, when the pack is built.
 """
 

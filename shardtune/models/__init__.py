@@ -17,7 +17,6 @@ from shardtune.models.llama import (
     LlamaForCausalLM,
     LlamaModel,
     RMSNorm,
-    sample_attention_mask,
 )
 from shardtune.models.losses import (
     cross_entropy_loss,
@@ -25,6 +24,7 @@ from shardtune.models.losses import (
     early_exit_loss_scales,
     forward_kl_loss,
 )
+from shardtune.models.packed_attention import sample_lengths
 from shardtune.models.registry import (
     build_model,
     from_hf_config,
@@ -64,6 +64,6 @@ __all__ = [
     "model_args_from_hf_config",
     "model_args_to_hf_config",
     "register_model_args",
-    "sample_attention_mask",
+    "sample_lengths",
     "supported_model_types",
 ]

@@ -1,10 +1,11 @@
 """Self-attention for every supported family, and the masks it uses.
 
-One rule: attention is causal, optionally block-causal over packed samples (positions restarting
-at 0) and optionally limited to the last ``sliding_window`` tokens; masks say exactly that, so a
-sliding window is honoured beyond its length, never ignored. Without logit soft-capping it runs
-through ``scaled_dot_product_attention``; with soft-capping (Gemma 2) an exact eager path
-computes ``cap * tanh(scores / cap)`` before the softmax, since SDPA cannot.
+One rule: attention is causal, optionally limited to the last ``sliding_window`` tokens; masks
+say exactly that, so a sliding window is honoured beyond its length, never ignored. Packed rows
+attend within each sample (:mod:`shardtune.models.packed_attention`): every sample runs the same
+causal attention as an unpacked sequence, with a mask no larger than the sample. Without logit
+soft-capping it runs through ``scaled_dot_product_attention``; with soft-capping (Gemma 2) an
+exact eager path computes ``cap * tanh(scores / cap)`` before the softmax, since SDPA cannot.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardtune.models.args import ModelArgs
+from shardtune.models.packed_attention import PackedSamples, packed_attention
 from shardtune.models.rope import apply_rotary_emb
 
 KVUpdate = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # a layer's (new k, new v) -> (all k, all v)
 
-__all__ = ["Attention", "RMSNorm", "attention_mask", "init_linear", "sample_attention_mask"]
+__all__ = ["Attention", "RMSNorm", "attention_mask", "init_linear"]
 
 
 class RMSNorm(nn.Module):
@@ -61,36 +63,15 @@ def init_linear(linear: nn.Module, std: float) -> None:
         nn.init.zeros_(linear.bias)
 
 
-def sample_attention_mask(position_ids: Tensor) -> Tensor:
-    """Block-causal mask ``[b, 1, s, s]`` (True = may attend) for rows of packed samples: a
-    token sees itself and the earlier tokens of its own sample, which starts where
-    ``position_ids`` is 0 (or at the row's start). Built from the ids alone, without a
-    device sync."""
-    starts = position_ids == 0
-    starts[..., 0] = True
-    sample = starts.cumsum(dim=-1)  # which sample of the row each token belongs to
-    s = position_ids.shape[-1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()
-    return ((sample.unsqueeze(-1) == sample.unsqueeze(-2)) & causal).unsqueeze(1)
-
-
-def attention_mask(
-    seq_len: int, *, device: torch.device, position_ids: Tensor | None = None, window: int | None = None
-) -> Tensor | None:
-    """Boolean mask ``[b|1, 1, s, s]`` for causal (packed when ``position_ids``) attention, limited to
-    ``window`` tokens (``q - k < window``, HF's rule) when given; ``None`` means plain causal."""
-    if window is not None and window >= seq_len:
-        window = None  # no query is that far from a key: plain causal keeps SDPA's fastest kernels
-    if position_ids is None and window is None:
-        return None
-    if position_ids is None:
-        mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
-    else:
-        mask = sample_attention_mask(position_ids)
-    if window is not None:
-        idx = torch.arange(seq_len, device=device)
-        mask = mask & ((idx[:, None] - idx[None, :]) < window)
-    return mask
+def attention_mask(seq_len: int, *, device: torch.device, window: int | None = None) -> Tensor | None:
+    """Boolean mask ``[1, 1, s, s]`` (True = may attend) for causal attention limited to ``window``
+    tokens (``q - k < window``, HF's rule); ``None`` means plain causal (no window, or one at least
+    as long as the sequence)."""
+    if window is None or window >= seq_len:
+        return None  # no query is that far from a key: plain causal keeps SDPA's fastest kernels
+    idx = torch.arange(seq_len, device=device)
+    diff = idx[:, None] - idx[None, :]
+    return ((diff >= 0) & (diff < window))[None, None]
 
 
 class Attention(nn.Module):
@@ -145,26 +126,41 @@ class Attention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None, kv: KVUpdate | None = None
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None = None,
+        kv: KVUpdate | None = None,
+        packed: PackedSamples | None = None,
     ) -> Tensor:
-        """``kv`` (generation): appends this call's keys and values to the cache and returns all of
-        them; ``mask`` is then ``[new, cached + new]``, and None means every key is visible."""
+        """Causal attention under ``mask`` (None: plain causal). ``packed``: every row holds samples
+        that attend within themselves (``mask`` is then unused). ``kv`` (generation): appends this
+        call's keys and values to the cache and returns all of them; ``mask`` is then
+        ``[new, cached + new]``, and None means every key is visible."""
         b, s, _ = x.shape
         q, k, v = self._qkv(x)
         q, k = apply_rotary_emb(q, k, cos, sin)
-        causal = kv is None
-        if kv is not None:
-            k, v = kv(k, v)
-        if self.softcap is not None:
-            out = self._eager_softcapped(q, k, v, mask, causal=causal)
+        if packed is not None:
+            out = packed_attention(q, k, v, packed, self._attend_one)
         else:
-            # enable_gqa lets SDPA broadcast kv heads without materializing repeated k/v.
-            gqa = self.n_kv_heads != self.n_heads
-            if mask is None:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.scale, enable_gqa=gqa)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+            if kv is not None:
+                k, v = kv(k, v)
+            out = self._attend(q, k, v, mask, causal=kv is None)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def _attend_one(self, q: Tensor, k: Tensor, v: Tensor, window: int | None) -> Tensor:
+        """One causal sequence (a packed sample), its window mask the size of the sample."""
+        return self._attend(q, k, v, attention_mask(q.shape[2], device=q.device, window=window), causal=True)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal: bool) -> Tensor:
+        if self.softcap is not None:
+            return self._eager_softcapped(q, k, v, mask, causal=causal)
+        # enable_gqa lets SDPA broadcast kv heads without materializing repeated k/v.
+        gqa = self.n_kv_heads != self.n_heads
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
 
     def _eager_softcapped(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal: bool) -> Tensor:
         """Exact attention with ``cap * tanh(scores / cap)`` scores; softmax in fp32 as in transformers."""

@@ -8,7 +8,8 @@ Structure (and therefore FQNs) mirrors transformers: ``model.embed_tokens``,
 ``nn.ModuleList``) so FSDP2's ``fully_shard`` can be applied per layer, then to the root.
 
 Attention is causal only (no padding mask): right-padded batches are fine because padded
-positions come after every real token and are masked out of the loss.
+positions come after every real token and are masked out of the loss. Packed rows attend within
+each sample (``packed_attention.py``), never through an ``s x s`` mask.
 """
 
 from __future__ import annotations
@@ -22,10 +23,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardtune.models.args import ModelArgs
-from shardtune.models.attention import Attention, KVUpdate, RMSNorm, attention_mask, init_linear, sample_attention_mask
+from shardtune.models.attention import Attention, KVUpdate, RMSNorm, attention_mask, init_linear
 from shardtune.models.families import FULL, SLIDING
 from shardtune.models.kv_cache import KVCache, cached_attention_mask
 from shardtune.models.layer_dropout import LayerDropoutSchedule, layer_dropout_probs
+from shardtune.models.packed_attention import (
+    PackedSamples,
+    SampleLengths,
+    check_sample_lengths,
+    sample_lengths,
+    sample_positions,
+)
 from shardtune.models.rope import RotaryEmbedding
 
 __all__ = [
@@ -37,7 +45,7 @@ __all__ = [
     "LlamaForCausalLM",
     "LlamaModel",
     "RMSNorm",
-    "sample_attention_mask",
+    "sample_lengths",
     "softcap",
 ]
 
@@ -100,12 +108,18 @@ class DecoderLayer(nn.Module):
                 module.reset_parameters()
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None, kv: KVUpdate | None = None
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None = None,
+        kv: KVUpdate | None = None,
+        packed: PackedSamples | None = None,
     ) -> Tensor:
         if not self.sandwich:
-            h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
+            h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, packed)
             return h + self.mlp(self.post_attention_layernorm(h))
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, kv))
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, packed))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
@@ -146,14 +160,19 @@ class LlamaModel(nn.Module):
         tokens: Tensor,
         *,
         position_ids: Tensor | None = None,
+        sample_lengths: Sequence[Sequence[int]] | None = None,
         output_hidden_states: Iterable[int] | None = None,
         kv_cache: KVCache | None = None,
     ) -> tuple[Tensor, dict[int, Tensor]]:
         """Return the final (normed) hidden state and ``{layer: output of layer}`` for requested layers.
 
-        ``position_ids`` (packed rows): a new sample starts wherever they are 0, and attention
-        stays within each sample; without them every row is one causal sequence. With
-        ``kv_cache`` (generation) the tokens continue the cached ones (see ``kv_cache.py``).
+        Packed rows: ``sample_lengths`` (per row, the lengths of its samples) keeps attention within
+        each sample, and ``position_ids`` restart at 0 for every sample (made from the lengths when
+        not given). Given ``position_ids`` alone, a new sample starts wherever they are 0; the
+        lengths are then read from them, which waits for the device when they live there, so
+        training passes both (``sample_lengths`` of the CPU batch). Without either, every row is
+        one causal sequence. With ``kv_cache`` (generation) the tokens continue the cached ones
+        (see ``kv_cache.py``).
         """
         if kv_cache is not None:
             return self._forward_cached(tokens, kv_cache)
@@ -162,12 +181,20 @@ class LlamaModel(nn.Module):
         if self.embed_scale is not None:
             # HF rounds the scale to the activation dtype first; rounded on the CPU, it costs no device copy.
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype).item()
+        lengths = self._packed_lengths(tokens, position_ids, sample_lengths)
         seq, device = tokens.shape[1], tokens.device
-        types = {layer.layer_type for layer in self.layers}
-        window = {FULL: None, SLIDING: self.args.sliding_window}
-        masks = {t: attention_mask(seq, device=device, position_ids=position_ids, window=window[t]) for t in types}
         if position_ids is None:
             position_ids = torch.arange(seq, device=device).unsqueeze(0)
+            if lengths is not None:
+                position_ids = sample_positions(lengths).to(device, non_blocking=True)
+        types = {layer.layer_type for layer in self.layers}
+        window = {FULL: None, SLIDING: self.args.sliding_window}
+        if lengths is None:
+            masks = {t: attention_mask(seq, device=device, window=window[t]) for t in types}
+            packed = dict.fromkeys(types)
+        else:
+            masks = dict.fromkeys(types)
+            packed = {t: PackedSamples(lengths, window[t]) for t in types}
         global_rope = self.rotary_emb(position_ids, h.dtype)
         local = self.local_rotary_emb
         rope = {FULL: global_rope, SLIDING: global_rope}
@@ -178,11 +205,23 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             if skipped is None or not skipped[i]:
                 cos, sin = rope[layer.layer_type]
-                h = layer(h, cos, sin, masks[layer.layer_type])
+                h = layer(h, cos, sin, masks[layer.layer_type], packed=packed[layer.layer_type])
             if i in wanted:
                 hidden[i] = h
         return self.norm(h), hidden
 
+    @staticmethod
+    def _packed_lengths(
+        tokens: Tensor, position_ids: Tensor | None, lengths: Sequence[Sequence[int]] | None
+    ) -> SampleLengths | None:
+        """The rows' sample lengths, or None when every row is one sample (plain causal attention)."""
+        if lengths is None and position_ids is None:
+            return None
+        batch, seq = tokens.shape
+        if lengths is None:
+            lengths = sample_lengths(position_ids.expand(batch, seq))
+        rows = check_sample_lengths(lengths, batch=batch, seq=seq)
+        return None if all(len(row) == 1 for row in rows) else rows
 
     def _forward_cached(self, tokens: Tensor, cache: KVCache) -> tuple[Tensor, dict[int, Tensor]]:
         """Tokens after the ``cache.length`` cached ones: positions go on, keys and values are appended."""
@@ -300,12 +339,14 @@ class LlamaForCausalLM(nn.Module):
         tokens: Tensor,
         *,
         position_ids: Tensor | None = None,
+        sample_lengths: Sequence[Sequence[int]] | None = None,
         output_hidden_states: Iterable[int] | None = None,
         hidden_to_logits: bool = False,
         head_loss: HeadLoss | None = None,
         kv_cache: KVCache | None = None,
     ) -> Any:
-        """``tokens`` ``[b, s]`` -> logits ``[b, s, vocab]``.
+        """``tokens`` ``[b, s]`` -> logits ``[b, s, vocab]``; packed rows give ``position_ids`` and
+        ``sample_lengths`` (see :meth:`LlamaModel.forward`).
 
         With ``output_hidden_states=[i, ...]`` returns ``(logits, {i: output of layer i})``
         (layer ids are 0-based; HF's ``hidden_states[i + 1]``). ``hidden_to_logits=True``
@@ -323,7 +364,11 @@ class LlamaForCausalLM(nn.Module):
         the cached ones; returns their logits.
         """
         h, hidden = self.model(
-            tokens, position_ids=position_ids, output_hidden_states=output_hidden_states, kv_cache=kv_cache
+            tokens,
+            position_ids=position_ids,
+            sample_lengths=sample_lengths,
+            output_hidden_states=output_hidden_states,
+            kv_cache=kv_cache,
         )
         if head_loss is not None:
             out = head_loss(h, self.output_head)

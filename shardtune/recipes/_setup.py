@@ -13,6 +13,7 @@ import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from shardtune.models import (
     get_model_args,
     llama_from_hf_config,
     model_args_from_hf_config,
+    sample_lengths,
 )
 from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from shardtune.peft import apply_lora, init_lora_parameters
@@ -62,7 +64,9 @@ class Run:
 def start(cfg: Config) -> Run:
     """Process group (with the configured collective timeout), logging and seeds."""
     rank, world = init_distributed(timeout_s=cfg.process_group_timeout_s)
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING, format="%(asctime)s %(name)s: %(message)s"
+    )
     _agree_on_config(cfg)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -239,7 +243,9 @@ def build_optimization(cfg: Config, model: nn.Module, n_batches: int):
         eps=cfg.optimizer.eps,
     )
     total = steps_per_epoch(n_batches, loop_settings(cfg)) * cfg.epochs
-    sched = build_lr_scheduler(opt, name=cfg.lr_scheduler.name, warmup_steps=cfg.lr_scheduler.warmup_steps, total_steps=total)
+    sched = build_lr_scheduler(
+        opt, name=cfg.lr_scheduler.name, warmup_steps=cfg.lr_scheduler.warmup_steps, total_steps=total
+    )
     return opt, sched
 
 
@@ -283,7 +289,8 @@ def load_weights(cfg: Config, run: Run, model: nn.Module, checkpointer: Checkpoi
         if cfg.resume_from_checkpoint and run.is_rank_zero:
             log.warning(
                 "resume_from_checkpoint=true but %s holds no checkpoint: starting from the base model %s",
-                cfg.output_dir, checkpointer.base_dir,
+                cfg.output_dir,
+                checkpointer.base_dir,
             )
         checkpointer.load_base()
         if getattr(model, "lora_config", None) is not None:
@@ -292,17 +299,21 @@ def load_weights(cfg: Config, run: Run, model: nn.Module, checkpointer: Checkpoi
     return checkpointer.progress
 
 
-def on_device(batch: dict[str, torch.Tensor], run: Run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``tokens``, ``labels`` and ``position_ids`` (packed data only, else None) on the run's device.
+def on_device(batch: dict[str, torch.Tensor], run: Run) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """``tokens`` and ``labels`` on the run's device, and the model's packing keywords: for packed
+    data ``position_ids`` (on the device) and ``sample_lengths`` (read from the CPU batch, so
+    attention stays within each sample without a device sync); else none.
 
     The copies do not block the host (the loader pins its batches on CUDA); count tokens on
     the CPU batch (:func:`label_tokens`), never on these."""
     positions = batch.get("position_ids")
-    return (
-        batch["tokens"].to(run.device, non_blocking=True),
-        batch["labels"].to(run.device, non_blocking=True),
-        positions.to(run.device, non_blocking=True) if positions is not None else None,
-    )
+    packing: dict[str, Any] = {}
+    if positions is not None:
+        packing = {
+            "position_ids": positions.to(run.device, non_blocking=True),
+            "sample_lengths": sample_lengths(positions),
+        }
+    return batch["tokens"].to(run.device, non_blocking=True), batch["labels"].to(run.device, non_blocking=True), packing
 
 
 def next_token_loss(
@@ -312,9 +323,9 @@ def next_token_loss(
     final hidden states in chunks of ``chunk_tokens`` (None: from full logits)."""
 
     def loss_fn(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        tokens, labels, positions = on_device(batch, run)
+        tokens, labels, packing = on_device(batch, run)
         n_tokens = label_tokens(batch["labels"])
-        loss_sum = model(tokens, position_ids=positions, head_loss=next_token_head_loss(labels, chunk_tokens, compile))
+        loss_sum = model(tokens, **packing, head_loss=next_token_head_loss(labels, chunk_tokens, compile))
         return loss_sum / max(n_tokens, 1), n_tokens
 
     return loss_fn
@@ -328,8 +339,19 @@ def next_token_head_loss(labels: torch.Tensor, chunk_tokens: int | None, compile
 
 
 def train_and_finish(
-    cfg: Config, run: Run, recipe: str, *, model, tokenizer, loss_fn, loader, sampler, optimizer, lr_scheduler,
-    checkpointer, progress,
+    cfg: Config,
+    run: Run,
+    recipe: str,
+    *,
+    model,
+    tokenizer,
+    loss_fn,
+    loader,
+    sampler,
+    optimizer,
+    lr_scheduler,
+    checkpointer,
+    progress,
 ) -> None:
     """The shared loop (metrics to ``<output_dir>/metrics.jsonl``), then the closing message."""
     logger = MetricLogger(cfg.output_dir, enabled=run.is_rank_zero, loggers=tuple(cfg.loggers))
@@ -339,8 +361,16 @@ def train_and_finish(
         peak_tflops=peak_tflops(run.device, configured=cfg.peak_tflops),
     )
     run_training(
-        model=model, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=optimizer, lr_scheduler=lr_scheduler,
-        checkpointer=checkpointer, logger=logger, settings=settings, progress=progress,
+        model=model,
+        loss_fn=loss_fn,
+        loader=loader,
+        sampler=sampler,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        checkpointer=checkpointer,
+        logger=logger,
+        settings=settings,
+        progress=progress,
         evaluate=build_evaluator(cfg, run, model, tokenizer),
     )
     finish(cfg, run, checkpointer, recipe, logger)
@@ -355,9 +385,9 @@ def build_evaluator(cfg: Config, run: Run, model: nn.Module, tokenizer) -> Evalu
     )
 
     def loss_sum(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        tokens, labels, positions = on_device(batch, run)
+        tokens, labels, packing = on_device(batch, run)
         head_loss = next_token_head_loss(labels, cfg.loss_chunk_tokens)
-        return model(tokens, position_ids=positions, head_loss=head_loss), label_tokens(batch["labels"])
+        return model(tokens, **packing, head_loss=head_loss), label_tokens(batch["labels"])
 
     return Evaluator(
         dataset,
@@ -384,8 +414,9 @@ def finish(cfg: Config, run: Run, checkpointer: Checkpointer, recipe: str, logge
         latest = checkpointer.latest_checkpoint()
         log.info(
             "done: checkpoint in %s; to continue training: shardtune run ... %s --config <config> "
-            "output_dir=%s resume_from_checkpoint=True epochs=<more>", latest, recipe, cfg.output_dir,
+            "output_dir=%s resume_from_checkpoint=True epochs=<more>",
+            latest,
+            recipe,
+            cfg.output_dir,
         )
     dist.destroy_process_group()
-
-

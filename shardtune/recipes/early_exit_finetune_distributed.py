@@ -56,20 +56,32 @@ def recipe_main(cfg: Config) -> None:
     total_steps = steps_per_epoch(len(loader), setup.loop_settings(cfg)) * cfg.epochs
 
     def loss_fn(batch):
-        tokens, labels, positions = setup.on_device(batch, run)
+        tokens, labels, packing = setup.on_device(batch, run)
         n_tokens = setup.label_tokens(batch["labels"])
         exits = active_layers(candidates, cfg.early_exit.curriculum, sched.last_epoch, total_steps)
         head_loss = setup.next_token_head_loss(labels, cfg.loss_chunk_tokens, cfg.compile)
-        loss_sum, by_layer = model(tokens, position_ids=positions, output_hidden_states=exits, head_loss=head_loss)
+        loss_sum, by_layer = model(tokens, **packing, output_hidden_states=exits, head_loss=head_loss)
         if by_layer:
             ids = sorted(by_layer)
-            scales = early_exit_loss_scales(ids, n_layers, scale_type=cfg.early_exit.scale_type, e_scale=cfg.early_exit.scale)
+            scales = early_exit_loss_scales(
+                ids, n_layers, scale_type=cfg.early_exit.scale_type, e_scale=cfg.early_exit.scale
+            )
             loss_sum = loss_sum + sum(scale * by_layer[i] for scale, i in zip(scales.tolist(), ids, strict=True))
         return loss_sum / max(n_tokens, 1), n_tokens
 
     setup.train_and_finish(
-        cfg, run, NAME, model=model, tokenizer=tokenizer, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt,
-        lr_scheduler=sched, checkpointer=checkpointer, progress=progress,
+        cfg,
+        run,
+        NAME,
+        model=model,
+        tokenizer=tokenizer,
+        loss_fn=loss_fn,
+        loader=loader,
+        sampler=sampler,
+        optimizer=opt,
+        lr_scheduler=sched,
+        checkpointer=checkpointer,
+        progress=progress,
     )
 
 

@@ -25,7 +25,9 @@ def recipe_main(cfg: Config) -> None:
     """Knowledge distillation into a LoRA student with FSDP2 across all ranks."""
     run = setup.start(cfg)
     base_dir = setup.base_model_dir(cfg, run)
-    teacher_dir = setup.base_model_dir(cfg, run, key="teacher_checkpoint_dir", preset_key="teacher_model", seed=TEACHER_SEED)
+    teacher_dir = setup.base_model_dir(
+        cfg, run, key="teacher_checkpoint_dir", preset_key="teacher_model", seed=TEACHER_SEED
+    )
     model = setup.build_model(base_dir, run, cfg, lora=cfg.lora)
     teacher = setup.build_model(teacher_dir, run, cfg)
     load_hf_checkpoint(teacher, teacher_dir, device=run.device, strict=True, cpu_offload=cfg.fsdp_cpu_offload)
@@ -39,24 +41,39 @@ def recipe_main(cfg: Config) -> None:
     progress = setup.load_weights(cfg, run, model, checkpointer)
 
     def loss_fn(batch):
-        tokens, labels, positions = setup.on_device(batch, run)
+        tokens, labels, packing = setup.on_device(batch, run)
         n_tokens = setup.label_tokens(batch["labels"])
         with torch.no_grad():
             teacher_hidden, teacher_head = teacher(
-                tokens, position_ids=positions, head_loss=lambda hidden, _head: (hidden, _frozen_head(teacher))
+                tokens, **packing, head_loss=lambda hidden, _head: (hidden, _frozen_head(teacher))
             )
 
         def head_loss(hidden, head):
             return chunked_distillation_loss(
-                hidden[:, :-1], head, teacher_hidden[:, :-1], teacher_head, labels[:, 1:],
-                kd_ratio=cfg.kd_ratio, chunk_tokens=cfg.loss_chunk_tokens,
+                hidden[:, :-1],
+                head,
+                teacher_hidden[:, :-1],
+                teacher_head,
+                labels[:, 1:],
+                kd_ratio=cfg.kd_ratio,
+                chunk_tokens=cfg.loss_chunk_tokens,
             )
 
-        return model(tokens, position_ids=positions, head_loss=head_loss) / max(n_tokens, 1), n_tokens
+        return model(tokens, **packing, head_loss=head_loss) / max(n_tokens, 1), n_tokens
 
     setup.train_and_finish(
-        cfg, run, NAME, model=model, tokenizer=tokenizer, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt,
-        lr_scheduler=sched, checkpointer=checkpointer, progress=progress,
+        cfg,
+        run,
+        NAME,
+        model=model,
+        tokenizer=tokenizer,
+        loss_fn=loss_fn,
+        loader=loader,
+        sampler=sampler,
+        optimizer=opt,
+        lr_scheduler=sched,
+        checkpointer=checkpointer,
+        progress=progress,
     )
 
 

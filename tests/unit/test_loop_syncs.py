@@ -10,6 +10,7 @@ labels. (torch's own clipping and optimizer step are not shardtune's code: they 
 from __future__ import annotations
 
 import copy
+import itertools
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 
 import shardtune
 from shardtune.data import collate
+from shardtune.data.packing import PackedDataset
 from shardtune.data.sampler import build_dataloader
 from shardtune.models import build_model, get_model_args
 from shardtune.recipes import _setup
@@ -45,44 +47,56 @@ class _Rows:
         self.rows.append(row)
 
 
-def _data():
+def _data(packed: bool = False):
     vocab = get_model_args("tiny").vocab_size
     gen = torch.Generator().manual_seed(0)
     samples = []
-    for i in range(16):
+    for i in range(48 if packed else 16):  # packed: about 3 samples a row, rows for every step
         tokens = torch.randint(1, vocab, (6 + i % 5,), generator=gen).tolist()
         labels = [-100, -100, *tokens[2:]]  # a prompt the loss ignores
         samples.append({"tokens": tokens, "labels": labels})
+    if packed:
+        samples = PackedDataset(samples, max_seq_len=24, pad_id=0)
     return build_dataloader(
         samples, batch_size=2, rank=0, world_size=1, seed=0, shuffle=False, collate_fn=lambda b: collate(b, pad_id=0)
     )
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("log_every", [1, 2])
-def test_one_fetch_per_logged_step_and_no_other_sync(monkeypatch, log_every):
+def test_one_fetch_per_logged_step_and_no_other_sync(monkeypatch, log_every, packed):
     torch.manual_seed(0)
     model = build_model("tiny", dtype=torch.float32)
     model.init_buffers("cpu")
     reference = copy.deepcopy(model)
     run = _setup.Run(rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
-    loader, sampler = _data()
+    loader, sampler = _data(packed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
 
     loader_labels: set[int] = set()
+    loader_positions: set[int] = set()
     counted_labels: list[int] = []
+    cut_positions: list[torch.Tensor] = []
     fetches: list[int] = []
     conversions: list[tuple[str, str]] = []
     original_iter, original_fetch, original_label_tokens = type(loader).__iter__, loop._fetch, _setup.label_tokens
+    original_sample_lengths = _setup.sample_lengths
 
     def iterate(self):
         for batch in original_iter(self):
             loader_labels.add(id(batch["labels"]))
+            if packed:
+                loader_positions.add(id(batch["position_ids"]))
             yield batch
 
     def label_tokens(labels):
         counted_labels.append(id(labels))
         return original_label_tokens(labels)
+
+    def sample_lengths(positions):
+        cut_positions.append(positions)
+        return original_sample_lengths(positions)
 
     def fetch(values):
         fetches.append(values.numel())
@@ -102,6 +116,7 @@ def test_one_fetch_per_logged_step_and_no_other_sync(monkeypatch, log_every):
 
     monkeypatch.setattr(type(loader), "__iter__", iterate)
     monkeypatch.setattr(_setup, "label_tokens", label_tokens)
+    monkeypatch.setattr(_setup, "sample_lengths", sample_lengths)
     monkeypatch.setattr(loop, "_fetch", fetch)
     for name in CONVERSIONS:
         monkeypatch.setattr(torch.Tensor, name, counting(name))
@@ -129,16 +144,22 @@ def test_one_fetch_per_logged_step_and_no_other_sync(monkeypatch, log_every):
 
     logged = STEPS // log_every
     assert fetches == [4] * logged  # loss sum, tokens, FLOPs, grad norm in one copy per logged step
-    assert set(conversions) == {("training/loop.py", "_fetch"), ("recipes/_setup.py", "label_tokens")}
+    allowed = {("training/loop.py", "_fetch"), ("recipes/_setup.py", "label_tokens")}
+    if packed:  # the samples' boundaries, read once per micro-batch from the loader's CPU position_ids
+        allowed.add(("models/packed_attention.py", "sample_lengths"))
+        assert conversions.count(("models/packed_attention.py", "sample_lengths")) == STEPS * ACCUMULATE
+        assert {id(t) for t in cut_positions} <= loader_positions and len(cut_positions) == STEPS * ACCUMULATE
+        assert all(t.device.type == "cpu" for t in cut_positions)
+    assert set(conversions) == allowed
     assert conversions.count(("training/loop.py", "_fetch")) == logged
     assert len(counted_labels) == STEPS * ACCUMULATE and set(counted_labels) <= loader_labels  # CPU labels
     assert [row["step"] for row in logger.rows] == list(range(log_every, STEPS + 1, log_every))
     if log_every == 1:  # the logged first-step loss: the token mean over both micro-batches, by hand
         total, tokens = 0.0, 0
         with torch.no_grad():
-            for batch in _first_batches():
-                logits = reference(batch["tokens"])[:, :-1]
-                labels = batch["labels"][:, 1:]
+            for sample_tokens, labels in _first_samples(packed):  # packed samples each run alone
+                logits = reference(sample_tokens)[:, :-1]
+                labels = labels[:, 1:]
                 total += F.cross_entropy(
                     logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum"
                 ).item()
@@ -147,7 +168,19 @@ def test_one_fetch_per_logged_step_and_no_other_sync(monkeypatch, log_every):
         assert logger.rows[0]["grad_norm"] > 0
 
 
-def _first_batches():
-    loader, _ = _data()
-    samples = list(loader.dataset)
-    return [collate(samples[i : i + 2], pad_id=0) for i in range(0, 2 * ACCUMULATE, 2)]
+def _first_samples(packed: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tokens, labels) ``[1, n]`` of the first two micro-batches: whole rows, or every packed sample
+    (a run of positions from a 0 to the next; the padding stays with the last sample)."""
+    loader, _ = _data(packed)
+    rows = list(loader.dataset)
+    out = []
+    for i in range(0, 2 * ACCUMULATE, 2):
+        batch = collate(rows[i : i + 2], pad_id=0)
+        for r in range(batch["tokens"].shape[0]):
+            cuts = [0, batch["tokens"].shape[1]]
+            if packed:
+                cuts = (batch["position_ids"][r] == 0).nonzero().flatten().tolist() + [cuts[1]]
+            out += [
+                (batch["tokens"][r : r + 1, a:b], batch["labels"][r : r + 1, a:b]) for a, b in itertools.pairwise(cuts)
+            ]
+    return out

@@ -20,10 +20,8 @@ from shardtune.models import (
     llama_from_hf_config,
     model_args_from_hf_config,
     model_args_to_hf_config,
-    sample_attention_mask,
+    sample_lengths,
 )
-
-
 
 VOCAB = 256
 LLAMA3_ROPE = {
@@ -36,16 +34,16 @@ LLAMA3_ROPE = {
 
 
 def hf_llama_config(**overrides) -> transformers.LlamaConfig:
-    kw = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-5,
-    )
+    kw = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-5,
+    }
     kw.update(overrides)
     return transformers.LlamaConfig(**kw)
 
@@ -77,12 +75,12 @@ def ours_from_hf(hf) -> LlamaForCausalLM:
 
 
 PARITY_CONFIGS = {
-    "mha": dict(num_key_value_heads=4),
-    "gqa": dict(num_key_value_heads=2),
-    "mqa_head_dim": dict(num_key_value_heads=1, head_dim=24),
-    "tied": dict(tie_word_embeddings=True),
-    "llama3_rope": dict(rope_parameters={**LLAMA3_ROPE, "rope_theta": 500000.0}),
-    "llama_bias": dict(attention_bias=True, mlp_bias=True),
+    "mha": {"num_key_value_heads": 4},
+    "gqa": {"num_key_value_heads": 2},
+    "mqa_head_dim": {"num_key_value_heads": 1, "head_dim": 24},
+    "tied": {"tie_word_embeddings": True},
+    "llama3_rope": {"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 500000.0}},
+    "llama_bias": {"attention_bias": True, "mlp_bias": True},
 }
 
 
@@ -128,7 +126,9 @@ def test_packed_row_gives_each_sample_the_logits_it_has_alone_in_transformers():
     lengths, pad = [7, 12, 5], 4
     samples = [tokens(batch=1, seq=n, seed=10 + i) for i, n in enumerate(lengths)]
     row = torch.cat(samples + [torch.zeros(1, pad, dtype=torch.long)], dim=1)
-    positions = torch.cat([torch.arange(n) for n in lengths] + [torch.arange(lengths[-1], lengths[-1] + pad)]).unsqueeze(0)
+    positions = torch.cat(
+        [torch.arange(n) for n in lengths] + [torch.arange(lengths[-1], lengths[-1] + pad)]
+    ).unsqueeze(0)
     with torch.no_grad():
         packed = ours(row, position_ids=positions)
         causal_only = ours(row, position_ids=None)
@@ -141,15 +141,9 @@ def test_packed_row_gives_each_sample_the_logits_it_has_alone_in_transformers():
     assert (causal_only[:, lengths[0] :] - packed[:, lengths[0] :]).abs().max() > 1e-2
 
 
-def test_sample_attention_mask_is_block_causal():
-    positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]])
-    mask = sample_attention_mask(positions)
-    assert mask.shape == (2, 1, 6, 6) and mask.dtype == torch.bool
-    assert torch.equal(mask[1, 0], torch.ones(6, 6, dtype=torch.bool).tril())  # one sample: causal
-    expected = torch.zeros(6, 6, dtype=torch.bool)
-    for lo, hi in ((0, 3), (3, 5), (5, 6)):
-        expected[lo:hi, lo:hi] = torch.ones(hi - lo, hi - lo, dtype=torch.bool).tril()
-    assert torch.equal(mask[0, 0], expected)
+def test_sample_lengths_cut_rows_where_positions_restart():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5], [3, 4, 0, 1, 2, 3]])
+    assert sample_lengths(positions) == ((3, 2, 1), (6,), (2, 4))  # a row's start always starts a sample
     assert torch.equal(positions[0], torch.tensor([0, 1, 2, 0, 1, 0]))  # the ids are not modified
 
 
@@ -236,13 +230,31 @@ def test_legacy_rope_without_scaling_and_default_type():
 def test_model_args_to_hf_config_loads_in_transformers(tmp_path, rope_style, kind):
     if kind == "qwen2":
         args = ModelArgs(
-            vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=96,
-            attention_bias=True, model_type="qwen2", norm_eps=1e-6, rope_theta=1e6, max_seq_len=128,
+            vocab_size=VOCAB,
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            intermediate_size=96,
+            attention_bias=True,
+            model_type="qwen2",
+            norm_eps=1e-6,
+            rope_theta=1e6,
+            max_seq_len=128,
         )
     else:
         args = ModelArgs(
-            vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=32, intermediate_size=96,
-            rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, tie_word_embeddings=True, max_seq_len=128,
+            vocab_size=VOCAB,
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=1,
+            head_dim=32,
+            intermediate_size=96,
+            rope_theta=500000.0,
+            rope_scaling=LLAMA3_ROPE,
+            tie_word_embeddings=True,
+            max_seq_len=128,
         )
     ours = randomize_(LlamaForCausalLM(args), 5).eval()
     cfg = model_args_to_hf_config(args, dtype=torch.float32, rope_style=rope_style)
