@@ -218,3 +218,28 @@ def test_4bit_state_saves_gathers_and_loads_exactly_on_2_and_1_ranks(pool2, tmp_
     for name, parts in expected.items():
         assert all(torch.equal(a.view(-1), b.view(-1)) for a, b in zip(single[name], parts)), name
     assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)  # torchao's step needs it as a tensor
+
+
+def _quantized_under_nccl_rules(out_dir: Path) -> dict:
+    from tests.nccl_rules import nccl_rules
+
+    model = toy.build_sharded(meta=False)
+    opt = _random_4bit_state(model)
+    fresh = _opt(model, "adamw4bit")
+    with nccl_rules() as rules:
+        rules.host(model, opt)
+        full = get_full_optimizer_state_dict(model, opt, dist.get_rank() == 0)
+        load_from_full_optimizer_state_dict(model, fresh, full, "cpu")
+        save_optimizer(model, opt, out_dir, shared_filesystem=False)
+        load_optimizer(model, fresh, out_dir, device="cpu", shared_filesystem=False)
+    return {
+        "parts": _local_parts(opt, model),
+        "loaded": _local_parts(fresh, model),
+        "p2p": rules.counts["batch_isend_irecv"],
+    }
+
+
+def test_quantized_state_moves_obey_nccl_rules(pool2, tmp_path):
+    for r in pool2.run_ok(_quantized_under_nccl_rules, tmp_path):
+        assert r["p2p"] > 0
+        assert all(torch.equal(a, b) for k in r["parts"] for a, b in zip(r["parts"][k], r["loaded"][k]))
