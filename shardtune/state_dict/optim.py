@@ -163,7 +163,10 @@ def load_from_full_optimizer_state_dict(
     :func:`get_full_optimizer_state_dict`) or torch's native int-keyed format, given on every
     rank or on rank 0 only with ``{}`` elsewhere. Hyper-parameters (lr, betas, ...) are taken
     from it. State shaped like its param is sharded like the param (rank 0 scatters only each
-    rank's block). Problems raise :class:`StateDictError` on every rank before data moves.
+    rank's block). A torchao quantized state (a full ``OptimState8bit``/``OptimState4bit``, or a
+    :class:`~.quantized.QuantizedState` of lazy slices) becomes each rank's slice of its codes
+    and scales; a sharding that would cut a quantization block between ranks is a problem.
+    Problems raise :class:`StateDictError` on every rank before data moves.
     """
     device = comm.normalize_device(device)
     groups = param_group_fqns(model, opt)

@@ -11,6 +11,7 @@ boundaries. Moving a state between shardings slices; it never dequantizes, so it
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +56,9 @@ def _classes() -> dict[int, type]:
 def spec_of(tensor: torch.Tensor) -> QuantSpec | None:
     """The spec of a (DTensor of a) torchao quantized state on this rank; None for a plain tensor."""
     local = local_tensor(tensor)
-    for bits, cls in _classes().items() if type(local) is not torch.Tensor else ():
+    if type(local) is torch.Tensor:
+        return None
+    for bits, cls in _classes().items():
         if isinstance(local, cls):
             return QuantSpec(bits, int(local.block_size), bool(local.signed), tuple(local.qmap.tolist()))
     return None
@@ -87,18 +90,13 @@ def agree_on_specs(named: Sequence[tuple[str, torch.Tensor]], *, header: str) ->
 
 def _flat(piece: Piece, full_shape: tuple[int, ...]) -> tuple[int, int]:
     """(first value, number of values) of a row-range ``piece`` in the flattened tensor."""
-    row = 1
-    for n in full_shape[1:]:
-        row *= n
-    return (piece.offset[0] * row if piece.offset else 0), piece.numel
+    return (piece.offset[0] * math.prod(full_shape[1:]) if piece.offset else 0), piece.numel
 
 
 def part_layouts(spec: QuantSpec, layout: TensorLayout) -> dict[str, TensorLayout]:
     """The layouts of the codes and scales of a state of ``layout`` (pieces must be row ranges,
     see :func:`misaligned`): 8-bit codes are shaped like the state, the rest is flat."""
-    numel = 1
-    for n in layout.shape:
-        numel *= n
+    numel = math.prod(layout.shape)
     per_byte = 8 // spec.bits
 
     def flat(divisor: int) -> TensorLayout:
