@@ -243,3 +243,22 @@ def test_quantized_state_moves_obey_nccl_rules(pool2, tmp_path):
     for r in pool2.run_ok(_quantized_under_nccl_rules, tmp_path):
         assert r["p2p"] > 0
         assert all(torch.equal(a, b) for k in r["parts"] for a, b in zip(r["parts"][k], r["loaded"][k]))
+
+
+def _kinds_of_uneven_param() -> list[str]:
+    """(31, 256) on 2 ranks: rows 16 + 15, i.e. 4096 + 3840 values; torchao alone would quantize rank 0's only."""
+    model = nn.Linear(256, 31, bias=False)
+    fully_shard(model)
+    opt = build_optimizer(model.parameters(), name="adamw8bit", lr=1e-2)
+    return [type(opt._new_buffer(model.weight, signed)._local_tensor).__name__ for signed in (True, False)]
+
+
+def test_a_state_is_quantized_on_every_rank_or_on_none(pool2):
+    assert pool2.run_ok(_kinds_of_uneven_param) == [["Tensor", "Tensor"]] * 2
+
+
+def test_optimizer_names():
+    param = nn.Parameter(torch.ones(3))
+    assert build_optimizer([param], name="adamw_fused", lr=1e-2).defaults["fused"] is True
+    with pytest.raises(ValueError, match="optimizer.name='adam8bit' is not supported"):
+        build_optimizer([param], name="adam8bit", lr=1e-2)
