@@ -262,3 +262,19 @@ def test_optimizer_names():
     assert build_optimizer([param], name="adamw_fused", lr=1e-2).defaults["fused"] is True
     with pytest.raises(ValueError, match="optimizer.name='adam8bit' is not supported"):
         build_optimizer([param], name="adam8bit", lr=1e-2)
+
+
+def _load_4bit(in_dir: Path) -> dict:
+    model = toy.build_sharded(meta=False)
+    opt = _opt(model, "adamw4bit")
+    load_optimizer(model, opt, in_dir, device="cpu")
+    return _local_parts(opt, model)
+
+
+def test_4bit_state_saved_on_2_ranks_loads_on_4(pool2, pool4, tmp_path):
+    saved = pool2.run_ok(_save_4bit, tmp_path)
+    full = {k: [torch.cat(ts) for ts in zip(*(r["parts"][k] for r in saved))] for k in saved[0]["parts"]}
+    for rank, got in enumerate(pool4.run_ok(_load_4bit, tmp_path)):
+        for name, parts in full.items():  # every toy dim 0 splits in 4 equal row ranges: a quarter of each part
+            want = [part.view(-1).chunk(4)[rank] for part in parts]
+            assert all(torch.equal(a.view(-1), b) for a, b in zip(got[name], want)), (rank, name)
