@@ -4,10 +4,17 @@ Rule: both are FQN keyed (``<param fqn>::<state key>``), so a checkpoint written
 loads on M, and no rank gathers the state: on save the tensors go through the same sharded
 writer and sinks as model weights (:mod:`~shardtune.checkpoint.writer`), on load every rank
 reads only its own rows (without a shared filesystem rank 0 does the file I/O).
+
+A torchao quantized state (AdamW8bit/4bit) is stored as it is held, never dequantized: its
+codes and scales as ``<fqn>::<key>::codes`` and ``<fqn>::<key>::scale`` (the full tensors of
+:mod:`~shardtune.state_dict.quantized`), its bits, block size, signedness, code table and
+shape under ``"quantized"`` in ``optimizer.json``. Loading slices them for the current
+sharding; a world size that would cut a quantization block between ranks is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -19,9 +26,9 @@ from shardtune.checkpoint import checksums
 from shardtune.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
 from shardtune.checkpoint.sinks import sink_for
 from shardtune.checkpoint.writer import FilePlan, Sink, WriteItem, create_files, plan_digest, plan_files, write_files
-from shardtune.state_dict import comm, load_from_full_optimizer_state_dict
+from shardtune.state_dict import comm, load_from_full_optimizer_state_dict, quantized
 from shardtune.state_dict.layout import layout_of
-from shardtune.state_dict.optim import hyperparameters, param_group_fqns
+from shardtune.state_dict.optim import hyperparameters, param_group_fqns, state_tensors
 
 OPTIMIZER_TENSORS = "optimizer.safetensors"
 OPTIMIZER_META = "optimizer.json"
@@ -59,12 +66,17 @@ def plan_optimizer(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) 
     state's shapes alike on every rank; rank 0 has created it and written ``optimizer.json``.
     Hand the plan to :func:`~shardtune.checkpoint.writer.write_files`."""
     groups = param_group_fqns(model, opt)
-    items, scalars = [], {}
+    specs = quantized.agree_on_specs(state_tensors(groups, opt), header=f"Cannot save the optimizer to {out_dir}:")
+    items, scalars, packed = [], {}, {}
     world = comm.world_size()
     for fqns, group in zip(groups, opt.param_groups):
         for fqn, param in zip(fqns, group["params"]):
             for key, value in opt.state.get(param, {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                spec = specs.get(f"{fqn}.{key}")
+                if spec is not None:
+                    items += _quantized_items(f"{fqn}{_SEP}{key}", value, spec, world)
+                    packed.setdefault(fqn, {})[key] = {**dataclasses.asdict(spec), "shape": list(value.shape)}
+                elif isinstance(value, torch.Tensor) and value.dim() > 0:
                     items.append(WriteItem(f"{fqn}{_SEP}{key}", value, value.dtype, layout_of(value, world)))
                 elif isinstance(value, torch.Tensor):
                     scalars.setdefault(fqn, {})[key] = {
@@ -87,12 +99,33 @@ def plan_optimizer(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) 
             out_dir.mkdir(parents=True, exist_ok=True)
             create_files(files)
             meta = {
-                "param_groups": [{**hyperparameters(g), "params": list(f)} for f, g in zip(groups, opt.param_groups)],
+                "param_groups": [
+                    {**_encode(hyperparameters(g)), "params": list(f)} for f, g in zip(groups, opt.param_groups)
+                ],
                 "scalars": scalars,
+                "quantized": packed,
             }
             checksums.write_bytes(out_dir / OPTIMIZER_META, json.dumps(meta, indent=1).encode())
     comm.raise_on_every_rank(created, header=f"Cannot save the optimizer to {out_dir}:", error=CheckpointError)
     return files
+
+
+def _quantized_items(name: str, value: torch.Tensor, spec: quantized.QuantSpec, world: int) -> list[WriteItem]:
+    """The codes and scales of a quantized state, as this rank holds them, for the writer."""
+    layout = layout_of(value, world)
+    parts = quantized.local_parts(value, spec, layout)
+    return [
+        WriteItem(f"{name}{_SEP}{part}", parts[part], parts[part].dtype, part_layout)
+        for part, part_layout in quantized.part_layouts(spec, layout).items()
+    ]
+
+
+def _encode(hyper: dict[str, Any]) -> dict[str, Any]:
+    """Hyper-parameters for JSON: tensors (torchao keeps ``lr`` as one) as ``{"tensor", "dtype"}``."""
+    return {
+        k: {"tensor": v.item(), "dtype": str(v.dtype).removeprefix("torch.")} if isinstance(v, torch.Tensor) else v
+        for k, v in hyper.items()
+    }
 
 
 def load_optimizer(
@@ -118,8 +151,9 @@ def load_optimizer(
             tensors = SafetensorsFile(in_dir / OPTIMIZER_TENSORS)
             problems += [
                 f"{tensors.path}: tensor {name!r} is not named '<param fqn>{_SEP}<state key>'"
+                f"[{_SEP}{quantized.CODES}|{_SEP}{quantized.SCALE}]"
                 for name in tensors.entries
-                if len(name.split(_SEP)) != 2
+                if not _valid_name(name.split(_SEP), meta)
             ]
         except (OSError, ValueError, CheckpointError) as exc:  # json errors are ValueErrors
             problems.append(f"{in_dir}: {exc}")
@@ -144,14 +178,33 @@ def _full_state(meta: dict[str, Any], tensors: SafetensorsFile, opt: torch.optim
                 torch.tensor(item["tensor"], dtype=getattr(torch, item["dtype"])) if "tensor" in item else item["value"]
             )
     for name in tensors.entries:
-        fqn, key = name.split(_SEP)
-        state.setdefault(fqn, {})[key] = tensors.slice(name)
+        fqn, key, *part = name.split(_SEP)
+        if not part:
+            state.setdefault(fqn, {})[key] = tensors.slice(name)
+    for fqn, values in meta.get("quantized", {}).items():
+        for key, item in values.items():
+            spec = quantized.QuantSpec(item["bits"], item["block_size"], item["signed"], tuple(item["qmap"]))
+            parts = {
+                part: tensors.slice(f"{fqn}{_SEP}{key}{_SEP}{part}") for part in (quantized.CODES, quantized.SCALE)
+            }
+            state.setdefault(fqn, {})[key] = quantized.QuantizedState(spec, tuple(item["shape"]), **parts)
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
+def _valid_name(parts: list[str], meta: dict[str, Any]) -> bool:
+    """``<fqn>::<key>``, or ``<fqn>::<key>::codes|scale`` of a state listed under ``"quantized"``."""
+    if len(parts) == 2:
+        return True
+    listed = meta.get("quantized", {}).get(parts[0], {}) if len(parts) == 3 else {}
+    return parts[1] in listed and parts[2] in (quantized.CODES, quantized.SCALE)
+
+
 def _restore_tuples(saved_groups: list[dict[str, Any]], live_groups: list[dict[str, Any]]) -> None:
-    """JSON turned tuples (e.g. Adam's betas) into lists; give them back the live optimizer's type."""
+    """JSON turned tuples (e.g. Adam's betas) into lists and tensors into ``{"tensor", "dtype"}``
+    (see :func:`_encode`); give them back their types."""
     for saved, live in zip(saved_groups, live_groups):
         for key, value in saved.items():
             if isinstance(live.get(key), tuple) and isinstance(value, list):
                 saved[key] = tuple(value)
+            elif isinstance(value, dict) and set(value) == {"tensor", "dtype"}:
+                saved[key] = torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))

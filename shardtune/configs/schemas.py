@@ -9,6 +9,7 @@ import difflib
 from typing import Any
 
 from shardtune.config import Field, OneOrMany, Schema
+from shardtune.training.optim import OPTIMIZERS
 
 __all__ = [
     "BASE_SCHEMA",
@@ -128,7 +129,7 @@ BASE_SCHEMA = Schema(
         "gradient_accumulation_steps": Field(int, 1, gt=0),
         "optimizer": Schema(
             {
-                "name": Field(str, "adamw", choices=("adamw", "sgd")),
+                "name": Field(str, "adamw", choices=OPTIMIZERS),
                 "lr": Field(float, ge=0),  # 0: an evaluation or sanity run, weights left unchanged
                 "weight_decay": Field(float, 0.0, ge=0),
                 "betas": Field(list, [0.9, 0.999], item=float, length=2),

@@ -7,6 +7,8 @@ Full format (rank 0 only, ``{}`` elsewhere)::
 
 Params follow ``opt.param_groups`` order. State tensors shaped like their param are sharded
 like it; other tensors (scalars such as ``step``) are small and travel with the metadata.
+torchao's quantized states (AdamW8bit/4bit) are full ``OptimState8bit``/``OptimState4bit``
+tensors in the full format and move as their codes and scales (:mod:`~.quantized`), exactly.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardtune.state_dict import comm
+from shardtune.state_dict import comm, quantized
 from shardtune.state_dict.agreement import EVERY_RANK, RANK0, agree_on_mode
 from shardtune.state_dict.blocks import SendBuffer, copy_block, scatter_dense
 from shardtune.state_dict.dtypes import SAFETENSORS_DTYPES
@@ -27,6 +29,7 @@ from shardtune.state_dict.gather import gather_to_rank0
 from shardtune.state_dict.install import fillable
 from shardtune.state_dict.keys import StateDictError, model_entries
 from shardtune.state_dict.layout import TensorLayout, layout_of, local_tensor
+from shardtune.state_dict.quantized import QuantizedState, QuantSpec
 
 
 def _param_fqns(model: nn.Module) -> dict[int, str]:
@@ -71,8 +74,9 @@ def get_full_optimizer_state_dict(
 
     Collective: call on all ranks. Rank 0 returns ``{"state": {fqn: {...}}, "param_groups":
     [{..., "params": [fqn, ...]}]}`` with full, independent CPU tensors; other ranks ``{}``.
-    Params without state (frozen, never stepped) are listed in ``params`` only. ``device`` is
-    where CPU-offloaded state goes for the collectives (NCCL); gloo uses CPU.
+    Params without state (frozen, never stepped) are listed in ``params`` only. A torchao
+    quantized state is a full ``OptimState8bit``/``OptimState4bit`` (its codes and scales, not
+    dequantized). ``device`` is where CPU-offloaded state goes for the collectives (NCCL); gloo uses CPU.
     """
     device = comm.normalize_device(device)
     groups = param_group_fqns(model, opt)
@@ -88,13 +92,14 @@ def get_full_optimizer_state_dict(
         problems=comm.rank_zero_problems(is_rank_zero),
     )
 
+    specs = quantized.agree_on_specs(state_tensors(groups, opt), header="Cannot gather the optimizer state dict:")
     transfer_device = comm.comm_device(device)
     errors = comm.Problems()
     state: dict[str, dict[str, Any]] = {}
     for fqns, group in zip(groups, opt.param_groups):
         for fqn, param in zip(fqns, group["params"]):
             if opt.state.get(param):
-                state[fqn] = _gather_param_state(opt.state[param], fqn, transfer_device, errors)
+                state[fqn] = _gather_param_state(opt.state[param], fqn, specs, transfer_device, errors)
     comm.raise_on_every_rank(errors, header="Gathering the optimizer state dict failed:")
     if not is_rank_zero:
         return {}
@@ -104,10 +109,35 @@ def get_full_optimizer_state_dict(
     }
 
 
-def _gather_param_state(param_state: dict[str, Any], fqn: str, transfer_device, errors) -> dict[str, Any]:
+def state_tensors(groups: list[list[str]], opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """``("<fqn>.<key>", tensor)`` for every tensor of the optimizer's state, in group order."""
+    return [
+        (f"{fqn}.{key}", value)
+        for fqns, group in zip(groups, opt.param_groups)
+        for fqn, param in zip(fqns, group["params"])
+        for key, value in opt.state.get(param, {}).items()
+        if isinstance(value, torch.Tensor)
+    ]
+
+
+def _gather_param_state(
+    param_state: dict[str, Any], fqn: str, specs: dict[str, QuantSpec], transfer_device, errors
+) -> dict[str, Any]:
     out = {}
     for key, value in param_state.items():
-        if isinstance(value, torch.Tensor):
+        spec = specs.get(f"{fqn}.{key}")
+        if spec is not None:
+            layout = layout_of(value, comm.world_size())
+            parts = quantized.local_parts(value, spec, layout)
+            full = {
+                name: gather_to_rank0(
+                    parts[name], part, transfer_device=transfer_device, on_error=errors, key=f"{fqn}.{key}.{name}"
+                )
+                for name, part in quantized.part_layouts(spec, layout).items()
+            }
+            if comm.rank() == 0:
+                out[key] = quantized.rebuild(spec, tuple(value.shape), full[quantized.CODES], full[quantized.SCALE])
+        elif isinstance(value, torch.Tensor):
             out[key] = gather_to_rank0(
                 value,
                 layout_of(value, comm.world_size()),
@@ -133,7 +163,10 @@ def load_from_full_optimizer_state_dict(
     :func:`get_full_optimizer_state_dict`) or torch's native int-keyed format, given on every
     rank or on rank 0 only with ``{}`` elsewhere. Hyper-parameters (lr, betas, ...) are taken
     from it. State shaped like its param is sharded like the param (rank 0 scatters only each
-    rank's block). Problems raise :class:`StateDictError` on every rank before data moves.
+    rank's block). A torchao quantized state (a full ``OptimState8bit``/``OptimState4bit``, or a
+    :class:`~.quantized.QuantizedState` of lazy slices) becomes each rank's slice of its codes
+    and scales; a sharding that would cut a quantization block between ranks is a problem.
+    Problems raise :class:`StateDictError` on every rank before data moves.
     """
     device = comm.normalize_device(device)
     groups = param_group_fqns(model, opt)
@@ -219,7 +252,10 @@ def _describe(full_sd: dict) -> dict:
     for fqn, param_state in full_sd["state"].items():
         state[fqn] = {}
         for key, value in param_state.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
+            packed = quantized.as_quantized_state(value)
+            if packed is not None:
+                state[fqn][key] = ("quantized", tuple(packed.shape), packed.spec)
+            elif isinstance(value, torch.Tensor) and value.dim() > 0:
                 state[fqn][key] = ("tensor", tuple(value.shape), value.dtype)
             elif hasattr(value, "get_shape"):  # lazy (e.g. a safetensors slice): read later, by blocks
                 state[fqn][key] = ("tensor", tuple(value.get_shape()), _lazy_dtype(value))
@@ -253,12 +289,35 @@ def _check(desc: dict, groups: list[list[str]], params: dict[str, torch.Tensor])
             problems.append(f"{fqn}: has optimizer state but is not a parameter of this optimizer.")
             continue
         for key, kind in param_state.items():
-            if kind[0] == "tensor" and kind[1] != tuple(params[fqn].shape) and isinstance(params[fqn], DTensor):
+            param = params[fqn]
+            if kind[0] == "quantized" and kind[1] != tuple(param.shape):
                 problems.append(
-                    f"{fqn}.{key}: state shape {kind[1]} does not match the param's {tuple(params[fqn].shape)}; "
+                    f"{fqn}.{key}: quantized state shape {kind[1]} does not match the param's "
+                    f"{tuple(param.shape)}; the checkpoint was made for a different model."
+                )
+            elif kind[0] == "quantized":
+                problems += _misaligned(f"{fqn}.{key}", kind[2], layout_of(param, comm.world_size()))
+            elif kind[0] == "tensor" and kind[1] != tuple(param.shape) and isinstance(param, DTensor):
+                problems.append(
+                    f"{fqn}.{key}: state shape {kind[1]} does not match the param's {tuple(param.shape)}; "
                     "the checkpoint was made for a different model."
                 )
     return problems
+
+
+def _misaligned(name: str, spec: QuantSpec, layout: TensorLayout) -> list[str]:
+    """A problem when this sharding would cut a quantization block of a state between ranks."""
+    bad = quantized.misaligned(spec, layout)
+    if not bad:
+        return []
+    return [
+        (
+            f"{name}: {spec.bits}-bit optimizer state is quantized in blocks of {spec.block_size} values, but on "
+            f"{comm.world_size()} ranks the shards of ranks {bad} of this {list(layout.shape)} param start or end "
+            "inside a block; resume on the world size the checkpoint was saved on (or one whose shards of every "
+            "param hold whole blocks), or train with optimizer.name=adamw."
+        )
+    ]
 
 
 def _load_value(kind, local, fqn, key, param, mode, transfer_device, errors, existing, send_buffer: SendBuffer) -> Any:
@@ -266,6 +325,9 @@ def _load_value(kind, local, fqn, key, param, mode, transfer_device, errors, exi
     tensor for it) when shapes and dtypes allow, so a load allocates nothing new."""
     if kind[0] == "inline":
         return kind[1]
+    if kind[0] == "quantized":
+        packed = quantized.as_quantized_state(local["state"][fqn][key]) if isinstance(local, dict) else None
+        return _load_quantized(kind[2], packed, fqn, key, param, mode, transfer_device, errors, send_buffer)
     _, shape, dtype = kind
     if shape == tuple(param.shape):
         layout, dtype = layout_of(param, comm.world_size()), param.dtype
@@ -302,6 +364,50 @@ def _load_value(kind, local, fqn, key, param, mode, transfer_device, errors, exi
     )
 
 
+def _load_quantized(
+    spec: QuantSpec,
+    packed: QuantizedState | None,
+    fqn: str,
+    key: str,
+    param: torch.Tensor,
+    mode: str,
+    transfer_device: torch.device,
+    errors: comm.Problems,
+    send_buffer: SendBuffer,
+) -> torch.Tensor | None:
+    """This rank's quantized state for ``param``: its slices of the full codes and scales."""
+    layout = layout_of(param, comm.world_size())
+    device = local_tensor(param).device
+    parts = {}
+    for name, part in quantized.part_layouts(spec, layout).items():
+        dtype = torch.uint8 if name == quantized.CODES else torch.float32
+        value = getattr(packed, name) if packed is not None else None
+        me = part.piece(comm.rank())
+        if mode == RANK0:
+            parts[name] = scatter_dense(
+                part,
+                value,
+                dtype=dtype,
+                device=device,
+                transfer_device=transfer_device,
+                on_error=errors,
+                key=f"{fqn}.{key}.{name}",
+                send_buffer=send_buffer,
+            )
+        else:
+            parts[name] = None
+            with errors.guard(f"{fqn}.{key}.{name}"):
+                parts[name] = copy_block(value, (me.shape, me.slices), dtype=dtype, device=device)
+    if parts[quantized.CODES] is None or parts[quantized.SCALE] is None:
+        return None
+    block = quantized.rebuild(spec, layout.piece(comm.rank()).shape, parts[quantized.CODES], parts[quantized.SCALE])
+    if not layout.is_sharded:
+        return block
+    return DTensor.from_local(
+        block, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
 def _reusable(
     existing: Any, block_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, sharded: bool
 ) -> torch.Tensor | None:
@@ -309,6 +415,8 @@ def _reusable(
     if not isinstance(existing, torch.Tensor) or isinstance(existing, DTensor) != sharded:
         return None
     local = local_tensor(existing)
+    if type(local) is not torch.Tensor:  # a quantized state: its memory is not the loaded block's
+        return None
     if tuple(local.shape) != tuple(block_shape) or local.dtype != dtype:
         return None
     return fillable(local, device=device)

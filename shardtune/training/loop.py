@@ -92,7 +92,13 @@ def run_training(
         done_batches = progress.batches_in_epoch if resuming else 0
         total = steps_per_epoch(len(loader) + done_batches, settings)
         done_in_epoch = done_batches // settings.gradient_accumulation_steps
-        bar = tqdm(total=total, initial=done_in_epoch, desc=f"epoch {epoch + 1}/{settings.epochs}", disable=not is_rank_zero, leave=False)
+        bar = tqdm(
+            total=total,
+            initial=done_in_epoch,
+            desc=f"epoch {epoch + 1}/{settings.epochs}",
+            disable=not is_rank_zero,
+            leave=False,
+        )
         batches = done_in_epoch * settings.gradient_accumulation_steps
         window = _Window()
         model.train()
@@ -118,9 +124,8 @@ def run_training(
                 step % settings.eval_every_n_steps == 0 if settings.eval_every_n_steps else last_in_epoch
             )
             if evaluating or step % settings.log_every_n_steps == 0:
-                row = window.row(
-                    step=step, epoch=epoch, lr=optimizer.param_groups[0]["lr"], grad_norm=grad_norm, settings=settings
-                )
+                lr = float(optimizer.param_groups[0]["lr"])  # torchao's AdamW8bit/4bit keep it as a CPU tensor
+                row = window.row(step=step, epoch=epoch, lr=lr, grad_norm=grad_norm, settings=settings)
                 if evaluating:
                     row["val_loss"] = evaluate(model)
                 logger.log(row)

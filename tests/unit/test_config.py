@@ -126,7 +126,7 @@ def test_every_problem_is_reported_at_once_with_suggestions(tmp_path):
         "batch_size: expected int, got str '8'",
         "lr: unknown key; did you mean 'optimizer.lr'?",
         "optimizer.lrr: unknown key; did you mean 'optimizer.lr'?",
-        "optimizer.name: 'adam' is not one of ['adamw', 'sgd']; did you mean 'adamw'?",
+        "optimizer.name: 'adam' is not one of ['adamw', 'adamw_fused', 'adamw8bit', 'adamw4bit', 'sgd']; did you mean 'adamw'?",
         "optimizer.lr: required key is missing",
         "dataset.0.formt: unknown key; did you mean 'dataset.0.format'?",
         "dataset.1.column_map.text: not a column of format 'chat'",

@@ -1,0 +1,157 @@
+"""Quantized optimizer state (torchao's ``OptimState8bit``/``OptimState4bit``) as plain tensors.
+
+Rule: a quantized state is its ``codes`` (uint8: one per value for 8 bits, two values per
+byte, flat, for 4 bits) and ``scale`` (fp32, one per block of ``block_size`` values of the
+flattened tensor) plus a :class:`QuantSpec` (bits, block size, signedness, code table). Under
+FSDP2 each rank holds whole rows and quantizes them on its own, so its blocks are global
+blocks: the full codes and scales are the shards' in rank order, and a rank's rows on any
+other sharding are exactly a slice of them when its first and last value fall on block
+boundaries. Moving a state between shardings slices; it never dequantizes, so it is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from shardtune.state_dict import comm
+from shardtune.state_dict.layout import Piece, TensorLayout, local_tensor
+
+CODES, SCALE = "codes", "scale"  # the parts' names (tensor name suffixes on disk)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How a state is quantized; equal on every rank holding a piece of it."""
+
+    bits: int  # 8 or 4
+    block_size: int
+    signed: bool
+    qmap: tuple[float, ...]  # code -> value (before scaling)
+
+
+@dataclass
+class QuantizedState:
+    """A full quantized state of ``shape``; ``codes``/``scale`` are full tensors or lazy
+    (safetensors) slices of the layouts of :func:`part_layouts`."""
+
+    spec: QuantSpec
+    shape: tuple[int, ...]
+    codes: Any
+    scale: Any
+
+
+def _classes() -> dict[int, type]:
+    from torchao.optim.subclass_4bit import OptimState4bit
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    return {8: OptimState8bit, 4: OptimState4bit}
+
+
+def spec_of(tensor: torch.Tensor) -> QuantSpec | None:
+    """The spec of a (DTensor of a) torchao quantized state on this rank; None for a plain tensor."""
+    local = local_tensor(tensor)
+    if type(local) is torch.Tensor:
+        return None
+    for bits, cls in _classes().items():
+        if isinstance(local, cls):
+            return QuantSpec(bits, int(local.block_size), bool(local.signed), tuple(local.qmap.tolist()))
+    return None
+
+
+def agree_on_specs(named: Sequence[tuple[str, torch.Tensor]], *, header: str) -> dict[str, QuantSpec]:
+    """Collective: call on all ranks. Returns, on every rank, the spec of each quantized one of
+    ``named`` (name -> state tensor); raises the same StateDictError on every rank when ranks
+    holding values of one state disagree (quantized on some, plain or differently on others).
+    Ranks whose piece is empty hold it plain and do not count."""
+    mine = {name: ("empty" if local_tensor(t).numel() == 0 else spec_of(t)) for name, t in named}
+    mine = {name: s for name, s in mine.items() if s is not None}  # plain non-empty: the common case, kept small
+    gathered = comm.all_gather_objects(mine)
+    specs, problems = {}, []
+    for name, _ in named:
+        seen = {s.get(name) for s in gathered} - {"empty"}
+        if seen == {None} or not seen:
+            continue
+        if len(seen) > 1:
+            problems.append(
+                f"{name}: quantized on some ranks and not (or differently) on others; build the optimizer with "
+                "shardtune.training.build_optimizer, which quantizes a state on every rank or on none."
+            )
+        else:
+            specs[name] = seen.pop()
+    comm.raise_on_every_rank(problems, header=header)
+    return specs
+
+
+def _flat(piece: Piece, full_shape: tuple[int, ...]) -> tuple[int, int]:
+    """(first value, number of values) of a row-range ``piece`` in the flattened tensor."""
+    return (piece.offset[0] * math.prod(full_shape[1:]) if piece.offset else 0), piece.numel
+
+
+def part_layouts(spec: QuantSpec, layout: TensorLayout) -> dict[str, TensorLayout]:
+    """The layouts of the codes and scales of a state of ``layout`` (pieces must be row ranges,
+    see :func:`misaligned`): 8-bit codes are shaped like the state, the rest is flat."""
+    numel = math.prod(layout.shape)
+    per_byte = 8 // spec.bits
+
+    def flat(divisor: int) -> TensorLayout:
+        pieces = None
+        if layout.pieces is not None:
+            spans = [_flat(p, layout.shape) for p in layout.pieces]
+            pieces = tuple(Piece(shape=(n // divisor,), offset=(start // divisor,)) for start, n in spans)
+        return TensorLayout(shape=(numel // divisor,), pieces=pieces)
+
+    codes = layout if spec.bits == 8 else flat(per_byte)
+    return {CODES: codes, SCALE: flat(spec.block_size)}
+
+
+def misaligned(spec: QuantSpec, layout: TensorLayout) -> list[int]:
+    """The ranks whose non-empty piece of ``layout`` is not whole blocks of whole rows (its
+    codes and scales would not be a slice of the full ones)."""
+    bad = []
+    for r, piece in enumerate(layout.pieces or ()):
+        start, n = _flat(piece, layout.shape)
+        if n and (not piece.is_row_range(layout.shape) or start % spec.block_size or n % spec.block_size):
+            bad.append(r)
+    return bad
+
+
+def local_parts(tensor: torch.Tensor, spec: QuantSpec, layout: TensorLayout) -> dict[str, torch.Tensor]:
+    """This rank's codes and scales of a quantized state (empty tensors where its piece is empty)."""
+    local = local_tensor(tensor)
+    if local.numel():
+        return {CODES: local.codes, SCALE: local.scale}
+    me = comm.rank()
+    return {
+        name: torch.empty(part.piece(me).shape, dtype=torch.uint8 if name == CODES else torch.float32)
+        for name, part in part_layouts(spec, layout).items()
+    }
+
+
+def rebuild(spec: QuantSpec, shape: tuple[int, ...], codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A torchao state tensor of ``shape`` from its parts (plain zeros when ``shape`` is empty,
+    as torchao makes them)."""
+    if not codes.numel():
+        return torch.zeros(shape, device=codes.device)
+    qmap = torch.tensor(spec.qmap, dtype=torch.float32, device=codes.device)
+    cls = _classes()[spec.bits]
+    if spec.bits == 8:
+        return cls(codes.view(shape), scale, qmap, spec.signed)
+    return cls(codes.view(-1), scale, qmap, spec.signed, torch.Size(shape))
+
+
+def as_quantized_state(value: Any) -> QuantizedState | None:
+    """``value`` (a full torchao state tensor or a :class:`QuantizedState`) as a QuantizedState; else None."""
+    if isinstance(value, QuantizedState):
+        return value
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        return None
+    spec = spec_of(value)
+    if spec is None:
+        return None
+    return QuantizedState(spec, tuple(value.shape), value.codes, value.scale)
