@@ -181,6 +181,8 @@ def test_nullable_sections_and_schema_extension(tmp_path):
         "lora_finetune_distributed",
         "knowledge_distillation_distributed",
         "early_exit_finetune_distributed",
+        "lora_dpo_distributed",
+        "full_dpo_distributed",
     }
 
 
