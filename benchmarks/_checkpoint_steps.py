@@ -223,8 +223,12 @@ def _save_dcp_async(ctx: Ctx) -> Callable[[], None]:
 
 
 def _stage_dcp(ctx: Ctx, out_dir: str) -> Callable[[], None]:
-    future = dcp.async_save({"model": get_model_state_dict(ctx.model)}, checkpoint_id=out_dir,
-                            process_group=ctx.group, async_stager=ctx.staging)
+    future = dcp.async_save(
+        {"model": get_model_state_dict(ctx.model)},
+        checkpoint_id=out_dir,
+        process_group=ctx.group,
+        async_stager=ctx.staging,
+    )
     return lambda: future.result()
 
 
@@ -239,8 +243,11 @@ def _first_background_save(ctx: Ctx, method: str) -> None:
         ctx.staging = StagingMemory()
         _stage_shardtune(ctx, first_dir)()
     else:
-        ctx.staging = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                   use_async_staging=False, use_non_blocking_copy=False))
+        ctx.staging = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+            )
+        )
         _stage_dcp(ctx, first_dir)()
     dist.barrier()
     if ctx.rank == 0:
@@ -358,7 +365,9 @@ def _verify(group: str, method: str, ctx: Ctx) -> str:
                 epoch = Path(ctx.paths["resume_dir"]) / RESUME_EPOCH_DIR
                 verdict = _check_params(ctx.model, str(epoch / HF_WEIGHTS))
                 if verdict == "ok":
-                    verdict = _check_optim(ctx.model, ctx.opt, str(epoch / "training_state" / "optimizer.safetensors"), 1.0)
+                    verdict = _check_optim(
+                        ctx.model, ctx.opt, str(epoch / "training_state" / "optimizer.safetensors"), 1.0
+                    )
                 return verdict
     except Exception as e:  # a verification crash is a finding, not a harness failure
         return f"verify raised {type(e).__name__}: {e}"
@@ -438,8 +447,9 @@ def setup_resume(*, size: str, paths: dict[str, str]) -> dict:
     opt.step()
     opt.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    ckpt = Checkpointer(output_dir=paths["resume_dir"], model=model, optimizer=opt, base_dir=paths["hf_dir"],
-                        device=DEVICE)
+    ckpt = Checkpointer(
+        output_dir=paths["resume_dir"], model=model, optimizer=opt, base_dir=paths["hf_dir"], device=DEVICE
+    )
     saved = ckpt.save(step=1, epoch=1)
     t1 = time.perf_counter()
     msd, osd = get_state_dict(model, opt)
@@ -451,5 +461,10 @@ def setup_resume(*, size: str, paths: dict[str, str]) -> dict:
     verdict = _check_params(model, str(epoch / HF_WEIGHTS))
     if verdict == "ok":
         verdict = _check_optim(model, opt, str(epoch / "training_state" / "optimizer.safetensors"), 1.0)
-    return {"rank": dist.get_rank(), "checkpointer_save_s": t1 - t0, "dcp_save_s": t2 - t1, "verify": verdict,
-            "saved": str(saved)}
+    return {
+        "rank": dist.get_rank(),
+        "checkpointer_save_s": t1 - t0,
+        "dcp_save_s": t2 - t1,
+        "verify": verdict,
+        "saved": str(saved),
+    }

@@ -219,9 +219,7 @@ def local_slices(param: torch.Tensor) -> tuple[slice, ...]:
     """Index of this rank's local shard of a DTensor within the full tensor."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(
-        param.shape, param.device_mesh, param.placements
-    )
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     return tuple(slice(o, o + n) for n, o in zip(shape, offset, strict=True))
 
 

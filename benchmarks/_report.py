@@ -56,8 +56,14 @@ def summarize_runs(
     each repeat. Collective bytes come from shardtune's counters when the run counted them,
     else from ``analytic_bytes`` (no ``bytes_how`` when it has no answer)."""
     ok = [r for r in runs if r.error is None]
-    row: dict[str, Any] = {"group": group, "method": method, "size": size, "runs": len(runs), "ok": len(ok),
-                           "errors": [r.error for r in runs if r.error]}
+    row: dict[str, Any] = {
+        "group": group,
+        "method": method,
+        "size": size,
+        "runs": len(runs),
+        "ok": len(ok),
+        "errors": [r.error for r in runs if r.error],
+    }
     if not ok:
         return row, ok
     row["seconds"] = statistics.median(max(rk["measurement"]["seconds"] for rk in r.ranks) for r in ok)

@@ -89,8 +89,7 @@ def _full_optim_from_file(path: str, model: nn.Module, opt: torch.optim.Optimize
     tensors = load_file(path)
     fqns = [name for name, _ in model.named_parameters()]
     state = {
-        fqn: {"step": torch.tensor(float(meta["step"]))}
-        | {k: tensors[f"{fqn}.{k}"] for k in _ADAM_KEYS}
+        fqn: {"step": torch.tensor(float(meta["step"]))} | {k: tensors[f"{fqn}.{k}"] for k in _ADAM_KEYS}
         for fqn in fqns
     }
     hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}

@@ -96,13 +96,19 @@ def worker(model_name: str) -> None:
 
     per_rank = all_gather_objects(rows)
     if rank == 0:
-        n_params = sum(t.numel() for k, t in gathered.items() if k != "lm_head.weight" or not model.args.tie_word_embeddings)
-        print(f"model {model_name!r}: {n_params / 1e6:.2f}M params, world size {world}, loss of the training step {loss:.4f}")
+        n_params = sum(
+            t.numel() for k, t in gathered.items() if k != "lm_head.weight" or not model.args.tie_word_embeddings
+        )
+        print(
+            f"model {model_name!r}: {n_params / 1e6:.2f}M params, world size {world}, loss of the training step {loss:.4f}"
+        )
         print(f"gathered {len(gathered)} tensors and optimizer state for {len(opt_sd['state'])} params on rank 0")
         print(f"{'phase':38} {'rank':>4} {'seconds':>8} {'peak RSS MiB':>13} {'received MiB':>13}")
         for r, rank_rows in enumerate(per_rank):
             for row in rank_rows:
-                print(f"{row['phase']:38} {r:>4} {row['seconds']:>8.3f} {row['peak_mib']:>13.1f} {row['received_mib']:>13.2f}")
+                print(
+                    f"{row['phase']:38} {r:>4} {row['seconds']:>8.3f} {row['peak_mib']:>13.1f} {row['received_mib']:>13.2f}"
+                )
     dist.destroy_process_group()
 
 
@@ -117,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         end_process(0)
     from torch.distributed.run import main as torchrun
 
-    torchrun(["--standalone", "--nproc_per_node", str(args.nproc), "-m", "shardtune.demo", "--worker", "--model", args.model])
+    torchrun(
+        ["--standalone", "--nproc_per_node", str(args.nproc), "-m", "shardtune.demo", "--worker", "--model", args.model]
+    )
     return 0
 
 

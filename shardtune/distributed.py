@@ -15,9 +15,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from shardtune.state_dict.nf4 import is_nf4
-
 from shardtune.launch_checks import check_launch
+from shardtune.state_dict.nf4 import is_nf4
 
 log = logging.getLogger(__name__)
 

@@ -73,7 +73,18 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(size: int | str) -> int:
@@ -84,7 +95,9 @@ def parse_size(size: int | str) -> int:
         return size
     match = _SIZE.match(str(size))
     if not match:
-        raise ValueError(f"max_shard_size {size!r} is not a size; use an int of bytes or a string like '5GB' or '500MiB'")
+        raise ValueError(
+            f"max_shard_size {size!r} is not a size; use an int of bytes or a string like '5GB' or '500MiB'"
+        )
     value = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
     if value <= 0:
         raise ValueError(f"max_shard_size must be positive, got {size!r}")
@@ -118,7 +131,9 @@ def read_header(path: str | os.PathLike) -> dict[str, HeaderEntry]:
             size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) < 8:
-                raise CheckpointError(f"{path}: truncated file ({size} bytes): no 8-byte header length; re-copy or re-save it")
+                raise CheckpointError(
+                    f"{path}: truncated file ({size} bytes): no 8-byte header length; re-copy or re-save it"
+                )
             (length,) = struct.unpack("<Q", prefix)
             if length > MAX_HEADER_BYTES or 8 + length > size:
                 raise CheckpointError(
@@ -133,11 +148,15 @@ def read_header(path: str | os.PathLike) -> dict[str, HeaderEntry]:
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: corrupt header JSON ({exc}); the file is damaged, re-copy or re-save it") from None
+        raise CheckpointError(
+            f"{path}: corrupt header JSON ({exc}); the file is damaged, re-copy or re-save it"
+        ) from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header JSON is a {type(header).__name__}, expected an object")
     data_start = 8 + length
-    entries = {name: _entry(path, name, meta, data_start, size) for name, meta in header.items() if name != "__metadata__"}
+    entries = {
+        name: _entry(path, name, meta, data_start, size) for name, meta in header.items() if name != "__metadata__"
+    }
     _check_overlaps(path, entries.values())
     return entries
 
@@ -177,7 +196,9 @@ def _check_overlaps(path: str, entries: Iterable[HeaderEntry]) -> None:
     previous = None
     for entry in sorted((e for e in entries if e.nbytes), key=lambda e: e.start):
         if previous is not None and entry.start < previous.start + previous.nbytes:
-            raise CheckpointError(f"{path}: tensors {previous.name!r} and {entry.name!r} overlap in the file (corrupt header)")
+            raise CheckpointError(
+                f"{path}: tensors {previous.name!r} and {entry.name!r} overlap in the file (corrupt header)"
+            )
         previous = entry
 
 
@@ -413,7 +434,9 @@ class RangeWriter:
             checksum.finish()
         return data.numel()
 
-    def _write(self, path: str, fd: int, direct_fd: int | None, data: torch.Tensor, view: memoryview, offset: int) -> None:
+    def _write(
+        self, path: str, fd: int, direct_fd: int | None, data: torch.Tensor, view: memoryview, offset: int
+    ) -> None:
         end = offset + data.numel()
         first = -(-offset // DIRECT_IO_ALIGN) * DIRECT_IO_ALIGN
         last = end // DIRECT_IO_ALIGN * DIRECT_IO_ALIGN

@@ -55,7 +55,9 @@ DATASET_SCHEMA = Schema(
             help="a .json/.jsonl/.parquet file, a datasets save_to_disk directory, a hub dataset name (needs "
             "pip install shardtune[datasets]), or asset:<name> for a bundled file",
         ),
-        "split": Field((str, None), None, help="split of a save_to_disk DatasetDict or hub dataset; null: the only one"),
+        "split": Field(
+            (str, None), None, help="split of a save_to_disk DatasetDict or hub dataset; null: the only one"
+        ),
         "subset": Field((str, None), None, help="configuration (subset) name of a hub dataset"),
         "format": Field(str, "instruct", choices=("instruct", "chat", "preference")),
         "template": Field(
@@ -115,7 +117,8 @@ BASE_SCHEMA = Schema(
         "output_dir": Field(str, help="where checkpoints and logs go"),
         "checkpoint_dir": Field((str, None), None, help="HF model directory to start from"),
         "model": Field(
-            (str, None), None,
+            (str, None),
+            None,
             help="the preset that creates a missing base (only tiny can be created); when checkpoint_dir holds a "
             "model (config.json), that model trains and a preset of another shape is warned about; null: always "
             "checkpoint_dir's",
@@ -151,11 +154,17 @@ BASE_SCHEMA = Schema(
             (int, None), None, gt=0, help="validation loss every N steps (null: at the end of each epoch)"
         ),
         "max_seq_len": Field(int, 2048, gt=0),
-        "packed": Field(bool, False, help="pack samples into max_seq_len rows; positions restart and attention stays within each sample"),
+        "packed": Field(
+            bool,
+            False,
+            help="pack samples into max_seq_len rows; positions restart and attention stays within each sample",
+        ),
         "shuffle": Field(bool, True),
         "log_every_n_steps": Field(int, 1, gt=0),
         "peak_tflops": Field(
-            (float, None), None, gt=0,
+            (float, None),
+            None,
+            gt=0,
             help="the device's peak TFLOP/s for the logged mfu (null: known GPUs' dense bf16 peak; no mfu elsewhere)",
         ),
         "enable_activation_checkpointing": Field(bool, False),
@@ -163,14 +172,17 @@ BASE_SCHEMA = Schema(
             bool, False, help="keep what each layer saves for backward in pinned CPU memory (copied on a side stream)"
         ),
         "loss_chunk_tokens": Field(
-            (int, None), 1024, gt=0,
+            (int, None),
+            1024,
+            gt=0,
             help="tokens per chunk of the output projection + loss (no full-vocabulary logits); null: unchunked",
         ),
         "compile": Field(
             bool, False, help="torch.compile each decoder layer and the loss's chunks (first steps are slower)"
         ),
         "mixed_precision": Field(
-            bool, False,
+            bool,
+            False,
             help="keep fp32 master weights, optimizer state and gradient reduction; compute in `dtype` (bf16)",
         ),
         "fsdp_cpu_offload": Field(
@@ -188,20 +200,34 @@ BASE_SCHEMA = Schema(
         "keep_last_n": Field((int, None), None, gt=0, help="checkpoints to keep; null keeps all"),
         "checkpoint_format": Field(str, "hf", choices=("hf", "dcp"), help="format of intermediate checkpoints"),
         "shared_filesystem": Field(
-            bool, True,
+            bool,
+            True,
             help="false: output_dir is only on rank 0's node (node-local disks); rank 0 reads the base weights and "
             "reads/writes every checkpoint file, one tensor at a time (every rank still reads config.json and the tokenizer)",
         ),
-        "async_save": Field(bool, False, help="write intermediate checkpoints (HF or DCP) in the background from a CPU copy"),
+        "async_save": Field(
+            bool, False, help="write intermediate checkpoints (HF or DCP) in the background from a CPU copy"
+        ),
         "keep_staging_memory": Field(
-            bool, True, help="with async_save: keep the CPU copy's memory (each rank's shards) for the next save, which then skips allocating it"
+            bool,
+            True,
+            help="with async_save: keep the CPU copy's memory (each rank's shards) for the next save, which then skips allocating it",
         ),
     },
     checks=(_check_base,),
 )
 
 _LORA_TARGETS = (
-    "q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj", "lm_head"
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "qkv_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "gate_up_proj",
+    "down_proj",
+    "lm_head",
 )
 LORA_SECTION = Schema(
     {
@@ -212,12 +238,16 @@ LORA_SECTION = Schema(
         "quantize_base": Field(bool, False),
     }
 )
-LORA_SCHEMA = BASE_SCHEMA | {"lora": LORA_SECTION, "adapter_weights_only": Field(bool, False, help="LoRA checkpoints hold only the PEFT adapter (no merged model)")}
+LORA_SCHEMA = BASE_SCHEMA | {
+    "lora": LORA_SECTION,
+    "adapter_weights_only": Field(bool, False, help="LoRA checkpoints hold only the PEFT adapter (no merged model)"),
+}
 
 KD_SCHEMA = LORA_SCHEMA | {
     "teacher_checkpoint_dir": Field(str, help="HF model directory of the teacher"),
     "teacher_model": Field(
-        (str, None), None,
+        (str, None),
+        None,
         help="the preset that creates a missing teacher (only tiny); a model in teacher_checkpoint_dir wins, as for "
         "model",
     ),

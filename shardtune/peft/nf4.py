@@ -43,5 +43,3 @@ def to_nf4(weight: Tensor, *, block_size: int = DEFAULT_BLOCK_SIZE, scaler_block
 def linear_nf4(x: Tensor, weight: Tensor) -> Tensor:
     """``x @ dequant(weight).T`` with torchao's memory-saving autograd function."""
     return _nf4_module().linear_nf4(x, weight)
-
-

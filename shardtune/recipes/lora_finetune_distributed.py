@@ -28,8 +28,18 @@ def recipe_main(cfg: Config) -> None:
     progress = setup.load_weights(cfg, run, model, checkpointer)
     loss_fn = setup.next_token_loss(model, run, chunk_tokens=cfg.loss_chunk_tokens, compile=cfg.compile)
     setup.train_and_finish(
-        cfg, run, NAME, model=model, tokenizer=tokenizer, loss_fn=loss_fn, loader=loader, sampler=sampler, optimizer=opt,
-        lr_scheduler=sched, checkpointer=checkpointer, progress=progress,
+        cfg,
+        run,
+        NAME,
+        model=model,
+        tokenizer=tokenizer,
+        loss_fn=loss_fn,
+        loader=loader,
+        sampler=sampler,
+        optimizer=opt,
+        lr_scheduler=sched,
+        checkpointer=checkpointer,
+        progress=progress,
     )
 
 

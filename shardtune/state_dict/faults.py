@@ -104,7 +104,9 @@ def fault_point(name: str) -> None:
     _State.hits += 1
     if _State.hits != spec.nth:
         return
-    where = f"{name} on rank {rank} (occurrence {spec.nth}, {ENV_VAR}={spec.point}:{spec.rank}:{spec.action}:{spec.nth})"
+    where = (
+        f"{name} on rank {rank} (occurrence {spec.nth}, {ENV_VAR}={spec.point}:{spec.rank}:{spec.action}:{spec.nth})"
+    )
     if spec.action == "raise":
         raise InjectedFault(f"fault injected at {where}")
     sig = signal.SIGKILL if spec.action == "kill" else signal.SIGSTOP

@@ -37,7 +37,9 @@ from shardtune.state_dict import comm
 from shardtune.training.grad_norm import clip_grad_norm
 from shardtune.training.metrics import MetricLogger, peak_memory_mib
 
-LossFn = Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, int] | tuple[torch.Tensor, int, dict[str, torch.Tensor]]]
+LossFn = Callable[
+    [dict[str, torch.Tensor]], tuple[torch.Tensor, int] | tuple[torch.Tensor, int, dict[str, torch.Tensor]]
+]
 
 
 @dataclass(frozen=True)

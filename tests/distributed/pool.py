@@ -12,9 +12,10 @@ import os
 import queue
 import socket
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass

@@ -31,8 +31,14 @@ def base_dir(tmp_path_factory) -> str:
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=512, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=256,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
     path = tmp_path_factory.mktemp("base")
     transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
@@ -48,8 +54,15 @@ def _setup(base: str, out: str, *, lora: bool, adapter_only: bool = False, finge
     opt = build_optimizer(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = build_lr_scheduler(opt, name="cosine", warmup_steps=1, total_steps=10)
     ck = Checkpointer(
-        output_dir=out, model=model, optimizer=opt, lr_scheduler=sched, base_dir=base,
-        adapter_weights_only=adapter_only, fingerprint={"model": fingerprint}, seed=7, **options,
+        output_dir=out,
+        model=model,
+        optimizer=opt,
+        lr_scheduler=sched,
+        base_dir=base,
+        adapter_weights_only=adapter_only,
+        fingerprint={"model": fingerprint},
+        seed=7,
+        **options,
     )
     return model, opt, sched, ck
 
@@ -97,9 +110,16 @@ def _save_then_resume(base: str, out: str, lora: bool, adapter_only: bool):
     with torch.no_grad():
         logits = model2(tokens)  # after the resumed steps
     files = sorted(str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file())
-    return {"uninterrupted": uninterrupted, "resumed": resumed, "step": progress.step, "epoch": progress.epoch,
-            "lr": opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"], "files": files, "path": str(path),
-            "logits": logits}
+    return {
+        "uninterrupted": uninterrupted,
+        "resumed": resumed,
+        "step": progress.step,
+        "epoch": progress.epoch,
+        "lr": opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"],
+        "files": files,
+        "path": str(path),
+        "logits": logits,
+    }
 
 
 def _save_resume_under_nccl_rules(base: str, out: str, lora: bool, shared: bool):
@@ -114,8 +134,12 @@ def _save_resume_under_nccl_rules(base: str, out: str, lora: bool, shared: bool)
     model2, opt2, sched2, ck2 = _setup(base, out, lora=lora, shared_filesystem=shared)
     with nccl_rules() as resuming:
         progress = _start(model2, ck2, lora=lora)
-    return {"resumed": _train(model2, opt2, sched2, range(2, 4)), "uninterrupted": uninterrupted,
-            "step": progress.step, "counts": [dict(saving.counts), dict(resuming.counts)]}
+    return {
+        "resumed": _train(model2, opt2, sched2, range(2, 4)),
+        "uninterrupted": uninterrupted,
+        "step": progress.step,
+        "counts": [dict(saving.counts), dict(resuming.counts)],
+    }
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -139,8 +163,14 @@ def test_save_resume_continues_exactly(pool2, base_dir, tmp_path, lora, adapter_
         assert (r["step"], r["epoch"]) == (2, 1) and r["lr"]
     files = res[0]["files"]
     assert Path(res[0]["path"]).name == "epoch_1"
-    for needed in ("shardtune_checkpoint.json", "training_state/optimizer.safetensors", "training_state/optimizer.json",
-                   "training_state/training_state.json", "training_state/rng/rank_0.pt", "training_state/rng/rank_1.pt"):
+    for needed in (
+        "shardtune_checkpoint.json",
+        "training_state/optimizer.safetensors",
+        "training_state/optimizer.json",
+        "training_state/training_state.json",
+        "training_state/rng/rank_0.pt",
+        "training_state/rng/rank_1.pt",
+    ):
         assert needed in files
     has_model = any(f.startswith("model") and f.endswith(".safetensors") for f in files)
     assert has_model == (not adapter_only)
@@ -190,7 +220,9 @@ def _save_world(base: str, out: str):
     _train(model, opt, sched, range(3))
     ck.progress.batches_in_epoch = 3  # mid-epoch: named step_<n>
     ck.save(step=3, epoch=0)
-    return gather_cpu_state_dict(model, dist.get_rank() == 0), get_full_optimizer_state_dict(model, opt, dist.get_rank() == 0)
+    return gather_cpu_state_dict(model, dist.get_rank() == 0), get_full_optimizer_state_dict(
+        model, opt, dist.get_rank() == 0
+    )
 
 
 def _resume_world(base: str, out: str):
@@ -198,15 +230,23 @@ def _resume_world(base: str, out: str):
     model, opt, sched, ck = _setup(base, out, lora=False, sampler=sampler)
     progress = _start(model, ck, lora=False)
     assert progress is ck.progress and progress.batches_in_epoch == 3
-    return (gather_cpu_state_dict(model, dist.get_rank() == 0), get_full_optimizer_state_dict(model, opt, dist.get_rank() == 0),
-            progress.step, sampler.consumed, progress.world_size, sched.last_epoch)
+    return (
+        gather_cpu_state_dict(model, dist.get_rank() == 0),
+        get_full_optimizer_state_dict(model, opt, dist.get_rank() == 0),
+        progress.step,
+        sampler.consumed,
+        progress.world_size,
+        sched.last_epoch,
+    )
 
 
 @pytest.mark.parametrize("save_pool,load_pool", [("pool2", "pool4"), ("pool4", "pool2")])
 def test_resume_on_another_world_size(request, base_dir, tmp_path, save_pool, load_pool):
     out = str(tmp_path / "out")
     saved_model, saved_opt = request.getfixturevalue(save_pool).run_ok(_save_world, base_dir, out)[0]
-    model_sd, opt_sd, step, sampler, world, sched_epoch = request.getfixturevalue(load_pool).run_ok(_resume_world, base_dir, out)[0]
+    model_sd, opt_sd, step, sampler, world, sched_epoch = request.getfixturevalue(load_pool).run_ok(
+        _resume_world, base_dir, out
+    )[0]
     assert step == 3 and sampler == 6 and sched_epoch == 3  # the registered sampler was restored
     assert world == (2 if save_pool == "pool2" else 4)
     assert all(torch.equal(model_sd[k], saved_model[k]) for k in saved_model)
@@ -302,8 +342,16 @@ def test_corrupt_training_state_file_is_a_clear_error_on_every_rank(pool2, base_
 def _hf_async_round_trip(base: str, out: str, lora: bool):
     """async_save with HF intermediates: train on while the save is written, then resume from it."""
     model, opt, sched, _ = _setup(base, out, lora=lora)
-    ck = Checkpointer(output_dir=out, model=model, optimizer=opt, lr_scheduler=sched, base_dir=base,
-                      fingerprint={"model": "a"}, seed=7, async_save=True)
+    ck = Checkpointer(
+        output_dir=out,
+        model=model,
+        optimizer=opt,
+        lr_scheduler=sched,
+        base_dir=base,
+        fingerprint={"model": "a"},
+        seed=7,
+        async_save=True,
+    )
     _start(model, ck, lora=lora)
     _train(model, opt, sched, range(2))
     saved = gather_cpu_state_dict(model, dist.get_rank() == 0)
@@ -319,20 +367,31 @@ def _hf_async_round_trip(base: str, out: str, lora: bool):
     restored_optim = get_full_optimizer_state_dict(model2, opt2, dist.get_rank() == 0)
     resumed = _train(model2, opt2, sched2, range(2, 4))
     dist.barrier()
-    files = sorted(str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file()) if dist.get_rank() == 0 else None
+    files = (
+        sorted(str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file()) if dist.get_rank() == 0 else None
+    )
     same_state = None
     if dist.get_rank() == 0:
         optim_tensors = [
             (restored_optim["state"][k][s], v)
-            for k, states in saved_optim["state"].items() for s, v in states.items() if isinstance(v, torch.Tensor) and v.dim()
+            for k, states in saved_optim["state"].items()
+            for s, v in states.items()
+            if isinstance(v, torch.Tensor) and v.dim()
         ]
         same_state = (
             len(optim_tensors) >= 2 * len(saved_optim["state"]) > 0
             and all(torch.equal(restored[k], v) for k, v in saved.items())
             and all(torch.equal(a, b) for a, b in optim_tensors)
         )
-    return {"early": published_early, "files": files, "step": progress.step, "same": resumed == uninterrupted,
-            "same_state": same_state, "path": str(path), "saved": saved if dist.get_rank() == 0 else None}
+    return {
+        "early": published_early,
+        "files": files,
+        "step": progress.step,
+        "same": resumed == uninterrupted,
+        "same_state": same_state,
+        "path": str(path),
+        "saved": saved if dist.get_rank() == 0 else None,
+    }
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -351,7 +410,10 @@ def test_hf_async_intermediate_checkpoint_holds_the_state_at_save_and_resumes(po
         assert all(torch.equal(hf.state_dict()[k], v) for k, v in saved.items())
     else:  # merged: W + scaling * B @ A of the adapters at save time
         q = "model.layers.0.self_attn.q_proj"
-        merged = saved[f"{q}.weight"] + LORA["alpha"] / LORA["rank"] * saved[f"{q}.lora_B.weight"] @ saved[f"{q}.lora_A.weight"]
+        merged = (
+            saved[f"{q}.weight"]
+            + LORA["alpha"] / LORA["rank"] * saved[f"{q}.lora_B.weight"] @ saved[f"{q}.lora_A.weight"]
+        )
         assert torch.allclose(hf.state_dict()[f"{q}.weight"], merged, atol=1e-6)
 
 
@@ -366,11 +428,15 @@ def _same_state(a: tuple[dict, dict], b: tuple[dict, dict]) -> bool:
     (model_a, optim_a), (model_b, optim_b) = a, b
     tensors = [
         (value, optim_b["state"][key][name])
-        for key, states in optim_a["state"].items() for name, value in states.items() if isinstance(value, torch.Tensor)
+        for key, states in optim_a["state"].items()
+        for name, value in states.items()
+        if isinstance(value, torch.Tensor)
     ]
     return (
-        sorted(model_a) == sorted(model_b) and all(torch.equal(v, model_b[k]) for k, v in model_a.items())
-        and len(tensors) > 0 and all(torch.equal(x, y) for x, y in tensors)
+        sorted(model_a) == sorted(model_b)
+        and all(torch.equal(v, model_b[k]) for k, v in model_a.items())
+        and len(tensors) > 0
+        and all(torch.equal(x, y) for x, y in tensors)
     )
 
 
@@ -378,9 +444,18 @@ def _background_saves_in_a_row(base: str, out: str, fmt: str, keep: bool):
     """Two background saves, the second into the first's kept CPU memory (unless ``keep`` is
     off), training on under each write; each checkpoint must resume to the state at its save."""
     model, opt, sched, _ = _setup(base, out, lora=False)
-    ck = Checkpointer(output_dir=out, model=model, optimizer=opt, lr_scheduler=sched, base_dir=base,
-                      fingerprint={"model": "a"}, seed=7, checkpoint_format=fmt, async_save=True,
-                      keep_staging_memory=keep)
+    ck = Checkpointer(
+        output_dir=out,
+        model=model,
+        optimizer=opt,
+        lr_scheduler=sched,
+        base_dir=base,
+        fingerprint={"model": "a"},
+        seed=7,
+        checkpoint_format=fmt,
+        async_save=True,
+        keep_staging_memory=keep,
+    )
     _start(model, ck, lora=False)
     at_save, arenas = {}, []
     for step in (2, 3):
@@ -434,8 +509,16 @@ def _node_local_round_trip(root: str, base: str, lora: bool):
 
     def setup():
         model, opt, sched, _ = _setup(base, str(out), lora=lora)
-        ck = Checkpointer(output_dir=out, model=model, optimizer=opt, lr_scheduler=sched, base_dir=base,
-                          fingerprint={"model": "a"}, seed=7, shared_filesystem=False)
+        ck = Checkpointer(
+            output_dir=out,
+            model=model,
+            optimizer=opt,
+            lr_scheduler=sched,
+            base_dir=base,
+            fingerprint={"model": "a"},
+            seed=7,
+            shared_filesystem=False,
+        )
         return model, opt, sched, ck
 
     model, opt, sched, ck = setup()
@@ -450,9 +533,15 @@ def _node_local_round_trip(root: str, base: str, lora: bool):
     resumed = _train(model2, opt2, sched2, range(2, 5))
     dist.barrier()
     files = sorted(str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file()) if rank == 0 else None
-    return {"same": resumed == uninterrupted, "step": progress.step, "files": files, "path": str(path),
-            "same_state": _same_state(at_save, restored) if rank == 0 else None,
-            "saved": at_save[0] if rank == 0 else None, "rank1_out_exists": (Path(root) / "node1" / "out").exists()}
+    return {
+        "same": resumed == uninterrupted,
+        "step": progress.step,
+        "files": files,
+        "path": str(path),
+        "same_state": _same_state(at_save, restored) if rank == 0 else None,
+        "saved": at_save[0] if rank == 0 else None,
+        "rank1_out_exists": (Path(root) / "node1" / "out").exists(),
+    }
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -464,8 +553,13 @@ def test_node_local_output_dir_rank0_writes_and_reads_everything_and_resumes_exa
     assert not res[0]["rank1_out_exists"] and Path(res[0]["path"]).parent == tmp_path / "node0" / "out"
     assert res[0]["same_state"]
     files = res[0]["files"]
-    for needed in ("model.safetensors", "training_state/optimizer.safetensors", "training_state/rng/rank_0.pt",
-                   "training_state/rng/rank_1.pt", "training_state/training_state.json"):
+    for needed in (
+        "model.safetensors",
+        "training_state/optimizer.safetensors",
+        "training_state/rng/rank_0.pt",
+        "training_state/rng/rank_1.pt",
+        "training_state/training_state.json",
+    ):
         assert needed in files
     assert ("adapter/adapter_model.safetensors" in files) == lora
     hf = transformers.AutoModelForCausalLM.from_pretrained(res[0]["path"]).eval()
@@ -483,8 +577,17 @@ def test_node_local_output_dir_refuses_per_rank_files(tmp_path, options):
 
 def _dcp_async_round_trip(base: str, out: str, lora: bool):
     model, opt, sched, ck = _setup(base, out, lora=lora)
-    ck = Checkpointer(output_dir=out, model=model, optimizer=opt, lr_scheduler=sched, base_dir=base,
-                      fingerprint={"model": "a"}, seed=7, checkpoint_format="dcp", async_save=True)
+    ck = Checkpointer(
+        output_dir=out,
+        model=model,
+        optimizer=opt,
+        lr_scheduler=sched,
+        base_dir=base,
+        fingerprint={"model": "a"},
+        seed=7,
+        checkpoint_format="dcp",
+        async_save=True,
+    )
     _start(model, ck, lora=lora)
     _train(model, opt, sched, range(2))
     ck.progress.batches_in_epoch = 2  # mid-epoch: named step_<n>
@@ -501,8 +604,14 @@ def _dcp_async_round_trip(base: str, out: str, lora: bool):
         files = sorted(p.name for p in Path(path).iterdir())
     else:
         files = None
-    return {"early": published_early, "files": files, "step": progress.step, "same": resumed == uninterrupted,
-            "saved": saved if dist.get_rank() == 0 else None, "path": str(path)}
+    return {
+        "early": published_early,
+        "files": files,
+        "step": progress.step,
+        "same": resumed == uninterrupted,
+        "saved": saved if dist.get_rank() == 0 else None,
+        "path": str(path),
+    }
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -523,5 +632,8 @@ def test_dcp_async_intermediate_checkpoint_resumes_and_converts(pool2, base_dir,
         assert all(torch.equal(hf.state_dict()[k], v) for k, v in saved.items())
     else:  # merged: W + scaling * B @ A of the saved adapters
         q = "model.layers.0.self_attn.q_proj"
-        merged = saved[f"{q}.weight"] + LORA["alpha"] / LORA["rank"] * saved[f"{q}.lora_B.weight"] @ saved[f"{q}.lora_A.weight"]
+        merged = (
+            saved[f"{q}.weight"]
+            + LORA["alpha"] / LORA["rank"] * saved[f"{q}.lora_B.weight"] @ saved[f"{q}.lora_A.weight"]
+        )
         assert torch.allclose(hf.state_dict()[f"{q}.weight"], merged, atol=1e-6)

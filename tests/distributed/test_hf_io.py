@@ -71,7 +71,9 @@ def ckpts(tmp_path_factory):
     untied, tied = _hf_model(tied=False, seed=0), _hf_model(tied=True, seed=1)
     untied.save_pretrained(root / "single", safe_serialization=True)
     untied.save_pretrained(root / "multi", safe_serialization=True, max_shard_size="300KB")
-    copy.deepcopy(untied).to(torch.bfloat16).save_pretrained(root / "multi_bf16", safe_serialization=True, max_shard_size="300KB")
+    copy.deepcopy(untied).to(torch.bfloat16).save_pretrained(
+        root / "multi_bf16", safe_serialization=True, max_shard_size="300KB"
+    )
     tied.save_pretrained(root / "tied", safe_serialization=True)
     for name in ("single", "tied"):
         (root / name / "tokenizer_config.json").write_text('{"model_max_length": 64}')
@@ -136,9 +138,18 @@ def _load_and_save(src: str, shared: bool, dtype_name: str, out: str, max_shard_
         logits = model(TOKENS)
     full = gather_cpu_state_dict(model, dist.get_rank() == 0)
     with _counting_file_writes() as written:
-        files = save_hf_checkpoint(model, out, max_shard_size=max_shard_size, tokenizer_dir=src, shared_filesystem=shared)
-    return {"keys": keys, "read": read, "received": received, "logits": logits, "sd": full, "files": files,
-            "written": sum(written)}
+        files = save_hf_checkpoint(
+            model, out, max_shard_size=max_shard_size, tokenizer_dir=src, shared_filesystem=shared
+        )
+    return {
+        "keys": keys,
+        "read": read,
+        "received": received,
+        "logits": logits,
+        "sd": full,
+        "files": files,
+        "written": sum(written),
+    }
 
 
 def _save_direct_and_buffered(src: str, out_direct: str, out_buffered: str) -> int:
@@ -177,7 +188,12 @@ def _stage_change_flush(src: str, staged_dir: str, changed_dir: str):
             p.to_local().add_(1.0)
     problems = staged.flush()
     save_hf_checkpoint(model, changed_dir)
-    return {"problems": problems, "staged_bytes": staged_bytes, "left": staged.nbytes, "own_bytes": sum(p.to_local().nbytes for p in model.parameters())}
+    return {
+        "problems": problems,
+        "staged_bytes": staged_bytes,
+        "left": staged.nbytes,
+        "own_bytes": sum(p.to_local().nbytes for p in model.parameters()),
+    }
 
 
 def _stage_twice_in_kept_memory(src: str, first_dir: str, second_dir: str):
@@ -192,7 +208,9 @@ def _stage_twice_in_kept_memory(src: str, first_dir: str, second_dir: str):
         save_hf_checkpoint(model, out, max_shard_size="300KB", sink=staged)
         addresses.append(sorted(t.data_ptr() for _, t, _ in staged.blocks))
         start = memory.arena.data_ptr()
-        inside.append(all(start <= t.data_ptr() and t.data_ptr() + t.nbytes <= start + memory.nbytes for _, t, _ in staged.blocks))
+        inside.append(
+            all(start <= t.data_ptr() and t.data_ptr() + t.nbytes <= start + memory.nbytes for _, t, _ in staged.blocks)
+        )
         with torch.no_grad():
             for p in model.parameters():
                 p.to_local().add_(1.0)
@@ -205,7 +223,11 @@ def _stage_twice_in_kept_memory(src: str, first_dir: str, second_dir: str):
 
 def _lora_model(src: str, *, quantize: bool):
     model = apply_lora(
-        build_model(src, device="meta"), rank=LORA_RANK, alpha=LORA_ALPHA, target_modules=LORA_TARGETS, quantize_base=quantize
+        build_model(src, device="meta"),
+        rank=LORA_RANK,
+        alpha=LORA_ALPHA,
+        target_modules=LORA_TARGETS,
+        quantize_base=quantize,
     )
     shard_model(model)
     load_hf_checkpoint(model, src, device="cpu")
@@ -265,7 +287,11 @@ def _load_error(dirs: list[str], config_dir: str, shared: bool):
 
 @pytest.mark.parametrize(
     "src, shared, dtype, max_shard_size",
-    [("single", True, "float32", "5GB"), ("multi", False, "float32", "400KB"), ("multi_bf16", True, "bfloat16", 300_000)],
+    [
+        ("single", True, "float32", "5GB"),
+        ("multi", False, "float32", "400KB"),
+        ("multi_bf16", True, "bfloat16", 300_000),
+    ],
 )
 def test_load_then_save_round_trip(pool2, ckpts, tmp_path, src, shared, dtype, max_shard_size):
     src_dir, out = str(ckpts["root"] / src), str(tmp_path / "out")
@@ -309,8 +335,14 @@ def test_direct_io_save_writes_the_same_files_as_buffered(pool2, tmp_path):
 
     torch.manual_seed(5)
     config = transformers.LlamaConfig(
-        vocab_size=3001, hidden_size=384, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=1536, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=3001,
+        hidden_size=384,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=1536,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
     reference = transformers.LlamaForCausalLM(config).eval()
     src = tmp_path / "src"
@@ -447,7 +479,9 @@ def test_single_process_without_process_group(ckpts, tmp_path, caplog):
     assert all(torch.equal(v, ckpts["sd"][k].half()) for k, v in _saved_tensors(tmp_path / "out").items())
     assert _from_pretrained(tmp_path / "out").dtype == torch.float16
     with open_hf_checkpoint(tmp_path / "out") as checkpoint:
-        assert len(checkpoint) == len(ckpts["sd"]) and checkpoint.total_bytes == sum(v.numel() * 2 for v in ckpts["sd"].values())
+        assert len(checkpoint) == len(ckpts["sd"]) and checkpoint.total_bytes == sum(
+            v.numel() * 2 for v in ckpts["sd"].values()
+        )
 
 
 # --- errors: the same CheckpointError on every rank, naming the file, never a hang ----------
@@ -490,7 +524,9 @@ def test_broken_checkpoint_raises_on_every_rank(pool2, ckpts, tmp_path, kind, sh
 
 def test_file_missing_on_one_rank_raises_everywhere(pool2, ckpts, tmp_path):
     bad, victim = _broken_copy(ckpts, tmp_path, "missing_shard")
-    outcomes = pool2.run(_load_error, [str(ckpts["root"] / "multi"), bad], str(ckpts["root"] / "multi"), True, timeout=60)
+    outcomes = pool2.run(
+        _load_error, [str(ckpts["root"] / "multi"), bad], str(ckpts["root"] / "multi"), True, timeout=60
+    )
     assert not any(o.ok for o in outcomes)
     assert outcomes[0].error == outcomes[1].error and "[rank 1]" in outcomes[0].error and victim in outcomes[0].error
 

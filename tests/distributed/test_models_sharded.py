@@ -16,8 +16,15 @@ from shardtune.training import gather_cpu_state_dict, load_from_full_model_state
 pytestmark = pytest.mark.timeout(240)
 
 ARGS = ModelArgs(
-    vocab_size=128, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=512,
-    tie_word_embeddings=True, norm_eps=1e-6, rope_theta=10000.0,
+    vocab_size=128,
+    dim=256,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    intermediate_size=512,
+    tie_word_embeddings=True,
+    norm_eps=1e-6,
+    rope_theta=10000.0,
 )
 
 
@@ -26,8 +33,15 @@ def _hf_model():
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=512, tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-6,
+        vocab_size=128,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
     )
     return transformers.LlamaForCausalLM(config).eval()
 
@@ -42,14 +56,23 @@ def _hf_logits_under_sharding(mode: str, replicate: int, checkpointing: bool):
     with torch.device("meta"):
         model = build_model(ARGS)
     shard_model(model, mesh=make_mesh(replicate=replicate), activation_checkpointing=checkpointing)
-    keys = load_from_full_model_state_dict(model, hf_sd if mode == "every_rank" or dist.get_rank() == 0 else {}, "cpu", strict=True)
+    keys = load_from_full_model_state_dict(
+        model, hf_sd if mode == "every_rank" or dist.get_rank() == 0 else {}, "cpu", strict=True
+    )
     model.init_buffers("cpu")
     tokens = _tokens()
     with torch.no_grad():
         diff = (model(tokens) - hf(tokens).logits).abs().max().item()
-    return {"diff": diff, "missing": keys.missing_keys, "tied": model.lm_head.weight is model.model.embed_tokens.weight,
-            "placements": str(model.model.layers[0].mlp.up_proj.weight.placements if not checkpointing else
-                              model.model.layers[0]._checkpoint_wrapped_module.mlp.up_proj.weight.placements)}
+    return {
+        "diff": diff,
+        "missing": keys.missing_keys,
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+        "placements": str(
+            model.model.layers[0].mlp.up_proj.weight.placements
+            if not checkpointing
+            else model.model.layers[0]._checkpoint_wrapped_module.mlp.up_proj.weight.placements
+        ),
+    }
 
 
 @pytest.mark.parametrize("mode", ["every_rank", "rank0"])
@@ -101,8 +124,12 @@ def _forward_backward_matches_reference(lora: bool):
         names.append(name)
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         worst = max(worst, (grad - ref_p.grad).abs().max().item())
-    return {"loss": abs(loss.item() - ref_loss.item()), "grad": worst, "n_grads": len(names),
-            "only_lora": all("lora" in n for n in names)}
+    return {
+        "loss": abs(loss.item() - ref_loss.item()),
+        "grad": worst,
+        "n_grads": len(names),
+        "only_lora": all("lora" in n for n in names),
+    }
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -110,7 +137,9 @@ def test_sharded_forward_backward_equals_single_process(pool2, lora):
     res = pool2.run_ok(_forward_backward_matches_reference, lora)
     for r in res:
         assert r["loss"] < 1e-5 and r["grad"] < 1e-5
-        assert r["only_lora"] == lora and r["n_grads"] == (12 if lora else 20)  # 9 per layer + embedding (tied head) + norm
+        assert r["only_lora"] == lora and r["n_grads"] == (
+            12 if lora else 20
+        )  # 9 per layer + embedding (tied head) + norm
 
 
 def _qlora_round_trip():

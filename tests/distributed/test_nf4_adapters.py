@@ -22,7 +22,9 @@ def _nf4_round_trip(mode: str, mesh_kind: str, give_nf4: bool):
     if give_nf4:  # NF4-valued checkpoint entries are accepted too
         given.update({k: to_nf4(sd[k]) for k in NF4_KEYS})
     model = toy.build_sharded(meta=True, mesh_kind=mesh_kind, lora_rank=4, nf4=True)
-    keys = load_from_full_model_state_dict(model, given if mode == "every_rank" or dist.get_rank() == 0 else {}, "cpu", strict=True)
+    keys = load_from_full_model_state_dict(
+        model, given if mode == "every_rank" or dist.get_rank() == 0 else {}, "cpu", strict=True
+    )
     local_types = {type(model.layers[0].q_proj.weight._local_tensor).__name__}
     tokens = torch.arange(20).reshape(2, 10) % toy.VOCAB
     with torch.no_grad():
@@ -31,8 +33,12 @@ def _nf4_round_trip(mode: str, mesh_kind: str, give_nf4: bool):
     ref = toy.reference(sd, lora_rank=4, nf4=True)
     with torch.no_grad():
         ref_logits = ref(tokens)
-    result = {"logits": (logits - ref_logits).abs().max().item(), "types": local_types, "keys": keys,
-              "frozen": not model.layers[0].q_proj.weight.requires_grad}
+    result = {
+        "logits": (logits - ref_logits).abs().max().item(),
+        "types": local_types,
+        "keys": keys,
+        "frozen": not model.layers[0].q_proj.weight.requires_grad,
+    }
     if dist.get_rank() == 0:
         result["nf4_equal"] = all(torch.equal(out[k], to_nf4(sd[k]).get_original_weight()) for k in NF4_KEYS)
         result["plain_equal"] = all(torch.equal(out[k], sd[k]) for k in sd if k not in NF4_KEYS)
@@ -67,8 +73,13 @@ def _adapter_only(mode: str):
     adapter_bytes = sum(v.numel() * v.element_size() for k, v in sd.items() if "lora" in k)
     if dist.get_rank() != 0:
         return {"moved": moved, "out": out}
-    return {"keys": sorted(out), "expected": sorted(k for k in sd if "lora" in k), "moved": moved,
-            "equal": all(torch.equal(out[k], sd[k]) for k in out), "adapter_bytes": adapter_bytes}
+    return {
+        "keys": sorted(out),
+        "expected": sorted(k for k in sd if "lora" in k),
+        "moved": moved,
+        "equal": all(torch.equal(out[k], sd[k]) for k in out),
+        "adapter_bytes": adapter_bytes,
+    }
 
 
 def test_adapter_weights_only_filters_before_sending(pool2):

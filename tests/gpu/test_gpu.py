@@ -196,8 +196,12 @@ def test_two_rank_recipe_resumes_exactly(tiny_base, tmp_path):
 def test_fsdp_cpu_offload_trains_like_the_gpu_run_and_resumes_exactly(tiny_base, tmp_path):
     """``fsdp_cpu_offload``: params, grads and the AdamW step on CPU; clipping included."""
     common = [
-        f"checkpoint_dir={tiny_base}", "epochs=2", "max_steps_per_epoch=4", "log_every_n_steps=1",
-        "clip_grad_norm=1.0", "dtype=fp32",
+        f"checkpoint_dir={tiny_base}",
+        "epochs=2",
+        "max_steps_per_epoch=4",
+        "log_every_n_steps=1",
+        "clip_grad_norm=1.0",
+        "dtype=fp32",
     ]
     on_gpu, offloaded = tmp_path / "gpu", tmp_path / "offloaded"
     _run("full_finetune_distributed", "tiny/full", f"output_dir={on_gpu}", *common)
@@ -207,8 +211,12 @@ def test_fsdp_cpu_offload_trains_like_the_gpu_run_and_resumes_exactly(tiny_base,
     assert [got[s] for s in got] == pytest.approx([want[s] for s in got], rel=1e-4)
     resumed = resume_copy(offloaded, "epoch_1", tmp_path / "resumed")
     _run(
-        "full_finetune_distributed", "tiny/full", f"output_dir={resumed}", "fsdp_cpu_offload=true",
-        "resume_from_checkpoint=True", *common,
+        "full_finetune_distributed",
+        "tiny/full",
+        f"output_dir={resumed}",
+        "fsdp_cpu_offload=true",
+        "resume_from_checkpoint=True",
+        *common,
     )
     again = losses(resumed)
     assert min(again) == 5 and all(got[s] == v for s, v in again.items()), (got, again)
@@ -246,5 +254,11 @@ def test_activation_offloading_recipe_trains_like_the_plain_run(tiny_base, tmp_p
     common = [f"checkpoint_dir={tiny_base}", "epochs=1", "max_steps_per_epoch=4", "log_every_n_steps=1", "dtype=fp32"]
     plain, offloaded = tmp_path / "plain", tmp_path / "offloaded"
     _run("lora_finetune_distributed", "tiny/lora", f"output_dir={plain}", *common)
-    _run("lora_finetune_distributed", "tiny/lora", f"output_dir={offloaded}", "enable_activation_offloading=true", *common)
+    _run(
+        "lora_finetune_distributed",
+        "tiny/lora",
+        f"output_dir={offloaded}",
+        "enable_activation_offloading=true",
+        *common,
+    )
     assert losses(offloaded) == losses(plain)

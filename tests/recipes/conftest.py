@@ -18,12 +18,28 @@ TEACHER_SEED = 4321
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {"base": create_tiny_base(root / "tiny_base"), "teacher": create_tiny_base(root / "tiny_teacher", seed=TEACHER_SEED)}
+    return {
+        "base": create_tiny_base(root / "tiny_base"),
+        "teacher": create_tiny_base(root / "tiny_teacher", seed=TEACHER_SEED),
+    }
 
 
-def run_recipe(recipe: str, config: str, *overrides: str, nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_recipe(
+    recipe: str, config: str, *overrides: str, nproc: int = 2, timeout: float = 240
+) -> subprocess.CompletedProcess:
     """``shardtune run --nproc_per_node N RECIPE --config CONFIG overrides``; fails the test on error."""
-    cmd = [sys.executable, "-m", "shardtune.cli", "run", "--nproc_per_node", str(nproc), recipe, "--config", config, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardtune.cli",
+        "run",
+        "--nproc_per_node",
+        str(nproc),
+        recipe,
+        "--config",
+        config,
+        *overrides,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc

@@ -20,8 +20,14 @@ from shardtune.recipes import _setup as setup
 pytestmark = pytest.mark.timeout(120)
 
 # A Llama shape unlike the tiny preset's (hidden 256, 4 layers, 8 heads, 4 kv, intermediate 768, vocab 256).
-SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "intermediate_size": 128, "vocab_size": 128}
+SMALL = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 128,
+}
 
 
 def _small_model_dir(path):
@@ -35,7 +41,9 @@ def _setup_on_rank(checkpoint_dir: str, preset: str | None, key: str, preset_key
     from shardtune.config import REQUIRED, Field
     from shardtune.configs.schemas import BASE_SCHEMA
 
-    defaults = {n: f.default for n, f in BASE_SCHEMA.fields.items() if isinstance(f, Field) and f.default is not REQUIRED}
+    defaults = {
+        n: f.default for n, f in BASE_SCHEMA.fields.items() if isinstance(f, Field) and f.default is not REQUIRED
+    }
     cfg = Config({**defaults, "output_dir": output_dir, **keys, "enable_activation_checkpointing": False})
     rank, world = dist.get_rank(), dist.get_world_size()
     run = setup.Run(rank=rank, world_size=world, device=torch.device("cpu"), dtype=torch.float32)
@@ -61,8 +69,13 @@ def test_a_preset_of_another_shape_warns_on_rank0_and_the_checkpoint_trains(pool
     small = _small_model_dir(tmp_path / "small")
     rank0, rank1 = pool2.run_ok(_setup_on_rank, str(small), "tiny", key, preset_key, str(tmp_path / "out"))
     for result in (rank0, rank1):
-        assert result["shape"] == {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 128, "q_rows": 64,
-                                   "intermediate_size": 128}
+        assert result["shape"] == {
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "vocab_size": 128,
+            "q_rows": 64,
+            "intermediate_size": 128,
+        }
     assert rank1["warnings"] == []
     (message,) = rank0["warnings"]
     assert f"{preset_key}=tiny (hidden size 256, 4 layers, 8 heads (4 kv), intermediate size 768, vocab 256)" in message
@@ -76,13 +89,19 @@ def test_a_matching_or_null_preset_does_not_warn(pool2, tmp_path, preset):
     results = pool2.run_ok(_setup_on_rank, str(base), preset, "checkpoint_dir", "model", str(tmp_path / "out"))
     for result in results:
         assert result["warnings"] == []
-        assert result["shape"] == {"hidden_size": 256, "num_hidden_layers": 4, "vocab_size": 256, "q_rows": 256,
-                                   "intermediate_size": 768}
+        assert result["shape"] == {
+            "hidden_size": 256,
+            "num_hidden_layers": 4,
+            "vocab_size": 256,
+            "q_rows": 256,
+            "intermediate_size": 768,
+        }
 
 
 def test_a_missing_base_is_created_from_the_preset_without_a_warning(pool2, tmp_path):
-    results = pool2.run_ok(_setup_on_rank, str(tmp_path / "new_base"), "tiny", "checkpoint_dir", "model",
-                           str(tmp_path / "out"))
+    results = pool2.run_ok(
+        _setup_on_rank, str(tmp_path / "new_base"), "tiny", "checkpoint_dir", "model", str(tmp_path / "out")
+    )
     assert (tmp_path / "new_base" / "config.json").is_file()
     for result in results:
         assert result["warnings"] == []

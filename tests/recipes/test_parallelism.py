@@ -113,7 +113,15 @@ def test_cpu_offload_without_a_gpu_is_refused_on_every_rank(tiny_dirs, tmp_path)
 
 def test_activation_offloading_on_cpu_is_refused_with_the_fix(tiny_dirs, tmp_path):
     cmd = [
-        sys.executable, "-m", "shardtune.cli", "run", "--nproc_per_node", "1", RECIPE, "--config", CONFIG,
+        sys.executable,
+        "-m",
+        "shardtune.cli",
+        "run",
+        "--nproc_per_node",
+        "1",
+        RECIPE,
+        "--config",
+        CONFIG,
         *_overrides(tiny_dirs, tmp_path / "off", "enable_activation_offloading=true"),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)

@@ -31,11 +31,20 @@ CASES = {
 }
 
 
-def _overrides(dirs, case: str, out: Path, *, batch: int = BATCH, epochs: int = EPOCHS, steps: int = STEPS) -> list[str]:
+def _overrides(
+    dirs, case: str, out: Path, *, batch: int = BATCH, epochs: int = EPOCHS, steps: int = STEPS
+) -> list[str]:
     extra = [f"teacher_checkpoint_dir={dirs['teacher']}"] if case == "kd" else []
     return [
-        f"output_dir={out}", f"checkpoint_dir={dirs['base']}", f"epochs={epochs}", f"max_steps_per_epoch={steps}",
-        f"batch_size={batch}", "log_every_n_steps=1", "keep_last_n=null", "save_every_n_steps=2", *extra,
+        f"output_dir={out}",
+        f"checkpoint_dir={dirs['base']}",
+        f"epochs={epochs}",
+        f"max_steps_per_epoch={steps}",
+        f"batch_size={batch}",
+        "log_every_n_steps=1",
+        "keep_last_n=null",
+        "save_every_n_steps=2",
+        *extra,
     ]
 
 
@@ -53,7 +62,9 @@ def runs(tiny_dirs, tmp_path_factory) -> dict[str, Path]:
 
 
 def _first_global_batch(config: str, base: Path, *, packed: bool = False) -> list[dict]:
-    cfg = load_config(config, ["output_dir=/unused", f"checkpoint_dir={base}"], schema=RECIPE_SCHEMAS[CASES_BY_CONFIG[config]])
+    cfg = load_config(
+        config, ["output_dir=/unused", f"checkpoint_dir={base}"], schema=RECIPE_SCHEMAS[CASES_BY_CONFIG[config]]
+    )
     tokenizer = load_tokenizer(cfg.tokenizer, checkpoint_dir=base)
     datasets = cfg.dataset if isinstance(cfg.dataset, (list, tuple)) else [cfg.dataset]
     dataset = build_dataset([d.to_dict() for d in datasets], tokenizer, max_seq_len=cfg.max_seq_len, packed=packed)
@@ -73,7 +84,10 @@ def _samples(batch: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
     out = []
     for row, positions in enumerate(batch["position_ids"]):
         starts = (positions == 0).nonzero().flatten().tolist() + [len(positions)]
-        out += [(batch["tokens"][row : row + 1, a:b], batch["labels"][row : row + 1, a:b]) for a, b in itertools.pairwise(starts)]
+        out += [
+            (batch["tokens"][row : row + 1, a:b], batch["labels"][row : row + 1, a:b])
+            for a, b in itertools.pairwise(starts)
+        ]
     return out
 
 
@@ -134,7 +148,12 @@ def _reference_first_loss(case: str, dirs, *, packed: bool = False) -> float:
 def test_first_step_loss_equals_transformers_reference(runs, tiny_dirs, tmp_path, case):
     if case == "early_exit":  # a run without layer dropout, whose skips the reference cannot replay
         recipe, config = CASES[case]
-        run_recipe(recipe, config, *_overrides(tiny_dirs, case, tmp_path / "run", epochs=1, steps=1), "layer_dropout.max_prob=0.0")
+        run_recipe(
+            recipe,
+            config,
+            *_overrides(tiny_dirs, case, tmp_path / "run", epochs=1, steps=1),
+            "layer_dropout.max_prob=0.0",
+        )
         logged = losses(tmp_path / "run")[1]
     else:
         logged = losses(runs[case])[1]
@@ -145,7 +164,9 @@ def test_first_step_loss_equals_transformers_reference(runs, tiny_dirs, tmp_path
 def test_qlora_on_one_rank_first_step_loss_equals_transformers_reference(tiny_dirs, tmp_path):
     """One rank (a single GPU): FSDP2 skips its all-gather there, so the NF4 base must still be whole."""
     recipe, config = CASES["qlora"]
-    run_recipe(recipe, config, *_overrides(tiny_dirs, "qlora", tmp_path / "run", batch=2 * BATCH, epochs=1, steps=1), nproc=1)
+    run_recipe(
+        recipe, config, *_overrides(tiny_dirs, "qlora", tmp_path / "run", batch=2 * BATCH, epochs=1, steps=1), nproc=1
+    )
     assert math.isclose(losses(tmp_path / "run")[1], _reference_first_loss("qlora", tiny_dirs), rel_tol=1e-5)
 
 
@@ -202,7 +223,9 @@ def test_resume_on_four_ranks_from_a_two_rank_checkpoint(runs, tiny_dirs, tmp_pa
     """
     recipe, config = CASES[case]
     resumed = resume_copy(runs[case], "epoch_1", tmp_path / "resumed")
-    run_recipe(recipe, config, *_overrides(tiny_dirs, case, resumed, batch=BATCH // 2), "resume_from_checkpoint=True", nproc=4)
+    run_recipe(
+        recipe, config, *_overrides(tiny_dirs, case, resumed, batch=BATCH // 2), "resume_from_checkpoint=True", nproc=4
+    )
     full, again = losses(runs[case]), losses(resumed)
     assert sorted(again) == [4, 5, 6]
     for step in (4, 5, 6):
@@ -241,7 +264,11 @@ def test_full_output_loads_in_transformers(runs):
 
 
 def test_multi_dataset_config_draws_from_both(tiny_dirs):
-    cfg = load_config("tiny/lora_multi_dataset", [f"checkpoint_dir={tiny_dirs['base']}"], schema=RECIPE_SCHEMAS["lora_finetune_distributed"])
+    cfg = load_config(
+        "tiny/lora_multi_dataset",
+        [f"checkpoint_dir={tiny_dirs['base']}"],
+        schema=RECIPE_SCHEMAS["lora_finetune_distributed"],
+    )
     tokenizer = load_tokenizer(cfg.tokenizer, checkpoint_dir=tiny_dirs["base"])
     dataset = build_dataset([d.to_dict() for d in cfg.dataset], tokenizer, max_seq_len=cfg.max_seq_len)
     sizes = [len(d) for d in dataset.datasets]
@@ -255,9 +282,22 @@ def test_cli_reports_bad_config_with_suggestions(tmp_path):
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "shardtune.cli", "run", "lora_finetune_distributed", "--config", "tiny/lora",
-         "optimizer.lrr=1", "lora.rank=-2", f"output_dir={tmp_path}"],
-        capture_output=True, text=True, timeout=120, check=False,
+        [
+            sys.executable,
+            "-m",
+            "shardtune.cli",
+            "run",
+            "lora_finetune_distributed",
+            "--config",
+            "tiny/lora",
+            "optimizer.lrr=1",
+            "lora.rank=-2",
+            f"output_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr  # reported once, before torchrun starts
     assert "did you mean 'optimizer.lr'" in proc.stderr and "lora.rank" in proc.stderr
@@ -275,8 +315,14 @@ def test_async_dcp_intermediate_checkpoints_resume_exactly(runs, tiny_dirs, tmp_
     assert (first / "epoch_2" / "adapter" / "adapter_model.safetensors").is_file()
     assert losses(first) == losses(runs["lora"])  # the format does not change training
     resumed = resume_copy(first, "step_2", tmp_path / "resumed")
-    run_recipe(recipe, config, *_overrides(tiny_dirs, "lora", resumed), "checkpoint_format=dcp", "async_save=true",
-               "resume_from_checkpoint=True")
+    run_recipe(
+        recipe,
+        config,
+        *_overrides(tiny_dirs, "lora", resumed),
+        "checkpoint_format=dcp",
+        "async_save=true",
+        "resume_from_checkpoint=True",
+    )
     again = losses(resumed)
     assert sorted(again) == [3, 4, 5, 6] and all(again[s] == losses(first)[s] for s in again)
 
@@ -290,7 +336,13 @@ def test_node_local_checkpoints_train_and_resume_like_shared_ones(runs, tiny_dir
     assert losses(first) == losses(runs["full"])
     assert (first / "step_2" / "training_state" / "rng" / "rank_1.pt").is_file()
     resumed = resume_copy(first, "step_2", tmp_path / "resumed")
-    run_recipe(recipe, config, *_overrides(tiny_dirs, "full", resumed), "shared_filesystem=false", "resume_from_checkpoint=True")
+    run_recipe(
+        recipe,
+        config,
+        *_overrides(tiny_dirs, "full", resumed),
+        "shared_filesystem=false",
+        "resume_from_checkpoint=True",
+    )
     again = losses(resumed)
     assert sorted(again) == [3, 4, 5, 6] and all(again[s] == losses(first)[s] for s in again)
     _assert_same_final_weights(first / "epoch_2", resumed / "epoch_2")
@@ -303,12 +355,22 @@ def test_bf16_qlora_with_activation_checkpointing_trains_and_exports_bf16(tiny_d
 
     recipe, config = CASES["qlora"]
     out = tmp_path / "bf16"
-    run_recipe(recipe, config, *_overrides(tiny_dirs, "qlora", out, epochs=1, steps=3), "dtype=bf16",
-               "enable_activation_checkpointing=true")
+    run_recipe(
+        recipe,
+        config,
+        *_overrides(tiny_dirs, "qlora", out, epochs=1, steps=3),
+        "dtype=bf16",
+        "enable_activation_checkpointing=true",
+    )
     logged = losses(out)
     assert sorted(logged) == [1, 2, 3] and all(math.isfinite(v) for v in logged.values())
     assert logged[3] < logged[1]
     final = out / "epoch_1"
-    assert json.loads((final / "config.json").read_text()).get("torch_dtype", json.loads((final / "config.json").read_text()).get("dtype")) == "bfloat16"
+    assert (
+        json.loads((final / "config.json").read_text()).get(
+            "torch_dtype", json.loads((final / "config.json").read_text()).get("dtype")
+        )
+        == "bfloat16"
+    )
     model = transformers.AutoModelForCausalLM.from_pretrained(final)
     assert next(model.parameters()).dtype == torch.bfloat16

@@ -17,8 +17,15 @@ PG_TIMEOUT_S = 20.0  # process_group_timeout_s of every run: a dead peer must su
 def overrides(base: Path, out: Path, *extra: str) -> list[str]:
     """The settings every reliability run shares: one epoch of ``STEPS`` steps, ``step_<n>`` after each."""
     return [
-        f"output_dir={out}", f"checkpoint_dir={base}", "epochs=1", f"max_steps_per_epoch={STEPS}", "batch_size=4",
-        "log_every_n_steps=1", "keep_last_n=null", "save_every_n_steps=1", f"process_group_timeout_s={PG_TIMEOUT_S}",
+        f"output_dir={out}",
+        f"checkpoint_dir={base}",
+        "epochs=1",
+        f"max_steps_per_epoch={STEPS}",
+        "batch_size=4",
+        "log_every_n_steps=1",
+        "keep_last_n=null",
+        "save_every_n_steps=1",
+        f"process_group_timeout_s={PG_TIMEOUT_S}",
         *extra,
     ]
 

@@ -164,8 +164,17 @@ def run_cli(
     timeout: float = 180,
 ) -> Proc:
     """``python -m shardtune.cli run [launcher_args] RECIPE --config CONFIG overrides`` with ``SHARDTUNE_FAULT=fault``."""
-    cmd = [sys.executable, "-m", "shardtune.cli", "run", *(launcher_args or ["--nproc_per_node", "2"]),
-           recipe, "--config", config, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardtune.cli",
+        "run",
+        *(launcher_args or ["--nproc_per_node", "2"]),
+        recipe,
+        "--config",
+        config,
+        *overrides,
+    ]
     return _wait_all([_Running(cmd, _env(fault))], timeout=timeout, what=" ".join(cmd))[0]
 
 
@@ -192,8 +201,12 @@ def run_bare_ranks(
     running = []
     for rank in range(world):
         extra = {
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
         }
         cmd = [sys.executable, "-m", f"shardtune.recipes.{recipe}", "--config", config, *overrides]
         running.append(_Running(cmd, _env(fault, extra)))

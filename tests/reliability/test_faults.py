@@ -33,8 +33,13 @@ def test_parse():
 
 @pytest.mark.parametrize(
     "text, needle",
-    [("save:mid:1:kill", "unknown point"), ("save:begin:1:explode", "unknown action"), ("save:begin:kill", "expected"),
-     ("save:begin:x:kill", "expected"), ("save:begin:1:kill:0", "nth must be")],
+    [
+        ("save:mid:1:kill", "unknown point"),
+        ("save:begin:1:explode", "unknown action"),
+        ("save:begin:kill", "expected"),
+        ("save:begin:x:kill", "expected"),
+        ("save:begin:1:kill:0", "nth must be"),
+    ],
 )
 def test_malformed_spec_is_an_error(text, needle):
     with pytest.raises(ValueError, match=needle):
@@ -62,7 +67,11 @@ def test_raises_on_the_nth_occurrence_of_its_point_on_its_rank_only():
 def test_kill_from_the_environment():
     code = "from shardtune.faults import fault_point\nfault_point('train:step')\nfault_point('train:step')\nprint('survived')"
     env_run = subprocess.run(
-        [sys.executable, "-c", code], env={"SHARDTUNE_FAULT": "train:step:0:kill:2", "PATH": ""}, capture_output=True,
-        text=True, timeout=120, check=False,
+        [sys.executable, "-c", code],
+        env={"SHARDTUNE_FAULT": "train:step:0:kill:2", "PATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert env_run.returncode == -9 and "survived" not in env_run.stdout, env_run.stderr[-2000:]

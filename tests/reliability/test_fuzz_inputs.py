@@ -83,7 +83,10 @@ def _originals() -> dict[str, torch.Tensor]:
 
 
 ORIGINALS = _originals()
-SHARDS = {"model-00001-of-00002.safetensors": ["proj.weight", "norm"], "model-00002-of-00002.safetensors": ["gate", "counts"]}
+SHARDS = {
+    "model-00001-of-00002.safetensors": ["proj.weight", "norm"],
+    "model-00002-of-00002.safetensors": ["gate", "counts"],
+}
 
 
 def _single_file_bytes() -> bytes:
@@ -161,7 +164,12 @@ def _kind(dtype: torch.dtype) -> str:
 def _undetectable(name: str, dtype: str, shape: list[int]) -> bool:
     """Same shape, and a dtype of the same width and kind: the bytes read back the same way."""
     old, new = ORIGINALS[name].dtype, DTYPES[dtype]
-    return list(ORIGINALS[name].shape) == shape and old.itemsize == new.itemsize and _kind(old) == _kind(new) and old != new
+    return (
+        list(ORIGINALS[name].shape) == shape
+        and old.itemsize == new.itemsize
+        and _kind(old) == _kind(new)
+        and old != new
+    )
 
 
 @FUZZ
@@ -310,8 +318,19 @@ def test_damaged_optimizer_state_dict(pool2, mutation, rank0_only):
     assert len(messages) == 1, messages
     message = messages.pop()
     assert message.startswith("StateDictError"), message
-    assert _mutate_optimizer_sd({"state": {n: {"exp_avg": torch.zeros(1), "exp_avg_sq": torch.zeros(1), "step": torch.zeros(())} for n in PARAMS},
-                                 "param_groups": [{"params": list(PARAMS)}]}, mutation) in message, message
+    assert (
+        _mutate_optimizer_sd(
+            {
+                "state": {
+                    n: {"exp_avg": torch.zeros(1), "exp_avg_sq": torch.zeros(1), "step": torch.zeros(())}
+                    for n in PARAMS
+                },
+                "param_groups": [{"params": list(PARAMS)}],
+            },
+            mutation,
+        )
+        in message
+    ), message
 
 
 # --- configs -------------------------------------------------------------------------------------
@@ -319,14 +338,56 @@ def test_damaged_optimizer_state_dict(pool2, mutation, rank0_only):
 SCHEMA = RECIPE_SCHEMAS["lora_finetune_distributed"]
 RAW_CONFIG = load_yaml(resolve_config_path("tiny/lora"))
 KNOWN_KEYS = [
-    "output_dir", "checkpoint_dir", "model", "tokenizer", "seed", "epochs", "max_steps_per_epoch", "batch_size",
-    "gradient_accumulation_steps", "optimizer.name", "optimizer.lr", "optimizer.weight_decay", "optimizer.betas",
-    "lr_scheduler.name", "lr_scheduler.warmup_steps", "clip_grad_norm", "dtype", "dataset.0.path", "dataset.0.format",
-    "max_seq_len", "packed", "log_every_n_steps", "save_every_n_steps", "keep_last_n", "process_group_timeout_s",
-    "lora.rank", "lora.alpha", "lora.dropout", "lora.target_modules", "adapter_weights_only",
+    "output_dir",
+    "checkpoint_dir",
+    "model",
+    "tokenizer",
+    "seed",
+    "epochs",
+    "max_steps_per_epoch",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "optimizer.name",
+    "optimizer.lr",
+    "optimizer.weight_decay",
+    "optimizer.betas",
+    "lr_scheduler.name",
+    "lr_scheduler.warmup_steps",
+    "clip_grad_norm",
+    "dtype",
+    "dataset.0.path",
+    "dataset.0.format",
+    "max_seq_len",
+    "packed",
+    "log_every_n_steps",
+    "save_every_n_steps",
+    "keep_last_n",
+    "process_group_timeout_s",
+    "lora.rank",
+    "lora.alpha",
+    "lora.dropout",
+    "lora.target_modules",
+    "adapter_weights_only",
     "resume_from_checkpoint",
 ]
-VALUES = ["1", "-3", "0", "2.5", "-1e-4", "1e999", "true", "null", "abc", "''", "[1, 2]", "[q_proj]", "{a: 1}", "[", "cosine", "fp32"]
+VALUES = [
+    "1",
+    "-3",
+    "0",
+    "2.5",
+    "-1e-4",
+    "1e999",
+    "true",
+    "null",
+    "abc",
+    "''",
+    "[1, 2]",
+    "[q_proj]",
+    "{a: 1}",
+    "[",
+    "cosine",
+    "fp32",
+]
 KEYS = st.one_of(
     st.sampled_from(KNOWN_KEYS),
     st.sampled_from(KNOWN_KEYS).map(lambda k: k[:-1] + "x"),  # a typo in the last letter
@@ -368,7 +429,8 @@ def _numbers(node) -> list[float]:
 
 
 @pytest.mark.parametrize(
-    "override", ["optimizer.lr=1e999", "process_group_timeout_s=.inf", "clip_grad_norm=.nan", "optimizer.betas=[0.9, .inf]"]
+    "override",
+    ["optimizer.lr=1e999", "process_group_timeout_s=.inf", "clip_grad_norm=.nan", "optimizer.betas=[0.9, .inf]"],
 )
 def test_non_finite_numbers_are_rejected(override):
     """``inf`` passes a ``> 0`` bound; as a timeout it crashed the process group with an OverflowError."""

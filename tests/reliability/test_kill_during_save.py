@@ -31,10 +31,20 @@ pytestmark = pytest.mark.timeout(420)
 
 # (point, rank killed) in chain order; the two recipes kill different ranks where it matters.
 CHAIN = {
-    "lora": [("save:begin", 1), ("save:mid_tensor", 1), ("save:weights_written", 0), ("save:before_publish", 0),
-             ("save:after_publish", 1)],
-    "full": [("save:begin", 0), ("save:mid_tensor", 0), ("save:weights_written", 1), ("save:before_publish", 0),
-             ("save:after_publish", 0)],
+    "lora": [
+        ("save:begin", 1),
+        ("save:mid_tensor", 1),
+        ("save:weights_written", 0),
+        ("save:before_publish", 0),
+        ("save:after_publish", 1),
+    ],
+    "full": [
+        ("save:begin", 0),
+        ("save:mid_tensor", 0),
+        ("save:weights_written", 1),
+        ("save:before_publish", 0),
+        ("save:after_publish", 0),
+    ],
     # Node-local output dir: rank 0 alone writes, from its background thread (mid_tensor is
     # reached there, after its first write); rank 1 only sends.
     "full_node_local": [("save:mid_tensor", 0), ("save:weights_written", 1), ("save:before_publish", 0)],
@@ -72,7 +82,9 @@ def _check_new_losses(out: Path, rows_before: int, expected_steps: list[int], re
     steps = [row["step"] for row in rows]
     assert steps == expected_steps, f"{what}: logged steps {steps}, expected {expected_steps}"
     for row in rows:
-        assert row["loss"] == reference[row["step"]], f"{what}: step {row['step']} loss {row['loss']} != {reference[row['step']]}"
+        assert row["loss"] == reference[row["step"]], (
+            f"{what}: step {row['step']} loss {row['loss']} != {reference[row['step']]}"
+        )
 
 
 def _args(case: str, base: Path, out: Path, *, resume: bool) -> list[str]:
@@ -93,9 +105,13 @@ def _crash_once(case: str, base: Path, out: Path, point: str, rank: int, referen
     assert proc.returncode != 0, f"{what}: the launcher exited 0\n{proc.tail()}"
     assert proc.fault_at is not None, f"{what}: the fault never fired\n{proc.tail()}"
     assert "Signal 9 (SIGKILL)" in proc.output, f"{what}: no SIGKILL reported\n{proc.tail()}"
-    assert proc.seconds_after_fault() < EXIT_AFTER_KILL_S, f"{what}: launcher lived {proc.seconds_after_fault():.1f}s after the kill"
+    assert proc.seconds_after_fault() < EXIT_AFTER_KILL_S, (
+        f"{what}: launcher lived {proc.seconds_after_fault():.1f}s after the kill"
+    )
     if start > 0:
-        assert f"resumed from {out / f'step_{start}'}" in proc.output, f"{what}: resumed from the wrong checkpoint\n{proc.tail()}"
+        assert f"resumed from {out / f'step_{start}'}" in proc.output, (
+            f"{what}: resumed from the wrong checkpoint\n{proc.tail()}"
+        )
 
     # What the crash left: complete checkpoints only under final names, the old ones untouched.
     finished = start + 2 if point == "save:after_publish" else start + 1
@@ -111,7 +127,9 @@ def _crash_once(case: str, base: Path, out: Path, point: str, rank: int, referen
     if point == "save:after_publish":
         assert leftovers == [], f"{what}: leftovers {leftovers}"
     else:
-        assert len(leftovers) == 1 and leftovers[0].startswith(f".tmp-step_{start + 2}-"), f"{what}: leftovers {leftovers}"
+        assert len(leftovers) == 1 and leftovers[0].startswith(f".tmp-step_{start + 2}-"), (
+            f"{what}: leftovers {leftovers}"
+        )
     _check_new_losses(out, rows_before, [start + 1, start + 2], reference, what)
 
 
@@ -154,7 +172,9 @@ def test_kill_9_while_an_async_save_is_in_flight_then_resume_exactly(fmt, refere
     reference = {row["step"]: row["loss"] for row in metrics_rows(reference_dir)}
     out = tmp_path / "run"
     background = ("checkpoint_format=dcp", "async_save=true") if fmt == "dcp" else ("async_save=true",)
-    proc = run_cli(recipe, config, overrides(tiny_base, out, *background), fault="train:step:1:kill:3", timeout=RUN_TIMEOUT_S)
+    proc = run_cli(
+        recipe, config, overrides(tiny_base, out, *background), fault="train:step:1:kill:3", timeout=RUN_TIMEOUT_S
+    )
     assert proc.returncode != 0 and proc.fault_at is not None, proc.tail()
     assert proc.seconds_after_fault() < EXIT_AFTER_KILL_S, proc.tail()
     assert sorted(_published(out)) == ["step_1"] and atomic.verify(out / "step_1") is not None
@@ -164,7 +184,9 @@ def test_kill_9_while_an_async_save_is_in_flight_then_resume_exactly(fmt, refere
     # Step 3's collectives were done before the kill, so rank 0 still logs it.
     _check_new_losses(out, 0, [1, 2, 3], reference, f"async {fmt} run killed at step 3")
 
-    proc = run_cli(recipe, config, overrides(tiny_base, out, *background, "resume_from_checkpoint=True"), timeout=RUN_TIMEOUT_S)
+    proc = run_cli(
+        recipe, config, overrides(tiny_base, out, *background, "resume_from_checkpoint=True"), timeout=RUN_TIMEOUT_S
+    )
     assert proc.returncode == 0, proc.tail()
     assert f"resumed from {out / 'step_1'}" in proc.output, proc.tail()
     _check_new_losses(out, 3, list(range(2, STEPS + 1)), reference, f"resume after the async {fmt} crash")

@@ -19,9 +19,20 @@ def test_two_agents_train_like_one_agent_with_two_ranks(references, tiny_base, t
     recipe, config = RECIPES["lora"]
     out = tmp_path / "multinode"
     agent = [
-        "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
-        "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--rdzv_id", uuid.uuid4().hex[:8],
-        recipe, "--config", config, *overrides(tiny_base, out, "save_every_n_steps=null"),
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "1",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv_id",
+        uuid.uuid4().hex[:8],
+        recipe,
+        "--config",
+        config,
+        *overrides(tiny_base, out, "save_every_n_steps=null"),
     ]
     procs = run_clis_together([agent, agent], timeout=240)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(p.tail() for p in procs)

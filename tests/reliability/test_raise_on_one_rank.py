@@ -119,9 +119,18 @@ def _same_error_on_every_rank(outcomes, *needles: str) -> str:
 
 SAVE_FAULTS = {
     # fault -> (error type, what the message must name)
-    "save:mid_tensor:1:raise": ("CheckpointError", ["Writing the HF checkpoint", "[rank 1]", "fault injected at save:mid_tensor"]),
-    "save:mid_tensor:0:raise": ("CheckpointError", ["Writing the HF checkpoint", "[rank 0]", "fault injected at save:mid_tensor"]),
-    "save:before_publish:0:raise": ("StateDictError", ["Publishing checkpoint", "step_1", "fault injected at save:before_publish"]),
+    "save:mid_tensor:1:raise": (
+        "CheckpointError",
+        ["Writing the HF checkpoint", "[rank 1]", "fault injected at save:mid_tensor"],
+    ),
+    "save:mid_tensor:0:raise": (
+        "CheckpointError",
+        ["Writing the HF checkpoint", "[rank 0]", "fault injected at save:mid_tensor"],
+    ),
+    "save:before_publish:0:raise": (
+        "StateDictError",
+        ["Publishing checkpoint", "step_1", "fault injected at save:before_publish"],
+    ),
 }
 
 
@@ -129,7 +138,9 @@ SAVE_FAULTS = {
 def test_save_failing_on_one_rank_raises_the_same_error_everywhere(pool2, tiny_base, tmp_path, fault):
     out = tmp_path / "out"
     kind, needles = SAVE_FAULTS[fault]
-    message = _same_error_on_every_rank(pool2.run(_save_with_fault, str(tiny_base), str(out), fault, timeout=POOL_TIMEOUT_S), *needles)
+    message = _same_error_on_every_rank(
+        pool2.run(_save_with_fault, str(tiny_base), str(out), fault, timeout=POOL_TIMEOUT_S), *needles
+    )
     assert message.startswith(kind), message
     _assert_nothing_published_then_recovered(pool2, tiny_base, out)
 
@@ -138,8 +149,12 @@ def test_rank0_write_failing_without_a_shared_filesystem_raises_the_same_error_e
     """shared_filesystem=False: rank 0 writes every gathered tensor; when one write fails the
     other ranks, still sending their rows, end with the same error."""
     out = tmp_path / "out"
-    outcomes = pool2.run(_save_with_fault, str(tiny_base), str(out), "save:mid_tensor:0:raise", False, timeout=POOL_TIMEOUT_S)
-    message = _same_error_on_every_rank(outcomes, "Writing the HF checkpoint", "[rank 0]", "fault injected at save:mid_tensor")
+    outcomes = pool2.run(
+        _save_with_fault, str(tiny_base), str(out), "save:mid_tensor:0:raise", False, timeout=POOL_TIMEOUT_S
+    )
+    message = _same_error_on_every_rank(
+        outcomes, "Writing the HF checkpoint", "[rank 0]", "fault injected at save:mid_tensor"
+    )
     assert message.startswith("CheckpointError"), message
     _assert_nothing_published_then_recovered(pool2, tiny_base, out)
 
@@ -147,8 +162,12 @@ def test_rank0_write_failing_without_a_shared_filesystem_raises_the_same_error_e
 @pytest.mark.parametrize("rank", [0, 1])
 def test_background_write_failing_on_one_rank_raises_the_same_error_everywhere(pool2, tiny_base, tmp_path, rank):
     out = tmp_path / "out"
-    outcomes = pool2.run(_async_save_with_fault, str(tiny_base), str(out), f"save:mid_tensor:{rank}:raise", timeout=POOL_TIMEOUT_S)
-    message = _same_error_on_every_rank(outcomes, "Saving checkpoint", f"[rank {rank}]", "fault injected at save:mid_tensor")
+    outcomes = pool2.run(
+        _async_save_with_fault, str(tiny_base), str(out), f"save:mid_tensor:{rank}:raise", timeout=POOL_TIMEOUT_S
+    )
+    message = _same_error_on_every_rank(
+        outcomes, "Saving checkpoint", f"[rank {rank}]", "fault injected at save:mid_tensor"
+    )
     assert message.startswith("CheckpointError"), message
     _assert_nothing_published_then_recovered(pool2, tiny_base, out)
 
@@ -171,8 +190,12 @@ def _assert_nothing_published_then_recovered(pool2, tiny_base: Path, out: Path) 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_load_failing_on_one_rank_raises_the_same_error_everywhere(pool2, tiny_base, tmp_path, rank):
-    outcomes = pool2.run(_load_with_fault, str(tiny_base), str(tmp_path), f"load:mid:{rank}:raise", timeout=POOL_TIMEOUT_S)
-    message = _same_error_on_every_rank(outcomes, "Loading the full model state dict failed", f"[rank {rank}]", "fault injected at load:mid")
+    outcomes = pool2.run(
+        _load_with_fault, str(tiny_base), str(tmp_path), f"load:mid:{rank}:raise", timeout=POOL_TIMEOUT_S
+    )
+    message = _same_error_on_every_rank(
+        outcomes, "Loading the full model state dict failed", f"[rank {rank}]", "fault injected at load:mid"
+    )
     assert message.startswith("StateDictError"), message
     assert pool2.run_ok(dist.get_rank) == [0, 1]
 
@@ -187,7 +210,9 @@ def _final_error(output: str) -> str:
     assert starts, output[-3000:]
     first = starts[-1]
     block = [lines[first]]
-    block += [line for line in lines[first + 1 :] if line.startswith("  ") and line.strip()][:20]  # not tqdm's blank line
+    block += [line for line in lines[first + 1 :] if line.startswith("  ") and line.strip()][
+        :20
+    ]  # not tqdm's blank line
     return "\n".join(block)
 
 
@@ -208,7 +233,9 @@ def test_processes_exception_between_collectives_every_rank_exits(tiny_base, tmp
     """``save:begin`` is outside any guard: rank 1 raises alone; rank 0 must still leave, not hang."""
     recipe, config = RECIPES["lora"]
     out = tmp_path / "run"
-    survivor, raiser = run_bare_ranks(recipe, config, overrides(tiny_base, out), fault="save:begin:1:raise:2", timeout=150)
+    survivor, raiser = run_bare_ranks(
+        recipe, config, overrides(tiny_base, out), fault="save:begin:1:raise:2", timeout=150
+    )
     assert raiser.returncode == 1 and "InjectedFault: fault injected at save:begin" in raiser.output, raiser.tail()
     assert survivor.returncode == 1, survivor.tail()
     assert survivor.ended - raiser.ended < PG_TIMEOUT_S

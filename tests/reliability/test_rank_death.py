@@ -22,7 +22,9 @@ PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Timed o
 
 
 def _survivor_error(output: str) -> str:
-    lines = [line for line in output.splitlines() if line.startswith("[rank0]: RuntimeError") or "DistBackendError" in line]
+    lines = [
+        line for line in output.splitlines() if line.startswith("[rank0]: RuntimeError") or "DistBackendError" in line
+    ]
     return lines[-1] if lines else ""
 
 
@@ -45,8 +47,12 @@ def test_survivor_times_out_when_its_peer_hangs(tiny_base, tmp_path):
     recipe, config = RECIPES["lora"]
     timeout_s = 10.0
     survivor, victim = run_bare_ranks(
-        recipe, config, overrides(tiny_base, tmp_path / "run", f"process_group_timeout_s={timeout_s}"),
-        fault="train:step:1:stop:2", timeout=RUN_TIMEOUT_S, wait_for=[0],
+        recipe,
+        config,
+        overrides(tiny_base, tmp_path / "run", f"process_group_timeout_s={timeout_s}"),
+        fault="train:step:1:stop:2",
+        timeout=RUN_TIMEOUT_S,
+        wait_for=[0],
     )
     assert victim.fault_at is not None, victim.tail()
     assert survivor.returncode not in (0, -9), survivor.tail()
@@ -61,5 +67,7 @@ def test_launcher_exits_non_zero_soon_after_a_rank_is_killed(point, tiny_base, t
     proc = run_cli(recipe, config, overrides(tiny_base, tmp_path / "run"), fault=KILLS[point], timeout=RUN_TIMEOUT_S)
     assert proc.returncode != 0, proc.tail()
     assert "Signal 9 (SIGKILL)" in proc.output, proc.tail()
-    assert proc.seconds_after_fault() < PG_TIMEOUT_S, f"the launcher exited {proc.seconds_after_fault():.1f}s after the kill"
+    assert proc.seconds_after_fault() < PG_TIMEOUT_S, (
+        f"the launcher exited {proc.seconds_after_fault():.1f}s after the kill"
+    )
     assert not (tmp_path / "run" / "epoch_1").exists()

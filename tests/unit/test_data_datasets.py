@@ -52,7 +52,9 @@ CHAT = [
 
 
 def _trained(tok, sample):
-    return tok.decode([t for t, l in zip(sample["tokens"], sample["labels"]) if l != IGNORE], skip_special_tokens=False)
+    return tok.decode(
+        [t for t, label in zip(sample["tokens"], sample["labels"]) if label != IGNORE], skip_special_tokens=False
+    )
 
 
 def _check_mask(tok, sample, prompt: str, response: str):

@@ -10,8 +10,6 @@ import transformers
 
 from shardtune.models import LlamaForCausalLM, ModelArgs, layer_dropout_probs, llama_from_hf_config
 
-
-
 VOCAB = 128
 N_LAYERS = 4
 

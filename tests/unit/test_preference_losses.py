@@ -21,8 +21,14 @@ NC, NR = [3, 5], [2, 4]
 def _call(kind: str, *, ref: bool = True, **kw):
     t = torch.tensor
     return preference_loss(
-        t(PC), t(PR), t(RC) if ref else None, t(RR) if ref else None,
-        chosen_tokens=t(NC), rejected_tokens=t(NR), loss=kind, **kw,
+        t(PC),
+        t(PR),
+        t(RC) if ref else None,
+        t(RR) if ref else None,
+        chosen_tokens=t(NC),
+        rejected_tokens=t(NR),
+        loss=kind,
+        **kw,
     )
 
 
@@ -59,8 +65,12 @@ def test_reference_free_sigmoid_and_ln2_when_policy_equals_reference():
     out = _call("sigmoid", ref=False, beta=beta)
     assert out.losses[0].item() == pytest.approx(-_logsig(beta * (PC[0] - PR[0])), rel=1e-6)
     same = preference_loss(
-        torch.tensor(PC), torch.tensor(PR), torch.tensor(PC), torch.tensor(PR),
-        chosen_tokens=torch.tensor(NC), rejected_tokens=torch.tensor(NR),
+        torch.tensor(PC),
+        torch.tensor(PR),
+        torch.tensor(PC),
+        torch.tensor(PR),
+        chosen_tokens=torch.tensor(NC),
+        rejected_tokens=torch.tensor(NR),
     )
     assert same.losses.tolist() == pytest.approx([math.log(2)] * 2, rel=1e-6)
 
@@ -72,8 +82,13 @@ def test_reference_free_sigmoid_and_ln2_when_policy_equals_reference():
 def test_bad_options_name_the_key(kw, needle):
     with pytest.raises(ValueError, match=needle):
         preference_loss(
-            torch.zeros(1), torch.zeros(1), None, None,
-            chosen_tokens=torch.ones(1), rejected_tokens=torch.ones(1), **kw,
+            torch.zeros(1),
+            torch.zeros(1),
+            None,
+            None,
+            chosen_tokens=torch.ones(1),
+            rejected_tokens=torch.ones(1),
+            **kw,
         )
 
 

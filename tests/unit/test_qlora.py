@@ -98,8 +98,13 @@ def test_qlora_merge_dequantizes():
 
 def test_qlora_builds_on_meta():
     model = build_lora_model(
-        "llama3_2_1b", rank=8, alpha=16, target_modules=["q_proj", "k_proj", "v_proj"], quantize_base=True,
-        device="meta", dtype=torch.bfloat16,
+        "llama3_2_1b",
+        rank=8,
+        alpha=16,
+        target_modules=["q_proj", "k_proj", "v_proj"],
+        quantize_base=True,
+        device="meta",
+        dtype=torch.bfloat16,
     )
     k = model.model.layers[3].self_attn.k_proj
     assert is_nf4(k.weight) and k.weight.is_meta and k.weight.shape == (512, 2048)
@@ -112,8 +117,13 @@ def test_qlora_rejects_unquantizable_shapes_and_tied_head():
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj.*block_size"):
         apply_lora(LlamaForCausalLM(args), rank=2, alpha=2, target_modules=["q_proj"], quantize_base=True)
     model = apply_lora(
-        LlamaForCausalLM(args), rank=2, alpha=2, target_modules=["q_proj"], quantize_base=True,
-        block_size=32, scaler_block_size=32,
+        LlamaForCausalLM(args),
+        rank=2,
+        alpha=2,
+        target_modules=["q_proj"],
+        quantize_base=True,
+        block_size=32,
+        scaler_block_size=32,
     )
     assert model.model.layers[0].self_attn.q_proj.weight.block_size == 32
     tied = LlamaForCausalLM(ARGS.replace(tie_word_embeddings=True))

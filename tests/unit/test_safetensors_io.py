@@ -13,15 +13,15 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from shardtune.checkpoint import safetensors_io
 from shardtune.checkpoint.safetensors_io import (
     CheckpointError,
+    RangeWriter,
     SafetensorsFile,
     build_header,
-    RangeWriter,
     parse_size,
     read_header,
 )
-from shardtune.checkpoint import safetensors_io
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -349,7 +349,11 @@ def test_parse_size():
 def test_staging_memory_is_one_exact_arena_sliced_per_block_and_reused_at_the_same_size():
     from shardtune.checkpoint import StagingMemory
 
-    blocks = [torch.zeros(3, 4, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.float32), torch.zeros((), dtype=torch.int64)]
+    blocks = [
+        torch.zeros(3, 4, dtype=torch.bfloat16),
+        torch.zeros(5, dtype=torch.float32),
+        torch.zeros((), dtype=torch.int64),
+    ]
     sizes = [24, 20, 8]  # bytes; each block starts on a 64-byte boundary
     memory = StagingMemory()
     memory.reserve(64 + 64 + 64, pinned=False)
