@@ -307,7 +307,8 @@ def plot(group: str, cases: dict[int, dict[str, dict[str, Any] | None]], path: P
         ax.set_ylabel("RssAnon above baseline (MiB)", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.lines:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=72)
@@ -352,7 +353,7 @@ def report(
         (
             "| kind | rows × tokens per rank | shardtune tokens/s per rank | transformers tokens/s | speed ratio "
             "| shardtune peak Δ (r0 / r1) | transformers peak Δ | memory ratio (max rank) | process peak ratio "
-            "| first-step loss shardtune / transformers (r0) | trainable params |"
+            "| first-step loss shardtune / transformers (r0) | trainable params on r0 |"
         ),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -360,7 +361,10 @@ def report(
     for seq in cfg.seq_lens:
         rows = rows_for(seq, cfg.tokens_per_rank)
         for group in cfg.groups:
-            st, tf = summaries[(group, seq, "shardtune")], summaries[(group, seq, "transformers")]
+            st, tf = summaries.get((group, seq, "shardtune")), summaries.get((group, seq, "transformers"))
+            if (group, seq, "shardtune") not in summaries or (group, seq, "transformers") not in summaries:
+                lines.append(f"| {group} | {rows} × {seq} | not run | | | | | | | | |")
+                continue
             if st is None or tf is None:
                 lines.append(f"| {group} | {rows} × {seq} | FAILED | | | | | | | | |")
                 agree = False
@@ -381,6 +385,11 @@ def report(
                 f"| {memory:.2f} | {total:.2f} | {st['first_loss'][0]:.5f} / {tf['first_loss'][0]:.5f} "
                 f"| {st['trainable'] / 1e6:.2f} M / {tf['trainable'] / 1e6:.2f} M |"
             )
+    if any(line.endswith("| not run | | | | | | | | |") for line in lines):
+        verdicts.append(
+            "- *not run*: the benchmark was stopped before these cases (time); this report was rendered from its "
+            "saved runs with `--from-runs`"
+        )
     lines += ["", *verdicts, ""]
     for group, path in plots.items():
         rel = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
@@ -483,23 +492,26 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.from_runs is not None:
         saved = json.loads(cfg.from_runs.read_text())
         runs, load_avg, command = [Run(**r) for r in saved["runs"]], tuple(saved["load_avg"]), saved["command"]
-        cfg = dataclasses.replace(cfg, command=command, repeats=1 + max(r.repeat for r in runs))
+        steps = next(len(r.ranks[0]["steps"]) for r in runs if r.ranks)
+        cfg = dataclasses.replace(cfg, command=command, repeats=1 + max(r.repeat for r in runs), steps=steps)
     else:
         runs, load_avg = measure(cfg, cfg.bench_dir / "train_runs.json")
-    summaries = {
-        (group, seq, method): summarize([r for r in runs if (r.group, r.method) == (f"{group}@{seq}", method)])
+    summaries = {  # cases an interrupted benchmark did not reach are left out
+        (group, seq, method): summarize(mine)
         for seq in cfg.seq_lens
         for group in cfg.groups
         for method in METHODS
+        if (mine := [r for r in runs if (r.group, r.method) == (f"{group}@{seq}", method)])
     }
     (cfg.bench_dir / "train_summary.json").write_text(
         json.dumps({"|".join(map(str, k)): v for k, v in summaries.items()}, default=str)
     )
     plot_dir = PLOTS if cfg.markdown is not None else cfg.bench_dir / "train_plots"
     plots = {}
-    for group in cfg.groups:
+    for group in (g for g in cfg.groups if any(key[0] == g for key in summaries)):
         plots[group] = plot_dir / f"train_memory_{group}.png"
-        plot(group, {seq: {m: summaries[(group, seq, m)] for m in METHODS} for seq in cfg.seq_lens}, plots[group])
+        seqs = [seq for seq in cfg.seq_lens if any((group, seq, m) in summaries for m in METHODS)]
+        plot(group, {seq: {m: summaries.get((group, seq, m)) for m in METHODS} for seq in seqs}, plots[group])
     section, agree = report(cfg, summaries, load_avg=load_avg, plots=plots)
     finish(section, markdown=cfg.markdown, markers=MARKERS)
     bad_verify = any(rk["verify"] != "ok" for r in runs for rk in r.ranks)
