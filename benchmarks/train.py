@@ -58,6 +58,7 @@ from benchmarks.driver import (
     snapshot_sources,
     try_spawn,
 )
+from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS
 
 MARKERS = ("<!-- train:begin -->", "<!-- train:end -->")
 GROUPS = ("full", "lora", "qlora")
@@ -406,7 +407,10 @@ def report(
             "The ratios are shardtune / transformers. The first-step loss is the warm-up step's, before any update: "
             f"both stacks train the same weights on the same tokens, so they agree within {LOSS_RTOL:g} relative "
             "(QLoRA: both quantize the same weights with torchao's NF4). The plots show rank 0's RssAnon above its "
-            "baseline during the first timed step of the first repeat."
+            "baseline during the first timed step of the first repeat. shardtune's loss runs in chunks of "
+            f"{DEFAULT_CHUNK_TOKENS} tokens (the recipes' default `loss_chunk_tokens`), each chunk's logits made again "
+            "in backward; the transformers peer makes the full logits once and keeps them, their log-softmax and "
+            "their gradient."
         ),
     ]
     return "\n".join(lines), agree
