@@ -320,6 +320,18 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b else "—"
 
 
+def _half_row(group: str, rows: int, seq: int, st: dict[str, Any] | None, tf: dict[str, Any] | None) -> str:
+    """A case with at most one method measured: its numbers, the other's cells *not run*."""
+
+    def cells(summary: dict[str, Any] | None) -> tuple[str, str]:
+        if summary is None:
+            return "not run", "not run"
+        return f"{summary['tokens_per_s']:.0f}", " / ".join(fmt_bytes(p) for p in summary["peaks"])
+
+    (st_speed, st_peak), (tf_speed, tf_peak) = cells(st), cells(tf)
+    return f"| {group} | {rows} × {seq} | {st_speed} | {tf_speed} | — | {st_peak} | {tf_peak} | — | — | — | — |"
+
+
 def report(
     cfg: TrainOptions,
     summaries: dict[tuple[str, int, str], dict[str, Any] | None],
@@ -364,7 +376,7 @@ def report(
         for group in cfg.groups:
             st, tf = summaries.get((group, seq, "shardtune")), summaries.get((group, seq, "transformers"))
             if (group, seq, "shardtune") not in summaries or (group, seq, "transformers") not in summaries:
-                lines.append(f"| {group} | {rows} × {seq} | not run | | | | | | | | |")
+                lines.append(_half_row(group, rows, seq, st, tf))
                 continue
             if st is None or tf is None:
                 lines.append(f"| {group} | {rows} × {seq} | FAILED | | | | | | | | |")
@@ -386,7 +398,7 @@ def report(
                 f"| {memory:.2f} | {total:.2f} | {st['first_loss'][0]:.5f} / {tf['first_loss'][0]:.5f} "
                 f"| {st['trainable'] / 1e6:.2f} M / {tf['trainable'] / 1e6:.2f} M |"
             )
-    if any(line.endswith("| not run | | | | | | | | |") for line in lines):
+    if any("not run" in line for line in lines):
         verdicts.append(
             "- *not run*: the benchmark was stopped before these cases (time); this report was rendered from its "
             "saved runs with `--from-runs`"
@@ -485,7 +497,9 @@ def measure(cfg: TrainOptions, runs_path: Path) -> tuple[list[Run], tuple[float,
                     progress(run_, total=cfg.repeats)
                     runs.append(run_)
                     saved = {"command": cfg.command, "load_avg": [load_before, os.getloadavg()[0]], "runs": runs}
-                    runs_path.write_text(json.dumps(saved, default=asdict, indent=1))
+                    tmp = runs_path.with_name(runs_path.name + ".tmp")  # a stopped benchmark keeps the last whole file
+                    tmp.write_text(json.dumps(saved, default=asdict, indent=1))
+                    tmp.replace(runs_path)
     return runs, (load_before, os.getloadavg()[0])
 
 
