@@ -75,13 +75,15 @@ def release_free_memory() -> None:
 
 
 class RssSampler:
-    """Background thread that records the peak ``RssAnon`` and ``RssFile``."""
+    """Background thread that records the peak ``RssAnon`` and ``RssFile``; with ``trace``, also
+    every sample as ``(perf_counter seconds, RssAnon bytes)`` in :attr:`trace`."""
 
-    def __init__(self, *, interval_s: float = 0.002) -> None:
+    def __init__(self, *, interval_s: float = 0.002, trace: bool = False) -> None:
         self.interval_s = interval_s
         self.peak_anon = 0
         self.peak_file = 0
         self.samples = 0
+        self.trace: list[tuple[float, int]] | None = [] if trace else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
@@ -90,6 +92,8 @@ class RssSampler:
         self.peak_anon = max(self.peak_anon, status["RssAnon"])
         self.peak_file = max(self.peak_file, status["RssFile"])
         self.samples += 1
+        if self.trace is not None:
+            self.trace.append((time.perf_counter(), status["RssAnon"]))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -119,6 +123,8 @@ class StepMeasurement:
     vm_hwm: int
     samples: int
     cuda_peak_delta: int | None = None  # peak CUDA memory allocated above the pre-step level
+    # with measure_step(trace=True): [seconds since the step started, RssAnon above the baseline] per sample
+    trace: list[tuple[float, int]] | None = None
 
     @property
     def peak_anon_delta(self) -> int:
@@ -135,6 +141,7 @@ def measure_step(
     *,
     barrier: Callable[[], None],
     interval_s: float = 0.002,
+    trace: bool = False,
 ) -> tuple[Any, StepMeasurement]:
     """Run ``step`` once and measure it on this rank.
 
@@ -142,7 +149,8 @@ def measure_step(
     ``barrier()``, ``perf_counter``, ``step()``, ``perf_counter``, ``barrier()``, stop
     the sampler, read ``VmHWM``. The time excludes both barriers. On CUDA the step's kernels
     are waited for before the clock stops, and the CUDA peak (``max_memory_allocated``) is
-    recorded above the pre-step allocation.
+    recorded above the pre-step allocation. With ``trace`` the measurement keeps every sample
+    (the sampler's samples during the barriers too, so the timeline starts slightly before 0).
     """
     on_cuda = bench_device().type == "cuda"
     release_free_memory()
@@ -152,7 +160,7 @@ def measure_step(
         torch.cuda.synchronize()
         cuda_base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    with RssSampler(interval_s=interval_s) as sampler:
+    with RssSampler(interval_s=interval_s, trace=trace) as sampler:
         barrier()
         start = time.perf_counter()
         result = step()
@@ -169,6 +177,7 @@ def measure_step(
         vm_hwm=read_status()["VmHWM"],
         samples=sampler.samples,
         cuda_peak_delta=torch.cuda.max_memory_allocated() - cuda_base if on_cuda else None,
+        trace=[(t - start, anon - baseline["RssAnon"]) for t, anon in sampler.trace] if trace else None,
     )
     return result, measurement
 
