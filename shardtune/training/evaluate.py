@@ -10,7 +10,7 @@ token counts are all-reduced once, on the transfer device, and fetched once.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -45,19 +45,19 @@ class Evaluator:
         self.loss_sum = loss_sum
         self.ignore_index = ignore_index
 
-    def _batches(self, rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+    def _batches(self, rank: int, world: int) -> Iterator[dict[str, torch.Tensor]]:
+        """This rank's batches, collated one at a time as the evaluation reaches them."""
         n = len(self.dataset)  # type: ignore[arg-type]
         mine = list(range(rank, n, world))
         steps = math.ceil(math.ceil(n / world) / self.batch_size)  # the same on every rank
-        batches = [
-            self.collate_fn(_take(self.dataset, mine[i : i + self.batch_size]))
-            for i in range(0, len(mine), self.batch_size)
-        ]
-        if len(batches) < steps:
+        for i in range(0, len(mine), self.batch_size):
+            yield self.collate_fn(_take(self.dataset, mine[i : i + self.batch_size]))
+        mine_steps = math.ceil(len(mine) / self.batch_size)
+        if mine_steps < steps:
             filler = self.collate_fn(_take(self.dataset, [0]))
             filler["labels"] = torch.full_like(filler["labels"], self.ignore_index)
-            batches += [filler] * (steps - len(batches))
-        return batches
+            for _ in range(steps - mine_steps):
+                yield filler
 
     def __call__(self, model: torch.nn.Module) -> float:
         """Collective: call on all ranks. Every rank returns the same loss; the model is left in
