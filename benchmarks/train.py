@@ -9,7 +9,8 @@ both starting from the same HF model directory (a seeded ``LlamaForCausalLM`` wr
 
 * ``shardtune``: the model the recipes build (meta device, ``apply_lora`` for the adapters,
   ``quantize_base`` for QLoRA), ``shard_model`` with activation checkpointing, the base loaded
-  by ``load_hf_checkpoint``, the recipes' ``next_token_loss`` (the chunked loss: no full logits);
+  by ``load_hf_checkpoint``, the recipes' ``next_token_loss`` (the chunked linear cross-entropy,
+  gradients made in the forward: no full logits);
 * ``transformers``: ``AutoModelForCausalLM.from_pretrained``; for LoRA peft's ``get_peft_model``;
   for QLoRA the same, then every adapted linear's base weight replaced by a torchao ``NF4Tensor``
   (bitsandbytes-free QLoRA); ``checkpoint_wrapper`` and ``fully_shard`` on each decoder layer,
@@ -113,7 +114,7 @@ class TrainOptions(Options):
     steps: int
     device: str
     shape: Shape
-    from_runs: Path | None
+    from_runs: tuple[Path, ...] = ()
 
 
 def rows_for(seq: int, tokens_per_rank: int) -> int:
@@ -329,7 +330,7 @@ def _half_row(group: str, rows: int, seq: int, st: dict[str, Any] | None, tf: di
         return f"{summary['tokens_per_s']:.0f}", " / ".join(fmt_bytes(p) for p in summary["peaks"])
 
     (st_speed, st_peak), (tf_speed, tf_peak) = cells(st), cells(tf)
-    return f"| {group} | {rows} × {seq} | {st_speed} | {tf_speed} | — | {st_peak} | {tf_peak} | — | — | — | — |"
+    return f"| {group} | {rows} × {seq} | {st_speed} | {tf_speed} | — | {st_peak} | {tf_peak} | — | — | — | — | — |"
 
 
 def report(
@@ -359,16 +360,17 @@ def report(
         ),
         (
             f"- World {cfg.world}; per run fresh processes, 1 untimed warm-up step then {cfg.steps} timed steps; "
-            f"{cfg.repeats} repeats, the two methods of a case back to back, their order alternating between repeats; "
+            f"up to {cfg.repeats} repeats (per case: *repeats*, runs that finished / runs), the two methods of a case back "
+            "to back, their order alternating between repeats; "
             f"{cfg.tokens_per_rank} tokens per rank a step where a row is shorter, else one row"
         ),
         "",
         (
             "| kind | rows × tokens per rank | shardtune tokens/s per rank | transformers tokens/s | speed ratio "
             "| shardtune peak Δ (r0 / r1) | transformers peak Δ | memory ratio (max rank) | process peak ratio "
-            "| first-step loss shardtune / transformers (r0) | trainable params on r0 |"
+            "| first-step loss shardtune / transformers (r0) | trainable params on r0 | repeats |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     agree, verdicts = True, []
     for seq in cfg.seq_lens:
@@ -379,7 +381,7 @@ def report(
                 lines.append(_half_row(group, rows, seq, st, tf))
                 continue
             if st is None or tf is None:
-                lines.append(f"| {group} | {rows} × {seq} | FAILED | | | | | | | | |")
+                lines.append(f"| {group} | {rows} × {seq} | FAILED | | | | | | | | | |")
                 agree = False
                 continue
             agree &= losses_agree(st, tf)
@@ -396,7 +398,7 @@ def report(
                 f"| {group} | {rows} × {seq} | {st['tokens_per_s']:.0f} | {tf['tokens_per_s']:.0f} | {speed:.2f} "
                 f"| {' / '.join(fmt_bytes(p) for p in st['peaks'])} | {' / '.join(fmt_bytes(p) for p in tf['peaks'])} "
                 f"| {memory:.2f} | {total:.2f} | {st['first_loss'][0]:.5f} / {tf['first_loss'][0]:.5f} "
-                f"| {st['trainable'] / 1e6:.2f} M / {tf['trainable'] / 1e6:.2f} M |"
+                f"| {st['trainable'] / 1e6:.2f} M / {tf['trainable'] / 1e6:.2f} M | {st['runs']} / {tf['runs']} |"
             )
     if any("not run" in line for line in lines):
         verdicts.append(
@@ -420,9 +422,9 @@ def report(
             f"both stacks train the same weights on the same tokens, so they agree within {LOSS_RTOL:g} relative "
             "(QLoRA: both quantize the same weights with torchao's NF4). The plots show rank 0's RssAnon above its "
             "baseline during the first timed step of the first repeat. shardtune's loss runs in chunks of "
-            f"{DEFAULT_CHUNK_TOKENS} tokens (the recipes' default `loss_chunk_tokens`), each chunk's logits made again "
-            "in backward; the transformers peer makes the full logits once and keeps them, their log-softmax and "
-            "their gradient."
+            f"{DEFAULT_CHUNK_TOKENS} tokens (the recipes' default `loss_chunk_tokens`): each chunk's logits are made "
+            "once, and their gradient and its two products with the head in the forward, then freed; the "
+            "transformers peer makes the full logits once and keeps them, their log-softmax and their gradient."
         ),
     ]
     return "\n".join(lines), agree
@@ -439,8 +441,10 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--from-runs",
         type=Path,
-        default=None,
-        help="render the report from a train_runs.json of an earlier (possibly interrupted) run; run nothing",
+        nargs="+",
+        default=(),
+        help="render the report from the train_runs.json of earlier (possibly interrupted) runs, merged "
+        "(e.g. 1024-token cases with more repeats than 4096-token ones); run nothing",
     )
 
 
@@ -461,7 +465,7 @@ def parse(argv: list[str] | None) -> TrainOptions:
         steps=1 if a.smoke else a.steps,
         device=a.device,
         shape=SMOKE if a.smoke else BENCH,
-        from_runs=a.from_runs,
+        from_runs=tuple(a.from_runs),
     )
 
 
@@ -503,13 +507,21 @@ def measure(cfg: TrainOptions, runs_path: Path) -> tuple[list[Run], tuple[float,
     return runs, (load_before, os.getloadavg()[0])
 
 
+def merge_saved_runs(paths: tuple[Path, ...]) -> tuple[list[Run], tuple[float, float], str]:
+    """The runs of several saved benchmarks, the load average before the first and after the last,
+    and their commands joined."""
+    saved = [json.loads(p.read_text()) for p in paths]
+    runs = [Run(**r) for s in saved for r in s["runs"]]
+    load_avg = (saved[0]["load_avg"][0], saved[-1]["load_avg"][1])
+    return runs, load_avg, "`, then `".join(s["command"] for s in saved)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; exit status 1 if a run failed or the stacks' losses disagree."""
     cfg = parse(argv)
     cfg.bench_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.from_runs is not None:
-        saved = json.loads(cfg.from_runs.read_text())
-        runs, load_avg, command = [Run(**r) for r in saved["runs"]], tuple(saved["load_avg"]), saved["command"]
+    if cfg.from_runs:
+        runs, load_avg, command = merge_saved_runs(cfg.from_runs)
         steps = next(len(r.ranks[0]["steps"]) for r in runs if r.ranks)
         cfg = dataclasses.replace(cfg, command=command, repeats=1 + max(r.repeat for r in runs), steps=steps)
     else:

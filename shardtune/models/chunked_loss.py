@@ -1,18 +1,23 @@
 """Language-model losses computed from hidden states in token chunks, without full logits.
 
-Rule: no ``[tokens, vocab]`` tensor (nor its gradient) exists at once. Each chunk of at most
-``chunk_tokens`` rows goes through the output head and its loss inside a non-reentrant
-activation checkpoint: the forward keeps only the chunk's loss, and the backward recomputes
-the chunk's logits, uses them and frees them before the next chunk. The peak is one chunk's
-fp32 logits, their softmax and gradient, instead of the whole sequence's. The recomputation
-is the same arithmetic, so losses and gradients equal the unchunked ones up to fp32 summation
-order.
+Rule: no ``[tokens, vocab]`` tensor (nor its gradient) exists at once. Two ways get there:
 
-The head is any function ``hidden [n, d] -> logits [n, vocab]`` (``lm_head``, with a final
-norm for early exits, with soft-capping for Gemma); call these inside the model's forward so
-FSDP2 has the head's parameters gathered in forward and backward. Labels are aligned with
-the hidden rows (shift them before); ``ignore_index`` rows contribute 0. Every function
-returns a **sum** over the trained tokens in fp32 (divide by the token count for a mean).
+* a plain linear head (:class:`~shardtune.models.linear_cross_entropy.LinearHead`, what the
+  models hand to ``head_loss``) that backward will need goes through
+  :mod:`~shardtune.models.linear_cross_entropy`, which makes each chunk's logits (and the
+  teacher's, for KD) once and their gradients in the forward: the full-logits arithmetic, chunked;
+* any other head (a function ``hidden [n, d] -> logits [n, vocab]``: LoRA on ``lm_head``)
+  runs each chunk inside a non-reentrant activation checkpoint: the forward keeps only the
+  chunk's loss, and the backward makes the chunk's logits again, uses them and frees them
+  before the next chunk.
+
+Either way the peak is one chunk's fp32 logits (and their softmax and gradient) instead of the
+whole sequence's, and losses and gradients equal the unchunked ones up to fp32 summation order.
+
+Call the head inside the model's forward so FSDP2 has its parameters gathered in forward and
+backward. Labels are aligned with the hidden rows (shift them before); ``ignore_index`` rows
+contribute 0. Every function returns a **sum** over the trained tokens in fp32 (divide by the
+token count for a mean).
 """
 
 from __future__ import annotations
@@ -25,7 +30,16 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "Head", "chunked_cross_entropy", "chunked_distillation_loss", "frozen_head"]
+from shardtune.models.linear_cross_entropy import LinearHead, linear_cross_entropy, linear_distillation_loss
+
+__all__ = [
+    "DEFAULT_CHUNK_TOKENS",
+    "Head",
+    "LinearHead",
+    "chunked_cross_entropy",
+    "chunked_distillation_loss",
+    "frozen_head",
+]
 
 Head = Callable[[Tensor], Tensor]
 DEFAULT_CHUNK_TOKENS = 1024
@@ -60,6 +74,12 @@ def frozen_head(head: torch.nn.Linear, *, softcap: float | None = None) -> Head:
     return logits
 
 
+def _wants_grad(hidden: Tensor, head: LinearHead) -> bool:
+    """Whether backward will need this loss's gradients (else the plain chunked loss is cheaper)."""
+    tensors = (hidden, head.weight, head.bias)
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _ce_sum(hidden: Tensor, labels: Tensor, head: Head, ignore_index: int) -> Tensor:
     logits = head(hidden).float()
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
@@ -82,12 +102,16 @@ def chunked_cross_entropy(
     """Sum of the cross-entropy of ``head(hidden)`` against ``labels`` (``[..., d]`` and ``[...]``).
 
     ``chunk_tokens=None`` computes it in one piece (full logits, no recomputation); ``compile``
-    runs each chunk's head and loss through ``torch.compile`` (one graph for every full chunk)."""
+    runs each chunk's loss (and, for a :class:`LinearHead`, its gradient) through
+    ``torch.compile`` (one graph for every full chunk)."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} do not line up")
     h, y = _rows(hidden), labels.reshape(-1)
+    chunks = _chunks(h.shape[0], chunk_tokens)
+    if chunk_tokens is not None and isinstance(head, LinearHead) and _wants_grad(h, head):
+        return linear_cross_entropy(h, head, y, chunk_tokens=chunk_tokens, ignore_index=ignore_index, compile=compile)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for start, end in _chunks(h.shape[0], chunk_tokens):
+    for start, end in chunks:
         fn = _compiled_ce_sum() if compile else _ce_sum
         total = total + _run(fn, chunk_tokens is not None, h[start:end], y[start:end], head, ignore_index)
     return total
@@ -145,8 +169,13 @@ def chunked_distillation_loss(
             f"labels {tuple(labels.shape)} do not line up"
         )
     s, t, y = _rows(student_hidden), _rows(teacher_hidden.detach()), labels.reshape(-1)
+    chunks = _chunks(s.shape[0], chunk_tokens)
+    if chunk_tokens is not None and isinstance(student_head, LinearHead) and _wants_grad(s, student_head):
+        return linear_distillation_loss(
+            s, student_head, t, teacher_head, y, kd_ratio=kd_ratio, chunk_tokens=chunk_tokens, ignore_index=ignore_index
+        )
     total = torch.zeros((), dtype=torch.float32, device=student_hidden.device)
-    for start, end in _chunks(s.shape[0], chunk_tokens):
+    for start, end in chunks:
         total = total + _run(
             _distill_sum,
             chunk_tokens is not None,

@@ -27,6 +27,7 @@ from shardtune.models.attention import Attention, KVUpdate, RMSNorm, attention_m
 from shardtune.models.families import FULL, SLIDING
 from shardtune.models.kv_cache import KVCache, cached_attention_mask
 from shardtune.models.layer_dropout import LayerDropoutSchedule, layer_dropout_probs
+from shardtune.models.linear_cross_entropy import LinearHead
 from shardtune.models.packed_attention import (
     PackedSamples,
     SampleLengths,
@@ -334,6 +335,16 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states -> logits: ``lm_head``, then the family's final soft-capping (Gemma)."""
         return softcap(self.lm_head(hidden), self.args.final_logit_softcapping)
 
+    def loss_head(self, *, final_norm: bool = False) -> Callable[[Tensor], Tensor]:
+        """The head ``head_loss`` gets (with the shared final norm first for early exits): a
+        :class:`LinearHead` when ``lm_head`` is a plain linear, so chunked losses make each chunk's
+        gradients in the forward instead of again in backward; else the head as a function (LoRA
+        on ``lm_head``). Call it inside forward, where FSDP2 has the weight gathered."""
+        if type(self.lm_head) is not nn.Linear:
+            return self.logits_from_hidden if final_norm else self.output_head
+        norm = self.model.norm if final_norm else None
+        return LinearHead(self.lm_head.weight, self.lm_head.bias, self.args.final_logit_softcapping, norm)
+
     def forward(
         self,
         tokens: Tensor,
@@ -371,10 +382,10 @@ class LlamaForCausalLM(nn.Module):
             kv_cache=kv_cache,
         )
         if head_loss is not None:
-            out = head_loss(h, self.output_head)
+            out = head_loss(h, self.loss_head())
             if output_hidden_states is None:
                 return out
-            return out, {i: head_loss(x, self.logits_from_hidden) for i, x in hidden.items()}
+            return out, {i: head_loss(x, self.loss_head(final_norm=True)) for i, x in hidden.items()}
         logits = self.output_head(h)
         if output_hidden_states is None:
             return logits

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 
 from benchmarks._measure import measure_step
 from benchmarks.driver import Run
-from benchmarks.train import BENCH, TrainOptions, report, rows_for, summarize
+from benchmarks.train import BENCH, TrainOptions, merge_saved_runs, report, rows_for, summarize
 
 MIB = 1 << 20
 
@@ -44,7 +45,7 @@ def _options(tmp_path: Path) -> TrainOptions:
     return TrainOptions(
         size="tiny", world=2, repeats=1, groups=("full",), cold=False, bench_dir=tmp_path, markdown=None,
         timeout_s=1.0, command="python -m benchmarks.train", seq_lens=(1024,), tokens_per_rank=2048, steps=2,
-        device="cpu", shape=BENCH, from_runs=None,
+        device="cpu", shape=BENCH, from_runs=(),
     )  # fmt: skip
 
 
@@ -76,3 +77,24 @@ def test_disagreeing_first_losses_fail_the_verification(tmp_path: Path):
     summaries = {("full", 1024, m): summarize([r]) for m, r in runs.items()}
     _, agree = report(_options(tmp_path), summaries, load_avg=(0.0, 0.0), plots={})
     assert not agree
+
+
+def test_saved_runs_of_several_benchmarks_merge(tmp_path: Path):
+    """1024-token cases with more repeats and 4096-token ones measured apart render as one table."""
+    paths = []
+    for i, (case, repeats, load) in enumerate((("full@1024", 2, (1.0, 2.0)), ("full@4096", 1, (3.0, 4.0)))):
+        runs = [
+            {"group": case, "method": m, "repeat": r, "ranks": [_rank(0, seconds=(1.0, 1.0), peak=MIB, loss=11.0)]}
+            for r in range(repeats)
+            for m in ("shardtune", "transformers")
+        ]
+        paths.append(tmp_path / f"runs{i}.json")
+        paths[-1].write_text(json.dumps({"command": f"cmd{i}", "load_avg": list(load), "runs": runs}))
+    runs, load_avg, command = merge_saved_runs(tuple(paths))
+    assert [(r.group, r.repeat) for r in runs if r.method == "shardtune"] == [
+        ("full@1024", 0),
+        ("full@1024", 1),
+        ("full@4096", 0),
+    ]
+    assert load_avg == (1.0, 4.0) and command == "cmd0`, then `cmd1"
+    assert summarize([r for r in runs if (r.group, r.method) == ("full@1024", "shardtune")])["runs"] == "2/2"

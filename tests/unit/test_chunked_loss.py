@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardtune.models.chunked_loss import chunked_cross_entropy, chunked_distillation_loss
+from shardtune.models.chunked_loss import LinearHead, chunked_cross_entropy, chunked_distillation_loss
 
 TOKENS, DIM, VOCAB = 2 * 37, 16, 300
 
@@ -108,3 +108,140 @@ def test_misaligned_labels_and_bad_chunk_size_are_named():
         chunked_cross_entropy(hidden, head, labels[:, 1:])
     with pytest.raises(ValueError, match="loss_chunk_tokens"):
         chunked_cross_entropy(hidden, head, labels, chunk_tokens=0)
+
+
+class MatmulFlops(TorchDispatchMode):
+    """Adds up the multiply-adds of every matrix product (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default):
+            a, b = (args[0], args[1]) if func is not torch.ops.aten.addmm.default else (args[1], args[2])
+            self.flops += a.shape[0] * a.shape[1] * b.shape[1]
+        elif func is torch.ops.aten.addmm_.default:
+            self.flops += args[1].shape[0] * args[1].shape[1] * args[2].shape[1]
+        return func(*args, **(kwargs or {}))
+
+
+def _linear_head_inputs(seed: int = 0):
+    hidden, weight, labels = _inputs(seed)
+    bias = (torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed + 7)) * 0.1).requires_grad_()
+    return hidden, weight, bias, labels
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("chunk", [16, 1000])
+def test_linear_head_loss_and_gradients_equal_full_logits(softcap, chunk):
+    hidden, weight, bias, labels = _linear_head_inputs()
+    logits = F.linear(hidden, weight, bias)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    want = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="sum")
+    with LargestOutput() as mode:
+        got = chunked_cross_entropy(hidden, LinearHead(weight, bias, softcap), labels, chunk_tokens=chunk)
+        grads = _grads(got, hidden, weight, bias)
+    if chunk < TOKENS:
+        assert mode.largest <= max(chunk * VOCAB, VOCAB * DIM) < TOKENS * VOCAB
+    _close(got, want)
+    for g, w in zip(grads, _grads(want, hidden, weight, bias), strict=True):
+        _close(g, w)
+
+
+def test_linear_head_makes_the_logits_once():
+    """The fused path does the full-logits loss's matrix products, not a recomputation on top."""
+    hidden, weight, _, labels = _linear_head_inputs()
+    with MatmulFlops() as fused:
+        chunked_cross_entropy(hidden, LinearHead(weight), labels, chunk_tokens=16).backward()
+    with MatmulFlops() as plain:
+        F.cross_entropy((hidden @ weight.T).reshape(-1, VOCAB), labels.reshape(-1), reduction="sum").backward()
+    with MatmulFlops() as recomputed:
+        chunked_cross_entropy(hidden, functools.partial(F.linear, weight=weight), labels, chunk_tokens=16).backward()
+    assert fused.flops == plain.flops == 3 * TOKENS * DIM * VOCAB
+    assert recomputed.flops == 4 * TOKENS * DIM * VOCAB
+
+
+def test_linear_head_with_final_norm_and_frozen_weight():
+    """Early exits put the final norm before the head (its gradient flows through autograd);
+    a frozen head (LoRA) gets no weight gradient and skips that product."""
+    hidden, weight, _, labels = _linear_head_inputs()
+    norm = torch.nn.RMSNorm(DIM, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    frozen = weight.detach()
+    want = F.cross_entropy(F.linear(norm(hidden), frozen).reshape(-1, VOCAB), labels.reshape(-1), reduction="sum")
+    with MatmulFlops() as counted:
+        got = chunked_cross_entropy(hidden, LinearHead(frozen, norm=norm), labels, chunk_tokens=16)
+        grads = _grads(got, hidden, norm.weight)
+    _close(got, want)
+    for g, w in zip(grads, _grads(want, hidden, norm.weight), strict=True):
+        _close(g, w)
+    assert counted.flops == 2 * TOKENS * DIM * VOCAB
+
+
+def test_linear_head_scales_by_the_incoming_gradient_and_runs_backward_once():
+    hidden, weight, _, labels = _linear_head_inputs()
+    want = F.cross_entropy((hidden @ weight.T).reshape(-1, VOCAB), labels.reshape(-1), reduction="mean")
+    n = int((labels != -100).sum())
+    got = chunked_cross_entropy(hidden, LinearHead(weight), labels, chunk_tokens=16) / n
+    got.backward(retain_graph=True)
+    for g, w in zip((hidden.grad, weight.grad), _grads(want, hidden, weight), strict=True):
+        _close(g, w)
+    with pytest.raises(RuntimeError, match="loss_chunk_tokens: null"):
+        got.backward()
+
+
+def test_linear_head_in_bfloat16_matches_autograd():
+    """bf16 weights (mixed precision): fp32 loss, gradients in the inputs' dtype, close to autograd's."""
+    hidden, weight, _, labels = _linear_head_inputs()
+    hidden = hidden.detach().bfloat16().requires_grad_()
+    weight = weight.detach().bfloat16().requires_grad_()
+    want = F.cross_entropy((hidden @ weight.T).float().reshape(-1, VOCAB), labels.reshape(-1), reduction="sum")
+    got = chunked_cross_entropy(hidden, LinearHead(weight), labels, chunk_tokens=16)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    for g, w in zip(_grads(got, hidden, weight), _grads(want, hidden, weight), strict=True):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2 * w.abs().max().item())
+
+
+def test_linear_head_without_grad_is_the_plain_loss():
+    hidden, weight, _, labels = _linear_head_inputs()
+    want = F.cross_entropy((hidden @ weight.T).reshape(-1, VOCAB), labels.reshape(-1), reduction="sum")
+    with torch.no_grad():
+        got = chunked_cross_entropy(hidden, LinearHead(weight), labels, chunk_tokens=16)
+    _close(got, want)
+
+
+@pytest.mark.parametrize(("kd_ratio", "softcap"), [(1.0, None), (0.5, None), (0.25, 4.0)])
+def test_linear_head_distillation_equals_full_logits(kd_ratio, softcap):
+    """KD with a linear student head: loss and gradients equal the full-logits computation, and
+    the student's and teacher's logits are each made once."""
+    hidden, weight, bias, labels = _linear_head_inputs()
+    teacher_hidden, teacher_weight, _ = _inputs(seed=1)
+    teacher_weight = teacher_weight.detach()
+
+    def cap(x):
+        return x if softcap is None else torch.tanh(x / softcap) * softcap
+
+    student = cap(F.linear(hidden, weight, bias)).reshape(-1, VOCAB)
+    teacher = (teacher_hidden @ teacher_weight.T).reshape(-1, VOCAB).detach()
+    per_token = (F.softmax(teacher, -1) * F.log_softmax(student, -1)).sum(-1)
+    kd = -(per_token * (labels.reshape(-1) != -100)).sum()
+    want = (1 - kd_ratio) * F.cross_entropy(student, labels.reshape(-1), reduction="sum") + kd_ratio * kd
+    with MatmulFlops() as counted:
+        got = chunked_distillation_loss(
+            hidden,
+            LinearHead(weight, bias, softcap),
+            teacher_hidden,
+            functools.partial(F.linear, weight=teacher_weight),
+            labels,
+            kd_ratio=kd_ratio,
+            chunk_tokens=10,
+        )
+        grads = _grads(got, hidden, weight, bias)
+    _close(got, want)
+    for g, w in zip(grads, _grads(want, hidden, weight, bias), strict=True):
+        _close(g, w)
+    assert counted.flops == 4 * TOKENS * DIM * VOCAB  # student forward + two gradient products, teacher once
