@@ -112,7 +112,9 @@ def shard_model(
     ``mesh`` gives HSDP (replicate x shard). ``activation_checkpointing`` wraps each layer
     first; state-dict names are unchanged by it. ``compile`` then compiles each layer in place
     (``nn.Module.compile``, so names stay too) before it is sharded, as torchtitan orders it.
-    Returns the same (now sharded) model.
+    ``cpu_offload`` keeps params, gradients and the optimizer step in CPU memory (FSDP2's
+    ``CPUOffloadPolicy``, pinned when the mesh is on an accelerator). Returns the same (now
+    sharded) model.
 
     On a mesh whose shard dimension has one rank, NF4 params stay plain (FSDP2 ignores them):
     FSDP2 then skips its all-gather and rebuilds each param from the first all-gather input
@@ -124,7 +126,8 @@ def shard_model(
     if mesh.size(mesh.ndim - 1) == 1:
         options["ignored_params"] = {p for p in model.parameters() if is_nf4(p)}
     if cpu_offload:
-        options["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory needs an accelerator; on a CPU mesh (gloo tests) the shards are plain CPU tensors.
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
     if mp_policy is not None:
         options["mp_policy"] = mp_policy
     layers = decoder_layers(model)

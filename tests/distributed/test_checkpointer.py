@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -13,10 +14,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardtune.checkpoint import Checkpointer, FingerprintMismatchError
-from shardtune.distributed import shard_model
+from shardtune.distributed import decoder_layers, shard_model
 from shardtune.models import llama_from_hf_config
 from shardtune.peft import apply_lora, init_lora_parameters
 from shardtune.training import gather_cpu_state_dict, get_full_optimizer_state_dict
+from shardtune.training.grad_norm import clip_grad_norm
 from shardtune.training.optim import build_lr_scheduler, build_optimizer
 
 pytestmark = pytest.mark.timeout(300)
@@ -50,7 +52,7 @@ def _setup(base: str, out: str, *, lora: bool, adapter_only: bool = False, finge
         model = llama_from_hf_config(base)
         if lora:
             apply_lora(model, **LORA)
-    shard_model(model)
+    shard_model(model, cpu_offload=options.get("cpu_offload", False))
     opt = build_optimizer(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = build_lr_scheduler(opt, name="cosine", warmup_steps=1, total_steps=10)
     ck = Checkpointer(
@@ -82,13 +84,25 @@ def _start(model, ck, *, lora: bool):
     return progress
 
 
-def _train(model, opt, sched, steps: range) -> list[float]:
+def _batch(step: int, *, world: int = 1) -> torch.Tensor:
+    """Step ``step``'s ``[2 * world, 16]`` token rows (rank r trains on rows 2r and 2r + 1)."""
+    return torch.randint(0, 256, (2 * world, 16), generator=torch.Generator().manual_seed(step))
+
+
+def _train(model, opt, sched, steps: range, *, max_norm: float | None = None, split: bool = False) -> list[float]:
+    """Local losses; ``split``: each rank trains on its rows of a global batch (else all on the same
+    rows); ``max_norm``: gradients clipped by shardtune's global norm first."""
     losses = []
     for step in steps:
-        tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
+        tokens = _batch(step)
+        if split:
+            rank = dist.get_rank()
+            tokens = _batch(step, world=dist.get_world_size())[2 * rank : 2 * rank + 2]
         logits = model(tokens)
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
+        if max_norm is not None:
+            clip_grad_norm(model.parameters(), max_norm)
         opt.step()
         opt.zero_grad()
         sched.step()
@@ -637,3 +651,67 @@ def test_dcp_async_intermediate_checkpoint_resumes_and_converts(pool2, base_dir,
             + LORA["alpha"] / LORA["rank"] * saved[f"{q}.lora_B.weight"] @ saved[f"{q}.lora_A.weight"]
         )
         assert torch.allclose(hf.state_dict()[f"{q}.weight"], merged, atol=1e-6)
+
+
+MAX_NORM = 0.5  # below every step's gradient norm here, so the clip acts on each step (checked below)
+
+
+def _offload_train_save_resume(base: str, out: str):
+    """shard_model(cpu_offload=True) + the Checkpointer's offloaded base load: 3 clipped AdamW
+    steps on a global batch, a save, one more step; then a fresh offloaded model resumes."""
+    model, opt, sched, ck = _setup(base, out, lora=False, cpu_offload=True)
+    assert _start(model, ck, lora=False) is None
+    policies = {type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__ for m in decoder_layers(model)}
+    losses = _train(model, opt, sched, range(3), max_norm=MAX_NORM, split=True)
+    ck.save(step=3, epoch=1)
+    at_save = _full_state(model, opt)
+    uninterrupted = _train(model, opt, sched, range(3, 4), max_norm=MAX_NORM, split=True)
+
+    model2, opt2, sched2, ck2 = _setup(base, out, lora=False, cpu_offload=True)
+    progress = _start(model2, ck2, lora=False)
+    resumed_state = _full_state(model2, opt2)
+    return {
+        "policies": policies,
+        "losses": losses + uninterrupted,
+        "resumed": _train(model2, opt2, sched2, range(3, 4), max_norm=MAX_NORM, split=True),
+        "uninterrupted": uninterrupted,
+        "step": progress.step,
+        "same_state": None if at_save is None else _same_state(at_save, resumed_state),
+    }
+
+
+def _reference_losses(base: str, steps: range, *, world: int) -> tuple[list[float], list[float]]:
+    """Single process, transformers, no FSDP: the same global batches, torch's AdamW and clipping,
+    the cosine schedule of ``_setup`` written out (1 warmup step, 10 total); losses and pre-clip norms."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    losses, norms = [], []
+    for step in steps:
+        opt.param_groups[0]["lr"] = 1e-2 * (0.5 if step == 0 else 0.5 * (1 + math.cos(math.pi * (step - 1) / 9)))
+        tokens = _batch(step, world=world)
+        logits = model(tokens).logits
+        # the mean of the per-rank means FSDP averages (equal row counts per rank)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms
+
+
+def test_fsdp_cpu_offload_trains_like_unsharded_transformers_and_resumes_exactly(pool2, base_dir, tmp_path):
+    """FSDP2 CPUOffloadPolicy on CPU (gloo, unpinned): params, grads and the AdamW step stay in
+    CPU memory as on a GPU run; the recipes still refuse fsdp_cpu_offload on CPU for users."""
+    res = pool2.run_ok(_offload_train_save_resume, base_dir, str(tmp_path / "out"))
+    want, norms = _reference_losses(base_dir, range(4), world=2)
+    assert all(n > MAX_NORM for n in norms), norms
+    got = [(a + b) / 2 for a, b in zip(res[0]["losses"], res[1]["losses"])]
+    # fp32 with another summation order (sharded reduce-scatter, transformers' attention kernel)
+    assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=0), (got, want)
+    for r in res:
+        assert r["policies"] == {"CPUOffloadPolicy"}
+        assert r["step"] == 3 and r["resumed"] == r["uninterrupted"]  # bitwise
+    assert res[0]["same_state"] is True  # params and optimizer state, bitwise
