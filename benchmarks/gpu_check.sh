@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One prepared GPU check (about 10 minutes on one H200): the GPU tests, then the checkpoint
-# benchmark on CUDA. Run from anywhere on a machine with a CUDA GPU and this repository:
+# One prepared GPU check (about 13 minutes on one H200): the GPU tests, then the checkpoint and
+# training-step benchmarks on CUDA. Run from anywhere on a machine with a CUDA GPU and this repository:
 #   bash benchmarks/gpu_check.sh
 # Assumes torch with CUDA is already installed (CUDA wheels cannot be fetched offline); without
 # torch it installs torch==2.13.0 from the configured index. Outputs go under $OUT when set
 # (else ./gpu_check_out): pytest's log, the benchmark's tables and raw runs, and BENCHMARKS.md
-# with the new "checkpoint-cuda" section.
+# with the new "checkpoint-cuda" and "train-cuda" sections.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-$PWD/gpu_check_out}"
@@ -34,4 +34,12 @@ timeout 300 python -m benchmarks.checkpoint --device cuda --world 1 --size 1b --
     --bench-dir "$out/bench" --markdown "$out/BENCHMARKS.md" 2>&1 | tee "$out/benchmark_cuda.log" || status=1
 echo "benchmark: $((SECONDS - start)) s" | tee -a "$out/device.txt"
 rm -rf "$out/bench"/hf_* "$out/bench"/save_* "$out/bench"/resume_*  # GBs of fixtures; the runs JSON stays
+
+# The training step on CUDA (world 1): full, LoRA, QLoRA at 1024 and 4096 tokens against transformers + FSDP2;
+# the "train-cuda" section of $out/BENCHMARKS.md, its plots in $out/benchmarks/plots.
+start=$SECONDS
+timeout 180 python -m benchmarks.train --device cuda --world 1 --repeats 1 --steps 3 \
+    --bench-dir "$out/bench_train" --markdown "$out/BENCHMARKS.md" 2>&1 | tee "$out/benchmark_train_cuda.log" || status=1
+echo "train benchmark: $((SECONDS - start)) s" | tee -a "$out/device.txt"
+rm -rf "$out/bench_train"/train_llama_*  # the HF fixture; the runs JSON stays
 exit $status

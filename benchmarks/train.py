@@ -61,7 +61,10 @@ from benchmarks.driver import (
 )
 from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS
 
-MARKERS = ("<!-- train:begin -->", "<!-- train:end -->")
+MARKERS = {
+    "cpu": ("<!-- train:begin -->", "<!-- train:end -->"),
+    "cuda": ("<!-- train-cuda:begin -->", "<!-- train-cuda:end -->"),
+}
 GROUPS = ("full", "lora", "qlora")
 METHODS = ("shardtune", "transformers")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -69,7 +72,7 @@ LORA_RANK, LORA_ALPHA = 8, 16.0
 LR = 1e-5
 LOSS_RTOL = 1e-4  # first-step losses of the two stacks (same weights, same tokens, fp32)
 MEMORY_TARGET, SPEED_TARGET = 0.5, 0.95  # shardtune / transformers, full fine-tuning at 1024 tokens a row
-PLOTS = REPO_ROOT / "benchmarks" / "plots"
+PLOTS = Path("benchmarks") / "plots"  # next to the Markdown file the report goes to
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -343,7 +346,8 @@ def report(
     """The Markdown section and whether every run's losses agree between the stacks."""
     shape = cfg.shape
     lines = [
-        "## Training step: shardtune vs transformers + FSDP2 (`benchmarks/train.py`)",
+        f"## Training step{'' if cfg.device == 'cpu' else ' on ' + cfg.device.upper()}: shardtune vs transformers + "
+        "FSDP2 (`benchmarks/train.py`)",
         "",
         *environment_lines(
             cfg.command,
@@ -407,7 +411,8 @@ def report(
         )
     lines += ["", *verdicts, ""]
     for group, path in plots.items():
-        rel = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+        home = cfg.markdown.parent if cfg.markdown is not None else REPO_ROOT
+        rel = path.relative_to(home) if path.is_relative_to(home) else path
         lines.append(f"![memory during one {group} step]({rel.as_posix()})")
     lines += [
         "",
@@ -536,14 +541,14 @@ def main(argv: list[str] | None = None) -> int:
     (cfg.bench_dir / "train_summary.json").write_text(
         json.dumps({"|".join(map(str, k)): v for k, v in summaries.items()}, default=str)
     )
-    plot_dir = PLOTS if cfg.markdown is not None else cfg.bench_dir / "train_plots"
+    plot_dir = cfg.markdown.parent / PLOTS if cfg.markdown is not None else cfg.bench_dir / "train_plots"
     plots = {}
     for group in (g for g in cfg.groups if any(key[0] == g for key in summaries)):
-        plots[group] = plot_dir / f"train_memory_{group}.png"
+        plots[group] = plot_dir / f"train_memory_{group}{'' if cfg.device == 'cpu' else '_' + cfg.device}.png"
         seqs = [seq for seq in cfg.seq_lens if any((group, seq, m) in summaries for m in METHODS)]
         plot(group, {seq: {m: summaries.get((group, seq, m)) for m in METHODS} for seq in seqs}, plots[group])
     section, agree = report(cfg, summaries, load_avg=load_avg, plots=plots)
-    finish(section, markdown=cfg.markdown, markers=MARKERS)
+    finish(section, markdown=cfg.markdown, markers=MARKERS[cfg.device])
     bad_verify = any(rk["verify"] != "ok" for r in runs for rk in r.ranks)
     return 0 if agree and not bad_verify and not any(r.error for r in runs) else 1
 

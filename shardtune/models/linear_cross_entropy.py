@@ -64,15 +64,24 @@ def _through_softcap(grad: Tensor, capped: Tensor | None) -> Tensor:
     return grad if capped is None else grad.mul_(1 - capped * capped)
 
 
+def _log_normalizer_and_softmax(z: Tensor) -> tuple[Tensor, Tensor]:
+    """``logsumexp(z)`` per row and ``softmax(z)`` written over ``z``: no second ``[n, vocab]``
+    tensor (``torch.logsumexp`` would make one)."""
+    top = z.amax(dim=-1, keepdim=True)
+    exp = z.sub_(top).exp_()
+    total = exp.sum(dim=-1, keepdim=True)
+    return (top + total.log()).squeeze(1), exp.div_(total)
+
+
 def _loss_and_logit_grad(logits: Tensor, labels: Tensor, softcap: float | None, ignore_index: int):
     """Summed cross-entropy of ``logits`` ``[n, vocab]`` and its gradient with respect to them
     (before soft-capping), fp32; the gradient reuses the fp32 logits' memory when it can."""
     z, capped = _softcapped(logits, softcap)
     valid = labels != ignore_index
     target = labels.clamp(min=0).unsqueeze(1)  # ignored rows read any column, then count zero
-    lse = torch.logsumexp(z, dim=-1)
-    loss = ((lse - z.gather(1, target).squeeze(1)) * valid).sum()
-    grad = z.sub_(lse.unsqueeze(1)).exp_()  # softmax
+    target_logit = z.gather(1, target).squeeze(1)
+    lse, grad = _log_normalizer_and_softmax(z)
+    loss = ((lse - target_logit) * valid).sum()
     grad.scatter_add_(1, target, -valid.unsqueeze(1).to(grad.dtype))
     return loss, _through_softcap(grad.mul_(valid.unsqueeze(1)), capped)
 
@@ -87,11 +96,15 @@ def _distillation_and_logit_grad(
     valid = labels != ignore_index
     target = labels.clamp(min=0).unsqueeze(1)
     teacher_prob = F.softmax(teacher_logits, dim=-1, dtype=torch.float32)
-    logprob = z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
-    kd = -((teacher_prob * logprob).sum(-1) * valid).sum()
-    ce = -(logprob.gather(1, target).squeeze(1) * valid).sum()
+    target_logit = z.gather(1, target).squeeze(1)
+    # sum_v p_teacher * log p_student = sum_v p_teacher * z - logsumexp(z) * sum_v p_teacher, per row
+    teacher_dot = torch.bmm(teacher_prob.unsqueeze(1), z.unsqueeze(2)).reshape(-1)
+    teacher_mass = teacher_prob.sum(dim=-1)
+    lse, grad = _log_normalizer_and_softmax(z)
+    kd = -((teacher_dot - lse * teacher_mass) * valid).sum()
+    ce = ((lse - target_logit) * valid).sum()
     loss = kd if kd_ratio == 1.0 else (1 - kd_ratio) * ce + kd_ratio * kd
-    grad = logprob.exp_().sub_(teacher_prob.mul_(kd_ratio))
+    grad.sub_(teacher_prob.mul_(kd_ratio))
     grad.scatter_add_(1, target, -(1 - kd_ratio) * valid.unsqueeze(1).to(grad.dtype))
     return loss, _through_softcap(grad.mul_(valid.unsqueeze(1)), capped)
 
@@ -99,6 +112,20 @@ def _distillation_and_logit_grad(
 @functools.cache
 def _compiled_kernel() -> Callable[..., tuple[Tensor, Tensor]]:
     return torch.compile(_loss_and_logit_grad)
+
+
+def _chunk(hidden, weight, bias, chunk_loss: ChunkLoss, chunk: slice, grad_hidden, grad_weight, grad_bias) -> Tensor:
+    """One chunk: its loss, its gradients added to the given buffers. A function of its own so
+    the chunk's logits die on return, before the next chunk makes its own."""
+    loss, grad = chunk_loss(F.linear(hidden[chunk], weight, bias), chunk)
+    if grad_bias is not None:
+        grad_bias += grad.sum(0)
+    grad = grad.to(weight.dtype)  # as autograd would hand it to the head's matmuls
+    if grad_hidden is not None:
+        torch.mm(grad, weight, out=grad_hidden[chunk])
+    if grad_weight is not None:
+        grad_weight.addmm_(grad.T, hidden[chunk])
+    return loss
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -112,15 +139,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_tokens):
             chunk = slice(start, start + chunk_tokens)
-            loss, grad = chunk_loss(F.linear(hidden[chunk], weight, bias), chunk)
-            total += loss
-            if grad_bias is not None:
-                grad_bias += grad.sum(0)
-            grad = grad.to(weight.dtype)  # as autograd would hand it to the head's matmuls
-            if grad_hidden is not None:
-                torch.mm(grad, weight, out=grad_hidden[chunk])
-            if grad_weight is not None:
-                grad_weight.addmm_(grad.T, hidden[chunk])
+            total += _chunk(hidden, weight, bias, chunk_loss, chunk, grad_hidden, grad_weight, grad_bias)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.used = False

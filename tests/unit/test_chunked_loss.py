@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 
 import pytest
 import torch
@@ -26,6 +27,25 @@ class LargestOutput(TorchDispatchMode):
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
+        return out
+
+
+class LiveLargeTensors(TorchDispatchMode):
+    """The most distinct storages of tensors of at least ``numel`` elements alive at once
+    (views of one storage count once), checked after every op."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.refs, self.most = numel, [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.numel:
+                self.refs.append(weakref.ref(t))
+        alive = [t for r in self.refs if (t := r()) is not None]
+        self.refs = [weakref.ref(t) for t in alive]
+        self.most = max(self.most, len({t.untyped_storage().data_ptr() for t in alive}))
         return out
 
 
@@ -245,3 +265,13 @@ def test_linear_head_distillation_equals_full_logits(kd_ratio, softcap):
     for g, w in zip(grads, _grads(want, hidden, weight, bias), strict=True):
         _close(g, w)
     assert counted.flops == 4 * TOKENS * DIM * VOCAB  # student forward + two gradient products, teacher once
+
+
+def test_linear_head_keeps_one_chunk_of_logits_alive():
+    """A chunk's logits (and their softmax and gradient, made over them) die before the next
+    chunk's are made; the weight gradient buffer is smaller than a chunk here."""
+    hidden, weight, _, labels = _linear_head_inputs()
+    chunk = 2 * DIM
+    with LiveLargeTensors(chunk * VOCAB) as live:
+        chunked_cross_entropy(hidden, LinearHead(weight), labels, chunk_tokens=chunk).backward()
+    assert live.most == 1
