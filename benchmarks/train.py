@@ -196,10 +196,16 @@ def _transformers(group: str, hf: str, device: torch.device):
         model = get_peft_model(model, config)
         if group == "qlora":
             _quantize_lora_bases(model)
+    options = {}
+    if group == "qlora" and dist.get_world_size() == 1:
+        # FSDP2 skips the all-gather on one rank and rebuilds NF4 weights without their scalers
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+
+        options["ignored_params"] = {p for p in model.parameters() if isinstance(p, NF4Tensor)}
     for i, layer in enumerate(decoder.layers):
         decoder.layers[i] = checkpoint_wrapper(layer)
-        fully_shard(decoder.layers[i])
-    fully_shard(model)
+        fully_shard(decoder.layers[i], **options)
+    fully_shard(model, **options)
 
     def loss(tokens: torch.Tensor) -> torch.Tensor:
         logits = model(input_ids=tokens).logits
