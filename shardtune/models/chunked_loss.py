@@ -6,7 +6,8 @@ Rule: no ``[tokens, vocab]`` tensor (nor its gradient) exists at once. Two ways 
   models hand to ``head_loss``) that backward will need goes through
   :mod:`~shardtune.models.linear_cross_entropy`, which makes each chunk's logits (and the
   teacher's, for KD) once and their gradients in the forward: the full-logits arithmetic, chunked;
-* any other head (a function ``hidden [n, d] -> logits [n, vocab]``: LoRA on ``lm_head``)
+* any other head (a function ``hidden [n, d] -> logits [n, vocab]``: LoRA on ``lm_head``; a
+  trainable head under several losses in one forward, see ``head_for_several_losses``)
   runs each chunk inside a non-reentrant activation checkpoint: the forward keeps only the
   chunk's loss, and the backward makes the chunk's logits again, uses them and frees them
   before the next chunk.
@@ -74,10 +75,12 @@ def frozen_head(head: torch.nn.Linear, *, softcap: float | None = None) -> Head:
     return logits
 
 
-def _wants_grad(hidden: Tensor, head: LinearHead) -> bool:
-    """Whether backward will need this loss's gradients (else the plain chunked loss is cheaper)."""
-    tensors = (hidden, head.weight, head.bias)
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def _fuses(head: Head, hidden: Tensor) -> bool:
+    """Whether the loss goes through the fused path: a fusing :class:`LinearHead`, and backward will
+    need the gradients (else the plain chunked loss is cheaper)."""
+    if not isinstance(head, LinearHead) or not head.fuse or not torch.is_grad_enabled():
+        return False
+    return any(t is not None and t.requires_grad for t in (hidden, head.weight, head.bias))
 
 
 def _ce_sum(hidden: Tensor, labels: Tensor, head: Head, ignore_index: int) -> Tensor:
@@ -108,7 +111,7 @@ def chunked_cross_entropy(
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} do not line up")
     h, y = _rows(hidden), labels.reshape(-1)
     chunks = _chunks(h.shape[0], chunk_tokens)
-    if chunk_tokens is not None and isinstance(head, LinearHead) and _wants_grad(h, head):
+    if chunk_tokens is not None and _fuses(head, h):
         return linear_cross_entropy(h, head, y, chunk_tokens=chunk_tokens, ignore_index=ignore_index, compile=compile)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start, end in chunks:
@@ -170,7 +173,7 @@ def chunked_distillation_loss(
         )
     s, t, y = _rows(student_hidden), _rows(teacher_hidden.detach()), labels.reshape(-1)
     chunks = _chunks(s.shape[0], chunk_tokens)
-    if chunk_tokens is not None and isinstance(student_head, LinearHead) and _wants_grad(s, student_head):
+    if chunk_tokens is not None and _fuses(student_head, s):
         return linear_distillation_loss(
             s, student_head, t, teacher_head, y, kd_ratio=kd_ratio, chunk_tokens=chunk_tokens, ignore_index=ignore_index
         )

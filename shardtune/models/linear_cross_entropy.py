@@ -19,6 +19,7 @@ a second backward through the same loss (``retain_graph=True``) raises.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["LinearHead", "linear_cross_entropy", "linear_distillation_loss"]
+__all__ = ["LinearHead", "head_for_several_losses", "linear_cross_entropy", "linear_distillation_loss"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,17 +36,29 @@ class LinearHead:
     """``hidden -> softcap(F.linear(norm(hidden), weight, bias))``, callable like any head.
 
     Build it inside the model's forward (FSDP2 has ``weight`` gathered there); ``norm`` is the
-    final norm for early exits, applied by autograd before the fused part."""
+    final norm for early exits, applied by autograd before the fused part. ``fuse=False`` sends
+    chunked losses over it down the recomputing path (see :func:`head_for_several_losses`)."""
 
     weight: Tensor
     bias: Tensor | None = None
     softcap: float | None = None
     norm: Callable[[Tensor], Tensor] | None = None
+    fuse: bool = True
 
     def __call__(self, hidden: Tensor) -> Tensor:
         x = hidden if self.norm is None else self.norm(hidden)
         out = F.linear(x, self.weight, self.bias)
         return out if self.softcap is None else torch.tanh(out / self.softcap) * self.softcap
+
+
+def head_for_several_losses(head: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """``head`` for a forward that makes several losses over it (per-row log-probs, early exits):
+    each fused loss holds a gradient the size of the head's weight until backward, so a trainable
+    :class:`LinearHead` stops fusing there (one weight gradient at a time, in backward, instead of
+    one per loss); a frozen one keeps fusing (it has no weight gradient)."""
+    if isinstance(head, LinearHead) and head.weight.requires_grad:
+        return dataclasses.replace(head, fuse=False)
+    return head
 
 
 ChunkLoss = Callable[[Tensor, slice], tuple[Tensor, Tensor]]  # (chunk logits, its rows) -> (loss, logit grad)

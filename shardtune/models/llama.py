@@ -27,7 +27,7 @@ from shardtune.models.attention import Attention, KVUpdate, RMSNorm, attention_m
 from shardtune.models.families import FULL, SLIDING
 from shardtune.models.kv_cache import KVCache, cached_attention_mask
 from shardtune.models.layer_dropout import LayerDropoutSchedule, layer_dropout_probs
-from shardtune.models.linear_cross_entropy import LinearHead
+from shardtune.models.linear_cross_entropy import LinearHead, head_for_several_losses
 from shardtune.models.packed_attention import (
     PackedSamples,
     SampleLengths,
@@ -385,7 +385,8 @@ class LlamaForCausalLM(nn.Module):
             out = head_loss(h, self.loss_head())
             if output_hidden_states is None:
                 return out
-            return out, {i: head_loss(x, self.loss_head(final_norm=True)) for i, x in hidden.items()}
+            exit_head = head_for_several_losses(self.loss_head(final_norm=True))
+            return out, {i: head_loss(x, exit_head) for i, x in hidden.items()}
         logits = self.output_head(h)
         if output_hidden_states is None:
             return logits

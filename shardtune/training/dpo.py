@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from shardtune.models.chunked_loss import chunked_cross_entropy
+from shardtune.models.linear_cross_entropy import head_for_several_losses
 from shardtune.models.preference_losses import preference_loss
 from shardtune.peft.lora import LoRALinear
 
@@ -45,8 +46,9 @@ def sequence_logps_head_loss(labels: Tensor, chunk_tokens: int | None) -> Callab
     """The model's ``head_loss``: each sequence's summed ``log p(label)`` (hidden t predicts label t+1), ``[rows]``."""
 
     def head_loss(hidden: Tensor, head) -> Tensor:
+        row_head = head_for_several_losses(head)  # one loss per row
         rows = [
-            -chunked_cross_entropy(hidden[r, :-1], head, labels[r, 1:], chunk_tokens=chunk_tokens)
+            -chunked_cross_entropy(hidden[r, :-1], row_head, labels[r, 1:], chunk_tokens=chunk_tokens)
             for r in range(hidden.shape[0])
         ]
         return torch.stack(rows)

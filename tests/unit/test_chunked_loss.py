@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtune.models.chunked_loss import LinearHead, chunked_cross_entropy, chunked_distillation_loss
+from shardtune.models.linear_cross_entropy import head_for_several_losses
 
 TOKENS, DIM, VOCAB = 2 * 37, 16, 300
 
@@ -275,3 +276,21 @@ def test_linear_head_keeps_one_chunk_of_logits_alive():
     with LiveLargeTensors(chunk * VOCAB) as live:
         chunked_cross_entropy(hidden, LinearHead(weight), labels, chunk_tokens=chunk).backward()
     assert live.most == 1
+
+
+def test_several_losses_over_a_trainable_head_do_not_fuse():
+    """Per-row losses (DPO) or early exits would each hold a weight-sized gradient until backward:
+    a trainable head recomputes instead (same gradients), a frozen one keeps fusing."""
+    hidden, weight, _, labels = _linear_head_inputs()
+    want = F.cross_entropy((hidden @ weight.T).reshape(-1, VOCAB), labels.reshape(-1), reduction="sum")
+    with MatmulFlops() as trainable:
+        got = chunked_cross_entropy(hidden, head_for_several_losses(LinearHead(weight)), labels, chunk_tokens=16)
+        grads = _grads(got, hidden, weight)
+    assert trainable.flops == 4 * TOKENS * DIM * VOCAB
+    _close(got, want)
+    for g, w in zip(grads, _grads(want, hidden, weight), strict=True):
+        _close(g, w)
+    with MatmulFlops() as frozen:
+        head = head_for_several_losses(LinearHead(weight.detach()))
+        chunked_cross_entropy(hidden, head, labels, chunk_tokens=16).backward()
+    assert frozen.flops == 2 * TOKENS * DIM * VOCAB
