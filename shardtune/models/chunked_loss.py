@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from shardtune.models.linear_cross_entropy import LinearHead, linear_cross_entropy, linear_distillation_loss
+from shardtune.models.linear_cross_entropy import softcap as capped
 
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
@@ -69,8 +70,7 @@ def frozen_head(head: torch.nn.Linear, *, softcap: float | None = None) -> Head:
     bias = None if head.bias is None else head.bias.detach().clone()
 
     def logits(hidden: Tensor) -> Tensor:
-        out = F.linear(hidden, weight, bias)
-        return out if softcap is None else torch.tanh(out / softcap) * softcap
+        return capped(F.linear(hidden, weight, bias), softcap)
 
     return logits
 

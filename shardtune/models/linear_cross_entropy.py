@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["LinearHead", "head_for_several_losses", "linear_cross_entropy", "linear_distillation_loss"]
+__all__ = ["LinearHead", "head_for_several_losses", "linear_cross_entropy", "linear_distillation_loss", "softcap"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,8 +47,12 @@ class LinearHead:
 
     def __call__(self, hidden: Tensor) -> Tensor:
         x = hidden if self.norm is None else self.norm(hidden)
-        out = F.linear(x, self.weight, self.bias)
-        return out if self.softcap is None else torch.tanh(out / self.softcap) * self.softcap
+        return softcap(F.linear(x, self.weight, self.bias), self.softcap)
+
+
+def softcap(logits: Tensor, cap: float | None) -> Tensor:
+    """Gemma's final logit soft-capping ``cap * tanh(logits / cap)``; unchanged when ``cap`` is None."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def head_for_several_losses(head: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:

@@ -27,7 +27,7 @@ from shardtune.models.attention import Attention, KVUpdate, RMSNorm, attention_m
 from shardtune.models.families import FULL, SLIDING
 from shardtune.models.kv_cache import KVCache, cached_attention_mask
 from shardtune.models.layer_dropout import LayerDropoutSchedule, layer_dropout_probs
-from shardtune.models.linear_cross_entropy import LinearHead, head_for_several_losses
+from shardtune.models.linear_cross_entropy import LinearHead, head_for_several_losses, softcap
 from shardtune.models.packed_attention import (
     PackedSamples,
     SampleLengths,
@@ -393,11 +393,6 @@ class LlamaForCausalLM(nn.Module):
         if hidden_to_logits:
             hidden = {i: self.logits_from_hidden(x) for i, x in hidden.items()}
         return logits, hidden
-
-
-def softcap(logits: Tensor, cap: float | None) -> Tensor:
-    """Gemma's final logit soft-capping ``cap * tanh(logits / cap)``; unchanged when ``cap`` is None."""
-    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 DecoderForCausalLM = LlamaForCausalLM  # the family-neutral name of the one decoder class
