@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Self
@@ -205,7 +206,24 @@ def load_hf_checkpoint(
             checkpoint.close()
     if comm.rank() == 0:
         log_done("Loaded", model_dir, checkpoint.total_bytes if checkpoint is not None else 0, start)
+        _warn_unused(model_dir, result.unexpected_keys)
     return result
+
+
+# Buffers older transformers versions saved though no model reads them (RoPE is recomputed from the config).
+_NEVER_USED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _warn_unused(model_dir: str, unexpected: list[str]) -> None:
+    """Warn naming the checkpoint's tensors the model has no place for (a strict load already refused them)."""
+    unused = sorted(k for k in unexpected if not k.endswith(_NEVER_USED_SUFFIXES))
+    if unused:
+        warnings.warn(
+            f"{model_dir} holds {len(unused)} tensors this model does not use, which are not loaded: {_few(unused)}; "
+            "check that config.json describes these weights (another architecture or a different number of "
+            "layers?), or remove the tensors from the safetensors files",
+            stacklevel=3,
+        )
 
 
 def _expected_reads(model: nn.Module, checkpoint: HFCheckpoint, shared_filesystem: bool) -> int:

@@ -49,6 +49,7 @@ __all__ = [
     "build_sft_dataset",
     "tokenize_segments",
     "tokenize_whole",
+    "truncate",
 ]
 
 CROSS_ENTROPY_IGNORE_IDX = -100
@@ -61,9 +62,9 @@ def tokenize_segments(
     *,
     add_bos: bool,
     train_on_input: bool,
-    max_seq_len: int,
+    max_seq_len: int | None,
 ) -> Sample:
-    """Token ids and labels of rendered segments, truncated to ``max_seq_len``."""
+    """Token ids and labels of rendered segments, truncated to ``max_seq_len`` (None: not cut)."""
     tokens: list[int] = []
     labels: list[int] = []
     if add_bos and tokenizer.bos_id is not None:
@@ -73,13 +74,13 @@ def tokenize_segments(
         ids = [tokenizer.eos_id] if segment.eos else tokenizer.encode(segment.text, add_bos=False, add_eos=False)
         tokens += ids
         labels += ids if segment.trained or train_on_input else [CROSS_ENTROPY_IGNORE_IDX] * len(ids)
-    return {"tokens": tokens[:max_seq_len], "labels": labels[:max_seq_len]}
+    return truncate({"tokens": tokens, "labels": labels}, max_seq_len)
 
 
 def tokenize_whole(
-    segments: Sequence[Segment], tokenizer: HFTokenizer, *, train_on_input: bool, max_seq_len: int
+    segments: Sequence[Segment], tokenizer: HFTokenizer, *, train_on_input: bool, max_seq_len: int | None
 ) -> Sample:
-    """Token ids of the segments' joined text tokenized in one piece, truncated to ``max_seq_len``.
+    """Token ids of the segments' joined text tokenized in one piece, truncated to ``max_seq_len`` (None: not cut).
 
     A token is trained when its characters overlap a trained segment (``train_on_input``: every
     token); a leading BOS is never trained (nothing predicts it).
@@ -100,13 +101,21 @@ def tokenize_whole(
             labels[i] = tokens[i]
     if tokens and tokens[0] == tokenizer.bos_id:
         labels[0] = CROSS_ENTROPY_IGNORE_IDX
-    return {"tokens": tokens[:max_seq_len], "labels": labels[:max_seq_len]}
+    return truncate({"tokens": tokens, "labels": labels}, max_seq_len)
+
+
+def truncate(sample: Sample, max_seq_len: int | None) -> Sample:
+    """``sample`` cut to its first ``max_seq_len`` positions (None: unchanged)."""
+    if max_seq_len is None:
+        return sample
+    return {key: ids[:max_seq_len] for key, ids in sample.items()}
 
 
 class SFTDataset(Dataset):
     """Records rendered into segments by ``render`` and tokenized on access: each segment on its
     own (``tokenize_segments``), or, with ``whole_text``, their joined text in one piece
-    (``tokenize_whole``; ``add_bos`` is then ignored, the text carries its own BOS)."""
+    (``tokenize_whole``; ``add_bos`` is then ignored, the text carries its own BOS). ``source`` names
+    the dataset in messages; ``untruncated`` gives a sample before the cut to ``max_seq_len``."""
 
     def __init__(
         self,
@@ -118,6 +127,7 @@ class SFTDataset(Dataset):
         add_bos: bool = True,
         train_on_input: bool = False,
         whole_text: bool = False,
+        source: str = "<dataset>",
     ) -> None:
         if max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be > 0, got {max_seq_len}")
@@ -128,35 +138,61 @@ class SFTDataset(Dataset):
         self.add_bos = add_bos
         self.train_on_input = train_on_input
         self.whole_text = whole_text
+        self.source = source
 
     def __len__(self) -> int:
         return len(self.records)
 
     def __getitem__(self, index: int) -> Sample:
+        return truncate(self.untruncated(index), self.max_seq_len)
+
+    def untruncated(self, index: int) -> Sample:
+        """Sample ``index`` before the cut to ``max_seq_len``."""
         segments = self.render(self.records[index])
         if self.whole_text:
-            return tokenize_whole(
-                segments, self.tokenizer, train_on_input=self.train_on_input, max_seq_len=self.max_seq_len
-            )
+            return tokenize_whole(segments, self.tokenizer, train_on_input=self.train_on_input, max_seq_len=None)
         return tokenize_segments(
-            segments,
-            self.tokenizer,
-            add_bos=self.add_bos,
-            train_on_input=self.train_on_input,
-            max_seq_len=self.max_seq_len,
+            segments, self.tokenizer, add_bos=self.add_bos, train_on_input=self.train_on_input, max_seq_len=None
         )
 
 
+def _shown(value: Any) -> str:
+    """A record's value for an error message, bounded."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _check_instruct_records(
-    records: Sequence[Mapping[str, Any]], *, needed: set[str], ignored_input: str | None, source: str
+    records: Sequence[Mapping[str, Any]],
+    *,
+    needed: set[str],
+    text_columns: set[str],
+    input_column: str,
+    ignored_input: str | None,
+    source: str,
 ) -> None:
-    """Every record has the ``needed`` columns and leaves ``ignored_input`` (if any) empty."""
+    """Every record has the ``needed`` columns, strings in ``text_columns`` (numbers too in other
+    template fields), a string or null ``input_column``, and leaves ``ignored_input`` (if any) empty."""
     for i, record in enumerate(records):
         missing = sorted(needed - set(record))
         if missing:
             raise ValueError(
                 f"{source} record {i} has no column {missing}; columns are {sorted(record)}: "
                 "set column_map (e.g. column_map.output=<column>) or fix the template"
+            )
+        for column in sorted(needed | {input_column} & set(record)):
+            value = record[column]
+            if isinstance(value, str) or (column == input_column and value is None):
+                continue
+            if (
+                column not in text_columns | {input_column}
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+            ):
+                continue
+            raise ValueError(
+                f"{source} record {i} column {column!r} must be a string, got {type(value).__name__} {_shown(value)} "
+                "(not trained as Python's str() of it); fix the record, or point column_map at a text column"
             )
         if ignored_input is not None and record.get(ignored_input):
             raise ValueError(
@@ -175,39 +211,53 @@ def _instruct_renderer(
     _check_instruct_records(
         records,
         needed={columns.get(field, field) for field in template.required_fields()},
+        text_columns={columns["instruction"], columns["output"]},
+        input_column=columns["input"],
         ignored_input=columns["input"] if ignores_input else None,
         source=source,
     )
 
     def render(record: Mapping[str, Any]) -> list[Segment]:
-        fields = {**record, **{role: record.get(col, "") for role, col in columns.items()}}
+        fields = {**record, **{role: "" if record.get(col) is None else record[col] for role, col in columns.items()}}
         segments = template.render(fields)
         return segments + [Segment("", trained=True, eos=True)] if spec["add_eos"] is not False else segments
 
     return render
 
 
+def messages_problem(messages: Any, *, column: str, any_role: bool) -> str | None:
+    """What is wrong with a chat ``messages`` value, or None: it must be a non-empty list of
+    ``{role, content}`` string messages (``any_role``: a model template, which may know more roles
+    and messages without content, e.g. tool calls)."""
+    if not isinstance(messages, list) or not messages:
+        return (
+            f"column {column!r} must be a non-empty list of messages, got {type(messages).__name__} {_shown(messages)}"
+        )
+    for j, m in enumerate(messages):
+        if any_role:
+            ok = isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content") or "", str)
+            expected = "{role: str, content: str}"
+        else:
+            ok = isinstance(m, dict) and m.get("role") in CHAT_ROLES and isinstance(m.get("content"), str)
+            expected = f"{{role: {'|'.join(CHAT_ROLES)}, content: str}}"
+        if not ok:
+            return f"message {j} must be {expected}, got {_shown(m)}"
+    return None
+
+
 def _check_chat_records(
     records: Sequence[Mapping[str, Any]], *, column: str, source: str, any_role: bool = False
 ) -> None:
-    """Every record's ``column`` is a non-empty list of ``{role, content}`` messages (``any_role``:
-    a model template, which may know more roles and messages without content, e.g. tool calls)."""
+    """Every record's ``column`` passes :func:`messages_problem`."""
     for i, record in enumerate(records):
-        messages = record.get(column)
-        if not isinstance(messages, list) or not messages:
+        if column not in record:
             raise ValueError(
-                f"{source} record {i}: column {column!r} must be a non-empty list of messages, got "
-                f"{type(messages).__name__}; columns are {sorted(record)} (set column_map.messages=<column>)"
+                f"{source} record {i} has no column {column!r}; columns are {sorted(record)} "
+                "(set column_map.messages=<column>)"
             )
-        for j, m in enumerate(messages):
-            if any_role:
-                ok = isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content") or "", str)
-                expected = "{role: str, content: str}"
-            else:
-                ok = isinstance(m, dict) and m.get("role") in CHAT_ROLES and isinstance(m.get("content"), str)
-                expected = f"{{role: {'|'.join(CHAT_ROLES)}, content: str}}"
-            if not ok:
-                raise ValueError(f"{source} record {i} message {j} must be {expected}, got {m!r}")
+        problem = messages_problem(record[column], column=column, any_role=any_role)
+        if problem is not None:
+            raise ValueError(f"{source} record {i} {problem}")
 
 
 # Records whose assistant spans are located when the dataset is built, so that a template that is
@@ -316,6 +366,7 @@ def build_sft_dataset(spec: Mapping[str, Any], tokenizer: HFTokenizer, *, max_se
         add_bos=spec["add_bos"] is not False,
         train_on_input=spec["train_on_input"],
         whole_text=model_template is not None,
+        source=source,
     )
 
 
@@ -331,11 +382,10 @@ def build_dataset(
     specs = [cfg] if isinstance(cfg, Mapping) else list(cfg)
     if not specs:
         raise ConfigError(["dataset: the list is empty; give at least one dataset mapping"])
+    refuse_packed_preference(specs, packed=packed)
     if is_preference(specs):
         from shardtune.data.preference import build_preference_dataset
 
-        if packed:
-            raise ConfigError(["packed: preference pairs are not packed; set packed=false"])
         parts = [build_preference_dataset(spec, tokenizer, max_seq_len=max_seq_len) for spec in specs]
         return parts[0] if len(parts) == 1 else ConcatDataset(parts)
     parts = [build_sft_dataset(spec, tokenizer, max_seq_len=max_seq_len) for spec in specs]
@@ -352,6 +402,12 @@ def is_preference(specs: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> boo
     if len(kinds) > 1:
         raise ConfigError(["dataset: mixes format: preference with SFT formats; a run trains on one kind"])
     return kinds == {True}
+
+
+def refuse_packed_preference(specs: Sequence[Mapping[str, Any]], *, packed: bool) -> None:
+    """Raise when preference pairs are to be packed (a pair's two sequences must stay rows of their own)."""
+    if packed and is_preference(specs):
+        raise ConfigError(["packed: preference pairs are not packed; set packed=false"])
 
 
 def build_config_dataset(cfg: Mapping[str, Any], tokenizer: HFTokenizer, *, packed: bool) -> Dataset:

@@ -32,7 +32,9 @@ from shardtune.data.datasets import (
     _chat_renderer,
     _model_chat_template,
     load_spec_records,
+    messages_problem,
     tokenize_segments,
+    truncate,
 )
 from shardtune.data.templates import Segment
 from shardtune.data.tokenizer import HFTokenizer
@@ -43,7 +45,8 @@ Sample = dict[str, list[int]]
 
 
 class PreferenceDataset(Dataset):
-    """Pairs tokenized on access from records already checked."""
+    """Pairs tokenized on access from records already checked; ``untruncated`` gives a pair
+    before the cut to ``max_seq_len``."""
 
     def __init__(self, records: Sequence[Mapping[str, Any]], *, columns: dict[str, str], sft: _PairTokenizer) -> None:
         self.records, self.columns, self.sft = records, columns, sft
@@ -51,7 +54,15 @@ class PreferenceDataset(Dataset):
     def __len__(self) -> int:
         return len(self.records)
 
+    @property
+    def source(self) -> str:
+        return self.sft.source
+
     def __getitem__(self, index: int) -> dict[str, Sample]:
+        return {side: truncate(sample, self.sft.max_seq_len) for side, sample in self.untruncated(index).items()}
+
+    def untruncated(self, index: int) -> dict[str, Sample]:
+        """Pair ``index`` before the cut to ``max_seq_len``."""
         record = self.records[index]
         prompt, chosen, rejected = (record.get(self.columns[k]) for k in ("prompt", "chosen", "rejected"))
         return {
@@ -75,10 +86,11 @@ class _PairTokenizer:
         render = _chat_renderer(records, spec, self.source, self.tokenizer, template)
         return SFTDataset(
             records, tokenizer=self.tokenizer, render=render, max_seq_len=self.max_seq_len,
-            add_bos=self.spec["add_bos"] is not False, whole_text=template is not None,
+            add_bos=self.spec["add_bos"] is not False, whole_text=template is not None, source=self.source,
         )  # fmt: skip
 
     def pair_sample(self, prompt: Any, chosen: Any, rejected: Any, *, which: str, index: int) -> Sample:
+        """One side of a pair, not cut to ``max_seq_len``."""
         response = chosen if which == "chosen" else rejected
         if isinstance(response, str):
             return self._text_sample(prompt, response)
@@ -90,7 +102,7 @@ class _PairTokenizer:
                 shared += 1
             prompt, response = list(chosen[:shared]), list(response[shared:])
         data = self._chat_dataset([list(prompt) + list(response), list(prompt)])
-        full, head = data[0], data[1]
+        full, head = data.untruncated(0), data.untruncated(1)
         n = len(head["tokens"])
         if full["tokens"][:n] != head["tokens"]:
             raise ValueError(
@@ -99,7 +111,7 @@ class _PairTokenizer:
                 "use a built-in template (template: chat or llama3)"
             )
         labels = [CROSS_ENTROPY_IGNORE_IDX] * n + full["labels"][n:]
-        return {"tokens": full["tokens"], "labels": labels[: len(full["tokens"])]}
+        return {"tokens": full["tokens"], "labels": labels}
 
     def _text_sample(self, prompt: Any, response: str) -> Sample:
         segments = [
@@ -107,14 +119,15 @@ class _PairTokenizer:
             Segment(response, trained=True),
             Segment("", trained=True, eos=True),
         ]
-        sample = tokenize_segments(
+        return tokenize_segments(
             segments, self.tokenizer, add_bos=self.spec["add_bos"] is not False, train_on_input=False,
-            max_seq_len=self.max_seq_len,
+            max_seq_len=None,
         )  # fmt: skip
-        return sample
 
 
-def _check_pairs(records: Sequence[Mapping[str, Any]], columns: dict[str, str], source: str) -> None:
+def _check_pairs(records: Sequence[Mapping[str, Any]], columns: dict[str, str], source: str, *, any_role: bool) -> None:
+    """Every record holds a string pair with a string prompt, or a pair of message lists with a
+    message-list, string or absent prompt (``any_role``: the model's template renders the messages)."""
     for i, record in enumerate(records):
         chosen, rejected = record.get(columns["chosen"]), record.get(columns["rejected"])
         prompt = record.get(columns["prompt"])
@@ -127,16 +140,26 @@ def _check_pairs(records: Sequence[Mapping[str, Any]], columns: dict[str, str], 
             raise ValueError(f"{source} record {i}: chosen and rejected must both be strings or both message lists")
         if isinstance(chosen, str) and not isinstance(prompt, str):
             raise ValueError(
-                f"{source} record {i}: string responses need a string {columns['prompt']!r} column "
-                "(or give chosen/rejected as chat message lists)"
+                f"{source} record {i}: string responses need a string {columns['prompt']!r} column, got "
+                f"{type(prompt).__name__} (or give chosen/rejected as chat message lists)"
             )
+        if isinstance(chosen, str):
+            continue
+        for key, value in (("chosen", chosen), ("rejected", rejected), ("prompt", prompt)):
+            if key == "prompt" and (value is None or isinstance(value, str)):
+                continue
+            problem = messages_problem(value, column=columns[key], any_role=any_role)
+            if problem is not None:
+                raise ValueError(f"{source} record {i} {problem}")
 
 
 def build_preference_dataset(spec: Mapping[str, Any], tokenizer: HFTokenizer, *, max_seq_len: int) -> PreferenceDataset:
     """Preference pairs from one config entry (``DATASET_SCHEMA`` keys, ``format: preference``)."""
     spec, records, source = load_spec_records(spec)
     columns = {k: spec["column_map"].get(k, k) for k in ("prompt", "chosen", "rejected")}
-    _check_pairs(records, columns, source)
+    chat = any(not isinstance(r.get(columns["chosen"]), str) for r in records)
+    template = _model_chat_template({**spec, "add_bos": None, "add_eos": None}, tokenizer, source) if chat else None
+    _check_pairs(records, columns, source, any_role=template is not None)
     return PreferenceDataset(
         records, columns=columns, sft=_PairTokenizer(spec, tokenizer, max_seq_len=max_seq_len, source=source)
     )

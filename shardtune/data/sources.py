@@ -80,10 +80,20 @@ def _checked(records: list[Any], source: str) -> list[dict[str, Any]]:
     return records
 
 
+_UTF8_FIX = "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8)"
+
+
 def _read_jsonl(path: Path) -> list[Any]:
     records = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{line_no} is not UTF-8 text (byte {raw[e.start : e.start + 1]!r} at column {e.start + 1}); "
+                    f"{_UTF8_FIX}"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -94,10 +104,18 @@ def _read_jsonl(path: Path) -> list[Any]:
 
 
 def _read_json(path: Path) -> list[Any]:
+    raw = path.read_bytes()
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ValueError(
+            f"{path}:{line} is not UTF-8 text (byte {raw[e.start : e.start + 1]!r}); {_UTF8_FIX}"
+        ) from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); for one object per line use .jsonl") from e
+        raise ValueError(
+            f"{path}:{e.lineno} is not valid JSON ({e.msg} at column {e.colno}); for one object per line use .jsonl"
+        ) from e
     if isinstance(data, list):
         return data
     raise ValueError(f"{path} must hold a JSON list of records, got a {type(data).__name__}")

@@ -109,7 +109,13 @@ class HFTokenizer:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file {path} does not exist; pass the path of a tokenizer.json")
-        tokenizer = Tokenizer.from_file(str(path))
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust library raises a bare Exception ("expected value at line 1 column 1")
+            raise ValueError(
+                f"{path} is not a readable tokenizer.json ({e}); re-copy it from the model repository, or "
+                "re-save the tokenizer with transformers' AutoTokenizer.from_pretrained(...).save_pretrained(dir)"
+            ) from None
         bos_token = bos_token or _first_known(tokenizer, _BOS_CANDIDATES)
         eos_token = eos_token or _first_known(tokenizer, _EOS_CANDIDATES)
         pad_token = pad_token or _first_known(tokenizer, _PAD_CANDIDATES)
@@ -200,10 +206,16 @@ def _token_content(value: Any) -> str | None:
 def _read_special_tokens(path: Path) -> dict[str, str]:
     if not path.is_file():
         return {}
+    raw = path.read_bytes()
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line} is not UTF-8 text; fix or delete it") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); fix or delete it") from e
+        raise ValueError(f"{path}:{e.lineno} is not valid JSON ({e.msg}); fix or delete it") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got a {type(data).__name__}; fix or delete it")
     found = {}
     for key in _NAMED_SPECIALS:
         content = _token_content(data.get(key))

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import torch
 
-from shardtune.models.families import FULL, SLIDING, Family, get_family
+from shardtune.models.families import FULL, SLIDING, Family, get_family, supported_model_types
 
 __all__ = [
     "ModelArgs",
@@ -171,7 +171,9 @@ def _normalize_rope_scaling(scaling: Mapping[str, Any] | None, max_seq_len: int)
 
 
 def load_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
-    """Return a config dict from a dict, a ``config.json`` path, or a model directory."""
+    """Return a config dict from a dict, a ``config.json`` path, or a model directory.
+
+    A file that is not UTF-8, not JSON or not a JSON object raises ``ValueError`` naming it (and the line)."""
     if isinstance(config, Mapping):
         return dict(config)
     path = Path(config)
@@ -179,8 +181,74 @@ def load_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, A
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no HF config at {path}; pass a config.json path, a model directory or a dict")
-    with open(path) as f:
-        return json.load(f)
+    raw = path.read_bytes()
+    fix = "re-copy config.json from the model repository (or re-save it with transformers' save_pretrained)"
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line} is not UTF-8 text (byte {raw[e.start : e.start + 1]!r}); {fix}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno} is not valid JSON ({e.msg} at column {e.colno}); {fix}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object of config keys, got a {type(data).__name__}; {fix}")
+    return data
+
+
+# The types of the config.json keys this module and ``families`` read; ``None`` in a tuple: null is allowed
+# (the readers treat it as absent). A wrong type would otherwise be cast silently (``true`` layers -> 1).
+_INT, _NUMBER, _BOOL, _STR = (int,), (int, float), (bool,), (str,)
+_CONFIG_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
+    **dict.fromkeys(
+        ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"), (_INT, False)
+    ),
+    **dict.fromkeys(("max_position_embeddings", "max_window_layers", "sliding_window_pattern"), (_INT, False)),
+    **dict.fromkeys(
+        ("num_key_value_heads", "head_dim", "sliding_window", "original_max_position_embeddings"), (_INT, True)
+    ),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta", "partial_rotary_factor"), (_NUMBER, False)),
+    **dict.fromkeys(
+        ("rope_local_base_freq", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"),
+        (_NUMBER, True),
+    ),
+    **dict.fromkeys(
+        ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "use_bidirectional_attention"),
+        (_BOOL, True),
+    ),
+    "model_type": (_STR, False),
+    **dict.fromkeys(("hidden_act", "hidden_activation"), (_STR, True)),
+    **dict.fromkeys(("rope_scaling", "rope_parameters"), ((dict,), True)),
+    "layer_types": ((list,), True),
+}
+_TYPE_NAMES = {_INT: "an integer", _NUMBER: "a number", _BOOL: "true or false", _STR: "a string"}
+
+
+def _check_config_types(cfg: Mapping[str, Any], source: str) -> None:
+    """Raise naming ``source`` and every key whose value has the wrong JSON type, or a missing ``model_type``."""
+    problems = []
+    if "model_type" not in cfg:
+        problems.append(
+            f'no model_type key, so the architecture is unknown; add the model\'s one, e.g. "model_type": "llama" '
+            f"(supported: {', '.join(supported_model_types())})"
+        )
+    for key, (types, nullable) in _CONFIG_TYPES.items():
+        if key not in cfg or (cfg[key] is None and nullable):
+            continue
+        value = cfg[key]
+        ok = isinstance(value, types) and (types == _BOOL or not isinstance(value, bool))
+        if key == "layer_types" and ok:
+            ok = all(isinstance(t, str) for t in value)
+        if not ok:
+            expected = _TYPE_NAMES.get(types) or f"a JSON {'object' if types == (dict,) else 'list of strings'}"
+            shown = json.dumps(value, default=repr)[:60]
+            problems.append(f"{key} must be {expected}{' or null' if nullable else ''}, got {shown}")
+    if problems:
+        raise ValueError(f"{source}: " + "; ".join(problems))
+
+
+def _config_path(config: str | os.PathLike) -> Path:
+    path = Path(config)
+    return path / "config.json" if path.is_dir() else path
 
 
 def _rope_from_hf(cfg: Mapping[str, Any], family: Family) -> dict[str, Any]:
@@ -225,7 +293,9 @@ def _rope_from_hf(cfg: Mapping[str, Any], family: Family) -> dict[str, Any]:
 def model_args_from_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> ModelArgs:
     """``ModelArgs`` from an HF ``config.json`` (dict, file or model directory) of a supported family."""
     cfg = load_hf_config(config)
-    family = get_family(cfg.get("model_type", "llama"))
+    source = "HF config dict" if isinstance(config, Mapping) else str(_config_path(config))
+    _check_config_types(cfg, source)
+    family = get_family(cfg["model_type"])
     act = cfg.get(family.act_key) or cfg.get("hidden_act") or family.default_act
     if act not in ("silu", "gelu_pytorch_tanh"):
         raise ValueError(f"config {family.act_key} {act!r} is not supported; only 'silu' and 'gelu_pytorch_tanh' are")
@@ -235,7 +305,9 @@ def model_args_from_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> 
         if k not in cfg
     ]
     if missing:
-        raise ValueError(f"HF config lacks required keys {missing}")
+        raise ValueError(
+            f"{source} lacks required keys {missing}; give the model's config.json as transformers writes it"
+        )
     extra = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
     kwargs: dict[str, Any] = {
         "vocab_size": int(cfg["vocab_size"]),

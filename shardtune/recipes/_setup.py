@@ -23,7 +23,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from shardtune.checkpoint import Checkpointer, TrainingProgress, fingerprint
 from shardtune.checkpoint.tiny import create_tiny_base
 from shardtune.config import Config
-from shardtune.data import build_config_dataset, build_dataloader, build_dataset, collate, load_tokenizer
+from shardtune.data import build_dataloader, build_dataset, collate, load_tokenizer
+from shardtune.data.checks import build_training_dataset, check_one_step
 from shardtune.data.datasets import is_preference
 from shardtune.data.preference import collate_pairs
 from shardtune.distributed import decoder_layers, device_type, init_distributed, make_mesh, shard_model
@@ -204,7 +205,10 @@ def build_data(cfg: Config, run: Run, base_dir: Path):
     """Tokenizer, dataset(s), loader and resumable sampler for this rank (preference pairs are
     batched as their chosen rows, then their rejected rows)."""
     tokenizer = load_tokenizer(cfg.tokenizer, checkpoint_dir=base_dir)
-    dataset = build_config_dataset(cfg, tokenizer, packed=cfg.packed)
+    vocab_size = model_args_from_hf_config(base_dir).vocab_size
+    dataset = build_training_dataset(
+        cfg, tokenizer, vocab_size=vocab_size, model=str(base_dir), report=run.is_rank_zero
+    )
     batcher = collate_pairs if is_preference(_dataset_specs(cfg.dataset)) else collate
     loader, sampler = build_dataloader(
         dataset,
@@ -215,6 +219,14 @@ def build_data(cfg: Config, run: Run, base_dir: Path):
         shuffle=cfg.shuffle,
         collate_fn=lambda batch: batcher(batch, pad_id=tokenizer.pad_id),
         pin_memory=run.device.type == "cuda",  # so on_device's copies can overlap compute
+    )
+    check_one_step(
+        len(dataset),
+        sources=[spec.get("path", "<dataset>") for spec in _dataset_specs(cfg.dataset)],
+        batch_size=cfg.batch_size,
+        world_size=run.world_size,
+        accumulation=cfg.gradient_accumulation_steps,
+        packed=cfg.packed,
     )
     return tokenizer, loader, sampler
 
