@@ -9,7 +9,8 @@ input; system/user turns and assistant headers in chat) is masked unless
 ``train_on_input=True``; the BOS label is always masked (nothing predicts it). The EOS after
 the response is trained. Samples longer than ``max_seq_len`` are cut at ``max_seq_len``
 (the EOS and the end of the response are then lost; a prompt longer than ``max_seq_len``
-leaves a sample with no trained label, which adds nothing to a token-mean loss).
+leaves a sample with no trained label, which adds nothing to a token-mean loss; ``checks``
+counts such samples and refuses data that trains nothing).
 
 Chat data rendered by the model's own Jinja chat template (``template: auto``, the default when
 the tokenizer has one; see ``jinja_templates``) is laid out by the template alone: the rendered
@@ -17,7 +18,8 @@ text is tokenized in one piece (the ids equal ``transformers``' ``apply_chat_tem
 template places BOS/EOS, and a token is trained when its characters overlap an assistant turn
 (``transformers``' assistant-mask rule).
 
-Records are read and checked when the dataset is built; tokenization happens per item.
+Records are read and checked when the dataset is built (the columns a template reads hold strings,
+never a list or null that ``str()`` would turn into text); tokenization happens per item.
 """
 
 from __future__ import annotations
