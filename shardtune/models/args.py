@@ -195,8 +195,8 @@ def load_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, A
     return data
 
 
-# The types of the config.json keys this module and ``families`` read; ``None`` in a tuple: null is allowed
-# (the readers treat it as absent). A wrong type would otherwise be cast silently (``true`` layers -> 1).
+# key -> (its JSON types, whether null is allowed: the readers take it as absent) for the config.json keys this
+# module and ``families`` read. A wrong type would otherwise be cast silently (``true`` layers -> 1 layer).
 _INT, _NUMBER, _BOOL, _STR = (int,), (int, float), (bool,), (str,)
 _CONFIG_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     **dict.fromkeys(
@@ -206,9 +206,15 @@ _CONFIG_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     **dict.fromkeys(
         ("num_key_value_heads", "head_dim", "sliding_window", "original_max_position_embeddings"), (_INT, True)
     ),
-    **dict.fromkeys(("rms_norm_eps", "rope_theta", "partial_rotary_factor"), (_NUMBER, False)),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta"), (_NUMBER, False)),
     **dict.fromkeys(
-        ("rope_local_base_freq", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"),
+        (
+            "partial_rotary_factor",
+            "rope_local_base_freq",
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+        ),
         (_NUMBER, True),
     ),
     **dict.fromkeys(
@@ -243,7 +249,11 @@ def _check_config_types(cfg: Mapping[str, Any], source: str) -> None:
             shown = json.dumps(value, default=repr)[:60]
             problems.append(f"{key} must be {expected}{' or null' if nullable else ''}, got {shown}")
     if problems:
-        raise ValueError(f"{source}: " + "; ".join(problems))
+        raise ValueError(
+            f"{source}: "
+            + "; ".join(problems)
+            + ". Fix config.json (the model repository's, as transformers writes it)"
+        )
 
 
 def _config_path(config: str | os.PathLike) -> Path:
