@@ -34,7 +34,7 @@ def recipe_main(cfg: Config) -> None:
         reference.requires_grad_(False).eval()
     _, loader, sampler = setup.build_data(cfg, run, base_dir)
     opt, sched = setup.build_optimization(cfg, model, len(loader))
-    checkpointer = setup.build_checkpointer(cfg, run, model, opt, sched, base_dir, sampler=sampler)
+    checkpointer = setup.build_checkpointer(cfg, run, model, opt, sched, base_dir, sampler=sampler, loader=loader)
     progress = setup.load_weights(cfg, run, model, checkpointer)
     loss_fn = dpo_loss_fn(
         model,
