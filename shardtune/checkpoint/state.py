@@ -78,6 +78,14 @@ FINGERPRINT_PARTS = {
         "the base weights (checkpoint_dir's safetensors: tensor table, sizes, sampled bytes)",
         "a LoRA adapter means what it learned only on its own base: point checkpoint_dir at that base (a moved copy is fine)",
     ),
+    "teacher_weights": (
+        "the teacher's weights (teacher_checkpoint_dir's safetensors)",
+        "point teacher_checkpoint_dir at the teacher it was distilled from",
+    ),
+    "reference_weights": (
+        "the DPO reference model's weights (reference_checkpoint_dir's, else checkpoint_dir's, safetensors)",
+        "point reference_checkpoint_dir (or checkpoint_dir) at the reference it was trained against",
+    ),
     "tokenizer": (
         "the tokenizer (its tokenizer.json content, special tokens, chat templates)",
         "use the tokenizer it was trained with (tokenizer=..., or checkpoint_dir's)",

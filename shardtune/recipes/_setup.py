@@ -258,11 +258,24 @@ def build_optimization(cfg: Config, model: nn.Module, n_batches: int):
 
 
 def build_checkpointer(
-    cfg: Config, run: Run, model, opt, sched, base_dir: Path, *, sampler, loader, adapter_weights_only: bool = False
+    cfg: Config,
+    run: Run,
+    model,
+    opt,
+    sched,
+    base_dir: Path,
+    *,
+    sampler,
+    loader,
+    adapter_weights_only: bool = False,
+    frozen: dict[str, Path] | None = None,
 ) -> Checkpointer:
     """The Checkpointer, every object a checkpoint holds registered, with a fingerprint of what
-    a resume must match (see :func:`resume_fingerprint`)."""
-    marks = resume_fingerprint(cfg, run, base_dir, dataset=loader.dataset, lora=getattr(cfg, "lora", None))
+    a resume must match (see :func:`resume_fingerprint`; ``frozen``: the directories of frozen
+    models the recipe loads, by fingerprint part, e.g. ``{"teacher_weights": teacher_dir}``)."""
+    marks = resume_fingerprint(
+        cfg, run, base_dir, dataset=loader.dataset, lora=getattr(cfg, "lora", None), frozen=frozen or {}
+    )
     return Checkpointer(
         output_dir=cfg.output_dir,
         model=model,
@@ -283,18 +296,23 @@ def build_checkpointer(
     )
 
 
-def resume_fingerprint(cfg: Config, run: Run, base_dir: Path, *, dataset, lora: Config | None) -> dict[str, str]:
+def resume_fingerprint(
+    cfg: Config, run: Run, base_dir: Path, *, dataset, lora: Config | None, frozen: dict[str, Path]
+) -> dict[str, str]:
     """Collective. What a resume must match, by content (a moved copy of the same files matches):
     the model architecture (config.json's fields), the tokenizer as loaded, the training samples
-    (:func:`~shardtune.checkpoint.identity.samples_identity`) and, for LoRA, the LoRA settings and
-    the base weights (:func:`~shardtune.checkpoint.identity.weights_identity`, read on rank 0):
-    a LoRA resume loads the base again, and its adapter means something only on that base. A
-    full fine-tune's checkpoint holds every weight and never reads the base, so its base weights
-    are not part of it. Every rank computes the same or every rank raises."""
-    problems, weights = Problems(), None
-    if lora is not None and run.is_rank_zero:
-        with problems.guard(f"checkpoint_dir={base_dir}"):
-            weights = weights_identity(base_dir)
+    (:func:`~shardtune.checkpoint.identity.samples_identity`), the weights of the ``frozen``
+    models and, for LoRA, the LoRA settings and the base weights (each
+    :func:`~shardtune.checkpoint.identity.weights_identity`, read on rank 0): a LoRA resume loads
+    the base again, and its adapter means something only on that base. A full fine-tune's
+    checkpoint holds every weight and never reads the base, so its base weights are not part of
+    it. Every rank computes the same or every rank raises."""
+    problems, weights = Problems(), {}
+    reads = {**({"base_weights": base_dir} if lora is not None else {}), **frozen}
+    if run.is_rank_zero:
+        for part, directory in reads.items():
+            with problems.guard(f"{part} ({directory})"):
+                weights[part] = weights_identity(directory)
     local = fingerprint(
         model=dataclasses.asdict(model_args_from_hf_config(base_dir)),
         tokenizer=_tokenizer_identity(load_tokenizer(cfg.tokenizer, checkpoint_dir=base_dir)),
@@ -309,7 +327,7 @@ def resume_fingerprint(cfg: Config, run: Run, base_dir: Path, *, dataset, lora: 
         problems=problems,
         error=ValueError,
     )
-    return {**local, **fingerprint(base_weights=all_gather_objects(weights)[0])}
+    return {**local, **fingerprint(**all_gather_objects(weights)[0])}
 
 
 def _tokenizer_identity(tokenizer) -> Identity:

@@ -45,6 +45,7 @@ def recipe_main(cfg: Config) -> None:
         sampler=sampler,
         loader=loader,
         adapter_weights_only=cfg.adapter_weights_only,
+        frozen={"teacher_weights": teacher_dir},
     )
     progress = setup.load_weights(cfg, run, model, checkpointer)
 

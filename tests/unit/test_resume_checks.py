@@ -22,13 +22,13 @@ from shardtune.training.optim import build_lr_scheduler, build_optimizer, contin
 DATA = [{"path": "asset:tiny_instruct.jsonl", "format": "instruct", "template": "simple"}]
 
 
-def _fingerprint(base, *, lora=True, data=DATA):
+def _fingerprint(base, *, lora=True, data=DATA, frozen=None):
     """The recipes' fingerprint of a LoRA run on ``base`` (one process: no process group)."""
     cfg = SimpleNamespace(tokenizer=None)
     run = _setup.Run(rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
     dataset = build_dataset(data, load_tokenizer(None, checkpoint_dir=base), max_seq_len=64)
     lora_cfg = SimpleNamespace(to_dict=lambda: {"rank": 8}) if lora else None
-    return _setup.resume_fingerprint(cfg, run, base, dataset=dataset, lora=lora_cfg)
+    return _setup.resume_fingerprint(cfg, run, base, dataset=dataset, lora=lora_cfg, frozen=frozen or {})
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +76,18 @@ def test_other_data_and_tokenizer_are_named(bases, tmp_path):
         check_fingerprint(saved, _fingerprint(other_tokenizer), where=tmp_path)
 
 
-def test_full_fine_tuning_does_not_record_the_base_weights(bases):
+def test_full_fine_tuning_records_frozen_models_but_not_the_base_weights(bases, tmp_path):
     _, original, _ = bases
-    assert "base_weights" not in _fingerprint(original, lora=False)
+    teacher = create_tiny_base(tmp_path / "teacher", seed=7)
+    before = _fingerprint(original, lora=False, frozen={"teacher_weights": teacher})
+    assert "base_weights" not in before
+    other = create_tiny_base(tmp_path / "other", seed=8)
+    shutil.copyfile(other / "model.safetensors", teacher / "model.safetensors")
+    after = _fingerprint(original, lora=False, frozen={"teacher_weights": teacher})
+    with pytest.raises(
+        FingerprintMismatchError, match=r"teacher_weights: the teacher's weights .* teacher_checkpoint_dir"
+    ):
+        check_fingerprint(before, after, where=tmp_path)
 
 
 def test_an_older_checkpoints_path_hashes_are_skipped_with_a_warning(bases, tmp_path):
@@ -166,7 +175,9 @@ def _lrs(sched, steps: int) -> list[float]:
 
 def _schedule(total: int, samples_per_step: int, warmup: int = 3):
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    return build_lr_scheduler(opt, name="cosine", warmup_steps=warmup, total_steps=total, samples_per_step=samples_per_step)
+    return build_lr_scheduler(
+        opt, name="cosine", warmup_steps=warmup, total_steps=total, samples_per_step=samples_per_step
+    )
 
 
 @pytest.mark.parametrize("resume_at", [2, 8])  # in the warmup, in the decay
@@ -207,6 +218,8 @@ def test_more_epochs_on_the_same_global_batch_apply_the_longer_schedule():
     longer = _schedule(20, 8)
     longer.load_state_dict(short.state_dict())
     changes = continue_schedule(longer, remaining_steps=10)
-    assert changes == ["lr schedule length: 10 (checkpoint) -> 20 optimizer steps (this run's epochs x steps per epoch)"]
+    assert changes == [
+        "lr schedule length: 10 (checkpoint) -> 20 optimizer steps (this run's epochs x steps per epoch)"
+    ]
     assert longer.optimizer.param_groups[0]["lr"] == pytest.approx(0.5 * (1 + math.cos(math.pi * 7 / 17)))
     assert _lrs(longer, 10)[-1] == pytest.approx(0.0, abs=1e-12)
