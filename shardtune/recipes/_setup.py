@@ -253,6 +253,7 @@ def build_optimization(cfg: Config, model: nn.Module, n_batches: int):
         warmup_steps=cfg.lr_scheduler.warmup_steps,
         total_steps=total,
         samples_per_step=cfg.batch_size * world * cfg.gradient_accumulation_steps,
+        length=f"epochs={cfg.epochs}, max_steps_per_epoch={cfg.max_steps_per_epoch}",
     )
     return opt, sched
 

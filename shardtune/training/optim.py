@@ -92,13 +92,15 @@ class ScheduleSpec:
     """An lr schedule in optimizer steps: linear warmup for ``warmup_steps``, then ``name``
     (cosine / linear decay to ``min_lr_ratio``, or constant) until ``total_steps``.
     ``samples_per_step`` is the global batch the steps are counted in (rows per optimizer
-    step: batch_size x ranks x gradient_accumulation_steps; None: not known)."""
+    step: batch_size x ranks x gradient_accumulation_steps; None: not known); ``length`` names
+    the settings ``total_steps`` was computed from, to tell a new length from a new batch."""
 
     name: str
     warmup_steps: int
     total_steps: int
     min_lr_ratio: float = 0.0
     samples_per_step: int | None = None
+    length: str = ""  # the settings total_steps follows, in words (e.g. "epochs=2")
 
     def factor(self, position: float) -> float:
         """The lr multiplier ``position`` steps into the schedule."""
@@ -166,12 +168,13 @@ def build_lr_scheduler(
     total_steps: int,
     min_lr_ratio: float = 0.0,
     samples_per_step: int | None = None,
+    length: str = "",
 ) -> LrSchedule:
     """Linear warmup for ``warmup_steps``, then cosine / linear decay to ``min_lr_ratio`` or constant
-    (see :class:`ScheduleSpec`); ``samples_per_step`` is the global batch, for resumes."""
+    (see :class:`ScheduleSpec`); ``samples_per_step`` (the global batch) and ``length`` are for resumes."""
     if name not in SCHEDULES:
         raise ValueError(f"lr_scheduler.name={name!r} is not supported; choose one of {SCHEDULES}")
-    spec = ScheduleSpec(name, warmup_steps, max(total_steps, 1), min_lr_ratio, samples_per_step)
+    spec = ScheduleSpec(name, warmup_steps, max(total_steps, 1), min_lr_ratio, samples_per_step, length)
     return LrSchedule(optimizer, spec)
 
 
@@ -179,11 +182,10 @@ def continue_schedule(scheduler: LrSchedule, *, remaining_steps: int) -> list[st
     """Reconcile a resumed schedule with this run's spec; returns what changed, in words.
 
     On the checkpoint's global batch, this run's spec applies at the checkpoint's position
-    (a new warmup, name or length: e.g. more epochs). On another global batch the checkpoint's
-    schedule continues from its position, its remaining steps spread over this run's
-    ``remaining_steps`` (lr continuous, the end value reached on the last step); a changed
-    ``warmup_steps`` is then refused (steps of which batch?). Unchanged: nothing is touched.
-    Collective only in that every rank must call it alike.
+    (a new warmup, name or length: e.g. more epochs). On another global batch see
+    :func:`_across_batches`. The schedule's remaining positions are spread over this run's
+    ``remaining_steps``, so it reaches its end value on the last step. Unchanged: nothing is
+    touched (an exact resume). Every rank must call it alike.
     """
     if scheduler.resumed is None or scheduler.resumed[0] is None:
         return []  # nothing loaded, or a checkpoint of an older shardtune: its step count applies as saved
@@ -191,42 +193,58 @@ def continue_schedule(scheduler: LrSchedule, *, remaining_steps: int) -> list[st
     scheduler.resumed = None
     step = scheduler.last_epoch
     position = anchor.at(step)
-    same_batch = None in (old.samples_per_step, new.samples_per_step) or old.samples_per_step == new.samples_per_step
     changes = [
         f"lr_scheduler.{key}: {getattr(old, key)} (checkpoint) -> {getattr(new, key)} (config)"
         for key in ("name", "min_lr_ratio", "warmup_steps")
         if getattr(old, key) != getattr(new, key)
     ]
-    if same_batch:
+    if None in (old.samples_per_step, new.samples_per_step) or old.samples_per_step == new.samples_per_step:
+        if new == old:
+            scheduler.anchor = anchor  # unchanged: resumes exactly as saved
+            return changes
         spec = new
         if old.total_steps != new.total_steps:
             changes.append(
-                f"lr schedule length: {old.total_steps} (checkpoint) -> {new.total_steps} optimizer steps "
-                "(this run's epochs x steps per epoch)"
+                f"lr schedule length: {old.total_steps} (checkpoint: {old.length}) -> {new.total_steps} "
+                f"optimizer steps (this run: {new.length})"
             )
     else:
-        if old.warmup_steps != new.warmup_steps:
-            raise ValueError(
-                f"lr_scheduler.warmup_steps changed from {old.warmup_steps} (checkpoint) to {new.warmup_steps} while "
-                f"the global batch changed from {old.samples_per_step} to {new.samples_per_step} rows per optimizer "
-                "step: warmup steps of which batch is ambiguous; resume with "
-                f"lr_scheduler.warmup_steps={old.warmup_steps}, or on the checkpoint's global batch"
-            )
-        spec = ScheduleSpec(new.name, old.warmup_steps, old.total_steps, new.min_lr_ratio, old.samples_per_step)
-        changes.append(
-            f"global batch: {old.samples_per_step} (checkpoint) -> {new.samples_per_step} (this run) rows per "
-            f"optimizer step (batch_size x ranks x gradient_accumulation_steps); the lr schedule continues from "
-            f"step {position:g} of its {old.total_steps} (counted in the checkpoint's global batch), its remaining "
-            f"{max(old.total_steps - position, 0):g} spread over this run's {remaining_steps} optimizer steps"
-        )
-    if spec == old and same_batch:
-        scheduler.anchor = anchor  # unchanged: resumes exactly as saved
-        return changes
-    rate = (spec.total_steps - position) / remaining_steps if remaining_steps > 0 else 1.0
+        spec = _across_batches(old, new, position=position, remaining_steps=remaining_steps, changes=changes)
+    rate = max(spec.total_steps - position, 0) / remaining_steps if remaining_steps > 0 else 1.0
     scheduler.spec, scheduler.anchor = spec, Anchor(step, position, rate)
     set_lrs(scheduler.optimizer, [base * scheduler._factor(step) for base in scheduler.base_lrs])
     scheduler._last_lr = [float(group["lr"]) for group in scheduler.optimizer.param_groups]
     return changes
+
+
+def _across_batches(
+    old: ScheduleSpec, new: ScheduleSpec, *, position: float, remaining_steps: int, changes: list[str]
+) -> ScheduleSpec:
+    """The spec a resume on another global batch continues: the checkpoint's, in the steps of
+    its global batch, with this run's name and end ratio, and this run's length (in samples)
+    when the settings it follows (epochs, ...) changed. A changed ``warmup_steps`` is refused:
+    steps of which batch is ambiguous."""
+    if old.warmup_steps != new.warmup_steps:
+        raise ValueError(
+            f"lr_scheduler.warmup_steps changed from {old.warmup_steps} (checkpoint) to {new.warmup_steps} while the "
+            f"global batch changed from {old.samples_per_step} to {new.samples_per_step} rows per optimizer step: "
+            f"warmup steps of which batch is ambiguous; resume with lr_scheduler.warmup_steps={old.warmup_steps}, "
+            "or on the checkpoint's global batch"
+        )
+    total = old.total_steps
+    if old.length != new.length:
+        total = max(1, round(new.total_steps * new.samples_per_step / old.samples_per_step))
+        changes.append(
+            f"lr schedule length: {old.total_steps} (checkpoint: {old.length}) -> {total} steps of the checkpoint's "
+            f"global batch (this run: {new.length})"
+        )
+    changes.append(
+        f"global batch: {old.samples_per_step} (checkpoint) -> {new.samples_per_step} (this run) rows per optimizer "
+        f"step (batch_size x ranks x gradient_accumulation_steps): the lr schedule continues from step {position:g} "
+        f"of its {total} (steps of {old.samples_per_step} rows), its remaining {max(total - position, 0):g} spread "
+        f"over this run's {remaining_steps} optimizer steps"
+    )
+    return ScheduleSpec(new.name, old.warmup_steps, total, new.min_lr_ratio, old.samples_per_step, new.length)
 
 
 def set_lrs(optimizer: torch.optim.Optimizer, lrs: list[float]) -> None:

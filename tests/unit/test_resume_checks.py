@@ -173,10 +173,15 @@ def _lrs(sched, steps: int) -> list[float]:
     return out
 
 
-def _schedule(total: int, samples_per_step: int, warmup: int = 3):
+def _schedule(total: int, samples_per_step: int, warmup: int = 3, epochs: int = 2):
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     return build_lr_scheduler(
-        opt, name="cosine", warmup_steps=warmup, total_steps=total, samples_per_step=samples_per_step
+        opt,
+        name="cosine",
+        warmup_steps=warmup,
+        total_steps=total,
+        samples_per_step=samples_per_step,
+        length=f"epochs={epochs}",
     )
 
 
@@ -213,13 +218,25 @@ def test_a_new_warmup_with_another_global_batch_is_refused():
 
 
 def test_more_epochs_on_the_same_global_batch_apply_the_longer_schedule():
-    short = _schedule(10, 8)
+    short = _schedule(10, 8, epochs=1)
     _lrs(short, 10)  # finished: lr at the end of the cosine
-    longer = _schedule(20, 8)
+    longer = _schedule(20, 8, epochs=2)
     longer.load_state_dict(short.state_dict())
     changes = continue_schedule(longer, remaining_steps=10)
-    assert changes == [
-        "lr schedule length: 10 (checkpoint) -> 20 optimizer steps (this run's epochs x steps per epoch)"
-    ]
+    assert changes == ["lr schedule length: 10 (checkpoint: epochs=1) -> 20 optimizer steps (this run: epochs=2)"]
     assert longer.optimizer.param_groups[0]["lr"] == pytest.approx(0.5 * (1 + math.cos(math.pi * 7 / 17)))
     assert _lrs(longer, 10)[-1] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_more_epochs_on_another_global_batch_lengthen_the_schedule_in_samples():
+    """A finished 1-epoch, 2-rank schedule (10 steps of 8 rows) resumed for epochs=2 on one rank
+    (40 steps of 4 rows = 20 of 8): it continues at step 10 of 20 of 8 rows, not stuck at 0."""
+    two = _schedule(10, 8, epochs=1)
+    _lrs(two, 10)
+    one = _schedule(40, 4, epochs=2)
+    one.load_state_dict(two.state_dict())
+    changes = continue_schedule(one, remaining_steps=20)
+    assert "lr schedule length: 10 (checkpoint: epochs=1) -> 20 steps of the checkpoint's global batch" in changes[0]
+    lrs = [one.optimizer.param_groups[0]["lr"]] + _lrs(one, 20)
+    assert lrs[0] == pytest.approx(0.5 * (1 + math.cos(math.pi * 7 / 17)))
+    assert lrs[::2] == pytest.approx([_cosine(10 + j, warmup=3, total=20) for j in range(11)], abs=1e-12)
