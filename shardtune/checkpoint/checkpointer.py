@@ -207,7 +207,10 @@ class Checkpointer:
         raises the same :class:`CheckpointError` naming the files and byte ranges. Checkpoints
         written without checksums load with a warning that they cannot be verified. On the same
         world size RNG states are restored exactly; on another world size they are re-derived
-        from (seed, step), alike on every rank.
+        from (seed, step), alike on every rank. The fingerprint must match (else every rank
+        raises :class:`FingerprintMismatchError` naming what changed); the optimizer's
+        hyperparameters this run was built with replace the checkpoint's where they differ,
+        each change logged on rank 0 (:mod:`~shardtune.checkpoint.resume_checks`).
         """
         path = self._pick(checkpoint)
         if path is None:
