@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtune.checkpoint import atomic, integrity
+from shardtune.checkpoint import atomic, integrity, resume_checks
 from shardtune.checkpoint import checksums as crc
 from shardtune.checkpoint.dcp_format import DCP_DIR, load_dcp
 from shardtune.checkpoint.hf import load_hf_checkpoint
@@ -207,13 +207,19 @@ class Checkpointer:
         raises the same :class:`CheckpointError` naming the files and byte ranges. Checkpoints
         written without checksums load with a warning that they cannot be verified. On the same
         world size RNG states are restored exactly; on another world size they are re-derived
-        from (seed, step), alike on every rank.
+        from (seed, step), alike on every rank. The fingerprint must match (else every rank
+        raises :class:`FingerprintMismatchError` naming what changed); the optimizer's
+        hyperparameters this run was built with replace the checkpoint's where they differ,
+        each change logged on rank 0 (:mod:`~shardtune.checkpoint.resume_checks`).
         """
         path = self._pick(checkpoint)
         if path is None:
             return None
         progress, has_dcp_shards = self._read_progress(path)
-        check_fingerprint(progress.fingerprint, self.fingerprint, where=path)
+        unchecked = check_fingerprint(progress.fingerprint, self.fingerprint, where=path)
+        if unchecked and comm.rank() == 0:
+            log.warning("%s", "; ".join(unchecked))
+        built = resume_checks.configured(self.optimizer)  # loading restores the checkpoint's
         if self.is_lora:
             self.load_base()
         if has_dcp_shards:
@@ -230,6 +236,9 @@ class Checkpointer:
                 )
         if self.lr_scheduler is not None and progress.lr_scheduler:
             self.lr_scheduler.load_state_dict(progress.lr_scheduler)
+        changes = resume_checks.apply_configured(self.optimizer, self.lr_scheduler, built)
+        if changes and comm.rank() == 0:
+            log.warning("resuming with this run's hyperparameters where they differ:\n  %s", "\n  ".join(changes))
         if self.sampler is not None and progress.sampler:
             self.sampler.load_state_dict(progress.sampler)
         self._rng.restore(path / STATE_DIR / RNG_DIR, progress, seed=self.seed)

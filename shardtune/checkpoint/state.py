@@ -19,7 +19,7 @@ RNG_DIR = "rng"
 
 
 class FingerprintMismatchError(RuntimeError):
-    """The checkpoint was written for another model, tokenizer or dataset configuration."""
+    """The checkpoint was written for another model, base weights, tokenizer or data than this run's."""
 
 
 class Stateful(Protocol):
@@ -64,29 +64,94 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"cannot store {type(value).__name__} in {TRAINING_STATE}")
 
 
-def fingerprint(**parts: Any) -> dict[str, str]:
-    """A short hash per named part (model config, tokenizer, dataset, ...) for resume checks.
+# The fingerprint scheme: values are "<SCHEME>:<hash> <summary>". Checkpoints of older shardtunes
+# hold bare hashes of another scheme (which hashed paths); those parts are not compared.
+FINGERPRINT_SCHEME = "c1"
 
-    Values may be dicts/lists (hashed as canonical JSON) or paths to files (hashed by content).
+# What each part a recipe records identifies, and how to fix a mismatch.
+FINGERPRINT_PARTS = {
+    "model": (
+        "the model architecture (config.json's fields)",
+        "point checkpoint_dir at the base model it was trained from",
+    ),
+    "base_weights": (
+        "the base weights (checkpoint_dir's safetensors: tensor table, sizes, sampled bytes)",
+        "a LoRA adapter means what it learned only on its own base: point checkpoint_dir at that base (a moved copy is fine)",
+    ),
+    "teacher_weights": (
+        "the teacher's weights (teacher_checkpoint_dir's safetensors)",
+        "point teacher_checkpoint_dir at the teacher it was distilled from",
+    ),
+    "reference_weights": (
+        "the DPO reference model's weights (reference_checkpoint_dir's, else checkpoint_dir's, safetensors)",
+        "point reference_checkpoint_dir (or checkpoint_dir) at the reference it was trained against",
+    ),
+    "tokenizer": (
+        "the tokenizer (its tokenizer.json content, special tokens, chat templates)",
+        "use the tokenizer it was trained with (tokenizer=..., or checkpoint_dir's)",
+    ),
+    "dataset": (
+        "the training samples (data records as tokenized: template, columns, max_seq_len, packing)",
+        "resume with the same data and data settings (a moved copy of the files is fine)",
+    ),
+    "lora": ("the LoRA settings (lora.*)", "resume with the checkpoint's lora settings"),
+}
+
+
+def fingerprint(**parts: Any) -> dict[str, str]:
+    """One ``"<scheme>:<hash> <summary>"`` string per named part, for resume checks.
+
+    A value is hashed as canonical JSON; an :class:`~shardtune.checkpoint.identity.Identity`
+    by its ``value``, with its ``summary`` kept for messages. None parts are left out (a part a
+    run does not have, e.g. ``lora`` of a full fine-tune).
     """
     out = {}
     for name, value in parts.items():
-        if isinstance(value, Path):
-            data = value.read_bytes() if value.is_file() else b"<absent>"
-        else:
-            data = json.dumps(value, sort_keys=True, default=str).encode()
-        out[name] = hashlib.sha256(data).hexdigest()[:16]
+        if value is None:
+            continue
+        summary = getattr(value, "summary", "")
+        data = getattr(value, "value", value)
+        digest = hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        out[name] = f"{FINGERPRINT_SCHEME}:{digest}" + (f" ({summary})" if summary else "")
     return out
 
 
-def check_fingerprint(saved: dict[str, str], current: dict[str, str], *, where: Path) -> None:
-    """Raise :class:`FingerprintMismatchError` naming every part that differs."""
-    differ = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+def _scheme(value: str) -> str | None:
+    head = value.split(" ", 1)[0]
+    return head.split(":", 1)[0] if ":" in head else None
+
+
+def _digest(value: str) -> str:
+    return value.split(" ", 1)[0]
+
+
+def check_fingerprint(saved: dict[str, str], current: dict[str, str], *, where: Path) -> list[str]:
+    """Raise :class:`FingerprintMismatchError` naming every part that differs, what it
+    identifies, the checkpoint's and this run's value and the fix.
+
+    Parts recorded on one side only, or in another scheme (an older shardtune's), are not
+    compared: returns one warning line for them (empty when everything was compared).
+    """
+    differ, unchecked = [], []
+    for name in sorted(set(saved) | set(current)):
+        old, new = saved.get(name), current.get(name)
+        if old is None or new is None or _scheme(old) != _scheme(new):
+            unchecked.append(name)
+        elif _digest(old) != _digest(new):
+            what, fix = FINGERPRINT_PARTS.get(name, (name, f"resume with the checkpoint's {name}"))
+            differ.append(f"{name}: {what} differs: checkpoint {old}, this run {new}; {fix}")
     if differ:
         raise FingerprintMismatchError(
-            f"checkpoint {where} was written for a different {', '.join(differ)} than this run's; "
-            "resume with the same model/tokenizer/dataset config, or start a new output_dir."
+            f"Cannot resume from {where}: it was written for other inputs than this run's:\n  "
+            + "\n  ".join(differ)
+            + "\n  (or start a new run in another output_dir)"
         )
+    if not unchecked:
+        return []
+    return [
+        f"checkpoint {where} does not record {', '.join(unchecked)} the way this shardtune does (written by "
+        "another version): not checked; make sure this run uses the checkpoint's base model, tokenizer and data"
+    ]
 
 
 def rng_state() -> dict[str, Any]:

@@ -5,6 +5,7 @@ Each function does one setup job from the validated config; recipes call them to
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -21,6 +22,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from shardtune.checkpoint import Checkpointer, TrainingProgress, fingerprint
+from shardtune.checkpoint.identity import Identity, samples_identity, weights_identity
 from shardtune.checkpoint.tiny import create_tiny_base
 from shardtune.config import Config
 from shardtune.data import build_dataloader, build_dataset, collate, load_tokenizer
@@ -38,13 +40,13 @@ from shardtune.models import (
 )
 from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from shardtune.peft import apply_lora, init_lora_parameters
-from shardtune.state_dict.comm import agree, normalize_device
+from shardtune.state_dict.comm import Problems, agree, all_gather_objects, normalize_device
 from shardtune.training.activation_offload import offload_layer_activations
 from shardtune.training.evaluate import Evaluator
 from shardtune.training.flops import flops_per_token_fn, peak_tflops
 from shardtune.training.loop import LoopSettings, run_training, steps_per_epoch
 from shardtune.training.metrics import MetricLogger
-from shardtune.training.optim import build_lr_scheduler, build_optimizer
+from shardtune.training.optim import LrSchedule, build_lr_scheduler, build_optimizer, continue_schedule
 
 log = logging.getLogger("shardtune")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -244,7 +246,8 @@ def loop_settings(cfg: Config) -> LoopSettings:
 
 
 def build_optimization(cfg: Config, model: nn.Module, n_batches: int):
-    """Optimizer over trainable params and the lr schedule sized for the whole run."""
+    """Optimizer over trainable params and the lr schedule sized for the whole run, in optimizer
+    steps of this run's global batch (what a resume on another global batch adapts it from)."""
     opt = build_optimizer(
         model.parameters(),
         name=cfg.optimizer.name,
@@ -255,23 +258,36 @@ def build_optimization(cfg: Config, model: nn.Module, n_batches: int):
         eps=cfg.optimizer.eps,
     )
     total = steps_per_epoch(n_batches, loop_settings(cfg)) * cfg.epochs
+    world = dist.get_world_size() if dist.is_initialized() else 1
     sched = build_lr_scheduler(
-        opt, name=cfg.lr_scheduler.name, warmup_steps=cfg.lr_scheduler.warmup_steps, total_steps=total
+        opt,
+        name=cfg.lr_scheduler.name,
+        warmup_steps=cfg.lr_scheduler.warmup_steps,
+        total_steps=total,
+        samples_per_step=cfg.batch_size * world * cfg.gradient_accumulation_steps,
+        length=f"epochs={cfg.epochs}, max_steps_per_epoch={cfg.max_steps_per_epoch}",
     )
     return opt, sched
 
 
 def build_checkpointer(
-    cfg: Config, run: Run, model, opt, sched, base_dir: Path, *, sampler, adapter_weights_only: bool = False
+    cfg: Config,
+    run: Run,
+    model,
+    opt,
+    sched,
+    base_dir: Path,
+    *,
+    sampler,
+    loader,
+    adapter_weights_only: bool = False,
+    frozen: dict[str, Path] | None = None,
 ) -> Checkpointer:
     """The Checkpointer, every object a checkpoint holds registered, with a fingerprint of what
-    a resume must match."""
-    datasets = cfg.dataset if isinstance(cfg.dataset, (list, tuple)) else [cfg.dataset]
-    marks = fingerprint(
-        model=(base_dir / "config.json").read_text(),
-        tokenizer=cfg.tokenizer or str(base_dir / "tokenizer.json"),
-        dataset=[d.to_dict() if hasattr(d, "to_dict") else dict(d) for d in datasets],
-        lora=cfg.lora.to_dict() if getattr(cfg, "lora", None) is not None and hasattr(cfg.lora, "to_dict") else None,
+    a resume must match (see :func:`resume_fingerprint`; ``frozen``: the directories of frozen
+    models the recipe loads, by fingerprint part, e.g. ``{"teacher_weights": teacher_dir}``)."""
+    marks = resume_fingerprint(
+        cfg, run, base_dir, dataset=loader.dataset, lora=getattr(cfg, "lora", None), frozen=frozen or {}
     )
     return Checkpointer(
         output_dir=cfg.output_dir,
@@ -293,6 +309,51 @@ def build_checkpointer(
     )
 
 
+def resume_fingerprint(
+    cfg: Config, run: Run, base_dir: Path, *, dataset, lora: Config | None, frozen: dict[str, Path]
+) -> dict[str, str]:
+    """Collective. What a resume must match, by content (a moved copy of the same files matches):
+    the model architecture (config.json's fields), the tokenizer as loaded, the training samples
+    (:func:`~shardtune.checkpoint.identity.samples_identity`), the weights of the ``frozen``
+    models and, for LoRA, the LoRA settings and the base weights (each
+    :func:`~shardtune.checkpoint.identity.weights_identity`, read on rank 0): a LoRA resume loads
+    the base again, and its adapter means something only on that base. A full fine-tune's
+    checkpoint holds every weight and never reads the base, so its base weights are not part of
+    it. Every rank computes the same or every rank raises."""
+    problems, weights = Problems(), {}
+    reads = {**({"base_weights": base_dir} if lora is not None else {}), **frozen}
+    if run.is_rank_zero:
+        for part, directory in reads.items():
+            with problems.guard(f"{part} ({directory})"):
+                weights[part] = weights_identity(directory)
+    local = fingerprint(
+        model=dataclasses.asdict(model_args_from_hf_config(base_dir)),
+        tokenizer=_tokenizer_identity(load_tokenizer(cfg.tokenizer, checkpoint_dir=base_dir)),
+        dataset=samples_identity(dataset),
+        lora=lora.to_dict() if lora is not None else None,
+    )
+    agree(
+        local,
+        what="the model config, tokenizer or training data differ between ranks",
+        fix="give every node the same checkpoint_dir, tokenizer and data files",
+        header="Cannot start the run:",
+        problems=problems,
+        error=ValueError,
+    )
+    return {**local, **fingerprint(**all_gather_objects(weights)[0])}
+
+
+def _tokenizer_identity(tokenizer) -> Identity:
+    """The tokenizer by what it does: its serialized vocabulary and rules, special tokens and
+    chat templates (their text, not where they were read)."""
+    value = {
+        "tokenizer": tokenizer.tokenizer.to_str(),
+        "special": [tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.special_tokens],
+        "chat_templates": {name: source for name, (source, _where) in tokenizer.chat_templates.items()},
+    }
+    return Identity(value, f"vocab {tokenizer.vocab_size}")
+
+
 def load_weights(cfg: Config, run: Run, model: nn.Module, checkpointer: Checkpointer) -> TrainingProgress:
     """Resume when asked and possible, else load the base (and initialise fresh adapters);
     returns the progress registered with ``checkpointer`` (restored, or a fresh start's)."""
@@ -307,8 +368,29 @@ def load_weights(cfg: Config, run: Run, model: nn.Module, checkpointer: Checkpoi
         checkpointer.load_base()
         if getattr(model, "lora_config", None) is not None:
             init_lora_parameters(model, device=run.device)
+    elif isinstance(checkpointer.lr_scheduler, LrSchedule):
+        changes = continue_schedule(
+            checkpointer.lr_scheduler, remaining_steps=remaining_steps(cfg, checkpointer.sampler, progress)
+        )
+        if changes and run.is_rank_zero:
+            log.warning("resuming with this run's lr schedule:\n  %s", "\n  ".join(changes))
     model.init_buffers(run.device)
     return checkpointer.progress
+
+
+def remaining_steps(cfg: Config, sampler, progress: TrainingProgress) -> int:
+    """Optimizer steps the loop takes from ``progress`` (``sampler`` restored with it) to the
+    end of training, counted as :func:`~shardtune.training.loop.run_training` counts them."""
+    settings = loop_settings(cfg)
+    ga = settings.gradient_accumulation_steps
+    if progress.epoch >= cfg.epochs:
+        return 0
+    fresh = copy.copy(sampler)
+    fresh.set_epoch(sampler.epoch + 1)  # a whole epoch's share of this rank
+    per_epoch = steps_per_epoch(len(fresh) // cfg.batch_size, settings)
+    done = progress.batches_in_epoch if progress.sampler else 0
+    first = steps_per_epoch(len(sampler) // cfg.batch_size + done, settings) - done // ga
+    return max(first, 0) + per_epoch * (cfg.epochs - progress.epoch - 1)
 
 
 def on_device(batch: dict[str, torch.Tensor], run: Run) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:

@@ -51,7 +51,7 @@ def recipe_main(cfg: Config) -> None:
     candidates = exit_layers(cfg.early_exit.layers, n_layers)
     tokenizer, loader, sampler = setup.build_data(cfg, run, base_dir)
     opt, sched = setup.build_optimization(cfg, model, len(loader))
-    checkpointer = setup.build_checkpointer(cfg, run, model, opt, sched, base_dir, sampler=sampler)
+    checkpointer = setup.build_checkpointer(cfg, run, model, opt, sched, base_dir, sampler=sampler, loader=loader)
     progress = setup.load_weights(cfg, run, model, checkpointer)
     total_steps = steps_per_epoch(len(loader), setup.loop_settings(cfg)) * cfg.epochs
 

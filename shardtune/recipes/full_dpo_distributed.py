@@ -25,16 +25,19 @@ def recipe_main(cfg: Config) -> None:
     run = setup.start(cfg)
     base_dir = setup.base_model_dir(cfg, run)
     model = setup.build_model(base_dir, run, cfg)
-    reference = None
+    reference, frozen = None, {}
     if not cfg.dpo.reference_free and cfg.dpo.loss != "simpo":
         reference_dir = Path(cfg.reference_checkpoint_dir) if cfg.reference_checkpoint_dir else base_dir
         reference = setup.build_model(reference_dir, run, cfg)
         load_hf_checkpoint(reference, reference_dir, device=run.device, strict=True, cpu_offload=cfg.fsdp_cpu_offload)
         reference.init_buffers(run.device)
         reference.requires_grad_(False).eval()
+        frozen = {"reference_weights": reference_dir}
     _, loader, sampler = setup.build_data(cfg, run, base_dir)
     opt, sched = setup.build_optimization(cfg, model, len(loader))
-    checkpointer = setup.build_checkpointer(cfg, run, model, opt, sched, base_dir, sampler=sampler)
+    checkpointer = setup.build_checkpointer(
+        cfg, run, model, opt, sched, base_dir, sampler=sampler, loader=loader, frozen=frozen
+    )
     progress = setup.load_weights(cfg, run, model, checkpointer)
     loss_fn = dpo_loss_fn(
         model,

@@ -36,7 +36,16 @@ def recipe_main(cfg: Config) -> None:
     tokenizer, loader, sampler = setup.build_data(cfg, run, base_dir)
     opt, sched = setup.build_optimization(cfg, model, len(loader))
     checkpointer = setup.build_checkpointer(
-        cfg, run, model, opt, sched, base_dir, sampler=sampler, adapter_weights_only=cfg.adapter_weights_only
+        cfg,
+        run,
+        model,
+        opt,
+        sched,
+        base_dir,
+        sampler=sampler,
+        loader=loader,
+        adapter_weights_only=cfg.adapter_weights_only,
+        frozen={"teacher_weights": teacher_dir},
     )
     progress = setup.load_weights(cfg, run, model, checkpointer)
 

@@ -23,7 +23,15 @@ def recipe_main(cfg: Config) -> None:
     tokenizer, loader, sampler = setup.build_data(cfg, run, base_dir)
     opt, sched = setup.build_optimization(cfg, model, len(loader))
     checkpointer = setup.build_checkpointer(
-        cfg, run, model, opt, sched, base_dir, sampler=sampler, adapter_weights_only=cfg.adapter_weights_only
+        cfg,
+        run,
+        model,
+        opt,
+        sched,
+        base_dir,
+        sampler=sampler,
+        loader=loader,
+        adapter_weights_only=cfg.adapter_weights_only,
     )
     progress = setup.load_weights(cfg, run, model, checkpointer)
     loss_fn = setup.next_token_loss(model, run, chunk_tokens=cfg.loss_chunk_tokens, compile=cfg.compile)

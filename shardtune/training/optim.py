@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -85,6 +87,79 @@ def _low_bit_adamw(name: str) -> type[torch.optim.Optimizer]:
     return LowBitAdamW
 
 
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """An lr schedule in optimizer steps: linear warmup for ``warmup_steps``, then ``name``
+    (cosine / linear decay to ``min_lr_ratio``, or constant) until ``total_steps``.
+    ``samples_per_step`` is the global batch the steps are counted in (rows per optimizer
+    step: batch_size x ranks x gradient_accumulation_steps; None: not known); ``length`` names
+    the settings ``total_steps`` was computed from, to tell a new length from a new batch."""
+
+    name: str
+    warmup_steps: int
+    total_steps: int
+    min_lr_ratio: float = 0.0
+    samples_per_step: int | None = None
+    length: str = ""  # the settings total_steps follows, in words (e.g. "epochs=2")
+
+    def factor(self, position: float) -> float:
+        """The lr multiplier ``position`` steps into the schedule."""
+        if position < self.warmup_steps:
+            return (position + 1) / (self.warmup_steps + 1)
+        if self.name == "constant":
+            return 1.0
+        progress = min(1.0, (position - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if self.name == "cosine" else 1.0 - progress
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """Maps the training step to the schedule's position: ``position + (step - step0) * rate``
+    from ``step0`` on (the identity, as at a fresh start, until a resume re-anchors it)."""
+
+    step0: int = 0
+    position: float = 0.0
+    rate: float = 1.0
+
+    def at(self, step: int) -> float:
+        return step if self == Anchor() else self.position + (step - self.step0) * self.rate
+
+
+class LrSchedule(LambdaLR):
+    """A ``LambdaLR`` following a :class:`ScheduleSpec`, that saves its spec and anchor.
+
+    ``load_state_dict`` restores the step count and base lrs as ``LambdaLR`` does and keeps the
+    checkpoint's spec and anchor in :attr:`resumed` (None for a checkpoint without them, or
+    when nothing was loaded) until :func:`continue_schedule` reconciles them with this run's.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, spec: ScheduleSpec) -> None:
+        self.spec, self.anchor = spec, Anchor()
+        self.resumed: tuple[ScheduleSpec | None, Anchor] | None = None
+        super().__init__(optimizer, self._factor)
+
+    def _factor(self, step: int) -> float:
+        return self.spec.factor(self.anchor.at(step))
+
+    def state_dict(self) -> dict[str, Any]:
+        own = ("optimizer", "lr_lambdas", "spec", "anchor", "resumed")
+        state = {k: v for k, v in self.__dict__.items() if k not in own}
+        return {
+            **state,
+            "lr_lambdas": [None] * len(self.lr_lambdas),
+            "schedule": asdict(self.spec),
+            "anchor": asdict(self.anchor),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        spec, anchor = state.pop("schedule", None), state.pop("anchor", None)
+        state["lr_lambdas"] = [None] * len(self.lr_lambdas)  # ours is a method of this object
+        super().load_state_dict(state)
+        self.resumed = (ScheduleSpec(**spec) if spec else None, Anchor(**anchor) if anchor else Anchor())
+
+
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer,
     *,
@@ -92,22 +167,90 @@ def build_lr_scheduler(
     warmup_steps: int = 0,
     total_steps: int,
     min_lr_ratio: float = 0.0,
-) -> LambdaLR:
-    """Linear warmup for ``warmup_steps``, then cosine / linear decay to ``min_lr_ratio`` or constant.
-
-    A ``LambdaLR``: its ``state_dict`` (the step count) is all a resume needs.
-    """
+    samples_per_step: int | None = None,
+    length: str = "",
+) -> LrSchedule:
+    """Linear warmup for ``warmup_steps``, then cosine / linear decay to ``min_lr_ratio`` or constant
+    (see :class:`ScheduleSpec`); ``samples_per_step`` (the global batch) and ``length`` are for resumes."""
     if name not in SCHEDULES:
         raise ValueError(f"lr_scheduler.name={name!r} is not supported; choose one of {SCHEDULES}")
-    total_steps = max(total_steps, 1)
+    spec = ScheduleSpec(name, warmup_steps, max(total_steps, 1), min_lr_ratio, samples_per_step, length)
+    return LrSchedule(optimizer, spec)
 
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        if name == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if name == "cosine" else 1.0 - progress
-        return min_lr_ratio + (1.0 - min_lr_ratio) * decay
 
-    return LambdaLR(optimizer, factor)
+def continue_schedule(scheduler: LrSchedule, *, remaining_steps: int) -> list[str]:
+    """Reconcile a resumed schedule with this run's spec; returns what changed, in words.
+
+    On the checkpoint's global batch, this run's spec applies at the checkpoint's position
+    (a new warmup, name or length: e.g. more epochs). On another global batch see
+    :func:`_across_batches`. The schedule's remaining positions are spread over this run's
+    ``remaining_steps``, so it reaches its end value on the last step. Unchanged: nothing is
+    touched (an exact resume). Every rank must call it alike.
+    """
+    if scheduler.resumed is None or scheduler.resumed[0] is None:
+        return []  # nothing loaded, or a checkpoint of an older shardtune: its step count applies as saved
+    (old, anchor), new = scheduler.resumed, scheduler.spec
+    scheduler.resumed = None
+    step = scheduler.last_epoch
+    position = anchor.at(step)
+    changes = [
+        f"lr_scheduler.{key}: {getattr(old, key)} (checkpoint) -> {getattr(new, key)} (config)"
+        for key in ("name", "min_lr_ratio", "warmup_steps")
+        if getattr(old, key) != getattr(new, key)
+    ]
+    if None in (old.samples_per_step, new.samples_per_step) or old.samples_per_step == new.samples_per_step:
+        if new == old:
+            scheduler.anchor = anchor  # unchanged: resumes exactly as saved
+            return changes
+        spec = new
+        if old.total_steps != new.total_steps:
+            changes.append(
+                f"lr schedule length: {old.total_steps} (checkpoint: {old.length}) -> {new.total_steps} "
+                f"optimizer steps (this run: {new.length})"
+            )
+    else:
+        spec = _across_batches(old, new, position=position, remaining_steps=remaining_steps, changes=changes)
+    rate = max(spec.total_steps - position, 0) / remaining_steps if remaining_steps > 0 else 1.0
+    scheduler.spec, scheduler.anchor = spec, Anchor(step, position, rate)
+    set_lrs(scheduler.optimizer, [base * scheduler._factor(step) for base in scheduler.base_lrs])
+    scheduler._last_lr = [float(group["lr"]) for group in scheduler.optimizer.param_groups]
+    return changes
+
+
+def _across_batches(
+    old: ScheduleSpec, new: ScheduleSpec, *, position: float, remaining_steps: int, changes: list[str]
+) -> ScheduleSpec:
+    """The spec a resume on another global batch continues: the checkpoint's, in the steps of
+    its global batch, with this run's name and end ratio, and this run's length (in samples)
+    when the settings it follows (epochs, ...) changed. A changed ``warmup_steps`` is refused:
+    steps of which batch is ambiguous."""
+    if old.warmup_steps != new.warmup_steps:
+        raise ValueError(
+            f"lr_scheduler.warmup_steps changed from {old.warmup_steps} (checkpoint) to {new.warmup_steps} while the "
+            f"global batch changed from {old.samples_per_step} to {new.samples_per_step} rows per optimizer step: "
+            f"warmup steps of which batch is ambiguous; resume with lr_scheduler.warmup_steps={old.warmup_steps}, "
+            "or on the checkpoint's global batch"
+        )
+    total = old.total_steps
+    if old.length != new.length:
+        total = max(1, round(new.total_steps * new.samples_per_step / old.samples_per_step))
+        changes.append(
+            f"lr schedule length: {old.total_steps} (checkpoint: {old.length}) -> {total} steps of the checkpoint's "
+            f"global batch (this run: {new.length})"
+        )
+    changes.append(
+        f"global batch: {old.samples_per_step} (checkpoint) -> {new.samples_per_step} (this run) rows per optimizer "
+        f"step (batch_size x ranks x gradient_accumulation_steps): the lr schedule continues from step {position:g} "
+        f"of its {total} (steps of {old.samples_per_step} rows), its remaining {max(total - position, 0):g} spread "
+        f"over this run's {remaining_steps} optimizer steps"
+    )
+    return ScheduleSpec(new.name, old.warmup_steps, total, new.min_lr_ratio, old.samples_per_step, new.length)
+
+
+def set_lrs(optimizer: torch.optim.Optimizer, lrs: list[float]) -> None:
+    """Each param group's lr (in place where it is a tensor, as torchao's low-bit AdamWs keep it)."""
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr

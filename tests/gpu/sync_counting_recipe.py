@@ -69,7 +69,7 @@ def recipe_main(cfg: Config) -> None:
     model = setup.build_model(base_dir, run, cfg, lora=cfg.lora)
     _, loader, sampler = setup.build_data(cfg, run, base_dir)
     opt, sched = setup.build_optimization(cfg, model, len(loader))
-    checkpointer = setup.build_checkpointer(cfg, run, model, opt, sched, base_dir, sampler=sampler)
+    checkpointer = setup.build_checkpointer(cfg, run, model, opt, sched, base_dir, sampler=sampler, loader=loader)
     progress = setup.load_weights(cfg, run, model, checkpointer)
     counter = SyncCounter()
     loss_fn = counter.wrap(setup.next_token_loss(model, run, chunk_tokens=cfg.loss_chunk_tokens))
