@@ -228,6 +228,7 @@ def loop_settings(cfg: Config) -> LoopSettings:
         log_every_n_steps=cfg.log_every_n_steps,
         save_every_n_steps=cfg.save_every_n_steps,
         eval_every_n_steps=cfg.eval_every_n_steps,
+        max_nonfinite_steps=cfg.max_nonfinite_steps,
     )
 
 
