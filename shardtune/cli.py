@@ -87,7 +87,7 @@ def _launch(args: list[str]) -> int:
         message, code = run_errors.report(run_errors.read_records(error_dir), exits)
         if debug:
             sys.stderr.write(f"{exc}\n")
-        sys.stderr.write(message + "\n")
+        sys.stderr.write(f"\n{message}\n")  # a line of its own, after any progress bar the ranks left
         return code
     finally:
         agent_log.setLevel(level)
@@ -146,6 +146,7 @@ def _takes_value(option: str) -> bool:
         "--run_path",
         "--virtual-local-rank",
         "--virtual_local_rank",
+        "--debug",  # shardtune run's own, taken out before torchrun sees the options
     }
     return option.startswith("-") and "=" not in option and option not in flags
 

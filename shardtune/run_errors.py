@@ -113,7 +113,8 @@ class Exit:
 def report(records: Mapping[int, RankError], exits: Mapping[int, Exit]) -> tuple[str, int]:
     """The message ``shardtune run`` prints for a failed run, and its exit code.
 
-    The root cause is the earliest recorded error that is not a consequence; else the earliest
+    The root cause is the earliest recorded error that is not a consequence (the lowest rank of
+    those that raised it); else the earliest
     rank that ended without a record other than by the launcher's SIGTERM (killed, crashed);
     else the earliest consequence; else the first exit the launcher saw.
     """
@@ -125,7 +126,9 @@ def report(records: Mapping[int, RankError], exits: Mapping[int, Exit]) -> tuple
     )
     consequences = sorted((e for e in records.values() if e.consequence), key=lambda e: (e.time, e.rank))
     if causes:
-        root, code, text = causes[0].rank, causes[0].exit_code, causes[0].text
+        # of the ranks that raised the earliest error (e.g. raised on every rank), the lowest
+        first = min((e for e in causes if e.text == causes[0].text), key=lambda e: e.rank)
+        root, code, text = first.rank, first.exit_code, first.text
     elif silent:
         root, code, text = silent[0].rank, FAILED, _describe_exit(silent[0].exitcode)
     elif consequences:
