@@ -65,6 +65,7 @@ def _launch(args: list[str]) -> int:
     """torchrun's main with ``args``; a failure becomes one printed root cause and an exit code."""
     import logging
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
@@ -89,6 +90,11 @@ def _launch(args: list[str]) -> int:
             sys.stderr.write(f"{exc}\n")
         sys.stderr.write(f"\n{message}\n")  # a line of its own, after any progress bar the ranks left
         return code
+    except SignalException as exc:  # the launcher was sent SIGTERM/SIGINT; torchrun stopped the ranks
+        records = run_errors.read_records(error_dir)
+        message = run_errors.report(records, {})[0] if records else f"shardtune run: stopped by {exc.sigval.name}"
+        sys.stderr.write(f"\n{message}\n")
+        return 128 + int(exc.sigval)
     finally:
         agent_log.setLevel(level)
         if previous is None:

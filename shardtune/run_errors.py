@@ -12,7 +12,8 @@ not a consequence of another rank dying, e.g. a peer disconnect or a collective 
 report, as without ``shardtune run``. A rank started without ``SHARDTUNE_ERROR_DIR`` (plain
 ``python -m shardtune.recipes...`` or bare torchrun) raises as any program does.
 
-Exit codes of ``shardtune run``: 0 success, 1 the run failed, 2 a config or usage error.
+Exit codes of ``shardtune run``: 0 success, 1 the run failed, 2 a config or usage error,
+128 + N the launcher was stopped by signal N.
 """
 
 from __future__ import annotations

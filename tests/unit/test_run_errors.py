@@ -116,3 +116,14 @@ def test_with_debug_a_rank_raises_with_its_traceback_and_still_records(monkeypat
     record = run_errors.read_records(tmp_path)[0]
     assert record.text == "FileNotFoundError: no such dataset: /data/x.jsonl"
     assert "Traceback (most recent call last)" in record.traceback and "_recipe_raising" in record.traceback
+
+
+def test_a_signal_to_the_launcher_exits_128_plus_its_number(monkeypatch, capsys):
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def stopped(args):
+        raise SignalException("Process 1 got signal: 15", sigval=signal.SIGTERM)
+
+    monkeypatch.setattr(torch.distributed.run, "main", stopped)
+    assert cli.main(["run", RECIPE, "--config", "tiny/lora"]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == "\nshardtune run: stopped by SIGTERM\n"
