@@ -1,6 +1,6 @@
 """The ``shardtune`` command: run recipes under torchrun, list/copy/validate configs, tools::
 
-    shardtune run [--nnodes N] [--nproc_per_node M] [torchrun options] RECIPE --config CONFIG [key=value ...]
+    shardtune run [--debug] [--nnodes N] [--nproc_per_node M] [torchrun options] RECIPE --config CONFIG [key=value ...]
     shardtune ls
     shardtune cp CONFIG PATH
     shardtune validate CONFIG [--recipe RECIPE] [key=value ...]
@@ -12,7 +12,8 @@
                        [--chat] [--adapter DIR]      (also under torchrun: the model is then sharded)
 
 ``shardtune run`` validates a registered recipe's config before torchrun starts any rank: every
-problem in one report, exit code 2.
+problem in one report, exit code 2. A run that fails prints its root cause once, exit code 1
+(:mod:`shardtune.run_errors`; ``--debug`` or ``SHARDTUNE_DEBUG=1`` adds every rank's traceback).
 """
 
 from __future__ import annotations

@@ -115,9 +115,8 @@ def report(records: Mapping[int, RankError], exits: Mapping[int, Exit]) -> tuple
     """The message ``shardtune run`` prints for a failed run, and its exit code.
 
     The root cause is the earliest recorded error that is not a consequence (the lowest rank of
-    those that raised it); else the earliest
-    rank that ended without a record other than by the launcher's SIGTERM (killed, crashed);
-    else the earliest consequence; else the first exit the launcher saw.
+    those that raised it); else the earliest rank that ended without a record other than by the
+    launcher's SIGTERM (killed, crashed); else the earliest consequence; else the first exit.
     """
     failed = sorted(set(records) | set(exits))
     causes = sorted((e for e in records.values() if not e.consequence), key=lambda e: (e.time, e.rank))
