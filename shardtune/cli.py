@@ -1,6 +1,6 @@
 """The ``shardtune`` command: run recipes under torchrun, list/copy/validate configs, tools::
 
-    shardtune run [--nnodes N] [--nproc_per_node M] [torchrun options] RECIPE --config CONFIG [key=value ...]
+    shardtune run [--debug] [--nnodes N] [--nproc_per_node M] [torchrun options] RECIPE --config CONFIG [key=value ...]
     shardtune ls
     shardtune cp CONFIG PATH
     shardtune validate CONFIG [--recipe RECIPE] [key=value ...]
@@ -12,16 +12,20 @@
                        [--chat] [--adapter DIR]      (also under torchrun: the model is then sharded)
 
 ``shardtune run`` validates a registered recipe's config before torchrun starts any rank: every
-problem in one report, exit code 2.
+problem in one report, exit code 2. A run that fails prints its root cause once, exit code 1
+(:mod:`shardtune.run_errors`; ``--debug`` or ``SHARDTUNE_DEBUG=1`` adds every rank's traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
+from shardtune import run_errors
 from shardtune.recipes.registry import RECIPES, UnknownRecipe, get_recipe, recipe_of_config
 
 
@@ -30,16 +34,23 @@ def cmd_run(argv: list[str]) -> int:
 
     A config problem (or an unknown recipe) is reported here, once, with exit code 2, before any
     rank starts. A recipe file given by path has no registered schema: it validates its own config.
+    A failed run prints one message, its root cause (:mod:`shardtune.run_errors`), and exits 1
+    (2 for a config error found on the ranks); ``--debug`` or ``SHARDTUNE_DEBUG=1`` also shows
+    every rank's traceback and torchrun's report.
     """
     if not argv or argv[0] in ("-h", "--help"):
         sys.stdout.write(
-            "usage: shardtune run [torchrun options] RECIPE --config CONFIG [key=value ...]\n\n"
+            "usage: shardtune run [--debug] [torchrun options] RECIPE --config CONFIG [key=value ...]\n\n"
             "torchrun options (e.g. --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint host:29400)\n"
             "are passed to torch.distributed.run unchanged. RECIPE is one of:\n  " + "\n  ".join(RECIPES) + "\n"
             "or a path to a recipe file. CONFIG is a bundled config (shardtune ls) or a YAML path.\n"
+            "A failed run prints its root cause once; --debug (or SHARDTUNE_DEBUG=1) shows every rank's traceback.\n"
         )
         return 0
     torchrun_args, recipe, recipe_args = split_run_args(argv)
+    if "--debug" in torchrun_args:
+        torchrun_args = [a for a in torchrun_args if a != "--debug"]
+        os.environ[run_errors.DEBUG_ENV] = "1"  # the ranks inherit it
     if recipe in RECIPES or not Path(recipe).is_file():
         problems = _config_problems(recipe, recipe_args)
         if problems:
@@ -48,9 +59,50 @@ def cmd_run(argv: list[str]) -> int:
         target = ["-m", RECIPES[recipe].module]
     else:
         target = [recipe]
+    return _launch([*torchrun_args, *target, *recipe_args])
+
+
+def _launch(args: list[str]) -> int:
+    """torchrun's main with ``args``; a failure becomes one printed root cause and an exit code."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    torchrun([*torchrun_args, *target, *recipe_args])
+    debug = run_errors.debug_enabled()
+    error_dir = tempfile.mkdtemp(prefix="shardtune-errors-")
+    previous = os.environ.get(run_errors.ERROR_DIR_ENV)
+    os.environ[run_errors.ERROR_DIR_ENV] = error_dir
+    # Its "failed (exitcode ...)" and "Sending process ... closing signal" lines: the report below says it once.
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = agent_log.level
+    if not debug:
+        agent_log.setLevel(logging.CRITICAL)
+    try:
+        torchrun(args)
+    except ChildFailedError as exc:
+        exits = {
+            rank: run_errors.Exit(rank=rank, exitcode=failure.exitcode, time=failure.timestamp)
+            for rank, failure in exc.failures.items()
+        }
+        message, code = run_errors.report(run_errors.read_records(error_dir), exits)
+        if debug:
+            sys.stderr.write(f"{exc}\n")
+        sys.stderr.write(f"\n{message}\n")  # a line of its own, after any progress bar the ranks left
+        return code
+    except SignalException as exc:  # the launcher was sent SIGTERM/SIGINT; torchrun stopped the ranks
+        records = run_errors.read_records(error_dir)
+        message = run_errors.report(records, {})[0] if records else f"shardtune run: stopped by {exc.sigval.name}"
+        sys.stderr.write(f"\n{message}\n")
+        return 128 + int(exc.sigval)
+    finally:
+        agent_log.setLevel(level)
+        if previous is None:
+            os.environ.pop(run_errors.ERROR_DIR_ENV, None)
+        else:
+            os.environ[run_errors.ERROR_DIR_ENV] = previous
+        shutil.rmtree(error_dir, ignore_errors=True)
     return 0
 
 
@@ -101,6 +153,7 @@ def _takes_value(option: str) -> bool:
         "--run_path",
         "--virtual-local-rank",
         "--virtual_local_rank",
+        "--debug",  # shardtune run's own, taken out before torchrun sees the options
     }
     return option.startswith("-") and "=" not in option and option not in flags
 

@@ -147,6 +147,13 @@ BASE_SCHEMA = Schema(
             }
         ),
         "clip_grad_norm": Field((float, None), None, gt=0),
+        "max_nonfinite_steps": Field(
+            int,
+            0,
+            ge=0,
+            help="steps with a non-finite loss or grad norm to skip (no optimizer step) before the run stops; "
+            "0: stop at the first (>0 adds one host sync per step)",
+        ),
         "dtype": Field(str, "bf16", choices=("bf16", "fp32")),
         "dataset": OneOrMany(DATASET_SCHEMA),
         "validation_dataset": OneOrMany(DATASET_SCHEMA, nullable=True),

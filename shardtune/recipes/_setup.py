@@ -242,6 +242,7 @@ def loop_settings(cfg: Config) -> LoopSettings:
         log_every_n_steps=cfg.log_every_n_steps,
         save_every_n_steps=cfg.save_every_n_steps,
         eval_every_n_steps=cfg.eval_every_n_steps,
+        max_nonfinite_steps=cfg.max_nonfinite_steps,
     )
 
 
@@ -454,19 +455,23 @@ def train_and_finish(
         flops_per_token=flops_per_token_fn(model),
         peak_tflops=peak_tflops(run.device, configured=cfg.peak_tflops),
     )
-    run_training(
-        model=model,
-        loss_fn=loss_fn,
-        loader=loader,
-        sampler=sampler,
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
-        checkpointer=checkpointer,
-        logger=logger,
-        settings=settings,
-        progress=progress,
-        evaluate=build_evaluator(cfg, run, model, tokenizer),
-    )
+    try:
+        run_training(
+            model=model,
+            loss_fn=loss_fn,
+            loader=loader,
+            sampler=sampler,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            checkpointer=checkpointer,
+            logger=logger,
+            settings=settings,
+            progress=progress,
+            evaluate=build_evaluator(cfg, run, model, tokenizer),
+        )
+    except BaseException:
+        logger.close()  # the rows logged so far reach every sink: a failed rank ends without atexit hooks
+        raise
     finish(cfg, run, checkpointer, recipe, logger)
 
 

@@ -11,7 +11,8 @@ CPU-offloaded gradients.
 
 The result equals ``clip_grad_norm_(params, max_norm)`` (norm type 2) up to fp32 summation
 order: ``total = sqrt(sum |g|^2)``, and gradients are multiplied by
-``min(1, max_norm / (total + 1e-6))``.
+``min(1, max_norm / (total + 1e-6))``. :func:`grad_norm` is the same norm without clipping (for
+the non-finite check of runs that do not clip).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardtune.state_dict import comm
 
-__all__ = ["clip_grad_norm"]
+__all__ = ["clip_grad_norm", "grad_norm"]
 
 
 def _reduce_groups(grad: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
@@ -35,6 +36,15 @@ def _reduce_groups(grad: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
     return tuple(mesh.get_group(dim) for dim, p in enumerate(grad.placements) if isinstance(p, Shard))
 
 
+def grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    """The global 2-norm of the gradients of ``parameters``, unchanged.
+
+    Collective: call on all ranks (with the same parameters). Every rank returns the same norm,
+    a 0-d fp32 tensor on the transfer device; no host synchronization.
+    """
+    return _total_norm([p.grad for p in parameters if p.grad is not None])
+
+
 def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip the gradients of ``parameters`` to a global 2-norm of ``max_norm``; returns the pre-clip norm.
 
@@ -42,14 +52,25 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) ->
     a 0-d fp32 tensor on the transfer device; no host synchronization.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
-    squares: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
+    total = _total_norm(grads)
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for grad in grads:
         local = grad._local_tensor if isinstance(grad, DTensor) else grad
         by_device.setdefault(local.device, []).append(local)
-        squares.setdefault(_reduce_groups(grad), []).append(local)
+    for local_device, locals_ in by_device.items():
+        torch._foreach_mul_(locals_, coef.to(local_device))
+    return total
+
+
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """sqrt of the squared local norms summed over each gradient's sharded mesh dims, on the transfer device."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=comm.comm_device(torch.device("cpu")))
+    squares: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
+    for grad in grads:
+        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        squares.setdefault(_reduce_groups(grad), []).append(local)
     device = comm.comm_device(grads[0].device)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for groups, locals_ in squares.items():
@@ -57,11 +78,7 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) ->
         for group in groups:
             dist.all_reduce(sq, group=group)
         total = total + sq
-    total = total.sqrt()
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for local_device, locals_ in by_device.items():
-        torch._foreach_mul_(locals_, coef.to(local_device))
-    return total
+    return total.sqrt()
 
 
 def _norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

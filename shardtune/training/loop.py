@@ -16,6 +16,10 @@ At most one host-device synchronization per optimizer step: losses are summed wh
 are computed, token counts are host integers (counted from the CPU batch), the step's
 all-reduce and the gradient scale factor stay on the transfer device, and everything a step
 logs (loss, tokens, grad norm) comes back in one :func:`_fetch`, only on steps that log.
+
+A non-finite loss or gradient norm stops the run (:mod:`shardtune.training.finite`): it is
+flagged on the device each step, read in that fetch and before every save (one copy more per
+save), and no checkpoint of such a state is saved.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from shardtune.checkpoint.checkpointer import Checkpointer
 from shardtune.checkpoint.state import TrainingProgress
 from shardtune.faults import fault_point
 from shardtune.state_dict import comm
-from shardtune.training.grad_norm import clip_grad_norm
+from shardtune.training.finite import FiniteGuard
+from shardtune.training.grad_norm import clip_grad_norm, grad_norm
 from shardtune.training.metrics import MetricLogger, peak_memory_mib
 
 LossFn = Callable[
@@ -53,6 +58,7 @@ class LoopSettings:
     eval_every_n_steps: int | None = None  # with an evaluator; None: at the end of each epoch
     flops_per_token: Callable[[int], float] | None = None  # seq_len -> model FLOPs per token (training/flops.py)
     peak_tflops: float | None = None  # the device's peak, for ``mfu``
+    max_nonfinite_steps: int = 0  # steps with a non-finite loss/grad norm to skip before stopping (0: stop)
 
 
 def steps_per_epoch(n_batches: int, settings: LoopSettings) -> int:
@@ -87,6 +93,7 @@ def run_training(
     progress = progress or TrainingProgress()
     start_epoch, step = progress.epoch, progress.step
     is_rank_zero = not dist.is_initialized() or dist.get_rank() == 0
+    guard = FiniteGuard(max_skipped=settings.max_nonfinite_steps)
     for epoch in range(start_epoch, settings.epochs):
         sampler.set_epoch(epoch)  # a resumed sampler keeps its position in its epoch
         # The checkpointer restored the sampler with its checkpoint: the loader yields the rest of the epoch.
@@ -116,7 +123,7 @@ def run_training(
                 continue
             window.reduce()
             _scale_grads(model, window.global_tokens)
-            grad_norm = _step(model, optimizer, lr_scheduler, settings.clip_grad_norm)
+            norm = _step(model, optimizer, lr_scheduler, settings, guard=guard, step=step + 1, window=window)
             fault_point("train:step")
             step += 1
             done_in_epoch += 1
@@ -127,19 +134,24 @@ def run_training(
             )
             if evaluating or step % settings.log_every_n_steps == 0:
                 lr = float(optimizer.param_groups[0]["lr"])  # torchao's AdamW8bit/4bit keep it as a CPU tensor
-                row = window.row(step=step, epoch=epoch, lr=lr, grad_norm=grad_norm, settings=settings)
-                if evaluating:
+                row, flag = window.row(
+                    step=step, epoch=epoch, lr=lr, grad_norm=norm, flag=guard.first_bad, settings=settings
+                )
+                if evaluating and not flag:
                     row["val_loss"] = evaluate(model)
                 logger.log(row)
+                guard.check(flag, step=step)
             window = _Window()
             if last_in_epoch:
                 break
             if settings.save_every_n_steps and step % settings.save_every_n_steps == 0:
                 _advance(progress, step=step, epoch=epoch, batches_in_epoch=batches)
+                guard.check_before_save(model, step=step)
                 checkpointer.save()
         bar.close()
         sampler.set_epoch(epoch + 1)
         _advance(progress, step=step, epoch=epoch + 1, batches_in_epoch=0)
+        guard.check_before_save(model, step=step)
         checkpointer.save(final=epoch + 1 == settings.epochs)
     checkpointer.wait()
     return progress
@@ -150,13 +162,24 @@ def _advance(progress: TrainingProgress, *, step: int, epoch: int, batches_in_ep
     progress.step, progress.epoch, progress.batches_in_epoch = step, epoch, batches_in_epoch
 
 
-def _step(model, optimizer, lr_scheduler, clip: float | None) -> torch.Tensor | None:
-    """Clip (when asked), step and zero; returns the pre-clip grad norm where it was computed."""
-    grad_norm = clip_grad_norm(model.parameters(), clip) if clip is not None else None
+def _step(
+    model, optimizer, lr_scheduler, settings: LoopSettings, *, guard: FiniteGuard, step: int, window: _Window
+) -> torch.Tensor | None:
+    """Clip (when asked), step and zero; returns the pre-clip grad norm when clipping (the logged one).
+
+    The step's loss and grad norm go to ``guard``; in skip mode a non-finite step drops its
+    gradients and leaves the optimizer and the schedule where they were."""
+    clip = settings.clip_grad_norm
+    norm = clip_grad_norm(model.parameters(), clip) if clip is not None else grad_norm(model.parameters())
+    code = guard.code(step=step, loss_sum=window.global_loss_sum, grad_norm=norm)
+    if guard.max_skipped and guard.skip(code):
+        optimizer.zero_grad(set_to_none=True)
+        return norm if clip is not None else None
+    guard.record(code)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     lr_scheduler.step()
-    return grad_norm
+    return norm if clip is not None else None
 
 
 def _scale_grads(model: torch.nn.Module, global_tokens: torch.Tensor) -> None:
@@ -216,14 +239,24 @@ class _Window:
         self.global_metrics = dict(zip(names, totals[3:], strict=True))
 
     def row(
-        self, *, step: int, epoch: int, lr: float, grad_norm: torch.Tensor | None, settings: LoopSettings
-    ) -> dict[str, Any]:
-        """The step's metrics; fetches loss, tokens, FLOPs and grad norm from the device in one copy."""
+        self,
+        *,
+        step: int,
+        epoch: int,
+        lr: float,
+        grad_norm: torch.Tensor | None,
+        flag: torch.Tensor | None,
+        settings: LoopSettings,
+    ) -> tuple[dict[str, Any], float]:
+        """The step's metrics and the value of ``flag`` (the guard's first non-finite step, 0: none);
+        fetches loss, tokens, FLOPs, grad norm and the flag from the device in one copy."""
         names = sorted(self.global_metrics)
         values = [self.global_loss_sum, self.global_tokens, self.global_flops, *(self.global_metrics[n] for n in names)]
         if grad_norm is not None:
             values.append(grad_norm.to(device=self.global_tokens.device, dtype=torch.float64))
-        loss_sum, weight, flops, *rest = _fetch(torch.stack(values))
+        values.append(torch.zeros_like(self.global_tokens) if flag is None else flag.to(self.global_tokens.device))
+        *fetched, flag_value = _fetch(torch.stack(values))
+        loss_sum, weight, flops, *rest = fetched
         metrics, norm = dict(zip(names, rest[: len(names)], strict=True)), rest[len(names) :]
         seconds = time.perf_counter() - self.start
         tokens = metrics.pop("tokens", weight)
@@ -243,4 +276,4 @@ class _Window:
                 row["mfu"] = row["tflops_per_device"] / settings.peak_tflops
         if norm:
             row["grad_norm"] = norm[0]
-        return row
+        return row, flag_value

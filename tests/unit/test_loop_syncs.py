@@ -3,8 +3,8 @@
 On CPU nothing waits, so the test proves the code path: every tensor-to-host conversion
 (``item``, ``tolist``, ``cpu``, ``numpy``, ``int``/``float``/``bool`` of a tensor) made by
 shardtune code during training is counted, and the only ones allowed are the loop's single
-:func:`~shardtune.training.loop._fetch` per logged step and the token count of the loader's CPU
-labels. (torch's own clipping and optimizer step are not shardtune's code: they are not counted.)
+:func:`~shardtune.training.loop._fetch` per logged step, the token count of the loader's CPU
+labels, and the non-finite guard's one read before each save (a save synchronizes anyway). (torch's own clipping and optimizer step are not shardtune's code: they are not counted.)
 """
 
 from __future__ import annotations
@@ -143,8 +143,10 @@ def test_one_fetch_per_logged_step_and_no_other_sync(monkeypatch, log_every, pac
     monkeypatch.undo()
 
     logged = STEPS // log_every
-    assert fetches == [4] * logged  # loss sum, tokens, FLOPs, grad norm in one copy per logged step
-    allowed = {("training/loop.py", "_fetch"), ("recipes/_setup.py", "label_tokens")}
+    # loss sum, tokens, FLOPs, grad norm and the first non-finite step in one copy per logged step
+    assert fetches == [5] * logged
+    allowed = {("training/loop.py", "_fetch"), ("recipes/_setup.py", "label_tokens"), ("training/finite.py", "_read")}
+    assert conversions.count(("training/finite.py", "_read")) == 1  # before the one save, at the end of the epoch
     if packed:  # the samples' boundaries, read once per micro-batch from the loader's CPU position_ids
         allowed.add(("models/packed_attention.py", "sample_lengths"))
         assert conversions.count(("models/packed_attention.py", "sample_lengths")) == STEPS * ACCUMULATE

@@ -1,0 +1,67 @@
+"""Through ``shardtune run`` (2 ranks): a failure prints its message once, without tracebacks or
+torchrun's report, naming the rank it started on; a diverged run stops naming the step, on every
+rank, and leaves only finite checkpoints that ``shardtune verify`` calls intact."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.reliability.conftest import RECIPES, overrides
+from tests.reliability.launch import run_cli
+
+pytestmark = pytest.mark.timeout(240)
+
+NOISE = ("Traceback", "ChildFailedError", "Root Cause", "[rank0]:", "[rank1]:", "closing signal")
+
+
+def _assert_one_readable_error(output: str, message: str) -> None:
+    assert output.count(message) == 1, output[-4000:]
+    for noise in NOISE:
+        assert noise not in output, (noise, output[-4000:])
+
+
+def test_an_error_on_rank_0_alone_is_printed_once_naming_rank_0(tiny_base, tmp_path):
+    recipe, config = RECIPES["lora"]
+    proc = run_cli(
+        recipe, config, overrides(tiny_base, tmp_path / "run", "max_steps_per_epoch=3"), fault="train:step:0:raise:2"
+    )
+    assert proc.returncode == 1, proc.tail()
+    message = "fault injected at train:step on rank 0"
+    _assert_one_readable_error(proc.output, message)
+    root = [line for line in proc.lines if line.startswith("shardtune run: rank")]
+    assert root[0].startswith(f"shardtune run: rank 0: InjectedFault: {message}"), proc.output[-3000:]
+    assert root[1:] == ["shardtune run: rank 1 failed as a consequence\n"], proc.output[-3000:]
+
+
+def test_a_diverging_run_stops_naming_the_step_and_keeps_its_finite_checkpoints(tiny_base, tmp_path):
+    """lr 1e6 diverges within a few steps; with a save after every step and keep_last_n=2 only
+    finite checkpoints are ever published, so the newest finite ones remain."""
+    recipe, config = RECIPES["lora"]
+    out = tmp_path / "run"
+    args = overrides(tiny_base, out, "optimizer.lr=1e6", "keep_last_n=2", "log_every_n_steps=3")
+    proc = run_cli(recipe, config, args)
+    assert proc.returncode == 1, proc.tail()
+    found = re.search(r"shardtune run: rank 0: NonFiniteError: step (\d+): the (loss|grad norm|loss and grad norm) "
+                      r"is not finite", proc.output)  # fmt: skip
+    assert found, proc.output[-3000:]
+    _assert_one_readable_error(proc.output, found.group(0).removeprefix("shardtune run: rank 0: "))
+    assert "shardtune run: the same error on rank 1\n" in proc.output  # raised on every rank
+    bad_step = int(found.group(1))
+    kept = sorted(p.name for p in out.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert bad_step > 1 and kept == [f"step_{s}" for s in range(max(1, bad_step - 2), bad_step)], (bad_step, kept)
+    verify = subprocess.run(
+        [sys.executable, "-m", "shardtune.cli", "verify", str(out)], capture_output=True, text=True, check=False
+    )
+    assert verify.returncode == 0 and verify.stdout.count("intact") == len(kept), verify.stdout + verify.stderr
+    for name in kept:
+        files = list((out / name).rglob("*.safetensors"))
+        assert files, name
+        for path in files:
+            for key, tensor in load_file(path).items():
+                assert torch.isfinite(tensor.float()).all(), (path, key)
