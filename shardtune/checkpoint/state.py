@@ -1,21 +1,28 @@
-"""Training state that is not weights: progress, schedulers, data position, RNG, fingerprint."""
+"""Training state that is not weights: progress, schedulers, data position, RNG, fingerprint.
+
+Rule: all of it is stored as data (JSON, safetensors), never pickle: reading a checkpoint runs no code.
+"""
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import random
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
 
+import safetensors
+import safetensors.torch
 import torch
 
 from shardtune.checkpoint import checksums
 
 TRAINING_STATE = "training_state.json"
 RNG_DIR = "rng"
+RNG_FILE = "rank_{rank}.safetensors"  # per rank; RNG_PYTHON_KEY in its metadata
+LEGACY_RNG_FILE = "rank_{rank}.pt"  # older checkpoints (torch.save), read with weights_only=True
+RNG_PYTHON_KEY = "python_random"
 
 
 class FingerprintMismatchError(RuntimeError):
@@ -116,13 +123,71 @@ def reseed(seed: int, *, step: int) -> None:
 
 
 def save_rng(directory: Path, rank: int, state: dict[str, Any] | None = None) -> None:
-    """Write ``rank``'s RNG state (this process's when ``state`` is None)."""
+    """Write ``rank``'s RNG state (this process's when ``state`` is None) as data, never pickle:
+    the generator states as uint8 tensors of a safetensors file, Python's in its JSON metadata."""
+    state = state if state is not None else rng_state()
+    version, internal, gauss_next = state["python"]
+    python = {"version": version, "internal": list(internal), "gauss_next": gauss_next}
+    tensors = {name: state[name].contiguous() for name in ("torch", "cuda") if name in state}
     directory.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    torch.save(state if state is not None else rng_state(), buffer)
-    checksums.write_bytes(directory / f"rank_{rank}.pt", buffer.getvalue())
+    data = safetensors.torch.save(tensors, metadata={RNG_PYTHON_KEY: json.dumps(python)})
+    checksums.write_bytes(directory / RNG_FILE.format(rank=rank), data)
 
 
 def load_rng(directory: Path, rank: int) -> dict[str, Any] | None:
-    path = directory / f"rank_{rank}.pt"
-    return torch.load(path, weights_only=False) if path.is_file() else None
+    """``rank``'s saved RNG state, or None when it has none. Reads the safetensors file, or the
+    ``rank_<n>.pt`` of older checkpoints with ``weights_only=True`` (tensors and plain values
+    only, so a planted object cannot run code); anything else raises CheckpointError naming the file."""
+    path = directory / RNG_FILE.format(rank=rank)
+    if path.is_file():
+        return _read_rng_safetensors(path)
+    legacy = directory / LEGACY_RNG_FILE.format(rank=rank)
+    if legacy.is_file():
+        return _read_rng_legacy(legacy)
+    return None
+
+
+def _read_rng_safetensors(path: Path) -> dict[str, Any]:
+    from shardtune.checkpoint.safetensors_io import CheckpointError
+
+    try:
+        data = path.read_bytes()
+        state: dict[str, Any] = dict(safetensors.torch.load(data))
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            python = json.loads((f.metadata() or {})[RNG_PYTHON_KEY])
+        state["python"] = (int(python["version"]), tuple(int(x) for x in python["internal"]), python["gauss_next"])
+    except (OSError, ValueError, KeyError, TypeError, safetensors.SafetensorError) as exc:
+        raise CheckpointError(f"{path}: unreadable RNG state ({type(exc).__name__}: {exc})") from None
+    return _checked_rng(state, path)
+
+
+def _read_rng_legacy(path: Path) -> dict[str, Any]:
+    from shardtune.checkpoint.safetensors_io import CheckpointError
+
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ...
+        raise CheckpointError(
+            f"{path}: refused to load this RNG state ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); it is "
+            "not the tensors-and-values file shardtune writes. Delete the file to resume with re-derived RNG "
+            "states, or resume from a checkpoint you trust"
+        ) from None
+    return _checked_rng(state, path)
+
+
+def _checked_rng(state: object, path: Path) -> dict[str, Any]:
+    """``state`` if :func:`set_rng_state` takes it (tried on scratch generators, so a bad file
+    fails here, inside the caller's collective guard), else CheckpointError naming ``path``."""
+    from shardtune.checkpoint.safetensors_io import CheckpointError
+
+    try:
+        if not isinstance(state, dict) or not all(
+            isinstance(state.get(name), torch.Tensor) and state[name].dtype == torch.uint8
+            for name in ("torch", *(["cuda"] if "cuda" in state else []))
+        ):
+            raise TypeError("expected uint8 tensors 'torch' (and 'cuda') and Python's random state")
+        torch.Generator().set_state(state["torch"])
+        random.Random().setstate(state["python"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: not an RNG state shardtune can restore ({exc})") from None
+    return state
