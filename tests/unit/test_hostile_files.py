@@ -8,14 +8,20 @@ runs it on a copy), then that shardtune refuses the file, naming it, and the mar
 from __future__ import annotations
 
 import io
+import json
 import os
 import random
 
+import crc32c
 import pytest
 import safetensors
 import safetensors.torch
 import torch
 
+from shardtune import cli
+from shardtune.checkpoint import atomic, integrity
+from shardtune.checkpoint.file_names import UnsafeFileNameError, inside
+from shardtune.checkpoint.hf import open_hf_checkpoint
 from shardtune.checkpoint.safetensors_io import CheckpointError
 from shardtune.checkpoint.state import TrainingProgress
 from shardtune.checkpoint.strategies import RngOnRank0, RngPerRank
@@ -96,3 +102,93 @@ def test_rng_safetensors_with_a_bad_python_state_names_the_file(tmp_path):
     safetensors.torch.save_file(tensors, str(path), metadata={"python_random": '{"version": 3, "internal": [1]}'})
     with pytest.raises(CheckpointError, match=r"rank_0\.safetensors"):
         RngPerRank().restore(tmp_path, _progress(), seed=0)
+
+
+# --- names read from files stay inside their directory ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["/etc/passwd", "../outside/x.safetensors", "a/../../x", "a\\..\\x", "C:x", "", "a//b", "./a", None, 3]
+)
+def test_a_name_that_could_leave_its_directory_is_refused_naming_the_listing_file(tmp_path, name):
+    with pytest.raises(UnsafeFileNameError, match=r"index\.json: refuses the file name .*name it relative"):
+        inside(tmp_path, name, listed_in=tmp_path / "index.json")
+
+
+def test_plain_relative_names_are_joined_without_resolving_symlinks(tmp_path):
+    assert inside(tmp_path, "training_state/rng/rank_0.safetensors", listed_in="m") == (
+        tmp_path / "training_state" / "rng" / "rank_0.safetensors"
+    )
+    assert inside(tmp_path, "model-00001-of-00002.safetensors..x", listed_in="m").name.endswith("..x")
+
+
+def _sharded_model_dir(model_dir, shards: dict[str, str]) -> dict[str, torch.Tensor]:
+    """An index naming ``shards`` (tensor -> file name as written in the index); returns the tensors."""
+    tensors = {name: torch.arange(6, dtype=torch.float32).reshape(2, 3) + i for i, name in enumerate(shards)}
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shards}))
+    return tensors
+
+
+def test_index_naming_a_shard_outside_the_model_dir_is_refused(tmp_path):
+    model_dir, outside = tmp_path / "model", tmp_path / "outside"
+    outside.mkdir()
+    tensors = _sharded_model_dir(model_dir, {"a": "model-00001.safetensors", "b": "../outside/x.safetensors"})
+    safetensors.torch.save_file({"a": tensors["a"]}, str(model_dir / "model-00001.safetensors"))
+    safetensors.torch.save_file({"b": tensors["b"]}, str(outside / "x.safetensors"))  # what main loaded silently
+    with pytest.raises(CheckpointError) as caught:
+        open_hf_checkpoint(model_dir)
+    message = str(caught.value)
+    assert "model.safetensors.index.json" in message and "'../outside/x.safetensors'" in message
+    assert "['b']" in message and "name it relative" in message
+
+
+def test_hf_cache_layout_with_symlinked_shards_still_loads(tmp_path):
+    """As the Hugging Face cache lays out a snapshot: each file a symlink into ../../blobs."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc123"
+    blobs.mkdir()
+    tensors = _sharded_model_dir(snapshot, {"a": "model-00001.safetensors", "b": "model-00002.safetensors"})
+    for name, file in (("a", "model-00001.safetensors"), ("b", "model-00002.safetensors")):
+        safetensors.torch.save_file({name: tensors[name]}, str(blobs / f"blob-{name}"))
+        (snapshot / file).symlink_to(f"../../blobs/blob-{name}")
+    with open_hf_checkpoint(snapshot) as checkpoint:
+        for name, tensor in tensors.items():
+            assert torch.equal(checkpoint[name][:], tensor)
+
+
+def _checkpoint_naming_outside(tmp_path):
+    """A checkpoint whose manifest also names ``../secret.txt``, with its true size and CRC32C."""
+    checkpoint, secret = tmp_path / "out" / "step_1", tmp_path / "out" / "secret.txt"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "a.bin").write_bytes(b"abc")
+    secret.write_bytes(b"top secret bytes")
+    files = {"a.bin": 3, "../secret.txt": secret.stat().st_size}
+    crcs = {"a.bin": [crc32c.crc32c(b"abc")], "../secret.txt": [crc32c.crc32c(secret.read_bytes())]}
+    manifest = {
+        "format_version": 1,
+        "step": 1,
+        "epoch": 0,
+        "files": files,
+        "checksums": {"algorithm": "crc32c", "block_bytes": 64 << 20, "files": crcs},
+    }
+    (checkpoint / "shardtune_checkpoint.json").write_text(json.dumps(manifest))
+    return checkpoint, manifest
+
+
+def test_verify_never_reads_or_reports_a_file_outside_the_checkpoint(tmp_path, capsys):
+    checkpoint, _ = _checkpoint_naming_outside(tmp_path)
+    assert cli.main(["verify", str(checkpoint)]) == 1
+    out = capsys.readouterr().out
+    assert "secret.txt (16 bytes)" not in out and "DAMAGED" in out
+    assert f"{checkpoint / 'shardtune_checkpoint.json'}: refuses the file name '../secret.txt'" in out
+    assert "ok       " in out and "a.bin (3 bytes)" in out  # the checkpoint's own file is still checked
+
+
+def test_resume_checks_refuse_a_manifest_naming_a_file_outside(tmp_path):
+    """Resume's size check (atomic.verify) and block check (verify_on_ranks) both refuse it."""
+    checkpoint, manifest = _checkpoint_naming_outside(tmp_path)
+    assert atomic.verify(checkpoint) is None
+    assert atomic.latest_complete(checkpoint.parent) is None
+    verdict = integrity.verify_on_ranks(checkpoint, manifest, shared_filesystem=True)
+    assert not verdict.intact and list(verdict.problems) == ["../secret.txt"]
+    assert "refuses the file name '../secret.txt'" in verdict.problems["../secret.txt"][0]
