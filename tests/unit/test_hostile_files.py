@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import random
 
 import crc32c
@@ -19,7 +20,8 @@ import safetensors.torch
 import torch
 
 from shardtune import cli
-from shardtune.checkpoint import atomic, integrity
+from shardtune.checkpoint import atomic, dcp_format, integrity
+from shardtune.checkpoint.dcp_format import load_dcp, save_dcp
 from shardtune.checkpoint.file_names import UnsafeFileNameError, inside
 from shardtune.checkpoint.hf import open_hf_checkpoint
 from shardtune.checkpoint.safetensors_io import CheckpointError
@@ -192,3 +194,70 @@ def test_resume_checks_refuse_a_manifest_naming_a_file_outside(tmp_path):
     verdict = integrity.verify_on_ranks(checkpoint, manifest, shared_filesystem=True)
     assert not verdict.intact and list(verdict.problems) == ["../secret.txt"]
     assert "refuses the file name '../secret.txt'" in verdict.problems["../secret.txt"][0]
+
+
+# --- DCP metadata ----------------------------------------------------------------------------
+
+
+def _dcp_checkpoint(path):
+    """A real DCP save (torch's own writer) of a small model and its AdamW state; returns the model."""
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    save_dcp(model, opt, path, async_save=False)
+    return model, opt
+
+
+class _Recording(pickle.Unpickler):
+    def __init__(self, file) -> None:
+        super().__init__(file)
+        self.asked: set[tuple[str, str]] = set()
+
+    def find_class(self, module, name):
+        self.asked.add((module, name))
+        return super().find_class(module, name)
+
+
+def test_real_dcp_metadata_needs_only_the_admitted_classes_and_loads(tmp_path):
+    saved, saved_opt = _dcp_checkpoint(tmp_path / "dcp")
+    with open(tmp_path / "dcp" / ".metadata", "rb") as f:
+        recording = _Recording(f)
+        recording.load()
+    dtypes = {(m, n) for m, n in recording.asked if m == "torch" and isinstance(getattr(torch, n), torch.dtype)}
+    assert recording.asked - dtypes <= dcp_format._METADATA_CLASSES, recording.asked
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    load_dcp(model, opt, tmp_path / "dcp", device="cpu")
+    for got, want in zip(model.parameters(), saved.parameters()):
+        assert torch.equal(got, want)
+    assert torch.equal(opt.state[model[0].weight]["exp_avg"], saved_opt.state[saved[0].weight]["exp_avg"])
+
+
+def test_planted_dcp_metadata_is_refused_and_runs_nothing(tmp_path):
+    _dcp_checkpoint(tmp_path / "dcp")
+    marker = tmp_path / "PWNED"
+    planted = pickle.dumps(_Planted(marker))
+    (tmp_path / "control").write_bytes(planted)
+    pickle.loads((tmp_path / "control").read_bytes())  # the payload is real: what torch's reader did ran it
+    assert marker.is_dir()
+    marker.rmdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(planted)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    with pytest.raises(
+        CheckpointError, match=r"dcp/\.metadata: refused to read this DCP metadata \(it asks to build posix\.mkdir"
+    ):
+        load_dcp(model, None, tmp_path / "dcp", device="cpu")
+    assert not marker.exists()
+
+
+def test_dcp_metadata_naming_a_shard_outside_the_checkpoint_is_refused(tmp_path):
+    _dcp_checkpoint(tmp_path / "dcp")
+    metadata_file = tmp_path / "dcp" / ".metadata"
+    metadata = pickle.loads(metadata_file.read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = "../elsewhere.distcp"
+    metadata_file.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=r"refuses the file name '\.\./elsewhere\.distcp'"):
+        dcp_format.read_dcp_metadata(metadata_file)
