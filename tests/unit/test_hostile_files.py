@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import random
+import time
 
 import crc32c
 import pytest
@@ -27,6 +28,8 @@ from shardtune.checkpoint.hf import open_hf_checkpoint
 from shardtune.checkpoint.safetensors_io import CheckpointError
 from shardtune.checkpoint.state import TrainingProgress
 from shardtune.checkpoint.strategies import RngOnRank0, RngPerRank
+from shardtune.data import jinja_budget
+from shardtune.data.jinja_templates import JinjaChatTemplate, load_chat_templates
 
 
 class _Planted:
@@ -261,3 +264,59 @@ def test_dcp_metadata_naming_a_shard_outside_the_checkpoint_is_refused(tmp_path)
     metadata_file.write_bytes(pickle.dumps(metadata))
     with pytest.raises(CheckpointError, match=r"refuses the file name '\.\./elsewhere\.distcp'"):
         dcp_format.read_dcp_metadata(metadata_file)
+
+
+# --- chat templates: bounded time and size ---------------------------------------------------
+
+HOSTILE_TEMPLATES = {
+    "nested loops of 10^10 steps": (
+        "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+        "took longer than",
+    ),
+    "'x' * 10**10": ("{{ 'x' * 10**10 }}", "the result of '\\*' would be 10000000000 long"),
+    "a list of 10^10": ("{% set l = [0] * 10**10 %}{{ l | length }}", "the result of '\\*' would be"),
+    "doubling a namespace string": (
+        "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+        "namespace attribute 's' would be",
+    ),
+    "doubling through macro recursion": (
+        "{% macro f(s, n) %}{% if n %}{{ f(s ~ s, n - 1) }}{% endif %}{% endmacro %}{{ f('x', 64) }}",
+        "an argument of .* would be",
+    ),
+    "a huge power": ("{{ 10 ** (10 ** 10) }}", "too large a number"),
+    "a huge width": ("{{ '{:>9999999999}'.format(1) }}", "a width in format\\(\\)"),
+    "a huge '%' width": ("{{ '%09999999999d' % 1 }}", "a width in a '%' format"),
+    "replace growing quadratically": (
+        "{% set s = 'x' * 100000 %}{{ s.replace('', s) }}",
+        "the result of replace\\(\\) would be",
+    ),
+    "a huge center filter": ("{{ 'x' | center(10000000000) }}", "an argument of the filter 'center'"),
+    "output of 10^8 characters": (
+        "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+        "the rendered text would be",
+    ),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", list(HOSTILE_TEMPLATES))
+def test_hostile_chat_template_ends_quickly_naming_the_template(tmp_path, monkeypatch, case):
+    monkeypatch.setattr(jinja_budget, "RENDER_SECONDS", 0.5)  # the default (5 s) made short for the test
+    source, reason = HOSTILE_TEMPLATES[case]
+    (tmp_path / "chat_template.jinja").write_text(source)
+    text, where = load_chat_templates(tmp_path)["default"]
+    template = JinjaChatTemplate(text, name=where, variables={})
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=rf"chat_template\.jinja exceeded its budget .*{reason}") as caught:
+        template.render([{"role": "user", "content": "hi"}])
+    assert time.monotonic() - start < 3, case
+    assert str(tmp_path) in str(caught.value) and "built-in one" in str(caught.value)
+
+
+def test_a_long_conversation_renders_within_the_budget():
+    """The size cap grows with the conversation: a 3 MiB message renders whole."""
+    template = JinjaChatTemplate(
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}", name="t", variables={}
+    )
+    content = "y" * (3 << 20)
+    assert template.render([{"role": "user", "content": content}]) == "<|user|>" + content
