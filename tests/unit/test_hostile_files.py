@@ -28,6 +28,8 @@ from shardtune.checkpoint.hf import open_hf_checkpoint
 from shardtune.checkpoint.safetensors_io import CheckpointError
 from shardtune.checkpoint.state import TrainingProgress
 from shardtune.checkpoint.strategies import RngOnRank0, RngPerRank
+from shardtune.config import ConfigError, load_config, load_yaml
+from shardtune.configs.schemas import RECIPE_SCHEMAS
 from shardtune.data import jinja_budget
 from shardtune.data.jinja_templates import JinjaChatTemplate, load_chat_templates
 
@@ -320,3 +322,47 @@ def test_a_long_conversation_renders_within_the_budget():
     )
     content = "y" * (3 << 20)
     assert template.render([{"role": "user", "content": content}]) == "<|user|>" + content
+
+
+# --- YAML alias bombs ------------------------------------------------------------------------
+
+
+def _alias_bomb(levels: int = 9, refs: int = 9) -> str:
+    """A "billion laughs" config: each anchor a list of ``refs`` aliases of the one before."""
+    lines = ['l0: &l0 ["lol"]']
+    for level in range(1, levels):
+        lines.append(f"l{level}: &l{level} [{', '.join([f'*l{level - 1}'] * refs)}]")
+    lines.append(f"seed: *l{levels - 1}")  # a key the schema checks: its error message would print the value
+    return "\n".join(lines) + "\n"
+
+
+def test_yaml_alias_bomb_is_refused_quickly_naming_the_file(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_alias_bomb())
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, schema=RECIPE_SCHEMAS["lora_finetune_distributed"])
+    assert time.monotonic() - start < 1
+    message = str(caught.value)
+    assert str(path) in message and "lol" not in message  # the values are not printed
+    assert "expand this config to" in message and "write the values out" in message and len(message) < 1000
+
+
+def test_yaml_alias_bomb_is_refused_by_shardtune_validate(tmp_path, capsys):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_alias_bomb())
+    assert cli.main(["validate", str(path), "--recipe", "lora_finetune_distributed"]) != 0
+    assert f"{path}" in capsys.readouterr().err
+
+
+def test_a_yaml_value_containing_itself_is_refused(tmp_path):
+    path = tmp_path / "loop.yaml"
+    path.write_text("seed: &a [1, *a]\n")
+    with pytest.raises(ConfigError, match="refers to a value that contains it"):
+        load_config(path, schema=RECIPE_SCHEMAS["lora_finetune_distributed"])
+
+
+def test_modest_yaml_aliases_still_work(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text("a: &lr 0.001\nb: *lr\n")
+    assert load_yaml(path) == {"a": 0.001, "b": 0.001}
