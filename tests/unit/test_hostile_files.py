@@ -366,3 +366,15 @@ def test_modest_yaml_aliases_still_work(tmp_path):
     path = tmp_path / "ok.yaml"
     path.write_text("a: &lr 0.001\nb: *lr\n")
     assert load_yaml(path) == {"a": 0.001, "b": 0.001}
+
+
+def test_shardtune_convert_refuses_planted_dcp_metadata(tmp_path, capsys):
+    checkpoint, marker = tmp_path / "step_1", tmp_path / "PWNED"
+    (checkpoint / "dcp").mkdir(parents=True)
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1}
+    config |= {"num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 64}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    (checkpoint / "dcp" / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
+    assert cli.main(["convert", str(checkpoint), str(tmp_path / "hf")]) == 1
+    assert f"{checkpoint / 'dcp' / '.metadata'}: refused to read this DCP metadata" in capsys.readouterr().err
+    assert not marker.exists() and not (tmp_path / "hf" / "model.safetensors").exists()
