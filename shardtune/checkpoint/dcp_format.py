@@ -8,11 +8,14 @@ a checkpoint into an HF model directory.
 Rule: DCP's ``.metadata`` is a pickle, so it is read by a restricted unpickler that builds only
 the classes DCP metadata holds (:data:`_METADATA_CLASSES`, torch dtypes); anything else, or a
 shard file name leaving the checkpoint, raises CheckpointError naming the file on every rank
-before DCP reads a byte (DCP's shards themselves are read with ``weights_only=True``).
+before DCP reads a byte. Values in the shards are read with ``weights_only=True``: tensors by
+DCP's reader, and the other values (optimizer hyperparameters), which torch's default planner
+unpickles without restriction, by :class:`_WeightsOnlyPlanner`.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -24,16 +27,22 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from shardtune.checkpoint import checksums
 from shardtune.checkpoint.file_names import inside
 from shardtune.checkpoint.safetensors_io import CheckpointError
+from shardtune.checkpoint.state import load_data_only
 from shardtune.state_dict import comm
 from shardtune.state_dict.install import materialize_meta
+from shardtune.state_dict.keys import format_problems
 
 DCP_DIR = "dcp"
 LORA_FILE = "lora.json"
@@ -106,6 +115,22 @@ class _RestrictedReader(FileSystemReader):
         return metadata
 
 
+class _WeightsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's load planner, with non-tensor values unpickled by ``torch.load(weights_only=True)``."""
+
+    def __init__(self, where: Path) -> None:
+        super().__init__()
+        self.where = where
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        loaded = load_data_only(value, what=f"{self.where}: the value of {fqn!r}")
+        if self.flatten_state_dict:  # as torch's planner stores it
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
 def _state(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict:
     if opt is None:
         model_sd, _ = get_state_dict(model, [], options=_OPTIONS)
@@ -148,7 +173,11 @@ def load_dcp(model: nn.Module, opt: torch.optim.Optimizer | None, path: Path, *,
     comm.raise_on_every_rank(problems, header=f"Cannot load {path}:", error=CheckpointError)
     materialize_meta(model, device)
     state = _state(model, opt)
-    dcp.load(state, storage_reader=_RestrictedReader(path))
+    try:
+        dcp.load(state, storage_reader=_RestrictedReader(path), planner=_WeightsOnlyPlanner(path))
+    except CheckpointException as exc:  # DCP gathers every rank's failure and raises it on every rank
+        lines = sorted({f"{type(e).__name__}: {e}" for e, _ in exc.failures.values()})
+        raise CheckpointError(format_problems(f"Cannot load {path}:", lines)) from None
     if opt is None:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={}, options=_LOAD_OPTIONS)
     else:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 import safetensors
 import safetensors.torch
@@ -151,9 +152,8 @@ def _read_rng_safetensors(path: Path) -> dict[str, Any]:
     from shardtune.checkpoint.safetensors_io import CheckpointError
 
     try:
-        data = path.read_bytes()
-        state: dict[str, Any] = dict(safetensors.torch.load(data))
         with safetensors.safe_open(str(path), framework="pt") as f:
+            state: dict[str, Any] = {name: f.get_tensor(name) for name in f.keys()}
             python = json.loads((f.metadata() or {})[RNG_PYTHON_KEY])
         state["python"] = (int(python["version"]), tuple(int(x) for x in python["internal"]), python["gauss_next"])
     except (OSError, ValueError, KeyError, TypeError, safetensors.SafetensorError) as exc:
@@ -162,17 +162,23 @@ def _read_rng_safetensors(path: Path) -> dict[str, Any]:
 
 
 def _read_rng_legacy(path: Path) -> dict[str, Any]:
+    return _checked_rng(load_data_only(path, what=f"{path}: this RNG state"), path)
+
+
+def load_data_only(source: str | os.PathLike | IO[bytes], *, what: str) -> Any:
+    """``torch.load(source, weights_only=True)``: tensors and plain values only, so a planted
+    object cannot run code. A refusal raises CheckpointError naming ``what`` and the global refused."""
     from shardtune.checkpoint.safetensors_io import CheckpointError
 
     try:
-        state = torch.load(path, weights_only=True)
+        return torch.load(source, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ...
+        lines = str(exc).splitlines() or [""]
+        reason = next((line.strip() for line in lines if "unsupported global" in line.lower()), lines[0][:80])
         raise CheckpointError(
-            f"{path}: refused to load this RNG state ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); it is "
-            "not the tensors-and-values file shardtune writes. Delete the file to resume with re-derived RNG "
-            "states, or resume from a checkpoint you trust"
+            f"{what} was refused ({type(exc).__name__}: {reason[:200]}): it holds more than the tensors and plain "
+            "values shardtune writes (planted or damaged). Resume from a checkpoint you trust"
         ) from None
-    return _checked_rng(state, path)
 
 
 def _checked_rng(state: object, path: Path) -> dict[str, Any]:
@@ -188,6 +194,8 @@ def _checked_rng(state: object, path: Path) -> dict[str, Any]:
             raise TypeError("expected uint8 tensors 'torch' (and 'cuda') and Python's random state")
         torch.Generator().set_state(state["torch"])
         random.Random().setstate(state["python"])
+        if not isinstance(state["python"][2], float | None):
+            raise TypeError(f"Python's gauss_next is {state['python'][2]!r}, not a float or None")
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{path}: not an RNG state shardtune can restore ({exc})") from None
     return state

@@ -96,7 +96,9 @@ def test_planted_rng_pickle_is_refused_and_runs_nothing(tmp_path, strategy):
     torch.load(control / "rank_0.pt", weights_only=False)  # the payload is real: what main did ran it
     assert marker.is_dir()
     marker.rmdir()
-    with pytest.raises(CheckpointError, match=r"rank_0\.pt: refused to load this RNG state"):
+    with pytest.raises(
+        CheckpointError, match=r"rank_0\.pt: this RNG state was refused \(UnpicklingError: .*posix\.mkdir"
+    ):
         strategy().restore(rng_dir, _progress(), seed=0)
     assert not marker.exists()
 
@@ -254,6 +256,28 @@ def test_planted_dcp_metadata_is_refused_and_runs_nothing(tmp_path):
         CheckpointError, match=r"dcp/\.metadata: refused to read this DCP metadata \(it asks to build posix\.mkdir"
     ):
         load_dcp(model, None, tmp_path / "dcp", device="cpu")
+    assert not marker.exists()
+
+
+def test_planted_pickle_in_a_dcp_shard_value_is_refused_and_runs_nothing(tmp_path):
+    """torch's load planner unpickles non-tensor values (here the optimizer's lr) with
+    weights_only=False: point the lr's entry at a planted pickle appended to its shard."""
+    _dcp_checkpoint(tmp_path / "dcp")
+    marker, metadata_file = tmp_path / "PWNED", tmp_path / "dcp" / ".metadata"
+    metadata = pickle.loads(metadata_file.read_bytes())
+    index = next(i for i in metadata.storage_data if i.fqn == "optim.param_groups.0.lr")
+    info = metadata.storage_data[index]
+    shard = tmp_path / "dcp" / info.relative_path
+    payload = io.BytesIO()
+    torch.save(_Planted(marker), payload)
+    info.offset, info.length = shard.stat().st_size, len(payload.getvalue())
+    with open(shard, "ab") as f:
+        f.write(payload.getvalue())
+    metadata_file.write_bytes(pickle.dumps(metadata))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(CheckpointError, match=r"the value of 'optim\.param_groups\.0\.lr' was refused .*posix\.mkdir"):
+        load_dcp(model, opt, tmp_path / "dcp", device="cpu")
     assert not marker.exists()
 
 
