@@ -18,6 +18,7 @@ import safetensors.torch
 import torch
 
 from shardtune.checkpoint import checksums
+from shardtune.checkpoint.safetensors_io import CheckpointError
 
 TRAINING_STATE = "training_state.json"
 RNG_DIR = "rng"
@@ -149,8 +150,6 @@ def load_rng(directory: Path, rank: int) -> dict[str, Any] | None:
 
 
 def _read_rng_safetensors(path: Path) -> dict[str, Any]:
-    from shardtune.checkpoint.safetensors_io import CheckpointError
-
     try:
         with safetensors.safe_open(str(path), framework="pt") as f:
             state: dict[str, Any] = {name: f.get_tensor(name) for name in f.keys()}
@@ -168,8 +167,6 @@ def _read_rng_legacy(path: Path) -> dict[str, Any]:
 def load_data_only(source: str | os.PathLike | IO[bytes], *, what: str) -> Any:
     """``torch.load(source, weights_only=True)``: tensors and plain values only, so a planted
     object cannot run code. A refusal raises CheckpointError naming ``what`` and the global refused."""
-    from shardtune.checkpoint.safetensors_io import CheckpointError
-
     try:
         return torch.load(source, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ...
@@ -184,8 +181,6 @@ def load_data_only(source: str | os.PathLike | IO[bytes], *, what: str) -> Any:
 def _checked_rng(state: object, path: Path) -> dict[str, Any]:
     """``state`` if :func:`set_rng_state` takes it (tried on scratch generators, so a bad file
     fails here, inside the caller's collective guard), else CheckpointError naming ``path``."""
-    from shardtune.checkpoint.safetensors_io import CheckpointError
-
     try:
         if not isinstance(state, dict) or not all(
             isinstance(state.get(name), torch.Tensor) and state[name].dtype == torch.uint8
