@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing import Self
 
 DEVICE_ENV = "SHARDTUNE_BENCH_DEVICE"  # "cpu" or "cuda", set by spawn_ranks for its ranks
 _STATUS_FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile")

@@ -31,7 +31,7 @@ import shutil
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -222,7 +222,7 @@ def environment_lines(
     versions.append(f"Python {platform.python_version()}")
     return [
         f"- Command: `{command}`",
-        f"- Date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}; " + ", ".join(versions),
+        f"- Date: {datetime.now(UTC):%Y-%m-%d %H:%M UTC}; " + ", ".join(versions),
         (
             f"- Machine: {os.cpu_count()} CPU cores, {ram_bytes() / GIB:.1f} GiB RAM, {accelerator}, "
             f"OMP_NUM_THREADS=1 per rank (as torchrun sets); 1-min load average {load_avg[0]:.2f} before, "

@@ -210,8 +210,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from shardtune.checkpoint.dcp_format import convert_dcp_to_hf
+    from shardtune.checkpoint.safetensors_io import CheckpointError
 
-    out = convert_dcp_to_hf(args.checkpoint, args.out_dir, base_dir=args.base_dir)
+    try:
+        out = convert_dcp_to_hf(args.checkpoint, args.out_dir, base_dir=args.base_dir)
+    except (CheckpointError, FileNotFoundError) as exc:  # a damaged, planted or missing checkpoint
+        sys.stderr.write(f"shardtune convert: {exc}\n")
+        return 1
     sys.stdout.write(f"wrote an HF model directory to {out}\n")
     return 0
 

@@ -77,6 +77,9 @@ _FLOAT = re.compile(
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
 
 
+MAX_CONFIG_VALUES = 100_000  # after aliases are expanded; bundled configs hold about a hundred
+
+
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML config file whose top level is a mapping (an empty file is ``{}``)."""
     path = Path(path)
@@ -85,11 +88,43 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
             data = yaml.load(f, Loader=_Loader)
     except yaml.YAMLError as e:
         raise ConfigError([f"YAML syntax error: {e}"], source=str(path)) from e
+    _check_expanded_size(data, source=str(path))
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError([f"the top level must be a mapping of keys, got {type_name(data)}"], source=str(path))
     return data
+
+
+def _check_expanded_size(data: Any, *, source: str) -> None:
+    """Refuse YAML whose aliases expand it past :data:`MAX_CONFIG_VALUES` values (a "billion
+    laughs" bomb: 9 levels of 9 aliases are 387 million values that validating, printing or
+    copying would walk) or that contains itself; counted once per shared node, so this is fast."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def count(node: Any) -> int:
+        if not isinstance(node, dict | list | tuple | set):
+            return 1
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if id(node) in open_nodes:
+            raise ConfigError(["a YAML alias refers to a value that contains it; write the value out"], source=source)
+        open_nodes.add(id(node))
+        children = [*node.keys(), *node.values()] if isinstance(node, dict) else node
+        sizes[id(node)] = 1 + sum(count(child) for child in children)
+        open_nodes.discard(id(node))
+        return sizes[id(node)]
+
+    total = count(data)
+    if total > MAX_CONFIG_VALUES:
+        raise ConfigError(
+            [
+                f"YAML anchors and aliases expand this config to {total} values, more than the "
+                f"{MAX_CONFIG_VALUES} a config may hold (an alias bomb?); write the values out, or alias fewer"
+            ],
+            source=source,
+        )
 
 
 # ------------------------------------------------------------------------------------ overrides
@@ -110,6 +145,7 @@ def _parse_value(raw: str, spec: Spec | None) -> Any:
         value = yaml.load(raw, Loader=_Loader)
     except yaml.YAMLError:
         return raw
+    _check_expanded_size(value, source=f"the override value {raw[:80]!r}")
     wants_str = isinstance(spec, Field) and str in as_types(spec.types)
     if wants_str and isinstance(value, (int, float, bool, dict)):
         return raw

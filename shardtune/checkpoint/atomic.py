@@ -91,13 +91,21 @@ def verify(path: Path) -> CheckpointInfo | None:
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         for rel, size in manifest["files"].items():
-            if (path / rel).stat().st_size != size:
+            if manifest_file(path, rel).stat().st_size != size:
                 log.warning("checkpoint %s: %s has the wrong size; ignoring this checkpoint", path, rel)
                 return None
         return CheckpointInfo(path=path, step=int(manifest["step"]), epoch=int(manifest["epoch"]), manifest=manifest)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, AttributeError) as exc:  # UnsafeFileNameError is a ValueError
         log.warning("checkpoint %s is unreadable (%s); ignoring it", path, exc)
         return None
+
+
+def manifest_file(checkpoint: Path, rel: object) -> Path:
+    """The file ``rel`` (a name read from ``checkpoint``'s manifest) inside ``checkpoint``;
+    :class:`~shardtune.checkpoint.file_names.UnsafeFileNameError` when it could reach outside."""
+    from shardtune.checkpoint.file_names import inside  # here: the rest of atomic needs no torch
+
+    return inside(checkpoint, rel, listed_in=checkpoint / MANIFEST)
 
 
 def complete_checkpoints(output_dir: Path) -> list[CheckpointInfo]:

@@ -4,24 +4,45 @@ Each rank writes its own shards (optionally in the background with ``dcp.async_s
 reshards on load, so a resume may use another world size. Frozen params (a LoRA model's
 base, which is reloaded from the base model) are left out. ``convert_dcp_to_hf`` turns such
 a checkpoint into an HF model directory.
+
+Rule: DCP's ``.metadata`` is a pickle, so it is read by a restricted unpickler that builds only
+the classes DCP metadata holds (:data:`_METADATA_CLASSES`, torch dtypes); anything else, or a
+shard file name leaving the checkpoint, raises CheckpointError naming the file on every rank
+before DCP reads a byte. Values in the shards are read with ``weights_only=True``: tensors by
+DCP's reader, and the other values (optimizer hyperparameters), which torch's default planner
+unpickles without restriction, by :class:`_WeightsOnlyPlanner`.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from shardtune.checkpoint import checksums
+from shardtune.checkpoint.file_names import inside
+from shardtune.checkpoint.safetensors_io import CheckpointError
+from shardtune.checkpoint.state import load_data_only
+from shardtune.state_dict import comm
 from shardtune.state_dict.install import materialize_meta
+from shardtune.state_dict.keys import format_problems
 
 DCP_DIR = "dcp"
 LORA_FILE = "lora.json"
@@ -29,6 +50,85 @@ _OPTIONS = StateDictOptions(ignore_frozen_params=True)
 # dcp.load already fails on any trainable key the checkpoint lacks; frozen params are loaded
 # from the base model, so setting the state must not ask for them.
 _LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+METADATA_FILE = ".metadata"
+# What find_class is asked for when torch 2.13 unpickles the .metadata of a model + AdamW state
+# dict (tests/unit/test_hostile_files.py lists it from a real save); each only builds plain data.
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a layout by name: torch.strided, ...
+    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_CLASSES or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it asks to build {module}.{name}, which DCP metadata never holds")
+
+
+def read_dcp_metadata(path: Path) -> Metadata:
+    """DCP's metadata file ``path``, unpickled admitting only DCP's metadata classes, its shard
+    names checked to stay in its directory; CheckpointError naming ``path`` otherwise."""
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+            raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+        for info in metadata.storage_data.values():
+            if not isinstance(info, _StorageInfo):
+                raise pickle.UnpicklingError(f"its storage data holds a {type(info).__name__}")
+            inside(path.parent, info.relative_path, listed_in=path)
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, ImportError) as exc:
+        raise CheckpointError(
+            f"{path}: refused to read this DCP metadata ({exc}); it is not what torch.distributed.checkpoint "
+            "writes (damaged or planted). Resume from a checkpoint you trust, or delete this one"
+        ) from None
+    return metadata
+
+
+class _RestrictedReader(FileSystemReader):
+    """DCP's file reader with the metadata read by :func:`read_dcp_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_dcp_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _WeightsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's load planner, with non-tensor values unpickled by ``torch.load(weights_only=True)``."""
+
+    def __init__(self, where: Path) -> None:
+        super().__init__()
+        self.where = where
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        loaded = load_data_only(value, what=f"{self.where}: the value of {fqn!r}")
+        if self.flatten_state_dict:  # as torch's planner stores it
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
 
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict:
@@ -67,9 +167,17 @@ def load_dcp(model: nn.Module, opt: torch.optim.Optimizer | None, path: Path, *,
 
     Params still on the meta device get storage first; frozen params must already be loaded.
     """
+    problems = comm.Problems()
+    with problems.guard("DCP checkpoint"):
+        read_dcp_metadata(path / METADATA_FILE)  # every rank reads it; refuse it on every rank alike
+    comm.raise_on_every_rank(problems, header=f"Cannot load {path}:", error=CheckpointError)
     materialize_meta(model, device)
     state = _state(model, opt)
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, storage_reader=_RestrictedReader(path), planner=_WeightsOnlyPlanner(path))
+    except CheckpointException as exc:  # DCP gathers every rank's failure and raises it on every rank
+        lines = sorted({f"{type(e).__name__}: {e}" for e, _ in exc.failures.values()})
+        raise CheckpointError(format_problems(f"Cannot load {path}:", lines)) from None
     if opt is None:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={}, options=_LOAD_OPTIONS)
     else:

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 from tqdm import tqdm
 
+from shardtune.checkpoint.file_names import UnsafeFileNameError, inside
 from shardtune.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorSlice
 from shardtune.state_dict import comm, load_from_full_model_state_dict
 from shardtune.state_dict.keys import format_problems, model_entries
@@ -125,8 +126,12 @@ def _open_sharded(model_dir: str, index_path: str) -> HFCheckpoint:
     files: dict[str, SafetensorsFile] = {}
     problems: list[str] = []
     for file_name in sorted(set(weight_map.values())):
-        path = os.path.join(model_dir, file_name)
         keys = sorted(k for k, f in weight_map.items() if f == file_name)
+        try:
+            path = os.fspath(inside(model_dir, file_name, listed_in=index_path))
+        except UnsafeFileNameError as exc:
+            problems.append(f"{exc} (it names the shard of {_few(keys)})")
+            continue
         if not os.path.isfile(path):
             problems.append(
                 f"{path}: shard file missing (the index names it for {_few(keys)}); copy it into {model_dir}"

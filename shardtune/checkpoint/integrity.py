@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardtune.checkpoint import atomic, checksums
+from shardtune.checkpoint.file_names import UnsafeFileNameError
 from shardtune.state_dict import comm
 
 _MAX_THREADS = 8
@@ -59,7 +60,10 @@ def _blocks(manifest: dict) -> list[tuple[str, int, int, int]]:
 
 
 def _check_block(root: Path, rel: str, start: int, length: int, crc: int) -> str | None:
-    path = root / rel
+    try:
+        path = atomic.manifest_file(root, rel)
+    except UnsafeFileNameError as exc:
+        return str(exc)
     try:
         got = checksums.read_block_crc(path, start, length)
     except (OSError, ValueError) as exc:
@@ -75,7 +79,11 @@ def _check_block(root: Path, rel: str, start: int, length: int, crc: int) -> str
 def _check_sizes(root: Path, manifest: dict) -> dict[str, list[str]]:
     problems: dict[str, list[str]] = {}
     for rel, size in manifest["files"].items():
-        path = root / rel
+        try:
+            path = atomic.manifest_file(root, rel)
+        except UnsafeFileNameError as exc:  # never stat, read or report a file outside the checkpoint
+            problems[rel] = [str(exc)]
+            continue
         try:
             actual = os.stat(path).st_size
         except OSError as exc:
@@ -139,4 +147,4 @@ def verify_on_ranks(
     for rank_problems in comm.all_gather_objects(problems):
         for rel, lines in rank_problems.items():
             merged.setdefault(rel, []).extend(lines)
-    return Verdict(problems={rel: sorted(merged[rel]) for rel in sorted(merged)}, checksummed=checksummed)
+    return Verdict(problems={rel: sorted(set(merged[rel])) for rel in sorted(merged)}, checksummed=checksummed)

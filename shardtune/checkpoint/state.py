@@ -1,21 +1,30 @@
-"""Training state that is not weights: progress, schedulers, data position, RNG, fingerprint."""
+"""Training state that is not weights: progress, schedulers, data position, RNG, fingerprint.
+
+Rule: all of it is stored as data (JSON, safetensors), never pickle: reading a checkpoint runs no code.
+"""
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
+import os
 import random
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
+import safetensors
+import safetensors.torch
 import torch
 
 from shardtune.checkpoint import checksums
+from shardtune.checkpoint.safetensors_io import CheckpointError
 
 TRAINING_STATE = "training_state.json"
 RNG_DIR = "rng"
+RNG_FILE = "rank_{rank}.safetensors"  # per rank; RNG_PYTHON_KEY in its metadata
+LEGACY_RNG_FILE = "rank_{rank}.pt"  # older checkpoints (torch.save), read with weights_only=True
+RNG_PYTHON_KEY = "python_random"
 
 
 class FingerprintMismatchError(RuntimeError):
@@ -181,13 +190,72 @@ def reseed(seed: int, *, step: int) -> None:
 
 
 def save_rng(directory: Path, rank: int, state: dict[str, Any] | None = None) -> None:
-    """Write ``rank``'s RNG state (this process's when ``state`` is None)."""
+    """Write ``rank``'s RNG state (this process's when ``state`` is None) as data, never pickle:
+    the generator states as uint8 tensors of a safetensors file, Python's in its JSON metadata."""
+    state = state if state is not None else rng_state()
+    version, internal, gauss_next = state["python"]
+    python = {"version": version, "internal": list(internal), "gauss_next": gauss_next}
+    tensors = {name: state[name].contiguous() for name in ("torch", "cuda") if name in state}
     directory.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    torch.save(state if state is not None else rng_state(), buffer)
-    checksums.write_bytes(directory / f"rank_{rank}.pt", buffer.getvalue())
+    data = safetensors.torch.save(tensors, metadata={RNG_PYTHON_KEY: json.dumps(python)})
+    checksums.write_bytes(directory / RNG_FILE.format(rank=rank), data)
 
 
 def load_rng(directory: Path, rank: int) -> dict[str, Any] | None:
-    path = directory / f"rank_{rank}.pt"
-    return torch.load(path, weights_only=False) if path.is_file() else None
+    """``rank``'s saved RNG state, or None when it has none. Reads the safetensors file, or the
+    ``rank_<n>.pt`` of older checkpoints with ``weights_only=True`` (tensors and plain values
+    only, so a planted object cannot run code); anything else raises CheckpointError naming the file."""
+    path = directory / RNG_FILE.format(rank=rank)
+    if path.is_file():
+        return _read_rng_safetensors(path)
+    legacy = directory / LEGACY_RNG_FILE.format(rank=rank)
+    if legacy.is_file():
+        return _read_rng_legacy(legacy)
+    return None
+
+
+def _read_rng_safetensors(path: Path) -> dict[str, Any]:
+    try:
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            state: dict[str, Any] = {name: f.get_tensor(name) for name in f.keys()}
+            python = json.loads((f.metadata() or {})[RNG_PYTHON_KEY])
+        state["python"] = (int(python["version"]), tuple(int(x) for x in python["internal"]), python["gauss_next"])
+    except (OSError, ValueError, KeyError, TypeError, safetensors.SafetensorError) as exc:
+        raise CheckpointError(f"{path}: unreadable RNG state ({type(exc).__name__}: {exc})") from None
+    return _checked_rng(state, path)
+
+
+def _read_rng_legacy(path: Path) -> dict[str, Any]:
+    return _checked_rng(load_data_only(path, what=f"{path}: this RNG state"), path)
+
+
+def load_data_only(source: str | os.PathLike | IO[bytes], *, what: str) -> Any:
+    """``torch.load(source, weights_only=True)``: tensors and plain values only, so a planted
+    object cannot run code. A refusal raises CheckpointError naming ``what`` and the global refused."""
+    try:
+        return torch.load(source, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ...
+        lines = str(exc).splitlines() or [""]
+        reason = next((line.strip() for line in lines if "unsupported global" in line.lower()), lines[0][:80])
+        raise CheckpointError(
+            f"{what} was refused ({type(exc).__name__}: {reason[:200]}): it holds more than the tensors and plain "
+            "values shardtune writes (planted or damaged). Resume from a checkpoint you trust"
+        ) from None
+
+
+def _checked_rng(state: object, path: Path) -> dict[str, Any]:
+    """``state`` if :func:`set_rng_state` takes it (tried on scratch generators, so a bad file
+    fails here, inside the caller's collective guard), else CheckpointError naming ``path``."""
+    try:
+        if not isinstance(state, dict) or not all(
+            isinstance(state.get(name), torch.Tensor) and state[name].dtype == torch.uint8
+            for name in ("torch", *(["cuda"] if "cuda" in state else []))
+        ):
+            raise TypeError("expected uint8 tensors 'torch' (and 'cuda') and Python's random state")
+        torch.Generator().set_state(state["torch"])
+        random.Random().setstate(state["python"])
+        if not isinstance(state["python"][2], float | None):
+            raise TypeError(f"Python's gauss_next is {state['python'][2]!r}, not a float or None")
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: not an RNG state shardtune can restore ({exc})") from None
+    return state

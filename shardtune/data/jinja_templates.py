@@ -13,6 +13,8 @@ is found by rendering prefixes of the conversation, never by parsing the templat
   ``strftime_now`` and a ``tojson`` filter that does not escape HTML, and the tokenizer's named
   special tokens (``bos_token``, ``eos_token``, ...) as variables. Messages are passed as
   ``transformers`` passes them: keys whose value is ``None`` dropped, reasoning fields aliased.
+  Each render runs under a budget of time and size (``jinja_budget``): a template that loops
+  without end or makes huge values fails naming itself instead of hanging every rank.
 * Assistant spans: for the assistant message at index ``i``, the text of ``messages[:i]`` with
   the generation prompt and the text of ``messages[:i + 1]`` must both start the text of the
   whole conversation (the latter up to the text a template may write at the end of every
@@ -86,7 +88,8 @@ def _environment():
     """The sandboxed environment ``transformers`` compiles chat templates in."""
     import jinja2
     from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from shardtune.data.jinja_budget import BudgetedSandbox, current_budget
 
     class GenerationTag(Extension):
         """``{% generation %}...{% endgeneration %}`` renders its body (spans come from prefixes)."""
@@ -113,6 +116,7 @@ def _environment():
 
         def __setitem__(self, name, value):
             Namespace._check(name)
+            current_budget().value(value, f"namespace attribute {name!r}")  # {% set ns.s = ns.s ~ ns.s %}
             jinja2.utils.Namespace.__setitem__(self, name, value)
 
         @staticmethod
@@ -129,9 +133,7 @@ def _environment():
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
-    )
+    env = BudgetedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -157,10 +159,13 @@ class JinjaChatTemplate:
     def __init__(self, source: str, *, name: str, variables: Mapping[str, str]) -> None:
         import jinja2
 
+        from shardtune.data.jinja_budget import budget_loops
+
         self.name = name
         self.variables = dict(variables)
         try:
-            self.template = _environment().from_string(source)
+            env = _environment()
+            self.template = env.from_string(budget_loops(env.parse(source)))
         except jinja2.TemplateError as e:
             raise ValueError(f"{name} is not a valid Jinja template ({e}); set the dataset's template to chat") from e
 
@@ -168,14 +173,22 @@ class JinjaChatTemplate:
         """The text of ``messages``, as ``apply_chat_template(..., tokenize=False)`` writes it."""
         import jinja2
 
+        from shardtune.data.jinja_budget import TemplateBudgetError, render_within
+
+        variables = {
+            "messages": _template_messages(messages),
+            "tools": None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+            **self.variables,
+        }
         try:
-            return self.template.render(
-                messages=_template_messages(messages),
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self.variables,
-            )
+            return render_within(self.template, variables)
+        except TemplateBudgetError as e:
+            raise ValueError(
+                f"{self.name} exceeded its budget on a conversation of {len(messages)} messages: {e}; fix the "
+                "template, or set the dataset's template to a built-in one (chat, llama3)"
+            ) from None
         except jinja2.TemplateError as e:
             raise ValueError(f"{self.name} failed on a conversation of {len(messages)} messages: {e}") from e
 

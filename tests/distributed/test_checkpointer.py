@@ -182,8 +182,8 @@ def test_save_resume_continues_exactly(pool2, base_dir, tmp_path, lora, adapter_
         "training_state/optimizer.safetensors",
         "training_state/optimizer.json",
         "training_state/training_state.json",
-        "training_state/rng/rank_0.pt",
-        "training_state/rng/rank_1.pt",
+        "training_state/rng/rank_0.safetensors",
+        "training_state/rng/rank_1.safetensors",
     ):
         assert needed in files
     has_model = any(f.startswith("model") and f.endswith(".safetensors") for f in files)
@@ -339,7 +339,7 @@ def test_corrupt_optimizer_file_is_a_clear_error_on_every_rank(pool2, base_dir, 
     assert all(str(optimizer_file) in o.error and "corrupt header JSON" in o.error for o in outcomes)
 
 
-@pytest.mark.parametrize("damaged", ["training_state/rng/rank_1.pt", "training_state/training_state.json"])
+@pytest.mark.parametrize("damaged", ["training_state/rng/rank_1.safetensors", "training_state/training_state.json"])
 def test_corrupt_training_state_file_is_a_clear_error_on_every_rank(pool2, base_dir, tmp_path, damaged):
     """Same size (the manifest still matches) but garbage inside: every rank raises the same
     CheckpointError naming the file (rank 1's RNG file is read only by rank 1)."""
@@ -570,8 +570,8 @@ def test_node_local_output_dir_rank0_writes_and_reads_everything_and_resumes_exa
     for needed in (
         "model.safetensors",
         "training_state/optimizer.safetensors",
-        "training_state/rng/rank_0.pt",
-        "training_state/rng/rank_1.pt",
+        "training_state/rng/rank_0.safetensors",
+        "training_state/rng/rank_1.safetensors",
         "training_state/training_state.json",
     ):
         assert needed in files

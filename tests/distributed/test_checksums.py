@@ -129,7 +129,7 @@ def test_recorded_checksums_equal_an_independent_crc_of_every_file(saved, kind):
     for checkpoint in ("epoch_1", "epoch_2"):
         manifest = _assert_checksums_match_the_files(saved[0] / kind / checkpoint)
         assert ("adapter/adapter_model.safetensors" in manifest["files"]) == (kind == "lora")
-        assert "model.safetensors" in manifest["files"] and "training_state/rng/rank_1.pt" in manifest["files"]
+        assert "model.safetensors" in manifest["files"] and "training_state/rng/rank_1.safetensors" in manifest["files"]
     assert saved[1][kind] == [[], []]  # computed while writing: no rank read a file back
 
 

@@ -334,7 +334,7 @@ def test_node_local_checkpoints_train_and_resume_like_shared_ones(runs, tiny_dir
     first = tmp_path / "first"
     run_recipe(recipe, config, *_overrides(tiny_dirs, "full", first), "shared_filesystem=false")
     assert losses(first) == losses(runs["full"])
-    assert (first / "step_2" / "training_state" / "rng" / "rank_1.pt").is_file()
+    assert (first / "step_2" / "training_state" / "rng" / "rank_1.safetensors").is_file()
     resumed = resume_copy(first, "step_2", tmp_path / "resumed")
     run_recipe(
         recipe,

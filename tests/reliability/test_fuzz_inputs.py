@@ -8,7 +8,9 @@ key or option — never a crash, a hang, or a silently wrong model.
 * optimizer state dicts with missing or extra params or wrong shapes (2 ranks):
   ``StateDictError`` with the same message on every rank, naming the param;
 * configs with random ``key=value`` overrides: ``ConfigError`` naming the key, or a config that
-  holds exactly what was asked for.
+  holds exactly what was asked for;
+* planted pickles (DCP's ``.metadata``, an old-style RNG file): ``CheckpointError`` naming the
+  file on every rank, and the payload never runs.
 
 Not detectable, so not generated: a dtype swapped for another of the same width and kind
 (``F16`` <-> ``BF16``, ``I64`` <-> ``U64``) and flipped bits in tensor data — safetensors has no
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import re
 import struct
 import tempfile
@@ -437,3 +440,79 @@ def test_non_finite_numbers_are_rejected(override):
     key = override.split("=")[0]
     with pytest.raises(ConfigError, match=f"{re.escape(key)}[.0-9]*: must be a finite number"):
         load_config("tiny/lora", [override, "output_dir=/tmp/unused"], schema=SCHEMA)
+
+
+# --- planted pickles: refused on every rank, never run (issue 22) ----------------------------
+
+
+class _Planted:
+    """Pickles as ``os.mkdir(marker)``: whoever unpickles it creates the marker."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def _load_planted(directory: str, what: str) -> None:
+    from shardtune.checkpoint.dcp_format import load_dcp
+    from shardtune.checkpoint.state import TrainingProgress
+    from shardtune.checkpoint.strategies import RngOnRank0, RngPerRank
+
+    root = Path(directory)
+    if what == "dcp":
+        load_dcp(nn.Linear(4, 3), None, root / "dcp", device="cpu")
+    elif what == "dcp_value":
+        model = nn.Linear(4, 3)
+        load_dcp(model, torch.optim.AdamW(model.parameters()), root / "dcp", device="cpu")
+    else:
+        strategy = RngPerRank() if what == "rng_per_rank" else RngOnRank0()
+        strategy.restore(root / "rng", TrainingProgress(step=1, world_size=2), seed=0)
+
+
+def _plant_in_dcp_value(root: Path, marker: Path) -> None:
+    """A real DCP save of a Linear and its AdamW state whose lr entry points at a planted pickle."""
+    import io
+
+    from shardtune.checkpoint.dcp_format import save_dcp
+
+    model = nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    save_dcp(model, opt, root / "dcp", async_save=False)
+    metadata = pickle.loads((root / "dcp" / ".metadata").read_bytes())
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == "optim.param_groups.0.lr")
+    payload = io.BytesIO()
+    torch.save(_Planted(marker), payload)
+    shard = root / "dcp" / info.relative_path
+    info.offset, info.length = shard.stat().st_size, len(payload.getvalue())
+    with open(shard, "ab") as f:
+        f.write(payload.getvalue())
+    (root / "dcp" / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.parametrize("what", ["dcp", "dcp_value", "rng_per_rank", "rng_on_rank0"])
+def test_planted_pickles_are_refused_on_every_rank_and_run_nothing(pool2, tmp_path, what):
+    """A ``__reduce__`` planted in DCP's ``.metadata`` (read by every rank), in a value of a DCP
+    shard, or in rank 1's old-style RNG file (read by rank 1, or by rank 0 for all): every rank
+    raises the same CheckpointError naming the file or value, and the payload never runs."""
+    from shardtune.checkpoint.state import save_rng
+
+    marker = tmp_path / "PWNED"
+    planted = tmp_path / ("rng/rank_1.pt" if what.startswith("rng") else "dcp/.metadata")
+    if what == "dcp_value":
+        _plant_in_dcp_value(tmp_path, marker)
+        planted = tmp_path / "dcp"
+    elif what == "dcp":
+        planted.parent.mkdir()
+        planted.write_bytes(pickle.dumps(_Planted(marker)))
+    else:
+        planted.parent.mkdir()
+        save_rng(planted.parent, 0)
+        torch.save({"torch": torch.get_rng_state(), "python": _Planted(marker)}, planted)
+    outcomes = pool2.run(_load_planted, str(tmp_path), what, timeout=60)
+    assert all(not o.ok and o.error.startswith("CheckpointError") for o in outcomes), outcomes
+    assert len({o.error for o in outcomes}) == 1 and str(planted) in outcomes[0].error, outcomes
+    assert not marker.exists()
