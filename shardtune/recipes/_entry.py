@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from shardtune.config import Config, ConfigError, load_config
 from shardtune.distributed import end_process
 from shardtune.recipes.registry import get_recipe
+from shardtune.training.signals import TrainingStopped
 
 
 def load_recipe_config(name: str, argv: Sequence[str], *, description: str | None = None) -> Config:
@@ -29,12 +30,17 @@ def load_recipe_config(name: str, argv: Sequence[str], *, description: str | Non
 
 def main(recipe: Callable[[Config], None], name: str, argv: list[str] | None = None) -> int:
     """Parse the config and run ``recipe``; returns 2 on a config error. After a finished run the
-    process ends here (:func:`~shardtune.distributed.end_process`)."""
+    process ends here (:func:`~shardtune.distributed.end_process`), with ``128 + signal`` after a
+    run stopped by SIGTERM/SIGINT (:class:`~shardtune.training.signals.TrainingStopped`)."""
     description = next(iter((recipe.__doc__ or "").splitlines()), None)
     try:
         cfg = load_recipe_config(name, sys.argv[1:] if argv is None else argv, description=description)
     except ConfigError as exc:
         sys.stderr.write(f"{exc}\n")
         return 2
-    recipe(cfg)
+    try:
+        recipe(cfg)
+    except TrainingStopped as exc:  # SIGTERM/SIGINT: the pending checkpoint is published
+        sys.stderr.write(f"{exc}\n")
+        end_process(exc.exit_code)
     end_process(0)

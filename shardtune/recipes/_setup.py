@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from shardtune.checkpoint import Checkpointer, TrainingProgress, fingerprint
+from shardtune.checkpoint import Checkpointer, TrainingProgress, fingerprint, run_dir
 from shardtune.checkpoint.tiny import create_tiny_base
 from shardtune.config import Config
 from shardtune.data import build_config_dataset, build_dataloader, build_dataset, collate, load_tokenizer
@@ -37,6 +37,7 @@ from shardtune.models import (
 )
 from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from shardtune.peft import apply_lora, init_lora_parameters
+from shardtune.state_dict import comm
 from shardtune.state_dict.comm import agree, normalize_device
 from shardtune.training.activation_offload import offload_layer_activations
 from shardtune.training.evaluate import Evaluator
@@ -55,6 +56,8 @@ class Run:
     world_size: int
     device: torch.device
     dtype: torch.dtype
+    output_dir: Path | None = None  # where this run writes (``output_dir``, or a new run directory below it)
+    lock: run_dir.OutputDirLock | None = None  # rank 0's lock on ``output_dir``, held until :func:`finish`
 
     @property
     def is_rank_zero(self) -> bool:
@@ -73,7 +76,34 @@ def start(cfg: Config) -> Run:
     device = normalize_device(device_type())  # the GPU init_distributed selected, with its index
     _check_parallelism(cfg, device=device, world=world)
     dtype = torch.float32 if cfg.mixed_precision else DTYPES[cfg.dtype]  # params, grads, optimizer state
-    return Run(rank=rank, world_size=world, device=device, dtype=dtype)
+    output_dir, lock = claim_output_dir(cfg, rank=rank)
+    return Run(rank=rank, world_size=world, device=device, dtype=dtype, output_dir=output_dir, lock=lock)
+
+
+def claim_output_dir(cfg: Config, *, rank: int) -> tuple[Path, run_dir.OutputDirLock | None]:
+    """Collective: rank 0 locks ``output_dir`` and places this run (``output_dir_policy``); every
+    rank gets where the run writes, or raises the same :class:`~shardtune.checkpoint.run_dir.OutputDirError`."""
+    root, problems, lock, placed = Path(cfg.output_dir), comm.Problems(), None, None
+    if rank == 0:
+        try:
+            lock = run_dir.OutputDirLock.acquire(root)
+            resuming = bool(cfg.resume_from_checkpoint) and run_dir.has_resumable(root)
+            placed = str(run_dir.place_run(root, policy=cfg.output_dir_policy, resuming=resuming))
+        except (run_dir.OutputDirError, OSError, ValueError) as exc:
+            problems.append(str(exc) if isinstance(exc, run_dir.OutputDirError) else f"{root}: {exc}")
+            if lock is not None:
+                lock.release()
+                lock = None
+    comm.raise_on_every_rank(problems, header="Cannot start the run:", error=run_dir.OutputDirError)
+    placed = Path(comm.all_gather_objects(placed)[0])
+    if rank == 0 and placed != root:
+        log.info(
+            "output_dir_policy=%s: %s holds another run's outputs; this run writes to %s",
+            cfg.output_dir_policy,
+            root,
+            placed,
+        )
+    return placed, lock
 
 
 def _check_parallelism(cfg: Config, *, device: torch.device, world: int) -> None:
@@ -262,7 +292,7 @@ def build_checkpointer(
         lora=cfg.lora.to_dict() if getattr(cfg, "lora", None) is not None and hasattr(cfg.lora, "to_dict") else None,
     )
     return Checkpointer(
-        output_dir=cfg.output_dir,
+        output_dir=run.output_dir,
         model=model,
         optimizer=opt,
         lr_scheduler=sched,
@@ -289,7 +319,7 @@ def load_weights(cfg: Config, run: Run, model: nn.Module, checkpointer: Checkpoi
         if cfg.resume_from_checkpoint and run.is_rank_zero:
             log.warning(
                 "resume_from_checkpoint=true but %s holds no checkpoint: starting from the base model %s",
-                cfg.output_dir,
+                run.output_dir,
                 checkpointer.base_dir,
             )
         checkpointer.load_base()
@@ -354,7 +384,9 @@ def train_and_finish(
     progress,
 ) -> None:
     """The shared loop (metrics to ``<output_dir>/metrics.jsonl``), then the closing message."""
-    logger = MetricLogger(cfg.output_dir, enabled=run.is_rank_zero, loggers=tuple(cfg.loggers))
+    logger = MetricLogger(
+        run.output_dir, enabled=run.is_rank_zero, loggers=tuple(cfg.loggers), start_step=checkpointer.progress.step
+    )
     settings = dataclasses.replace(
         loop_settings(cfg),
         flops_per_token=flops_per_token_fn(model),
@@ -411,12 +443,14 @@ def label_tokens(labels: torch.Tensor) -> int:
 def finish(cfg: Config, run: Run, checkpointer: Checkpointer, recipe: str, logger: MetricLogger) -> None:
     logger.close()
     if run.is_rank_zero:
-        latest = checkpointer.latest_checkpoint()
         log.info(
-            "done: checkpoint in %s; to continue training: shardtune run ... %s --config <config> "
-            "output_dir=%s resume_from_checkpoint=True epochs=<more>",
-            latest,
+            "done: this run's outputs are in %s (checkpoint %s); to continue training: shardtune run ... %s "
+            "--config <config> output_dir=%s resume_from_checkpoint=True epochs=<more>",
+            run.output_dir,
+            checkpointer.last_saved,
             recipe,
-            cfg.output_dir,
+            run.output_dir,
         )
+    if run.lock is not None:
+        run.lock.release()
     dist.destroy_process_group()
