@@ -43,7 +43,6 @@ import logging
 import os
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +56,7 @@ from shardtune.checkpoint.dcp_format import DCP_DIR, load_dcp
 from shardtune.checkpoint.hf import load_hf_checkpoint
 from shardtune.checkpoint.optimizer_io import load_optimizer
 from shardtune.checkpoint.peft_format import load_peft_adapter
+from shardtune.checkpoint.pending import PendingSave, SaveError, as_save_error, mark_when_written
 from shardtune.checkpoint.safetensors_io import CheckpointError
 from shardtune.checkpoint.staging_memory import StagingMemory
 from shardtune.checkpoint.state import RNG_DIR, TRAINING_STATE, Stateful, TrainingProgress, check_fingerprint
@@ -79,22 +79,6 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("hf", "dcp")
 STOP_GRACE_S = 20.0  # how long a stop request waits for a pending background write (torchrun kills after 30 s)
-
-
-class SaveError(CheckpointError):
-    """A checkpoint could not be saved (started, written, finished in the background or
-    published); raised with the same message on every rank. Nothing was published."""
-
-
-@dataclass
-class _PendingSave:
-    """A staged checkpoint waiting to be published (after its background write, if any)."""
-
-    future: Future | None
-    staging: Path
-    target: Path
-    step: int
-    epoch: int
 
 
 class Checkpointer:
@@ -168,10 +152,9 @@ class Checkpointer:
         self.checkpoint_format = checkpoint_format
         self.async_save = async_save
         self.checksums = checksums  # False: none recorded on save nor checked on resume (benchmark baseline)
-        self._pending: _PendingSave | None = None
-        self.run_id: str | None = (
-            None  # this run's lineage: agreed at the first save, or taken from the resumed checkpoint
-        )
+        self._pending: PendingSave | None = None
+        # This run's lineage: agreed at the first save, or taken from the resumed checkpoint.
+        self.run_id: str | None = None
         self.last_saved: Path | None = None  # the newest checkpoint this run published
         self._markers: ThreadPoolExecutor | None = None  # leaves each background write's completion marker
         # :meth:`poll`'s two integers travel on CPU (gloo), so a step boundary never waits for the device.
@@ -229,7 +212,9 @@ class Checkpointer:
         raises the same :class:`CheckpointError` naming the files and byte ranges. Checkpoints
         written without checksums load with a warning that they cannot be verified. On the same
         world size RNG states are restored exactly; on another world size they are re-derived
-        from (seed, step), alike on every rank.
+        from (seed, step), alike on every rank. Without ``checkpoint``, staged background saves
+        that every rank finished writing (a run stopped before publishing them) are published
+        first; the resumed run continues the checkpoint's ``run_id``.
         """
         if checkpoint is None:
             self._publish_finished_staging()
@@ -296,7 +281,7 @@ class Checkpointer:
             if comm.rank() == 0:
                 log.warning("publishing %s: every rank finished writing it before the run stopped", staging)
             self._publish(
-                _PendingSave(
+                PendingSave(
                     future=None,
                     staging=Path(staging),
                     target=self.output_dir / body["name"],
@@ -400,7 +385,7 @@ class Checkpointer:
         try:
             return self._save(step=step, epoch=epoch, final=final)
         except StateDictError as exc:  # raised alike on every rank by the collective steps
-            raise _as_save_error(exc) from exc
+            raise as_save_error(exc) from exc
 
     def _save(self, *, step: int | None, epoch: int | None, final: bool) -> Path:
         self._wait()
@@ -419,7 +404,7 @@ class Checkpointer:
         with problems.guard("training state"):
             self._write_state(staging / STATE_DIR)
         comm.raise_on_every_rank(problems, header=f"Saving checkpoint {target} failed:", error=SaveError)
-        pending = _PendingSave(future=future, staging=staging, target=target, step=progress.step, epoch=progress.epoch)
+        pending = PendingSave(future=future, staging=staging, target=target, step=progress.step, epoch=progress.epoch)
         if future is not None:
             pending.future = self._mark_when_written(pending, name)
             self._pending = pending
@@ -427,19 +412,11 @@ class Checkpointer:
             self._publish(pending, run_id=self.run_id)
         return target
 
-    def _mark_when_written(self, pending: _PendingSave, name: str) -> Future:
-        """A future that ends once the background write is done and this rank's marker is written
-        (so a resume knows every byte of the staged checkpoint is on disk)."""
+    def _mark_when_written(self, pending: PendingSave, name: str) -> Future:
+        """A future that ends once the background write is done and this rank's marker is written."""
         if self._markers is None:
             self._markers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtune-save-marker")
-        body = {
-            "name": name,
-            "step": pending.step,
-            "epoch": pending.epoch,
-            "run_id": self.run_id,
-            "world_size": comm.world_size(),
-        }
-        return self._markers.submit(_mark_written, pending.future, pending.staging, body)
+        return mark_when_written(self._markers, pending, name=name, run_id=self.run_id)
 
     @property
     def save_pending(self) -> bool:
@@ -472,7 +449,7 @@ class Checkpointer:
         try:
             self._wait(timeout=timeout)
         except StateDictError as exc:
-            raise _as_save_error(exc) from exc
+            raise as_save_error(exc) from exc
 
     def _wait(self, *, timeout: float | None = None) -> None:
         pending, self._pending = self._pending, None
@@ -487,7 +464,7 @@ class Checkpointer:
         comm.raise_on_every_rank(problems, header=f"Saving checkpoint {pending.target} failed:", error=SaveError)
         self._publish(pending, run_id=self.run_id)
 
-    def _publish(self, pending: _PendingSave, *, run_id: str | None) -> None:
+    def _publish(self, pending: PendingSave, *, run_id: str | None) -> None:
         """Rank 0 writes the manifest (with the checkpoint's ``run_id``) and renames the staged
         directory; retention removes old checkpoints of this run's lineage; every rank learns the
         outcome."""
@@ -545,14 +522,3 @@ class Checkpointer:
                 fingerprint=self.fingerprint,
             )
             crc.write_bytes(state_dir / TRAINING_STATE, progress.to_json().encode())
-
-
-def _as_save_error(exc: StateDictError) -> SaveError:
-    """The same message as a :class:`SaveError` (every collective step raised it alike on every rank)."""
-    return exc if isinstance(exc, SaveError) else SaveError(str(exc))
-
-
-def _mark_written(write: Future, staging: Path, body: dict[str, Any]) -> None:
-    """Marker thread: wait for the background write, then leave this rank's completion marker."""
-    write.result()
-    atomic.write_written_marker(staging, comm.rank(), body)

@@ -155,8 +155,6 @@ def _train(
             grad_norm = _step(model, optimizer, lr_scheduler, settings.clip_grad_norm)
             fault_point("train:step")
             step += 1
-            if checkpointer.poll(stop=stop.requested):  # publishes a background save once every rank wrote it
-                raise TrainingStopped(stop.signum or signal.SIGTERM)
             done_in_epoch += 1
             bar.update(1)
             last_in_epoch = done_in_epoch >= total
@@ -170,6 +168,8 @@ def _train(
                     row["val_loss"] = evaluate(model)
                 logger.log(row)
             window = _Window()
+            if checkpointer.poll(stop=stop.requested):  # publishes a background save once every rank wrote it
+                raise TrainingStopped(stop.signum or signal.SIGTERM)
             if last_in_epoch:
                 break
             if settings.save_every_n_steps and step % settings.save_every_n_steps == 0:
