@@ -319,7 +319,7 @@ def load_weights(cfg: Config, run: Run, model: nn.Module, checkpointer: Checkpoi
         if cfg.resume_from_checkpoint and run.is_rank_zero:
             log.warning(
                 "resume_from_checkpoint=true but %s holds no checkpoint: starting from the base model %s",
-                run.output_dir,
+                checkpointer.output_dir,
                 checkpointer.base_dir,
             )
         checkpointer.load_base()
