@@ -452,17 +452,20 @@ class Checkpointer:
             raise as_save_error(exc) from exc
 
     def _wait(self, *, timeout: float | None = None) -> None:
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is None:
             return
-        problems = comm.Problems()
-        with problems.guard(f"background save of {pending.target}"):
-            try:
-                pending.future.result(timeout=timeout)
-            except TimeoutError:
-                raise TimeoutError(f"its write did not finish within {timeout:g} s") from None
-        comm.raise_on_every_rank(problems, header=f"Saving checkpoint {pending.target} failed:", error=SaveError)
-        self._publish(pending, run_id=self.run_id)
+        try:  # still pending while it is waited for: a signal meanwhile is recorded, not fatal (see poll)
+            problems = comm.Problems()
+            with problems.guard(f"background save of {pending.target}"):
+                try:
+                    pending.future.result(timeout=timeout)
+                except TimeoutError:
+                    raise TimeoutError(f"its write did not finish within {timeout:g} s") from None
+            comm.raise_on_every_rank(problems, header=f"Saving checkpoint {pending.target} failed:", error=SaveError)
+            self._publish(pending, run_id=self.run_id)
+        finally:
+            self._pending = None
 
     def _publish(self, pending: PendingSave, *, run_id: str | None) -> None:
         """Rank 0 writes the manifest (with the checkpoint's ``run_id``) and renames the staged

@@ -45,6 +45,7 @@ from shardtune.training.flops import flops_per_token_fn, peak_tflops
 from shardtune.training.loop import LoopSettings, run_training, steps_per_epoch
 from shardtune.training.metrics import MetricLogger
 from shardtune.training.optim import build_lr_scheduler, build_optimizer
+from shardtune.training.signals import TrainingStopped
 
 log = logging.getLogger("shardtune")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -392,19 +393,25 @@ def train_and_finish(
         flops_per_token=flops_per_token_fn(model),
         peak_tflops=peak_tflops(run.device, configured=cfg.peak_tflops),
     )
-    run_training(
-        model=model,
-        loss_fn=loss_fn,
-        loader=loader,
-        sampler=sampler,
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
-        checkpointer=checkpointer,
-        logger=logger,
-        settings=settings,
-        progress=progress,
-        evaluate=build_evaluator(cfg, run, model, tokenizer),
-    )
+    try:
+        run_training(
+            model=model,
+            loss_fn=loss_fn,
+            loader=loader,
+            sampler=sampler,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            checkpointer=checkpointer,
+            logger=logger,
+            settings=settings,
+            progress=progress,
+            evaluate=build_evaluator(cfg, run, model, tokenizer),
+        )
+    except TrainingStopped:  # a signal; the pending checkpoint is published: this run ended cleanly
+        logger.close()
+        if run.lock is not None:
+            run.lock.release()
+        raise
     finish(cfg, run, checkpointer, recipe, logger)
 
 

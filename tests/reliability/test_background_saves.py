@@ -4,11 +4,15 @@ On the rank pool (direct calls): it is published at the first step boundary afte
 wrote it, without waiting for another save; a stop request on one rank (SIGTERM/SIGINT as the
 loop sees it) finishes and publishes it on every rank; a staged save interrupted after every
 rank finished writing it is published by the next resume, and a partial one is still removed.
+As processes: SIGTERM to both ranks while a save is pending publishes it, and both exit 143.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
 import time
 from pathlib import Path
 from unittest import mock
@@ -23,6 +27,8 @@ from shardtune.faults import set_fault
 from shardtune.models import llama_from_hf_config
 from shardtune.peft import apply_lora, init_lora_parameters
 from shardtune.training.optim import build_optimizer
+from tests.reliability.conftest import RECIPES, overrides
+from tests.reliability.launch import _env, _Running, free_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -156,3 +162,65 @@ def _save_once(base: str, out: str) -> None:
     _fresh(ck)
     ck.progress.batches_in_epoch = 1
     ck.save(step=5, epoch=0)
+
+
+# --- as processes: SIGTERM to every rank (what torchrun and SLURM send) -------------------------
+
+# Loaded by every rank through PYTHONPATH: the background write of each save takes 6 s longer,
+# so the save at step 2 is still pending when the signal comes.
+SLOW_WRITES = """
+import time
+import shardtune.checkpoint.strategies as strategies
+
+_flush = strategies._flush
+
+
+def _slow_flush(sink):
+    time.sleep(6)
+    return _flush(sink)
+
+
+strategies._flush = _slow_flush
+"""
+
+
+def test_sigterm_while_a_background_save_is_pending_publishes_it_then_every_rank_exits_143(
+    tiny_base, tmp_path, monkeypatch
+):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_WRITES)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "run"
+    recipe, config = RECIPES["full"]
+    args = overrides(tiny_base, out, "async_save=true", "save_every_n_steps=2")
+    port = str(free_port())
+    ranks = [
+        _Running(
+            [sys.executable, "-m", f"shardtune.recipes.{recipe}", "--config", config, *args],
+            _env(None, {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+            | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+        )
+        for r in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while not any("step=3 " in line for line in ranks[0].lines):  # the step-2 save is pending
+            assert time.monotonic() < deadline and ranks[0].popen.poll() is None, "".join(ranks[0].lines)[-3000:]
+            time.sleep(0.05)
+        for r in ranks:
+            os.kill(r.popen.pid, signal.SIGTERM)
+        signalled = time.monotonic()
+        while not all(r.poll() for r in ranks):
+            assert time.monotonic() - signalled < 40, "a rank did not stop after SIGTERM"
+            time.sleep(0.05)
+    finally:
+        for r in ranks:
+            if not r.poll():
+                r.kill_group()
+    results = [r.result() for r in ranks]
+    assert [p.returncode for p in results] == [143, 143], [p.tail() for p in results]
+    assert all("stopped by SIGTERM after publishing the pending checkpoint" in p.output for p in results)
+    assert atomic.verify(out / "step_2") is not None  # the pending save is published, not lost
+    assert not (out / "step_4").exists() or atomic.verify(out / "step_4") is not None
+    assert (out / ".lock").read_text() == ""  # released: the next run takes nothing over
