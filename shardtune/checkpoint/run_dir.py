@@ -152,8 +152,9 @@ def place_run(output_dir: Path, *, policy: str, resuming: bool) -> Path:
         return output_dir
     shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
     raise OutputDirError(
-        f"output_dir={output_dir} holds another run's outputs ({shown}); a fresh run would replace or prune them. "
-        "Continue that run with resume_from_checkpoint=true, set output_dir to another directory, or set "
+        f"output_dir={output_dir} holds another run's outputs ({shown}), and this run starts fresh (no "
+        "resume_from_checkpoint, or no checkpoint there to resume): it would replace or prune them. Continue that run "
+        "with resume_from_checkpoint=true, set output_dir to another directory, or set "
         f"output_dir_policy=new_run (this run goes to {output_dir}/run_<n>) or output_dir_policy=overwrite "
         "(removes them)."
     )
