@@ -293,7 +293,7 @@ def build_checkpointer(
         lora=cfg.lora.to_dict() if getattr(cfg, "lora", None) is not None and hasattr(cfg.lora, "to_dict") else None,
     )
     return Checkpointer(
-        output_dir=run.output_dir,
+        output_dir=run.output_dir or cfg.output_dir,
         model=model,
         optimizer=opt,
         lr_scheduler=sched,
@@ -386,7 +386,10 @@ def train_and_finish(
 ) -> None:
     """The shared loop (metrics to ``<output_dir>/metrics.jsonl``), then the closing message."""
     logger = MetricLogger(
-        run.output_dir, enabled=run.is_rank_zero, loggers=tuple(cfg.loggers), start_step=checkpointer.progress.step
+        checkpointer.output_dir,
+        enabled=run.is_rank_zero,
+        loggers=tuple(cfg.loggers),
+        start_step=checkpointer.progress.step,
     )
     settings = dataclasses.replace(
         loop_settings(cfg),
@@ -453,10 +456,10 @@ def finish(cfg: Config, run: Run, checkpointer: Checkpointer, recipe: str, logge
         log.info(
             "done: this run's outputs are in %s (checkpoint %s); to continue training: shardtune run ... %s "
             "--config <config> output_dir=%s resume_from_checkpoint=True epochs=<more>",
-            run.output_dir,
+            checkpointer.output_dir,
             checkpointer.last_saved,
             recipe,
-            run.output_dir,
+            checkpointer.output_dir,
         )
     if run.lock is not None:
         run.lock.release()
