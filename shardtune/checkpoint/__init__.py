@@ -5,7 +5,7 @@ module that plans the files (``hf_save.py``, ``optimizer_io.py``, ``peft_format.
 ``writer.py`` (which rank hands which block) -> a sink of ``sinks.py`` (how bytes reach files).
 """
 
-from shardtune.checkpoint.checkpointer import Checkpointer
+from shardtune.checkpoint.checkpointer import Checkpointer, SaveError
 from shardtune.checkpoint.hf import load_hf_checkpoint, open_hf_checkpoint
 from shardtune.checkpoint.hf_save import save_hf_checkpoint
 from shardtune.checkpoint.peft_format import load_peft_adapter, save_peft_adapter
@@ -20,6 +20,7 @@ __all__ = [
     "DirectSink",
     "FingerprintMismatchError",
     "Rank0Sink",
+    "SaveError",
     "StagedSink",
     "StagingMemory",
     "TrainingProgress",

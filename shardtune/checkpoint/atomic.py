@@ -3,6 +3,12 @@
 A checkpoint is complete exactly when ``<output_dir>/<name>`` exists and its manifest lists
 files that are all present with the recorded sizes. Anything else (``.tmp-*`` leftovers,
 a manifest that does not match) is never picked by :func:`latest_complete`.
+
+A staged background save whose writes all finished is not a leftover: every rank left a marker
+in its ``.written/`` folder (:func:`write_written_marker`) after its last byte was fsynced, and
+the training state is there. :func:`finished_staging` lists those (for the resume to publish);
+:func:`remove_stale_staging` removes only the others. Retention only removes checkpoints whose
+manifest names the current run's ``run_id`` (its lineage).
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ log = logging.getLogger(__name__)
 MANIFEST = "shardtune_checkpoint.json"
 _NAME = re.compile(r"^(epoch|step)_(\d+)$")
 STAGING_PREFIX = ".tmp-"
+_STAGED_NAME = re.compile(r"^\.tmp-((?:epoch|step)_\d+)-[0-9a-f]+$")
+WRITTEN_DIR = ".written"  # per-rank completion markers of a staged background save
+TRAINING_STATE_FILE = "training_state/training_state.json"
 
 
 @dataclass(frozen=True)
@@ -28,6 +37,11 @@ class CheckpointInfo:
     step: int
     epoch: int
     manifest: dict
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint directory's name (``epoch_<n>``/``step_<n>``)."""
+    return _NAME.match(name) is not None
 
 
 def staging_path(output_dir: Path, name: str, token: str) -> Path:
@@ -58,10 +72,11 @@ def fsync_dir(path: Path) -> None:
 
 def write_manifest(staging: Path, *, step: int, epoch: int, extra: dict) -> None:
     """Record every file (relative path -> size) of the staged checkpoint; written last."""
+    markers = set(written_markers(staging))
     files = {
-        str(p.relative_to(staging)): p.stat().st_size
+        rel: p.stat().st_size
         for p in sorted(staging.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
+        if p.is_file() and p.name != MANIFEST and (rel := str(p.relative_to(staging))) not in markers
     }
     manifest = {"format_version": 1, "step": step, "epoch": epoch, "files": files, **extra}
     tmp = staging / (MANIFEST + ".part")
@@ -121,22 +136,83 @@ def latest_complete(output_dir: Path) -> CheckpointInfo | None:
     return found[-1] if found else None
 
 
+def write_written_marker(staging: Path, rank: int, body: dict) -> None:
+    """Record that ``rank``'s writes of the staged checkpoint are all on disk (``body``: its name,
+    step, epoch, run id and world size); written atomically and fsynced."""
+    folder = staging / WRITTEN_DIR
+    folder.mkdir(exist_ok=True)
+    tmp = folder / f"rank_{rank}.json.part"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(body))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / f"rank_{rank}.json")
+    fsync_dir(folder)
+
+
+def read_written_marker(staging: Path) -> dict | None:
+    """Rank 0's marker of a staged save whose ranks all finished writing, else None."""
+    folder = staging / WRITTEN_DIR
+    try:
+        body = json.loads((folder / "rank_0.json").read_text())
+        world, name = int(body["world_size"]), str(body["name"])
+        int(body["step"]), int(body["epoch"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    match = _STAGED_NAME.match(staging.name)
+    if match is None or match.group(1) != name or not (staging / TRAINING_STATE_FILE).is_file():
+        return None
+    if not all((folder / f"rank_{r}.json").is_file() for r in range(world)):
+        return None
+    return body
+
+
+def written_markers(staging: Path) -> list[str]:
+    """The markers' paths relative to ``staging`` (left out of the manifest and its checksums)."""
+    folder = staging / WRITTEN_DIR
+    return [str(p.relative_to(staging)) for p in sorted(folder.iterdir())] if folder.is_dir() else []
+
+
+def remove_written_markers(staging: Path) -> None:
+    """Drop the markers before the manifest is written (they are not part of the checkpoint)."""
+    shutil.rmtree(staging / WRITTEN_DIR, ignore_errors=True)
+
+
+def finished_staging(output_dir: Path) -> list[Path]:
+    """Staged background saves whose writes all finished (see :func:`read_written_marker`), oldest first,
+    whose name no complete checkpoint holds yet."""
+    if not output_dir.is_dir():
+        return []
+    found = [
+        (body["step"], p)
+        for p in output_dir.iterdir()
+        if p.is_dir()
+        and _STAGED_NAME.match(p.name)
+        and (body := read_written_marker(p)) is not None
+        and verify(output_dir / body["name"]) is None
+    ]
+    return [p for _, p in sorted(found)]
+
+
 def remove_stale_staging(output_dir: Path) -> list[Path]:
-    """Delete leftovers of interrupted saves (``.tmp-*``); returns what was removed."""
+    """Delete leftovers of interrupted saves (``.tmp-*``) except staged saves whose writes all
+    finished (a resume publishes those); returns what was removed."""
     removed = []
     if output_dir.is_dir():
         for p in output_dir.iterdir():
-            if p.name.startswith(STAGING_PREFIX):
+            if p.name.startswith(STAGING_PREFIX) and not (p.is_dir() and read_written_marker(p) is not None):
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
                 removed.append(p)
     return removed
 
 
-def apply_retention(output_dir: Path, keep_last_n: int | None) -> list[Path]:
-    """Delete all but the newest ``keep_last_n`` complete checkpoints; returns the deleted paths."""
-    if not keep_last_n:
+def apply_retention(output_dir: Path, keep_last_n: int | None, *, run_id: str | None) -> list[Path]:
+    """Delete all but the newest ``keep_last_n`` complete checkpoints of the lineage ``run_id``
+    (checkpoints of other runs, or without a run id, are never touched); returns the deleted paths."""
+    if not keep_last_n or run_id is None:
         return []
-    old = complete_checkpoints(output_dir)[:-keep_last_n]
+    mine = [info for info in complete_checkpoints(output_dir) if info.manifest.get("run_id") == run_id]
+    old = mine[:-keep_last_n]
     for info in old:
         shutil.rmtree(info.path, ignore_errors=True)
     return [info.path for info in old]

@@ -24,22 +24,30 @@ each file's size and CRC32C checksums of what the save wrote (computed from the 
 see :mod:`~shardtune.checkpoint.checksums`); resume checks them before using anything (see
 :meth:`Checkpointer.resume`). With ``async_save``
 an intermediate checkpoint's tensors are copied to CPU memory and written by a background
-thread; it is published by the next ``save``/``wait``. The CPU copy's memory is kept for the
-next background save unless ``keep_staging_memory=False``.
+thread; it is published at the first step boundary (:meth:`Checkpointer.poll`) after every
+rank's write is done, at the latest by the next ``save``/``wait``. Each rank then leaves a
+marker in the staged directory, so a resume publishes a staged checkpoint whose writes all
+finished rather than deleting it (:mod:`~shardtune.checkpoint.atomic`). The CPU copy's memory is
+kept for the next background save unless ``keep_staging_memory=False``.
+
+Lineage: every checkpoint's manifest records the ``run_id`` of the run that wrote it (a resumed
+run continues the id of its checkpoint); ``keep_last_n`` only removes checkpoints of this id.
+Every failure of a save raises :class:`SaveError` (a :class:`CheckpointError`) on every rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import uuid
-from concurrent.futures import Future
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardtune.checkpoint import atomic, integrity, resume_checks
@@ -48,6 +56,7 @@ from shardtune.checkpoint.dcp_format import DCP_DIR, load_dcp
 from shardtune.checkpoint.hf import load_hf_checkpoint
 from shardtune.checkpoint.optimizer_io import load_optimizer
 from shardtune.checkpoint.peft_format import load_peft_adapter
+from shardtune.checkpoint.pending import PendingSave, SaveError, as_save_error, mark_when_written
 from shardtune.checkpoint.safetensors_io import CheckpointError
 from shardtune.checkpoint.staging_memory import StagingMemory
 from shardtune.checkpoint.state import RNG_DIR, TRAINING_STATE, Stateful, TrainingProgress, check_fingerprint
@@ -69,17 +78,7 @@ from shardtune.state_dict.keys import StateDictError, format_problems
 log = logging.getLogger(__name__)
 
 FORMATS = ("hf", "dcp")
-
-
-@dataclass
-class _PendingSave:
-    """A staged checkpoint waiting to be published (after its background write, if any)."""
-
-    future: Future | None
-    staging: Path
-    target: Path
-    step: int
-    epoch: int
+STOP_GRACE_S = 20.0  # how long a stop request waits for a pending background write (torchrun kills after 30 s)
 
 
 class Checkpointer:
@@ -153,7 +152,13 @@ class Checkpointer:
         self.checkpoint_format = checkpoint_format
         self.async_save = async_save
         self.checksums = checksums  # False: none recorded on save nor checked on resume (benchmark baseline)
-        self._pending: _PendingSave | None = None
+        self._pending: PendingSave | None = None
+        # This run's lineage: agreed at the first save, or taken from the resumed checkpoint.
+        self.run_id: str | None = None
+        self.last_saved: Path | None = None  # the newest checkpoint this run published
+        self._markers: ThreadPoolExecutor | None = None  # leaves each background write's completion marker
+        # :meth:`poll`'s two integers travel on CPU (gloo), so a step boundary never waits for the device.
+        self._poll_group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
         # The strategies: the final checkpoint is always HF files written now; intermediate ones
         # as configured.
         self._rng = RngPerRank() if shared_filesystem else RngOnRank0()
@@ -210,11 +215,17 @@ class Checkpointer:
         from (seed, step), alike on every rank. The fingerprint must match (else every rank
         raises :class:`FingerprintMismatchError` naming what changed); the optimizer's
         hyperparameters this run was built with replace the checkpoint's where they differ,
-        each change logged on rank 0 (:mod:`~shardtune.checkpoint.resume_checks`).
+        each change logged on rank 0 (:mod:`~shardtune.checkpoint.resume_checks`). Without
+        ``checkpoint``, staged background saves that every rank finished writing (a run stopped
+        before publishing them) are published first; the resumed run continues the checkpoint's
+        ``run_id``.
         """
+        if checkpoint is None:
+            self._publish_finished_staging()
         path = self._pick(checkpoint)
         if path is None:
             return None
+        self.run_id = self._manifest_run_id(path)
         progress, has_dcp_shards = self._read_progress(path)
         unchecked = check_fingerprint(progress.fingerprint, self.fingerprint, where=path)
         if unchecked and comm.rank() == 0:
@@ -253,6 +264,42 @@ class Checkpointer:
             load_peft_adapter(self.model, path / ADAPTER_DIR, **options)
         else:
             load_hf_checkpoint(self.model, path, strict=True, **options)
+
+    def _manifest_run_id(self, path: Path) -> str:
+        """Collective: the lineage of the checkpoint at ``path`` (a new one for checkpoints written
+        before run ids existed: retention then never removes those)."""
+        found = None
+        if comm.rank() == 0:
+            try:
+                found = json.loads((path / atomic.MANIFEST).read_text()).get("run_id")
+            except (OSError, ValueError):
+                found = None  # _pick read this manifest already; a vanished one fails the loads below
+        return comm.all_gather_objects(found or uuid.uuid4().hex[:12])[0]
+
+    def _publish_finished_staging(self) -> None:
+        """Collective: publish every staged background save whose writes all finished (each
+        rank's marker is there) and that was interrupted before its publish; checksums are
+        read back from the files. Partial ones stay leftovers for the next save to remove."""
+        found = []
+        if comm.rank() == 0:
+            found = [str(p) for p in atomic.finished_staging(self.output_dir)]
+        for staging in comm.all_gather_objects(found)[0]:
+            marker = atomic.read_written_marker(Path(staging)) if comm.rank() == 0 else None
+            body = comm.all_gather_objects(marker)[0]
+            if body is None:
+                continue
+            if comm.rank() == 0:
+                log.warning("publishing %s: every rank finished writing it before the run stopped", staging)
+            self._publish(
+                PendingSave(
+                    future=None,
+                    staging=Path(staging),
+                    target=self.output_dir / body["name"],
+                    step=body["step"],
+                    epoch=body["epoch"],
+                ),
+                run_id=body.get("run_id"),
+            )
 
     def latest_checkpoint(self) -> str | None:
         """Path of the newest complete checkpoint in ``output_dir`` (local, not collective; file
@@ -339,11 +386,19 @@ class Checkpointer:
         non-final checkpoints hold DCP shards instead of HF files. With ``async_save`` non-final
         checkpoints are copied to CPU memory (about each rank's own shards of the model and
         optimizer; that memory is kept for the next background save unless
-        ``keep_staging_memory=False``), written by a background thread, and published by the
-        next ``save``/``wait`` (until then the previous checkpoint stays the newest complete
-        one). The ``final`` checkpoint is always HF (and PEFT) format, written synchronously.
+        ``keep_staging_memory=False``), written by a background thread, and published by
+        :meth:`poll` once every rank's write is done, at the latest by the next ``save``/``wait``
+        (until then the previous checkpoint stays the newest complete one). The ``final``
+        checkpoint is always HF (and PEFT) format, written synchronously. Any failure raises
+        :class:`SaveError` on every rank.
         """
-        self.wait()
+        try:
+            return self._save(step=step, epoch=epoch, final=final)
+        except StateDictError as exc:  # raised alike on every rank by the collective steps
+            raise as_save_error(exc) from exc
+
+    def _save(self, *, step: int | None, epoch: int | None, final: bool) -> Path:
+        self._wait()
         if step is not None:
             self.progress.step = step
         if epoch is not None:
@@ -358,32 +413,78 @@ class Checkpointer:
         problems = comm.Problems()
         with problems.guard("training state"):
             self._write_state(staging / STATE_DIR)
-        comm.raise_on_every_rank(problems, header=f"Saving checkpoint {target} failed:")
-        pending = _PendingSave(future=future, staging=staging, target=target, step=progress.step, epoch=progress.epoch)
+        comm.raise_on_every_rank(problems, header=f"Saving checkpoint {target} failed:", error=SaveError)
+        pending = PendingSave(future=future, staging=staging, target=target, step=progress.step, epoch=progress.epoch)
         if future is not None:
+            pending.future = self._mark_when_written(pending, name)
             self._pending = pending
         else:
-            self._publish(pending)
+            self._publish(pending, run_id=self.run_id)
         return target
 
-    def wait(self) -> None:
-        """Finish and publish a background save, if one is pending. Collective."""
-        pending, self._pending = self._pending, None
+    def _mark_when_written(self, pending: PendingSave, name: str) -> Future:
+        """A future that ends once the background write is done and this rank's marker is written."""
+        if self._markers is None:
+            self._markers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtune-save-marker")
+        return mark_when_written(self._markers, pending, name=name, run_id=self.run_id)
+
+    @property
+    def save_pending(self) -> bool:
+        """Whether a background save waits to be published."""
+        return self._pending is not None
+
+    def poll(self, *, stop: bool = False) -> bool:
+        """Collective, at a step boundary; returns whether some rank asked to ``stop``.
+
+        With a background save pending, one all-reduce of two integers (on CPU, no device sync)
+        tells every rank whether all writes are done (then the checkpoint is published now) and
+        whether any rank asks to stop (then the save is finished, within :data:`STOP_GRACE_S`,
+        and published). Without one, nothing is exchanged: ``stop`` is returned as it is.
+        """
+        if self._pending is None:
+            return stop
+        flags = torch.tensor([0 if self._pending.future.done() else 1, int(stop)], dtype=torch.int64)
+        if self._poll_group is not None:
+            dist.all_reduce(flags, group=self._poll_group)
+        writing, stopping = flags.tolist()
+        if stopping:
+            self.wait(timeout=STOP_GRACE_S)
+        elif not writing:
+            self.wait()
+        return bool(stopping)
+
+    def wait(self, *, timeout: float | None = None) -> None:
+        """Finish and publish a background save, if one is pending (waiting at most ``timeout``
+        seconds for its write). Collective; raises :class:`SaveError` on every rank."""
+        try:
+            self._wait(timeout=timeout)
+        except StateDictError as exc:
+            raise as_save_error(exc) from exc
+
+    def _wait(self, *, timeout: float | None = None) -> None:
+        pending = self._pending
         if pending is None:
             return
-        problems = comm.Problems()
-        with problems.guard(f"background save of {pending.target}"):
-            pending.future.result()
-        comm.raise_on_every_rank(problems, header=f"Saving checkpoint {pending.target} failed:", error=CheckpointError)
-        self._publish(pending)
+        try:  # still pending while it is waited for: a signal meanwhile is recorded, not fatal (see poll)
+            problems = comm.Problems()
+            with problems.guard(f"background save of {pending.target}"):
+                try:
+                    pending.future.result(timeout=timeout)
+                except TimeoutError:
+                    raise TimeoutError(f"its write did not finish within {timeout:g} s") from None
+            comm.raise_on_every_rank(problems, header=f"Saving checkpoint {pending.target} failed:", error=SaveError)
+            self._publish(pending, run_id=self.run_id)
+        finally:
+            self._pending = None
 
-    def _publish(self, pending: _PendingSave) -> None:
-        """Rank 0 writes the manifest and renames the staged directory; every rank learns the outcome."""
-        extra: dict[str, Any] = {"world_size": comm.world_size()}
+    def _publish(self, pending: PendingSave, *, run_id: str | None) -> None:
+        """Rank 0 writes the manifest (with the checkpoint's ``run_id``) and renames the staged
+        directory; retention removes old checkpoints of this run's lineage; every rank learns the
+        outcome."""
+        extra: dict[str, Any] = {"world_size": comm.world_size(), "run_id": run_id}
         if self.checksums:
-            recorded = crc.gather_checksums(
-                pending.staging, skip={atomic.MANIFEST}, shared_filesystem=self.shared_filesystem
-            )
+            skip = {atomic.MANIFEST, *atomic.written_markers(pending.staging)}  # markers: not part of the checkpoint
+            recorded = crc.gather_checksums(pending.staging, skip=skip, shared_filesystem=self.shared_filesystem)
             if recorded is not None:
                 extra["checksums"] = recorded
         publish_problems = comm.Problems()
@@ -391,17 +492,23 @@ class Checkpointer:
             with publish_problems.guard(str(pending.target)):
                 fault_point("save:before_publish")
                 atomic.write_manifest(pending.staging, step=pending.step, epoch=pending.epoch, extra=extra)
+                atomic.remove_written_markers(pending.staging)
                 atomic.publish(pending.staging, pending.target)
-                for old in atomic.apply_retention(self.output_dir, self.keep_last_n):
+                for old in atomic.apply_retention(self.output_dir, self.keep_last_n, run_id=self.run_id):
                     log.info("removed old checkpoint %s (keep_last_n=%s)", old, self.keep_last_n)
-        comm.raise_on_every_rank(publish_problems, header=f"Publishing checkpoint {pending.target} failed:")
+        comm.raise_on_every_rank(
+            publish_problems, header=f"Publishing checkpoint {pending.target} failed:", error=SaveError
+        )
         fault_point("save:after_publish")
+        if run_id == self.run_id:
+            self.last_saved = pending.target
         if comm.rank() == 0:
             log.info("saved checkpoint %s", pending.target)
 
     def _begin(self, name: str) -> Path:
-        """Agree on a staging directory; rank 0 clears leftovers of interrupted saves first."""
-        token = comm.all_gather_objects(uuid.uuid4().hex[:8])[0]
+        """Agree on a staging directory and this run's id; rank 0 clears leftovers of interrupted
+        saves first (staged background saves whose writes all finished stay, for a resume)."""
+        token, self.run_id = comm.all_gather_objects((uuid.uuid4().hex[:8], self.run_id or uuid.uuid4().hex[:12]))[0]
         staging = atomic.staging_path(self.output_dir, name, token)
         crc.discard_recordings(self.output_dir)  # of saves that failed
         if self.checksums:
@@ -412,7 +519,7 @@ class Checkpointer:
                 for stale in atomic.remove_stale_staging(self.output_dir):
                     log.info("removed leftover of an interrupted save: %s", stale)
                 staging.mkdir(parents=True)
-        comm.raise_on_every_rank(problems, header="Cannot start a checkpoint:")
+        comm.raise_on_every_rank(problems, header="Cannot start a checkpoint:", error=SaveError)
         return staging
 
     def _write_state(self, state_dir: Path) -> None:

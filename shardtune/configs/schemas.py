@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+from shardtune.checkpoint.run_dir import POLICIES as OUTPUT_DIR_POLICIES
 from shardtune.config import Field, OneOrMany, Schema
 from shardtune.training.optim import OPTIMIZERS
 
@@ -114,7 +115,14 @@ def _check_base(cfg: dict[str, Any]) -> list[str]:
 
 BASE_SCHEMA = Schema(
     {
-        "output_dir": Field(str, help="where checkpoints and logs go"),
+        "output_dir": Field(str, help="where checkpoints and logs go (one run at a time: locked by rank 0)"),
+        "output_dir_policy": Field(
+            str,
+            "refuse",
+            choices=OUTPUT_DIR_POLICIES,
+            help="a fresh run in an output_dir holding another run's outputs: refuse (with the fixes), new_run "
+            "(write to <output_dir>/run_<n>) or overwrite (remove them first)",
+        ),
         "checkpoint_dir": Field((str, None), None, help="HF model directory to start from"),
         "model": Field(
             (str, None),

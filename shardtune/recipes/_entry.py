@@ -12,6 +12,7 @@ from shardtune import run_errors
 from shardtune.config import Config, ConfigError, load_config
 from shardtune.distributed import end_process
 from shardtune.recipes.registry import get_recipe
+from shardtune.training.signals import TrainingStopped
 
 
 def load_recipe_config(name: str, argv: Sequence[str], *, description: str | None = None) -> Config:
@@ -32,7 +33,8 @@ def load_recipe_config(name: str, argv: Sequence[str], *, description: str | Non
 
 def main(recipe: Callable[[Config], None], name: str, argv: list[str] | None = None) -> int:
     """Parse the config and run ``recipe``; returns 2 on a config error. After a finished run the
-    process ends here (:func:`~shardtune.distributed.end_process`).
+    process ends here (:func:`~shardtune.distributed.end_process`), with ``128 + signal`` after a
+    run stopped by SIGTERM/SIGINT (:class:`~shardtune.training.signals.TrainingStopped`).
 
     Under ``shardtune run`` (``SHARDTUNE_ERROR_DIR`` set, no ``SHARDTUNE_DEBUG``) a failure is
     recorded for the launcher to report once (:mod:`shardtune.run_errors`) and the process ends
@@ -50,6 +52,9 @@ def main(recipe: Callable[[Config], None], name: str, argv: list[str] | None = N
         _fail(error_dir, exc, run_errors.CONFIG_ERROR)
     try:
         recipe(cfg)
+    except TrainingStopped as exc:  # SIGTERM/SIGINT: the pending checkpoint is published
+        sys.stderr.write(f"{exc}\n")
+        end_process(exc.exit_code)
     except (Exception, KeyboardInterrupt) as exc:
         if error_dir:
             _record(error_dir, exc, run_errors.FAILED)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from shardtune.checkpoint import Checkpointer, TrainingProgress, fingerprint
+from shardtune.checkpoint import Checkpointer, TrainingProgress, fingerprint, run_dir
 from shardtune.checkpoint.identity import Identity, samples_identity, weights_identity
 from shardtune.checkpoint.tiny import create_tiny_base
 from shardtune.config import Config
@@ -40,6 +40,7 @@ from shardtune.models import (
 )
 from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from shardtune.peft import apply_lora, init_lora_parameters
+from shardtune.state_dict import comm
 from shardtune.state_dict.comm import Problems, agree, all_gather_objects, normalize_device
 from shardtune.training.activation_offload import offload_layer_activations
 from shardtune.training.evaluate import Evaluator
@@ -58,6 +59,8 @@ class Run:
     world_size: int
     device: torch.device
     dtype: torch.dtype
+    output_dir: Path | None = None  # where this run writes (``output_dir``, or a new run directory below it)
+    lock: run_dir.OutputDirLock | None = None  # rank 0's lock on ``output_dir``, held until :func:`finish`
 
     @property
     def is_rank_zero(self) -> bool:
@@ -76,7 +79,34 @@ def start(cfg: Config) -> Run:
     device = normalize_device(device_type())  # the GPU init_distributed selected, with its index
     _check_parallelism(cfg, device=device, world=world)
     dtype = torch.float32 if cfg.mixed_precision else DTYPES[cfg.dtype]  # params, grads, optimizer state
-    return Run(rank=rank, world_size=world, device=device, dtype=dtype)
+    output_dir, lock = claim_output_dir(cfg, rank=rank)
+    return Run(rank=rank, world_size=world, device=device, dtype=dtype, output_dir=output_dir, lock=lock)
+
+
+def claim_output_dir(cfg: Config, *, rank: int) -> tuple[Path, run_dir.OutputDirLock | None]:
+    """Collective: rank 0 locks ``output_dir`` and places this run (``output_dir_policy``); every
+    rank gets where the run writes, or raises the same :class:`~shardtune.checkpoint.run_dir.OutputDirError`."""
+    root, problems, lock, placed = Path(cfg.output_dir), comm.Problems(), None, None
+    if rank == 0:
+        try:
+            lock = run_dir.OutputDirLock.acquire(root)
+            resuming = bool(cfg.resume_from_checkpoint) and run_dir.has_resumable(root)
+            placed = str(run_dir.place_run(root, policy=cfg.output_dir_policy, resuming=resuming))
+        except (run_dir.OutputDirError, OSError, ValueError) as exc:
+            problems.append(str(exc) if isinstance(exc, run_dir.OutputDirError) else f"{root}: {exc}")
+            if lock is not None:
+                lock.release()
+                lock = None
+    comm.raise_on_every_rank(problems, header="Cannot start the run:", error=run_dir.OutputDirError)
+    placed = Path(comm.all_gather_objects(placed)[0])
+    if rank == 0 and placed != root:
+        log.info(
+            "output_dir_policy=%s: %s holds another run's outputs; this run writes to %s",
+            cfg.output_dir_policy,
+            root,
+            placed,
+        )
+    return placed, lock
 
 
 def _check_parallelism(cfg: Config, *, device: torch.device, world: int) -> None:
@@ -291,7 +321,7 @@ def build_checkpointer(
         cfg, run, base_dir, dataset=loader.dataset, lora=getattr(cfg, "lora", None), frozen=frozen or {}
     )
     return Checkpointer(
-        output_dir=cfg.output_dir,
+        output_dir=run.output_dir or cfg.output_dir,
         model=model,
         optimizer=opt,
         lr_scheduler=sched,
@@ -363,7 +393,7 @@ def load_weights(cfg: Config, run: Run, model: nn.Module, checkpointer: Checkpoi
         if cfg.resume_from_checkpoint and run.is_rank_zero:
             log.warning(
                 "resume_from_checkpoint=true but %s holds no checkpoint: starting from the base model %s",
-                cfg.output_dir,
+                checkpointer.output_dir,
                 checkpointer.base_dir,
             )
         checkpointer.load_base()
@@ -449,7 +479,12 @@ def train_and_finish(
     progress,
 ) -> None:
     """The shared loop (metrics to ``<output_dir>/metrics.jsonl``), then the closing message."""
-    logger = MetricLogger(cfg.output_dir, enabled=run.is_rank_zero, loggers=tuple(cfg.loggers))
+    logger = MetricLogger(
+        checkpointer.output_dir,
+        enabled=run.is_rank_zero,
+        loggers=tuple(cfg.loggers),
+        start_step=checkpointer.progress.step,
+    )
     settings = dataclasses.replace(
         loop_settings(cfg),
         flops_per_token=flops_per_token_fn(model),
@@ -471,6 +506,8 @@ def train_and_finish(
         )
     except BaseException:
         logger.close()  # the rows logged so far reach every sink: a failed rank ends without atexit hooks
+        if run.lock is not None:  # a signal stop published its pending checkpoint; a failure ends this run too
+            run.lock.release()
         raise
     finish(cfg, run, checkpointer, recipe, logger)
 
@@ -510,12 +547,14 @@ def label_tokens(labels: torch.Tensor) -> int:
 def finish(cfg: Config, run: Run, checkpointer: Checkpointer, recipe: str, logger: MetricLogger) -> None:
     logger.close()
     if run.is_rank_zero:
-        latest = checkpointer.latest_checkpoint()
         log.info(
-            "done: checkpoint in %s; to continue training: shardtune run ... %s --config <config> "
-            "output_dir=%s resume_from_checkpoint=True epochs=<more>",
-            latest,
+            "done: this run's outputs are in %s (checkpoint %s); to continue training: shardtune run ... %s "
+            "--config <config> output_dir=%s resume_from_checkpoint=True epochs=<more>",
+            checkpointer.output_dir,
+            checkpointer.last_saved,
             recipe,
-            cfg.output_dir,
+            checkpointer.output_dir,
         )
+    if run.lock is not None:
+        run.lock.release()
     dist.destroy_process_group()

@@ -24,6 +24,7 @@ save), and no checkpoint of such a state is saved.
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from shardtune.state_dict import comm
 from shardtune.training.finite import FiniteGuard
 from shardtune.training.grad_norm import clip_grad_norm, grad_norm
 from shardtune.training.metrics import MetricLogger, peak_memory_mib
+from shardtune.training.signals import StopOnSignal, TrainingStopped
 
 LossFn = Callable[
     [dict[str, torch.Tensor]], tuple[torch.Tensor, int] | tuple[torch.Tensor, int, dict[str, torch.Tensor]]
@@ -88,8 +90,42 @@ def run_training(
     each step in it, and ``checkpointer.save()`` saves it at the end of every epoch and, with
     ``save_every_n_steps``, mid-epoch; mid-epoch resumes continue with the next batch.
     With ``evaluate`` (-> the validation loss), the row of every ``eval_every_n_steps``-th step
-    (or of each epoch's last step) is logged with ``val_loss``.
+    (or of each epoch's last step) is logged with ``val_loss``. A background save is published
+    at the first step boundary after every rank wrote it; SIGTERM/SIGINT while one is pending
+    finish and publish it, then raise :class:`~shardtune.training.signals.TrainingStopped`.
     """
+    with StopOnSignal(pending=lambda: checkpointer.save_pending) as stop:
+        return _train(
+            model=model,
+            loss_fn=loss_fn,
+            loader=loader,
+            sampler=sampler,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            checkpointer=checkpointer,
+            logger=logger,
+            settings=settings,
+            progress=progress,
+            evaluate=evaluate,
+            stop=stop,
+        )
+
+
+def _train(
+    *,
+    model: torch.nn.Module,
+    loss_fn: LossFn,
+    loader: Iterable[dict[str, torch.Tensor]],
+    sampler: Any,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    checkpointer: Checkpointer,
+    logger: MetricLogger,
+    settings: LoopSettings,
+    progress: TrainingProgress | None,
+    evaluate: Callable[[torch.nn.Module], float] | None,
+    stop: StopOnSignal,
+) -> TrainingProgress:
     progress = progress or TrainingProgress()
     start_epoch, step = progress.epoch, progress.step
     is_rank_zero = not dist.is_initialized() or dist.get_rank() == 0
@@ -142,6 +178,8 @@ def run_training(
                 logger.log(row)
                 guard.check(flag, step=step)
             window = _Window()
+            if checkpointer.poll(stop=stop.requested):  # publishes a background save once every rank wrote it
+                raise TrainingStopped(stop.signum or signal.SIGTERM)
             if last_in_epoch:
                 break
             if settings.save_every_n_steps and step % settings.save_every_n_steps == 0:

@@ -1,13 +1,18 @@
 """Metrics: one JSON object per logged step in ``<output_dir>/metrics.jsonl``, plus stdout.
 
-TensorBoard / Weights & Biases receive the same values when their packages are installed
-and asked for (``loggers: [tensorboard, wandb]``).
+Rule: the file holds one run's lineage, in step order, as strict JSON. A run that starts at
+step ``s`` (0 when fresh, the checkpoint's step when resumed) keeps the rows up to ``s`` and drops
+the later ones (steps the resumed run trains again), so two runs never interleave; non-finite
+numbers are written as ``null``. TensorBoard / Weights & Biases receive the same values when
+their packages are installed and asked for (``loggers: [tensorboard, wandb]``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import resource
 from pathlib import Path
 from typing import Any
@@ -28,21 +33,27 @@ def peak_memory_mib() -> float:
 class MetricLogger:
     """Writes metrics on rank 0 only; other ranks' calls are no-ops."""
 
-    def __init__(self, output_dir: str | Path, *, enabled: bool, loggers: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, output_dir: str | Path, *, enabled: bool, loggers: tuple[str, ...] = (), start_step: int = 0
+    ) -> None:
         self.enabled = enabled
         self._file = None
         self._sinks: list[Any] = []
         if not enabled:
             return
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        self._file = open(Path(output_dir) / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        path = Path(output_dir) / "metrics.jsonl"
+        dropped = keep_rows_up_to(path, start_step)
+        if dropped:
+            log.info("%s: dropped %d rows after step %d (this run trains those steps again)", path, dropped, start_step)
+        self._file = open(path, "a")  # noqa: SIM115 - closed in close()
         for name in loggers:
             self._sinks.append(_optional_sink(name, Path(output_dir)))
 
     def log(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(json.dumps(_finite_or_null(row), allow_nan=False) + "\n")
         self._file.flush()
         shown = " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
         tqdm.write(shown)  # keeps the progress bar intact
@@ -57,6 +68,40 @@ class MetricLogger:
         for sink in self._sinks:
             sink.close()
         self._sinks = []
+
+
+def keep_rows_up_to(path: Path, step: int) -> int:
+    """Rewrite ``path`` (atomically) without its rows past ``step``; returns how many were dropped.
+    Rows that are not JSON objects with a ``step`` (a line cut by a crash) are dropped too."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            keep = isinstance(row, dict) and int(row["step"]) <= step
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line + "\n")
+        elif line.strip():
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".part")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+    return dropped
+
+
+def _finite_or_null(value: Any) -> Any:
+    """``value`` with every NaN or infinity replaced by None (strict JSON has neither)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
 
 
 class _TensorBoardSink:

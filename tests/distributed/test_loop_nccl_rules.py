@@ -53,11 +53,16 @@ class _Hosted:
 
 
 class _NoCheckpoints:
+    save_pending = False
+
     def save(self, **kwargs) -> None:
         pass
 
     def wait(self) -> None:
         pass
+
+    def poll(self, *, stop: bool = False) -> bool:
+        return stop
 
 
 class _Rows(list):

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardtune.checkpoint import Checkpointer, atomic, peft_format
+from shardtune.checkpoint import Checkpointer, CheckpointError, atomic, peft_format, strategies
 from shardtune.distributed import shard_model
 from shardtune.faults import set_fault
 from shardtune.models import llama_from_hf_config
@@ -120,15 +120,15 @@ def _same_error_on_every_rank(outcomes, *needles: str) -> str:
 SAVE_FAULTS = {
     # fault -> (error type, what the message must name)
     "save:mid_tensor:1:raise": (
-        "CheckpointError",
+        "SaveError",
         ["Writing the HF checkpoint", "[rank 1]", "fault injected at save:mid_tensor"],
     ),
     "save:mid_tensor:0:raise": (
-        "CheckpointError",
+        "SaveError",
         ["Writing the HF checkpoint", "[rank 0]", "fault injected at save:mid_tensor"],
     ),
     "save:before_publish:0:raise": (
-        "StateDictError",
+        "SaveError",
         ["Publishing checkpoint", "step_1", "fault injected at save:before_publish"],
     ),
 }
@@ -155,7 +155,7 @@ def test_rank0_write_failing_without_a_shared_filesystem_raises_the_same_error_e
     message = _same_error_on_every_rank(
         outcomes, "Writing the HF checkpoint", "[rank 0]", "fault injected at save:mid_tensor"
     )
-    assert message.startswith("CheckpointError"), message
+    assert message.startswith("SaveError"), message
     _assert_nothing_published_then_recovered(pool2, tiny_base, out)
 
 
@@ -168,8 +168,38 @@ def test_background_write_failing_on_one_rank_raises_the_same_error_everywhere(p
     message = _same_error_on_every_rank(
         outcomes, "Saving checkpoint", f"[rank {rank}]", "fault injected at save:mid_tensor"
     )
-    assert message.startswith("CheckpointError"), message
+    assert message.startswith("SaveError"), message
     _assert_nothing_published_then_recovered(pool2, tiny_base, out)
+
+
+def _save_failing_at(base: str, out: str, step: str) -> str:
+    """One step of a save fails on one rank (``begin``: rank 0 cannot clear the output_dir; ``state``:
+    rank 1 cannot write its RNG file); every rank must catch it as a CheckpointError."""
+    ck = _build(base, out)
+    _load(ck)
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    patches = {"begin": (atomic, "remove_stale_staging", 0), "state": (strategies, "save_rng", 1)}
+    module, name, rank = patches[step]
+    with mock.patch.object(module, name, denied) if dist.get_rank() == rank else nullcontext():
+        ck.progress.batches_in_epoch = 1
+        try:
+            ck.save(step=1, epoch=0)
+        except CheckpointError as exc:  # what a caller catches for any failed save
+            return f"caught {type(exc).__name__}: {exc}"
+    return "saved"
+
+
+@pytest.mark.parametrize("step", ["begin", "state"])
+def test_every_failing_save_step_raises_save_error(pool2, tiny_base, tmp_path, step):
+    """Begin and state write (publish and the background wait are the SAVE_FAULTS and background cases)."""
+    out = tmp_path / "out"
+    outcomes = pool2.run_ok(_save_failing_at, str(tiny_base), str(out), step, timeout=POOL_TIMEOUT_S)
+    assert len(set(outcomes)) == 1, outcomes
+    assert outcomes[0].startswith("caught SaveError") and "Permission denied" in outcomes[0], outcomes[0]
+    assert atomic.latest_complete(out) is None
 
 
 def test_rank0_adapter_write_failure_raises_the_same_error_everywhere(pool2, tiny_base, tmp_path):
@@ -224,7 +254,7 @@ def test_processes_write_failure_on_one_rank_every_rank_exits_with_the_same_erro
     errors = {_final_error(p.output) for p in procs}
     assert len(errors) == 1, errors
     error = errors.pop()
-    assert "CheckpointError: Writing the HF checkpoint" in error and "fault injected at save:mid_tensor" in error, error
+    assert "SaveError: Writing the HF checkpoint" in error and "fault injected at save:mid_tensor" in error, error
     assert sorted(p.name for p in out.iterdir() if p.is_dir() and not p.name.startswith(".")) == ["step_1"]
     assert atomic.latest_complete(out).path == out / "step_1"
 

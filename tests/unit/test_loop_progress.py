@@ -30,6 +30,11 @@ class _RecordingCheckpointer:
     def wait(self) -> None:
         pass
 
+    save_pending = False
+
+    def poll(self, *, stop: bool = False) -> bool:
+        return stop
+
 
 class _Rows:
     def log(self, row) -> None:

@@ -28,6 +28,11 @@ class _NoCheckpoints:
     def wait(self) -> None:
         pass
 
+    save_pending = False
+
+    def poll(self, *, stop: bool = False) -> bool:
+        return stop
+
 
 class _Sampler:
     def set_epoch(self, epoch: int) -> None:

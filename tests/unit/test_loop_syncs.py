@@ -32,11 +32,16 @@ ACCUMULATE, STEPS = 2, 3
 
 
 class _NoCheckpoints:
+    save_pending = False
+
     def save(self, **kwargs) -> None:
         pass
 
     def wait(self) -> None:
         pass
+
+    def poll(self, *, stop: bool = False) -> bool:
+        return stop
 
 
 class _Rows:

@@ -65,3 +65,35 @@ def test_sinks_receive_every_row_and_are_finished_on_close(tmp_path, monkeypatch
         ("tb_close",),
         ("wandb_finish",),
     ]
+
+
+def _strict_rows(path):
+    """Rows parsed as strict JSON: NaN/Infinity (not JSON) fail the test."""
+
+    def refuse(name):
+        raise AssertionError(f"{path} holds {name}, which is not JSON")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def test_non_finite_values_are_written_as_null(tmp_path):
+    logger = MetricLogger(tmp_path, enabled=True)
+    logger.log({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-3, "extra": [float("-inf"), 1.0]})
+    logger.close()
+    assert _strict_rows(tmp_path / "metrics.jsonl") == [
+        {"step": 1, "loss": None, "grad_norm": None, "lr": 1e-3, "extra": [None, 1.0]}
+    ]
+
+
+def test_a_resumed_run_replaces_the_rows_after_its_checkpoint_instead_of_interleaving(tmp_path):
+    """A run logged steps 1-5 and died; its checkpoint is at step 3. The resumed run logs 4-6 again:
+    the file then holds each step once, in order."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 10.0 + s}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
+    logger = MetricLogger(tmp_path, enabled=True, start_step=3)
+    for s in (4, 5, 6):
+        logger.log({"step": s, "loss": float(s)})
+    logger.close()
+    rows = _strict_rows(path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in rows] == [11.0, 12.0, 13.0, 4.0, 5.0, 6.0]

@@ -1,0 +1,25 @@
+"""SIGTERM/SIGINT during training: recorded while a background save is pending, else as before."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from shardtune.training.signals import StopOnSignal, TrainingStopped
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_a_signal_is_recorded_while_a_save_is_pending_and_acts_as_before_otherwise():
+    pending = [True]
+    before = signal.getsignal(signal.SIGINT)
+    with StopOnSignal(pending=lambda: pending[0]) as stop:
+        os.kill(os.getpid(), signal.SIGTERM)  # would end this process without the handler
+        assert stop.requested and stop.signum == signal.SIGTERM
+        pending[0] = False
+        with pytest.raises(KeyboardInterrupt):  # nothing to finish: SIGINT's own handler runs
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert TrainingStopped(signal.SIGTERM).exit_code == 143 and TrainingStopped(signal.SIGINT).exit_code == 130
