@@ -5,7 +5,6 @@ Each function does one setup job from the validated config; recipes call them to
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import json
@@ -21,8 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from shardtune.checkpoint import Checkpointer, TrainingProgress, fingerprint, run_dir
-from shardtune.checkpoint.identity import Identity, samples_identity, weights_identity
+from shardtune.checkpoint import Checkpointer, TrainingProgress, run_dir
 from shardtune.checkpoint.tiny import create_tiny_base
 from shardtune.config import Config
 from shardtune.data import build_dataloader, build_dataset, collate, load_tokenizer
@@ -40,8 +38,9 @@ from shardtune.models import (
 )
 from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from shardtune.peft import apply_lora, init_lora_parameters
+from shardtune.recipes import _resume
 from shardtune.state_dict import comm
-from shardtune.state_dict.comm import Problems, agree, all_gather_objects, normalize_device
+from shardtune.state_dict.comm import agree, normalize_device
 from shardtune.training.activation_offload import offload_layer_activations
 from shardtune.training.evaluate import Evaluator
 from shardtune.training.flops import flops_per_token_fn, peak_tflops
@@ -315,9 +314,9 @@ def build_checkpointer(
     frozen: dict[str, Path] | None = None,
 ) -> Checkpointer:
     """The Checkpointer, every object a checkpoint holds registered, with a fingerprint of what
-    a resume must match (see :func:`resume_fingerprint`; ``frozen``: the directories of frozen
+    a resume must match (see :func:`~shardtune.recipes._resume.resume_fingerprint`; ``frozen``: the directories of frozen
     models the recipe loads, by fingerprint part, e.g. ``{"teacher_weights": teacher_dir}``)."""
-    marks = resume_fingerprint(
+    marks = _resume.resume_fingerprint(
         cfg, run, base_dir, dataset=loader.dataset, lora=getattr(cfg, "lora", None), frozen=frozen or {}
     )
     return Checkpointer(
@@ -340,51 +339,6 @@ def build_checkpointer(
     )
 
 
-def resume_fingerprint(
-    cfg: Config, run: Run, base_dir: Path, *, dataset, lora: Config | None, frozen: dict[str, Path]
-) -> dict[str, str]:
-    """Collective. What a resume must match, by content (a moved copy of the same files matches):
-    the model architecture (config.json's fields), the tokenizer as loaded, the training samples
-    (:func:`~shardtune.checkpoint.identity.samples_identity`), the weights of the ``frozen``
-    models and, for LoRA, the LoRA settings and the base weights (each
-    :func:`~shardtune.checkpoint.identity.weights_identity`, read on rank 0): a LoRA resume loads
-    the base again, and its adapter means something only on that base. A full fine-tune's
-    checkpoint holds every weight and never reads the base, so its base weights are not part of
-    it. Every rank computes the same or every rank raises."""
-    problems, weights = Problems(), {}
-    reads = {**({"base_weights": base_dir} if lora is not None else {}), **frozen}
-    if run.is_rank_zero:
-        for part, directory in reads.items():
-            with problems.guard(f"{part} ({directory})"):
-                weights[part] = weights_identity(directory)
-    local = fingerprint(
-        model=dataclasses.asdict(model_args_from_hf_config(base_dir)),
-        tokenizer=_tokenizer_identity(load_tokenizer(cfg.tokenizer, checkpoint_dir=base_dir)),
-        dataset=samples_identity(dataset),
-        lora=lora.to_dict() if lora is not None else None,
-    )
-    agree(
-        local,
-        what="the model config, tokenizer or training data differ between ranks",
-        fix="give every node the same checkpoint_dir, tokenizer and data files",
-        header="Cannot start the run:",
-        problems=problems,
-        error=ValueError,
-    )
-    return {**local, **fingerprint(**all_gather_objects(weights)[0])}
-
-
-def _tokenizer_identity(tokenizer) -> Identity:
-    """The tokenizer by what it does: its serialized vocabulary and rules, special tokens and
-    chat templates (their text, not where they were read)."""
-    value = {
-        "tokenizer": tokenizer.tokenizer.to_str(),
-        "special": [tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.special_tokens],
-        "chat_templates": {name: source for name, (source, _where) in tokenizer.chat_templates.items()},
-    }
-    return Identity(value, f"vocab {tokenizer.vocab_size}")
-
-
 def load_weights(cfg: Config, run: Run, model: nn.Module, checkpointer: Checkpointer) -> TrainingProgress:
     """Resume when asked and possible, else load the base (and initialise fresh adapters);
     returns the progress registered with ``checkpointer`` (restored, or a fresh start's)."""
@@ -401,27 +355,13 @@ def load_weights(cfg: Config, run: Run, model: nn.Module, checkpointer: Checkpoi
             init_lora_parameters(model, device=run.device)
     elif isinstance(checkpointer.lr_scheduler, LrSchedule):
         changes = continue_schedule(
-            checkpointer.lr_scheduler, remaining_steps=remaining_steps(cfg, checkpointer.sampler, progress)
+            checkpointer.lr_scheduler,
+            remaining_steps=_resume.remaining_steps(cfg, checkpointer.sampler, progress, settings=loop_settings(cfg)),
         )
         if changes and run.is_rank_zero:
             log.warning("resuming with this run's lr schedule:\n  %s", "\n  ".join(changes))
     model.init_buffers(run.device)
     return checkpointer.progress
-
-
-def remaining_steps(cfg: Config, sampler, progress: TrainingProgress) -> int:
-    """Optimizer steps the loop takes from ``progress`` (``sampler`` restored with it) to the
-    end of training, counted as :func:`~shardtune.training.loop.run_training` counts them."""
-    settings = loop_settings(cfg)
-    ga = settings.gradient_accumulation_steps
-    if progress.epoch >= cfg.epochs:
-        return 0
-    fresh = copy.copy(sampler)
-    fresh.set_epoch(sampler.epoch + 1)  # a whole epoch's share of this rank
-    per_epoch = steps_per_epoch(len(fresh) // cfg.batch_size, settings)
-    done = progress.batches_in_epoch if progress.sampler else 0
-    first = steps_per_epoch(len(sampler) // cfg.batch_size + done, settings) - done // ga
-    return max(first, 0) + per_epoch * (cfg.epochs - progress.epoch - 1)
 
 
 def on_device(batch: dict[str, torch.Tensor], run: Run) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:

@@ -69,6 +69,21 @@ def steps_per_epoch(n_batches: int, settings: LoopSettings) -> int:
     return min(steps, settings.max_steps_per_epoch) if settings.max_steps_per_epoch else steps
 
 
+def epoch_steps(batches_left: int, batches_done: int, settings: LoopSettings) -> tuple[int, int]:
+    """(optimizer steps of an epoch, steps of it already taken) when ``batches_done`` of its
+    batches were consumed before this run and ``batches_left`` remain."""
+    return steps_per_epoch(batches_left + batches_done, settings), batches_done // settings.gradient_accumulation_steps
+
+
+def remaining_steps(
+    *, batches_left: int, batches_done: int, batches_per_epoch: int, later_epochs: int, settings: LoopSettings
+) -> int:
+    """Optimizer steps :func:`run_training` takes to the end: the rest of this epoch (as
+    :func:`epoch_steps` counts it), then ``later_epochs`` whole epochs."""
+    total, done = epoch_steps(batches_left, batches_done, settings)
+    return max(total - done, 0) + steps_per_epoch(batches_per_epoch, settings) * later_epochs
+
+
 def run_training(
     *,
     model: torch.nn.Module,
@@ -135,8 +150,7 @@ def _train(
         # The checkpointer restored the sampler with its checkpoint: the loader yields the rest of the epoch.
         resuming = epoch == start_epoch and bool(progress.sampler)
         done_batches = progress.batches_in_epoch if resuming else 0
-        total = steps_per_epoch(len(loader) + done_batches, settings)
-        done_in_epoch = done_batches // settings.gradient_accumulation_steps
+        total, done_in_epoch = epoch_steps(len(loader), done_batches, settings)
         bar = tqdm(
             total=total,
             initial=done_in_epoch,

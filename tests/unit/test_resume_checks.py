@@ -16,7 +16,7 @@ from shardtune.checkpoint.resume_checks import apply_configured, configured
 from shardtune.checkpoint.state import check_fingerprint
 from shardtune.checkpoint.tiny import create_tiny_base
 from shardtune.data import build_dataset, load_tokenizer
-from shardtune.recipes import _setup
+from shardtune.recipes import _resume, _setup
 from shardtune.training.optim import build_lr_scheduler, build_optimizer, continue_schedule
 
 DATA = [{"path": "asset:tiny_instruct.jsonl", "format": "instruct", "template": "simple"}]
@@ -28,7 +28,7 @@ def _fingerprint(base, *, lora=True, data=DATA, frozen=None):
     run = _setup.Run(rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
     dataset = build_dataset(data, load_tokenizer(None, checkpoint_dir=base), max_seq_len=64)
     lora_cfg = SimpleNamespace(to_dict=lambda: {"rank": 8}) if lora else None
-    return _setup.resume_fingerprint(cfg, run, base, dataset=dataset, lora=lora_cfg, frozen=frozen or {})
+    return _resume.resume_fingerprint(cfg, run, base, dataset=dataset, lora=lora_cfg, frozen=frozen or {})
 
 
 @pytest.fixture(scope="module")
