@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.data.hf_datasets import is_dataset_dir, looks_like_hub_name, read_dataset_dir, read_hub_dataset
+from shardtune.json_files import read_json
 
 __all__ = ["ASSETS_DIR", "asset_path", "list_assets", "load_records", "resolve_data_path"]
 
@@ -104,18 +105,7 @@ def _read_jsonl(path: Path) -> list[Any]:
 
 
 def _read_json(path: Path) -> list[Any]:
-    raw = path.read_bytes()
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise ValueError(
-            f"{path}:{line} is not UTF-8 text (byte {raw[e.start : e.start + 1]!r}); {_UTF8_FIX}"
-        ) from None
-    except json.JSONDecodeError as e:
-        raise ValueError(
-            f"{path}:{e.lineno} is not valid JSON ({e.msg} at column {e.colno}); for one object per line use .jsonl"
-        ) from e
+    data = read_json(path, fix="for one object per line use .jsonl", utf8_fix=_UTF8_FIX)
     if isinstance(data, list):
         return data
     raise ValueError(f"{path} must hold a JSON list of records, got a {type(data).__name__}")

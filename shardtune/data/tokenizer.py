@@ -30,6 +30,7 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from shardtune.data.jinja_templates import load_chat_templates
+from shardtune.json_files import read_json
 
 __all__ = [
     "BYTE_TOKENIZER_SPECIALS",
@@ -206,14 +207,7 @@ def _token_content(value: Any) -> str | None:
 def _read_special_tokens(path: Path) -> dict[str, str]:
     if not path.is_file():
         return {}
-    raw = path.read_bytes()
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line} is not UTF-8 text; fix or delete it") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{e.lineno} is not valid JSON ({e.msg}); fix or delete it") from None
+    data = read_json(path, fix="fix or delete it")
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, got a {type(data).__name__}; fix or delete it")
     found = {}

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import torch
 
+from shardtune.json_files import read_json
 from shardtune.models.families import FULL, SLIDING, Family, get_family, supported_model_types
 
 __all__ = [
@@ -181,15 +182,8 @@ def load_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, A
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no HF config at {path}; pass a config.json path, a model directory or a dict")
-    raw = path.read_bytes()
     fix = "re-copy config.json from the model repository (or re-save it with transformers' save_pretrained)"
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line} is not UTF-8 text (byte {raw[e.start : e.start + 1]!r}); {fix}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{e.lineno} is not valid JSON ({e.msg} at column {e.colno}); {fix}") from None
+    data = read_json(path, fix=fix)
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object of config keys, got a {type(data).__name__}; {fix}")
     return data

@@ -110,103 +110,72 @@ def run_training(
     finish and publish it, then raise :class:`~shardtune.training.signals.TrainingStopped`.
     """
     with StopOnSignal(pending=lambda: checkpointer.save_pending) as stop:
-        return _train(
-            model=model,
-            loss_fn=loss_fn,
-            loader=loader,
-            sampler=sampler,
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            checkpointer=checkpointer,
-            logger=logger,
-            settings=settings,
-            progress=progress,
-            evaluate=evaluate,
-            stop=stop,
-        )
-
-
-def _train(
-    *,
-    model: torch.nn.Module,
-    loss_fn: LossFn,
-    loader: Iterable[dict[str, torch.Tensor]],
-    sampler: Any,
-    optimizer: torch.optim.Optimizer,
-    lr_scheduler: Any,
-    checkpointer: Checkpointer,
-    logger: MetricLogger,
-    settings: LoopSettings,
-    progress: TrainingProgress | None,
-    evaluate: Callable[[torch.nn.Module], float] | None,
-    stop: StopOnSignal,
-) -> TrainingProgress:
-    progress = progress or TrainingProgress()
-    start_epoch, step = progress.epoch, progress.step
-    is_rank_zero = not dist.is_initialized() or dist.get_rank() == 0
-    guard = FiniteGuard(max_skipped=settings.max_nonfinite_steps)
-    for epoch in range(start_epoch, settings.epochs):
-        sampler.set_epoch(epoch)  # a resumed sampler keeps its position in its epoch
-        # The checkpointer restored the sampler with its checkpoint: the loader yields the rest of the epoch.
-        resuming = epoch == start_epoch and bool(progress.sampler)
-        done_batches = progress.batches_in_epoch if resuming else 0
-        total, done_in_epoch = epoch_steps(len(loader), done_batches, settings)
-        bar = tqdm(
-            total=total,
-            initial=done_in_epoch,
-            desc=f"epoch {epoch + 1}/{settings.epochs}",
-            disable=not is_rank_zero,
-            leave=False,
-        )
-        batches = done_in_epoch * settings.gradient_accumulation_steps
-        window = _Window()
-        model.train()
-        for i, batch in enumerate(loader):
-            loss, n_tokens, *extra = loss_fn(batch)
-            (loss * n_tokens).backward()
-            window.add(loss.detach() * n_tokens, n_tokens, *extra)
-            if settings.flops_per_token is not None:
-                rows, seq_len = batch["tokens"].shape
-                window.flops += rows * seq_len * settings.flops_per_token(seq_len)
-            batches += 1
-            if (i + 1) % settings.gradient_accumulation_steps:
-                continue
-            window.reduce()
-            _scale_grads(model, window.global_tokens)
-            norm = _step(model, optimizer, lr_scheduler, settings, guard=guard, step=step + 1, window=window)
-            fault_point("train:step")
-            step += 1
-            done_in_epoch += 1
-            bar.update(1)
-            last_in_epoch = done_in_epoch >= total
-            evaluating = evaluate is not None and (
-                step % settings.eval_every_n_steps == 0 if settings.eval_every_n_steps else last_in_epoch
+        progress = progress or TrainingProgress()
+        start_epoch, step = progress.epoch, progress.step
+        is_rank_zero = not dist.is_initialized() or dist.get_rank() == 0
+        guard = FiniteGuard(max_skipped=settings.max_nonfinite_steps)
+        for epoch in range(start_epoch, settings.epochs):
+            sampler.set_epoch(epoch)  # a resumed sampler keeps its position in its epoch
+            # The checkpointer restored the sampler with its checkpoint: the loader yields the rest of the epoch.
+            resuming = epoch == start_epoch and bool(progress.sampler)
+            done_batches = progress.batches_in_epoch if resuming else 0
+            total, done_in_epoch = epoch_steps(len(loader), done_batches, settings)
+            bar = tqdm(
+                total=total,
+                initial=done_in_epoch,
+                desc=f"epoch {epoch + 1}/{settings.epochs}",
+                disable=not is_rank_zero,
+                leave=False,
             )
-            if evaluating or step % settings.log_every_n_steps == 0:
-                lr = float(optimizer.param_groups[0]["lr"])  # torchao's AdamW8bit/4bit keep it as a CPU tensor
-                row, flag = window.row(
-                    step=step, epoch=epoch, lr=lr, grad_norm=norm, flag=guard.first_bad, settings=settings
-                )
-                if evaluating and not flag:
-                    row["val_loss"] = evaluate(model)
-                logger.log(row)
-                guard.check(flag, step=step)
+            batches = done_in_epoch * settings.gradient_accumulation_steps
             window = _Window()
-            if checkpointer.poll(stop=stop.requested):  # publishes a background save once every rank wrote it
-                raise TrainingStopped(stop.signum or signal.SIGTERM)
-            if last_in_epoch:
-                break
-            if settings.save_every_n_steps and step % settings.save_every_n_steps == 0:
-                _advance(progress, step=step, epoch=epoch, batches_in_epoch=batches)
-                guard.check_before_save(model, step=step)
-                checkpointer.save()
-        bar.close()
-        sampler.set_epoch(epoch + 1)
-        _advance(progress, step=step, epoch=epoch + 1, batches_in_epoch=0)
-        guard.check_before_save(model, step=step)
-        checkpointer.save(final=epoch + 1 == settings.epochs)
-    checkpointer.wait()
-    return progress
+            model.train()
+            for i, batch in enumerate(loader):
+                loss, n_tokens, *extra = loss_fn(batch)
+                (loss * n_tokens).backward()
+                window.add(loss.detach() * n_tokens, n_tokens, *extra)
+                if settings.flops_per_token is not None:
+                    rows, seq_len = batch["tokens"].shape
+                    window.flops += rows * seq_len * settings.flops_per_token(seq_len)
+                batches += 1
+                if (i + 1) % settings.gradient_accumulation_steps:
+                    continue
+                window.reduce()
+                _scale_grads(model, window.global_tokens)
+                norm = _step(model, optimizer, lr_scheduler, settings, guard=guard, step=step + 1, window=window)
+                fault_point("train:step")
+                step += 1
+                done_in_epoch += 1
+                bar.update(1)
+                last_in_epoch = done_in_epoch >= total
+                evaluating = evaluate is not None and (
+                    step % settings.eval_every_n_steps == 0 if settings.eval_every_n_steps else last_in_epoch
+                )
+                if evaluating or step % settings.log_every_n_steps == 0:
+                    lr = float(optimizer.param_groups[0]["lr"])  # torchao's AdamW8bit/4bit keep it as a CPU tensor
+                    row, flag = window.row(
+                        step=step, epoch=epoch, lr=lr, grad_norm=norm, flag=guard.first_bad, settings=settings
+                    )
+                    if evaluating and not flag:
+                        row["val_loss"] = evaluate(model)
+                    logger.log(row)
+                    guard.check(flag, step=step)
+                window = _Window()
+                if checkpointer.poll(stop=stop.requested):  # publishes a background save once every rank wrote it
+                    raise TrainingStopped(stop.signum or signal.SIGTERM)
+                if last_in_epoch:
+                    break
+                if settings.save_every_n_steps and step % settings.save_every_n_steps == 0:
+                    _advance(progress, step=step, epoch=epoch, batches_in_epoch=batches)
+                    guard.check_before_save(model, step=step)
+                    checkpointer.save()
+            bar.close()
+            sampler.set_epoch(epoch + 1)
+            _advance(progress, step=step, epoch=epoch + 1, batches_in_epoch=0)
+            guard.check_before_save(model, step=step)
+            checkpointer.save(final=epoch + 1 == settings.epochs)
+        checkpointer.wait()
+        return progress
 
 
 def _advance(progress: TrainingProgress, *, step: int, epoch: int, batches_in_epoch: int) -> None:
