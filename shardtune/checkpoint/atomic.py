@@ -174,7 +174,7 @@ def written_markers(staging: Path) -> list[str]:
 
 
 def remove_written_markers(staging: Path) -> None:
-    """Drop the markers before the manifest is written (they are not part of the checkpoint)."""
+    """Drop the markers of a published checkpoint (they are not part of it: the manifest leaves them out)."""
     shutil.rmtree(staging / WRITTEN_DIR, ignore_errors=True)
 
 

@@ -492,8 +492,10 @@ class Checkpointer:
             with publish_problems.guard(str(pending.target)):
                 fault_point("save:before_publish")
                 atomic.write_manifest(pending.staging, step=pending.step, epoch=pending.epoch, extra=extra)
-                atomic.remove_written_markers(pending.staging)
+                fault_point("save:manifest_written")
                 atomic.publish(pending.staging, pending.target)
+                # Only now: a stop before the rename leaves a staged save a resume still recognizes as finished.
+                atomic.remove_written_markers(pending.target)
                 for old in atomic.apply_retention(self.output_dir, self.keep_last_n, run_id=self.run_id):
                     log.info("removed old checkpoint %s (keep_last_n=%s)", old, self.keep_last_n)
         comm.raise_on_every_rank(

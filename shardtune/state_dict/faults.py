@@ -36,6 +36,7 @@ POINTS = frozenset(
         "save:mid_tensor",  # the rank's first tensor of the HF weights is written (once per save)
         "save:weights_written",  # weights (and adapters) written, training state not yet
         "save:before_publish",  # rank 0, everything staged, manifest not yet written
+        "save:manifest_written",  # rank 0, the manifest is in the staged directory, not yet renamed
         "save:after_publish",  # the checkpoint is published, save() not yet returned
         "load:mid",  # the first tensor of a model load is in hand (once per load)
         "train:step",  # after every optimizer step

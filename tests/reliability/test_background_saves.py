@@ -110,13 +110,14 @@ def test_a_stop_request_on_one_rank_finishes_and_publishes_the_pending_save_ever
     assert [p.name for p in out.iterdir()] == ["step_1"]
 
 
-def _interrupted_before_publish(base: str, out: str) -> str:
-    """Every rank wrote the staged save; rank 0 fails right before its manifest (as a kill would stop it)."""
+def _interrupted_before_publish(base: str, out: str, point: str) -> str:
+    """Every rank wrote the staged save; rank 0 fails at ``point`` of its publish (before the
+    manifest, or between the manifest and the rename), as a kill would stop it."""
     ck = _build(base, out, async_save=True)
     _fresh(ck)
     ck.progress.batches_in_epoch = 1
     ck.save(step=3, epoch=0)
-    set_fault("save:before_publish:0:raise")
+    set_fault(f"{point}:0:raise")
     try:
         ck.wait()
     except SaveError as exc:
@@ -132,12 +133,13 @@ def _resume(base: str, out: str) -> int | None:
     return None if progress is None else progress.step
 
 
+@pytest.mark.parametrize("point", ["save:before_publish", "save:manifest_written"])
 def test_resume_publishes_a_staged_save_every_rank_finished_and_a_later_save_removes_partial_ones(
-    pool2, tiny_base, tmp_path
+    point, pool2, tiny_base, tmp_path
 ):
     out = tmp_path / "out"
-    outcomes = pool2.run_ok(_interrupted_before_publish, str(tiny_base), str(out), timeout=POOL_TIMEOUT_S)
-    assert all(o.startswith("SaveError") and "save:before_publish" in o for o in outcomes), outcomes
+    outcomes = pool2.run_ok(_interrupted_before_publish, str(tiny_base), str(out), point, timeout=POOL_TIMEOUT_S)
+    assert all(o.startswith("SaveError") and point in o for o in outcomes), outcomes
     (staged,) = [p for p in out.iterdir()]
     assert staged.name.startswith(".tmp-step_3-") and atomic.latest_complete(out) is None
     # A partial staged save beside it: only rank 0 finished writing.
