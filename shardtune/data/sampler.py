@@ -138,7 +138,9 @@ def build_dataloader(
 
     ``drop_last`` drops both the epoch tail that does not divide over the ranks and each
     rank's last partial batch. The loader does not prefetch (``num_workers=0``) so the
-    sampler's ``state_dict()`` is exact between steps.
+    sampler's ``state_dict()`` is exact between steps. Its own generator keeps each new
+    iterator from drawing from the global torch RNG: a run resumed mid-epoch (one iterator more)
+    then continues the uninterrupted run's RNG stream (dropout, layer dropout) exactly.
     """
     if batch_size <= 0:
         raise ValueError(f"batch_size must be > 0, got {batch_size}")
@@ -158,5 +160,6 @@ def build_dataloader(
         drop_last=drop_last,
         num_workers=0,
         pin_memory=pin_memory,
+        generator=torch.Generator().manual_seed(seed),
     )
     return loader, sampler

@@ -123,3 +123,17 @@ def test_dataloader_state_is_exact_between_steps():
         loader, sampler = loader_for(r, 2)
         sampler.load_state_dict(states[r])
         assert len(loader) == 3 and list(loader) == uninterrupted[r][2:]
+
+
+def test_a_new_loader_iterator_leaves_the_global_rng_alone():
+    """A run resumed mid-epoch makes one iterator more than the uninterrupted run: if each drew
+    from torch's global RNG, the resumed run's dropout stream would be one draw off."""
+    loader, _ = build_dataloader(
+        list(range(12)), batch_size=2, rank=0, world_size=1, seed=3, shuffle=True, collate_fn=list
+    )
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    for _ in range(3):
+        next(iter(loader))
+    assert torch.equal(torch.rand(3), expected)
