@@ -303,11 +303,36 @@ HOSTILE_TEMPLATES = {
     "a list of 10^10": ("{% set l = [0] * 10**10 %}{{ l | length }}", "the result of '\\*' would be"),
     "doubling a namespace string": (
         "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
-        "namespace attribute 's' would be",
+        "the result of '~' would be",
     ),
+    "doubling a namespace list of aliases": (
+        "{% set ns = namespace(l=['x' * 100000]) %}{% for i in range(64) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}",
+        "namespace attribute 'l' would be",
+    ),
+    "doubling by '~' without a loop": (
+        "{% set a = 'x' * 1000000 %}" + "{% set a = a ~ a %}" * 40 + "{{ a | length }}",
+        "the result of '~' would be 2000000 long",
+    ),
+    "doubling by '+' without a loop": (
+        "{% set a = 'x' * 1000000 %}" + "{% set a = a + a %}" * 40 + "{{ a | length }}",
+        "the result of '\\+' would be 2000000 long",
+    ),
+    "writing a tree of 2^40 aliases": (
+        "{% set a = ['x' * 1000] %}" + "{% set a = [a, a] %}" * 40 + "{{ a }}",
+        "a value written by {{ }} would be",
+    ),
+    "tojson of a tree of aliases": (
+        "{% set a = ['x' * 1000] %}" + "{% set a = [a, a] %}" * 40 + "{{ a | tojson }}",
+        "an argument of the filter 'tojson' would be",
+    ),
+    "a list of aliases times n": ("{% set a = ['x' * 1000000] %}{{ (a * 1000) | length }}", "the result of '\\*'"),
+    "a '*' width given as an argument": ("{{ '%*d' % (10000000000, 1) }}", "an argument of a '%' format"),
+    "indent of many lines": ("{{ ('x\\n' * 500000) | indent(1000000) }}", "the result of the filter 'indent'"),
+    "expandtabs of many tabs": ("{{ ('\\t' * 1000000).expandtabs(1000000) }}", "the result of expandtabs\\(\\)"),
+    "a macro calling itself": ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "a macro calls itself too deeply"),
     "doubling through macro recursion": (
         "{% macro f(s, n) %}{% if n %}{{ f(s ~ s, n - 1) }}{% endif %}{% endmacro %}{{ f('x', 64) }}",
-        "an argument of .* would be",
+        "the result of '~' would be",
     ),
     "a huge power": ("{{ 10 ** (10 ** 10) }}", "too large a number"),
     "a huge width": ("{{ '{:>9999999999}'.format(1) }}", "a width in format\\(\\)"),
@@ -337,6 +362,12 @@ def test_hostile_chat_template_ends_quickly_naming_the_template(tmp_path, monkey
         template.render([{"role": "user", "content": "hi"}])
     assert time.monotonic() - start < 3, case
     assert str(tmp_path) in str(caught.value) and "built-in one" in str(caught.value)
+
+
+def test_wordwrap_is_not_offered_to_chat_templates():
+    """``wordwrap(1)`` of a 1 MB word is one quadratic call (minutes) that no check can interrupt."""
+    with pytest.raises(ValueError, match="No filter named 'wordwrap'"):
+        JinjaChatTemplate("{{ ('x' * 1000000) | wordwrap(1) }}", name="t", variables={})
 
 
 def test_a_long_conversation_renders_within_the_budget():
