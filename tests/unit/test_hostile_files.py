@@ -417,6 +417,28 @@ def test_a_yaml_value_containing_itself_is_refused(tmp_path):
         load_config(path, schema=RECIPE_SCHEMAS["lora_finetune_distributed"])
 
 
+UNREADABLE_YAML = {
+    "lists nested 100,000 deep": ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    "mappings nested 5,000 deep": ("{a: " * 5_000 + "1" + "}" * 5_000, "nested too deeply"),
+    "an integer of 10,000 digits": ("9" * 10_000, "write a shorter number"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNREADABLE_YAML))
+def test_unreadable_yaml_is_a_config_error_naming_the_file_or_override(tmp_path, case):
+    """RecursionError and int()'s ValueError escaped PyYAML as bare tracebacks."""
+    value, reason = UNREADABLE_YAML[case]
+    path = tmp_path / "deep.yaml"
+    path.write_text(f"seed: {value}\n")
+    with pytest.raises(ConfigError, match=reason) as caught:
+        load_config(path, schema=RECIPE_SCHEMAS["lora_finetune_distributed"])
+    assert str(path) in str(caught.value) and len(str(caught.value)) < 1000
+    path.write_text("seed: 1\n")
+    with pytest.raises(ConfigError, match=reason) as caught:
+        load_config(path, [f"seed={value}"], schema=RECIPE_SCHEMAS["lora_finetune_distributed"])
+    assert "the override value" in str(caught.value) and len(str(caught.value)) < 1000
+
+
 def test_modest_yaml_aliases_still_work(tmp_path):
     path = tmp_path / "ok.yaml"
     path.write_text("a: &lr 0.001\nb: *lr\n")
