@@ -88,12 +88,22 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
             data = yaml.load(f, Loader=_Loader)
     except yaml.YAMLError as e:
         raise ConfigError([f"YAML syntax error: {e}"], source=str(path)) from e
+    except (RecursionError, ValueError) as e:
+        raise ConfigError([_unreadable_yaml(e)], source=str(path)) from None
     _check_expanded_size(data, source=str(path))
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError([f"the top level must be a mapping of keys, got {type_name(data)}"], source=str(path))
     return data
+
+
+def _unreadable_yaml(e: RecursionError | ValueError) -> str:
+    """What PyYAML's recursive reader or ``int()`` met: values nested too deeply, or an integer of
+    thousands of digits (Python refuses to convert it)."""
+    if isinstance(e, RecursionError):
+        return "values are nested too deeply to read (thousands of levels of lists or mappings); flatten them"
+    return f"a value cannot be read ({e}); write a shorter number"
 
 
 def _check_expanded_size(data: Any, *, source: str) -> None:
@@ -145,6 +155,8 @@ def _parse_value(raw: str, spec: Spec | None) -> Any:
         value = yaml.load(raw, Loader=_Loader)
     except yaml.YAMLError:
         return raw
+    except (RecursionError, ValueError) as e:
+        raise ConfigError([_unreadable_yaml(e)], source=f"the override value {raw[:80]!r}") from None
     _check_expanded_size(value, source=f"the override value {raw[:80]!r}")
     wants_str = isinstance(spec, Field) and str in as_types(spec.types)
     if wants_str and isinstance(value, (int, float, bool, dict)):

@@ -141,13 +141,14 @@ def place_run(output_dir: Path, *, policy: str, resuming: bool) -> Path:
         return output_dir
     if policy == "new_run":
         n = 2
-        while (output_dir / f"run_{n}").exists():
+        while os.path.lexists(output_dir / f"run_{n}"):  # a dangling symlink is taken too
             n += 1
         return output_dir / f"run_{n}"
     if policy == "overwrite":
         for name in found:
             path = output_dir / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            # A symlinked checkpoint loses its link, never what it points to (rmtree refuses links).
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
         log.warning("output_dir_policy=overwrite: removed the previous run's %s from %s", ", ".join(found), output_dir)
         return output_dir
     shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")

@@ -89,7 +89,7 @@ def _environment():
     import jinja2
     from jinja2.ext import Extension
 
-    from shardtune.data.jinja_budget import BudgetedSandbox, current_budget
+    from shardtune.data.jinja_budget import BudgetedSandbox, budgeted_filter, current_budget
 
     class GenerationTag(Extension):
         """``{% generation %}...{% endgeneration %}`` renders its body (spans come from prefixes)."""
@@ -134,7 +134,7 @@ def _environment():
         return datetime.now().strftime(fmt)
 
     env = BudgetedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
+    env.filters["tojson"] = budgeted_filter("tojson", tojson)  # json.dumps of an alias tree never ends
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     env.globals["namespace"] = Namespace
@@ -159,13 +159,13 @@ class JinjaChatTemplate:
     def __init__(self, source: str, *, name: str, variables: Mapping[str, str]) -> None:
         import jinja2
 
-        from shardtune.data.jinja_budget import budget_loops
+        from shardtune.data.jinja_budget import budget_concats, budget_loops
 
         self.name = name
         self.variables = dict(variables)
         try:
             env = _environment()
-            self.template = env.from_string(budget_loops(env.parse(source)))
+            self.template = env.from_string(budget_concats(budget_loops(env.parse(source))))
         except jinja2.TemplateError as e:
             raise ValueError(f"{name} is not a valid Jinja template ({e}); set the dataset's template to chat") from e
 

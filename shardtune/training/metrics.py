@@ -72,23 +72,24 @@ class MetricLogger:
 
 def keep_rows_up_to(path: Path, step: int) -> int:
     """Rewrite ``path`` (atomically) without its rows past ``step``; returns how many were dropped.
-    Rows that are not JSON objects with a ``step`` (a line cut by a crash) are dropped too."""
+    Rows that are not JSON objects with a ``step`` (a line cut by a crash, bytes that are not
+    UTF-8, a step of ``1e400``) are dropped too."""
     if not path.is_file():
         return 0
     kept, dropped = [], 0
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().splitlines():  # bytes: one bad line must not stop the resume
         try:
             row = json.loads(line)
             keep = isinstance(row, dict) and int(row["step"]) <= step
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, OverflowError):
             keep = False
         if keep:
-            kept.append(line + "\n")
+            kept.append(line + b"\n")
         elif line.strip():
             dropped += 1
     if dropped:
         tmp = path.with_name(path.name + ".part")
-        tmp.write_text("".join(kept))
+        tmp.write_bytes(b"".join(kept))
         os.replace(tmp, path)
     return dropped
 

@@ -303,11 +303,36 @@ HOSTILE_TEMPLATES = {
     "a list of 10^10": ("{% set l = [0] * 10**10 %}{{ l | length }}", "the result of '\\*' would be"),
     "doubling a namespace string": (
         "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
-        "namespace attribute 's' would be",
+        "the result of '~' would be",
     ),
+    "doubling a namespace list of aliases": (
+        "{% set ns = namespace(l=['x' * 100000]) %}{% for i in range(64) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}",
+        "namespace attribute 'l' would be",
+    ),
+    "doubling by '~' without a loop": (
+        "{% set a = 'x' * 1000000 %}" + "{% set a = a ~ a %}" * 40 + "{{ a | length }}",
+        "the result of '~' would be 2000000 long",
+    ),
+    "doubling by '+' without a loop": (
+        "{% set a = 'x' * 1000000 %}" + "{% set a = a + a %}" * 40 + "{{ a | length }}",
+        "the result of '\\+' would be 2000000 long",
+    ),
+    "writing a tree of 2^40 aliases": (
+        "{% set a = ['x' * 1000] %}" + "{% set a = [a, a] %}" * 40 + "{{ a }}",
+        "a value written by {{ }} would be",
+    ),
+    "tojson of a tree of aliases": (
+        "{% set a = ['x' * 1000] %}" + "{% set a = [a, a] %}" * 40 + "{{ a | tojson }}",
+        "an argument of the filter 'tojson' would be",
+    ),
+    "a list of aliases times n": ("{% set a = ['x' * 1000000] %}{{ (a * 1000) | length }}", "the result of '\\*'"),
+    "a '*' width given as an argument": ("{{ '%*d' % (10000000000, 1) }}", "an argument of a '%' format"),
+    "indent of many lines": ("{{ ('x\\n' * 500000) | indent(1000000) }}", "the result of the filter 'indent'"),
+    "expandtabs of many tabs": ("{{ ('\\t' * 1000000).expandtabs(1000000) }}", "the result of expandtabs\\(\\)"),
+    "a macro calling itself": ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "a macro calls itself too deeply"),
     "doubling through macro recursion": (
         "{% macro f(s, n) %}{% if n %}{{ f(s ~ s, n - 1) }}{% endif %}{% endmacro %}{{ f('x', 64) }}",
-        "an argument of .* would be",
+        "the result of '~' would be",
     ),
     "a huge power": ("{{ 10 ** (10 ** 10) }}", "too large a number"),
     "a huge width": ("{{ '{:>9999999999}'.format(1) }}", "a width in format\\(\\)"),
@@ -337,6 +362,12 @@ def test_hostile_chat_template_ends_quickly_naming_the_template(tmp_path, monkey
         template.render([{"role": "user", "content": "hi"}])
     assert time.monotonic() - start < 3, case
     assert str(tmp_path) in str(caught.value) and "built-in one" in str(caught.value)
+
+
+def test_wordwrap_is_not_offered_to_chat_templates():
+    """``wordwrap(1)`` of a 1 MB word is one quadratic call (minutes) that no check can interrupt."""
+    with pytest.raises(ValueError, match="No filter named 'wordwrap'"):
+        JinjaChatTemplate("{{ ('x' * 1000000) | wordwrap(1) }}", name="t", variables={})
 
 
 def test_a_long_conversation_renders_within_the_budget():
@@ -384,6 +415,28 @@ def test_a_yaml_value_containing_itself_is_refused(tmp_path):
     path.write_text("seed: &a [1, *a]\n")
     with pytest.raises(ConfigError, match="refers to a value that contains it"):
         load_config(path, schema=RECIPE_SCHEMAS["lora_finetune_distributed"])
+
+
+UNREADABLE_YAML = {
+    "lists nested 100,000 deep": ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    "mappings nested 5,000 deep": ("{a: " * 5_000 + "1" + "}" * 5_000, "nested too deeply"),
+    "an integer of 10,000 digits": ("9" * 10_000, "write a shorter number"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNREADABLE_YAML))
+def test_unreadable_yaml_is_a_config_error_naming_the_file_or_override(tmp_path, case):
+    """RecursionError and int()'s ValueError escaped PyYAML as bare tracebacks."""
+    value, reason = UNREADABLE_YAML[case]
+    path = tmp_path / "deep.yaml"
+    path.write_text(f"seed: {value}\n")
+    with pytest.raises(ConfigError, match=reason) as caught:
+        load_config(path, schema=RECIPE_SCHEMAS["lora_finetune_distributed"])
+    assert str(path) in str(caught.value) and len(str(caught.value)) < 1000
+    path.write_text("seed: 1\n")
+    with pytest.raises(ConfigError, match=reason) as caught:
+        load_config(path, [f"seed={value}"], schema=RECIPE_SCHEMAS["lora_finetune_distributed"])
+    assert "the override value" in str(caught.value) and len(str(caught.value)) < 1000
 
 
 def test_modest_yaml_aliases_still_work(tmp_path):

@@ -97,3 +97,14 @@ def test_a_resumed_run_replaces_the_rows_after_its_checkpoint_instead_of_interle
     rows = _strict_rows(path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in rows] == [11.0, 12.0, 13.0, 4.0, 5.0, 6.0]
+
+
+def test_a_resume_drops_undecodable_and_overflowing_metrics_rows(tmp_path):
+    """Found by the red team: a non-UTF-8 line raised UnicodeDecodeError (the resume stopped),
+    a step of 1e400 an OverflowError."""
+    from shardtune.training.metrics import keep_rows_up_to
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1}\n\xff\xfe garbage\n{"step": 1e400}\n{"step": 2}\n{"step": 9}\n{"step": 10, "lo')
+    assert keep_rows_up_to(path, 5) == 4
+    assert path.read_bytes() == b'{"step": 1}\n{"step": 2}\n'

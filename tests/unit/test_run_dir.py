@@ -141,3 +141,21 @@ def test_lock_body_names_host_pid_and_start_time(tmp_path):
     body = json.loads((tmp_path / run_dir.LOCK_NAME).read_text())
     lock.release()
     assert body["host"] == socket.gethostname() and body["pid"] == os.getpid() and body["started"] >= start - 1
+
+
+def test_overwrite_removes_a_symlinked_checkpoint_link_only_and_new_run_skips_a_dangling_link(tmp_path):
+    """Found by the red team: overwrite crashed on ``step_5 -> elsewhere`` (rmtree refuses links),
+    and new_run picked a dangling ``run_2`` link, which mkdir then refused."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "precious").write_text("x")
+    os.symlink(elsewhere, out / "step_5")
+    assert run_dir.place_run(out, policy="overwrite", resuming=False) == out
+    assert not os.path.lexists(out / "step_5") and (elsewhere / "precious").read_text() == "x"
+
+    (out / "metrics.jsonl").write_text("{}\n")
+    os.symlink(tmp_path / "nowhere", out / "run_2")
+    placed = run_dir.place_run(out, policy="new_run", resuming=False)
+    assert placed == out / "run_3"
+    placed.mkdir()
