@@ -31,6 +31,12 @@ LORA_TARGETS = (
 # ``dtype``: the compute dtype of the recipes (``shardtune.recipes._setup`` maps each to a torch dtype).
 DTYPES = ("bf16", "fp32")
 
+# ``dpo.loss``: computed by ``shardtune.models.preference_losses``.
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
+
+# ``layer_dropout.schedule``: how the skip probability grows with depth (``shardtune.models.layer_dropout``).
+LAYER_DROPOUT_SCHEDULES = ("uniform", "linear", "exponential")
+
 # ``output_dir_policy``: what a fresh run does in an output_dir holding another run's outputs
 # (``shardtune.checkpoint.run_dir``).
 OUTPUT_DIR_POLICIES = ("refuse", "new_run", "overwrite")

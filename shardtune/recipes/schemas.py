@@ -11,7 +11,15 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from shardtune.choices import DTYPES, LORA_TARGETS, LR_SCHEDULES, OPTIMIZERS, OUTPUT_DIR_POLICIES
+from shardtune.choices import (
+    DTYPES,
+    LAYER_DROPOUT_SCHEDULES,
+    LORA_TARGETS,
+    LR_SCHEDULES,
+    OPTIMIZERS,
+    OUTPUT_DIR_POLICIES,
+    PREFERENCE_LOSSES,
+)
 from shardtune.config_validation import Field, OneOrMany, Schema
 from shardtune.model_presets import preset_names
 
@@ -270,7 +278,7 @@ EARLY_EXIT_SECTION = Schema(
 LAYER_DROPOUT_SECTION = Schema(
     {
         "max_prob": Field(float, 0.2, ge=0, le=1),
-        "schedule": Field(str, "uniform", choices=("uniform", "linear", "exponential")),
+        "schedule": Field(str, "uniform", choices=LAYER_DROPOUT_SCHEDULES),
         "layers": Field((str, list, None), None, item=int, help="null for all, a slice string or layer ids"),
     },
     nullable=True,
@@ -293,7 +301,7 @@ def _check_preference_data(cfg: dict[str, Any]) -> list[str]:
 
 DPO_SECTION = Schema(
     {
-        "loss": Field(str, "sigmoid", choices=("sigmoid", "ipo", "simpo"), help="sigmoid (DPO), ipo, simpo"),
+        "loss": Field(str, "sigmoid", choices=PREFERENCE_LOSSES, help="sigmoid (DPO), ipo, simpo"),
         "beta": Field(float, 0.1, gt=0),
         "label_smoothing": Field(float, 0.0, ge=0, lt=0.5, help="conservative DPO (sigmoid and simpo)"),
         "simpo_gamma": Field(float, 0.5, ge=0, help="SimPO's target reward margin"),

@@ -1,7 +1,8 @@
 """Optimizers and learning-rate schedules built from config values.
 
 Rule: the ``optimizer.name`` and ``lr_scheduler.name`` values are :data:`shardtune.choices.OPTIMIZERS`
-and :data:`~shardtune.choices.LR_SCHEDULES` (the config schema offers the same lists). The low-bit AdamWs (torchao) quantize a state tensor on every rank or on none, so a
+and :data:`~shardtune.choices.LR_SCHEDULES` (the config schema offers the same lists). The low-bit
+AdamWs (torchao) quantize a state tensor on every rank or on none, so a
 checkpoint stores each state one way (see :mod:`shardtune.state_dict.quantized`).
 """
 
