@@ -45,23 +45,22 @@ results = {
     "run_help": call(["run", "--help"]),
     "run_check": call(["run", "lora_finetune_distributed", "--config", "tiny/lora", "lora.rank=0"]),
 }
-heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "torchao", "peft")
-               or m == "safetensors.torch")
+heavy = sorted(m for m in sys.modules if m in HEAVY or m.split(".")[0] in HEAVY)
 print(json.dumps({"results": results, "heavy": heavy}))
 """
 
-_BLOCK = f"""
+_BLOCK = """
 import sys
 class _Refuse:
     def find_spec(self, name, path=None, target=None):
-        if name in {HEAVY!r} or name.split(".")[0] in {HEAVY[:4]!r}:
-            raise ImportError(f"{{name}} is blocked: the CLI must not import it")
+        if name in HEAVY or name.split(".")[0] in HEAVY:
+            raise ImportError(f"{name} is blocked: the CLI must not import it")
 sys.meta_path.insert(0, _Refuse())
 """
 
 
 def _run_cli(tmp_path: Path, *, blocked: bool) -> dict:
-    code = (_BLOCK if blocked else "") + _CLI_CALLS
+    code = f"HEAVY = {HEAVY!r}\n" + (_BLOCK if blocked else "") + _CLI_CALLS
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path / "copy.yaml")],
