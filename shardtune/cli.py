@@ -12,10 +12,12 @@
                        [--chat] [--adapter DIR]      (also under torchrun: the model is then sharded)
 
 ``shardtune run`` validates a registered recipe's config before torchrun starts any rank: every
-problem in one report, exit code 2. Rule: this module and what ``ls``, ``cp``, ``validate``, ``--help``
-and that check need import no torch (:mod:`shardtune.recipes.registry` names recipes by module); the
-other commands import what they run inside their function. A run that fails prints its root cause once, exit code 1
+problem in one report, exit code 2. A run that fails prints its root cause once, exit code 1
 (:mod:`shardtune.run_errors`; ``--debug`` or ``SHARDTUNE_DEBUG=1`` adds every rank's traceback).
+
+Rule: this module, and all that ``ls``, ``cp``, ``validate``, ``--help`` and ``run``'s config check
+need, import no torch (:mod:`shardtune.recipes.registry` names recipes by module), so they answer in
+well under a second; the other commands import what they run inside their function.
 """
 
 from __future__ import annotations
