@@ -14,6 +14,10 @@
 ``shardtune run`` validates a registered recipe's config before torchrun starts any rank: every
 problem in one report, exit code 2. A run that fails prints its root cause once, exit code 1
 (:mod:`shardtune.run_errors`; ``--debug`` or ``SHARDTUNE_DEBUG=1`` adds every rank's traceback).
+
+Rule: this module, and all that ``ls``, ``cp``, ``validate``, ``--help`` and ``run``'s config check
+need, import no torch (:mod:`shardtune.recipes.registry` names recipes by module), so they answer in
+well under a second; the other commands import what they run inside their function.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import tempfile
 from pathlib import Path
 
 from shardtune import run_errors
-from shardtune.recipes.registry import RECIPES, UnknownRecipe, get_recipe, recipe_of_config
+from shardtune.config import ConfigError, load_config, resolve_config_path
+from shardtune.recipes.registry import RECIPES, UnknownRecipe, get_recipe, load_recipe_config, recipe_of_config
 
 
 def cmd_run(argv: list[str]) -> int:
@@ -128,10 +133,7 @@ def split_run_args(argv: list[str]) -> tuple[list[str], str, list[str]]:
 
 def _config_problems(recipe: str, recipe_args: list[str]) -> str | None:
     """The report of everything wrong with the recipe name and its config, or None: the check
-    each rank makes at start (:func:`~shardtune.recipes._entry.load_recipe_config`)."""
-    from shardtune.config import ConfigError
-    from shardtune.recipes._entry import load_recipe_config
-
+    each rank makes at start (:func:`~shardtune.recipes.registry.load_recipe_config`)."""
     try:
         load_recipe_config(recipe, recipe_args)
     except UnknownRecipe as exc:
@@ -167,8 +169,6 @@ def cmd_ls(_: argparse.Namespace) -> int:
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
-    from shardtune.config import resolve_config_path
-
     source = resolve_config_path(args.config)
     dest = Path(args.path)
     if dest.is_dir():
@@ -196,8 +196,6 @@ def _recipe_of(args: argparse.Namespace, *, command: str):
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from shardtune.config import ConfigError, load_config
-
     recipe = _recipe_of(args, command="validate")
     try:
         load_config(args.config, args.overrides, schema=recipe.schema)
@@ -290,7 +288,6 @@ def cmd_inspect_data(args: argparse.Namespace) -> int:
     """One JSON object per sample, exactly as the recipe tokenizes and masks it (unpacked, in dataset order)."""
     import json
 
-    from shardtune.config import ConfigError, load_config
     from shardtune.data import iter_samples
 
     recipe = _recipe_of(args, command="inspect-data")

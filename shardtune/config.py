@@ -13,9 +13,9 @@ lists every problem (malformed overrides included). Recipes extend the shared
 
 YAML floats: ``3e-4`` (no dot) is read as a float, not YAML 1.1's string.
 
-The recipe schemas (``BASE_SCHEMA``, ``LORA_SCHEMA``, ``KD_SCHEMA``, ``EARLY_EXIT_SCHEMA``,
-``DATASET_SCHEMA``, ``RECIPE_SCHEMAS``) live in ``shardtune.configs.schemas`` and are importable
-from here too (loaded on first access).
+The recipe schemas (``BASE_SCHEMA``, ``LORA_SCHEMA``, ...) live beside the recipes, in
+:mod:`shardtune.recipes.schemas`; a recipe's schema is ``get_recipe(name).schema``
+(:mod:`shardtune.recipes.registry`). This module knows no recipe and imports no torch.
 """
 
 from __future__ import annotations
@@ -314,17 +314,3 @@ def load_config(path_or_name: str | Path, overrides: Sequence[str] = (), *, sche
     if problems + invalid:
         raise ConfigError(problems + invalid, source=str(path))
     return Config(normalized)
-
-
-_SCHEMA_NAMES = frozenset(
-    ["BASE_SCHEMA", "DATASET_SCHEMA", "EARLY_EXIT_SCHEMA", "KD_SCHEMA", "LORA_SCHEMA", "RECIPE_SCHEMAS"]
-)
-
-
-def __getattr__(name: str) -> Any:
-    """The recipe schemas, defined in ``shardtune.configs.schemas`` (loaded on first use)."""
-    if name in _SCHEMA_NAMES:
-        from shardtune.configs import schemas
-
-        return getattr(schemas, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 
 from shardtune.checkpoint import atomic
+from shardtune.choices import OUTPUT_DIR_POLICIES
 
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
 METRICS_NAME = "metrics.jsonl"
-POLICIES = ("refuse", "new_run", "overwrite")
 
 
 class OutputDirError(RuntimeError):
@@ -134,8 +134,8 @@ def has_resumable(output_dir: Path) -> bool:
 def place_run(output_dir: Path, *, policy: str, resuming: bool) -> Path:
     """Where this run writes: ``output_dir`` itself, unless it is fresh (``resuming`` is False)
     and ``output_dir`` holds another run's outputs; then ``policy`` decides (see the module)."""
-    if policy not in POLICIES:
-        raise ValueError(f"output_dir_policy={policy!r}: choose one of {', '.join(POLICIES)}")
+    if policy not in OUTPUT_DIR_POLICIES:
+        raise ValueError(f"output_dir_policy={policy!r}: choose one of {', '.join(OUTPUT_DIR_POLICIES)}")
     found = [] if resuming else other_run_outputs(output_dir)
     if not found:
         return output_dir

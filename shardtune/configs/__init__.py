@@ -1,1 +1,1 @@
-"""Bundled recipe configs (``<name>.yaml``, e.g. ``tiny/lora``) and the recipe config schemas."""
+"""Bundled recipe configs (``<name>.yaml``, e.g. ``tiny/lora``); their schemas are in ``shardtune.recipes.schemas``."""

@@ -340,7 +340,7 @@ def _plain(value: Any) -> Any:
 def load_spec_records(spec: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
     """A dataset entry validated against ``DATASET_SCHEMA`` (defaults filled), its records (at most
     ``max_samples``) and its name for messages; an empty dataset raises naming it."""
-    from shardtune.configs.schemas import DATASET_SCHEMA
+    from shardtune.recipes.schemas import DATASET_SCHEMA
 
     source = str(spec.get("path", "<dataset>"))
     spec = validated(_plain(spec), DATASET_SCHEMA, source=f"dataset {source}")

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal
 
+from shardtune.choices import LAYER_DROPOUT_SCHEDULES
+
 __all__ = ["LayerDropoutSchedule", "layer_dropout_probs", "parse_layer_range"]
 
 LayerDropoutSchedule = Literal["uniform", "linear", "exponential"]
-_SCHEDULES = ("uniform", "linear", "exponential")
 
 
 def parse_layer_range(layers: str | Iterable[int] | None, n_layers: int) -> list[bool]:
@@ -59,7 +60,7 @@ def layer_dropout_probs(
     """Per-layer skip probabilities for ``n_layers`` layers."""
     if not 0.0 <= max_prob <= 1.0:
         raise ValueError(f"layer dropout max_prob must be in [0, 1], got {max_prob}")
-    if schedule not in _SCHEDULES:
-        raise ValueError(f"layer dropout schedule {schedule!r} is unknown; use one of {_SCHEDULES}")
+    if schedule not in LAYER_DROPOUT_SCHEDULES:
+        raise ValueError(f"layer dropout schedule {schedule!r} is unknown; use one of {LAYER_DROPOUT_SCHEDULES}")
     enabled = parse_layer_range(layers, n_layers)
     return [max_prob * _scale(schedule, i, n_layers) if enabled[i] else 0.0 for i in range(n_layers)]

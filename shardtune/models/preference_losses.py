@@ -27,10 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from shardtune.choices import PREFERENCE_LOSSES
+
 __all__ = ["PREFERENCE_LOSSES", "PreferenceLoss", "PreferenceLosses", "preference_loss", "sequence_logps"]
 
 PreferenceLoss = Literal["sigmoid", "ipo", "simpo"]
-PREFERENCE_LOSSES: tuple[str, ...] = ("sigmoid", "ipo", "simpo")
 _LENGTH_NORMALIZED = frozenset({"ipo", "simpo"})
 
 

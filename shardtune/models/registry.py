@@ -1,7 +1,8 @@
-"""Named model presets and builders."""
+"""Named model presets (the table is :data:`shardtune.model_presets.PRESETS`) and builders."""
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any
 
 import torch
 
+from shardtune.model_presets import PRESETS
 from shardtune.models.args import ModelArgs, model_args_from_hf_config
 from shardtune.models.llama import LlamaForCausalLM
 
@@ -21,76 +23,8 @@ __all__ = [
     "register_model_args",
 ]
 
-_LLAMA3_1_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
-_LLAMA3_2_ROPE = {**_LLAMA3_1_ROPE, "factor": 32.0}
-_LLAMA3_TOKENS = {"bos_token_id": 128000, "eos_token_id": 128001}
-
-_REGISTRY: dict[str, ModelArgs] = {
-    # ~3.3M params, byte-level vocab: for tests, CI and smoke runs. Every linear's numel is a
-    # multiple of 64*256 so QLoRA (NF4, default block sizes) applies to all of them.
-    "tiny": ModelArgs(
-        vocab_size=256,
-        dim=256,
-        n_layers=4,
-        n_heads=8,
-        n_kv_heads=4,
-        intermediate_size=768,
-        norm_eps=1e-5,
-        rope_theta=500000.0,
-        max_seq_len=2048,
-    ),
-    "llama3_2_1b": ModelArgs(
-        vocab_size=128256,
-        dim=2048,
-        n_layers=16,
-        n_heads=32,
-        n_kv_heads=8,
-        head_dim=64,
-        intermediate_size=8192,
-        norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=_LLAMA3_2_ROPE,
-        max_seq_len=131072,
-        tie_word_embeddings=True,
-        extra=_LLAMA3_TOKENS,
-    ),
-    "llama3_2_3b": ModelArgs(
-        vocab_size=128256,
-        dim=3072,
-        n_layers=28,
-        n_heads=24,
-        n_kv_heads=8,
-        head_dim=128,
-        intermediate_size=8192,
-        norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=_LLAMA3_2_ROPE,
-        max_seq_len=131072,
-        tie_word_embeddings=True,
-        extra=_LLAMA3_TOKENS,
-    ),
-    "llama3_1_8b": ModelArgs(
-        vocab_size=128256,
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        head_dim=128,
-        intermediate_size=14336,
-        norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=_LLAMA3_1_ROPE,
-        max_seq_len=131072,
-        tie_word_embeddings=False,
-        extra=_LLAMA3_TOKENS,
-    ),
-}
+# Built from the one table of presets (plain data, read by the config schemas without torch).
+_REGISTRY: dict[str, ModelArgs] = {name: ModelArgs(**copy.deepcopy(fields)) for name, fields in PRESETS.items()}
 
 
 def list_models() -> list[str]:

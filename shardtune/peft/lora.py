@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shardtune.choices import LORA_TARGETS
 from shardtune.peft import nf4
 from shardtune.peft.adapters import is_adapter_key, merge_lora_weight, peft_adapter_config
 
@@ -32,19 +33,6 @@ __all__ = [
     "merge_lora",
     "resolve_targets",
 ]
-
-LORA_TARGETS = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "qkv_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "gate_up_proj",
-    "down_proj",
-    "lm_head",
-)
 
 
 @dataclass

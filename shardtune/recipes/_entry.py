@@ -2,33 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import NoReturn
 
 from shardtune import run_errors
-from shardtune.config import Config, ConfigError, load_config
+from shardtune.config import Config, ConfigError
 from shardtune.distributed import end_process
-from shardtune.recipes.registry import get_recipe
+from shardtune.recipes.registry import load_recipe_config
 from shardtune.training.signals import TrainingStopped
-
-
-def load_recipe_config(name: str, argv: Sequence[str], *, description: str | None = None) -> Config:
-    """The validated config of the registered recipe ``name`` from its arguments (``--config C [key=value ...]``).
-
-    The one check of a recipe's config: ``shardtune run`` makes it before launching torchrun, and
-    every rank makes it again at start. Raises ``ConfigError`` listing every problem (and
-    ``UnknownRecipe`` for a name not in the registry); malformed arguments exit with code 2, as
-    argparse does.
-    """
-    schema = get_recipe(name).schema
-    parser = argparse.ArgumentParser(prog=f"shardtune run {name}", description=description)
-    parser.add_argument("--config", required=True, help="bundled config name (e.g. tiny/lora) or a YAML path")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optimizer.lr=1e-4")
-    args = parser.parse_args(list(argv))
-    return load_config(args.config, args.overrides, schema=schema)
 
 
 def main(recipe: Callable[[Config], None], name: str, argv: list[str] | None = None) -> int:

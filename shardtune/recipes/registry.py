@@ -2,17 +2,22 @@
 
 Rule: ``shardtune ls``, ``shardtune run``, ``shardtune validate`` and every schema lookup read :data:`RECIPES`; a
 recipe or a bundled config that is not listed here does not exist for them. To add a recipe, write its module in
-``shardtune/recipes/`` and add one :class:`Recipe` line below.
+``shardtune/recipes/``, its schema in :mod:`shardtune.recipes.schemas`, and add one :class:`Recipe` line below.
+Torch-free: a recipe is named by its module, never imported here, so the CLI lists and checks configs in well
+under a second and ``shardtune run`` reports a bad config before torchrun (and torch) start.
 """
 
 from __future__ import annotations
 
+import argparse
 import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardtune.config import CONFIGS_DIR, Schema
-from shardtune.configs.schemas import (
+from shardtune.config import CONFIGS_DIR, Config, load_config
+from shardtune.config_validation import Schema
+from shardtune.recipes.schemas import (
     BASE_SCHEMA,
     EARLY_EXIT_SCHEMA,
     FULL_DPO_SCHEMA,
@@ -98,3 +103,19 @@ def recipe_of_config(config: str | Path) -> Recipe | None:
             return None
     stem = path.as_posix().removesuffix(".yaml").removesuffix(".yml")
     return next((r for r in RECIPES.values() if stem in r.configs), None)
+
+
+def load_recipe_config(name: str, argv: Sequence[str], *, description: str | None = None) -> Config:
+    """The validated config of the registered recipe ``name`` from its arguments (``--config C [key=value ...]``).
+
+    The one check of a recipe's config: ``shardtune run`` makes it before launching torchrun, and
+    every rank makes it again at start (:mod:`shardtune.recipes._entry`). Raises ``ConfigError``
+    listing every problem (and :class:`UnknownRecipe` for a name not in the registry); malformed
+    arguments exit with code 2, as argparse does.
+    """
+    schema = get_recipe(name).schema
+    parser = argparse.ArgumentParser(prog=f"shardtune run {name}", description=description)
+    parser.add_argument("--config", required=True, help="bundled config name (e.g. tiny/lora) or a YAML path")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optimizer.lr=1e-4")
+    args = parser.parse_args(list(argv))
+    return load_config(args.config, args.overrides, schema=schema)

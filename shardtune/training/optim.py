@@ -1,7 +1,8 @@
 """Optimizers and learning-rate schedules built from config values.
 
-Rule: :data:`OPTIMIZERS` is the one list of ``optimizer.name`` values (the config schema reads
-it). The low-bit AdamWs (torchao) quantize a state tensor on every rank or on none, so a
+Rule: the ``optimizer.name`` and ``lr_scheduler.name`` values are :data:`shardtune.choices.OPTIMIZERS`
+and :data:`~shardtune.choices.LR_SCHEDULES` (the config schema offers the same lists). The low-bit
+AdamWs (torchao) quantize a state tensor on every rank or on none, so a
 checkpoint stores each state one way (see :mod:`shardtune.state_dict.quantized`).
 """
 
@@ -16,11 +17,10 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from shardtune.choices import LR_SCHEDULES, OPTIMIZERS
 from shardtune.state_dict import comm
 from shardtune.state_dict.layout import layout_of, local_tensor
 
-OPTIMIZERS = ("adamw", "adamw_fused", "adamw8bit", "adamw4bit", "sgd")
-SCHEDULES = ("cosine", "linear", "constant")
 _MIN_QUANTIZED = 4096  # torchao (after bitsandbytes) keeps smaller tensors' state in full precision
 
 
@@ -172,8 +172,8 @@ def build_lr_scheduler(
 ) -> LrSchedule:
     """Linear warmup for ``warmup_steps``, then cosine / linear decay to ``min_lr_ratio`` or constant
     (see :class:`ScheduleSpec`); ``samples_per_step`` (the global batch) and ``length`` are for resumes."""
-    if name not in SCHEDULES:
-        raise ValueError(f"lr_scheduler.name={name!r} is not supported; choose one of {SCHEDULES}")
+    if name not in LR_SCHEDULES:
+        raise ValueError(f"lr_scheduler.name={name!r} is not supported; choose one of {LR_SCHEDULES}")
     spec = ScheduleSpec(name, warmup_steps, max(total_steps, 1), min_lr_ratio, samples_per_step, length)
     return LrSchedule(optimizer, spec)
 

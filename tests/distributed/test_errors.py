@@ -139,11 +139,11 @@ def test_errors_on_world4(pool4):
 
 def _config_differs_on_one_rank():
     from shardtune.config import load_config
-    from shardtune.configs.schemas import RECIPE_SCHEMAS
     from shardtune.recipes._setup import _agree_on_config
+    from shardtune.recipes.registry import get_recipe
 
     lr = "0.01" if dist.get_rank() == 0 else "0.02"
-    cfg = load_config("tiny/full", [f"optimizer.lr={lr}"], schema=RECIPE_SCHEMAS["full_finetune_distributed"])
+    cfg = load_config("tiny/full", [f"optimizer.lr={lr}"], schema=get_recipe("full_finetune_distributed").schema)
     _agree_on_config(cfg)
 
 

@@ -39,7 +39,7 @@ def _small_model_dir(path):
 def _setup_on_rank(checkpoint_dir: str, preset: str | None, key: str, preset_key: str, output_dir: str):
     keys = {key: checkpoint_dir, preset_key: preset}
     from shardtune.config import REQUIRED, Field
-    from shardtune.configs.schemas import BASE_SCHEMA
+    from shardtune.recipes.schemas import BASE_SCHEMA
 
     defaults = {
         n: f.default for n, f in BASE_SCHEMA.fields.items() if isinstance(f, Field) and f.default is not REQUIRED

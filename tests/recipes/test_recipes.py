@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from shardtune.config import load_config
-from shardtune.configs.schemas import RECIPE_SCHEMAS
 from shardtune.data import build_dataset, collate, load_tokenizer
 from shardtune.data.sampler import ResumableDistributedSampler
+from shardtune.recipes.registry import get_recipe
 from tests.recipes.conftest import losses, resume_copy, run_recipe
 
 pytestmark = pytest.mark.timeout(900)
@@ -63,7 +63,7 @@ def runs(tiny_dirs, tmp_path_factory) -> dict[str, Path]:
 
 def _first_global_batch(config: str, base: Path, *, packed: bool = False) -> list[dict]:
     cfg = load_config(
-        config, ["output_dir=/unused", f"checkpoint_dir={base}"], schema=RECIPE_SCHEMAS[CASES_BY_CONFIG[config]]
+        config, ["output_dir=/unused", f"checkpoint_dir={base}"], schema=get_recipe(CASES_BY_CONFIG[config]).schema
     )
     tokenizer = load_tokenizer(cfg.tokenizer, checkpoint_dir=base)
     datasets = cfg.dataset if isinstance(cfg.dataset, (list, tuple)) else [cfg.dataset]
@@ -267,7 +267,7 @@ def test_multi_dataset_config_draws_from_both(tiny_dirs):
     cfg = load_config(
         "tiny/lora_multi_dataset",
         [f"checkpoint_dir={tiny_dirs['base']}"],
-        schema=RECIPE_SCHEMAS["lora_finetune_distributed"],
+        schema=get_recipe("lora_finetune_distributed").schema,
     )
     tokenizer = load_tokenizer(cfg.tokenizer, checkpoint_dir=tiny_dirs["base"])
     dataset = build_dataset([d.to_dict() for d in cfg.dataset], tokenizer, max_seq_len=cfg.max_seq_len)

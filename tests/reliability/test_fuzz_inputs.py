@@ -45,7 +45,7 @@ from shardtune.config import (
     load_yaml,
     resolve_config_path,
 )
-from shardtune.configs.schemas import RECIPE_SCHEMAS
+from shardtune.recipes.registry import get_recipe
 from shardtune.state_dict.keys import StateDictError
 from shardtune.training import (
     get_full_optimizer_state_dict,
@@ -338,7 +338,7 @@ def test_damaged_optimizer_state_dict(pool2, mutation, rank0_only):
 
 # --- configs -------------------------------------------------------------------------------------
 
-SCHEMA = RECIPE_SCHEMAS["lora_finetune_distributed"]
+SCHEMA = get_recipe("lora_finetune_distributed").schema
 RAW_CONFIG = load_yaml(resolve_config_path("tiny/lora"))
 KNOWN_KEYS = [
     "output_dir",

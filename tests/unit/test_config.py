@@ -6,11 +6,6 @@ import pytest
 import yaml
 
 from shardtune.config import (
-    BASE_SCHEMA,
-    EARLY_EXIT_SCHEMA,
-    KD_SCHEMA,
-    LORA_SCHEMA,
-    RECIPE_SCHEMAS,
     Config,
     ConfigError,
     Field,
@@ -22,6 +17,8 @@ from shardtune.config import (
     resolve_config_path,
     validate,
 )
+from shardtune.recipes.registry import RECIPES
+from shardtune.recipes.schemas import BASE_SCHEMA, EARLY_EXIT_SCHEMA, KD_SCHEMA, LORA_SCHEMA
 
 MINIMAL = {
     "output_dir": "/tmp/out",
@@ -176,7 +173,7 @@ def test_nullable_sections_and_schema_extension(tmp_path):
     assert load_config(path, ["flag=true"], schema=custom).my_section.k == 2
     assert validate({**MINIMAL, "flag": 1}, custom) == ["flag: expected bool, got int 1"]
     assert validate({**MINIMAL, "flag": True}, BASE_SCHEMA) == ["flag: unknown key"]
-    assert set(RECIPE_SCHEMAS) == {
+    assert set(RECIPES) == {
         "full_finetune_distributed",
         "lora_finetune_distributed",
         "knowledge_distillation_distributed",

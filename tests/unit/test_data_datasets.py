@@ -247,7 +247,8 @@ def test_bundled_assets_are_regenerated_identically_and_load(tok):
 
 
 def test_build_dataset_from_a_loaded_config(tok):
-    from shardtune.config import LORA_SCHEMA, load_config
+    from shardtune.config import load_config
+    from shardtune.recipes.schemas import LORA_SCHEMA
 
     cfg = load_config("tiny/lora_multi_dataset", ["max_seq_len=64", "dataset.1.max_samples=5"], schema=LORA_SCHEMA)
     ds = build_dataset(cfg.dataset, tok, max_seq_len=cfg.max_seq_len, packed=True)

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from shardtune.config import LORA_SCHEMA, load_config
+from shardtune.config import load_config
 from shardtune.data import build_byte_tokenizer, build_config_dataset, iter_samples
+from shardtune.recipes.schemas import LORA_SCHEMA
 
 IGNORE = -100
 BOS, EOS, PAD = 0, 1, 2

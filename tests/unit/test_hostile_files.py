@@ -29,9 +29,9 @@ from shardtune.checkpoint.safetensors_io import CheckpointError
 from shardtune.checkpoint.state import TrainingProgress
 from shardtune.checkpoint.strategies import RngOnRank0, RngPerRank
 from shardtune.config import ConfigError, load_config, load_yaml
-from shardtune.configs.schemas import RECIPE_SCHEMAS
 from shardtune.data import jinja_budget
 from shardtune.data.jinja_templates import JinjaChatTemplate, load_chat_templates
+from shardtune.recipes.registry import get_recipe
 
 
 class _Planted:
@@ -396,7 +396,7 @@ def test_yaml_alias_bomb_is_refused_quickly_naming_the_file(tmp_path):
     path.write_text(_alias_bomb())
     start = time.monotonic()
     with pytest.raises(ConfigError) as caught:
-        load_config(path, schema=RECIPE_SCHEMAS["lora_finetune_distributed"])
+        load_config(path, schema=get_recipe("lora_finetune_distributed").schema)
     assert time.monotonic() - start < 1
     message = str(caught.value)
     assert str(path) in message and "lol" not in message  # the values are not printed
@@ -414,7 +414,7 @@ def test_a_yaml_value_containing_itself_is_refused(tmp_path):
     path = tmp_path / "loop.yaml"
     path.write_text("seed: &a [1, *a]\n")
     with pytest.raises(ConfigError, match="refers to a value that contains it"):
-        load_config(path, schema=RECIPE_SCHEMAS["lora_finetune_distributed"])
+        load_config(path, schema=get_recipe("lora_finetune_distributed").schema)
 
 
 UNREADABLE_YAML = {

@@ -1,5 +1,8 @@
 """Config schemas of the recipes: the shared ``BASE_SCHEMA`` and per-recipe extensions.
 
+Rule: torch-free. The schemas are plain data in the language of :mod:`shardtune.config_validation`; the names a
+key chooses from come from :mod:`shardtune.choices` and the model presets from :mod:`shardtune.model_presets`,
+so the registry (:mod:`shardtune.recipes.registry`) and ``shardtune ls/cp/validate`` never import torch.
 Extend with ``|``: ``MY_SCHEMA = BASE_SCHEMA | {"my_key": Field(int, default=1, gt=0)}``.
 """
 
@@ -8,9 +11,17 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from shardtune.checkpoint.run_dir import POLICIES as OUTPUT_DIR_POLICIES
-from shardtune.config import Field, OneOrMany, Schema
-from shardtune.training.optim import OPTIMIZERS
+from shardtune.choices import (
+    DTYPES,
+    LAYER_DROPOUT_SCHEDULES,
+    LORA_TARGETS,
+    LR_SCHEDULES,
+    OPTIMIZERS,
+    OUTPUT_DIR_POLICIES,
+    PREFERENCE_LOSSES,
+)
+from shardtune.config_validation import Field, OneOrMany, Schema
+from shardtune.model_presets import preset_names
 
 __all__ = [
     "BASE_SCHEMA",
@@ -103,9 +114,7 @@ def _check_base(cfg: dict[str, Any]) -> list[str]:
     for key in ("model", "teacher_model"):
         preset = cfg.get(key)
         if isinstance(preset, str):
-            from shardtune.models import list_models
-
-            names = list_models()
+            names = preset_names()
             if preset not in names:
                 close = difflib.get_close_matches(preset, names, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -150,7 +159,7 @@ BASE_SCHEMA = Schema(
         ),
         "lr_scheduler": Schema(
             {
-                "name": Field(str, "constant", choices=("cosine", "linear", "constant")),
+                "name": Field(str, "constant", choices=LR_SCHEDULES),
                 "warmup_steps": Field(int, 0, ge=0),
             }
         ),
@@ -162,7 +171,7 @@ BASE_SCHEMA = Schema(
             help="steps with a non-finite loss or grad norm to skip (no optimizer step) before the run stops; "
             "0: stop at the first (>0 adds one host sync per step)",
         ),
-        "dtype": Field(str, "bf16", choices=("bf16", "fp32")),
+        "dtype": Field(str, "bf16", choices=DTYPES),
         "dataset": OneOrMany(DATASET_SCHEMA),
         "validation_dataset": OneOrMany(DATASET_SCHEMA, nullable=True),
         "eval_every_n_steps": Field(
@@ -232,24 +241,12 @@ BASE_SCHEMA = Schema(
     checks=(_check_base,),
 )
 
-_LORA_TARGETS = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "qkv_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "gate_up_proj",
-    "down_proj",
-    "lm_head",
-)
 LORA_SECTION = Schema(
     {
         "rank": Field(int, 8, gt=0),
         "alpha": Field(float, 16.0, gt=0),
         "dropout": Field(float, 0.0, ge=0, lt=1),
-        "target_modules": Field(list, ["q_proj", "v_proj"], item=str, choices=_LORA_TARGETS),
+        "target_modules": Field(list, ["q_proj", "v_proj"], item=str, choices=LORA_TARGETS),
         "quantize_base": Field(bool, False),
     }
 )
@@ -281,7 +278,7 @@ EARLY_EXIT_SECTION = Schema(
 LAYER_DROPOUT_SECTION = Schema(
     {
         "max_prob": Field(float, 0.2, ge=0, le=1),
-        "schedule": Field(str, "uniform", choices=("uniform", "linear", "exponential")),
+        "schedule": Field(str, "uniform", choices=LAYER_DROPOUT_SCHEDULES),
         "layers": Field((str, list, None), None, item=int, help="null for all, a slice string or layer ids"),
     },
     nullable=True,
@@ -304,7 +301,7 @@ def _check_preference_data(cfg: dict[str, Any]) -> list[str]:
 
 DPO_SECTION = Schema(
     {
-        "loss": Field(str, "sigmoid", choices=("sigmoid", "ipo", "simpo"), help="sigmoid (DPO), ipo, simpo"),
+        "loss": Field(str, "sigmoid", choices=PREFERENCE_LOSSES, help="sigmoid (DPO), ipo, simpo"),
         "beta": Field(float, 0.1, gt=0),
         "label_smoothing": Field(float, 0.0, ge=0, lt=0.5, help="conservative DPO (sigmoid and simpo)"),
         "simpo_gamma": Field(float, 0.5, ge=0, help="SimPO's target reward margin"),
@@ -321,12 +318,3 @@ FULL_DPO_SCHEMA = BASE_SCHEMA | Schema(
     },
     checks=(_check_preference_data,),
 )
-
-
-def __getattr__(name: str) -> Any:
-    """``RECIPE_SCHEMAS`` (recipe name -> schema), read from the recipe registry on each use."""
-    if name == "RECIPE_SCHEMAS":
-        from shardtune.recipes.registry import RECIPES
-
-        return {recipe.name: recipe.schema for recipe in RECIPES.values()}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,42 @@
+"""The names a config key chooses from, written once as plain data.
+
+Rule: each list lives here and nowhere else; the config schemas (:mod:`shardtune.recipes.schemas`) offer
+it as a key's choices and the module that implements the names imports it from here. This module imports
+nothing, so ``shardtune ls/cp/validate`` check a config without importing torch.
+"""
+
+from __future__ import annotations
+
+# ``optimizer.name``: built by ``shardtune.training.optim.build_optimizer``.
+OPTIMIZERS = ("adamw", "adamw_fused", "adamw8bit", "adamw4bit", "sgd")
+
+# ``lr_scheduler.name``: built by ``shardtune.training.optim.build_lr_scheduler``.
+LR_SCHEDULES = ("cosine", "linear", "constant")
+
+# ``lora.target_modules``: PEFT's module names for every family (``qkv_proj``/``gate_up_proj`` are Phi-3's
+# fused projections); applied by ``shardtune.peft.lora``.
+LORA_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "qkv_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "gate_up_proj",
+    "down_proj",
+    "lm_head",
+)
+
+# ``dtype``: the compute dtype of the recipes (``shardtune.recipes._setup`` maps each to a torch dtype).
+DTYPES = ("bf16", "fp32")
+
+# ``dpo.loss``: computed by ``shardtune.models.preference_losses``.
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
+
+# ``layer_dropout.schedule``: how the skip probability grows with depth (``shardtune.models.layer_dropout``).
+LAYER_DROPOUT_SCHEDULES = ("uniform", "linear", "exponential")
+
+# ``output_dir_policy``: what a fresh run does in an output_dir holding another run's outputs
+# (``shardtune.checkpoint.run_dir``).
+OUTPUT_DIR_POLICIES = ("refuse", "new_run", "overwrite")

@@ -1,0 +1,92 @@
+"""The bundled model presets, as plain data: each preset's ``ModelArgs`` fields.
+
+Rule: the table is written here once; ``shardtune.models.registry`` builds its ``ModelArgs`` from it and
+the config schemas check ``model``/``teacher_model`` against :func:`preset_names`. This module imports
+no torch, so ``shardtune validate`` checks a preset name without loading the models.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+_LLAMA3_1_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+_LLAMA3_2_ROPE = {**_LLAMA3_1_ROPE, "factor": 32.0}
+_LLAMA3_TOKENS = {"bos_token_id": 128000, "eos_token_id": 128001}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # ~3.3M params, byte-level vocab: for tests, CI and smoke runs. Every linear's numel is a
+    # multiple of 64*256 so QLoRA (NF4, default block sizes) applies to all of them.
+    "tiny": {
+        "vocab_size": 256,
+        "dim": 256,
+        "n_layers": 4,
+        "n_heads": 8,
+        "n_kv_heads": 4,
+        "intermediate_size": 768,
+        "norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_seq_len": 2048,
+    },
+    "llama3_2_1b": {
+        "vocab_size": 128256,
+        "dim": 2048,
+        "n_layers": 16,
+        "n_heads": 32,
+        "n_kv_heads": 8,
+        "head_dim": 64,
+        "intermediate_size": 8192,
+        "norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": _LLAMA3_2_ROPE,
+        "max_seq_len": 131072,
+        "tie_word_embeddings": True,
+        "extra": _LLAMA3_TOKENS,
+    },
+    "llama3_2_3b": {
+        "vocab_size": 128256,
+        "dim": 3072,
+        "n_layers": 28,
+        "n_heads": 24,
+        "n_kv_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 8192,
+        "norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": _LLAMA3_2_ROPE,
+        "max_seq_len": 131072,
+        "tie_word_embeddings": True,
+        "extra": _LLAMA3_TOKENS,
+    },
+    "llama3_1_8b": {
+        "vocab_size": 128256,
+        "dim": 4096,
+        "n_layers": 32,
+        "n_heads": 32,
+        "n_kv_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 14336,
+        "norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": _LLAMA3_1_ROPE,
+        "max_seq_len": 131072,
+        "tie_word_embeddings": False,
+        "extra": _LLAMA3_TOKENS,
+    },
+}
+
+
+def preset_names() -> list[str]:
+    """The preset names a config may give: the bundled ones, and any added with ``register_model_args``.
+
+    A preset can only have been registered once ``shardtune.models.registry`` is imported, so
+    while it is not, the bundled table is the whole answer and torch stays unloaded.
+    """
+    registry = sys.modules.get("shardtune.models.registry")
+    return registry.list_models() if registry is not None else sorted(PRESETS)
