@@ -431,11 +431,11 @@ def test_unreadable_yaml_is_a_config_error_naming_the_file_or_override(tmp_path,
     path = tmp_path / "deep.yaml"
     path.write_text(f"seed: {value}\n")
     with pytest.raises(ConfigError, match=reason) as caught:
-        load_config(path, schema=RECIPE_SCHEMAS["lora_finetune_distributed"])
+        load_config(path, schema=get_recipe("lora_finetune_distributed").schema)
     assert str(path) in str(caught.value) and len(str(caught.value)) < 1000
     path.write_text("seed: 1\n")
     with pytest.raises(ConfigError, match=reason) as caught:
-        load_config(path, [f"seed={value}"], schema=RECIPE_SCHEMAS["lora_finetune_distributed"])
+        load_config(path, [f"seed={value}"], schema=get_recipe("lora_finetune_distributed").schema)
     assert "the override value" in str(caught.value) and len(str(caught.value)) < 1000
 
 
