@@ -1,6 +1,8 @@
 """Building blocks the recipes share: process group, model, data, optimizer, checkpointer, loss.
 
-Each function does one setup job from the validated config; recipes call them top to bottom.
+Each function does one setup job from the validated config; a recipe calls them top to bottom
+(:func:`start`, :func:`base_model_dir`, :func:`build_model`, :func:`build_training`) and hands
+the :class:`~shardtune.training.loop.Training` it built, with its loss, to :func:`fit`.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from shardtune.state_dict.comm import agree, normalize_device
 from shardtune.training.activation_offload import offload_layer_activations
 from shardtune.training.evaluate import Evaluator
 from shardtune.training.flops import flops_per_token_fn, peak_tflops
-from shardtune.training.loop import LoopSettings, run_training, steps_per_epoch
+from shardtune.training.loop import LoopSettings, LossFn, Training, run_training, steps_per_epoch
 from shardtune.training.metrics import MetricLogger
 from shardtune.training.optim import LrSchedule, build_lr_scheduler, build_optimizer, continue_schedule
 
@@ -403,22 +405,34 @@ def next_token_head_loss(labels: torch.Tensor, chunk_tokens: int | None, compile
     )
 
 
-def train_and_finish(
-    cfg: Config,
-    run: Run,
-    recipe: str,
-    *,
-    model,
-    tokenizer,
-    loss_fn,
-    loader,
-    sampler,
-    optimizer,
-    lr_scheduler,
-    checkpointer,
-    progress,
-) -> None:
-    """The shared loop (metrics to ``<output_dir>/metrics.jsonl``), then the closing message."""
+def build_training(
+    cfg: Config, run: Run, model: nn.Module, base_dir: Path, *, frozen: dict[str, Path] | None = None
+) -> Training:
+    """Everything the loop trains ``model`` with but the loss: data, optimizer and lr schedule,
+    the Checkpointer (``frozen`` as :func:`build_checkpointer` takes it), the weights loaded
+    (resumed, or the base's) and the validation evaluator."""
+    tokenizer, loader, sampler = build_data(cfg, run, base_dir)
+    optimizer, lr_scheduler = build_optimization(cfg, model, len(loader))
+    checkpointer = build_checkpointer(
+        cfg,
+        run,
+        model,
+        optimizer,
+        lr_scheduler,
+        base_dir,
+        sampler=sampler,
+        loader=loader,
+        adapter_weights_only=getattr(cfg, "adapter_weights_only", False),  # a LoRA recipe's key
+        frozen=frozen,
+    )
+    load_weights(cfg, run, model, checkpointer)
+    evaluate = build_evaluator(cfg, run, model, tokenizer)
+    return Training(model, loader, sampler, optimizer, lr_scheduler, checkpointer, evaluate=evaluate)
+
+
+def fit(cfg: Config, run: Run, recipe: str, training: Training, *, loss_fn: LossFn) -> None:
+    """The shared loop over ``training`` (metrics to ``<output_dir>/metrics.jsonl``), then the closing message."""
+    checkpointer = training.checkpointer
     logger = MetricLogger(
         checkpointer.output_dir,
         enabled=run.is_rank_zero,
@@ -427,23 +441,11 @@ def train_and_finish(
     )
     settings = dataclasses.replace(
         loop_settings(cfg),
-        flops_per_token=flops_per_token_fn(model),
+        flops_per_token=flops_per_token_fn(training.model),
         peak_tflops=peak_tflops(run.device, configured=cfg.peak_tflops),
     )
     try:
-        run_training(
-            model=model,
-            loss_fn=loss_fn,
-            loader=loader,
-            sampler=sampler,
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            checkpointer=checkpointer,
-            logger=logger,
-            settings=settings,
-            progress=progress,
-            evaluate=build_evaluator(cfg, run, model, tokenizer),
-        )
+        run_training(training, loss_fn=loss_fn, logger=logger, settings=settings)
     except BaseException:
         logger.close()  # the rows logged so far reach every sink: a failed rank ends without atexit hooks
         if run.lock is not None:  # a signal stop published its pending checkpoint; a failure ends this run too

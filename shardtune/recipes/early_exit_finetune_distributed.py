@@ -49,16 +49,13 @@ def recipe_main(cfg: Config) -> None:
             max_prob=cfg.layer_dropout.max_prob, schedule=cfg.layer_dropout.schedule, layers=cfg.layer_dropout.layers
         )
     candidates = exit_layers(cfg.early_exit.layers, n_layers)
-    tokenizer, loader, sampler = setup.build_data(cfg, run, base_dir)
-    opt, sched = setup.build_optimization(cfg, model, len(loader))
-    checkpointer = setup.build_checkpointer(cfg, run, model, opt, sched, base_dir, sampler=sampler, loader=loader)
-    progress = setup.load_weights(cfg, run, model, checkpointer)
-    total_steps = steps_per_epoch(len(loader), setup.loop_settings(cfg)) * cfg.epochs
+    training = setup.build_training(cfg, run, model, base_dir)
+    total_steps = steps_per_epoch(len(training.loader), setup.loop_settings(cfg)) * cfg.epochs
 
     def loss_fn(batch):
         tokens, labels, packing = setup.on_device(batch, run)
         n_tokens = setup.label_tokens(batch["labels"])
-        exits = active_layers(candidates, cfg.early_exit.curriculum, sched.last_epoch, total_steps)
+        exits = active_layers(candidates, cfg.early_exit.curriculum, training.lr_scheduler.last_epoch, total_steps)
         head_loss = setup.next_token_head_loss(labels, cfg.loss_chunk_tokens, cfg.compile)
         loss_sum, by_layer = model(tokens, **packing, output_hidden_states=exits, head_loss=head_loss)
         if by_layer:
@@ -69,20 +66,7 @@ def recipe_main(cfg: Config) -> None:
             loss_sum = loss_sum + sum(scale * by_layer[i] for scale, i in zip(scales.tolist(), ids, strict=True))
         return loss_sum / max(n_tokens, 1), n_tokens
 
-    setup.train_and_finish(
-        cfg,
-        run,
-        NAME,
-        model=model,
-        tokenizer=tokenizer,
-        loss_fn=loss_fn,
-        loader=loader,
-        sampler=sampler,
-        optimizer=opt,
-        lr_scheduler=sched,
-        checkpointer=checkpointer,
-        progress=progress,
-    )
+    setup.fit(cfg, run, NAME, training, loss_fn=loss_fn)
 
 
 if __name__ == "__main__":

@@ -33,12 +33,7 @@ def recipe_main(cfg: Config) -> None:
         reference.init_buffers(run.device)
         reference.requires_grad_(False).eval()
         frozen = {"reference_weights": reference_dir}
-    _, loader, sampler = setup.build_data(cfg, run, base_dir)
-    opt, sched = setup.build_optimization(cfg, model, len(loader))
-    checkpointer = setup.build_checkpointer(
-        cfg, run, model, opt, sched, base_dir, sampler=sampler, loader=loader, frozen=frozen
-    )
-    progress = setup.load_weights(cfg, run, model, checkpointer)
+    training = setup.build_training(cfg, run, model, base_dir, frozen=frozen)
     loss_fn = dpo_loss_fn(
         model,
         reference=None if reference is None else (lambda t, head_loss: reference(t, head_loss=head_loss)),
@@ -46,20 +41,7 @@ def recipe_main(cfg: Config) -> None:
         dpo=cfg.dpo,
         chunk_tokens=cfg.loss_chunk_tokens,
     )
-    setup.train_and_finish(
-        cfg,
-        run,
-        NAME,
-        model=model,
-        tokenizer=None,
-        loss_fn=loss_fn,
-        loader=loader,
-        sampler=sampler,
-        optimizer=opt,
-        lr_scheduler=sched,
-        checkpointer=checkpointer,
-        progress=progress,
-    )
+    setup.fit(cfg, run, NAME, training, loss_fn=loss_fn)
 
 
 if __name__ == "__main__":

@@ -16,25 +16,9 @@ def recipe_main(cfg: Config) -> None:
     run = setup.start(cfg)
     base_dir = setup.base_model_dir(cfg, run)
     model = setup.build_model(base_dir, run, cfg)
-    tokenizer, loader, sampler = setup.build_data(cfg, run, base_dir)
-    opt, sched = setup.build_optimization(cfg, model, len(loader))
-    checkpointer = setup.build_checkpointer(cfg, run, model, opt, sched, base_dir, sampler=sampler, loader=loader)
-    progress = setup.load_weights(cfg, run, model, checkpointer)
+    training = setup.build_training(cfg, run, model, base_dir)
     loss_fn = setup.next_token_loss(model, run, chunk_tokens=cfg.loss_chunk_tokens, compile=cfg.compile)
-    setup.train_and_finish(
-        cfg,
-        run,
-        NAME,
-        model=model,
-        tokenizer=tokenizer,
-        loss_fn=loss_fn,
-        loader=loader,
-        sampler=sampler,
-        optimizer=opt,
-        lr_scheduler=sched,
-        checkpointer=checkpointer,
-        progress=progress,
-    )
+    setup.fit(cfg, run, NAME, training, loss_fn=loss_fn)
 
 
 if __name__ == "__main__":

@@ -33,21 +33,7 @@ def recipe_main(cfg: Config) -> None:
     load_hf_checkpoint(teacher, teacher_dir, device=run.device, strict=True, cpu_offload=cfg.fsdp_cpu_offload)
     teacher.init_buffers(run.device)
     teacher.requires_grad_(False).eval()
-    tokenizer, loader, sampler = setup.build_data(cfg, run, base_dir)
-    opt, sched = setup.build_optimization(cfg, model, len(loader))
-    checkpointer = setup.build_checkpointer(
-        cfg,
-        run,
-        model,
-        opt,
-        sched,
-        base_dir,
-        sampler=sampler,
-        loader=loader,
-        adapter_weights_only=cfg.adapter_weights_only,
-        frozen={"teacher_weights": teacher_dir},
-    )
-    progress = setup.load_weights(cfg, run, model, checkpointer)
+    training = setup.build_training(cfg, run, model, base_dir, frozen={"teacher_weights": teacher_dir})
 
     def loss_fn(batch):
         tokens, labels, packing = setup.on_device(batch, run)
@@ -70,20 +56,7 @@ def recipe_main(cfg: Config) -> None:
 
         return model(tokens, **packing, head_loss=head_loss) / max(n_tokens, 1), n_tokens
 
-    setup.train_and_finish(
-        cfg,
-        run,
-        NAME,
-        model=model,
-        tokenizer=tokenizer,
-        loss_fn=loss_fn,
-        loader=loader,
-        sampler=sampler,
-        optimizer=opt,
-        lr_scheduler=sched,
-        checkpointer=checkpointer,
-        progress=progress,
-    )
+    setup.fit(cfg, run, NAME, training, loss_fn=loss_fn)
 
 
 def _frozen_head(teacher) -> Head:

@@ -24,42 +24,17 @@ def recipe_main(cfg: Config) -> None:
     run = setup.start(cfg)
     base_dir = setup.base_model_dir(cfg, run)
     model = setup.build_model(base_dir, run, cfg, lora=cfg.lora)
-    _, loader, sampler = setup.build_data(cfg, run, base_dir)
-    opt, sched = setup.build_optimization(cfg, model, len(loader))
-    checkpointer = setup.build_checkpointer(
-        cfg,
-        run,
-        model,
-        opt,
-        sched,
-        base_dir,
-        sampler=sampler,
-        loader=loader,
-        adapter_weights_only=cfg.adapter_weights_only,
-    )
-    progress = setup.load_weights(cfg, run, model, checkpointer)
 
     def reference(tokens, head_loss):
+        """The reference policy: the same model with its adapters off (full DPO loads a frozen copy)."""
         with adapters_disabled(model):
             return model(tokens, head_loss=head_loss)
 
+    training = setup.build_training(cfg, run, model, base_dir)
     loss_fn = dpo_loss_fn(
         model, reference=reference, device=run.device, dpo=cfg.dpo, chunk_tokens=cfg.loss_chunk_tokens
     )
-    setup.train_and_finish(
-        cfg,
-        run,
-        NAME,
-        model=model,
-        tokenizer=None,
-        loss_fn=loss_fn,
-        loader=loader,
-        sampler=sampler,
-        optimizer=opt,
-        lr_scheduler=sched,
-        checkpointer=checkpointer,
-        progress=progress,
-    )
+    setup.fit(cfg, run, NAME, training, loss_fn=loss_fn)
 
 
 if __name__ == "__main__":

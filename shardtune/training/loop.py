@@ -84,33 +84,41 @@ def remaining_steps(
     return max(total - done, 0) + steps_per_epoch(batches_per_epoch, settings) * later_epochs
 
 
-def run_training(
-    *,
-    model: torch.nn.Module,
-    loss_fn: LossFn,
-    loader: Iterable[dict[str, torch.Tensor]],
-    sampler: Any,
-    optimizer: torch.optim.Optimizer,
-    lr_scheduler: Any,
-    checkpointer: Checkpointer,
-    logger: MetricLogger,
-    settings: LoopSettings,
-    progress: TrainingProgress | None,
-    evaluate: Callable[[torch.nn.Module], float] | None = None,
-) -> TrainingProgress:
-    """Train from ``progress`` to the last epoch; returns ``progress``, updated.
+@dataclass(frozen=True)
+class Training:
+    """What one run trains: a recipe builds it and hands it to :func:`run_training` whole.
 
-    Collective: every rank runs it. ``progress`` is the object registered with ``checkpointer``
-    (restored by its ``resume``, with ``sampler``), or None for a fresh start; the loop records
-    each step in it, and ``checkpointer.save()`` saves it at the end of every epoch and, with
-    ``save_every_n_steps``, mid-epoch; mid-epoch resumes continue with the next batch.
-    With ``evaluate`` (-> the validation loss), the row of every ``eval_every_n_steps``-th step
-    (or of each epoch's last step) is logged with ``val_loss``. A background save is published
-    at the first step boundary after every rank wrote it; SIGTERM/SIGINT while one is pending
-    finish and publish it, then raise :class:`~shardtune.training.signals.TrainingStopped`.
+    Where training stands is ``checkpointer.progress``, the state the checkpointer registers,
+    saves and resumes (torchtitan's ``train_state``): there is no other progress to pass, so a
+    checkpoint always records the steps the loop took."""
+
+    model: torch.nn.Module
+    loader: Iterable[dict[str, torch.Tensor]]
+    sampler: Any
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    checkpointer: Checkpointer
+    evaluate: Callable[[torch.nn.Module], float] | None = None  # -> the validation loss
+
+
+def run_training(
+    training: Training, *, loss_fn: LossFn, logger: MetricLogger, settings: LoopSettings
+) -> TrainingProgress:
+    """Train from ``training.checkpointer.progress`` to the last epoch; returns that progress, advanced.
+
+    Collective: every rank runs it. The progress is the checkpointer's (restored by its
+    ``resume``, with the sampler, or a fresh start's); the loop advances it every step, and
+    ``checkpointer.save()`` saves it at the end of every epoch and, with ``save_every_n_steps``,
+    mid-epoch; mid-epoch resumes continue with the next batch. With ``training.evaluate``, the
+    row of every ``eval_every_n_steps``-th step (or of each epoch's last step) is logged with
+    ``val_loss``. A background save is published at the first step boundary after every rank
+    wrote it; SIGTERM/SIGINT while one is pending finish and publish it, then raise
+    :class:`~shardtune.training.signals.TrainingStopped`.
     """
+    model, loader, sampler, evaluate = training.model, training.loader, training.sampler, training.evaluate
+    optimizer, lr_scheduler, checkpointer = training.optimizer, training.lr_scheduler, training.checkpointer
+    progress = checkpointer.progress
     with StopOnSignal(pending=lambda: checkpointer.save_pending) as stop:
-        progress = progress or TrainingProgress()
         start_epoch, step = progress.epoch, progress.step
         is_rank_zero = not dist.is_initialized() or dist.get_rank() == 0
         guard = FiniteGuard(max_skipped=settings.max_nonfinite_steps)
@@ -145,6 +153,7 @@ def run_training(
                 norm = _step(model, optimizer, lr_scheduler, settings, guard=guard, step=step + 1, window=window)
                 fault_point("train:step")
                 step += 1
+                _advance(progress, step=step, epoch=epoch, batches_in_epoch=batches)
                 done_in_epoch += 1
                 bar.update(1)
                 last_in_epoch = done_in_epoch >= total
@@ -166,7 +175,6 @@ def run_training(
                 if last_in_epoch:
                     break
                 if settings.save_every_n_steps and step % settings.save_every_n_steps == 0:
-                    _advance(progress, step=step, epoch=epoch, batches_in_epoch=batches)
                     guard.check_before_save(model, step=step)
                     checkpointer.save()
             bar.close()
@@ -179,7 +187,7 @@ def run_training(
 
 
 def _advance(progress: TrainingProgress, *, step: int, epoch: int, batches_in_epoch: int) -> None:
-    """Record where training stands in the progress object the checkpointer saves."""
+    """Record where training stands in the checkpointer's progress (what its next save writes)."""
     progress.step, progress.epoch, progress.batches_in_epoch = step, epoch, batches_in_epoch
 
 

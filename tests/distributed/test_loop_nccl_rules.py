@@ -8,13 +8,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from shardtune.checkpoint import TrainingProgress
 from shardtune.data import collate
 from shardtune.data.sampler import build_dataloader
 from shardtune.distributed import shard_model
 from shardtune.models import build_model, get_model_args
 from shardtune.recipes import _setup
 from shardtune.training import load_from_full_model_state_dict
-from shardtune.training.loop import LoopSettings, run_training
+from shardtune.training.loop import LoopSettings, Training, run_training
 from tests.nccl_rules import nccl_rules
 
 pytestmark = pytest.mark.timeout(240)
@@ -53,6 +54,9 @@ class _Hosted:
 
 
 class _NoCheckpoints:
+    def __init__(self) -> None:
+        self.progress = TrainingProgress()  # the registered progress the loop advances
+
     save_pending = False
 
     def save(self, **kwargs) -> None:
@@ -94,16 +98,17 @@ def _one_step_under_nccl_rules():
     settings = LoopSettings(epochs=1, gradient_accumulation_steps=ACCUMULATE, max_steps_per_epoch=1, clip_grad_norm=1e9)
     with nccl_rules() as rules:
         run_training(
-            model=model,
+            Training(
+                model=model,
+                loader=_Hosted(loader, rules),
+                sampler=sampler,
+                optimizer=opt,
+                lr_scheduler=sched,
+                checkpointer=_NoCheckpoints(),
+            ),
             loss_fn=_setup.next_token_loss(model, run),
-            loader=_Hosted(loader, rules),
-            sampler=sampler,
-            optimizer=opt,
-            lr_scheduler=sched,
-            checkpointer=_NoCheckpoints(),
             logger=rows,
             settings=settings,
-            progress=None,
         )
     return {"rows": rows, "counts": dict(rules.counts)}
 

@@ -67,29 +67,15 @@ def recipe_main(cfg: Config) -> None:
     run = setup.start(cfg)
     base_dir = setup.base_model_dir(cfg, run)
     model = setup.build_model(base_dir, run, cfg, lora=cfg.lora)
-    _, loader, sampler = setup.build_data(cfg, run, base_dir)
-    opt, sched = setup.build_optimization(cfg, model, len(loader))
-    checkpointer = setup.build_checkpointer(cfg, run, model, opt, sched, base_dir, sampler=sampler, loader=loader)
-    progress = setup.load_weights(cfg, run, model, checkpointer)
+    training = setup.build_training(cfg, run, model, base_dir)
     counter = SyncCounter()
     loss_fn = counter.wrap(setup.next_token_loss(model, run, chunk_tokens=cfg.loss_chunk_tokens))
     logger = MetricLogger(cfg.output_dir, enabled=run.is_rank_zero, loggers=tuple(cfg.loggers))
-    run_training(
-        model=model,
-        loss_fn=loss_fn,
-        loader=loader,
-        sampler=sampler,
-        optimizer=opt,
-        lr_scheduler=sched,
-        checkpointer=checkpointer,
-        logger=logger,
-        settings=setup.loop_settings(cfg),
-        progress=progress,
-    )
+    run_training(training, loss_fn=loss_fn, logger=logger, settings=setup.loop_settings(cfg))
     counter.stop()
     if run.is_rank_zero:
         Path(cfg.output_dir, "syncs.json").write_text(json.dumps({"per_step": counter.per_step}))
-    setup.finish(cfg, run, checkpointer, NAME, logger)
+    setup.finish(cfg, run, training.checkpointer, NAME, logger)
 
 
 if __name__ == "__main__":

@@ -99,16 +99,17 @@ def _train(model, batches, *, nan_batches=(), log_every=1, save_every=1, clip=1.
     error = None
     try:
         loop.run_training(
-            model=model,
+            loop.Training(
+                model=model,
+                loader=batches,
+                sampler=_Sampler(),
+                optimizer=optimizer,
+                lr_scheduler=scheduler,
+                checkpointer=saves,
+            ),
             loss_fn=_loss_fn(model, nan_batches=nan_batches),
-            loader=batches,
-            sampler=_Sampler(),
-            optimizer=optimizer,
-            lr_scheduler=scheduler,
-            checkpointer=saves,
             logger=_Rows(),
             settings=settings,
-            progress=progress,
         )
     except finite.NonFiniteError as exc:
         error = str(exc)

@@ -3,12 +3,18 @@ and continues a mid-epoch resume (progress and sampler restored by the checkpoin
 
 from __future__ import annotations
 
+import inspect
+import json
+
 import torch
 from torch import nn
 
-from shardtune.checkpoint import TrainingProgress
+from shardtune.checkpoint import Checkpointer, TrainingProgress
 from shardtune.data.sampler import build_dataloader
+from shardtune.models import build_model
+from shardtune.recipes import _setup
 from shardtune.training import loop
+from tests.unit.test_loop_syncs import _data as _token_data
 
 SAMPLES, BATCH, ACCUMULATE, EPOCHS = 16, 2, 2, 2  # 8 batches, 4 optimizer steps per epoch
 
@@ -37,8 +43,11 @@ class _RecordingCheckpointer:
 
 
 class _Rows:
+    def __init__(self) -> None:
+        self.rows = []
+
     def log(self, row) -> None:
-        pass
+        self.rows.append(row)
 
 
 def _train(progress: TrainingProgress, sampler_state: dict | None = None):
@@ -66,16 +75,10 @@ def _train(progress: TrainingProgress, sampler_state: dict | None = None):
     ck = _RecordingCheckpointer(progress, sampler)
     settings = loop.LoopSettings(epochs=EPOCHS, gradient_accumulation_steps=ACCUMULATE, save_every_n_steps=1)
     returned = loop.run_training(
-        model=model,
+        loop.Training(model=model, loader=loader, sampler=sampler, optimizer=opt, lr_scheduler=sched, checkpointer=ck),
         loss_fn=loss_fn,
-        loader=loader,
-        sampler=sampler,
-        optimizer=opt,
-        lr_scheduler=sched,
-        checkpointer=ck,
         logger=_Rows(),
         settings=settings,
-        progress=progress,
     )
     assert returned is progress
     return ck, seen
@@ -107,3 +110,34 @@ def test_mid_epoch_resume_continues_with_the_next_batch_and_the_same_saves():
     ck, seen = _train(resumed, sampler_state=state)
     assert ck.saves == full.saves[at + 1 :]
     assert seen == full_seen[batches:]
+
+
+def test_the_checkpoints_record_the_steps_and_epochs_the_loop_trained(tmp_path):
+    """A real Checkpointer, 2 epochs of 1 step: by hand, the loop logs steps 1 and 2 and saves
+    epoch_1 (step 1, epoch 1) and epoch_2 (step 2, epoch 2), the progress the Checkpointer holds.
+    (A separate ``progress=None`` argument once trained a fresh object: one ``epoch_0``, step 0.)"""
+    assert "progress" not in inspect.signature(loop.run_training).parameters  # nothing to pass that could diverge
+    loader, sampler = _token_data()
+    torch.manual_seed(0)
+    model = build_model("tiny", dtype=torch.float32)
+    model.init_buffers("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    ck = Checkpointer(
+        output_dir=tmp_path, model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler, device="cpu"
+    )
+    run = _setup.Run(rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
+    rows = _Rows()
+    loop.run_training(
+        loop.Training(model=model, loader=loader, sampler=sampler, optimizer=opt, lr_scheduler=sched, checkpointer=ck),
+        loss_fn=_setup.next_token_loss(model, run),
+        logger=rows,
+        settings=loop.LoopSettings(epochs=2, max_steps_per_epoch=1),
+    )
+    assert [row["step"] for row in rows.rows] == [1, 2]
+    saved = {}
+    for state in tmp_path.glob("*/**/training_state.json"):
+        p = json.loads(state.read_text())
+        saved[state.relative_to(tmp_path).parts[0]] = (p["step"], p["epoch"], p["batches_in_epoch"])
+    assert saved == {"epoch_1": (1, 1, 0), "epoch_2": (2, 2, 0)}
+    assert (ck.progress.step, ck.progress.epoch) == (2, 2) and ck.last_saved == tmp_path / "epoch_2"

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardtune.checkpoint import TrainingProgress
 from shardtune.training import loop
 
 VOCAB, WIDTH = 11, 5
@@ -22,6 +23,9 @@ ACCUMULATE = 3
 
 
 class _NoCheckpoints:
+    def __init__(self) -> None:
+        self.progress = TrainingProgress()  # the registered progress the loop advances
+
     def save(self, **kwargs) -> None:
         pass
 
@@ -89,16 +93,17 @@ def _one_step(model: nn.Module, batches) -> _Rows:
     rows = _Rows()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     loop.run_training(
-        model=model,
+        loop.Training(
+            model=model,
+            loader=batches,
+            sampler=_Sampler(),
+            optimizer=optimizer,
+            lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+            checkpointer=_NoCheckpoints(),
+        ),
         loss_fn=_mean_loss(model),
-        loader=batches,
-        sampler=_Sampler(),
-        optimizer=optimizer,
-        lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
-        checkpointer=_NoCheckpoints(),
         logger=rows,
         settings=loop.LoopSettings(epochs=1, gradient_accumulation_steps=ACCUMULATE),
-        progress=None,
     )
     return rows
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import shardtune
+from shardtune.checkpoint import TrainingProgress
 from shardtune.data import collate
 from shardtune.data.packing import PackedDataset
 from shardtune.data.sampler import build_dataloader
@@ -32,6 +33,9 @@ ACCUMULATE, STEPS = 2, 3
 
 
 class _NoCheckpoints:
+    def __init__(self) -> None:
+        self.progress = TrainingProgress()  # the registered progress the loop advances
+
     save_pending = False
 
     def save(self, **kwargs) -> None:
@@ -134,16 +138,17 @@ def test_one_fetch_per_logged_step_and_no_other_sync(monkeypatch, log_every, pac
         log_every_n_steps=log_every,
     )
     loop.run_training(
-        model=model,
+        loop.Training(
+            model=model,
+            loader=loader,
+            sampler=sampler,
+            optimizer=opt,
+            lr_scheduler=sched,
+            checkpointer=_NoCheckpoints(),
+        ),
         loss_fn=_setup.next_token_loss(model, run),
-        loader=loader,
-        sampler=sampler,
-        optimizer=opt,
-        lr_scheduler=sched,
-        checkpointer=_NoCheckpoints(),
         logger=logger,
         settings=settings,
-        progress=None,
     )
     monkeypatch.undo()
 

@@ -32,16 +32,17 @@ def test_lr_zero_validates_and_leaves_the_weights_unchanged(lr):
     optimizer, lr_scheduler = _setup.build_optimization(cfg, model, len(loader))
     logger = _Rows()
     loop.run_training(
-        model=model,
+        loop.Training(
+            model=model,
+            loader=loader,
+            sampler=sampler,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            checkpointer=_NoCheckpoints(),
+        ),
         loss_fn=_setup.next_token_loss(model, run),
-        loader=loader,
-        sampler=sampler,
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
-        checkpointer=_NoCheckpoints(),
         logger=logger,
         settings=_setup.loop_settings(cfg),
-        progress=None,
     )
     (row,) = logger.rows
     assert row["grad_norm"] > 0 and (row["lr"] == 0) == (lr == 0)  # a real step with gradients, lr as configured
