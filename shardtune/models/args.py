@@ -120,6 +120,7 @@ class ModelArgs:
     @property
     def rotary_dim(self) -> int:
         """Channels of each head that RoPE rotates (``head_dim`` unless partial rotary)."""
+        assert self.head_dim is not None  # __post_init__ fills it before any use
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property

@@ -219,7 +219,7 @@ _FUSED = {
     "gate_proj": "gate_up_proj",
     "up_proj": "gate_up_proj",
 }
-_GEMMA = {
+_GEMMA: dict[str, Any] = {
     "gemma_norm": True,
     "sandwich_norm": True,
     "act_key": "hidden_activation",

@@ -136,7 +136,7 @@ class LlamaModel(nn.Module):
             DecoderLayer(args, layer_type=t, device=device, dtype=dtype) for t in args.layer_types
         )
         self.norm = RMSNorm(args.dim, eps=args.norm_eps, offset=family.gemma_norm, device=device, dtype=dtype)
-        rope = {"max_position_embeddings": args.max_seq_len}
+        rope: dict[str, Any] = {"max_position_embeddings": args.max_seq_len}
         self.rotary_emb = RotaryEmbedding(
             args.rotary_dim, theta=args.rope_theta, rope_scaling=args.rope_scaling, **rope
         )
@@ -219,7 +219,7 @@ class LlamaModel(nn.Module):
         if lengths is None and position_ids is None:
             return None
         batch, seq = tokens.shape
-        if lengths is None:
+        if lengths is None and position_ids is not None:  # one of the two is given (returned above otherwise)
             lengths = sample_lengths(position_ids.expand(batch, seq))
         rows = check_sample_lengths(lengths, batch=batch, seq=seq)
         return None if all(len(row) == 1 for row in rows) else rows
