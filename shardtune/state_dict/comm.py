@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,10 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+@overload
+def normalize_device(device: torch.device | str) -> torch.device: ...
+@overload
+def normalize_device(device: None) -> None: ...
 def normalize_device(device: torch.device | str | None) -> torch.device | None:
     """``device`` as a ``torch.device`` with an index for accelerators: ``"cuda"`` means the
     current CUDA device (``torch.device("cuda") != torch.device("cuda", 0)``, so comparing an
