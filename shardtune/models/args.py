@@ -221,7 +221,12 @@ _CONFIG_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     **dict.fromkeys(("rope_scaling", "rope_parameters"), ((dict,), True)),
     "layer_types": ((list,), True),
 }
-_TYPE_NAMES: dict[tuple[type, ...], str] = {_INT: "an integer", _NUMBER: "a number", _BOOL: "true or false", _STR: "a string"}
+_TYPE_NAMES: dict[tuple[type, ...], str] = {
+    _INT: "an integer",
+    _NUMBER: "a number",
+    _BOOL: "true or false",
+    _STR: "a string",
+}
 
 
 def _check_config_types(cfg: Mapping[str, Any], source: str) -> None:

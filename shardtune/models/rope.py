@@ -116,6 +116,7 @@ def attention_factor(rope_scaling: dict[str, Any] | None, *, max_position_embedd
         factor = max_position_embeddings / old_ctx if factor is None else factor
         return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
     factor = rope_scaling["factor"]  # yarn requires it (_normalize_rope_scaling)
+
     def mscale(scale: float, m: float = 1) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
