@@ -13,6 +13,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,8 @@ from shardtune.training import (
     get_full_optimizer_state_dict,
     load_from_full_model_state_dict,
 )
+
+T = TypeVar("T")
 
 
 def _read_status(field: str) -> int:
@@ -45,7 +48,7 @@ def _reset_peak() -> None:
         pass
 
 
-def _phase(name: str, fn: Callable[[], object]) -> tuple[object, dict]:
+def _phase(name: str, fn: Callable[[], T]) -> tuple[T, dict]:
     dist.barrier()
     _reset_peak()
     stats.reset()

@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 from datetime import timedelta
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -122,7 +122,7 @@ def shard_model(
     They are frozen, so FSDP has nothing to reduce for them.
     """
     mesh = mesh or make_mesh()
-    options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mesh.size(mesh.ndim - 1) == 1:
         options["ignored_params"] = {p for p in model.parameters() if is_nf4(p)}
     if cpu_offload:

@@ -134,8 +134,8 @@ def report(records: Mapping[int, RankError], exits: Mapping[int, Exit]) -> tuple
     elif consequences:
         root, code, text = consequences[0].rank, consequences[0].exit_code, consequences[0].text
     elif exits:
-        first = min(exits.values(), key=lambda x: (x.time, x.rank))
-        root, code, text = first.rank, FAILED, _describe_exit(first.exitcode)
+        first_exit = min(exits.values(), key=lambda x: (x.time, x.rank))
+        root, code, text = first_exit.rank, FAILED, _describe_exit(first_exit.exitcode)
     else:
         return "shardtune run: the run failed, and no rank reported why (rerun with SHARDTUNE_DEBUG=1)", FAILED
     lines = [f"shardtune run: rank {root}: {text}"]

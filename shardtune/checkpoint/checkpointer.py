@@ -259,7 +259,11 @@ class Checkpointer:
 
     def _load_weights(self, path: Path) -> None:
         """Collective: the model's weights from HF files (LoRA: its adapter; the base is loaded)."""
-        options = {"device": self.device, "shared_filesystem": self.shared_filesystem, "cpu_offload": self.cpu_offload}
+        options: dict[str, Any] = {
+            "device": self.device,
+            "shared_filesystem": self.shared_filesystem,
+            "cpu_offload": self.cpu_offload,
+        }
         if self.is_lora:
             load_peft_adapter(self.model, path / ADAPTER_DIR, **options)
         else:
@@ -321,8 +325,8 @@ class Checkpointer:
         else:
             listed = [(str(i.path), i.manifest) for i in reversed(atomic.complete_checkpoints(self.output_dir))]
             found = comm.all_gather_objects(listed if comm.rank() == 0 else None)[0]
-        damaged = []
-        for path, manifest in found:
+        damaged: list[str] = []
+        for path, manifest in found or []:  # rank 0 sent a list
             verdict = self._verify(Path(path), manifest)  # the same on every rank
             if verdict.intact:
                 if damaged and comm.rank() == 0:
@@ -372,7 +376,9 @@ class Checkpointer:
                     (path / DCP_DIR).is_dir(),
                 )
         comm.raise_on_every_rank(problems, header=f"Cannot resume from {path}:", error=CheckpointError)
-        return comm.all_gather_objects(read)[0]
+        progress = comm.all_gather_objects(read)[0]
+        assert progress is not None  # rank 0 read it, or every rank raised above
+        return progress
 
     # --- saving ----------------------------------------------------------------------------
 
@@ -443,7 +449,8 @@ class Checkpointer:
         """
         if self._pending is None:
             return stop
-        flags = torch.tensor([0 if self._pending.future.done() else 1, int(stop)], dtype=torch.int64)
+        future = self._pending.future  # None: nothing is written in the background
+        flags = torch.tensor([0 if future is None or future.done() else 1, int(stop)], dtype=torch.int64)
         if self._poll_group is not None:
             dist.all_reduce(flags, group=self._poll_group)
         writing, stopping = flags.tolist()
@@ -469,7 +476,8 @@ class Checkpointer:
             problems = comm.Problems()
             with problems.guard(f"background save of {pending.target}"):
                 try:
-                    pending.future.result(timeout=timeout)
+                    if pending.future is not None:  # None: nothing is written in the background
+                        pending.future.result(timeout=timeout)
                 except TimeoutError:
                     raise TimeoutError(f"its write did not finish within {timeout:g} s") from None
             comm.raise_on_every_rank(problems, header=f"Saving checkpoint {pending.target} failed:", error=SaveError)

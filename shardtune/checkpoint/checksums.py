@@ -20,6 +20,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import crc32c as _crc32c
 
@@ -170,7 +171,7 @@ class Checksumming:
             self._future, self._pieces = None, pieces_of(offset, data)
 
     def finish(self) -> None:
-        pieces = self._future.result() if self._future is not None else self._pieces
+        pieces = self._future.result() if self._future is not None else self._pieces or []
         self._recording.add(self._rel, pieces)
 
     def abandon(self) -> None:
@@ -279,7 +280,8 @@ def gather_checksums(root: Path, *, skip: set[str], shared_filesystem: bool) -> 
     from shardtune.checkpoint.safetensors_io import CheckpointError
 
     gathered = comm.all_gather_objects(stop_recording(root))
-    problems, result, todo = comm.Problems(), None, []
+    problems, todo = comm.Problems(), []
+    result: dict[str, Any] | None = None
     if comm.rank() == 0:
         with problems.guard(str(root)):
             sizes = _list_files(root, skip)

@@ -21,7 +21,7 @@ import os
 import pickle
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ from shardtune.checkpoint.state import load_data_only
 from shardtune.state_dict import comm
 from shardtune.state_dict.install import materialize_meta
 from shardtune.state_dict.keys import format_problems
+
+if TYPE_CHECKING:
+    from shardtune.models.args import ModelArgs
 
 DCP_DIR = "dcp"
 LORA_FILE = "lora.json"
@@ -111,7 +114,7 @@ class _RestrictedReader(FileSystemReader):
         metadata = read_dcp_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]  # set just above
         return metadata
 
 
@@ -157,7 +160,8 @@ def save_dcp(
     """
     state = _state(model, opt)
     if async_save:
-        return dcp.async_save(state, checkpoint_id=str(path), process_group=group, async_stager=stager)
+        # An AsyncSaveResponse comes only from a stager whose stage() returns a Future; ours stage in place.
+        return dcp.async_save(state, checkpoint_id=str(path), process_group=group, async_stager=stager)  # type: ignore[return-value]
     dcp.save(state, checkpoint_id=str(path))
     return None
 
@@ -191,7 +195,9 @@ def write_model_description(model: nn.Module, directory: Path, base_dir: Path | 
     from shardtune.models import model_args_to_hf_config
 
     directory.mkdir(parents=True, exist_ok=True)
-    checksums.write_bytes(directory / "config.json", json.dumps(model_args_to_hf_config(model.args), indent=2).encode())
+    checksums.write_bytes(
+        directory / "config.json", json.dumps(model_args_to_hf_config(cast("ModelArgs", model.args)), indent=2).encode()
+    )
     lora = getattr(model, "lora_config", None)
     if lora is not None:
         info = {

@@ -39,7 +39,7 @@ def inside(directory: str | os.PathLike, name: object, *, listed_in: str | os.Pa
     """``directory / name`` for a ``name`` read from the file ``listed_in``; raises
     :class:`UnsafeFileNameError` naming both when the name could reach outside ``directory``."""
     reason = unsafe_reason(name)
-    if reason is not None:
+    if reason is not None or not isinstance(name, str):  # unsafe_reason refuses every non-str
         raise UnsafeFileNameError(
             f"{listed_in}: refuses the file name {name!r} ({reason}): every file it lists must lie inside "
             f"{directory}; name it relative to that directory (symlinked files are fine), or re-save the checkpoint"

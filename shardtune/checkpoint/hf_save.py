@@ -264,7 +264,7 @@ def _saved_dtype(items: list[WriteItem]) -> torch.dtype | None:
     for item in items:
         if item.dtype.is_floating_point:
             totals[item.dtype] = totals.get(item.dtype, 0) + item.nbytes
-    return max(totals, key=totals.get) if totals else None
+    return max(totals, key=totals.__getitem__) if totals else None
 
 
 def _index_json(files: list[FilePlan]) -> dict:

@@ -49,7 +49,7 @@ def _blocks(manifest: dict) -> list[tuple[str, int, int, int]]:
             f"checksums {recorded.get('algorithm')!r} in blocks of {recorded.get('block_bytes')} bytes are not the "
             f"{checksums.ALGORITHM!r} in blocks of {checksums.BLOCK_BYTES} this shardtune checks"
         )
-    out = []
+    out: list[tuple[str, int, int, int]] = []
     for rel, crcs in recorded["files"].items():
         size = manifest["files"].get(rel)
         spans = checksums.block_spans(size) if size is not None else []
@@ -136,8 +136,8 @@ def verify_on_ranks(
             if comm.rank() == 0:
                 problems.setdefault(atomic.MANIFEST, []).append(f"{root}: unreadable checksums in the manifest ({exc})")
     world = comm.world_size() if shared_filesystem else 1
-    mine = checksums.share_of([(rel, start, length) for rel, start, length, _ in blocks], world)
-    mine = mine[comm.rank()] if comm.rank() < world else []
+    shares = checksums.share_of([(rel, start, length) for rel, start, length, _ in blocks], world)
+    mine = shares[comm.rank()] if comm.rank() < world else []
     with ThreadPoolExecutor(max_workers=_threads()) as pool:  # CRC32C and reads release the GIL
         found = list(pool.map(lambda i: (blocks[i][0], _check_block(root, *blocks[i])), mine))
     for rel, problem in found:

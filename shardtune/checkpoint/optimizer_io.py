@@ -67,7 +67,9 @@ def plan_optimizer(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) 
     Hand the plan to :func:`~shardtune.checkpoint.writer.write_files`."""
     groups = param_group_fqns(model, opt)
     specs = quantized.agree_on_specs(state_tensors(groups, opt), header=f"Cannot save the optimizer to {out_dir}:")
-    items, scalars, packed = [], {}, {}
+    items: list[WriteItem] = []
+    scalars: dict[str, Any] = {}
+    packed: dict[str, Any] = {}
     world = comm.world_size()
     for fqns, group in zip(groups, opt.param_groups):
         for fqn, param in zip(fqns, group["params"]):
@@ -161,7 +163,9 @@ def load_optimizer(
         comm.raise_on_every_rank(
             problems, header=f"Cannot load the optimizer state from {in_dir}:", error=CheckpointError
         )
-        full_sd = _full_state(meta, tensors, opt) if reads else {}  # {} elsewhere: the core's rank-0 mode
+        full_sd = (
+            _full_state(meta, tensors, opt) if reads and meta is not None and tensors is not None else {}
+        )  # {} elsewhere: the core's rank-0 mode
         load_from_full_optimizer_state_dict(model, opt, full_sd, device)
     finally:
         if tensors is not None:

@@ -53,6 +53,7 @@ def mark_when_written(markers: ThreadPoolExecutor, pending: PendingSave, *, name
     return markers.submit(_mark_written, pending.future, pending.staging, body)
 
 
-def _mark_written(write: Future, staging: Path, body: dict[str, Any]) -> None:
-    write.result()
+def _mark_written(write: Future | None, staging: Path, body: dict[str, Any]) -> None:
+    if write is not None:
+        write.result()
     atomic.write_written_marker(staging, comm.rank(), body)

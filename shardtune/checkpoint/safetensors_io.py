@@ -258,7 +258,7 @@ class SafetensorsFile:
         flat = buf.view(-1).view(torch.uint8)
         if flat.numel() >= _PREFAULT_MIN_BYTES:
             _prefault(flat)
-        view = memoryview(flat.numpy())
+        view = memoryview(flat.numpy())  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on 3.12+ only
         done = 0
         while done < len(view):
             n = os.preadv(self._fd, [view[done:]], offset + done)
@@ -422,7 +422,7 @@ class RangeWriter:
         Raises FileNotFoundError when ``path`` does not exist (files are created beforehand)."""
         fd, direct_fd = self._open(path)
         data = _as_bytes(tensor)
-        view = memoryview(data.numpy())
+        view = memoryview(data.numpy())  # type: ignore[arg-type]  # as above: ndarray is a buffer
         checksum = checksums.begin(path, offset, view)  # runs alongside the write, from the same memory
         try:
             self._write(path, fd, direct_fd, data, view, offset)
@@ -466,6 +466,8 @@ class RangeWriter:
             self._staging = mmap.mmap(-1, STAGING_BYTES)  # anonymous mappings are page aligned
         staging = torch.frombuffer(self._staging, dtype=torch.uint8)
         fd, direct_fd = self._fds[path]
+        if direct_fd is None:  # callers write direct only on an O_DIRECT descriptor
+            return 0
         done = 0
         while done < data.numel():
             n = min(STAGING_BYTES, data.numel() - done)  # a multiple of DIRECT_IO_ALIGN

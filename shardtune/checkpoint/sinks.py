@@ -74,9 +74,11 @@ class DirectSink:
         return None
 
     def write(self, file: FilePlan, tensor: torch.Tensor, offset: int, *, buffered: bool = False) -> None:
+        assert self._writer is not None, "begin() first"
         self._writer.write(file, tensor, offset)
 
     def finish(self) -> None:
+        assert self._writer is not None, "begin() first"
         self._writer.close()
 
 
@@ -157,10 +159,11 @@ class Rank0Sink:
 
     def write(self, file: FilePlan, tensor: torch.Tensor, offset: int, *, buffered: bool = False) -> None:
         # Unbuffered blocks are the model's own memory: the save waits for their write (finish).
+        assert self._background is not None and self._ring is not None, "begin() first"
         self._background.write(file, tensor, offset, done=self._ring.release_oldest if buffered else None)
 
     def finish(self) -> None:
-        if self._background is not None:
+        if self._background is not None and self._writer is not None:  # begin() sets both
             self._background.close()
             self._writer.close()
 

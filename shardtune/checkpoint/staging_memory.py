@@ -50,7 +50,7 @@ class StagingMemory:
         """The next slice of the arena, with ``like``'s shape and dtype (contents undefined)."""
         nbytes = like.nbytes
         start, capacity = self._used, self._arena.numel() if self._arena is not None else 0
-        if start + nbytes > capacity:
+        if start + nbytes > capacity or self._arena is None:
             raise RuntimeError(
                 f"staging {nbytes} bytes at offset {start} overruns the {capacity}-byte arena reserved for this save"
             )

@@ -195,7 +195,7 @@ def save_rng(directory: Path, rank: int, state: dict[str, Any] | None = None) ->
     state = state if state is not None else rng_state()
     version, internal, gauss_next = state["python"]
     python = {"version": version, "internal": list(internal), "gauss_next": gauss_next}
-    tensors = {name: state[name].contiguous() for name in ("torch", "cuda") if name in state}
+    tensors: dict[str, torch.Tensor] = {name: state[name].contiguous() for name in ("torch", "cuda") if name in state}
     directory.mkdir(parents=True, exist_ok=True)
     data = safetensors.torch.save(tensors, metadata={RNG_PYTHON_KEY: json.dumps(python)})
     checksums.write_bytes(directory / RNG_FILE.format(rank=rank), data)

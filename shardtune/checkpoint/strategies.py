@@ -182,7 +182,8 @@ class RngOnRank0:
             with problems.guard(str(rng_dir)):
                 states = [load_rng(rng_dir, r) for r in range(comm.world_size())]
         comm.raise_on_every_rank(problems, header=f"Cannot resume from {rng_dir.parent.parent}:", error=CheckpointError)
-        state = comm.all_gather_objects(states)[0][comm.rank()] if same_world else None
+        saved = comm.all_gather_objects(states)[0]  # rank 0's list (None when not the same world)
+        state = saved[comm.rank()] if same_world and saved is not None else None
         _set_or_reseed(state, seed=seed, step=progress.step)
 
 

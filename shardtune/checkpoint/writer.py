@@ -197,7 +197,7 @@ def _route(item: WriteItem, sink: Sink) -> tuple[str, Piece | None]:
     owners = layout.owners() if layout.is_sharded else {}
     if (layout.is_sharded and sink.gathers_sharded) or not all(p.is_row_range(layout.shape) for p in owners):
         return "gather", whole if me == 0 else None
-    if not layout.is_sharded:
+    if layout.pieces is None:  # not sharded
         return "whole", whole if me == 0 else None
     piece = layout.pieces[me]
     return "rows", piece if owners.get(piece) == me else None

@@ -49,7 +49,7 @@ class DataReport:
     kept: list[Any] = field(default_factory=list, repr=False)  # the cut samples, when asked to keep them
 
 
-def _parts(dataset: Dataset) -> list[Dataset]:
+def _parts(dataset: Dataset) -> list[Any]:  # SFTDataset / PreferenceDataset: len, source, untruncated
     return list(dataset.datasets) if isinstance(dataset, ConcatDataset) else [dataset]
 
 

@@ -390,8 +390,8 @@ def build_dataset(
 
         parts = [build_preference_dataset(spec, tokenizer, max_seq_len=max_seq_len) for spec in specs]
         return parts[0] if len(parts) == 1 else ConcatDataset(parts)
-    parts = [build_sft_dataset(spec, tokenizer, max_seq_len=max_seq_len) for spec in specs]
-    dataset: Dataset = parts[0] if len(parts) == 1 else ConcatDataset(parts)
+    sft_parts = [build_sft_dataset(spec, tokenizer, max_seq_len=max_seq_len) for spec in specs]
+    dataset: Dataset = sft_parts[0] if len(sft_parts) == 1 else ConcatDataset(sft_parts)
     if packed:
         dataset = PackedDataset(dataset, max_seq_len=max_seq_len, pad_id=tokenizer.pad_id)
     return dataset

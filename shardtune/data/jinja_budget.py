@@ -193,7 +193,7 @@ def _join_size(separator: object, items: list[Any]) -> int:
 
 
 def _replace_size(s: object, old: object, new: object) -> int:
-    if not all(isinstance(x, str) for x in (s, old, new)):
+    if not (isinstance(s, str) and isinstance(old, str) and isinstance(new, str)):
         return 0
     count = s.count(old) if old else len(s) + 1
     return len(s) + count * max(0, len(new) - len(old))

@@ -30,7 +30,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 __all__ = ["JinjaChatTemplate", "default_chat_template", "load_chat_templates"]
 
@@ -94,7 +94,7 @@ def _environment():
     class GenerationTag(Extension):
         """``{% generation %}...{% endgeneration %}`` renders its body (spans come from prefixes)."""
 
-        tags: ClassVar[set[str]] = {"generation"}
+        tags = {"generation"}  # jinja2 declares tags as a (set) attribute, not a ClassVar
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno

@@ -38,7 +38,8 @@ def iter_samples(
         raise ValueError(f"limit must be >= 0, got {limit}")
     tokenizer = tokenizer or config_tokenizer(cfg)
     dataset = build_config_dataset(cfg, tokenizer, packed=False)
-    for index in range(len(dataset) if limit is None else min(limit, len(dataset))):
+    n = len(dataset)  # type: ignore[arg-type]  # torch's Dataset declares no __len__; ours have one
+    for index in range(n if limit is None else min(limit, n)):
         item = dataset[index]
         if "chosen" in item:
             yield {side: _shown(item[side], tokenizer, decode) for side in ("chosen", "rejected")}

@@ -120,6 +120,7 @@ class ModelArgs:
     @property
     def rotary_dim(self) -> int:
         """Channels of each head that RoPE rotates (``head_dim`` unless partial rotary)."""
+        assert self.head_dim is not None  # __post_init__ fills it before any use
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
@@ -141,7 +142,7 @@ def _normalize_rope_scaling(scaling: Mapping[str, Any] | None, max_seq_len: int)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return None
-    required: tuple[str, ...] = {
+    required: tuple[str, ...] | None = {
         "linear": ("factor",),
         "dynamic": ("factor",),
         "llama3": _LLAMA3_KEYS,
@@ -220,7 +221,12 @@ _CONFIG_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     **dict.fromkeys(("rope_scaling", "rope_parameters"), ((dict,), True)),
     "layer_types": ((list,), True),
 }
-_TYPE_NAMES = {_INT: "an integer", _NUMBER: "a number", _BOOL: "true or false", _STR: "a string"}
+_TYPE_NAMES: dict[tuple[type, ...], str] = {
+    _INT: "an integer",
+    _NUMBER: "a number",
+    _BOOL: "true or false",
+    _STR: "a string",
+}
 
 
 def _check_config_types(cfg: Mapping[str, Any], source: str) -> None:

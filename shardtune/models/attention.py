@@ -11,6 +11,7 @@ exact eager path computes ``cap * tanh(scores / cap)`` before the softmax, since
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -54,13 +55,15 @@ class RMSNorm(nn.Module):
 
 def init_linear(linear: nn.Module, std: float) -> None:
     """Normal(0, std) weight and zero bias; works for ``nn.Linear`` and ``LoRALinear`` bases."""
-    if linear.weight.is_meta:
+    weight = cast(Tensor, linear.weight)  # nn.Module.__getattr__ is typed Tensor | Module
+    if weight.is_meta:
         return
-    if type(linear.weight).__name__ == "NF4Tensor" or not linear.weight.is_floating_point():
+    if type(weight).__name__ == "NF4Tensor" or not weight.is_floating_point():
         raise ValueError("init_weights cannot re-initialize a quantized (NF4) base weight; initialize before QLoRA")
-    nn.init.normal_(linear.weight, mean=0.0, std=std)
-    if getattr(linear, "bias", None) is not None:
-        nn.init.zeros_(linear.bias)
+    nn.init.normal_(weight, mean=0.0, std=std)
+    bias = getattr(linear, "bias", None)
+    if bias is not None:
+        nn.init.zeros_(bias)
 
 
 def attention_mask(seq_len: int, *, device: torch.device, window: int | None = None) -> Tensor | None:
@@ -81,13 +84,15 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, *, device=None, dtype=None) -> None:
         super().__init__()
         family = args.family
+        n_kv_heads, head_dim = args.n_kv_heads, args.head_dim
+        assert n_kv_heads is not None and head_dim is not None  # ModelArgs.__post_init__ fills both
         self.n_heads = args.n_heads
-        self.n_kv_heads = args.n_kv_heads
-        self.head_dim = args.head_dim
-        self.scale = (args.query_pre_attn_scalar or args.head_dim) ** -0.5
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.scale = (args.query_pre_attn_scalar or head_dim) ** -0.5
         self.softcap = args.attn_logit_softcapping
         kw = {"device": device, "dtype": dtype}
-        q_out, kv_out = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        q_out, kv_out = args.n_heads * head_dim, n_kv_heads * head_dim
         self.fused = family.fused_qkv
         if self.fused:  # HF Phi-3 registers o_proj first: keep its state_dict order
             self.o_proj = nn.Linear(q_out, args.dim, bias=args.o_proj_bias, **kw)
@@ -97,11 +102,12 @@ class Attention(nn.Module):
             self.k_proj = nn.Linear(args.dim, kv_out, bias=args.attention_bias, **kw)
             self.v_proj = nn.Linear(args.dim, kv_out, bias=args.attention_bias, **kw)
             self.o_proj = nn.Linear(q_out, args.dim, bias=args.o_proj_bias, **kw)
-        self.q_norm = self.k_norm = None
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         if family.qk_norm:
-            norm_kw = {"eps": args.norm_eps, "offset": family.gemma_norm, **kw}
-            self.q_norm = RMSNorm(args.head_dim, **norm_kw)
-            self.k_norm = RMSNorm(args.head_dim, **norm_kw)
+            norm_kw: dict[str, Any] = {"eps": args.norm_eps, "offset": family.gemma_norm, **kw}
+            self.q_norm = RMSNorm(head_dim, **norm_kw)
+            self.k_norm = RMSNorm(head_dim, **norm_kw)
 
     def init_weights(self, std: float) -> None:
         projs = (self.qkv_proj, self.o_proj) if self.fused else (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
@@ -121,7 +127,7 @@ class Attention(nn.Module):
         q = q.view(b, s, self.n_heads, self.head_dim)
         k = k.view(b, s, self.n_kv_heads, self.head_dim)
         v = v.view(b, s, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # set together
             q, k = self.q_norm(q), self.k_norm(k)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
@@ -164,11 +170,13 @@ class Attention(nn.Module):
 
     def _eager_softcapped(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal: bool) -> Tensor:
         """Exact attention with ``cap * tanh(scores / cap)`` scores; softmax in fp32 as in transformers."""
+        cap = self.softcap
+        assert cap is not None  # forward takes this path only when soft-capping
         groups = self.n_heads // self.n_kv_heads
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = torch.tanh(scores / cap) * cap
         if mask is None and causal:
             s = q.shape[2]
             mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +76,7 @@ def frozen_head(head: torch.nn.Linear, *, softcap: float | None = None) -> Head:
     return logits
 
 
-def _fuses(head: Head, hidden: Tensor) -> bool:
+def _fuses(head: Head, hidden: Tensor) -> TypeGuard[LinearHead]:
     """Whether the loss goes through the fused path: a fusing :class:`LinearHead`, and backward will
     need the gradients (else the plain chunked loss is cheaper)."""
     if not isinstance(head, LinearHead) or not head.fuse or not torch.is_grad_enabled():

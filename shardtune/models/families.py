@@ -63,7 +63,7 @@ def _uniform_window(args: ModelArgs, family: str) -> int | None:
     """The window of families whose sliding window applies to every layer (Mistral, Phi-3)."""
     if args.sliding_window is None:
         return None
-    if set(args.layer_types) != {SLIDING}:
+    if set(args.layer_types or ()) != {SLIDING}:
         raise ValueError(f"model_type {family!r} slides every layer or none; got layer_types={args.layer_types}")
     return args.sliding_window
 
@@ -123,7 +123,7 @@ def _qwen_window_write(args: ModelArgs) -> dict[str, Any]:
     return {
         "use_sliding_window": sliding,
         "sliding_window": args.sliding_window,
-        "layer_types": list(args.layer_types),
+        "layer_types": list(args.layer_types or ()),
         "max_window_layers": args.n_layers,
     }
 
@@ -196,7 +196,7 @@ def _gemma_write(args: ModelArgs, family: str) -> dict[str, Any]:
         "head_dim": args.head_dim,
         "query_pre_attn_scalar": args.query_pre_attn_scalar or args.head_dim,
         "sliding_window": args.sliding_window,
-        "layer_types": list(args.layer_types),
+        "layer_types": list(args.layer_types or ()),
         "attn_logit_softcapping": args.attn_logit_softcapping,
         "final_logit_softcapping": args.final_logit_softcapping,
         "hidden_activation": args.hidden_act,
@@ -219,7 +219,7 @@ _FUSED = {
     "gate_proj": "gate_up_proj",
     "up_proj": "gate_up_proj",
 }
-_GEMMA = {
+_GEMMA: dict[str, Any] = {
     "gemma_norm": True,
     "sandwich_norm": True,
     "act_key": "hidden_activation",

@@ -30,7 +30,12 @@ def parse_layer_range(layers: str | Iterable[int] | None, n_layers: int) -> list
             nums = [int(p) if p.strip() else None for p in parts]
         except ValueError as e:
             raise ValueError(f"layer range {layers!r} is not a slice string like '2:10' or '::2'") from e
-        selected = range(n_layers)[slice(*nums)] if len(nums) > 1 else [range(n_layers)[nums[0]]]
+        if len(nums) > 1:
+            selected = list(range(n_layers)[slice(*nums)])
+        elif nums[0] is not None:
+            selected = [range(n_layers)[nums[0]]]
+        else:
+            raise ValueError(f"layer range {layers!r} is empty; give a slice string like '2:10' or '::2', or an index")
         chosen = set(selected)
     else:
         chosen = set(layers)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -133,10 +133,10 @@ class LlamaModel(nn.Module):
         family = args.family
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(args, layer_type=t, device=device, dtype=dtype) for t in args.layer_types
+            DecoderLayer(args, layer_type=t, device=device, dtype=dtype) for t in args.layer_types or ()
         )
         self.norm = RMSNorm(args.dim, eps=args.norm_eps, offset=family.gemma_norm, device=device, dtype=dtype)
-        rope = {"max_position_embeddings": args.max_seq_len}
+        rope: dict[str, Any] = {"max_position_embeddings": args.max_seq_len}
         self.rotary_emb = RotaryEmbedding(
             args.rotary_dim, theta=args.rope_theta, rope_scaling=args.rope_scaling, **rope
         )
@@ -147,6 +147,11 @@ class LlamaModel(nn.Module):
         self.embed_scale = args.dim**0.5 if family.gemma_norm else None
         self.layer_dropout_probs: list[float] | None = None
         self.layer_dropout_generator: torch.Generator | None = None
+
+    @property
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        """``layers``, typed: a type checker sees an ``nn.ModuleList``'s items as plain Modules."""
+        return cast("Sequence[DecoderLayer]", self.layers)
 
     def _skipped_layers(self) -> list[bool] | None:
         """Per-batch skip decisions; one draw per layer every call so RNG use is schedule-independent."""
@@ -188,7 +193,7 @@ class LlamaModel(nn.Module):
             position_ids = torch.arange(seq, device=device).unsqueeze(0)
             if lengths is not None:
                 position_ids = sample_positions(lengths).to(device, non_blocking=True)
-        types = {layer.layer_type for layer in self.layers}
+        types = {layer.layer_type for layer in self.decoder_layers}
         window = {FULL: None, SLIDING: self.args.sliding_window}
         if lengths is None:
             masks = {t: attention_mask(seq, device=device, window=window[t]) for t in types}
@@ -203,7 +208,7 @@ class LlamaModel(nn.Module):
             rope[SLIDING] = local(position_ids, h.dtype)
         skipped = self._skipped_layers()
         hidden: dict[int, Tensor] = {}
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             if skipped is None or not skipped[i]:
                 cos, sin = rope[layer.layer_type]
                 h = layer(h, cos, sin, masks[layer.layer_type], packed=packed[layer.layer_type])
@@ -216,10 +221,10 @@ class LlamaModel(nn.Module):
         tokens: Tensor, position_ids: Tensor | None, lengths: Sequence[Sequence[int]] | None
     ) -> SampleLengths | None:
         """The rows' sample lengths, or None when every row is one sample (plain causal attention)."""
-        if lengths is None and position_ids is None:
-            return None
         batch, seq = tokens.shape
         if lengths is None:
+            if position_ids is None:
+                return None
             lengths = sample_lengths(position_ids.expand(batch, seq))
         rows = check_sample_lengths(lengths, batch=batch, seq=seq)
         return None if all(len(row) == 1 for row in rows) else rows
@@ -231,14 +236,14 @@ class LlamaModel(nn.Module):
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype).item()
         new, device = tokens.shape[1], tokens.device
         window = {FULL: None, SLIDING: self.args.sliding_window}
-        types = {layer.layer_type for layer in self.layers}
+        types = {layer.layer_type for layer in self.decoder_layers}
         masks = {t: cached_attention_mask(new, cache.length, device=device, window=window[t]) for t in types}
         position_ids = torch.arange(cache.length, cache.length + new, device=device).unsqueeze(0)
         global_rope = self.rotary_emb(position_ids, h.dtype)
         rope = {FULL: global_rope, SLIDING: global_rope}
         if self.local_rotary_emb is not None and SLIDING in types:
             rope[SLIDING] = self.local_rotary_emb(position_ids, h.dtype)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             cos, sin = rope[layer.layer_type]
             h = layer(h, cos, sin, masks[layer.layer_type], functools.partial(cache.update, i))
         cache.advance(new)
@@ -288,7 +293,7 @@ class LlamaForCausalLM(nn.Module):
         """HF-style init: Normal(0, std) linears/embeddings, ones for norms, zero biases."""
         if not self.model.embed_tokens.weight.is_meta:
             nn.init.normal_(self.model.embed_tokens.weight, mean=0.0, std=std)
-        for layer in self.model.layers:
+        for layer in self.model.decoder_layers:
             layer.init_weights(std)
         self.model.norm.reset_parameters()
         if not self.args.tie_word_embeddings:

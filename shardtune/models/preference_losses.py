@@ -86,7 +86,7 @@ def preference_loss(
     if (reference_chosen is None) != (reference_rejected is None):
         raise ValueError("give both reference log-probs (chosen and rejected) or neither (reference-free)")
     pc, pr = policy_chosen.float(), policy_rejected.float()
-    if loss == "simpo" or reference_chosen is None:
+    if loss == "simpo" or reference_chosen is None or reference_rejected is None:
         rc, rr = torch.zeros_like(pc), torch.zeros_like(pr)
     else:
         rc, rr = reference_chosen.float(), reference_rejected.float()

@@ -115,6 +115,7 @@ def attention_factor(rope_scaling: dict[str, Any] | None, *, max_position_embedd
     if rope_scaling["rope_type"] == "longrope":
         factor = max_position_embeddings / old_ctx if factor is None else factor
         return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
+    factor = rope_scaling["factor"]  # yarn requires it (_normalize_rope_scaling)
 
     def mscale(scale: float, m: float = 1) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -170,7 +171,7 @@ class RotaryEmbedding(nn.Module):
         """Cache key: the only seq_len distinctions the rope type makes."""
         if not self.seq_dependent or seq_len is None:
             return None
-        if self.rope_scaling["rope_type"] == "longrope":
+        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope":  # seq_dependent: not None
             return int(seq_len > int(self.rope_scaling["original_max_position_embeddings"]))
         return max(seq_len, self.max_position_embeddings)
 

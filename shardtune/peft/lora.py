@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +81,9 @@ class LoRALinear(nn.Module):
     ``lora_B`` starts at zero so a fresh adapter leaves the model unchanged.
     """
 
+    weight: Tensor  # registered by _set_base (a Parameter; NF4 data when quantized)
+    bias: Tensor | None
+
     def __init__(
         self,
         in_features: int,
@@ -118,8 +122,8 @@ class LoRALinear(nn.Module):
 
     def _set_base(
         self,
-        weight: nn.Parameter,
-        bias: nn.Parameter | None,
+        weight: Tensor,
+        bias: Tensor | None,
         *,
         quantize: bool,
         name: str,
@@ -132,7 +136,8 @@ class LoRALinear(nn.Module):
             quantized = nf4.to_nf4(weight.detach(), block_size=block_size, scaler_block_size=scaler_block_size)
             weight = nn.Parameter(quantized, requires_grad=False)
         self.weight = weight.requires_grad_(False)
-        self.register_parameter("bias", None if bias is None else bias.requires_grad_(False))
+        # The base's own Parameter (nn.Linear's stubs type it Tensor).
+        self.register_parameter("bias", None if bias is None else cast(nn.Parameter, bias.requires_grad_(False)))
         self.quantize_base = quantize
 
     @classmethod
@@ -224,7 +229,7 @@ def resolve_targets(model: nn.Module, target_modules: Iterable[str]) -> list[str
     resolved: list[str] = []
     for name in target_modules:
         target = name if name in present else aliases.get(name)
-        if target not in present:
+        if target is None or target not in present:
             kind = getattr(args, "model_type", type(model).__name__)
             raise ValueError(
                 f"LoRA target_modules entry {name!r} names no linear of this {kind} model; "
@@ -294,7 +299,7 @@ def apply_lora(
         setattr(model.get_submodule(parent_name), attr, lora)
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter_key(name))
-    model.lora_config = config
+    model.lora_config = config  # type: ignore[assignment]  # a plain attribute; nn.Module's stubs expect Tensor | Module
     return model
 
 
@@ -363,9 +368,9 @@ def merge_lora(model: nn.Module) -> nn.Module:
         linear = nn.Linear(lora.in_features, lora.out_features, bias=lora.bias is not None, device="meta")
         linear.weight = nn.Parameter(weight, requires_grad=False)
         if lora.bias is not None:
-            linear.bias = lora.bias
+            linear.bias = cast(nn.Parameter, lora.bias)  # the base's own Parameter
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, linear)
     if hasattr(model, "lora_config"):
-        model.lora_config = None
+        model.lora_config = None  # type: ignore[assignment]  # as in apply_lora
     return model

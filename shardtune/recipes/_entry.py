@@ -54,8 +54,9 @@ def _record(error_dir: str, exc: BaseException, code: int) -> None:
         pass
 
 
-def _fail(error_dir: str, exc: BaseException, code: int) -> NoReturn:
+def _fail(error_dir: str | None, exc: BaseException, code: int) -> NoReturn:
     """Record ``exc`` and end the process now: no traceback, and no teardown that could wait on a
     dead peer (the sockets close with the process, so the other ranks fail fast)."""
-    _record(error_dir, exc, code)
+    if error_dir:  # the callers' quiet mode implies it
+        _record(error_dir, exc, code)
     end_process(code)

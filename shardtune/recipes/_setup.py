@@ -32,6 +32,7 @@ from shardtune.data.preference import collate_pairs
 from shardtune.distributed import decoder_layers, device_type, init_distributed, make_mesh, shard_model
 from shardtune.models import (
     HeadLoss,
+    LlamaForCausalLM,
     ModelArgs,
     get_model_args,
     llama_from_hf_config,
@@ -99,15 +100,17 @@ def claim_output_dir(cfg: Config, *, rank: int) -> tuple[Path, run_dir.OutputDir
                 lock.release()
                 lock = None
     comm.raise_on_every_rank(problems, header="Cannot start the run:", error=run_dir.OutputDirError)
-    placed = Path(comm.all_gather_objects(placed)[0])
-    if rank == 0 and placed != root:
+    shared = comm.all_gather_objects(placed)[0]
+    assert shared is not None  # rank 0 placed the run, or every rank raised above
+    placed_dir = Path(shared)
+    if rank == 0 and placed_dir != root:
         log.info(
             "output_dir_policy=%s: %s holds another run's outputs; this run writes to %s",
             cfg.output_dir_policy,
             root,
-            placed,
+            placed_dir,
         )
-    return placed, lock
+    return placed_dir, lock
 
 
 def _check_parallelism(cfg: Config, *, device: torch.device, world: int) -> None:
@@ -189,7 +192,7 @@ def _warn_if_preset_differs(path: Path, preset: str, *, key: str, preset_key: st
         )
 
 
-def _shape(args: ModelArgs) -> tuple[int, ...]:
+def _shape(args: ModelArgs) -> tuple[int | None, ...]:
     return (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.intermediate_size, args.vocab_size)
 
 
@@ -200,7 +203,7 @@ def _describe(args: ModelArgs) -> str:
     )
 
 
-def build_model(base_dir: Path, run: Run, cfg: Config, *, lora: Config | None = None) -> nn.Module:
+def build_model(base_dir: Path, run: Run, cfg: Config, *, lora: Config | None = None) -> LlamaForCausalLM:
     """The model on the meta device (optionally with LoRA), sharded with FSDP2; weights come later."""
     with torch.device("meta"):
         model = llama_from_hf_config(base_dir, dtype=run.dtype)
@@ -254,7 +257,7 @@ def build_data(cfg: Config, run: Run, base_dir: Path):
         pin_memory=run.device.type == "cuda",  # so on_device's copies can overlap compute
     )
     check_one_step(
-        len(dataset),
+        len(dataset),  # type: ignore[arg-type]  # torch's Dataset declares no __len__; ours have one
         sources=[spec.get("path", "<dataset>") for spec in _dataset_specs(cfg.dataset)],
         batch_size=cfg.batch_size,
         world_size=run.world_size,
@@ -341,7 +344,7 @@ def build_checkpointer(
     )
 
 
-def load_weights(cfg: Config, run: Run, model: nn.Module, checkpointer: Checkpointer) -> TrainingProgress:
+def load_weights(cfg: Config, run: Run, model: LlamaForCausalLM, checkpointer: Checkpointer) -> TrainingProgress:
     """Resume when asked and possible, else load the base (and initialise fresh adapters);
     returns the progress registered with ``checkpointer`` (restored, or a fresh start's)."""
     progress = checkpointer.resume() if cfg.resume_from_checkpoint else None

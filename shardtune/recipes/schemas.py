@@ -48,7 +48,7 @@ DATASET_COLUMNS = {
 
 def _check_dataset(ds: dict[str, Any]) -> list[str]:
     problems = []
-    roles = DATASET_COLUMNS.get(ds.get("format"), ())
+    roles = DATASET_COLUMNS.get(ds.get("format", ""), ())
     column_map = ds.get("column_map")
     for key, column in column_map.items() if roles and isinstance(column_map, dict) else ():
         if key not in roles:

@@ -77,7 +77,7 @@ def number_kind(value: Any) -> str | None:
 
 
 # How comm.agree / comm.disagreement report ranks whose model_signature differs from rank 0's.
-SAME_MODEL = {
+SAME_MODEL: dict[str, Any] = {
     "what": "the model differs between ranks (names, shapes or placements)",
     "fix": "build and shard the same model on every rank.",
 }
@@ -121,7 +121,7 @@ def agree_on_plan(entries: list[ModelEntry], full_sd: Mapping[str, Any], *, stri
     problems += comm.disagreement([s for _, s in gathered], **SAME_MODEL)
     reference = descs[0] or {}
     if mode == EVERY_RANK:
-        problems += _desc_mismatch_problems(descs)
+        problems += _desc_mismatch_problems([d or {} for d in descs])  # every rank has one here
     plan, plan_problems = _match(entries, reference, mode, strict=strict)
     local_problems = _number_kind_problems(entries, full_sd) if full_sd else []
     comm.raise_on_every_rank(problems + plan_problems + local_problems, header="Cannot load the full model state dict:")

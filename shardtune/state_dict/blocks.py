@@ -97,6 +97,8 @@ class SendBuffer:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The next block of the reserved room, as a tensor of ``shape`` and ``dtype``."""
+        if self._bytes is None:
+            raise RuntimeError("SendBuffer.take: call reserve() with the batch's block sizes first")
         nbytes = math.prod(shape) * dtype.itemsize
         start, self._used = self._used, self._used + self._aligned(nbytes)
         return self._bytes[start : start + nbytes].view(dtype).view(shape)

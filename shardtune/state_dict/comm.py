@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,10 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+@overload
+def normalize_device(device: torch.device | str) -> torch.device: ...
+@overload
+def normalize_device(device: None) -> None: ...
 def normalize_device(device: torch.device | str | None) -> torch.device | None:
     """``device`` as a ``torch.device`` with an index for accelerators: ``"cuda"`` means the
     current CUDA device (``torch.device("cuda") != torch.device("cuda", 0)``, so comparing an
@@ -140,11 +145,14 @@ def wire(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def all_gather_objects(obj: object) -> list[object]:
+T = TypeVar("T")
+
+
+def all_gather_objects(obj: T) -> list[T]:
     """Collective: call on all ranks. Returns every rank's ``obj``, indexed by rank."""
     if world_size() == 1:
         return [obj]
-    gathered: list[object] = [None] * world_size()
+    gathered: list[Any] = [None] * world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
 
@@ -162,14 +170,14 @@ def raise_on_every_rank(local_problems: list[str], *, header: str, error: type[E
 
 
 def agree(
-    value: object,
+    value: T,
     *,
     what: str,
     fix: str,
     header: str,
     problems: Sequence[str] = (),
     error: type[Exception] = StateDictError,
-) -> list[object]:
+) -> list[T]:
     """Collective: call on all ranks. Every rank's ``value`` must equal rank 0's.
 
     One gather carries ``value`` and this rank's ``problems``. When any rank reported a problem
@@ -231,9 +239,11 @@ def scatter_from_rank0(
     me = rank()
     longest = max(numels)
     direct = into is not None and into.numel() == longest and into.dtype == dtype and on_transfer_device(into, device)
-    out = into.view(-1) if direct else torch.empty(longest, dtype=dtype, device=device)
+    out = into.view(-1) if into is not None and direct else torch.empty(longest, dtype=dtype, device=device)
     scatter_list = None
     if me == 0:
+        if block_for is None:
+            raise ValueError("scatter_from_rank0: rank 0 passes block_for (None is for the other ranks)")
         # Views of the caller's blocks where they fit: the scatter itself copies rank 0's own
         # block into ``out``, so each byte is copied once.
         scatter_list = [wire(_flat_padded(block_for(r), longest, dtype, device)) for r in range(len(numels))]

@@ -100,13 +100,13 @@ def gather_to_rank0(
     if me == 0 and out is None:
         out = comm.host_empty(layout.shape, dtype=tensor.dtype)
     if not layout.is_sharded:
-        return out.copy_(local) if me == 0 else None
+        return out.copy_(local) if me == 0 and out is not None else None
     senders = {owner: piece for piece, owner in layout.owners().items()}
-    if me == 0 and 0 in senders:
+    if me == 0 and out is not None and 0 in senders:
         out[senders[0].slices].copy_(local)
     itemsize = tensor.dtype.itemsize
     for batch in comm.batches({r: p.numel * itemsize for r, p in senders.items() if r}):
-        if me == 0:
+        if me == 0 and out is not None:
             _receive_batch(out, {r: senders[r] for r in batch}, transfer_device)
         elif me in batch:
             comm.exchange([(comm.to_transfer(local, transfer_device), 0)], [])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from functools import cache
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 
@@ -31,7 +31,7 @@ def _ao() -> ModuleType:
     return nf4_tensor
 
 
-def is_nf4(tensor: object) -> bool:
+def is_nf4(tensor: object) -> TypeGuard[NF4Tensor]:
     """True for a torchao ``NF4Tensor`` (by class name, so torchao need not be imported)."""
     return any(cls.__name__ == "NF4Tensor" for cls in type(tensor).__mro__)
 

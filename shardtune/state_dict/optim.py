@@ -123,7 +123,7 @@ def state_tensors(groups: list[list[str]], opt: torch.optim.Optimizer) -> list[t
 def _gather_param_state(
     param_state: dict[str, Any], fqn: str, specs: dict[str, QuantSpec], transfer_device, errors
 ) -> dict[str, Any]:
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in param_state.items():
         spec = specs.get(f"{fqn}.{key}")
         if spec is not None:
@@ -135,8 +135,9 @@ def _gather_param_state(
                 )
                 for name, part in quantized.part_layouts(spec, layout).items()
             }
-            if comm.rank() == 0:
-                out[key] = quantized.rebuild(spec, tuple(value.shape), full[quantized.CODES], full[quantized.SCALE])
+            codes, scale = full[quantized.CODES], full[quantized.SCALE]
+            if comm.rank() == 0 and codes is not None and scale is not None:  # gathered on rank 0 only
+                out[key] = quantized.rebuild(spec, tuple(value.shape), codes, scale)
         elif isinstance(value, torch.Tensor):
             out[key] = gather_to_rank0(
                 value,
@@ -229,7 +230,7 @@ def _fqn_keyed(full_sd: Mapping[str, Any], groups: list[list[str]]) -> dict | st
     ids = [pid for g in saved_groups for pid in g["params"]]
     if not ids or not isinstance(ids[0], int):
         return {"state": full_sd["state"], "param_groups": saved_groups}
-    mapping = {}
+    mapping: dict[Any, str] = {}
     for i, (saved, fqns) in enumerate(zip(saved_groups, groups)):
         if len(saved["params"]) != len(fqns):
             return (
@@ -248,7 +249,7 @@ def _fqn_keyed(full_sd: Mapping[str, Any], groups: list[list[str]]) -> dict | st
 
 def _describe(full_sd: dict) -> dict:
     """What every rank must know: groups, and per state value its shape/dtype; scalars inline."""
-    state = {}
+    state: dict[str, Any] = {}
     for fqn, param_state in full_sd["state"].items():
         state[fqn] = {}
         for key, value in param_state.items():
@@ -398,10 +399,11 @@ def _load_quantized(
             parts[name] = None
             with errors.guard(f"{fqn}.{key}.{name}"):
                 parts[name] = copy_block(value, (me.shape, me.slices), dtype=dtype, device=device)
-    if parts[quantized.CODES] is None or parts[quantized.SCALE] is None:
+    codes, scale = parts[quantized.CODES], parts[quantized.SCALE]
+    if codes is None or scale is None:
         return None
-    block = quantized.rebuild(spec, layout.piece(comm.rank()).shape, parts[quantized.CODES], parts[quantized.SCALE])
-    if not layout.is_sharded:
+    block = quantized.rebuild(spec, layout.piece(comm.rank()).shape, codes, scale)
+    if not layout.is_sharded or not isinstance(param, DTensor):  # sharded params are DTensors
         return block
     return DTensor.from_local(
         block, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()

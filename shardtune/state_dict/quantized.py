@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -46,7 +46,7 @@ class QuantizedState:
     scale: Any
 
 
-def _classes() -> dict[int, type]:
+def _classes() -> dict[int, Any]:  # torchao is untyped
     from torchao.optim.subclass_4bit import OptimState4bit
     from torchao.optim.subclass_8bit import OptimState8bit
 
@@ -72,9 +72,10 @@ def agree_on_specs(named: Sequence[tuple[str, torch.Tensor]], *, header: str) ->
     mine = {name: ("empty" if local_tensor(t).numel() == 0 else spec_of(t)) for name, t in named}
     mine = {name: s for name, s in mine.items() if s is not None}  # plain non-empty: the common case, kept small
     gathered = comm.all_gather_objects(mine)
-    specs, problems = {}, []
+    specs: dict[str, QuantSpec] = {}
+    problems: list[str] = []
     for name, _ in named:
-        seen = {s.get(name) for s in gathered} - {"empty"}
+        seen: set[QuantSpec | str | None] = {s.get(name) for s in gathered} - {"empty"}
         if seen == {None} or not seen:
             continue
         if len(seen) > 1:
@@ -83,7 +84,7 @@ def agree_on_specs(named: Sequence[tuple[str, torch.Tensor]], *, header: str) ->
                 "shardtune.training.build_optimizer, which quantizes a state on every rank or on none."
             )
         else:
-            specs[name] = seen.pop()
+            specs[name] = cast(QuantSpec, seen.pop())  # one value, not None and not "empty"
     comm.raise_on_every_rank(problems, header=header)
     return specs
 
@@ -125,7 +126,8 @@ def local_parts(tensor: torch.Tensor, spec: QuantSpec, layout: TensorLayout) -> 
     """This rank's codes and scales of a quantized state (empty tensors where its piece is empty)."""
     local = local_tensor(tensor)
     if local.numel():
-        return {CODES: local.codes, SCALE: local.scale}
+        state: Any = local  # a torchao quantized state (untyped)
+        return {CODES: state.codes, SCALE: state.scale}
     me = comm.rank()
     return {
         name: torch.empty(part.piece(me).shape, dtype=torch.uint8 if name == CODES else torch.float32)
@@ -154,4 +156,5 @@ def as_quantized_state(value: Any) -> QuantizedState | None:
     spec = spec_of(value)
     if spec is None:
         return None
-    return QuantizedState(spec, tuple(value.shape), value.codes, value.scale)
+    state: Any = value  # a torchao quantized state (untyped)
+    return QuantizedState(spec, tuple(value.shape), state.codes, state.scale)

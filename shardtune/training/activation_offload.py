@@ -26,7 +26,7 @@ class _Offloaded:
 
     __slots__ = ("device", "event", "host")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, event: torch.Event | None) -> None:
+    def __init__(self, host: torch.Tensor, device: torch.device, event: torch.Event) -> None:
         self.host, self.device, self.event = host, device, event
 
 

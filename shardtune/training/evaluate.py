@@ -73,6 +73,8 @@ class Evaluator:
                 total = loss_sum.double() if total is None else total + loss_sum.double()
                 tokens += n
         model.train(was_training)
+        if total is None:  # no batches on any rank: the same dataset length everywhere
+            raise ValueError("evaluation: the eval dataset is empty; give it at least one sample")
         device = comm.comm_device(total.device)
         totals = torch.stack([total.to(device), torch.full((), float(tokens), dtype=torch.float64, device=device)])
         if dist.is_initialized():

@@ -17,6 +17,7 @@ For full fine-tuning this is the usual ``6 N + 12 l h q t``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,7 +55,7 @@ def _weights(model: nn.Module) -> tuple[int, int]:
 def flops_per_token_fn(model: nn.Module) -> Callable[[int], float]:
     """``seq_len -> model FLOPs per token`` of a training step of ``model`` (fwd + bwd)."""
     weights, trainable = _weights(model)
-    args = model.args
+    args: Any = model.args  # a ModelArgs (nn.Module.__getattr__ is typed Tensor | Module)
     attention = 12 * args.n_layers * args.n_heads * args.head_dim
     return lambda seq_len: 4.0 * weights + 2.0 * trainable + attention * seq_len
 

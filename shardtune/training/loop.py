@@ -127,7 +127,7 @@ def run_training(
             # The checkpointer restored the sampler with its checkpoint: the loader yields the rest of the epoch.
             resuming = epoch == start_epoch and bool(progress.sampler)
             done_batches = progress.batches_in_epoch if resuming else 0
-            total, done_in_epoch = epoch_steps(len(loader), done_batches, settings)
+            total, done_in_epoch = epoch_steps(len(loader), done_batches, settings)  # type: ignore[arg-type]  # a DataLoader
             bar = tqdm(
                 total=total,
                 initial=done_in_epoch,
@@ -165,7 +165,7 @@ def run_training(
                     row, flag = window.row(
                         step=step, epoch=epoch, lr=lr, grad_norm=norm, flag=guard.first_bad, settings=settings
                     )
-                    if evaluating and not flag:
+                    if evaluate is not None and evaluating and not flag:
                         row["val_loss"] = evaluate(model)
                     logger.log(row)
                     guard.check(flag, step=step)
@@ -235,13 +235,14 @@ def _fetch(values: torch.Tensor) -> list[float]:
 class _Window:
     """Summed loss and token counts of one optimizer step (its accumulated micro-batches)."""
 
+    global_loss_sum: torch.Tensor  # set by reduce()
+    global_tokens: torch.Tensor
+
     def __init__(self) -> None:
         self.loss_sum: torch.Tensor | None = None  # float64, where the losses are computed
         self.tokens = 0  # this rank's label tokens, counted on the host
         self.flops = 0.0  # this rank's model FLOPs, from the host batch shapes
         self.metrics: dict[str, torch.Tensor] = {}  # the loss function's extra sums, float64
-        self.global_loss_sum: torch.Tensor | None = None
-        self.global_tokens: torch.Tensor | None = None
         self.global_metrics: dict[str, torch.Tensor] = {}
         self.start = time.perf_counter()
 
@@ -256,12 +257,14 @@ class _Window:
     def reduce(self) -> None:
         """Collective: sums loss and tokens over ranks (one small all-reduce per step, on the
         transfer device; the totals stay there)."""
-        device = comm.comm_device(self.loss_sum.device)
+        loss_sum = self.loss_sum
+        assert loss_sum is not None  # a step adds at least one micro-batch before it reduces
+        device = comm.comm_device(loss_sum.device)
         # torch.full fills on the device: no host-to-device copy the host would wait for
         tokens = torch.full((), float(self.tokens), dtype=torch.float64, device=device)
         flops = torch.full((), self.flops, dtype=torch.float64, device=device)
         names = sorted(self.metrics)  # the same on every rank: the same loss function
-        totals = torch.stack([self.loss_sum.to(device), tokens, flops, *(self.metrics[n].to(device) for n in names)])
+        totals = torch.stack([loss_sum.to(device), tokens, flops, *(self.metrics[n].to(device) for n in names)])
         if dist.is_initialized():
             dist.all_reduce(totals)
         self.global_loss_sum, self.global_tokens, self.global_flops = totals[0], totals[1], totals[2]

@@ -15,7 +15,7 @@ import math
 import os
 import resource
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from tqdm import tqdm
@@ -37,7 +37,7 @@ class MetricLogger:
         self, output_dir: str | Path, *, enabled: bool, loggers: tuple[str, ...] = (), start_step: int = 0
     ) -> None:
         self.enabled = enabled
-        self._file = None
+        self._file: TextIO | None = None
         self._sinks: list[Any] = []
         if not enabled:
             return
@@ -51,7 +51,7 @@ class MetricLogger:
             self._sinks.append(_optional_sink(name, Path(output_dir)))
 
     def log(self, row: dict[str, Any]) -> None:
-        if not self.enabled:
+        if not self.enabled or self._file is None:  # an enabled logger holds its file until close()
             return
         self._file.write(json.dumps(_finite_or_null(row), allow_nan=False) + "\n")
         self._file.flush()

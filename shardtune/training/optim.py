@@ -9,7 +9,7 @@ checkpoint stores each state one way (see :mod:`shardtune.state_dict.quantized`)
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -42,7 +42,7 @@ def build_optimizer(
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
         raise ValueError("no trainable parameters: check the LoRA target_modules or which params are frozen")
-    adam = {"lr": lr, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps}
+    adam: dict[str, Any] = {"lr": lr, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps}
     if name == "adamw":
         return torch.optim.AdamW(trainable, **adam)
     if name == "adamw_fused":
@@ -66,14 +66,14 @@ def _low_bit_adamw(name: str) -> type[torch.optim.Optimizer]:
 
     base = AdamW8bit if name == "adamw8bit" else AdamW4bit
 
-    class LowBitAdamW(base):
+    class LowBitAdamW(base):  # type: ignore[misc, valid-type]  # a base chosen at run time from untyped torchao
         """torchao quantizes a state when this rank's shard has >= 4096 values in whole blocks,
         so ranks of one uneven param could differ; here every rank with a non-empty shard
         quantizes when all of them qualify (empty shards stay plain)."""
 
         def _new_buffer(self, p: torch.Tensor, signed: bool):
-            pieces = layout_of(p, comm.world_size()).pieces or (None,)
-            sizes = [p.numel()] if pieces == (None,) else [piece.numel for piece in pieces if piece.numel]
+            pieces = layout_of(p, comm.world_size()).pieces
+            sizes = [piece.numel for piece in pieces if piece.numel] if pieces else [p.numel()]
             if all(n >= _MIN_QUANTIZED and n % self.block_size == 0 for n in sizes):
                 return super()._new_buffer(p, signed)  # every non-empty shard qualifies in torchao too
             out = torch.zeros_like(local_tensor(p))
@@ -189,7 +189,7 @@ def continue_schedule(scheduler: LrSchedule, *, remaining_steps: int) -> list[st
     """
     if scheduler.resumed is None or scheduler.resumed[0] is None:
         return []  # nothing loaded, or a checkpoint of an older shardtune: its step count applies as saved
-    (old, anchor), new = scheduler.resumed, scheduler.spec
+    (old, anchor), new = (scheduler.resumed[0], scheduler.resumed[1]), scheduler.spec
     scheduler.resumed = None
     step = scheduler.last_epoch
     position = anchor.at(step)
@@ -233,7 +233,9 @@ def _across_batches(
         )
     total = old.total_steps
     if old.length != new.length:
-        total = max(1, round(new.total_steps * new.samples_per_step / old.samples_per_step))
+        old_batch, new_batch = old.samples_per_step, new.samples_per_step
+        assert old_batch is not None and new_batch is not None  # continue_schedule's branch: both recorded
+        total = max(1, round(new.total_steps * new_batch / old_batch))
         changes.append(
             f"lr schedule length: {old.total_steps} (checkpoint: {old.length}) -> {total} steps of the checkpoint's "
             f"global batch (this run: {new.length})"
@@ -247,7 +249,7 @@ def _across_batches(
     return ScheduleSpec(new.name, old.warmup_steps, total, new.min_lr_ratio, old.samples_per_step, new.length)
 
 
-def set_lrs(optimizer: torch.optim.Optimizer, lrs: list[float]) -> None:
+def set_lrs(optimizer: torch.optim.Optimizer, lrs: Sequence[float | torch.Tensor]) -> None:
     """Each param group's lr (in place where it is a tensor, as torchao's low-bit AdamWs keep it)."""
     for group, lr in zip(optimizer.param_groups, lrs, strict=True):
         if isinstance(group["lr"], torch.Tensor):
