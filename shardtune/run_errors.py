@@ -65,13 +65,22 @@ class RankError:
         return f"{self.type}: {self.message}" if self.message else self.type
 
 
+MAX_MESSAGE_CHARS = 10_000  # a message built from huge data is printed in part, not whole
+
+
+def _bounded(text: str) -> str:
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    return f"{text[:MAX_MESSAGE_CHARS]} ... [{len(text) - MAX_MESSAGE_CHARS} more characters; --debug shows all]"
+
+
 def write_record(directory: str | os.PathLike, exc: BaseException, *, exit_code: int) -> None:
     """This rank's error as ``rank_<RANK>.json`` in ``directory`` (written whole, then renamed)."""
     rank = int(os.environ.get("RANK", "0"))
     record = {
         "rank": rank,
         "type": type(exc).__name__,
-        "message": str(exc),
+        "message": _bounded(str(exc)),
         "time": time.time(),
         "exit_code": exit_code,
         "traceback": "".join(traceback.format_exception(exc)),

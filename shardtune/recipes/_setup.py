@@ -409,7 +409,7 @@ def next_token_head_loss(labels: torch.Tensor, chunk_tokens: int | None, compile
 
 
 def build_training(
-    cfg: Config, run: Run, model: nn.Module, base_dir: Path, *, frozen: dict[str, Path] | None = None
+    cfg: Config, run: Run, model: LlamaForCausalLM, base_dir: Path, *, frozen: dict[str, Path] | None = None
 ) -> Training:
     """Everything the loop trains ``model`` with but the loss: data, optimizer and lr schedule,
     the Checkpointer (``frozen`` as :func:`build_checkpointer` takes it), the weights loaded

@@ -50,7 +50,8 @@ def recipe_main(cfg: Config) -> None:
         )
     candidates = exit_layers(cfg.early_exit.layers, n_layers)
     training = setup.build_training(cfg, run, model, base_dir)
-    total_steps = steps_per_epoch(len(training.loader), setup.loop_settings(cfg)) * cfg.epochs
+    n_batches = len(training.loader)  # type: ignore[arg-type]  # a DataLoader
+    total_steps = steps_per_epoch(n_batches, setup.loop_settings(cfg)) * cfg.epochs
 
     def loss_fn(batch):
         tokens, labels, packing = setup.on_device(batch, run)

@@ -127,3 +127,10 @@ def test_a_signal_to_the_launcher_exits_128_plus_its_number(monkeypatch, capsys)
     monkeypatch.setattr(torch.distributed.run, "main", stopped)
     assert cli.main(["run", RECIPE, "--config", "tiny/lora"]) == 128 + signal.SIGTERM
     assert capsys.readouterr().err == "\nshardtune run: stopped by SIGTERM\n"
+
+
+def test_a_huge_message_is_recorded_in_part(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    run_errors.write_record(tmp_path, ValueError("x" * 10**7), exit_code=1)
+    message = run_errors.read_records(tmp_path)[1].message
+    assert message.startswith("x" * 1000) and len(message) < 20_000 and "more characters" in message
