@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardtune.checkpoint import Checkpointer, FingerprintMismatchError
+from shardtune.checkpoint import Checkpointer, FingerprintMismatchError, atomic
 from shardtune.distributed import decoder_layers, shard_model
 from shardtune.models import llama_from_hf_config
 from shardtune.peft import apply_lora, init_lora_parameters
@@ -154,6 +154,38 @@ def _save_resume_under_nccl_rules(base: str, out: str, lora: bool, shared: bool)
         "step": progress.step,
         "counts": [dict(saving.counts), dict(resuming.counts)],
     }
+
+
+def _background_save_polled_under_nccl_rules(base: str, out: str):
+    """A background save published by :meth:`Checkpointer.poll` at step boundaries (its
+    all-reduce on the gloo side group) and a stop request, under the NCCL rules."""
+    from tests.nccl_rules import nccl_rules
+
+    model, opt, sched, ck = _setup(base, out, lora=False, async_save=True)
+    _start(model, ck, lora=False)
+    _train(model, opt, sched, range(2))
+    with nccl_rules() as rules:
+        ck.progress.batches_in_epoch = 1
+        target = ck.save(step=2, epoch=0)
+        boundaries = 0
+        while ck.save_pending:
+            ck.poll()
+            boundaries += 1
+        ck.save(step=3, epoch=0)
+        stopped = ck.poll(stop=dist.get_rank() == 1)
+    return {
+        "boundaries": boundaries,
+        "stopped": stopped,
+        "published": [atomic.verify(target) is not None, atomic.verify(Path(out) / "step_3") is not None],
+        "counts": dict(rules.counts),
+    }
+
+
+def test_background_save_polls_obey_nccl_rules(pool2, base_dir, tmp_path):
+    res = pool2.run_ok(_background_save_polled_under_nccl_rules, base_dir, str(tmp_path / "out"))
+    assert res[0]["boundaries"] == res[1]["boundaries"] >= 1
+    for r in res:
+        assert r["stopped"] and r["published"] == [True, True] and r["counts"], r
 
 
 @pytest.mark.parametrize("lora", [False, True])
