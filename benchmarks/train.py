@@ -147,12 +147,11 @@ def hf_dir(bench_dir: Path, shape: Shape) -> Path:
 
 def _shardtune(group: str, hf: str, device: torch.device):
     """The shardtune model and its loss: ``loss(tokens) -> mean next-token loss``."""
-    from shardtune.checkpoint.hf import load_hf_checkpoint
+    from shardtune.checkpoint.hf_load import load_hf_checkpoint
     from shardtune.distributed import shard_model
     from shardtune.models import llama_from_hf_config
     from shardtune.peft import apply_lora, init_lora_parameters
-    from shardtune.recipes._setup import Run as RecipeRun
-    from shardtune.recipes._setup import next_token_loss
+    from shardtune.training.step_loss import next_token_loss
 
     with torch.device("meta"):
         model = llama_from_hf_config(hf, dtype=torch.float32)
@@ -165,8 +164,7 @@ def _shardtune(group: str, hf: str, device: torch.device):
     if group != "full":
         init_lora_parameters(model, device=device)
     model.init_buffers(device)
-    recipe_run = RecipeRun(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, dtype=torch.float32)
-    loss_fn = next_token_loss(model, recipe_run)
+    loss_fn = next_token_loss(model, device=device)
     return model, lambda tokens: loss_fn({"tokens": tokens, "labels": tokens})[0]
 
 

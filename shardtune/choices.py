@@ -28,7 +28,7 @@ LORA_TARGETS = (
     "lm_head",
 )
 
-# ``dtype``: the compute dtype of the recipes (``shardtune.recipes._setup`` maps each to a torch dtype).
+# ``dtype``: the compute dtype of the recipes (``shardtune.recipes.builders`` maps each to a torch dtype).
 DTYPES = ("bf16", "fp32")
 
 # ``dpo.loss``: computed by ``shardtune.models.preference_losses``.

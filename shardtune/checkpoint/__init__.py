@@ -6,7 +6,7 @@ module that plans the files (``hf_save.py``, ``optimizer_io.py``, ``peft_format.
 """
 
 from shardtune.checkpoint.checkpointer import Checkpointer, SaveError
-from shardtune.checkpoint.hf import load_hf_checkpoint, open_hf_checkpoint
+from shardtune.checkpoint.hf_load import load_hf_checkpoint, open_hf_checkpoint
 from shardtune.checkpoint.hf_save import save_hf_checkpoint
 from shardtune.checkpoint.peft_format import load_peft_adapter, save_peft_adapter
 from shardtune.checkpoint.safetensors_io import CheckpointError

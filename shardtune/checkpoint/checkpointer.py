@@ -53,7 +53,7 @@ from torch import nn
 from shardtune.checkpoint import atomic, integrity, resume_checks
 from shardtune.checkpoint import checksums as crc
 from shardtune.checkpoint.dcp_format import DCP_DIR, load_dcp
-from shardtune.checkpoint.hf import load_hf_checkpoint
+from shardtune.checkpoint.hf_load import load_hf_checkpoint
 from shardtune.checkpoint.optimizer_io import load_optimizer
 from shardtune.checkpoint.peft_format import load_peft_adapter
 from shardtune.checkpoint.pending import PendingSave, SaveError, as_save_error, mark_when_written

@@ -220,7 +220,7 @@ def convert_dcp_to_hf(
     over the ranks. LoRA checkpoints need the base model (``base_dir``, default: the one
     recorded at save time).
     """
-    from shardtune.checkpoint.hf import load_hf_checkpoint
+    from shardtune.checkpoint.hf_load import load_hf_checkpoint
     from shardtune.checkpoint.hf_save import save_hf_checkpoint
     from shardtune.models import llama_from_hf_config
     from shardtune.peft import apply_lora

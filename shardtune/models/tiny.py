@@ -10,6 +10,9 @@ import torch
 from safetensors.torch import save_file
 
 from shardtune.checkpoint.atomic import fsync_tree
+from shardtune.data.tokenizer import save_byte_tokenizer
+from shardtune.models.args import model_args_to_hf_config
+from shardtune.models.registry import build_model, get_model_args
 
 TINY_SEED = 1234
 
@@ -20,9 +23,6 @@ def create_tiny_base(directory: str | os.PathLike, *, seed: int = TINY_SEED) -> 
     Single process (no collectives). The directory appears complete or not at all: files are
     written to a temporary sibling that is renamed at the end.
     """
-    from shardtune.data import save_byte_tokenizer
-    from shardtune.models import build_model, get_model_args, model_args_to_hf_config
-
     final = Path(directory)
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)

@@ -10,19 +10,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from shardtune.checkpoint import TrainingProgress, fingerprint
 from shardtune.checkpoint.identity import Identity, samples_identity, weights_identity
 from shardtune.config import Config
 from shardtune.data import load_tokenizer
 from shardtune.models import model_args_from_hf_config
+from shardtune.recipes.run import Run
 from shardtune.state_dict.comm import Problems, agree, all_gather_objects
 from shardtune.training import loop
 from shardtune.training.loop import LoopSettings
-
-if TYPE_CHECKING:
-    from shardtune.recipes._setup import Run
 
 
 def resume_fingerprint(

@@ -1,8 +1,9 @@
-"""Building blocks the recipes share: process group, model, data, optimizer, checkpointer, loss.
+"""Building blocks the recipes share: process group, model, data, optimizer, checkpointer.
 
 Each function does one setup job from the validated config; a recipe calls them top to bottom
 (:func:`start`, :func:`base_model_dir`, :func:`build_model`, :func:`build_training`) and hands
-the :class:`~shardtune.training.loop.Training` it built, with its loss, to :func:`fit`.
+the :class:`~shardtune.training.loop.Training` it built, with its loss (made of
+:mod:`shardtune.training.step_loss`), to :func:`fit`.
 """
 
 from __future__ import annotations
@@ -13,9 +14,7 @@ import json
 import logging
 import random
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +22,6 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from shardtune.checkpoint import Checkpointer, TrainingProgress, run_dir
-from shardtune.checkpoint.tiny import create_tiny_base
 from shardtune.config import Config
 from shardtune.data import build_dataloader, build_dataset, collate, load_tokenizer
 from shardtune.data.checks import build_training_dataset, check_one_step
@@ -31,17 +29,16 @@ from shardtune.data.datasets import is_preference
 from shardtune.data.preference import collate_pairs
 from shardtune.distributed import decoder_layers, device_type, init_distributed, make_mesh, shard_model
 from shardtune.models import (
-    HeadLoss,
     LlamaForCausalLM,
     ModelArgs,
     get_model_args,
     llama_from_hf_config,
     model_args_from_hf_config,
-    sample_lengths,
 )
-from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
+from shardtune.models.tiny import create_tiny_base
 from shardtune.peft import apply_lora, init_lora_parameters
 from shardtune.recipes import _resume
+from shardtune.recipes.run import Run
 from shardtune.state_dict import comm
 from shardtune.state_dict.comm import agree, normalize_device
 from shardtune.training.activation_offload import offload_layer_activations
@@ -50,23 +47,10 @@ from shardtune.training.flops import flops_per_token_fn, peak_tflops
 from shardtune.training.loop import LoopSettings, LossFn, Training, run_training, steps_per_epoch
 from shardtune.training.metrics import MetricLogger
 from shardtune.training.optim import LrSchedule, build_lr_scheduler, build_optimizer, continue_schedule
+from shardtune.training.step_loss import label_tokens, next_token_head_loss, on_device
 
 log = logging.getLogger("shardtune")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-@dataclass
-class Run:
-    rank: int
-    world_size: int
-    device: torch.device
-    dtype: torch.dtype
-    output_dir: Path | None = None  # where this run writes (``output_dir``, or a new run directory below it)
-    lock: run_dir.OutputDirLock | None = None  # rank 0's lock on ``output_dir``, held until :func:`finish`
-
-    @property
-    def is_rank_zero(self) -> bool:
-        return self.rank == 0
 
 
 def start(cfg: Config) -> Run:
@@ -369,45 +353,6 @@ def load_weights(cfg: Config, run: Run, model: LlamaForCausalLM, checkpointer: C
     return checkpointer.progress
 
 
-def on_device(batch: dict[str, torch.Tensor], run: Run) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-    """``tokens`` and ``labels`` on the run's device, and the model's packing keywords: for packed
-    data ``position_ids`` (on the device) and ``sample_lengths`` (read from the CPU batch, so
-    attention stays within each sample without a device sync); else none.
-
-    The copies do not block the host (the loader pins its batches on CUDA); count tokens on
-    the CPU batch (:func:`label_tokens`), never on these."""
-    positions = batch.get("position_ids")
-    packing: dict[str, Any] = {}
-    if positions is not None:
-        packing = {
-            "position_ids": positions.to(run.device, non_blocking=True),
-            "sample_lengths": sample_lengths(positions),
-        }
-    return batch["tokens"].to(run.device, non_blocking=True), batch["labels"].to(run.device, non_blocking=True), packing
-
-
-def next_token_loss(
-    model: nn.Module, run: Run, *, chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, compile: bool = False
-):
-    """``loss_fn`` for the loop: next-token cross-entropy of ``model`` on a batch, computed from the
-    final hidden states in chunks of ``chunk_tokens`` (None: from full logits)."""
-
-    def loss_fn(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        tokens, labels, packing = on_device(batch, run)
-        n_tokens = label_tokens(batch["labels"])
-        loss_sum = model(tokens, **packing, head_loss=next_token_head_loss(labels, chunk_tokens, compile))
-        return loss_sum / max(n_tokens, 1), n_tokens
-
-    return loss_fn
-
-
-def next_token_head_loss(labels: torch.Tensor, chunk_tokens: int | None, compile: bool = False) -> HeadLoss:
-    """The model's ``head_loss``: summed cross-entropy where hidden state t predicts label t+1."""
-    return lambda hidden, head: chunked_cross_entropy(
-        hidden[:, :-1], head, labels[:, 1:], chunk_tokens=chunk_tokens, compile=compile
-    )
-
-
 def build_training(
     cfg: Config, run: Run, model: LlamaForCausalLM, base_dir: Path, *, frozen: dict[str, Path] | None = None
 ) -> Training:
@@ -466,7 +411,7 @@ def build_evaluator(cfg: Config, run: Run, model: nn.Module, tokenizer) -> Evalu
     )
 
     def loss_sum(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        tokens, labels, packing = on_device(batch, run)
+        tokens, labels, packing = on_device(batch, run.device)
         head_loss = next_token_head_loss(labels, cfg.loss_chunk_tokens)
         return model(tokens, **packing, head_loss=head_loss), label_tokens(batch["labels"])
 
@@ -481,12 +426,6 @@ def build_evaluator(cfg: Config, run: Run, model: nn.Module, tokenizer) -> Evalu
 def _dataset_specs(value) -> list[dict]:
     items = value if isinstance(value, (list, tuple)) else [value]
     return [d.to_dict() if hasattr(d, "to_dict") else dict(d) for d in items]
-
-
-def label_tokens(labels: torch.Tensor) -> int:
-    """Label tokens the loss averages over; pass the CPU batch's labels (a device tensor would
-    make ``int`` wait for the device)."""
-    return int((labels[:, 1:] != -100).sum())
 
 
 def finish(cfg: Config, run: Run, checkpointer: Checkpointer, recipe: str, logger: MetricLogger) -> None:

@@ -12,9 +12,10 @@ import sys
 from shardtune.config import Config
 from shardtune.models import early_exit_loss_scales
 from shardtune.models.layer_dropout import parse_layer_range
-from shardtune.recipes import _setup as setup
+from shardtune.recipes import builders as setup
 from shardtune.recipes._entry import main
 from shardtune.training.loop import steps_per_epoch
+from shardtune.training.step_loss import label_tokens, next_token_head_loss, on_device
 
 NAME = "early_exit_finetune_distributed"
 
@@ -54,10 +55,10 @@ def recipe_main(cfg: Config) -> None:
     total_steps = steps_per_epoch(n_batches, setup.loop_settings(cfg)) * cfg.epochs
 
     def loss_fn(batch):
-        tokens, labels, packing = setup.on_device(batch, run)
-        n_tokens = setup.label_tokens(batch["labels"])
+        tokens, labels, packing = on_device(batch, run.device)
+        n_tokens = label_tokens(batch["labels"])
         exits = active_layers(candidates, cfg.early_exit.curriculum, training.lr_scheduler.last_epoch, total_steps)
-        head_loss = setup.next_token_head_loss(labels, cfg.loss_chunk_tokens, cfg.compile)
+        head_loss = next_token_head_loss(labels, cfg.loss_chunk_tokens, cfg.compile)
         loss_sum, by_layer = model(tokens, **packing, output_hidden_states=exits, head_loss=head_loss)
         if by_layer:
             ids = sorted(by_layer)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from shardtune.checkpoint import load_hf_checkpoint
 from shardtune.config import Config
-from shardtune.recipes import _setup as setup
+from shardtune.recipes import builders as setup
 from shardtune.recipes._entry import main
 from shardtune.training.dpo import dpo_loss_fn
 

@@ -14,8 +14,9 @@ import torch
 from shardtune.checkpoint import load_hf_checkpoint
 from shardtune.config import Config
 from shardtune.models.chunked_loss import Head, chunked_distillation_loss, frozen_head
-from shardtune.recipes import _setup as setup
+from shardtune.recipes import builders as setup
 from shardtune.recipes._entry import main
+from shardtune.training.step_loss import label_tokens, on_device
 
 NAME = "knowledge_distillation_distributed"
 TEACHER_SEED = 4321  # the tiny teacher preset, when created, differs from the tiny student base
@@ -36,8 +37,8 @@ def recipe_main(cfg: Config) -> None:
     training = setup.build_training(cfg, run, model, base_dir, frozen={"teacher_weights": teacher_dir})
 
     def loss_fn(batch):
-        tokens, labels, packing = setup.on_device(batch, run)
-        n_tokens = setup.label_tokens(batch["labels"])
+        tokens, labels, packing = on_device(batch, run.device)
+        n_tokens = label_tokens(batch["labels"])
         with torch.no_grad():
             teacher_hidden, teacher_head = teacher(
                 tokens, **packing, head_loss=lambda hidden, _head: (hidden, _frozen_head(teacher))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 
 from shardtune.config import Config
-from shardtune.recipes import _setup as setup
+from shardtune.recipes import builders as setup
 from shardtune.recipes._entry import main
 from shardtune.training.dpo import adapters_disabled, dpo_loss_fn
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import sys
 
 from shardtune.config import Config
-from shardtune.recipes import _setup as setup
+from shardtune.recipes import builders as setup
 from shardtune.recipes._entry import main
+from shardtune.training.step_loss import next_token_loss
 
 NAME = "lora_finetune_distributed"
 
@@ -21,7 +22,7 @@ def recipe_main(cfg: Config) -> None:
     base_dir = setup.base_model_dir(cfg, run)
     model = setup.build_model(base_dir, run, cfg, lora=cfg.lora)
     training = setup.build_training(cfg, run, model, base_dir)
-    loss_fn = setup.next_token_loss(model, run, chunk_tokens=cfg.loss_chunk_tokens, compile=cfg.compile)
+    loss_fn = next_token_loss(model, device=run.device, chunk_tokens=cfg.loss_chunk_tokens, compile=cfg.compile)
     setup.fit(cfg, run, NAME, training, loss_fn=loss_fn)
 
 

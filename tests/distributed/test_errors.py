@@ -139,7 +139,7 @@ def test_errors_on_world4(pool4):
 
 def _config_differs_on_one_rank():
     from shardtune.config import load_config
-    from shardtune.recipes._setup import _agree_on_config
+    from shardtune.recipes.builders import _agree_on_config
     from shardtune.recipes.registry import get_recipe
 
     lr = "0.01" if dist.get_rank() == 0 else "0.02"

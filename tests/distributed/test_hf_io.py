@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from shardtune.checkpoint.hf import load_hf_checkpoint, open_hf_checkpoint
+from shardtune.checkpoint.hf_load import load_hf_checkpoint, open_hf_checkpoint
 from shardtune.checkpoint.hf_save import save_hf_checkpoint
 from shardtune.checkpoint.sinks import DirectSink, StagedSink
 from shardtune.checkpoint.staging_memory import StagingMemory
@@ -472,7 +472,7 @@ def test_single_process_without_process_group(ckpts, tmp_path, caplog):
     assert keys.missing_keys == [] and all(torch.equal(model.state_dict()[k], v) for k, v in ckpts["sd"].items())
     model.init_buffers("cpu")
     assert (model(TOKENS).detach() - ckpts["logits"]).abs().max() <= 1e-4
-    with caplog.at_level(logging.INFO, logger="shardtune.checkpoint.hf"):
+    with caplog.at_level(logging.INFO, logger="shardtune.checkpoint.hf_load"):
         files = save_hf_checkpoint(model, tmp_path / "out", max_shard_size="1MB", dtype=torch.float16)
     assert any("Saved HF checkpoint" in r.message and "GB/s" in r.message for r in caplog.records)
     assert files[-1] == "model.safetensors.index.json"

@@ -13,8 +13,8 @@ from shardtune.data import collate
 from shardtune.data.sampler import build_dataloader
 from shardtune.distributed import shard_model
 from shardtune.models import build_model, get_model_args
-from shardtune.recipes import _setup
-from shardtune.training import load_from_full_model_state_dict
+from shardtune.recipes import builders
+from shardtune.training import load_from_full_model_state_dict, step_loss
 from shardtune.training.loop import LoopSettings, Training, run_training
 from tests.nccl_rules import nccl_rules
 
@@ -82,7 +82,7 @@ def _one_step_under_nccl_rules():
     load_from_full_model_state_dict(model, full_sd, "cpu", strict=True)
     model.init_buffers("cpu")
     rank = dist.get_rank()
-    run = _setup.Run(rank=rank, world_size=2, device=torch.device("cpu"), dtype=torch.float32)
+    run = builders.Run(rank=rank, world_size=2, device=torch.device("cpu"), dtype=torch.float32)
     loader, sampler = build_dataloader(
         _samples(),
         batch_size=BATCH,
@@ -106,7 +106,7 @@ def _one_step_under_nccl_rules():
                 lr_scheduler=sched,
                 checkpointer=_NoCheckpoints(),
             ),
-            loss_fn=_setup.next_token_loss(model, run),
+            loss_fn=step_loss.next_token_loss(model, device=run.device),
             logger=rows,
             settings=settings,
         )

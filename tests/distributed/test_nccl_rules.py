@@ -252,7 +252,7 @@ def hf_dir(tmp_path_factory):
 def _qlora_rank0_save_then_load(src: str, out: str):
     """Save a QLoRA model merged via rank 0, then load the result via rank 0 into a plain model
     and gather it; every model registered as host memory, as if CPU-offloaded."""
-    from shardtune.checkpoint.hf import load_hf_checkpoint
+    from shardtune.checkpoint.hf_load import load_hf_checkpoint
     from shardtune.checkpoint.hf_save import save_hf_checkpoint
     from shardtune.distributed import shard_model
     from shardtune.models import build_model

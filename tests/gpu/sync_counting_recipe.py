@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 
 from shardtune.config import Config
-from shardtune.recipes import _setup as setup
+from shardtune.recipes import builders as setup
 from shardtune.recipes._entry import main
 from shardtune.training.loop import run_training
 from shardtune.training.metrics import MetricLogger
+from shardtune.training.step_loss import next_token_loss
 
 NAME = "lora_finetune_distributed"
 WARMUP = 3
@@ -69,7 +70,7 @@ def recipe_main(cfg: Config) -> None:
     model = setup.build_model(base_dir, run, cfg, lora=cfg.lora)
     training = setup.build_training(cfg, run, model, base_dir)
     counter = SyncCounter()
-    loss_fn = counter.wrap(setup.next_token_loss(model, run, chunk_tokens=cfg.loss_chunk_tokens))
+    loss_fn = counter.wrap(next_token_loss(model, device=run.device, chunk_tokens=cfg.loss_chunk_tokens))
     logger = MetricLogger(cfg.output_dir, enabled=run.is_rank_zero, loggers=tuple(cfg.loggers))
     run_training(training, loss_fn=loss_fn, logger=logger, settings=setup.loop_settings(cfg))
     counter.stop()

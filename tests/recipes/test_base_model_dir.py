@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardtune.checkpoint.tiny import create_tiny_base
 from shardtune.config import Config
-from shardtune.recipes import _setup as setup
+from shardtune.models.tiny import create_tiny_base
+from shardtune.recipes import builders as setup
 
 pytestmark = pytest.mark.timeout(120)
 

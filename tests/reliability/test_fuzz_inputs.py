@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from torch import nn
 
-from shardtune.checkpoint.hf import open_hf_checkpoint
+from shardtune.checkpoint.hf_load import open_hf_checkpoint
 from shardtune.checkpoint.safetensors_io import DTYPES, CheckpointError
 from shardtune.config import (
     ConfigError,

@@ -17,13 +17,13 @@ from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken
 
 from shardtune.checkpoint import load_hf_checkpoint
-from shardtune.checkpoint.tiny import create_tiny_base
 from shardtune.config import load_config
 from shardtune.data import PackedDataset, build_byte_tokenizer, build_dataloader, build_dataset, load_records
 from shardtune.data.checks import build_training_dataset, check_one_step
 from shardtune.data.tokenizer import HFTokenizer
 from shardtune.models import llama_from_hf_config, model_args_from_hf_config
-from shardtune.recipes import _setup
+from shardtune.models.tiny import create_tiny_base
+from shardtune.recipes import builders
 from shardtune.recipes.schemas import LORA_SCHEMA
 from shardtune.training.loop import LoopSettings, steps_per_epoch
 
@@ -127,13 +127,13 @@ def test_setup_refuses_a_batch_larger_than_the_data_on_every_rank(base, tmp_path
     cfg = load_config("tiny/lora", overrides, schema=LORA_SCHEMA)
     errors = set()
     for rank in range(2):  # every rank builds the same data, so raises the same error before any collective
-        run = _setup.Run(rank=rank, world_size=2, device=torch.device("cpu"), dtype=torch.float32)
+        run = builders.Run(rank=rank, world_size=2, device=torch.device("cpu"), dtype=torch.float32)
         with pytest.raises(ValueError, match=r"asset:tiny_instruct.jsonl gives 7 samples.*\(4\) x ranks \(2\)") as e:
-            _setup.build_data(cfg, run, base)
+            builders.build_data(cfg, run, base)
         errors.add(str(e.value))
     assert len(errors) == 1
-    _, loader, _ = _setup.build_data(
-        cfg, _setup.Run(rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32), base
+    _, loader, _ = builders.build_data(
+        cfg, builders.Run(rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32), base
     )
     assert len(loader) == 1
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from shardtune.checkpoint import Checkpointer
-from shardtune.recipes import _setup
+from shardtune.recipes import builders
 
 
 class _Model(nn.Linear):
@@ -28,9 +28,9 @@ def test_resume_without_a_checkpoint_warns_naming_output_dir_and_loads_the_base(
     loaded = []
     monkeypatch.setattr(ck, "load_base", lambda: loaded.append(True))
     cfg = SimpleNamespace(resume_from_checkpoint=resume, output_dir=str(out))
-    run = _setup.Run(rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
+    run = builders.Run(rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
     with caplog.at_level(logging.WARNING, logger="shardtune"):
-        progress = _setup.load_weights(cfg, run, model, ck)
+        progress = builders.load_weights(cfg, run, model, ck)
     assert loaded == [True] and progress is ck.progress and progress.step == 0
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     if resume:

@@ -12,8 +12,8 @@ from torch import nn
 from shardtune.checkpoint import Checkpointer, TrainingProgress
 from shardtune.data.sampler import build_dataloader
 from shardtune.models import build_model
-from shardtune.recipes import _setup
-from shardtune.training import loop
+from shardtune.recipes import builders
+from shardtune.training import loop, step_loss
 from tests.unit.test_loop_syncs import _data as _token_data
 
 SAMPLES, BATCH, ACCUMULATE, EPOCHS = 16, 2, 2, 2  # 8 batches, 4 optimizer steps per epoch
@@ -126,11 +126,11 @@ def test_the_checkpoints_record_the_steps_and_epochs_the_loop_trained(tmp_path):
     ck = Checkpointer(
         output_dir=tmp_path, model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler, device="cpu"
     )
-    run = _setup.Run(rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
+    run = builders.Run(rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
     rows = _Rows()
     loop.run_training(
         loop.Training(model=model, loader=loader, sampler=sampler, optimizer=opt, lr_scheduler=sched, checkpointer=ck),
-        loss_fn=_setup.next_token_loss(model, run),
+        loss_fn=step_loss.next_token_loss(model, device=run.device),
         logger=rows,
         settings=loop.LoopSettings(epochs=2, max_steps_per_epoch=1),
     )

@@ -24,8 +24,8 @@ from shardtune.data import collate
 from shardtune.data.packing import PackedDataset
 from shardtune.data.sampler import build_dataloader
 from shardtune.models import build_model, get_model_args
-from shardtune.recipes import _setup
-from shardtune.training import loop
+from shardtune.recipes import builders
+from shardtune.training import loop, step_loss
 
 PACKAGE = Path(shardtune.__file__).parent
 CONVERSIONS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
@@ -78,7 +78,7 @@ def test_one_fetch_per_logged_step_and_no_other_sync(monkeypatch, log_every, pac
     model = build_model("tiny", dtype=torch.float32)
     model.init_buffers("cpu")
     reference = copy.deepcopy(model)
-    run = _setup.Run(rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
+    run = builders.Run(rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
     loader, sampler = _data(packed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
@@ -89,8 +89,8 @@ def test_one_fetch_per_logged_step_and_no_other_sync(monkeypatch, log_every, pac
     cut_positions: list[torch.Tensor] = []
     fetches: list[int] = []
     conversions: list[tuple[str, str]] = []
-    original_iter, original_fetch, original_label_tokens = type(loader).__iter__, loop._fetch, _setup.label_tokens
-    original_sample_lengths = _setup.sample_lengths
+    original_iter, original_fetch, original_label_tokens = type(loader).__iter__, loop._fetch, step_loss.label_tokens
+    original_sample_lengths = step_loss.sample_lengths
 
     def iterate(self):
         for batch in original_iter(self):
@@ -124,8 +124,8 @@ def test_one_fetch_per_logged_step_and_no_other_sync(monkeypatch, log_every, pac
         return wrapper
 
     monkeypatch.setattr(type(loader), "__iter__", iterate)
-    monkeypatch.setattr(_setup, "label_tokens", label_tokens)
-    monkeypatch.setattr(_setup, "sample_lengths", sample_lengths)
+    monkeypatch.setattr(step_loss, "label_tokens", label_tokens)
+    monkeypatch.setattr(step_loss, "sample_lengths", sample_lengths)
     monkeypatch.setattr(loop, "_fetch", fetch)
     for name in CONVERSIONS:
         monkeypatch.setattr(torch.Tensor, name, counting(name))
@@ -146,7 +146,7 @@ def test_one_fetch_per_logged_step_and_no_other_sync(monkeypatch, log_every, pac
             lr_scheduler=sched,
             checkpointer=_NoCheckpoints(),
         ),
-        loss_fn=_setup.next_token_loss(model, run),
+        loss_fn=step_loss.next_token_loss(model, device=run.device),
         logger=logger,
         settings=settings,
     )
@@ -155,7 +155,11 @@ def test_one_fetch_per_logged_step_and_no_other_sync(monkeypatch, log_every, pac
     logged = STEPS // log_every
     # loss sum, tokens, FLOPs, grad norm and the first non-finite step in one copy per logged step
     assert fetches == [5] * logged
-    allowed = {("training/loop.py", "_fetch"), ("recipes/_setup.py", "label_tokens"), ("training/finite.py", "_read")}
+    allowed = {
+        ("training/loop.py", "_fetch"),
+        ("training/step_loss.py", "label_tokens"),
+        ("training/finite.py", "_read"),
+    }
     assert conversions.count(("training/finite.py", "_read")) == 1  # before the one save, at the end of the epoch
     if packed:  # the samples' boundaries, read once per micro-batch from the loader's CPU position_ids
         allowed.add(("models/packed_attention.py", "sample_lengths"))

@@ -10,9 +10,9 @@ import torch
 
 from shardtune.config import load_config
 from shardtune.models import build_model
-from shardtune.recipes import _setup
+from shardtune.recipes import builders
 from shardtune.recipes.registry import get_recipe
-from shardtune.training import loop
+from shardtune.training import loop, step_loss
 from tests.unit.test_loop_syncs import _data, _NoCheckpoints, _Rows
 
 ONE_LOGGED_STEP = ["epochs=1", "max_steps_per_epoch=1", "gradient_accumulation_steps=1", "log_every_n_steps=1"]
@@ -27,9 +27,9 @@ def test_lr_zero_validates_and_leaves_the_weights_unchanged(lr):
     model = build_model("tiny", dtype=torch.float32)
     model.init_buffers("cpu")
     initial = copy.deepcopy(model)
-    run = _setup.Run(rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
+    run = builders.Run(rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
     loader, sampler = _data()
-    optimizer, lr_scheduler = _setup.build_optimization(cfg, model, len(loader))
+    optimizer, lr_scheduler = builders.build_optimization(cfg, model, len(loader))
     logger = _Rows()
     loop.run_training(
         loop.Training(
@@ -40,9 +40,9 @@ def test_lr_zero_validates_and_leaves_the_weights_unchanged(lr):
             lr_scheduler=lr_scheduler,
             checkpointer=_NoCheckpoints(),
         ),
-        loss_fn=_setup.next_token_loss(model, run),
+        loss_fn=step_loss.next_token_loss(model, device=run.device),
         logger=logger,
-        settings=_setup.loop_settings(cfg),
+        settings=builders.loop_settings(cfg),
     )
     (row,) = logger.rows
     assert row["grad_norm"] > 0 and (row["lr"] == 0) == (lr == 0)  # a real step with gradients, lr as configured

@@ -14,9 +14,9 @@ import torch
 from shardtune.checkpoint import FingerprintMismatchError
 from shardtune.checkpoint.resume_checks import apply_configured, configured
 from shardtune.checkpoint.state import check_fingerprint
-from shardtune.checkpoint.tiny import create_tiny_base
 from shardtune.data import build_dataset, load_tokenizer
-from shardtune.recipes import _resume, _setup
+from shardtune.models.tiny import create_tiny_base
+from shardtune.recipes import _resume, builders
 from shardtune.training.optim import build_lr_scheduler, build_optimizer, continue_schedule
 
 DATA = [{"path": "asset:tiny_instruct.jsonl", "format": "instruct", "template": "simple"}]
@@ -25,7 +25,7 @@ DATA = [{"path": "asset:tiny_instruct.jsonl", "format": "instruct", "template": 
 def _fingerprint(base, *, lora=True, data=DATA, frozen=None):
     """The recipes' fingerprint of a LoRA run on ``base`` (one process: no process group)."""
     cfg = SimpleNamespace(tokenizer=None)
-    run = _setup.Run(rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
+    run = builders.Run(rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
     dataset = build_dataset(data, load_tokenizer(None, checkpoint_dir=base), max_seq_len=64)
     lora_cfg = SimpleNamespace(to_dict=lambda: {"rank": 8}) if lora else None
     return _resume.resume_fingerprint(cfg, run, base, dataset=dataset, lora=lora_cfg, frozen=frozen or {})
