@@ -40,6 +40,7 @@ from shardtune.checkpoint import checksums
 from shardtune.checkpoint.file_names import inside
 from shardtune.checkpoint.safetensors_io import CheckpointError
 from shardtune.checkpoint.state import load_data_only
+from shardtune.peft.lora import lora_config_of
 from shardtune.state_dict import comm
 from shardtune.state_dict.install import materialize_meta
 from shardtune.state_dict.keys import format_problems
@@ -198,7 +199,7 @@ def write_model_description(model: nn.Module, directory: Path, base_dir: Path | 
     checksums.write_bytes(
         directory / "config.json", json.dumps(model_args_to_hf_config(cast("ModelArgs", model.args)), indent=2).encode()
     )
-    lora = getattr(model, "lora_config", None)
+    lora = lora_config_of(model)
     if lora is not None:
         info = {
             "rank": lora.rank,

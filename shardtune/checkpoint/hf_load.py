@@ -28,6 +28,7 @@ from shardtune.checkpoint.file_names import UnsafeFileNameError, inside
 from shardtune.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorSlice
 from shardtune.state_dict import comm, load_from_full_model_state_dict
 from shardtune.state_dict.keys import format_problems, model_entries
+from shardtune.state_dict.layout import local_tensor
 
 __all__ = [
     "INDEX_FILE",
@@ -242,7 +243,7 @@ def _expected_reads(model: nn.Module, checkpoint: HFCheckpoint, shared_filesyste
             continue
         meta = checkpoint.files[checkpoint.weight_map[key]].entries[key]
         # A rank reads exactly its local block (NF4 included: quantized per shard from its rows).
-        local = getattr(entry.tensor, "_local_tensor", entry.tensor)
+        local = local_tensor(entry.tensor)
         total += local.numel() * meta.dtype.itemsize
     return total
 

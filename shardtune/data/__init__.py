@@ -2,14 +2,8 @@
 resumable distributed sampler. See ``datasets`` for the sample layout and label convention."""
 
 from shardtune.data.collate import collate
-from shardtune.data.datasets import (
-    CROSS_ENTROPY_IGNORE_IDX,
-    SFTDataset,
-    build_config_dataset,
-    build_dataset,
-    build_sft_dataset,
-    tokenize_segments,
-)
+from shardtune.data.datasets import CROSS_ENTROPY_IGNORE_IDX, SFTDataset, build_sft_dataset, tokenize_segments
+from shardtune.data.from_config import build_config_dataset, build_dataset
 from shardtune.data.packing import PackedDataset
 from shardtune.data.preview import config_tokenizer, iter_samples
 from shardtune.data.sampler import ResumableDistributedSampler, build_dataloader

@@ -19,7 +19,8 @@ from typing import Any
 
 from torch.utils.data import ConcatDataset, Dataset
 
-from shardtune.data.datasets import CROSS_ENTROPY_IGNORE_IDX, build_dataset, refuse_packed_preference, truncate
+from shardtune.data.datasets import CROSS_ENTROPY_IGNORE_IDX, truncate
+from shardtune.data.from_config import build_dataset, refuse_packed_preference
 from shardtune.data.packing import PackedDataset
 from shardtune.data.tokenizer import HFTokenizer
 

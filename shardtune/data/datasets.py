@@ -27,11 +27,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from torch.utils.data import ConcatDataset, Dataset
+from torch.utils.data import Dataset
 
-from shardtune.config import ConfigError, validated
+from shardtune.config import validated
 from shardtune.data.jinja_templates import JinjaChatTemplate, default_chat_template
-from shardtune.data.packing import PackedDataset
 from shardtune.data.sources import load_records
 from shardtune.data.templates import (
     CHAT_ROLES,
@@ -46,9 +45,11 @@ from shardtune.data.tokenizer import HFTokenizer
 __all__ = [
     "CROSS_ENTROPY_IGNORE_IDX",
     "SFTDataset",
-    "build_config_dataset",
-    "build_dataset",
     "build_sft_dataset",
+    "chat_renderer",
+    "load_spec_records",
+    "messages_problem",
+    "model_chat_template",
     "tokenize_segments",
     "tokenize_whole",
     "truncate",
@@ -267,7 +268,7 @@ def _check_chat_records(
 _EAGER_TEMPLATE_CHECKS = 16
 
 
-def _model_chat_template(spec: Mapping[str, Any], tokenizer: HFTokenizer, source: str) -> JinjaChatTemplate | None:
+def model_chat_template(spec: Mapping[str, Any], tokenizer: HFTokenizer, source: str) -> JinjaChatTemplate | None:
     """The tokenizer's own chat template when the dataset uses it (``template: auto``, or no
     template and the tokenizer has one), else ``None`` (a built-in or mapping template)."""
     if spec["template"] not in (None, "auto"):
@@ -291,7 +292,7 @@ def _model_chat_template(spec: Mapping[str, Any], tokenizer: HFTokenizer, source
     return JinjaChatTemplate(text, name=where, variables=tokenizer.special_tokens)
 
 
-def _chat_renderer(
+def chat_renderer(
     records: Sequence[Mapping[str, Any]],
     spec: Mapping[str, Any],
     source: str,
@@ -355,9 +356,9 @@ def load_spec_records(spec: Mapping[str, Any]) -> tuple[dict[str, Any], list[dic
 def build_sft_dataset(spec: Mapping[str, Any], tokenizer: HFTokenizer, *, max_seq_len: int) -> SFTDataset:
     """One dataset from one config entry (keys of ``DATASET_SCHEMA``: path, format, template, ...)."""
     spec, records, source = load_spec_records(spec)
-    model_template = _model_chat_template(spec, tokenizer, source) if spec["format"] == "chat" else None
+    model_template = model_chat_template(spec, tokenizer, source) if spec["format"] == "chat" else None
     if spec["format"] == "chat":
-        render = _chat_renderer(records, spec, source, tokenizer, model_template)
+        render = chat_renderer(records, spec, source, tokenizer, model_template)
     else:
         render = _instruct_renderer(records, spec, source)
     return SFTDataset(
@@ -370,48 +371,3 @@ def build_sft_dataset(spec: Mapping[str, Any], tokenizer: HFTokenizer, *, max_se
         whole_text=model_template is not None,
         source=source,
     )
-
-
-def build_dataset(
-    cfg: Mapping[str, Any] | Sequence[Mapping[str, Any]],
-    tokenizer: HFTokenizer,
-    *,
-    max_seq_len: int,
-    packed: bool = False,
-) -> Dataset:
-    """A dataset from one config entry or a list of them (concatenated in order), optionally
-    packed into ``max_seq_len`` blocks (see ``PackedDataset``)."""
-    specs = [cfg] if isinstance(cfg, Mapping) else list(cfg)
-    if not specs:
-        raise ConfigError(["dataset: the list is empty; give at least one dataset mapping"])
-    refuse_packed_preference(specs, packed=packed)
-    if is_preference(specs):
-        from shardtune.data.preference import build_preference_dataset
-
-        parts = [build_preference_dataset(spec, tokenizer, max_seq_len=max_seq_len) for spec in specs]
-        return parts[0] if len(parts) == 1 else ConcatDataset(parts)
-    sft_parts = [build_sft_dataset(spec, tokenizer, max_seq_len=max_seq_len) for spec in specs]
-    dataset: Dataset = sft_parts[0] if len(sft_parts) == 1 else ConcatDataset(sft_parts)
-    if packed:
-        dataset = PackedDataset(dataset, max_seq_len=max_seq_len, pad_id=tokenizer.pad_id)
-    return dataset
-
-
-def is_preference(specs: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> bool:
-    """Whether dataset entries hold preference pairs (``format: preference``); all or none may."""
-    specs = [specs] if isinstance(specs, Mapping) else list(specs)
-    kinds = {spec.get("format") == "preference" for spec in specs}
-    if len(kinds) > 1:
-        raise ConfigError(["dataset: mixes format: preference with SFT formats; a run trains on one kind"])
-    return kinds == {True}
-
-
-def refuse_packed_preference(specs: Sequence[Mapping[str, Any]], *, packed: bool) -> None:
-    """Raise when preference pairs are to be packed (a pair's two sequences must stay rows of their own)."""
-    if packed and is_preference(specs):
-        raise ConfigError(["packed: preference pairs are not packed; set packed=false"])
-
-
-def build_config_dataset(cfg: Mapping[str, Any], tokenizer: HFTokenizer, *, packed: bool) -> Dataset:
-    """The training dataset of a recipe config (its ``dataset`` entries and ``max_seq_len``)."""
-    return build_dataset(cfg["dataset"], tokenizer, max_seq_len=cfg["max_seq_len"], packed=packed)

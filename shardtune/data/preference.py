@@ -29,10 +29,10 @@ from shardtune.data.collate import collate
 from shardtune.data.datasets import (
     CROSS_ENTROPY_IGNORE_IDX,
     SFTDataset,
-    _chat_renderer,
-    _model_chat_template,
+    chat_renderer,
     load_spec_records,
     messages_problem,
+    model_chat_template,
     tokenize_segments,
     truncate,
 )
@@ -80,10 +80,10 @@ class _PairTokenizer:
         self._chat: SFTDataset | None = None
 
     def _chat_dataset(self, conversations: list[list[dict]]) -> SFTDataset:
-        template = _model_chat_template({**self.spec, "add_bos": None, "add_eos": None}, self.tokenizer, self.source)
+        template = model_chat_template({**self.spec, "add_bos": None, "add_eos": None}, self.tokenizer, self.source)
         records = [{"messages": c} for c in conversations]
         spec = {**self.spec, "column_map": {}}
-        render = _chat_renderer(records, spec, self.source, self.tokenizer, template)
+        render = chat_renderer(records, spec, self.source, self.tokenizer, template)
         return SFTDataset(
             records, tokenizer=self.tokenizer, render=render, max_seq_len=self.max_seq_len,
             add_bos=self.spec["add_bos"] is not False, whole_text=template is not None, source=self.source,
@@ -158,7 +158,7 @@ def build_preference_dataset(spec: Mapping[str, Any], tokenizer: HFTokenizer, *,
     spec, records, source = load_spec_records(spec)
     columns = {k: spec["column_map"].get(k, k) for k in ("prompt", "chosen", "rejected")}
     chat = any(not isinstance(r.get(columns["chosen"]), str) for r in records)
-    template = _model_chat_template({**spec, "add_bos": None, "add_eos": None}, tokenizer, source) if chat else None
+    template = model_chat_template({**spec, "add_bos": None, "add_eos": None}, tokenizer, source) if chat else None
     _check_pairs(records, columns, source, any_role=template is not None)
     return PreferenceDataset(
         records, columns=columns, sft=_PairTokenizer(spec, tokenizer, max_seq_len=max_seq_len, source=source)

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from shardtune.data.datasets import build_config_dataset
+from shardtune.data.from_config import build_config_dataset
 from shardtune.data.tokenizer import HFTokenizer, build_byte_tokenizer, load_tokenizer
 
 __all__ = ["config_tokenizer", "iter_samples"]

@@ -18,6 +18,8 @@ from shardtune.peft.lora import (
     build_lora_model,
     get_adapter_params,
     init_lora_parameters,
+    is_lora,
+    lora_config_of,
     merge_lora,
     resolve_targets,
 )
@@ -35,6 +37,8 @@ __all__ = [
     "get_merged_state_dict",
     "init_lora_parameters",
     "is_adapter_key",
+    "is_lora",
+    "lora_config_of",
     "merge_lora",
     "merge_lora_weight",
     "peft_adapter_config",

@@ -219,6 +219,17 @@ def _shared_param_ids(model: nn.Module) -> set[int]:
     return {i for i, n in seen.items() if n > 1}
 
 
+def lora_config_of(model: nn.Module) -> LoRAConfig | None:
+    """What :func:`apply_lora` did to ``model`` (``model.lora_config``), or None when it has no
+    adapters (never adapted, or merged by :func:`merge_lora`)."""
+    return getattr(model, "lora_config", None)
+
+
+def is_lora(model: nn.Module) -> bool:
+    """Whether ``model`` carries LoRA adapters: the one test of it (:func:`lora_config_of` is set)."""
+    return lora_config_of(model) is not None
+
+
 def resolve_targets(model: nn.Module, target_modules: Iterable[str]) -> list[str]:
     """PEFT module names to wrap in ``model``: each requested name that names one of its linears, else the
     fused linear holding it in this family (Phi-3: ``q_proj`` -> ``qkv_proj``, ``up_proj`` -> ``gate_up_proj``),
@@ -269,7 +280,7 @@ def apply_lora(
         block_size=block_size,
         scaler_block_size=scaler_block_size,
     )
-    if getattr(model, "lora_config", None) is not None:
+    if is_lora(model):
         raise ValueError("apply_lora was already applied to this model; build a fresh model to change LoRA settings")
     shared = _shared_param_ids(model)
     targets = [

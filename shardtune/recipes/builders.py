@@ -25,7 +25,7 @@ from shardtune.checkpoint import Checkpointer, TrainingProgress, run_dir
 from shardtune.config import Config
 from shardtune.data import build_dataloader, build_dataset, collate, load_tokenizer
 from shardtune.data.checks import build_training_dataset, check_one_step
-from shardtune.data.datasets import is_preference
+from shardtune.data.from_config import is_preference
 from shardtune.data.preference import collate_pairs
 from shardtune.distributed import decoder_layers, device_type, init_distributed, make_mesh, shard_model
 from shardtune.models import (
@@ -36,7 +36,7 @@ from shardtune.models import (
     model_args_from_hf_config,
 )
 from shardtune.models.tiny import create_tiny_base
-from shardtune.peft import apply_lora, init_lora_parameters
+from shardtune.peft import apply_lora, init_lora_parameters, is_lora
 from shardtune.recipes import _resume
 from shardtune.recipes.run import Run
 from shardtune.state_dict import comm
@@ -340,7 +340,7 @@ def load_weights(cfg: Config, run: Run, model: LlamaForCausalLM, checkpointer: C
                 checkpointer.base_dir,
             )
         checkpointer.load_base()
-        if getattr(model, "lora_config", None) is not None:
+        if is_lora(model):
             init_lora_parameters(model, device=run.device)
     elif isinstance(checkpointer.lr_scheduler, LrSchedule):
         changes = continue_schedule(

@@ -26,9 +26,9 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from shardtune.state_dict import comm
+from shardtune.state_dict.layout import local_tensor
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +116,7 @@ class FiniteGuard:
 def _nonfinite_parameters(model: torch.nn.Module) -> tuple[list[str], torch.Tensor]:
     """Collective: the trainable parameters' names and, on the transfer device, 1.0 for each that
     holds NaN/inf on any rank (0.0 otherwise); the same on every rank, not yet on the host."""
-    named = [
-        (n, p._local_tensor if isinstance(p, DTensor) else p) for n, p in model.named_parameters() if p.requires_grad
-    ]
+    named = [(n, local_tensor(p)) for n, p in model.named_parameters() if p.requires_grad]
     device = comm.comm_device(named[0][1].device if named else torch.device("cpu"))
     flags = [torch.zeros((), device=device) for _ in named]  # in parameter order: the same slots on every rank
     by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}

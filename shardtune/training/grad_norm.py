@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from shardtune.state_dict import comm
+from shardtune.state_dict.layout import local_tensor
 
 __all__ = ["clip_grad_norm", "grad_norm"]
 
@@ -56,7 +57,7 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) ->
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for grad in grads:
-        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        local = local_tensor(grad)
         by_device.setdefault(local.device, []).append(local)
     for local_device, locals_ in by_device.items():
         torch._foreach_mul_(locals_, coef.to(local_device))
@@ -69,7 +70,7 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32, device=comm.comm_device(torch.device("cpu")))
     squares: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
     for grad in grads:
-        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        local = local_tensor(grad)
         squares.setdefault(_reduce_groups(grad), []).append(local)
     device = comm.comm_device(grads[0].device)
     total = torch.zeros((), dtype=torch.float32, device=device)

@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from shardtune.checkpoint.checkpointer import Checkpointer
 from shardtune.checkpoint.state import TrainingProgress
 from shardtune.faults import fault_point
 from shardtune.state_dict import comm
+from shardtune.state_dict.layout import local_tensor
 from shardtune.training.finite import FiniteGuard
 from shardtune.training.grad_norm import clip_grad_norm, grad_norm
 from shardtune.training.metrics import MetricLogger, peak_memory_mib
@@ -221,7 +221,7 @@ def _scale_grads(model: torch.nn.Module, global_tokens: torch.Tensor) -> None:
     factors = {factor.device: factor}  # CPU-offloaded gradients: one copy of the factor, not one per param
     for p in model.parameters():
         if p.grad is not None:
-            local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+            local = local_tensor(p.grad)
             if local.device not in factors:
                 factors[local.device] = factor.to(local.device)
             local.mul_(factors[local.device])

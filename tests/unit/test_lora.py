@@ -22,6 +22,8 @@ from shardtune.peft import (
     get_merged_state_dict,
     init_lora_parameters,
     is_adapter_key,
+    is_lora,
+    lora_config_of,
     merge_lora,
     merge_lora_weight,
     peft_adapter_config,
@@ -119,6 +121,14 @@ def test_merge_matches_unmerged_and_loads_into_hf():
     hf.load_state_dict(sd_merged, strict=True)
     with torch.no_grad():
         torch.testing.assert_close(hf(_x()).logits, unmerged, atol=1e-4, rtol=0)
+
+
+def test_is_lora_follows_apply_and_merge():
+    base = _ours(_hf())
+    assert not is_lora(base) and lora_config_of(base) is None
+    model = _lora(base)
+    assert is_lora(model) and lora_config_of(model) is model.lora_config
+    assert not is_lora(merge_lora(model))
 
 
 def test_merged_state_dict_rejects_bad_input():
