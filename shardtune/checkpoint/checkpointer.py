@@ -72,6 +72,7 @@ from shardtune.checkpoint.strategies import (
 )
 from shardtune.distributed import device_type
 from shardtune.faults import fault_point
+from shardtune.peft.lora import is_lora
 from shardtune.state_dict import comm
 from shardtune.state_dict.keys import StateDictError, format_problems
 
@@ -148,7 +149,7 @@ class Checkpointer:
         self.device = comm.normalize_device(device if device is not None else device_type())
         self.cpu_offload = cpu_offload
         self.shared_filesystem = shared_filesystem
-        self.is_lora = getattr(model, "lora_config", None) is not None
+        self.is_lora = is_lora(model)
         self.checkpoint_format = checkpoint_format
         self.async_save = async_save
         self.checksums = checksums  # False: none recorded on save nor checked on resume (benchmark baseline)

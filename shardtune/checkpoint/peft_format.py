@@ -20,6 +20,7 @@ from shardtune.checkpoint.sinks import sink_for
 from shardtune.checkpoint.writer import FilePlan, Sink, WriteItem, create_files, plan_digest, plan_files, write_files
 from shardtune.peft import from_peft_adapter_state_dict
 from shardtune.peft.adapters import PEFT_PREFIX, is_adapter_key
+from shardtune.peft.lora import lora_config_of
 from shardtune.state_dict import comm, load_from_full_model_state_dict
 from shardtune.state_dict.keys import StateDictError, model_entries
 from shardtune.state_dict.layout import layout_of
@@ -59,7 +60,7 @@ def plan_peft_adapter(model: nn.Module, out_dir: Path, *, base_model_name_or_pat
     """Collective: call on all ranks. ``adapter_model.safetensors`` (PEFT names, the adapters'
     dtypes) planned alike on every rank; rank 0 has created it and written
     ``adapter_config.json``. Hand the plan to :func:`~shardtune.checkpoint.writer.write_files`."""
-    config = getattr(model, "lora_config", None)
+    config = lora_config_of(model)
     if config is None:
         raise StateDictError("the model has no LoRA adapters (model.lora_config is missing); apply_lora first")
     world = comm.world_size()
