@@ -1,12 +1,8 @@
 """Decoder models of the supported HF families with HF-identical ``state_dict`` keys, presets, builders, losses."""
 
-from shardtune.models.args import (
-    ModelArgs,
-    load_hf_config,
-    model_args_from_hf_config,
-    model_args_to_hf_config,
-)
+from shardtune.models.args import ModelArgs
 from shardtune.models.families import FAMILIES, Family, get_family, supported_model_types
+from shardtune.models.hf_config import load_hf_config, model_args_from_hf_config, model_args_to_hf_config
 from shardtune.models.layer_dropout import layer_dropout_probs
 from shardtune.models.llama import (
     MLP,

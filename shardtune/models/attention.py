@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardtune.models.args import ModelArgs
+from shardtune.models.families import get_family
 from shardtune.models.packed_attention import PackedSamples, packed_attention
 from shardtune.models.rope import apply_rotary_emb
 
@@ -83,7 +84,7 @@ class Attention(nn.Module):
 
     def __init__(self, args: ModelArgs, *, device=None, dtype=None) -> None:
         super().__init__()
-        family = args.family
+        family = get_family(args.model_type)
         n_kv_heads, head_dim = args.n_kv_heads, args.head_dim
         assert n_kv_heads is not None and head_dim is not None  # ModelArgs.__post_init__ fills both
         self.n_heads = args.n_heads

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from shardtune.models.args import ModelArgs
+from shardtune.models.args import FULL, SLIDING, ModelArgs
 
 __all__ = ["FAMILIES", "Family", "get_family", "supported_model_types"]
-
-FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shardtune.models.args import ModelArgs
+from shardtune.models.args import FULL, SLIDING, ModelArgs
 from shardtune.models.attention import Attention, KVUpdate, RMSNorm, attention_mask, init_linear
-from shardtune.models.families import FULL, SLIDING
+from shardtune.models.families import get_family
 from shardtune.models.kv_cache import KVCache, cached_attention_mask
 from shardtune.models.layer_dropout import LayerDropoutSchedule, layer_dropout_probs
 from shardtune.models.linear_cross_entropy import LinearHead, head_for_several_losses, softcap
@@ -60,7 +60,7 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs, *, device=None, dtype=None) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype, "bias": args.mlp_bias}
-        self.fused = args.family.fused_gate_up
+        self.fused = get_family(args.model_type).fused_gate_up
         if self.fused:
             self.gate_up_proj = nn.Linear(args.dim, 2 * args.intermediate_size, **kw)
         else:
@@ -90,7 +90,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, *, layer_type: str = FULL, device=None, dtype=None) -> None:
         super().__init__()
         self.layer_type = layer_type
-        family = args.family
+        family = get_family(args.model_type)
         norm = {"eps": args.norm_eps, "offset": family.gemma_norm, "device": device, "dtype": dtype}
         self.self_attn = Attention(args, device=device, dtype=dtype)
         self.mlp = MLP(args, device=device, dtype=dtype)
@@ -130,7 +130,7 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, *, device=None, dtype=None) -> None:
         super().__init__()
         self.args = args
-        family = args.family
+        family = get_family(args.model_type)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(args, layer_type=t, device=device, dtype=dtype) for t in args.layer_types or ()

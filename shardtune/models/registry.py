@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from shardtune.model_presets import PRESETS
-from shardtune.models.args import ModelArgs, model_args_from_hf_config
+from shardtune.models.args import ModelArgs
+from shardtune.models.hf_config import model_args_from_hf_config
 from shardtune.models.llama import LlamaForCausalLM
 
 __all__ = [

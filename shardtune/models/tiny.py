@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from shardtune.checkpoint.atomic import fsync_tree
 from shardtune.data.tokenizer import save_byte_tokenizer
-from shardtune.models.args import model_args_to_hf_config
+from shardtune.models.hf_config import model_args_to_hf_config
 from shardtune.models.registry import build_model, get_model_args
 
 TINY_SEED = 1234

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardtune.choices import LORA_TARGETS
+from shardtune.models.args import ModelArgs
+from shardtune.models.families import get_family
 from shardtune.peft import nf4
 from shardtune.peft.adapters import is_adapter_key, merge_lora_weight, peft_adapter_config
 
@@ -236,7 +238,7 @@ def resolve_targets(model: nn.Module, target_modules: Iterable[str]) -> list[str
     so one config's targets apply to every family."""
     present = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     args = getattr(model, "args", None)
-    aliases = args.family.lora_aliases if args is not None and hasattr(args, "family") else {}
+    aliases = get_family(args.model_type).lora_aliases if isinstance(args, ModelArgs) else {}
     resolved: list[str] = []
     for name in target_modules:
         target = name if name in present else aliases.get(name)
