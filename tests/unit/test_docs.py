@@ -3,6 +3,9 @@
 Rule for keys: a key of a recipe's schema is documented when some page under docs/ holds its dotted path from the
 top of the config in backticks: `output_dir`, `optimizer.lr`, `dataset.path` (a key of each `dataset` entry). A
 section used under two keys (`validation_dataset` takes `dataset`'s keys) is documented once, under the first.
+Rule for files: a code span naming a repository path (`shardtune/recipes/`, `tests/unit/test_docs.py`) names an
+existing file or folder, and one naming a script (`checkpoint/hf.py`, `_setup.py`, `gpu_check.sh`) ends the path of
+an existing file, so a renamed module cannot leave its old name in the docs.
 Rule for links: every relative Markdown link of README.md and docs/*.md names an existing file, and a `#anchor`
 into a Markdown file names one of its headings as GitHub spells anchors (lowercase, punctuation dropped, spaces
 to hyphens, `-1`, `-2`, ... for repeats).
@@ -25,6 +28,8 @@ _CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1", re.DOTALL)
 _LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 _HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.MULTILINE)
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
+_REPO_PATH = re.compile(r"`((?:shardtune|tests|benchmarks|docs|\.ci)/[\w./-]*)`")
+_SCRIPT = re.compile(r"`([\w./-]+\.(?:py|sh))`")
 
 
 def schema_keys() -> set[str]:
@@ -102,6 +107,21 @@ def test_the_key_reference_names_only_keys_that_exist():
 def test_every_relative_link_names_an_existing_file_and_heading():
     problems = [p for page in [ROOT / "README.md", *doc_pages()] for p in broken_links(page)]
     assert not problems, "broken links:\n" + "\n".join(problems)
+
+
+def test_every_file_the_docs_name_exists():
+    folders = ("shardtune", "tests", "benchmarks", "docs", ".ci")
+    files = [p.relative_to(ROOT).as_posix() for d in folders for p in (ROOT / d).rglob("*") if p.is_file()]
+    missing = []
+    for page in [ROOT / "README.md", *doc_pages()]:
+        text = page.read_text(encoding="utf-8")
+        missing += [f"{page.relative_to(ROOT)}: {p}" for p in _REPO_PATH.findall(text) if not (ROOT / p).exists()]
+        missing += [
+            f"{page.relative_to(ROOT)}: {s}"
+            for s in _SCRIPT.findall(text)
+            if not any(f == s or f.endswith(f"/{s}") for f in files)
+        ]
+    assert not missing, "files the docs name that do not exist (renamed? write the new name):\n" + "\n".join(missing)
 
 
 def test_every_test_the_guarantees_name_exists():
