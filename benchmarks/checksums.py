@@ -90,7 +90,7 @@ class _ChecksumClock:
 
 def run_round(*, size: str, hf: str, out_root: str, order: list[str], cold: bool) -> dict:
     """Rank side of one repeat: both saves, then both resumes, in ``order``."""
-    from shardtune.checkpoint import Checkpointer
+    from shardtune.checkpoint import Checkpointer, CheckpointOptions, CheckpointStates
 
     clock = _ChecksumClock()
     rank = dist.get_rank()
@@ -109,7 +109,10 @@ def run_round(*, size: str, hf: str, out_root: str, order: list[str], cold: bool
         if rank == 0:
             shutil.rmtree(out, ignore_errors=True)
             os.sync()  # no earlier run's dirty pages are written back during this one
-        saver = Checkpointer(output_dir=out, model=model, optimizer=opt, base_dir=hf, checksums=variant != "without")
+        saver = Checkpointer(
+            states=CheckpointStates(model=model, optimizer=opt),
+            options=CheckpointOptions(output_dir=out, base_dir=hf, checksums=variant != "without"),
+        )
         clock.seconds = 0.0
         seconds[f"save_{variant}"], seconds[f"save_{variant}_cpu"] = _timed(
             lambda saver=saver: saver.save(step=1, epoch=1)
@@ -125,7 +128,8 @@ def run_round(*, size: str, hf: str, out_root: str, order: list[str], cold: bool
         fresh = build_model(size)
         fresh_opt = adamw(fresh)
         ck = Checkpointer(
-            output_dir=saved, model=fresh, optimizer=fresh_opt, base_dir=hf, checksums=variant != "without"
+            states=CheckpointStates(model=fresh, optimizer=fresh_opt),
+            options=CheckpointOptions(output_dir=saved, base_dir=hf, checksums=variant != "without"),
         )
 
         def resume(ck=ck, variant=variant) -> None:

@@ -9,7 +9,7 @@ import json
 import torch
 from torch import nn
 
-from shardtune.checkpoint import Checkpointer, TrainingProgress
+from shardtune.checkpoint import Checkpointer, CheckpointOptions, CheckpointStates, TrainingProgress
 from shardtune.data.sampler import build_dataloader
 from shardtune.models import build_model
 from shardtune.recipes import _setup
@@ -124,7 +124,8 @@ def test_the_checkpoints_record_the_steps_and_epochs_the_loop_trained(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     ck = Checkpointer(
-        output_dir=tmp_path, model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler, device="cpu"
+        states=CheckpointStates(model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler),
+        options=CheckpointOptions(output_dir=tmp_path, device="cpu"),
     )
     run = _setup.Run(rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
     rows = _Rows()
