@@ -4,9 +4,9 @@
     python -m benchmarks.checksums --smoke          # tiny, 1 repeat, no BENCHMARKS.md
 
 Each repeat is one set of fresh rank processes: the model is filled from the HF fixture and
-given one AdamW step (untimed), then ``Checkpointer(..., checksums=True/False).save(step=1,
+given one AdamW step (untimed), then ``Checkpointer(..., options=CheckpointOptions(..., checksums=True/False)).save(step=1,
 epoch=1)`` (model, optimizer, training state; fsynced and published) and, into a fresh meta
-model and optimizer, ``Checkpointer(..., checksums=True/False).resume()`` of the checkpoint
+model and optimizer, ``Checkpointer(..., options=CheckpointOptions(..., checksums=True/False)).resume()`` of the checkpoint
 saved with checksums (with them it first verifies every file block, each rank a share). The two
 variants alternate, their order rotated each repeat, after an untimed warm-up save and resume
 (a process's first one pays for fresh memory). Use an even number of repeats. Results print as a Markdown table and,
@@ -62,8 +62,7 @@ class _ChecksumClock:
     rank process only): what a step waits for, measured apart from the machine's noise."""
 
     def __init__(self) -> None:
-        from shardtune.checkpoint import checksums
-        from shardtune.checkpoint.checkpointer import Checkpointer
+        from shardtune.checkpoint import checksums, resume_choice
 
         self.seconds = 0.0
         for owner, name in (
@@ -71,7 +70,7 @@ class _ChecksumClock:
             (checksums.Checksumming, "finish"),  # waiting for a large write's checksum
             (checksums, "record"),  # headers, JSON, RNG, tokenizer, adapter files
             (checksums, "gather_checksums"),  # gathering and combining (a collective)
-            (Checkpointer, "_verify"),  # resume: the check before loading
+            (resume_choice, "verify"),  # resume: the check before loading
         ):
             setattr(owner, name, self._timed(getattr(owner, name)))
 

@@ -10,12 +10,14 @@ to construct it::
 
 (:mod:`~shardtune.checkpoint.options`: the registered states, and the frozen options checked
 when built). :meth:`Checkpointer.save` saves and :meth:`Checkpointer.resume` restores every
-registered state in place; :attr:`Checkpointer.progress` is the registered progress the training
-loop reads and advances. How weights are written (HF files now, HF files staged for a background
-thread, DCP shards; per-rank or rank-0 writes; full or LoRA) is a strategy picked in ``__init__``
-and handed its inputs explicitly (:mod:`~shardtune.checkpoint.strategies`), not a branch in ``save``. A save goes: ``save`` -> the
-strategy -> a format module plans the files (``hf_save``, ``optimizer_io``, ``peft_format``)
--> ``writer.write_files`` hands each rank's blocks -> a sink (``sinks``) writes the bytes.
+registered state in place; :attr:`Checkpointer.progress` is the registered progress the
+training loop reads and advances. How weights are written (HF files now, HF files staged for a
+background thread, DCP shards; per-rank or rank-0 writes; full or LoRA) is a strategy picked in
+``__init__`` and handed its inputs explicitly (:mod:`~shardtune.checkpoint.strategies`), not a
+branch in ``save``. A save goes: ``save`` -> the strategy -> a format module plans the files
+(``hf_save``, ``optimizer_io``, ``peft_format``) -> ``writer.write_files`` hands each rank's
+blocks -> a sink (``sinks``) writes the bytes. Which checkpoint a resume reads, and its
+verification, is :mod:`~shardtune.checkpoint.resume_choice`.
 
 A checkpoint ``<output_dir>/epoch_<n>`` (or ``step_<n>`` mid-epoch) holds:
 
@@ -48,7 +50,6 @@ Every failure of a save raises :class:`~shardtune.checkpoint.errors.SaveError` (
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import uuid
@@ -59,10 +60,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardtune.checkpoint import atomic, integrity, resume_checks
+from shardtune.checkpoint import atomic, resume_checks, resume_choice
 from shardtune.checkpoint import checksums as crc
 from shardtune.checkpoint.dcp_format import DCP_DIR, load_dcp
-from shardtune.checkpoint.errors import CheckpointError, SaveError, as_save_error
+from shardtune.checkpoint.errors import SaveError, as_save_error
 from shardtune.checkpoint.hf import load_hf_checkpoint
 from shardtune.checkpoint.optimizer_io import load_optimizer
 from shardtune.checkpoint.options import CheckpointOptions, CheckpointStates
@@ -81,7 +82,7 @@ from shardtune.checkpoint.strategies import (
 from shardtune.distributed import device_type
 from shardtune.faults import fault_point
 from shardtune.state_dict import comm
-from shardtune.state_dict.keys import StateDictError, format_problems
+from shardtune.state_dict.keys import StateDictError
 
 log = logging.getLogger(__name__)
 
@@ -167,27 +168,35 @@ class Checkpointer:
 
         Collective. Before anything is loaded the checkpoint's files are checked against its
         manifest's sizes and the files it reads against their CRC32C checksums (LoRA: not the
-        merged model beside the adapter), each rank reading a share. A damaged newest
-        checkpoint is skipped with a warning naming the damaged files, for the next older
-        intact one; when every checkpoint is damaged, or the named ``checkpoint`` is, every rank
-        raises the same :class:`CheckpointError` naming the files and byte ranges. Checkpoints
-        written without checksums load with a warning that they cannot be verified. On the same
-        world size RNG states are restored exactly; on another world size they are re-derived
-        from (seed, step), alike on every rank. The fingerprint must match (else every rank
-        raises :class:`FingerprintMismatchError` naming what changed); the optimizer's
-        hyperparameters this run was built with replace the checkpoint's where they differ,
-        each change logged on rank 0 (:mod:`~shardtune.checkpoint.resume_checks`). Without
-        ``checkpoint``, staged background saves that every rank finished writing (a run stopped
-        before publishing them) are published first; the resumed run continues the checkpoint's
+        merged model beside the adapter), each rank reading a share
+        (:mod:`~shardtune.checkpoint.resume_choice`). A damaged newest checkpoint is skipped
+        with a warning naming the damaged files, for the next older intact one; when every
+        checkpoint is damaged, or the named ``checkpoint`` is, every rank raises the same
+        :class:`~shardtune.checkpoint.errors.CheckpointError` naming the files and byte ranges.
+        Checkpoints written without checksums load with a warning that they cannot be verified.
+        On the same world size RNG states are restored exactly; on another world size they are
+        re-derived from (seed, step), alike on every rank. The fingerprint must match (else every
+        rank raises :class:`~shardtune.checkpoint.errors.FingerprintMismatchError` naming what
+        changed); the optimizer's hyperparameters this run was built with replace the
+        checkpoint's where they differ, each change logged on rank 0
+        (:mod:`~shardtune.checkpoint.resume_checks`). Without ``checkpoint``, staged background
+        saves that every rank finished writing (a run stopped before publishing them) are
+        published first; the resumed run continues the checkpoint's
         ``run_id``.
         """
         if checkpoint is None:
             self._publish_finished_staging()
-        path = self._pick(checkpoint)
+        path = resume_choice.choose(
+            self.options.output_dir,
+            checkpoint,
+            checksums=self.options.checksums,
+            shared_filesystem=self.options.shared_filesystem,
+            lora=self.is_lora,
+        )
         if path is None:
             return None
-        self.run_id = self._manifest_run_id(path)
-        progress, has_dcp_shards = self._read_progress(path)
+        self.run_id = resume_choice.manifest_run_id(path)
+        progress, has_dcp_shards = resume_choice.read_progress(path)
         unchecked = check_fingerprint(progress.fingerprint, self.options.fingerprint, where=path)
         if unchecked and comm.rank() == 0:
             log.warning("%s", "; ".join(unchecked))
@@ -230,17 +239,6 @@ class Checkpointer:
         else:
             load_hf_checkpoint(self.states.model, path, strict=True, **options)
 
-    def _manifest_run_id(self, path: Path) -> str:
-        """Collective: the lineage of the checkpoint at ``path`` (a new one for checkpoints written
-        before run ids existed: retention then never removes those)."""
-        found = None
-        if comm.rank() == 0:
-            try:
-                found = json.loads((path / atomic.MANIFEST).read_text()).get("run_id")
-            except (OSError, ValueError):
-                found = None  # _pick read this manifest already; a vanished one fails the loads below
-        return comm.all_gather_objects(found or uuid.uuid4().hex[:12])[0]
-
     def _publish_finished_staging(self) -> None:
         """Collective: publish every staged background save whose writes all finished (each
         rank's marker is there) and that was interrupted before its publish; checksums are
@@ -272,79 +270,6 @@ class Checkpointer:
         info = atomic.latest_complete(self.options.output_dir)
         return str(info.path) if info is not None else None
 
-    def _pick(self, checkpoint: str | os.PathLike | None) -> Path | None:
-        """Collective: call on all ranks. Returns, on every rank, the verified checkpoint to resume
-        from (None if there is none), or raises the same CheckpointError; see :meth:`resume`."""
-        if checkpoint is not None:
-            info = atomic.verify(Path(checkpoint)) if comm.rank() == 0 else None
-            found = comm.all_gather_objects(None if info is None else [(str(info.path), info.manifest)])[0]
-            if found is None:
-                raise CheckpointError(
-                    f"{checkpoint} is not a complete checkpoint (no {atomic.MANIFEST}, or its files do not have the "
-                    "recorded sizes); name a step_<n>/epoch_<n> directory a save published"
-                )
-        else:
-            listed = [(str(i.path), i.manifest) for i in reversed(atomic.complete_checkpoints(self.options.output_dir))]
-            found = comm.all_gather_objects(listed if comm.rank() == 0 else None)[0]
-        damaged: list[str] = []
-        for path, manifest in found or []:  # rank 0 sent a list
-            verdict = self._verify(Path(path), manifest)  # the same on every rank
-            if verdict.intact:
-                if damaged and comm.rank() == 0:
-                    log.warning("resuming from %s, the newest intact checkpoint", path)
-                return Path(path)
-            if checkpoint is not None:
-                raise CheckpointError(
-                    format_problems(f"Cannot resume from {path}: it is damaged (re-copy these files):", verdict.lines())
-                )
-            damaged += verdict.lines()
-            if comm.rank() == 0:
-                log.warning("checkpoint %s is damaged, trying an older one:\n  %s", path, "\n  ".join(verdict.lines()))
-        if damaged:
-            raise CheckpointError(
-                format_problems(
-                    f"Cannot resume: every checkpoint in {self.options.output_dir} is damaged (re-copy these files):",
-                    damaged,
-                )
-            )
-        return None
-
-    def _verify(self, path: Path, manifest: dict) -> integrity.Verdict:
-        """Collective: call on all ranks. Returns, on every rank, the same verdict on ``path``'s
-        files against its manifest (each rank checks a share)."""
-        if not self.options.checksums:
-            return integrity.Verdict(checksummed=False)
-        verdict = integrity.verify_on_ranks(
-            path,
-            manifest,
-            shared_filesystem=self.options.shared_filesystem,
-            skip=self._not_read if self.is_lora else None,
-        )
-        if not verdict.checksummed and comm.rank() == 0:
-            log.warning("checkpoint %s cannot be verified: %s", path, integrity.UNVERIFIABLE)
-        return verdict
-
-    @staticmethod
-    def _not_read(rel: str) -> bool:
-        """LoRA resume reads the adapter, training state and DCP shards, not the merged model
-        beside them (``shardtune verify`` checks that): its blocks are not read to verify."""
-        return not rel.startswith((f"{ADAPTER_DIR}/", f"{STATE_DIR}/", f"{DCP_DIR}/"))
-
-    def _read_progress(self, path: Path) -> tuple[TrainingProgress, bool]:
-        """Collective: rank 0 reads the training state and whether the weights are DCP shards;
-        every rank gets them, or the same error."""
-        problems, read = comm.Problems(), None
-        if comm.rank() == 0:
-            with problems.guard(str(path / STATE_DIR / TRAINING_STATE)):
-                read = (
-                    TrainingProgress.from_json((path / STATE_DIR / TRAINING_STATE).read_text()),
-                    (path / DCP_DIR).is_dir(),
-                )
-        comm.raise_on_every_rank(problems, header=f"Cannot resume from {path}:", error=CheckpointError)
-        progress = comm.all_gather_objects(read)[0]
-        assert progress is not None  # rank 0 read it, or every rank raised above
-        return progress
-
     # --- saving ----------------------------------------------------------------------------
 
     def save(self, *, step: int | None = None, epoch: int | None = None, final: bool = False) -> Path:
@@ -361,7 +286,7 @@ class Checkpointer:
         :meth:`poll` once every rank's write is done, at the latest by the next ``save``/``wait``
         (until then the previous checkpoint stays the newest complete one). The ``final``
         checkpoint is always HF (and PEFT) format, written synchronously. Any failure raises
-        :class:`SaveError` on every rank.
+        :class:`~shardtune.checkpoint.errors.SaveError` on every rank.
         """
         try:
             return self._save(step=step, epoch=epoch, final=final)

@@ -3,7 +3,8 @@
 Rule: a staged checkpoint is published only once every rank's write is done. A background
 write ends with this rank's marker (:func:`~shardtune.checkpoint.atomic.write_written_marker`),
 written after its last byte is fsynced, so a resume can tell a staged save every rank finished
-(published then) from a partial one (removed). Every failure of a save is a :class:`~shardtune.checkpoint.errors.SaveError`.
+(published then) from a partial one (removed). Every failure of a save is a
+:class:`~shardtune.checkpoint.errors.SaveError`.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ def _save_two(base: str, out: str, lora: bool):
 def _resume(base: str, out: str, lora: bool, checkpoint: str | None):
     """Resume (verifying with small blocks); returns the step resumed and rank 0's warnings."""
     handler = _Warnings()
-    logger = logging.getLogger("shardtune.checkpoint.checkpointer")
+    logger = logging.getLogger("shardtune.checkpoint")  # the Checkpointer and resume_choice, its choice of checkpoint
     logger.addHandler(handler)
     try:
         with _SmallBlocks():
