@@ -47,7 +47,9 @@ def base_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-def _setup(base: str, out: str, *, lora: bool, adapter_only: bool = False, fingerprint: str = "a", **options):
+def _setup(
+    base: str, out: str, *, lora: bool, adapter_only: bool = False, fingerprint: str = "a", sampler=None, **options
+):
     with torch.device("meta"):
         model = llama_from_hf_config(base)
         if lora:
@@ -56,7 +58,7 @@ def _setup(base: str, out: str, *, lora: bool, adapter_only: bool = False, finge
     opt = build_optimizer(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = build_lr_scheduler(opt, name="cosine", warmup_steps=1, total_steps=10)
     ck = Checkpointer(
-        states=CheckpointStates(model=model, optimizer=opt, lr_scheduler=sched),
+        states=CheckpointStates(model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler),
         options=CheckpointOptions(
             output_dir=out,
             base_dir=base,
