@@ -390,10 +390,11 @@ def _setup(group: str, method: str, size: str, paths: dict[str, str]) -> Ctx:
     elif group == "resume":
         ctx.opt = adamw(model)  # on the meta params, before anything is loaded
         if method == "shardtune":
-            from shardtune.checkpoint import Checkpointer
+            from shardtune.checkpoint import Checkpointer, CheckpointOptions, CheckpointStates
 
             ctx.checkpointer = Checkpointer(
-                output_dir=paths["resume_dir"], model=model, optimizer=ctx.opt, base_dir=paths["hf_dir"], device=DEVICE
+                states=CheckpointStates(model=model, optimizer=ctx.opt),
+                options=CheckpointOptions(output_dir=paths["resume_dir"], base_dir=paths["hf_dir"], device=DEVICE),
             )
     return ctx
 
@@ -437,7 +438,7 @@ def setup_resume(*, size: str, paths: dict[str, str]) -> dict:
     epoch=1)`` into ``resume_dir`` and ``dcp.save`` of DSD's ``get_state_dict`` into ``dcp_dir``.
     Checks that the shardtune files equal the live state (they are the resume reference).
     """
-    from shardtune.checkpoint import Checkpointer
+    from shardtune.checkpoint import Checkpointer, CheckpointOptions, CheckpointStates
 
     model = build_model(size)
     materialize_from_file(model, os.path.join(paths["hf_dir"], HF_WEIGHTS), device=DEVICE)
@@ -448,7 +449,8 @@ def setup_resume(*, size: str, paths: dict[str, str]) -> dict:
     opt.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     ckpt = Checkpointer(
-        output_dir=paths["resume_dir"], model=model, optimizer=opt, base_dir=paths["hf_dir"], device=DEVICE
+        states=CheckpointStates(model=model, optimizer=opt),
+        options=CheckpointOptions(output_dir=paths["resume_dir"], base_dir=paths["hf_dir"], device=DEVICE),
     )
     saved = ckpt.save(step=1, epoch=1)
     t1 = time.perf_counter()

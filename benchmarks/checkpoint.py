@@ -588,7 +588,7 @@ def render_report(
             "right after, untimed but recorded below the table. `shardtune_async`/`dcp_async` are a process's first "
             "background save (the copy goes to fresh memory); `shardtune_async_2nd`/`dcp_async_2nd` its second, into "
             "memory kept from the first (untimed setup: a `StagingMemory`, resp. DCP's caching `DefaultStager` without "
-            "pinning, and one whole background save through it, its directory then removed), as `Checkpointer(async_save=True)` "
+            "pinning, and one whole background save through it, its directory then removed), as `CheckpointOptions(async_save=True)` "
             "does by default; their peak Δ excludes the kept copy, which is in the baseline. `dcp_async*` are verified by "
             "`dcp.load` into zeroed shards. Their memory holds the copy by design (contract n/a)."
         ),
@@ -596,7 +596,7 @@ def render_report(
             "- `resume`: setup once per invocation (untimed, outside the repeats): params from the fixture, one AdamW "
             "(lr 1e-3, foreach=False) step with gradients of ones, then `Checkpointer.save(step=1, epoch=1)` and "
             '`dcp.save({"model", "optim"} of get_state_dict(model, opt))` of that same state. Timed: shardtune '
-            "`Checkpointer(output_dir, model, optimizer, base_dir).resume()` into a fresh meta model whose AdamW was "
+            "`Checkpointer(states=(model, optimizer), options=(output_dir, base_dir)).resume()` into a fresh meta model whose AdamW was "
             'created on the meta params (model + optimizer + training state + RNG); DSD: `model.to_empty("cpu")`, '
             "`get_state_dict(model, opt)` (which initializes AdamW state with a zero-grad step), `dcp.load`, "
             "`set_state_dict` — all inside the timed step. Verification: every shard of params, exp_avg, exp_avg_sq "

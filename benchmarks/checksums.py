@@ -4,9 +4,9 @@
     python -m benchmarks.checksums --smoke          # tiny, 1 repeat, no BENCHMARKS.md
 
 Each repeat is one set of fresh rank processes: the model is filled from the HF fixture and
-given one AdamW step (untimed), then ``Checkpointer(..., checksums=True/False).save(step=1,
+given one AdamW step (untimed), then ``Checkpointer(..., options=CheckpointOptions(..., checksums=True/False)).save(step=1,
 epoch=1)`` (model, optimizer, training state; fsynced and published) and, into a fresh meta
-model and optimizer, ``Checkpointer(..., checksums=True/False).resume()`` of the checkpoint
+model and optimizer, ``Checkpointer(..., options=CheckpointOptions(..., checksums=True/False)).resume()`` of the checkpoint
 saved with checksums (with them it first verifies every file block, each rank a share). The two
 variants alternate, their order rotated each repeat, after an untimed warm-up save and resume
 (a process's first one pays for fresh memory). Use an even number of repeats. Results print as a Markdown table and,
@@ -62,8 +62,7 @@ class _ChecksumClock:
     rank process only): what a step waits for, measured apart from the machine's noise."""
 
     def __init__(self) -> None:
-        from shardtune.checkpoint import checksums
-        from shardtune.checkpoint.checkpointer import Checkpointer
+        from shardtune.checkpoint import checksums, resume_choice
 
         self.seconds = 0.0
         for owner, name in (
@@ -71,7 +70,7 @@ class _ChecksumClock:
             (checksums.Checksumming, "finish"),  # waiting for a large write's checksum
             (checksums, "record"),  # headers, JSON, RNG, tokenizer, adapter files
             (checksums, "gather_checksums"),  # gathering and combining (a collective)
-            (Checkpointer, "_verify"),  # resume: the check before loading
+            (resume_choice, "verify"),  # resume: the check before loading
         ):
             setattr(owner, name, self._timed(getattr(owner, name)))
 
@@ -90,7 +89,7 @@ class _ChecksumClock:
 
 def run_round(*, size: str, hf: str, out_root: str, order: list[str], cold: bool) -> dict:
     """Rank side of one repeat: both saves, then both resumes, in ``order``."""
-    from shardtune.checkpoint import Checkpointer
+    from shardtune.checkpoint import Checkpointer, CheckpointOptions, CheckpointStates
 
     clock = _ChecksumClock()
     rank = dist.get_rank()
@@ -109,7 +108,10 @@ def run_round(*, size: str, hf: str, out_root: str, order: list[str], cold: bool
         if rank == 0:
             shutil.rmtree(out, ignore_errors=True)
             os.sync()  # no earlier run's dirty pages are written back during this one
-        saver = Checkpointer(output_dir=out, model=model, optimizer=opt, base_dir=hf, checksums=variant != "without")
+        saver = Checkpointer(
+            states=CheckpointStates(model=model, optimizer=opt),
+            options=CheckpointOptions(output_dir=out, base_dir=hf, checksums=variant != "without"),
+        )
         clock.seconds = 0.0
         seconds[f"save_{variant}"], seconds[f"save_{variant}_cpu"] = _timed(
             lambda saver=saver: saver.save(step=1, epoch=1)
@@ -125,7 +127,8 @@ def run_round(*, size: str, hf: str, out_root: str, order: list[str], cold: bool
         fresh = build_model(size)
         fresh_opt = adamw(fresh)
         ck = Checkpointer(
-            output_dir=saved, model=fresh, optimizer=fresh_opt, base_dir=hf, checksums=variant != "without"
+            states=CheckpointStates(model=fresh, optimizer=fresh_opt),
+            options=CheckpointOptions(output_dir=saved, base_dir=hf, checksums=variant != "without"),
         )
 
         def resume(ck=ck, variant=variant) -> None:

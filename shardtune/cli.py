@@ -208,7 +208,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from shardtune.checkpoint.dcp_format import convert_dcp_to_hf
-    from shardtune.checkpoint.safetensors_io import CheckpointError
+    from shardtune.checkpoint.errors import CheckpointError
 
     try:
         out = convert_dcp_to_hf(args.checkpoint, args.out_dir, base_dir=args.base_dir)

@@ -1,24 +1,30 @@
 """Checkpoints: HF safetensors and PEFT formats, training state, and the Checkpointer.
 
+A Checkpointer is built from ``CheckpointStates`` (what a checkpoint holds) and
+``CheckpointOptions`` (where and how; ``options.py``); errors are in ``errors.py``.
 A save goes ``checkpointer.py`` (what a checkpoint holds, picked at construction) -> a format
 module that plans the files (``hf_save.py``, ``optimizer_io.py``, ``peft_format.py``) ->
 ``writer.py`` (which rank hands which block) -> a sink of ``sinks.py`` (how bytes reach files).
 """
 
-from shardtune.checkpoint.checkpointer import Checkpointer, SaveError
+from shardtune.checkpoint.checkpointer import Checkpointer
+from shardtune.checkpoint.errors import CheckpointError, FingerprintMismatchError, OutputDirError, SaveError
 from shardtune.checkpoint.hf_load import load_hf_checkpoint, open_hf_checkpoint
 from shardtune.checkpoint.hf_save import save_hf_checkpoint
+from shardtune.checkpoint.options import CheckpointOptions, CheckpointStates
 from shardtune.checkpoint.peft_format import load_peft_adapter, save_peft_adapter
-from shardtune.checkpoint.safetensors_io import CheckpointError
 from shardtune.checkpoint.sinks import DirectSink, Rank0Sink, StagedSink, sink_for
 from shardtune.checkpoint.staging_memory import StagingMemory
-from shardtune.checkpoint.state import FingerprintMismatchError, TrainingProgress, fingerprint
+from shardtune.checkpoint.state import TrainingProgress, fingerprint
 
 __all__ = [
     "CheckpointError",
+    "CheckpointOptions",
+    "CheckpointStates",
     "Checkpointer",
     "DirectSink",
     "FingerprintMismatchError",
+    "OutputDirError",
     "Rank0Sink",
     "SaveError",
     "StagedSink",

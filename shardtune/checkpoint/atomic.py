@@ -117,7 +117,7 @@ def verify(path: Path) -> CheckpointInfo | None:
 
 def manifest_file(checkpoint: Path, rel: object) -> Path:
     """The file ``rel`` (a name read from ``checkpoint``'s manifest) inside ``checkpoint``;
-    :class:`~shardtune.checkpoint.file_names.UnsafeFileNameError` when it could reach outside."""
+    :class:`~shardtune.checkpoint.errors.UnsafeFileNameError` when it could reach outside."""
     from shardtune.checkpoint.file_names import inside  # here: the rest of atomic needs no torch
 
     return inside(checkpoint, rel, listed_in=checkpoint / MANIFEST)

@@ -24,6 +24,7 @@ from typing import Any
 
 import crc32c as _crc32c
 
+from shardtune.checkpoint.errors import CheckpointError
 from shardtune.state_dict import comm
 
 ALGORITHM = "crc32c"
@@ -277,8 +278,6 @@ def gather_checksums(root: Path, *, skip: set[str], shared_filesystem: bool) -> 
     without a shared filesystem). Returns the manifest's ``checksums`` entry on rank 0, None
     elsewhere; problems raise the same CheckpointError on every rank. ``skip``: files (relative
     paths) left out, such as the manifest."""
-    from shardtune.checkpoint.safetensors_io import CheckpointError
-
     gathered = comm.all_gather_objects(stop_recording(root))
     problems, todo = comm.Problems(), []
     result: dict[str, Any] | None = None

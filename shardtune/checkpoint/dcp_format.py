@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from shardtune.checkpoint import checksums
+from shardtune.checkpoint.errors import CheckpointError
 from shardtune.checkpoint.file_names import inside
-from shardtune.checkpoint.safetensors_io import CheckpointError
 from shardtune.checkpoint.state import load_data_only
 from shardtune.peft.lora import lora_config_of
 from shardtune.state_dict import comm

@@ -13,13 +13,9 @@ import os
 import re
 from pathlib import Path
 
-from shardtune.checkpoint.safetensors_io import CheckpointError
+from shardtune.checkpoint.errors import UnsafeFileNameError
 
 _DRIVE = re.compile(r"^[A-Za-z]:")
-
-
-class UnsafeFileNameError(CheckpointError, ValueError):
-    """A file names another file outside its own directory (an absolute path, ``..``, ...)."""
 
 
 def unsafe_reason(name: object) -> str | None:

@@ -24,8 +24,9 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 from tqdm import tqdm
 
-from shardtune.checkpoint.file_names import UnsafeFileNameError, inside
-from shardtune.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, TensorSlice
+from shardtune.checkpoint.errors import CheckpointError, UnsafeFileNameError
+from shardtune.checkpoint.file_names import inside
+from shardtune.checkpoint.safetensors_io import SafetensorsFile, TensorSlice
 from shardtune.state_dict import comm, load_from_full_model_state_dict
 from shardtune.state_dict.keys import format_problems, model_entries
 from shardtune.state_dict.layout import local_tensor

@@ -22,8 +22,9 @@ from torch import nn
 
 from shardtune.checkpoint import checksums
 from shardtune.checkpoint.atomic import fsync_dir
+from shardtune.checkpoint.errors import CheckpointError
 from shardtune.checkpoint.hf_load import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES, log_done, progress_bar
-from shardtune.checkpoint.safetensors_io import CheckpointError, parse_size
+from shardtune.checkpoint.safetensors_io import parse_size
 from shardtune.checkpoint.sinks import StagedSink, sink_for
 from shardtune.checkpoint.writer import (
     BlockFn,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardtune.checkpoint import atomic, checksums
-from shardtune.checkpoint.file_names import UnsafeFileNameError
+from shardtune.checkpoint.errors import UnsafeFileNameError
 from shardtune.state_dict import comm
 
 _MAX_THREADS = 8

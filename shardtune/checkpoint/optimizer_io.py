@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from shardtune.checkpoint import checksums
-from shardtune.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
+from shardtune.checkpoint.errors import CheckpointError
+from shardtune.checkpoint.safetensors_io import SafetensorsFile
 from shardtune.checkpoint.sinks import sink_for
 from shardtune.checkpoint.writer import FilePlan, Sink, WriteItem, create_files, plan_digest, plan_files, write_files
 from shardtune.state_dict import comm, load_from_full_optimizer_state_dict, quantized

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from shardtune.checkpoint import checksums
-from shardtune.checkpoint.safetensors_io import CheckpointError
+from shardtune.checkpoint.errors import CheckpointError
 from shardtune.checkpoint.sinks import sink_for
 from shardtune.checkpoint.writer import FilePlan, Sink, WriteItem, create_files, plan_digest, plan_files, write_files
 from shardtune.peft import from_peft_adapter_state_dict

@@ -3,7 +3,8 @@
 Rule: a staged checkpoint is published only once every rank's write is done. A background
 write ends with this rank's marker (:func:`~shardtune.checkpoint.atomic.write_written_marker`),
 written after its last byte is fsynced, so a resume can tell a staged save every rank finished
-(published then) from a partial one (removed). Every failure of a save is a :class:`SaveError`.
+(published then) from a partial one (removed). Every failure of a save is a
+:class:`~shardtune.checkpoint.errors.SaveError`.
 """
 
 from __future__ import annotations
@@ -14,19 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.checkpoint import atomic
-from shardtune.checkpoint.safetensors_io import CheckpointError
 from shardtune.state_dict import comm
-from shardtune.state_dict.keys import StateDictError
-
-
-class SaveError(CheckpointError):
-    """A checkpoint could not be saved (started, written, finished in the background or
-    published); raised with the same message on every rank. Nothing was published."""
-
-
-def as_save_error(exc: StateDictError) -> SaveError:
-    """The same message as a :class:`SaveError` (every collective step raised it alike on every rank)."""
-    return exc if isinstance(exc, SaveError) else SaveError(str(exc))
 
 
 @dataclass

@@ -23,16 +23,13 @@ import time
 from pathlib import Path
 
 from shardtune.checkpoint import atomic
+from shardtune.checkpoint.errors import OutputDirError
 from shardtune.choices import OUTPUT_DIR_POLICIES
 
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
 METRICS_NAME = "metrics.jsonl"
-
-
-class OutputDirError(RuntimeError):
-    """The ``output_dir`` is in use by another run, or holds another run's outputs."""
 
 
 class OutputDirLock:

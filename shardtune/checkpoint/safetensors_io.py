@@ -33,12 +33,11 @@ from dataclasses import dataclass
 import torch
 
 from shardtune.checkpoint import checksums
+from shardtune.checkpoint.errors import CheckpointError
 from shardtune.state_dict.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_NAMES
-from shardtune.state_dict.keys import StateDictError
 
 __all__ = [
     "DTYPES",
-    "CheckpointError",
     "HeaderEntry",
     "RangeWriter",
     "SafetensorsFile",
@@ -54,14 +53,6 @@ _PAGE_BYTES = mmap.PAGESIZE
 _PREFAULT_MIN_BYTES = 1 << 20
 
 DTYPES = SAFETENSORS_DTYPES  # re-exported; the one table lives in shardtune.state_dict.dtypes
-
-
-class CheckpointError(StateDictError):
-    """A checkpoint file or directory is missing, truncated, corrupt or does not fit the model.
-
-    The message names the file and, where it applies, the tensor key. The collective entry
-    points raise it with the same message on every rank.
-    """
 
 
 def dtype_name(dtype: torch.dtype) -> str:

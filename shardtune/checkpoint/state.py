@@ -18,17 +18,13 @@ import safetensors.torch
 import torch
 
 from shardtune.checkpoint import checksums
-from shardtune.checkpoint.safetensors_io import CheckpointError
+from shardtune.checkpoint.errors import CheckpointError, FingerprintMismatchError
 
 TRAINING_STATE = "training_state.json"
 RNG_DIR = "rng"
 RNG_FILE = "rank_{rank}.safetensors"  # per rank; RNG_PYTHON_KEY in its metadata
 LEGACY_RNG_FILE = "rank_{rank}.pt"  # older checkpoints (torch.save), read with weights_only=True
 RNG_PYTHON_KEY = "python_random"
-
-
-class FingerprintMismatchError(RuntimeError):
-    """The checkpoint was written for another model, base weights, tokenizer or data than this run's."""
 
 
 class Stateful(Protocol):

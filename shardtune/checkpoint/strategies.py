@@ -3,47 +3,61 @@
 Rule: a strategy is one row of the grid hf|dcp x now|background x per-rank|rank-0 files x
 full|LoRA, and it calls one public save function per format (or plans the formats' files and
 hands them to :func:`~shardtune.checkpoint.writer.write_files` with one sink); the
-Checkpointer's ``save`` only picks final or intermediate. Every method is collective.
+Checkpointer's ``save`` only picks final or intermediate. A strategy is given its inputs
+explicitly (:class:`WeightsInputs`), never the Checkpointer. Every method is collective.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from shardtune.checkpoint.dcp_format import DCP_DIR, save_dcp, write_model_description
+from shardtune.checkpoint.errors import CheckpointError
 from shardtune.checkpoint.hf_save import plan_hf_checkpoint, save_hf_checkpoint
 from shardtune.checkpoint.optimizer_io import plan_optimizer, save_optimizer
 from shardtune.checkpoint.peft_format import save_peft_adapter
-from shardtune.checkpoint.safetensors_io import CheckpointError
 from shardtune.checkpoint.sinks import StagedSink
 from shardtune.checkpoint.staging_memory import StagingMemory
 from shardtune.checkpoint.state import TrainingProgress, load_rng, reseed, rng_state, save_rng, set_rng_state
 from shardtune.checkpoint.writer import write_files
 from shardtune.state_dict import comm
 
-if TYPE_CHECKING:
-    from shardtune.checkpoint.checkpointer import Checkpointer
-
 STATE_DIR = "training_state"
 ADAPTER_DIR = "adapter"
 
 
-def write_adapter(ck: Checkpointer, staging: Path) -> bool:
+@dataclass(frozen=True, kw_only=True)
+class WeightsInputs:
+    """What the weight strategies write and how: the Checkpointer's registered model and
+    optimizer and the options that shape their files."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    lora: bool  # the model has LoRA adapters: the PEFT adapter is written too
+    base_dir: Path | None  # named in the adapter's config; its tokenizer files are copied
+    max_shard_size: int | str
+    adapter_weights_only: bool
+    shared_filesystem: bool
+
+
+def write_adapter(inputs: WeightsInputs, staging: Path) -> bool:
     """Collective. LoRA models: write the PEFT adapter (small, always at once). Returns whether
     the model's HF files are to be written too (not with ``adapter_weights_only``)."""
-    if not ck.is_lora:
+    if not inputs.lora:
         return True
-    base = str(ck.base_dir) if ck.base_dir else None
+    base = str(inputs.base_dir) if inputs.base_dir else None
     save_peft_adapter(
-        ck.model, staging / ADAPTER_DIR, base_model_name_or_path=base, shared_filesystem=ck.shared_filesystem
+        inputs.model, staging / ADAPTER_DIR, base_model_name_or_path=base, shared_filesystem=inputs.shared_filesystem
     )
-    return not ck.adapter_weights_only
+    return not inputs.adapter_weights_only
 
 
 class Weights(Protocol):
@@ -57,22 +71,22 @@ class HFNow:
     optimizer's safetensors, written now: each rank its rows, or rank 0 everything without a
     shared filesystem (the sinks :func:`~shardtune.checkpoint.sinks.sink_for` picks)."""
 
-    def __init__(self, ck: Checkpointer) -> None:
-        self.ck = ck
+    def __init__(self, inputs: WeightsInputs) -> None:
+        self.inputs = inputs
 
     def write(self, staging: Path) -> None:
-        ck, shared = self.ck, self.ck.shared_filesystem
-        if write_adapter(ck, staging):
+        inputs, shared = self.inputs, self.inputs.shared_filesystem
+        if write_adapter(inputs, staging):
             save_hf_checkpoint(
-                ck.model,
+                inputs.model,
                 staging,
-                max_shard_size=ck.max_shard_size,
+                max_shard_size=inputs.max_shard_size,
                 merge_adapters=True,
-                tokenizer_dir=ck.base_dir,
+                tokenizer_dir=inputs.base_dir,
                 shared_filesystem=shared,
             )
-        if ck.optimizer is not None:
-            save_optimizer(ck.model, ck.optimizer, staging / STATE_DIR, shared_filesystem=shared)
+        if inputs.optimizer is not None:
+            save_optimizer(inputs.model, inputs.optimizer, staging / STATE_DIR, shared_filesystem=shared)
 
 
 class HFInBackground:
@@ -80,20 +94,24 @@ class HFInBackground:
     rows (model and optimizer) are copied into one CPU arena (kept for the next save unless
     ``keep_memory`` is off) and written by a background thread."""
 
-    def __init__(self, ck: Checkpointer, *, keep_memory: bool) -> None:
-        self.ck = ck
+    def __init__(self, inputs: WeightsInputs, *, keep_memory: bool) -> None:
+        self.inputs = inputs
         self.memory = StagingMemory() if keep_memory else None
         self.thread: ThreadPoolExecutor | None = None
 
     def write(self, staging: Path) -> Future:
-        ck = self.ck
+        inputs = self.inputs
         files = []
-        if write_adapter(ck, staging):
+        if write_adapter(inputs, staging):
             files += plan_hf_checkpoint(
-                ck.model, staging, max_shard_size=ck.max_shard_size, merge_adapters=True, tokenizer_dir=ck.base_dir
+                inputs.model,
+                staging,
+                max_shard_size=inputs.max_shard_size,
+                merge_adapters=True,
+                tokenizer_dir=inputs.base_dir,
             )
-        if ck.optimizer is not None:
-            files += plan_optimizer(ck.model, ck.optimizer, staging / STATE_DIR)
+        if inputs.optimizer is not None:
+            files += plan_optimizer(inputs.model, inputs.optimizer, staging / STATE_DIR)
         sink = StagedSink(memory=self.memory)
         problems = write_files(files, sink=sink)
         comm.raise_on_every_rank(problems, header=f"Staging checkpoint {staging} failed:", error=CheckpointError)
@@ -114,23 +132,41 @@ class DCPShards:
     description for conversion; with ``background`` staged in CPU memory (kept for the next
     save unless ``keep_memory`` is off) and written by DCP's thread on its own gloo group."""
 
-    def __init__(self, ck: Checkpointer, *, background: bool, keep_memory: bool) -> None:
-        self.ck = ck
+    def __init__(self, inputs: WeightsInputs, *, background: bool, keep_memory: bool) -> None:
+        self.inputs = inputs
         self.background = background
         # DCP's background writer needs its own CPU-capable group, apart from training's collectives.
         self.group = dist.new_group(backend="gloo") if background and dist.is_initialized() else None
         self.stager = _caching_dcp_stager() if background and keep_memory else None
 
     def write(self, staging: Path) -> Future | None:
-        ck = self.ck
+        inputs = self.inputs
         problems = comm.Problems()
         if comm.rank() == 0:
             with problems.guard("model description"):
-                write_model_description(ck.model, staging, ck.base_dir)
+                write_model_description(inputs.model, staging, inputs.base_dir)
         comm.raise_on_every_rank(problems, header=f"Saving checkpoint {staging} failed:")
         return save_dcp(
-            ck.model, ck.optimizer, staging / DCP_DIR, async_save=self.background, group=self.group, stager=self.stager
+            inputs.model,
+            inputs.optimizer,
+            staging / DCP_DIR,
+            async_save=self.background,
+            group=self.group,
+            stager=self.stager,
         )
+
+
+def pick_weights(
+    inputs: WeightsInputs, *, checkpoint_format: str, async_save: bool, keep_staging_memory: bool
+) -> tuple[Weights, Weights]:
+    """(the final checkpoint's strategy, the intermediate ones'): the final checkpoint is always
+    HF files written now; intermediate ones as configured. Collective (may create process groups)."""
+    final = HFNow(inputs)
+    if checkpoint_format == "dcp":
+        return final, DCPShards(inputs, background=async_save, keep_memory=keep_staging_memory)
+    if async_save:
+        return final, HFInBackground(inputs, keep_memory=keep_staging_memory)
+    return final, final
 
 
 def _caching_dcp_stager() -> DefaultStager:

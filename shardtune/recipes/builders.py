@@ -21,7 +21,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from shardtune.checkpoint import Checkpointer, TrainingProgress, run_dir
+from shardtune.checkpoint import (
+    Checkpointer,
+    CheckpointOptions,
+    CheckpointStates,
+    OutputDirError,
+    TrainingProgress,
+    run_dir,
+)
 from shardtune.config import Config
 from shardtune.data import build_dataloader, build_dataset, collate, load_tokenizer
 from shardtune.data.checks import build_training_dataset, check_one_step
@@ -71,19 +78,19 @@ def start(cfg: Config) -> Run:
 
 def claim_output_dir(cfg: Config, *, rank: int) -> tuple[Path, run_dir.OutputDirLock | None]:
     """Collective: rank 0 locks ``output_dir`` and places this run (``output_dir_policy``); every
-    rank gets where the run writes, or raises the same :class:`~shardtune.checkpoint.run_dir.OutputDirError`."""
+    rank gets where the run writes, or raises the same :class:`~shardtune.checkpoint.errors.OutputDirError`."""
     root, problems, lock, placed = Path(cfg.output_dir), comm.Problems(), None, None
     if rank == 0:
         try:
             lock = run_dir.OutputDirLock.acquire(root)
             resuming = bool(cfg.resume_from_checkpoint) and run_dir.has_resumable(root)
             placed = str(run_dir.place_run(root, policy=cfg.output_dir_policy, resuming=resuming))
-        except (run_dir.OutputDirError, OSError, ValueError) as exc:
-            problems.append(str(exc) if isinstance(exc, run_dir.OutputDirError) else f"{root}: {exc}")
+        except (OutputDirError, OSError, ValueError) as exc:
+            problems.append(str(exc) if isinstance(exc, OutputDirError) else f"{root}: {exc}")
             if lock is not None:
                 lock.release()
                 lock = None
-    comm.raise_on_every_rank(problems, header="Cannot start the run:", error=run_dir.OutputDirError)
+    comm.raise_on_every_rank(problems, header="Cannot start the run:", error=OutputDirError)
     shared = comm.all_gather_objects(placed)[0]
     assert shared is not None  # rank 0 placed the run, or every rank raised above
     placed_dir = Path(shared)
@@ -308,12 +315,8 @@ def build_checkpointer(
     marks = _resume.resume_fingerprint(
         cfg, run, base_dir, dataset=loader.dataset, lora=getattr(cfg, "lora", None), frozen=frozen or {}
     )
-    return Checkpointer(
-        output_dir=run.output_dir or cfg.output_dir,
-        model=model,
-        optimizer=opt,
-        lr_scheduler=sched,
-        sampler=sampler,
+    options = CheckpointOptions(
+        output_dir=Path(run.output_dir or cfg.output_dir),
         base_dir=base_dir,
         adapter_weights_only=adapter_weights_only,
         keep_last_n=cfg.keep_last_n,
@@ -326,6 +329,8 @@ def build_checkpointer(
         keep_staging_memory=cfg.keep_staging_memory,
         shared_filesystem=cfg.shared_filesystem,
     )
+    states = CheckpointStates(model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler)
+    return Checkpointer(states=states, options=options)
 
 
 def load_weights(cfg: Config, run: Run, model: LlamaForCausalLM, checkpointer: Checkpointer) -> TrainingProgress:
@@ -336,16 +341,18 @@ def load_weights(cfg: Config, run: Run, model: LlamaForCausalLM, checkpointer: C
         if cfg.resume_from_checkpoint and run.is_rank_zero:
             log.warning(
                 "resume_from_checkpoint=true but %s holds no checkpoint: starting from the base model %s",
-                checkpointer.output_dir,
-                checkpointer.base_dir,
+                checkpointer.options.output_dir,
+                checkpointer.options.base_dir,
             )
         checkpointer.load_base()
         if is_lora(model):
             init_lora_parameters(model, device=run.device)
-    elif isinstance(checkpointer.lr_scheduler, LrSchedule):
+    elif isinstance(checkpointer.states.lr_scheduler, LrSchedule):
         changes = continue_schedule(
-            checkpointer.lr_scheduler,
-            remaining_steps=_resume.remaining_steps(cfg, checkpointer.sampler, progress, settings=loop_settings(cfg)),
+            checkpointer.states.lr_scheduler,
+            remaining_steps=_resume.remaining_steps(
+                cfg, checkpointer.states.sampler, progress, settings=loop_settings(cfg)
+            ),
         )
         if changes and run.is_rank_zero:
             log.warning("resuming with this run's lr schedule:\n  %s", "\n  ".join(changes))
@@ -382,7 +389,7 @@ def fit(cfg: Config, run: Run, recipe: str, training: Training, *, loss_fn: Loss
     """The shared loop over ``training`` (metrics to ``<output_dir>/metrics.jsonl``), then the closing message."""
     checkpointer = training.checkpointer
     logger = MetricLogger(
-        checkpointer.output_dir,
+        checkpointer.options.output_dir,
         enabled=run.is_rank_zero,
         loggers=tuple(cfg.loggers),
         start_step=checkpointer.progress.step,
@@ -434,10 +441,10 @@ def finish(cfg: Config, run: Run, checkpointer: Checkpointer, recipe: str, logge
         log.info(
             "done: this run's outputs are in %s (checkpoint %s); to continue training: shardtune run ... %s "
             "--config <config> output_dir=%s resume_from_checkpoint=True epochs=<more>",
-            checkpointer.output_dir,
+            checkpointer.options.output_dir,
             checkpointer.last_saved,
             recipe,
-            checkpointer.output_dir,
+            checkpointer.options.output_dir,
         )
     if run.lock is not None:
         run.lock.release()

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardtune.checkpoint import Checkpointer, FingerprintMismatchError, atomic
+from shardtune.checkpoint import Checkpointer, CheckpointOptions, CheckpointStates, FingerprintMismatchError, atomic
 from shardtune.distributed import decoder_layers, shard_model
 from shardtune.models import llama_from_hf_config
 from shardtune.peft import apply_lora, init_lora_parameters
@@ -47,7 +47,9 @@ def base_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-def _setup(base: str, out: str, *, lora: bool, adapter_only: bool = False, fingerprint: str = "a", **options):
+def _setup(
+    base: str, out: str, *, lora: bool, adapter_only: bool = False, fingerprint: str = "a", sampler=None, **options
+):
     with torch.device("meta"):
         model = llama_from_hf_config(base)
         if lora:
@@ -56,15 +58,15 @@ def _setup(base: str, out: str, *, lora: bool, adapter_only: bool = False, finge
     opt = build_optimizer(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = build_lr_scheduler(opt, name="cosine", warmup_steps=1, total_steps=10)
     ck = Checkpointer(
-        output_dir=out,
-        model=model,
-        optimizer=opt,
-        lr_scheduler=sched,
-        base_dir=base,
-        adapter_weights_only=adapter_only,
-        fingerprint={"model": fingerprint},
-        seed=7,
-        **options,
+        states=CheckpointStates(model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler),
+        options=CheckpointOptions(
+            output_dir=out,
+            base_dir=base,
+            adapter_weights_only=adapter_only,
+            fingerprint={"model": fingerprint},
+            seed=7,
+            **options,
+        ),
     )
     return model, opt, sched, ck
 
@@ -317,8 +319,7 @@ def test_fingerprint_mismatch_is_a_clear_error_on_every_rank(pool2, base_dir, tm
 
 
 def _three_saves(base: str, out: str, keep: int | None):
-    model, opt, sched, ck = _setup(base, out, lora=False)
-    ck.keep_last_n = keep
+    model, opt, sched, ck = _setup(base, out, lora=False, keep_last_n=keep)
     _start(model, ck, lora=False)
     for epoch in (1, 2, 3):
         _train(model, opt, sched, range(epoch, epoch + 1))
@@ -389,14 +390,8 @@ def _hf_async_round_trip(base: str, out: str, lora: bool):
     """async_save with HF intermediates: train on while the save is written, then resume from it."""
     model, opt, sched, _ = _setup(base, out, lora=lora)
     ck = Checkpointer(
-        output_dir=out,
-        model=model,
-        optimizer=opt,
-        lr_scheduler=sched,
-        base_dir=base,
-        fingerprint={"model": "a"},
-        seed=7,
-        async_save=True,
+        states=CheckpointStates(model=model, optimizer=opt, lr_scheduler=sched),
+        options=CheckpointOptions(output_dir=out, base_dir=base, fingerprint={"model": "a"}, seed=7, async_save=True),
     )
     _start(model, ck, lora=lora)
     _train(model, opt, sched, range(2))
@@ -491,16 +486,16 @@ def _background_saves_in_a_row(base: str, out: str, fmt: str, keep: bool):
     off), training on under each write; each checkpoint must resume to the state at its save."""
     model, opt, sched, _ = _setup(base, out, lora=False)
     ck = Checkpointer(
-        output_dir=out,
-        model=model,
-        optimizer=opt,
-        lr_scheduler=sched,
-        base_dir=base,
-        fingerprint={"model": "a"},
-        seed=7,
-        checkpoint_format=fmt,
-        async_save=True,
-        keep_staging_memory=keep,
+        states=CheckpointStates(model=model, optimizer=opt, lr_scheduler=sched),
+        options=CheckpointOptions(
+            output_dir=out,
+            base_dir=base,
+            fingerprint={"model": "a"},
+            seed=7,
+            checkpoint_format=fmt,
+            async_save=True,
+            keep_staging_memory=keep,
+        ),
     )
     _start(model, ck, lora=False)
     at_save, arenas = {}, []
@@ -556,14 +551,10 @@ def _node_local_round_trip(root: str, base: str, lora: bool):
     def setup():
         model, opt, sched, _ = _setup(base, str(out), lora=lora)
         ck = Checkpointer(
-            output_dir=out,
-            model=model,
-            optimizer=opt,
-            lr_scheduler=sched,
-            base_dir=base,
-            fingerprint={"model": "a"},
-            seed=7,
-            shared_filesystem=False,
+            states=CheckpointStates(model=model, optimizer=opt, lr_scheduler=sched),
+            options=CheckpointOptions(
+                output_dir=out, base_dir=base, fingerprint={"model": "a"}, seed=7, shared_filesystem=False
+            ),
         )
         return model, opt, sched, ck
 
@@ -618,21 +609,19 @@ def test_node_local_output_dir_rank0_writes_and_reads_everything_and_resumes_exa
 def test_node_local_output_dir_refuses_per_rank_files(tmp_path, options):
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="shared_filesystem=False .* async_save=False and checkpoint_format='hf'"):
-        Checkpointer(output_dir=tmp_path, model=model, shared_filesystem=False, **options)
+        Checkpointer(
+            states=CheckpointStates(model=model),
+            options=CheckpointOptions(output_dir=tmp_path, shared_filesystem=False, **options),
+        )
 
 
 def _dcp_async_round_trip(base: str, out: str, lora: bool):
     model, opt, sched, ck = _setup(base, out, lora=lora)
     ck = Checkpointer(
-        output_dir=out,
-        model=model,
-        optimizer=opt,
-        lr_scheduler=sched,
-        base_dir=base,
-        fingerprint={"model": "a"},
-        seed=7,
-        checkpoint_format="dcp",
-        async_save=True,
+        states=CheckpointStates(model=model, optimizer=opt, lr_scheduler=sched),
+        options=CheckpointOptions(
+            output_dir=out, base_dir=base, fingerprint={"model": "a"}, seed=7, checkpoint_format="dcp", async_save=True
+        ),
     )
     _start(model, ck, lora=lora)
     _train(model, opt, sched, range(2))

@@ -18,7 +18,7 @@ import crc32c
 import pytest
 import torch.distributed as dist
 
-from shardtune.checkpoint import Checkpointer, CheckpointError, checksums
+from shardtune.checkpoint import Checkpointer, CheckpointError, CheckpointOptions, CheckpointStates, checksums
 from shardtune.checkpoint.atomic import MANIFEST
 from shardtune.cli import main as cli_main
 from tests.distributed import test_checkpointer
@@ -97,7 +97,7 @@ def _save_two(base: str, out: str, lora: bool):
 def _resume(base: str, out: str, lora: bool, checkpoint: str | None):
     """Resume (verifying with small blocks); returns the step resumed and rank 0's warnings."""
     handler = _Warnings()
-    logger = logging.getLogger("shardtune.checkpoint.checkpointer")
+    logger = logging.getLogger("shardtune.checkpoint")  # the Checkpointer and resume_choice, its choice of checkpoint
     logger.addHandler(handler)
     try:
         with _SmallBlocks():
@@ -203,14 +203,10 @@ def _save_variants(root: str, base: str):
         node_out = Path(root) / f"node{rank}" / "out"
         model, opt, sched, _ = _setup(base, str(node_out), lora=False)
         ck = Checkpointer(
-            output_dir=node_out,
-            model=model,
-            optimizer=opt,
-            lr_scheduler=sched,
-            base_dir=base,
-            fingerprint={"model": "a"},
-            seed=7,
-            shared_filesystem=False,
+            states=CheckpointStates(model=model, optimizer=opt, lr_scheduler=sched),
+            options=CheckpointOptions(
+                output_dir=node_out, base_dir=base, fingerprint={"model": "a"}, seed=7, shared_filesystem=False
+            ),
         )
         _start(model, ck, lora=False)
         _train(model, opt, sched, range(1))
@@ -219,15 +215,15 @@ def _save_variants(root: str, base: str):
         for fmt in ("hf", "dcp"):
             blocks.read_back.clear()
             ck = Checkpointer(
-                output_dir=Path(root) / fmt,
-                model=model,
-                optimizer=opt,
-                lr_scheduler=sched,
-                base_dir=base,
-                fingerprint={"model": "a"},
-                seed=7,
-                checkpoint_format=fmt,
-                async_save=True,
+                states=CheckpointStates(model=model, optimizer=opt, lr_scheduler=sched),
+                options=CheckpointOptions(
+                    output_dir=Path(root) / fmt,
+                    base_dir=base,
+                    fingerprint={"model": "a"},
+                    seed=7,
+                    checkpoint_format=fmt,
+                    async_save=True,
+                ),
             )
             ck.progress.batches_in_epoch = 1  # mid-epoch: named step_<n>
             out[fmt] = str(ck.save(step=1, epoch=0))
@@ -241,14 +237,10 @@ def _save_variants(root: str, base: str):
         dist.barrier()
         model2, opt2, sched2, _ = _setup(base, str(node_out), lora=False)
         ck2 = Checkpointer(
-            output_dir=node_out,
-            model=model2,
-            optimizer=opt2,
-            lr_scheduler=sched2,
-            base_dir=base,
-            fingerprint={"model": "a"},
-            seed=7,
-            shared_filesystem=False,
+            states=CheckpointStates(model=model2, optimizer=opt2, lr_scheduler=sched2),
+            options=CheckpointOptions(
+                output_dir=node_out, base_dir=base, fingerprint={"model": "a"}, seed=7, shared_filesystem=False
+            ),
         )
         try:
             ck2.resume(checkpoint=out["node_local"])

@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardtune.checkpoint import TrainingProgress
 from shardtune.data import collate
 from shardtune.data.sampler import build_dataloader
 from shardtune.distributed import shard_model
@@ -17,6 +16,7 @@ from shardtune.recipes import builders
 from shardtune.training import load_from_full_model_state_dict, step_loss
 from shardtune.training.loop import LoopSettings, Training, run_training
 from tests.nccl_rules import nccl_rules
+from tests.unit.checkpointer_stubs import NoCheckpoints
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -51,22 +51,6 @@ class _Hosted:
         for batch in self.loader:
             self.rules.host(batch)
             yield batch
-
-
-class _NoCheckpoints:
-    def __init__(self) -> None:
-        self.progress = TrainingProgress()  # the registered progress the loop advances
-
-    save_pending = False
-
-    def save(self, **kwargs) -> None:
-        pass
-
-    def wait(self) -> None:
-        pass
-
-    def poll(self, *, stop: bool = False) -> bool:
-        return stop
 
 
 class _Rows(list):
@@ -104,7 +88,7 @@ def _one_step_under_nccl_rules():
                 sampler=sampler,
                 optimizer=opt,
                 lr_scheduler=sched,
-                checkpointer=_NoCheckpoints(),
+                checkpointer=NoCheckpoints(),
             ),
             loss_fn=step_loss.next_token_loss(model, device=run.device),
             logger=rows,

@@ -163,7 +163,7 @@ def staging_size(kind: str, base_dir: str, out_dir: str) -> dict:
     bytes of every safetensors file written (model + optimizer), each block's start at most
     64-byte aligned; the caching host allocator grows by at most that, in at most one
     allocation, and the second save allocates nothing."""
-    from shardtune.checkpoint import Checkpointer
+    from shardtune.checkpoint import Checkpointer, CheckpointOptions, CheckpointStates
     from shardtune.distributed import make_mesh, shard_model
     from shardtune.models import llama_from_hf_config
     from shardtune.training.optim import build_lr_scheduler, build_optimizer
@@ -175,15 +175,10 @@ def staging_size(kind: str, base_dir: str, out_dir: str) -> dict:
     opt = build_optimizer(model.parameters(), lr=1e-3, weight_decay=0.0)
     sched = build_lr_scheduler(opt, name="cosine", warmup_steps=1, total_steps=10)
     ck = Checkpointer(
-        output_dir=out_dir,
-        model=model,
-        optimizer=opt,
-        lr_scheduler=sched,
-        base_dir=base_dir,
-        fingerprint={"model": "gpu"},
-        seed=0,
-        device=device,
-        async_save=True,
+        states=CheckpointStates(model=model, optimizer=opt, lr_scheduler=sched),
+        options=CheckpointOptions(
+            output_dir=out_dir, base_dir=base_dir, fingerprint={"model": "gpu"}, seed=0, device=device, async_save=True
+        ),
     )
     ck.load_base()
     model.init_buffers(device)

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardtune.checkpoint import Checkpointer, SaveError, atomic, strategies
+from shardtune.checkpoint import Checkpointer, CheckpointOptions, CheckpointStates, SaveError, atomic, strategies
 from shardtune.distributed import shard_model
 from shardtune.faults import set_fault
 from shardtune.models import llama_from_hf_config
@@ -41,14 +41,17 @@ def _build(base: str, out: str, **options) -> Checkpointer:
         apply_lora(model, rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
     shard_model(model)
     opt = build_optimizer(model.parameters(), lr=1e-2)
-    ck = Checkpointer(output_dir=out, model=model, optimizer=opt, base_dir=base, seed=0, **options)
+    ck = Checkpointer(
+        states=CheckpointStates(model=model, optimizer=opt),
+        options=CheckpointOptions(output_dir=out, base_dir=base, seed=0, **options),
+    )
     return ck
 
 
 def _fresh(ck: Checkpointer) -> None:
     ck.load_base()
-    init_lora_parameters(ck.model, device="cpu")
-    ck.model.init_buffers("cpu")
+    init_lora_parameters(ck.states.model, device="cpu")
+    ck.states.model.init_buffers("cpu")
 
 
 def _manifest(path: Path) -> dict:

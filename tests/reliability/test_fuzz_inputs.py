@@ -36,8 +36,9 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from torch import nn
 
+from shardtune.checkpoint.errors import CheckpointError
 from shardtune.checkpoint.hf_load import open_hf_checkpoint
-from shardtune.checkpoint.safetensors_io import DTYPES, CheckpointError
+from shardtune.checkpoint.safetensors_io import DTYPES
 from shardtune.config import (
     ConfigError,
     apply_overrides,

@@ -21,7 +21,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardtune.checkpoint import Checkpointer, CheckpointError, atomic, peft_format, strategies
+from shardtune.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointOptions,
+    CheckpointStates,
+    atomic,
+    peft_format,
+    strategies,
+)
 from shardtune.distributed import shard_model
 from shardtune.faults import set_fault
 from shardtune.models import llama_from_hf_config
@@ -44,13 +52,16 @@ def _build(base: str, out: str, **options) -> Checkpointer:
         apply_lora(model, rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
     shard_model(model)
     opt = build_optimizer(model.parameters(), lr=1e-2)
-    return Checkpointer(output_dir=out, model=model, optimizer=opt, base_dir=base, seed=0, **options)
+    return Checkpointer(
+        states=CheckpointStates(model=model, optimizer=opt),
+        options=CheckpointOptions(output_dir=out, base_dir=base, seed=0, **options),
+    )
 
 
 def _load(ck: Checkpointer) -> None:
     ck.load_base()
-    init_lora_parameters(ck.model, device="cpu")
-    ck.model.init_buffers("cpu")
+    init_lora_parameters(ck.states.model, device="cpu")
+    ck.states.model.init_buffers("cpu")
 
 
 def _save_with_fault(base: str, out: str, fault: str, shared_filesystem: bool = True) -> str:

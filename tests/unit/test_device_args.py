@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardtune.checkpoint import CheckpointOptions, CheckpointStates
 from shardtune.checkpoint import checkpointer as checkpointer_module
 from shardtune.checkpoint.checkpointer import Checkpointer
 from shardtune.state_dict.comm import normalize_device
@@ -22,11 +23,17 @@ def test_normalize_device_gives_cuda_the_current_index(monkeypatch):
 
 
 def test_checkpointer_device_defaults_to_the_current_accelerator(monkeypatch, tmp_path):
-    assert Checkpointer(output_dir=tmp_path, model=nn.Linear(2, 2)).device == torch.device("cpu")
+    assert Checkpointer(
+        states=CheckpointStates(model=nn.Linear(2, 2)), options=CheckpointOptions(output_dir=tmp_path)
+    ).device == torch.device("cpu")
     monkeypatch.setattr(checkpointer_module, "device_type", lambda: "cuda")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    assert Checkpointer(output_dir=tmp_path, model=nn.Linear(2, 2)).device == torch.device("cuda", 3)
-    assert Checkpointer(output_dir=tmp_path, model=nn.Linear(2, 2), device="cuda").device == torch.device("cuda", 3)
+    assert Checkpointer(
+        states=CheckpointStates(model=nn.Linear(2, 2)), options=CheckpointOptions(output_dir=tmp_path)
+    ).device == torch.device("cuda", 3)
+    assert Checkpointer(
+        states=CheckpointStates(model=nn.Linear(2, 2)), options=CheckpointOptions(output_dir=tmp_path, device="cuda")
+    ).device == torch.device("cuda", 3)
 
 
 def test_checkpointer_passes_cpu_offload_to_the_loads(monkeypatch, tmp_path):
@@ -41,6 +48,9 @@ def test_checkpointer_passes_cpu_offload_to_the_loads(monkeypatch, tmp_path):
 
     monkeypatch.setattr(checkpointer_module, "load_hf_checkpoint", record("hf"))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    ck = Checkpointer(output_dir=tmp_path, model=nn.Linear(2, 2), base_dir=tmp_path, device="cuda", cpu_offload=True)
+    ck = Checkpointer(
+        states=CheckpointStates(model=nn.Linear(2, 2)),
+        options=CheckpointOptions(output_dir=tmp_path, base_dir=tmp_path, device="cuda", cpu_offload=True),
+    )
     ck.load_base()
     assert calls == [("hf", torch.device("cuda", 1), True)]

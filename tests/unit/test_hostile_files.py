@@ -23,9 +23,9 @@ import torch
 from shardtune import cli
 from shardtune.checkpoint import atomic, dcp_format, integrity
 from shardtune.checkpoint.dcp_format import load_dcp, save_dcp
-from shardtune.checkpoint.file_names import UnsafeFileNameError, inside
+from shardtune.checkpoint.errors import CheckpointError, UnsafeFileNameError
+from shardtune.checkpoint.file_names import inside
 from shardtune.checkpoint.hf_load import open_hf_checkpoint
-from shardtune.checkpoint.safetensors_io import CheckpointError
 from shardtune.checkpoint.state import TrainingProgress
 from shardtune.checkpoint.strategies import RngOnRank0, RngPerRank
 from shardtune.config import ConfigError, load_config, load_yaml

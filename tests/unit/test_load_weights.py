@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardtune.checkpoint import Checkpointer
+from shardtune.checkpoint import Checkpointer, CheckpointOptions, CheckpointStates
 from shardtune.recipes import builders
 
 
@@ -24,7 +24,9 @@ def test_resume_without_a_checkpoint_warns_naming_output_dir_and_loads_the_base(
     out.mkdir()
     (out / "metrics.jsonl").write_text("")  # an earlier run's files, but no checkpoint
     model = _Model(2, 2)
-    ck = Checkpointer(output_dir=out, model=model, base_dir=tmp_path / "base")
+    ck = Checkpointer(
+        states=CheckpointStates(model=model), options=CheckpointOptions(output_dir=out, base_dir=tmp_path / "base")
+    )
     loaded = []
     monkeypatch.setattr(ck, "load_base", lambda: loaded.append(True))
     cfg = SimpleNamespace(resume_from_checkpoint=resume, output_dir=str(out))

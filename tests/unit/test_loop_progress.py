@@ -9,37 +9,15 @@ import json
 import torch
 from torch import nn
 
-from shardtune.checkpoint import Checkpointer, TrainingProgress
+from shardtune.checkpoint import Checkpointer, CheckpointOptions, CheckpointStates, TrainingProgress
 from shardtune.data.sampler import build_dataloader
 from shardtune.models import build_model
 from shardtune.recipes import builders
 from shardtune.training import loop, step_loss
+from tests.unit.checkpointer_stubs import RecordingCheckpointer
 from tests.unit.test_loop_syncs import _data as _token_data
 
 SAMPLES, BATCH, ACCUMULATE, EPOCHS = 16, 2, 2, 2  # 8 batches, 4 optimizer steps per epoch
-
-
-class _RecordingCheckpointer:
-    """Records, at every save, what a Checkpointer would read from its registered objects."""
-
-    def __init__(self, progress: TrainingProgress, sampler) -> None:
-        self.progress = progress
-        self.sampler = sampler
-        self.saves: list[tuple[int, int, int, bool]] = []
-        self.sampler_states: list[dict] = []
-
-    def save(self, *, step: int | None = None, epoch: int | None = None, final: bool = False) -> None:
-        p = self.progress
-        self.saves.append((p.step, p.epoch, p.batches_in_epoch, final))
-        self.sampler_states.append(self.sampler.state_dict())
-
-    def wait(self) -> None:
-        pass
-
-    save_pending = False
-
-    def poll(self, *, stop: bool = False) -> bool:
-        return stop
 
 
 class _Rows:
@@ -72,7 +50,7 @@ def _train(progress: TrainingProgress, sampler_state: dict | None = None):
 
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-    ck = _RecordingCheckpointer(progress, sampler)
+    ck = RecordingCheckpointer(progress, sampler)
     settings = loop.LoopSettings(epochs=EPOCHS, gradient_accumulation_steps=ACCUMULATE, save_every_n_steps=1)
     returned = loop.run_training(
         loop.Training(model=model, loader=loader, sampler=sampler, optimizer=opt, lr_scheduler=sched, checkpointer=ck),
@@ -124,7 +102,8 @@ def test_the_checkpoints_record_the_steps_and_epochs_the_loop_trained(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
     ck = Checkpointer(
-        output_dir=tmp_path, model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler, device="cpu"
+        states=CheckpointStates(model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler),
+        options=CheckpointOptions(output_dir=tmp_path, device="cpu"),
     )
     run = builders.Run(rank=0, world_size=1, device=torch.device("cpu"), dtype=torch.float32)
     rows = _Rows()

@@ -15,27 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardtune.checkpoint import TrainingProgress
 from shardtune.training import loop
+from tests.unit.checkpointer_stubs import NoCheckpoints
 
 VOCAB, WIDTH = 11, 5
 ACCUMULATE = 3
-
-
-class _NoCheckpoints:
-    def __init__(self) -> None:
-        self.progress = TrainingProgress()  # the registered progress the loop advances
-
-    def save(self, **kwargs) -> None:
-        pass
-
-    def wait(self) -> None:
-        pass
-
-    save_pending = False
-
-    def poll(self, *, stop: bool = False) -> bool:
-        return stop
 
 
 class _Sampler:
@@ -99,7 +83,7 @@ def _one_step(model: nn.Module, batches) -> _Rows:
             sampler=_Sampler(),
             optimizer=optimizer,
             lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
-            checkpointer=_NoCheckpoints(),
+            checkpointer=NoCheckpoints(),
         ),
         loss_fn=_mean_loss(model),
         logger=rows,

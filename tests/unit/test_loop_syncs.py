@@ -19,33 +19,17 @@ import torch
 import torch.nn.functional as F
 
 import shardtune
-from shardtune.checkpoint import TrainingProgress
 from shardtune.data import collate
 from shardtune.data.packing import PackedDataset
 from shardtune.data.sampler import build_dataloader
 from shardtune.models import build_model, get_model_args
 from shardtune.recipes import builders
 from shardtune.training import loop, step_loss
+from tests.unit.checkpointer_stubs import NoCheckpoints
 
 PACKAGE = Path(shardtune.__file__).parent
 CONVERSIONS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
 ACCUMULATE, STEPS = 2, 3
-
-
-class _NoCheckpoints:
-    def __init__(self) -> None:
-        self.progress = TrainingProgress()  # the registered progress the loop advances
-
-    save_pending = False
-
-    def save(self, **kwargs) -> None:
-        pass
-
-    def wait(self) -> None:
-        pass
-
-    def poll(self, *, stop: bool = False) -> bool:
-        return stop
 
 
 class _Rows:
@@ -144,7 +128,7 @@ def test_one_fetch_per_logged_step_and_no_other_sync(monkeypatch, log_every, pac
             sampler=sampler,
             optimizer=opt,
             lr_scheduler=sched,
-            checkpointer=_NoCheckpoints(),
+            checkpointer=NoCheckpoints(),
         ),
         loss_fn=step_loss.next_token_loss(model, device=run.device),
         logger=logger,

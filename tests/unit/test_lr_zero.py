@@ -13,7 +13,8 @@ from shardtune.models import build_model
 from shardtune.recipes import builders
 from shardtune.recipes.registry import get_recipe
 from shardtune.training import loop, step_loss
-from tests.unit.test_loop_syncs import _data, _NoCheckpoints, _Rows
+from tests.unit.checkpointer_stubs import NoCheckpoints
+from tests.unit.test_loop_syncs import _data, _Rows
 
 ONE_LOGGED_STEP = ["epochs=1", "max_steps_per_epoch=1", "gradient_accumulation_steps=1", "log_every_n_steps=1"]
 
@@ -38,7 +39,7 @@ def test_lr_zero_validates_and_leaves_the_weights_unchanged(lr):
             sampler=sampler,
             optimizer=optimizer,
             lr_scheduler=lr_scheduler,
-            checkpointer=_NoCheckpoints(),
+            checkpointer=NoCheckpoints(),
         ),
         loss_fn=step_loss.next_token_loss(model, device=run.device),
         logger=logger,

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from shardtune.checkpoint import atomic, run_dir
+from shardtune.checkpoint.errors import OutputDirError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,7 +40,7 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holders_lock_is_ta
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(run_dir.OutputDirError) as refused:
+        with pytest.raises(OutputDirError) as refused:
             run_dir.OutputDirLock.acquire(out)
         message = str(refused.value)
         assert f"pid {holder.pid}" in message and f"host {socket.gethostname()}" in message, message
@@ -81,7 +82,7 @@ def test_a_fresh_run_in_a_used_output_dir_is_refused_or_placed_as_the_policy_say
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
     before = sorted(p.name for p in out.iterdir())
 
-    with pytest.raises(run_dir.OutputDirError) as refused:
+    with pytest.raises(OutputDirError) as refused:
         run_dir.place_run(out, policy="refuse", resuming=False)
     message = str(refused.value)
     for needed in ("epoch_1", "metrics.jsonl", "resume_from_checkpoint=true", "output_dir_policy=new_run"):
