@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from shardtune.state_dict import comm, nf4
-from shardtune.state_dict.dtypes import SAFETENSORS_DTYPES
 from shardtune.state_dict.keys import ModelEntry
 from shardtune.state_dict.layout import TensorLayout, layout_of, local_tensor, unsupported_placement
+from shardtune.state_dict.lazy import is_lazy, lazy_dtype
 
 # How a full state dict was passed, as agreed by agree_on_mode.
 EVERY_RANK = "every_rank"
@@ -55,7 +55,7 @@ def describe_value(value: Any) -> tuple:
         if nf4.is_nf4(value):
             return ("nf4", tuple(value.shape), *nf4.block_sizes(value))
         return ("dense", tuple(value.shape))
-    if hasattr(value, "get_shape"):  # lazy: a safetensors slice or anything alike
+    if is_lazy(value):  # a safetensors slice or anything alike
         return ("dense", tuple(value.get_shape()))
     return ("invalid", type(value).__name__)
 
@@ -63,15 +63,13 @@ def describe_value(value: Any) -> tuple:
 def number_kind(value: Any) -> str | None:
     """``"float"`` or ``"int"`` (bool included) of a dtype, a tensor, or a lazy value with ``get_dtype()``
     (a torch dtype or a safetensors name such as ``"BF16"``); None when unknown."""
-    if hasattr(value, "get_dtype"):
-        dtype = value.get_dtype()
-    elif isinstance(value, torch.Tensor):
-        dtype = value.dtype
+    if isinstance(value, torch.Tensor):
+        dtype: torch.dtype | None = value.dtype
+    elif isinstance(value, torch.dtype):
+        dtype = value
     else:
-        dtype = value if isinstance(value, torch.dtype) else None
-    if isinstance(dtype, str):
-        dtype = SAFETENSORS_DTYPES.get(dtype.upper())
-    if isinstance(dtype, torch.dtype):
+        dtype = lazy_dtype(value)
+    if dtype is not None:
         return "float" if dtype.is_floating_point or dtype.is_complex else "int"
     return None
 
