@@ -3,7 +3,9 @@
 Rule: this module decides names, dtypes, files, ``config.json``, the index, the tokenizer
 files and the LoRA merge (a per-block :class:`LoRAMerge`), from the model alone, the same on
 every rank, as a :class:`~shardtune.checkpoint.plans.SavePlan` (a description: this module
-opens no file). :func:`~shardtune.checkpoint.plans.save` executes it: rank 0 writes the small
+opens no file); a tensor whose module declares file parts is written as those file tensors
+(:mod:`~shardtune.state_dict.parts`), each rank its own bytes of each.
+:func:`~shardtune.checkpoint.plans.save` executes it: rank 0 writes the small
 files and the weight files' headers, the weights' bytes go through a sink
 (:mod:`~shardtune.checkpoint.sinks`): no rank gathers the model.
 """
@@ -31,6 +33,7 @@ from shardtune.state_dict import comm
 from shardtune.state_dict.agreement import model_signature
 from shardtune.state_dict.keys import ModelEntry, clean_fqn, model_entries
 from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor, unsupported_placement
+from shardtune.state_dict.parts import part_layout, tiling_problem
 
 __all__ = ["LoRAMerge", "plan_hf_checkpoint", "save_hf_checkpoint"]
 
@@ -215,9 +218,26 @@ def _plan_items(
             problems.append(f"{fqn}: {exc}")
             continue
         out_dtype = dtype if dtype is not None and entry.tensor.dtype.is_floating_point else entry.tensor.dtype
-        items.append(
-            WriteItem(name=fqn, tensor=entry.tensor, dtype=out_dtype, layout=layout, transform=merges.get(fqn))
+        if entry.parts is not None and fqn != entry.fqn:
+            continue  # the file tensors are named after the first name only
+        if entry.parts is None:
+            items.append(
+                WriteItem(name=fqn, tensor=entry.tensor, dtype=out_dtype, layout=layout, transform=merges.get(fqn))
+            )
+            continue
+        problem = tiling_problem(fqn, layout.shape, entry.parts) or (
+            f"{fqn}: a LoRA base weight stored as several file tensors cannot be merged yet; save with "
+            "merge_adapters=False"
+            if fqn in merges
+            else None
         )
+        if problem is not None:
+            problems.append(problem)
+            continue
+        items += [
+            WriteItem(part.name, entry.tensor, out_dtype, part_layout(part, layout), part=part, source=layout)
+            for part in entry.parts
+        ]
     return items, problems
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from shardtune.checkpoint import checksums
+from shardtune.state_dict import comm
 from shardtune.state_dict.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_NAMES
 from shardtune.state_dict.keys import StateDictError
 
@@ -268,6 +269,7 @@ class SafetensorsFile:
                     "after it was opened; re-copy it"
                 )
             done += n
+        comm.stats.bytes_read += len(view)
         if self.on_read is not None:
             self.on_read(len(view))
 
