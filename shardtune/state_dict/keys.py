@@ -77,7 +77,7 @@ def model_entries(model: nn.Module) -> list[ModelEntry]:
                 entry = ModelEntry(
                     tensor=tensor,
                     is_buffer=is_buffer,
-                    parts=module_parts(module, name, clean_fqn(prefix), tuple(tensor.shape)),
+                    parts=module_parts(module, clean_fqn(prefix), name, tuple(tensor.shape)),
                 )
                 by_id[id(tensor)] = entry
                 entries.append(entry)

@@ -34,29 +34,25 @@ class Part:
         """The file tensor's shape."""
         return tuple(n for d, n in enumerate(self.region.shape) if d not in self.squeeze)
 
-    def renamed(self, name: str) -> Part:
-        return Part(name, self.region, self.squeeze)
-
 
 @runtime_checkable
 class FileForm(Protocol):
     """A module whose tensors are stored as several file tensors each."""
 
-    def file_parts(self, name: str, shape: tuple[int, ...]) -> list[Part] | None:
-        """The parts of the tensor registered here as ``name`` (global ``shape``), named relative
-        to this module; None when it is stored as itself."""
+    def file_parts(self, prefix: str, name: str, shape: tuple[int, ...]) -> list[Part] | None:
+        """The parts of the tensor registered here as ``name`` (global ``shape``), with their full
+        file names (``prefix``: this module's clean FQN, e.g. to rename Mixtral's ``mlp`` to
+        ``block_sparse_moe``); None when it is stored as itself under its own name."""
         ...
 
 
-def module_parts(module: object, attr: str, prefix: str, shape: tuple[int, ...]) -> tuple[Part, ...] | None:
-    """The parts of ``module``'s tensor ``attr`` with their full names (``prefix`` is the module's
-    clean FQN), or None when the module stores it as itself."""
+def module_parts(module: object, prefix: str, attr: str, shape: tuple[int, ...]) -> tuple[Part, ...] | None:
+    """The parts of ``module``'s tensor ``attr`` (``prefix``: the module's clean FQN), or None
+    when the module stores it as itself."""
     if not isinstance(module, FileForm):
         return None
-    parts = module.file_parts(attr, shape)
-    if parts is None:
-        return None
-    return tuple(p.renamed(f"{prefix}.{p.name}" if prefix else p.name) for p in parts)
+    parts = module.file_parts(prefix, attr, shape)
+    return None if parts is None else tuple(parts)
 
 
 def stacked_parts(shape: tuple[int, ...], name: Callable[[int, int], str], *, chunks: int = 1) -> list[Part]:

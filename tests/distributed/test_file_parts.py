@@ -31,11 +31,11 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * INTER, HID))
         self.down_proj = nn.Parameter(torch.empty(experts, HID, INTER))
 
-    def file_parts(self, name, shape):
+    def file_parts(self, prefix, name, shape):
         if name == "gate_up_proj":
-            return stacked_parts(shape, lambda e, c: f"{e}.{GATE_UP[c]}.weight", chunks=2)
+            return stacked_parts(shape, lambda e, c: f"{prefix}.{e}.{GATE_UP[c]}.weight", chunks=2)
         if name == "down_proj":
-            return stacked_parts(shape, lambda e, c: f"{e}.down_proj.weight")
+            return stacked_parts(shape, lambda e, c: f"{prefix}.{e}.down_proj.weight")
         return None
 
 

@@ -61,3 +61,51 @@ def test_safetensors_slices_and_ours_are_lazy_tensors(tmp_path):
     finally:
         file.close()
     assert not is_lazy(torch.zeros(1)) and not is_lazy([1, 2])
+
+
+class _MixtralExperts(torch.nn.Module):
+    """Mixtral's runtime experts (``mlp.experts``) whose files say ``block_sparse_moe.experts.{e}.w1/w3/w2``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(3, 4, 5))  # [E, 2I, H]: w1 rows, then w3
+        self.down_proj = torch.nn.Parameter(torch.randn(3, 5, 2))  # [E, H, I]: w2
+
+    def file_parts(self, prefix, name, shape):
+        disk = prefix.replace(".mlp.", ".block_sparse_moe.")
+        if name == "gate_up_proj":
+            return stacked_parts(shape, lambda e, c: f"{disk}.{e}.{('w1', 'w3')[c]}.weight", chunks=2)
+        return stacked_parts(shape, lambda e, c: f"{disk}.{e}.w2.weight")
+
+
+def _mixtral():
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].mlp = torch.nn.Module()
+    model.layers[0].mlp.experts = _MixtralExperts()
+    return model
+
+
+def test_a_module_renames_its_file_tensors_and_a_single_process_round_trip_keeps_them(tmp_path):
+    from safetensors.torch import load_file
+
+    from shardtune.checkpoint.hf import load_hf_checkpoint
+    from shardtune.checkpoint.hf_save import save_hf_checkpoint
+
+    model = _mixtral()
+    experts = model.layers[0].mlp.experts
+    save_hf_checkpoint(model, tmp_path, config={"model_type": "mixtral"})
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    disk = "layers.0.block_sparse_moe.experts"
+    expected = {}
+    for e in range(3):
+        expected[f"{disk}.{e}.w1.weight"] = experts.gate_up_proj[e, :2]
+        expected[f"{disk}.{e}.w3.weight"] = experts.gate_up_proj[e, 2:]
+        expected[f"{disk}.{e}.w2.weight"] = experts.down_proj[e]
+    assert sorted(saved) == sorted(expected)
+    assert all(torch.equal(saved[k], v.detach()) for k, v in expected.items())
+    fresh = _mixtral()
+    result = load_hf_checkpoint(fresh, tmp_path, device="cpu", strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    for name, param in fresh.named_parameters():
+        assert torch.equal(param, dict(model.named_parameters())[name]), name
