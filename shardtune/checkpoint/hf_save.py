@@ -35,7 +35,7 @@ from shardtune.state_dict.keys import ModelEntry, clean_fqn, model_entries
 from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor, unsupported_placement
 from shardtune.state_dict.parts import part_layout, tiling_problem
 
-__all__ = ["LoRAMerge", "plan_hf_checkpoint", "save_hf_checkpoint"]
+__all__ = ["HFSaveOptions", "LoRAMerge", "plan_hf_checkpoint", "save_hf_checkpoint"]
 
 MID_TENSOR_FAULT = "save:mid_tensor"  # reached after a rank's first block of model weights
 
@@ -74,15 +74,14 @@ def save_hf_checkpoint(
     sink = resolve_sink(sink, shared_filesystem=shared_filesystem)
     out_dir = os.fspath(out_dir)
     start = time.perf_counter()
-    plan = plan_hf_checkpoint(
-        model,
-        out_dir,
+    options = HFSaveOptions(
         max_shard_size=max_shard_size,
         dtype=dtype,
         merge_adapters=merge_adapters,
         config=config,
         tokenizer_dir=tokenizer_dir,
     )
+    plan = plan_hf_checkpoint(model, out_dir, options=options)
     files = plan.files
     total = sum(item.nbytes for file in files for item in file.items)
     with progress_bar(total, desc="save") as bar:
@@ -92,33 +91,35 @@ def save_hf_checkpoint(
     return ["config.json", *(f.name for f in files), *([INDEX_FILE] if len(files) > 1 else [])]
 
 
-def plan_hf_checkpoint(
-    model: nn.Module,
-    out_dir: str | os.PathLike,
-    *,
-    max_shard_size: int | str = "5GB",
-    dtype: torch.dtype | None = None,
-    merge_adapters: bool = True,
-    config: Mapping[str, Any] | None = None,
-    tokenizer_dir: str | os.PathLike | None = None,
-) -> SavePlan:
+@dataclass(frozen=True, kw_only=True)
+class HFSaveOptions:
+    """The choices of :func:`save_hf_checkpoint` that shape its files (see its arguments)."""
+
+    max_shard_size: int | str = "5GB"
+    dtype: torch.dtype | None = None
+    merge_adapters: bool = True
+    config: Mapping[str, Any] | None = None
+    tokenizer_dir: str | os.PathLike | None = None
+
+
+def plan_hf_checkpoint(model: nn.Module, out_dir: str | os.PathLike, *, options: HFSaveOptions) -> SavePlan:
     """The files of :func:`save_hf_checkpoint`, described alike on every rank from the model
     alone (local: no collective, no file touched): the weight files, ``config.json``, the index,
     the tokenizer files to copy, and any problem found. Execute it with
     :func:`~shardtune.checkpoint.plans.save` (or ``prepare`` and the writer)."""
     out_dir = os.fspath(out_dir)
     problems: list[str] = []
-    hf_config = _hf_config(model, config, problems)
+    hf_config = _hf_config(model, options.config, problems)
     items, item_problems = _plan_items(
         model,
-        dtype=dtype,
-        merge_adapters=merge_adapters,
+        dtype=options.dtype,
+        merge_adapters=options.merge_adapters,
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings")),
     )
     problems += item_problems
     files = []
     try:
-        files = plan_files(items, out_dir, max_shard_bytes=parse_size(max_shard_size), name=_file_name)
+        files = plan_files(items, out_dir, max_shard_bytes=parse_size(options.max_shard_size), name=_file_name)
     except (ValueError, CheckpointError) as exc:
         problems.append(str(exc))
     for file in files:
@@ -135,7 +136,9 @@ def plan_hf_checkpoint(
         problems=problems,
         stale=_is_weight_file,
         small_files=_small_files(files, _with_dtype(hf_config, _saved_dtype(items)), problems),
-        copied=[] if tokenizer_dir is None else [Copied(os.fspath(tokenizer_dir), TOKENIZER_FILES, "tokenizer_dir")],
+        copied=[]
+        if options.tokenizer_dir is None
+        else [Copied(os.fspath(options.tokenizer_dir), TOKENIZER_FILES, "tokenizer_dir")],
     )
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from shardtune.checkpoint.dcp_format import DCP_DIR, save_dcp, write_model_description
-from shardtune.checkpoint.hf_save import plan_hf_checkpoint, save_hf_checkpoint
+from shardtune.checkpoint.hf_save import HFSaveOptions, plan_hf_checkpoint, save_hf_checkpoint
 from shardtune.checkpoint.optimizer_io import plan_optimizer, save_optimizer
 from shardtune.checkpoint.peft_format import save_peft_adapter
 from shardtune.checkpoint.plans import save
@@ -89,11 +89,8 @@ class HFInBackground:
         ck = self.ck
         plans = []
         if write_adapter(ck, staging):
-            plans.append(
-                plan_hf_checkpoint(
-                    ck.model, staging, max_shard_size=ck.max_shard_size, merge_adapters=True, tokenizer_dir=ck.base_dir
-                )
-            )
+            options = HFSaveOptions(max_shard_size=ck.max_shard_size, merge_adapters=True, tokenizer_dir=ck.base_dir)
+            plans.append(plan_hf_checkpoint(ck.model, staging, options=options))
         if ck.optimizer is not None:
             plans.append(plan_optimizer(ck.model, ck.optimizer, staging / STATE_DIR))
         sink = StagedSink(memory=self.memory)

@@ -7,7 +7,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from shardtune.checkpoint.hf_save import plan_hf_checkpoint
+from shardtune.checkpoint.hf_save import HFSaveOptions, plan_hf_checkpoint
 from shardtune.checkpoint.optimizer_io import plan_optimizer
 from shardtune.checkpoint.plans import save
 from shardtune.checkpoint.sinks import DirectSink
@@ -28,7 +28,7 @@ def test_plans_touch_no_file_until_saved(tmp_path):
     opt.step()
     out = tmp_path / "ckpt"
     plans = [
-        plan_hf_checkpoint(model, out, config={"model_type": "toy"}, max_shard_size=200),
+        plan_hf_checkpoint(model, out, options=HFSaveOptions(max_shard_size=200, config={"model_type": "toy"})),
         plan_optimizer(model, opt, out / "state"),
     ]
     assert not out.exists()  # described only
