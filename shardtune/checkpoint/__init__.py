@@ -1,7 +1,8 @@
 """Checkpoints: HF safetensors and PEFT formats, training state, and the Checkpointer.
 
 A save goes ``checkpointer.py`` (what a checkpoint holds, picked at construction) -> a format
-module that plans the files (``hf_save.py``, ``optimizer_io.py``, ``peft_format.py``) ->
+module that describes the files as a ``SavePlan`` (``hf_save.py``, ``optimizer_io.py``,
+``peft_format.py``) -> ``plans.py`` (agree, rank 0 creates, raise on every rank) ->
 ``writer.py`` (which rank hands which block) -> a sink of ``sinks.py`` (how bytes reach files).
 """
 
