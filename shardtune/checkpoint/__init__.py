@@ -3,7 +3,8 @@
 A Checkpointer is built from ``CheckpointStates`` (what a checkpoint holds) and
 ``CheckpointOptions`` (where and how; ``options.py``); errors are in ``errors.py``.
 A save goes ``checkpointer.py`` (what a checkpoint holds, picked at construction) -> a format
-module that plans the files (``hf_save.py``, ``optimizer_io.py``, ``peft_format.py``) ->
+module that describes the files as a ``SavePlan`` (``hf_save.py``, ``optimizer_io.py``,
+``peft_format.py``) -> ``plans.py`` (agree, rank 0 creates, raise on every rank) ->
 ``writer.py`` (which rank hands which block) -> a sink of ``sinks.py`` (how bytes reach files).
 """
 

@@ -2,8 +2,11 @@
 
 Rule: this module decides names, dtypes, files, ``config.json``, the index, the tokenizer
 files and the LoRA merge (a per-block :class:`LoRAMerge`), from the model alone, the same on
-every rank; rank 0 writes the small files and the weight files' headers. The weights' bytes
-go through :func:`~shardtune.checkpoint.writer.write_files` and a sink
+every rank, as a :class:`~shardtune.checkpoint.plans.SavePlan` (a description: this module
+opens no file); a tensor whose module declares file parts is written as those file tensors
+(:mod:`~shardtune.state_dict.parts`), each rank its own bytes of each.
+:func:`~shardtune.checkpoint.plans.save` executes it: rank 0 writes the small
+files and the weight files' headers, the weights' bytes go through a sink
 (:mod:`~shardtune.checkpoint.sinks`): no rank gathers the model.
 """
 
@@ -14,36 +17,26 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from shardtune.checkpoint import checksums
-from shardtune.checkpoint.atomic import fsync_dir
-from shardtune.checkpoint.errors import CheckpointError
 from shardtune.checkpoint.hf_load import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES, log_done, progress_bar
+from shardtune.checkpoint.plans import Copied, SavePlan, SmallFile, save
+from shardtune.checkpoint.errors import CheckpointError
 from shardtune.checkpoint.safetensors_io import parse_size
-from shardtune.checkpoint.sinks import StagedSink, sink_for
-from shardtune.checkpoint.writer import (
-    BlockFn,
-    FilePlan,
-    Sink,
-    WriteItem,
-    create_files,
-    plan_digest,
-    plan_files,
-    write_files,
-)
+from shardtune.checkpoint.sinks import StagedSink, resolve_sink
+from shardtune.checkpoint.writer import BlockFn, FilePlan, Sink, WriteItem, plan_files
 from shardtune.peft.adapters import merge_lora_weight
 from shardtune.peft.lora import LoRALinear
 from shardtune.state_dict import comm
 from shardtune.state_dict.agreement import model_signature
 from shardtune.state_dict.keys import ModelEntry, clean_fqn, model_entries
 from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor, unsupported_placement
+from shardtune.state_dict.parts import part_layout, tiling_problem
 
-__all__ = ["LoRAMerge", "plan_hf_checkpoint", "save_hf_checkpoint"]
+__all__ = ["HFSaveOptions", "LoRAMerge", "plan_hf_checkpoint", "save_hf_checkpoint"]
 
 MID_TENSOR_FAULT = "save:mid_tensor"  # reached after a rank's first block of model weights
 
@@ -79,77 +72,75 @@ def save_hf_checkpoint(
     config and weight files (tokenizer files not included). Errors raise
     :class:`CheckpointError` with the same message on every rank.
     """
-    if sink is None:
-        sink = sink_for(shared_filesystem=shared_filesystem)
-    elif not shared_filesystem and not sink.gathers_sharded:
-        raise ValueError(
-            f"shared_filesystem=False needs a sink that gathers to rank 0 (Rank0Sink), not {type(sink).__name__}"
-        )
+    sink = resolve_sink(sink, shared_filesystem=shared_filesystem)
     out_dir = os.fspath(out_dir)
     start = time.perf_counter()
-    files = plan_hf_checkpoint(
-        model,
-        out_dir,
+    options = HFSaveOptions(
         max_shard_size=max_shard_size,
         dtype=dtype,
         merge_adapters=merge_adapters,
         config=config,
         tokenizer_dir=tokenizer_dir,
     )
-    total = sum(item.nbytes for plan in files for item in plan.items)
+    plan = plan_hf_checkpoint(model, out_dir, options=options)
+    files = plan.files
+    total = sum(item.nbytes for file in files for item in file.items)
     with progress_bar(total, desc="save") as bar:
-        problems = write_files(files, sink=sink, on_item=bar.update)
-    comm.raise_on_every_rank(problems, header=f"Writing the HF checkpoint in {out_dir} failed:", error=CheckpointError)
+        save([plan], sink=sink, on_item=bar.update)
     if comm.rank() == 0:
         log_done("Staged" if isinstance(sink, StagedSink) else "Saved", out_dir, total, start)
     return ["config.json", *(f.name for f in files), *([INDEX_FILE] if len(files) > 1 else [])]
 
 
-def plan_hf_checkpoint(
-    model: nn.Module,
-    out_dir: str | os.PathLike,
-    *,
-    max_shard_size: int | str = "5GB",
-    dtype: torch.dtype | None = None,
-    merge_adapters: bool = True,
-    config: Mapping[str, Any] | None = None,
-    tokenizer_dir: str | os.PathLike | None = None,
-) -> list[FilePlan]:
-    """Collective: call on all ranks. The weight files of :func:`save_hf_checkpoint`, planned
-    alike on every rank (or the same CheckpointError everywhere); rank 0 has written
-    everything but the weights' data (directory, sized files with headers, index, config,
-    tokenizer). Hand the plan to :func:`~shardtune.checkpoint.writer.write_files`."""
+@dataclass(frozen=True, kw_only=True)
+class HFSaveOptions:
+    """The choices of :func:`save_hf_checkpoint` that shape its files (see its arguments)."""
+
+    max_shard_size: int | str = "5GB"
+    dtype: torch.dtype | None = None
+    merge_adapters: bool = True
+    config: Mapping[str, Any] | None = None
+    tokenizer_dir: str | os.PathLike | None = None
+
+
+def plan_hf_checkpoint(model: nn.Module, out_dir: str | os.PathLike, *, options: HFSaveOptions) -> SavePlan:
+    """The files of :func:`save_hf_checkpoint`, described alike on every rank from the model
+    alone (local: no collective, no file touched): the weight files, ``config.json``, the index,
+    the tokenizer files to copy, and any problem found. Execute it with
+    :func:`~shardtune.checkpoint.plans.save` (or ``prepare`` and the writer)."""
     out_dir = os.fspath(out_dir)
     problems: list[str] = []
-    hf_config = _hf_config(model, config, problems)
+    hf_config = _hf_config(model, options.config, problems)
     items, item_problems = _plan_items(
         model,
-        dtype=dtype,
-        merge_adapters=merge_adapters,
+        dtype=options.dtype,
+        merge_adapters=options.merge_adapters,
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings")),
     )
     problems += item_problems
     files = []
     try:
-        files = plan_files(items, out_dir, max_shard_bytes=parse_size(max_shard_size), name=_file_name)
+        files = plan_files(items, out_dir, max_shard_bytes=parse_size(options.max_shard_size), name=_file_name)
     except (ValueError, CheckpointError) as exc:
         problems.append(str(exc))
     for file in files:
         file.fault = MID_TENSOR_FAULT
-    comm.agree(
-        (model_signature(model_entries(model)), plan_digest(files)),
+    return SavePlan(
+        directory=out_dir,
+        files=files,
+        header="Cannot save the HF checkpoint:",
+        create_header=f"Cannot create the HF checkpoint in {out_dir}:",
+        write_header=f"Writing the HF checkpoint in {out_dir} failed:",
         what="the tensors to write differ between ranks (different model, sharding or save arguments)",
         fix="call save_hf_checkpoint with the same model and arguments on every rank",
-        header="Cannot save the HF checkpoint:",
+        signature=model_signature(model_entries(model)),
         problems=problems,
-        error=CheckpointError,
+        stale=_is_weight_file,
+        small_files=_small_files(files, _with_dtype(hf_config, _saved_dtype(items)), problems),
+        copied=[]
+        if options.tokenizer_dir is None
+        else [Copied(os.fspath(options.tokenizer_dir), TOKENIZER_FILES, "tokenizer_dir")],
     )
-    comm.raise_on_every_rank(
-        _write_skeleton(out_dir, files, hf_config, _saved_dtype(items), tokenizer_dir) if comm.rank() == 0 else [],
-        header=f"Cannot create the HF checkpoint in {out_dir}:",
-        error=CheckpointError,
-    )
-    return files
 
 
 def _file_name(i: int, n: int) -> str:
@@ -231,9 +222,26 @@ def _plan_items(
             problems.append(f"{fqn}: {exc}")
             continue
         out_dtype = dtype if dtype is not None and entry.tensor.dtype.is_floating_point else entry.tensor.dtype
-        items.append(
-            WriteItem(name=fqn, tensor=entry.tensor, dtype=out_dtype, layout=layout, transform=merges.get(fqn))
+        if entry.parts is not None and fqn != entry.fqn:
+            continue  # the file tensors are named after the first name only
+        if entry.parts is None:
+            items.append(
+                WriteItem(name=fqn, tensor=entry.tensor, dtype=out_dtype, layout=layout, transform=merges.get(fqn))
+            )
+            continue
+        problem = tiling_problem(fqn, layout.shape, entry.parts) or (
+            f"{fqn}: a LoRA base weight stored as several file tensors cannot be merged yet; save with "
+            "merge_adapters=False"
+            if fqn in merges
+            else None
         )
+        if problem is not None:
+            problems.append(problem)
+            continue
+        items += [
+            WriteItem(part.name, entry.tensor, out_dtype, part_layout(part, layout), part=part, source=layout)
+            for part in entry.parts
+        ]
     return items, problems
 
 
@@ -295,52 +303,34 @@ def _hf_config(model: nn.Module, config: Mapping[str, Any] | None, problems: lis
         return {}
 
 
-# --- rank 0: everything but the weights' data ------------------------------------------------
+# --- the small files ------------------------------------------------------------------------
 
 
-def _write_skeleton(
-    out_dir: str,
-    files: list[FilePlan],
-    hf_config: dict[str, Any],
-    dtype: torch.dtype | None,
-    tokenizer_dir: str | os.PathLike | None,
-) -> list[str]:
-    """Rank 0: directory, sized weight files with headers, index, config and tokenizer files."""
-    problems = comm.Problems()
-    with problems.guard(out_dir):
-        os.makedirs(out_dir, exist_ok=True)
-        _remove_stale_weights(out_dir)
-        create_files(files)
-        if len(files) > 1:
-            _write_json(os.path.join(out_dir, INDEX_FILE), _index_json(files))
-        if dtype is not None:
-            name = str(dtype).removeprefix("torch.")
-            hf_config = {**hf_config, "torch_dtype": name, "dtype": name}
-        _write_json(os.path.join(out_dir, "config.json"), hf_config)
-        if tokenizer_dir is not None:
-            _copy_tokenizer(os.fspath(tokenizer_dir), out_dir)
-        fsync_dir(Path(out_dir))
-    return list(problems)
+def _with_dtype(hf_config: dict[str, Any], dtype: torch.dtype | None) -> dict[str, Any]:
+    """``config.json`` reporting the saved dtype (under both names transformers reads)."""
+    if dtype is None:
+        return hf_config
+    name = str(dtype).removeprefix("torch.")
+    return {**hf_config, "torch_dtype": name, "dtype": name}
 
 
-def _remove_stale_weights(out_dir: str) -> None:
+def _is_weight_file(name: str) -> bool:
     """Weights of an earlier save would confuse loaders (an old index beside a new single file)."""
-    for name in os.listdir(out_dir):
-        if name in (SINGLE_FILE, INDEX_FILE) or (
-            name.startswith("model-") and name.endswith(".safetensors") and "-of-" in name
-        ):
-            os.remove(os.path.join(out_dir, name))
+    return name in (SINGLE_FILE, INDEX_FILE) or (
+        name.startswith("model-") and name.endswith(".safetensors") and "-of-" in name
+    )
 
 
-def _write_json(path: str, obj: object) -> None:
-    checksums.write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"), fsync=True)
-
-
-def _copy_tokenizer(tokenizer_dir: str, out_dir: str) -> None:
-    if not os.path.isdir(tokenizer_dir):
-        raise FileNotFoundError(f"tokenizer_dir {tokenizer_dir} is not a directory; pass the HF model directory")
-    for name in TOKENIZER_FILES:
-        src = os.path.join(tokenizer_dir, name)
-        if os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(os.path.join(out_dir, name)):
-            with open(src, "rb") as f:  # small files: checksummed from the bytes copied
-                checksums.write_bytes(os.path.join(out_dir, name), f.read(), fsync=True)
+def _small_files(files: list[FilePlan], hf_config: dict[str, Any], problems: list[str]) -> list[SmallFile]:
+    """The index (for several weight files) and ``config.json``; a config JSON cannot hold is a problem."""
+    small = {INDEX_FILE: _index_json(files)} if len(files) > 1 else {}
+    small["config.json"] = hf_config
+    out = []
+    for name, obj in small.items():
+        try:
+            data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8")
+        except (TypeError, ValueError) as exc:
+            problems.append(f"{name}: {exc}; pass a config of JSON values")
+            continue
+        out.append(SmallFile(name, data, fsync=True))
+    return out

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtune.checkpoint import checksums
+from shardtune.checkpoint.plans import SavePlan, SmallFile, save
 from shardtune.checkpoint.errors import CheckpointError
 from shardtune.checkpoint.safetensors_io import SafetensorsFile
-from shardtune.checkpoint.sinks import sink_for
-from shardtune.checkpoint.writer import FilePlan, Sink, WriteItem, create_files, plan_digest, plan_files, write_files
+from shardtune.checkpoint.sinks import resolve_sink
+from shardtune.checkpoint.writer import Sink, WriteItem, plan_files
 from shardtune.state_dict import comm, load_from_full_optimizer_state_dict, quantized
 from shardtune.state_dict.layout import layout_of
 from shardtune.state_dict.optim import hyperparameters, param_group_fqns, state_tensors
@@ -52,20 +52,15 @@ def save_optimizer(
     each tensor and writes it in the background); hyper-parameters and scalars (``step``) go
     to ``optimizer.json``, written by rank 0. Errors raise the same CheckpointError on every rank.
     """
-    if sink is None:
-        sink = sink_for(shared_filesystem=shared_filesystem)
-    elif not shared_filesystem and not sink.gathers_sharded:
-        raise ValueError(
-            f"shared_filesystem=False needs a sink that gathers to rank 0 (Rank0Sink), not {type(sink).__name__}"
-        )
-    written = write_files(plan_optimizer(model, opt, out_dir), sink=sink)
-    comm.raise_on_every_rank(written, header=f"Writing the optimizer to {out_dir} failed:", error=CheckpointError)
+    sink = resolve_sink(sink, shared_filesystem=shared_filesystem)
+    save([plan_optimizer(model, opt, out_dir)], sink=sink)
 
 
-def plan_optimizer(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) -> list[FilePlan]:
-    """Collective: call on all ranks. The tensor file of :func:`save_optimizer`, planned from the
-    state's shapes alike on every rank; rank 0 has created it and written ``optimizer.json``.
-    Hand the plan to :func:`~shardtune.checkpoint.writer.write_files`."""
+def plan_optimizer(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) -> SavePlan:
+    """Collective: call on all ranks (the ranks agree on quantized states' specs). The files of
+    :func:`save_optimizer`, described from the state's shapes alike on every rank (no file
+    touched): the tensor file and ``optimizer.json``. Execute it with
+    :func:`~shardtune.checkpoint.plans.save` (or ``prepare`` and the writer)."""
     groups = param_group_fqns(model, opt)
     specs = quantized.agree_on_specs(state_tensors(groups, opt), header=f"Cannot save the optimizer to {out_dir}:")
     items: list[WriteItem] = []
@@ -89,28 +84,21 @@ def plan_optimizer(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) 
                 else:
                     scalars.setdefault(fqn, {})[key] = {"value": value}
     files = plan_files(items, str(out_dir), max_shard_bytes=1 << 62, name=lambda i, n: OPTIMIZER_TENSORS)
-    comm.agree(
-        plan_digest(files),
+    meta = {
+        "param_groups": [{**_encode(hyperparameters(g)), "params": list(f)} for f, g in zip(groups, opt.param_groups)],
+        "scalars": scalars,
+        "quantized": packed,
+    }
+    header = f"Cannot save the optimizer to {out_dir}:"
+    return SavePlan(
+        directory=str(out_dir),
+        files=files,
+        header=header,
+        write_header=f"Writing the optimizer to {out_dir} failed:",
         what="optimizer state differs between ranks",
         fix="every rank must step the same model",
-        header=f"Cannot save the optimizer to {out_dir}:",
-        error=CheckpointError,
+        small_files=[SmallFile(OPTIMIZER_META, json.dumps(meta, indent=1).encode())],
     )
-    created = comm.Problems()
-    if comm.rank() == 0:
-        with created.guard(str(out_dir)):
-            out_dir.mkdir(parents=True, exist_ok=True)
-            create_files(files)
-            meta = {
-                "param_groups": [
-                    {**_encode(hyperparameters(g)), "params": list(f)} for f, g in zip(groups, opt.param_groups)
-                ],
-                "scalars": scalars,
-                "quantized": packed,
-            }
-            checksums.write_bytes(out_dir / OPTIMIZER_META, json.dumps(meta, indent=1).encode())
-    comm.raise_on_every_rank(created, header=f"Cannot save the optimizer to {out_dir}:", error=CheckpointError)
-    return files
 
 
 def _quantized_items(name: str, value: torch.Tensor, spec: quantized.QuantSpec, world: int) -> list[WriteItem]:

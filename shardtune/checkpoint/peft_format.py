@@ -14,10 +14,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from shardtune.checkpoint import checksums
-from shardtune.checkpoint.errors import CheckpointError
-from shardtune.checkpoint.sinks import sink_for
-from shardtune.checkpoint.writer import FilePlan, Sink, WriteItem, create_files, plan_digest, plan_files, write_files
+from shardtune.checkpoint.plans import SavePlan, SmallFile, save
+from shardtune.checkpoint.sinks import resolve_sink
+from shardtune.checkpoint.writer import Sink, WriteItem, plan_files
 from shardtune.peft import from_peft_adapter_state_dict
 from shardtune.peft.adapters import PEFT_PREFIX, is_adapter_key
 from shardtune.peft.lora import lora_config_of
@@ -45,21 +44,14 @@ def save_peft_adapter(
     model has no LoRA adapters, and :class:`CheckpointError` with the same message on every
     rank when a write fails.
     """
-    if sink is None:
-        sink = sink_for(shared_filesystem=shared_filesystem)
-    elif not shared_filesystem and not sink.gathers_sharded:
-        raise ValueError(
-            f"shared_filesystem=False needs a sink that gathers to rank 0 (Rank0Sink), not {type(sink).__name__}"
-        )
-    files = plan_peft_adapter(model, out_dir, base_model_name_or_path=base_model_name_or_path)
-    problems = write_files(files, sink=sink)
-    comm.raise_on_every_rank(problems, header=f"Writing the PEFT adapter to {out_dir} failed:", error=CheckpointError)
+    sink = resolve_sink(sink, shared_filesystem=shared_filesystem)
+    save([plan_peft_adapter(model, out_dir, base_model_name_or_path=base_model_name_or_path)], sink=sink)
 
 
-def plan_peft_adapter(model: nn.Module, out_dir: Path, *, base_model_name_or_path: str | None = None) -> list[FilePlan]:
-    """Collective: call on all ranks. ``adapter_model.safetensors`` (PEFT names, the adapters'
-    dtypes) planned alike on every rank; rank 0 has created it and written
-    ``adapter_config.json``. Hand the plan to :func:`~shardtune.checkpoint.writer.write_files`."""
+def plan_peft_adapter(model: nn.Module, out_dir: Path, *, base_model_name_or_path: str | None = None) -> SavePlan:
+    """The files of :func:`save_peft_adapter`, described alike on every rank (local: no
+    collective, no file touched): ``adapter_model.safetensors`` (PEFT names, the adapters'
+    dtypes) and ``adapter_config.json``. Execute it with :func:`~shardtune.checkpoint.plans.save`."""
     config = lora_config_of(model)
     if config is None:
         raise StateDictError("the model has no LoRA adapters (model.lora_config is missing); apply_lora first")
@@ -71,22 +63,17 @@ def plan_peft_adapter(model: nn.Module, out_dir: Path, *, base_model_name_or_pat
         if is_adapter_key(fqn)
     ]
     files = plan_files(items, str(out_dir), max_shard_bytes=1 << 62, name=lambda i, n: ADAPTER_WEIGHTS)
-    comm.agree(
-        plan_digest(files),
+    peft_config = config.to_peft_config(base_model_name_or_path=base_model_name_or_path)
+    return SavePlan(
+        directory=str(out_dir),
+        files=files,
+        header=f"Cannot save the PEFT adapter to {out_dir}:",
+        create_header=f"Writing the PEFT adapter to {out_dir} failed:",
+        write_header=f"Writing the PEFT adapter to {out_dir} failed:",
         what="the adapters differ between ranks",
         fix="call save_peft_adapter with the same model on every rank",
-        header=f"Cannot save the PEFT adapter to {out_dir}:",
-        error=CheckpointError,
+        small_files=[SmallFile(ADAPTER_CONFIG, json.dumps(peft_config, indent=2).encode())],
     )
-    problems = comm.Problems()
-    if comm.rank() == 0:
-        with problems.guard(str(out_dir)):
-            out_dir.mkdir(parents=True, exist_ok=True)
-            create_files(files)
-            peft_config = config.to_peft_config(base_model_name_or_path=base_model_name_or_path)
-            checksums.write_bytes(out_dir / ADAPTER_CONFIG, json.dumps(peft_config, indent=2).encode())
-    comm.raise_on_every_rank(problems, header=f"Writing the PEFT adapter to {out_dir} failed:", error=CheckpointError)
-    return files
 
 
 def load_peft_adapter(

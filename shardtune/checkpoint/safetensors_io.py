@@ -34,6 +34,7 @@ import torch
 
 from shardtune.checkpoint import checksums
 from shardtune.checkpoint.errors import CheckpointError
+from shardtune.state_dict import comm
 from shardtune.state_dict.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_NAMES
 
 __all__ = [
@@ -259,6 +260,7 @@ class SafetensorsFile:
                     "after it was opened; re-copy it"
                 )
             done += n
+        comm.stats.bytes_read += len(view)
         if self.on_read is not None:
             self.on_read(len(view))
 

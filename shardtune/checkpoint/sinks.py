@@ -21,7 +21,7 @@ import torch
 from shardtune.checkpoint.rank0_writes import BackgroundWrites, ByteRing
 from shardtune.checkpoint.safetensors_io import RangeWriter
 from shardtune.checkpoint.staging_memory import StagingMemory, aligned
-from shardtune.checkpoint.writer import FilePlan, WriteItem
+from shardtune.checkpoint.writer import FilePlan, Sink, WriteItem
 from shardtune.faults import fault_point
 from shardtune.state_dict import comm
 from shardtune.state_dict.layout import local_tensor
@@ -172,3 +172,15 @@ def sink_for(*, shared_filesystem: bool, direct_io: bool = True) -> DirectSink |
     """The synchronous sink for ``out_dir`` on a filesystem all ranks share (each rank writes
     its blocks) or only on rank 0's (rank 0 writes everything)."""
     return DirectSink(direct_io=direct_io) if shared_filesystem else Rank0Sink(direct_io=direct_io)
+
+
+def resolve_sink(sink: Sink | None, *, shared_filesystem: bool) -> Sink:
+    """``sink``, or :func:`sink_for` when None; a sink that writes on every rank is refused
+    without a shared filesystem (only rank 0 can reach ``out_dir`` then)."""
+    if sink is None:
+        return sink_for(shared_filesystem=shared_filesystem)
+    if not shared_filesystem and not sink.gathers_sharded:
+        raise ValueError(
+            f"shared_filesystem=False needs a sink that gathers to rank 0 (Rank0Sink), not {type(sink).__name__}"
+        )
+    return sink

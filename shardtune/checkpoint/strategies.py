@@ -2,7 +2,7 @@
 
 Rule: a strategy is one row of the grid hf|dcp x now|background x per-rank|rank-0 files x
 full|LoRA, and it calls one public save function per format (or plans the formats' files and
-hands them to :func:`~shardtune.checkpoint.writer.write_files` with one sink); the
+hands them to :func:`~shardtune.checkpoint.plans.save` with one sink); the
 Checkpointer's ``save`` only picks final or intermediate. A strategy is given its inputs
 explicitly (:class:`WeightsInputs`), never the Checkpointer. Every method is collective.
 """
@@ -21,13 +21,13 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from shardtune.checkpoint.dcp_format import DCP_DIR, save_dcp, write_model_description
 from shardtune.checkpoint.errors import CheckpointError
-from shardtune.checkpoint.hf_save import plan_hf_checkpoint, save_hf_checkpoint
+from shardtune.checkpoint.hf_save import HFSaveOptions, plan_hf_checkpoint, save_hf_checkpoint
 from shardtune.checkpoint.optimizer_io import plan_optimizer, save_optimizer
 from shardtune.checkpoint.peft_format import save_peft_adapter
+from shardtune.checkpoint.plans import save
 from shardtune.checkpoint.sinks import StagedSink
 from shardtune.checkpoint.staging_memory import StagingMemory
 from shardtune.checkpoint.state import TrainingProgress, load_rng, reseed, rng_state, save_rng, set_rng_state
-from shardtune.checkpoint.writer import write_files
 from shardtune.state_dict import comm
 
 STATE_DIR = "training_state"
@@ -101,20 +101,16 @@ class HFInBackground:
 
     def write(self, staging: Path) -> Future:
         inputs = self.inputs
-        files = []
+        plans = []
         if write_adapter(inputs, staging):
-            files += plan_hf_checkpoint(
-                inputs.model,
-                staging,
-                max_shard_size=inputs.max_shard_size,
-                merge_adapters=True,
-                tokenizer_dir=inputs.base_dir,
+            options = HFSaveOptions(
+                max_shard_size=inputs.max_shard_size, merge_adapters=True, tokenizer_dir=inputs.base_dir
             )
+            plans.append(plan_hf_checkpoint(inputs.model, staging, options=options))
         if inputs.optimizer is not None:
-            files += plan_optimizer(inputs.model, inputs.optimizer, staging / STATE_DIR)
+            plans.append(plan_optimizer(inputs.model, inputs.optimizer, staging / STATE_DIR))
         sink = StagedSink(memory=self.memory)
-        problems = write_files(files, sink=sink)
-        comm.raise_on_every_rank(problems, header=f"Staging checkpoint {staging} failed:", error=CheckpointError)
+        save(plans, sink=sink, header=f"Staging checkpoint {staging} failed:")
         if self.thread is None:
             self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardtune-save")
         return self.thread.submit(_flush, sink)

@@ -1,7 +1,8 @@
 """The format-agnostic sharded writer: planned safetensors files -> this rank's bytes -> a sink.
 
 Rule: a format module says *what* is written, as :class:`WriteItem` s (name, written dtype,
-global layout, an optional per-block transform) grouped into :class:`FilePlan` s whose headers
+global layout, an optional per-block transform, and for one of several file tensors of a model
+tensor its :class:`~shardtune.state_dict.parts.Part`) grouped into :class:`FilePlan` s whose headers
 every rank computes alike from shapes alone; rank 0 creates the files (:func:`create_files`).
 This module decides *which rank hands which block* (:func:`write_files`): the owner of a
 whole-rows shard hands its rows, rank 0 hands unsharded tensors and gathered ones (blocks
@@ -26,6 +27,7 @@ from shardtune.checkpoint.safetensors_io import build_header
 from shardtune.state_dict import comm, nf4
 from shardtune.state_dict.gather import gather_to_rank0
 from shardtune.state_dict.layout import Piece, TensorLayout, local_tensor
+from shardtune.state_dict.parts import Part, part_block
 
 BlockFn = Callable[[torch.Tensor, Piece], torch.Tensor]
 
@@ -48,6 +50,9 @@ class WriteItem:
     dtype: torch.dtype  # written dtype
     layout: TensorLayout
     transform: BlockTransform | None = None
+    # A part of ``tensor`` (N:1 mapping): ``layout`` is the part's, ``source`` the tensor's.
+    part: Part | None = None
+    source: TensorLayout | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -240,6 +245,8 @@ def _local_block(item: WriteItem, transform: BlockFn | None, *, device: str | No
     (None: where the shard lives); may be a view of the model's (or optimizer's) storage."""
     piece = item.layout.piece(comm.rank())
     local = nf4.dequantize(local_tensor(item.tensor)).detach()
+    if item.part is not None and item.source is not None:
+        local = part_block(item.part, item.source.piece(comm.rank()), local)
     if tuple(local.shape) != piece.shape:
         raise ValueError(f"local shard has shape {tuple(local.shape)}, expected {piece.shape} from its placement")
     if transform is not None:

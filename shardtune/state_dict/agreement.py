@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from shardtune.state_dict import comm, nf4
-from shardtune.state_dict.dtypes import SAFETENSORS_DTYPES
 from shardtune.state_dict.keys import ModelEntry
 from shardtune.state_dict.layout import TensorLayout, layout_of, local_tensor, unsupported_placement
+from shardtune.state_dict.lazy import is_lazy, lazy_dtype
+from shardtune.state_dict.parts import Part, tiling_problem
 
 # How a full state dict was passed, as agreed by agree_on_mode.
 EVERY_RANK = "every_rank"
@@ -28,11 +29,13 @@ NOTHING = "nothing"
 
 @dataclass
 class LoadItem:
-    """One model tensor to load: its entry, the full-state-dict key it loads from, its layout."""
+    """One model tensor to load: its entry, the full-state-dict key it loads from, its layout;
+    ``parts``: loaded from these file tensors instead (``key`` is then the tensor's own name)."""
 
     entry: ModelEntry
     key: str
     layout: TensorLayout
+    parts: tuple[Part, ...] | None = None
 
 
 @dataclass
@@ -55,7 +58,7 @@ def describe_value(value: Any) -> tuple:
         if nf4.is_nf4(value):
             return ("nf4", tuple(value.shape), *nf4.block_sizes(value))
         return ("dense", tuple(value.shape))
-    if hasattr(value, "get_shape"):  # lazy: a safetensors slice or anything alike
+    if is_lazy(value):  # a safetensors slice or anything alike
         return ("dense", tuple(value.get_shape()))
     return ("invalid", type(value).__name__)
 
@@ -63,15 +66,13 @@ def describe_value(value: Any) -> tuple:
 def number_kind(value: Any) -> str | None:
     """``"float"`` or ``"int"`` (bool included) of a dtype, a tensor, or a lazy value with ``get_dtype()``
     (a torch dtype or a safetensors name such as ``"BF16"``); None when unknown."""
-    if hasattr(value, "get_dtype"):
-        dtype = value.get_dtype()
-    elif isinstance(value, torch.Tensor):
-        dtype = value.dtype
+    if isinstance(value, torch.Tensor):
+        dtype: torch.dtype | None = value.dtype
+    elif isinstance(value, torch.dtype):
+        dtype = value
     else:
-        dtype = value if isinstance(value, torch.dtype) else None
-    if isinstance(dtype, str):
-        dtype = SAFETENSORS_DTYPES.get(dtype.upper())
-    if isinstance(dtype, torch.dtype):
+        dtype = lazy_dtype(value)
+    if dtype is not None:
         return "float" if dtype.is_floating_point or dtype.is_complex else "int"
     return None
 
@@ -146,25 +147,26 @@ def _desc_mismatch_problems(descs: list[dict]) -> list[str]:
 
 def _match(entries: list[ModelEntry], desc: dict, mode: str, *, strict: bool) -> tuple[LoadPlan, list[str]]:
     world = comm.world_size()
-    items, missing, problems = [], [], []
+    items: list[LoadItem] = []
+    missing: list[str] = []
+    problems: list[str] = []
     known = set()
     for entry in entries:
         known.update(entry.fqns)
         key = next((fqn for fqn in entry.fqns if fqn in desc), None)
-        if key is None:
+        if key is None and entry.parts is not None:
+            known.update(p.name for p in entry.parts)
+            item, problem = _match_parts(entry, desc, world)
+        elif key is None:
+            item, problem = None, None
+        else:
+            item, problem = _match_key(entry, key, desc[key], world)
+        if item is None and problem is None:
             missing.extend(entry.fqns)
-            continue
-        problem = _entry_problem(entry, key, desc[key])
-        if problem is None:
-            try:
-                items.append(LoadItem(entry=entry, key=key, layout=layout_of(entry.tensor, world)))
-            except ValueError as exc:
-                problem = f"{key}: {exc}"
-        if problem is None and nf4.is_nf4(local_tensor(entry.tensor)):
-            local = local_tensor(entry.tensor)
-            problem = nf4.nf4_layout_problem(key, items[-1].layout, *nf4.block_sizes(local))
-        if problem is not None:
+        elif problem is not None:
             problems.append(problem)
+        elif item is not None:
+            items.append(item)
     unexpected = [k for k in desc if k not in known]
     if strict and (missing or unexpected):
         problems.append(
@@ -174,18 +176,67 @@ def _match(entries: list[ModelEntry], desc: dict, mode: str, *, strict: bool) ->
     return LoadPlan(mode=mode, items=items, missing=missing, unexpected=unexpected), problems
 
 
+def _match_key(entry: ModelEntry, key: str, desc: tuple, world: int) -> tuple[LoadItem | None, str | None]:
+    """The item loading ``entry`` from the full-state-dict value ``key``, or its problem."""
+    problem = _entry_problem(entry, key, desc)
+    if problem is not None:
+        return None, problem
+    try:
+        item = LoadItem(entry=entry, key=key, layout=layout_of(entry.tensor, world))
+    except ValueError as exc:
+        return None, f"{key}: {exc}"
+    local = local_tensor(entry.tensor)
+    if nf4.is_nf4(local):
+        problem = nf4.nf4_layout_problem(key, item.layout, *nf4.block_sizes(local))
+    return (None, problem) if problem is not None else (item, None)
+
+
+def _match_parts(entry: ModelEntry, desc: dict, world: int) -> tuple[LoadItem | None, str | None]:
+    """The item loading ``entry`` from its file tensors (all present, each of its part's shape),
+    or its problem; (None, None) when the full state dict holds none of them (missing)."""
+    parts = entry.parts or ()
+    present = [p for p in parts if p.name in desc]
+    if not present:
+        return None, None
+    key = entry.fqn
+    absent = [p.name for p in parts if p.name not in desc]
+    if absent:
+        return None, (
+            f"{key}: the checkpoint holds {len(present)} of its {len(parts)} file tensors (missing {absent[:4]}); "
+            "a checkpoint must hold all of them, or the tensor itself under its own name."
+        )
+    wrong = [
+        (p.name, desc[p.name][1], p.shape) for p in parts if desc[p.name][0] != "dense" or desc[p.name][1] != p.shape
+    ]
+    if wrong:
+        name, have, want = wrong[0]
+        return None, (
+            f"{name}: checkpoint shape {have} does not match {want}, its part of {key} {tuple(entry.tensor.shape)} "
+            f"({len(wrong)} file tensors differ); the checkpoint was made for a different model configuration."
+        )
+    problem = tiling_problem(key, tuple(entry.tensor.shape), parts) or _placement_problem(key, entry)
+    if problem is None and nf4.is_nf4(local_tensor(entry.tensor)):
+        problem = f"{key}: an NF4 tensor cannot load from several file tensors yet; leave it unquantized."
+    if problem is not None:
+        return None, problem
+    try:
+        return LoadItem(entry=entry, key=key, layout=layout_of(entry.tensor, world), parts=parts), None
+    except ValueError as exc:
+        return None, f"{key}: {exc}"
+
+
 def _number_kind_problems(entries: list[ModelEntry], full_sd: Mapping[str, Any]) -> list[str]:
     """This rank's values that are integers for a float tensor of the model, or floats for an
     integer one: casting would silently turn bytes into wrong numbers (a corrupt header, say)."""
     problems = []
     for entry in entries:
         key = next((fqn for fqn in entry.fqns if fqn in full_sd), None)
-        if key is None:
-            continue
-        have, want = number_kind(full_sd[key]), number_kind(entry.tensor.dtype)
-        if have is not None and have != want:
+        keys = [key] if key is not None else [p.name for p in entry.parts or () if p.name in full_sd]
+        want = number_kind(entry.tensor.dtype)
+        odd = [(k, have) for k in keys if (have := number_kind(full_sd[k])) is not None and have != want]
+        if odd:
             problems.append(
-                f"{key}: the checkpoint holds {have} values but the model's tensor is {entry.tensor.dtype}; "
+                f"{odd[0][0]}: the checkpoint holds {odd[0][1]} values but the model's tensor is {entry.tensor.dtype}; "
                 "the file's header is corrupt or the checkpoint belongs to another model."
             )
     return problems
@@ -200,6 +251,10 @@ def _entry_problem(entry: ModelEntry, key: str, desc: tuple) -> str | None:
             f"{key}: checkpoint shape {desc[1]} does not match the model's {shape}; "
             "the checkpoint was made for a different model configuration."
         )
+    return _placement_problem(key, entry)
+
+
+def _placement_problem(key: str, entry: ModelEntry) -> str | None:
     placement = unsupported_placement(tuple(getattr(entry.tensor, "placements", ())))
     if placement is not None:
         return f"{key}: placement {placement} is not supported; use Shard(d) or Replicate."

@@ -19,6 +19,7 @@ import torch
 
 from shardtune.state_dict import comm, nf4
 from shardtune.state_dict.layout import Piece, TensorLayout
+from shardtune.state_dict.lazy import BlockReader
 
 if TYPE_CHECKING:
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
@@ -39,8 +40,7 @@ def fill_block(value: Any, slices: tuple[slice, ...], out: torch.Tensor) -> torc
     A lazy value offering ``read_block_into(slices, out) -> bool`` (a file-backed slice) reads
     straight into ``out`` when it can; anything else is read, then copied (and cast) once.
     """
-    reader = getattr(value, "read_block_into", None)
-    if isinstance(value, torch.Tensor) or reader is None or not reader(slices, out):
+    if isinstance(value, torch.Tensor) or not isinstance(value, BlockReader) or not value.read_block_into(slices, out):
         out.copy_(read_block(value, slices))
     return out
 

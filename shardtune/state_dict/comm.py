@@ -25,14 +25,17 @@ from shardtune.state_dict.keys import StateDictError, format_problems
 
 @dataclass
 class TransferStats:
-    """Bytes this process sent and received through the state-dict functions' collectives."""
+    """Bytes this process sent and received through the state-dict functions' collectives, and
+    read from checkpoint files (``bytes_read``: safetensors reads of :mod:`shardtune.checkpoint`)."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
+    bytes_read: int = 0
 
     def reset(self) -> None:
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.bytes_read = 0
 
 
 stats = TransferStats()

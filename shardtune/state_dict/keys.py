@@ -1,4 +1,8 @@
-"""Key handling for state dicts: clean FQNs, adapter predicates, model entries, errors."""
+"""Key handling for state dicts: clean FQNs, adapter predicates, model entries, errors.
+
+A model entry's ``parts`` say when its tensor is stored as several file tensors (the N:1
+key mapping of :mod:`~shardtune.state_dict.parts`), as its owning module declares.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from shardtune.state_dict.parts import Part, module_parts
 
 # Wrappers that insert a level into module paths but not into the checkpoint's names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -42,6 +48,7 @@ class ModelEntry:
     is_buffer: bool
     names: list[tuple[str, nn.Module, str]] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # index of each name in state_dict() order
+    parts: tuple[Part, ...] | None = None  # stored as these file tensors (None: as itself, under its names)
 
     @property
     def fqn(self) -> str:
@@ -67,7 +74,11 @@ def model_entries(model: nn.Module) -> list[ModelEntry]:
             fqn = clean_fqn(f"{prefix}.{name}" if prefix else name)
             entry = by_id.get(id(tensor))
             if entry is None:
-                entry = ModelEntry(tensor=tensor, is_buffer=is_buffer)
+                entry = ModelEntry(
+                    tensor=tensor,
+                    is_buffer=is_buffer,
+                    parts=module_parts(module, clean_fqn(prefix), name, tuple(tensor.shape)),
+                )
                 by_id[id(tensor)] = entry
                 entries.append(entry)
             if fqn not in entry.fqns:

@@ -16,6 +16,7 @@ and go into the model through :mod:`~shardtune.state_dict.install`.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +29,8 @@ from shardtune.state_dict.blocks import SendBuffer, copy_block, scatter_dense, s
 from shardtune.state_dict.faults import fault_point
 from shardtune.state_dict.install import fillable, install
 from shardtune.state_dict.keys import model_entries
-from shardtune.state_dict.layout import local_tensor
+from shardtune.state_dict.layout import TensorLayout, local_tensor
+from shardtune.state_dict.parts import part_layout, part_piece
 
 
 @torch.no_grad()
@@ -54,11 +56,13 @@ def load_from_full_model_state_dict(
     transfer_device = comm.comm_device(device)
     plan = agree_on_plan(model_entries(model), full_sd, strict=strict)
     problems = comm.Problems()
-    send_buffer = SendBuffer()
+    moves = _Moves(plan.mode, local_device, transfer_device, problems, SendBuffer())
     deferred: list[tuple[LoadItem, torch.Tensor | None]] = []
     for index, item in enumerate(plan.items):
-        value = full_sd[item.key] if full_sd else None
-        new_local = _my_piece(item, value, plan.mode, local_device, transfer_device, problems, send_buffer)
+        if item.parts is not None:
+            new_local = _my_parts(item, full_sd, moves)
+        else:
+            new_local = _my_piece(item, full_sd[item.key] if full_sd else None, moves)
         if local_tensor(item.entry.tensor).is_meta:
             # Replacing a meta tensor frees nothing, so it can wait: swapped in one pass after
             # the reads it is cheaper (each multi-MiB read evicts the interpreter's data from
@@ -76,45 +80,80 @@ def load_from_full_model_state_dict(
     return _IncompatibleKeys(plan.missing, plan.unexpected)
 
 
-def _my_piece(
-    item: LoadItem,
-    value: Any,
-    mode: str,
-    device: torch.device,
-    transfer_device: torch.device,
-    problems: comm.Problems,
-    send_buffer: SendBuffer,
-) -> torch.Tensor | None:
+@dataclass
+class _Moves:
+    """How this load moves every block: the agreed mode, where blocks go, the problems met."""
+
+    mode: str
+    device: torch.device
+    transfer_device: torch.device
+    problems: comm.Problems
+    send_buffer: SendBuffer
+
+
+def _my_piece(item: LoadItem, value: Any, moves: _Moves) -> torch.Tensor | None:
     """This rank's local tensor for ``item`` (the param's own storage when it can be filled in
     place); collective in rank-0 mode and for NF4 params."""
     like = local_tensor(item.entry.tensor)
     if nf4.is_nf4(like):
-        transfer = scatter_nf4 if mode == RANK0 else slice_nf4
+        transfer = scatter_nf4 if moves.mode == RANK0 else slice_nf4
         return transfer(
             item.layout,
             value,
             like=like,
-            device=device,
-            transfer_device=transfer_device,
-            on_error=problems,
+            device=moves.device,
+            transfer_device=moves.transfer_device,
+            on_error=moves.problems,
             key=item.key,
         )
-    into = fillable(like, device=device)
-    if mode == RANK0:
-        return scatter_dense(
-            item.layout,
-            value,
-            dtype=like.dtype,
-            device=device,
-            transfer_device=transfer_device,
-            on_error=problems,
-            key=item.key,
-            into=into,
-            send_buffer=send_buffer,
-        )
+    into = fillable(like, device=moves.device)
+    return _dense_block(item.layout, value, item.key, like.dtype, into, moves)
+
+
+def _my_parts(item: LoadItem, full_sd: Mapping[str, Any], moves: _Moves) -> torch.Tensor | None:
+    """This rank's local tensor for ``item`` assembled from its file tensors: each part's block
+    that meets this rank's piece is read (or, in rank-0 mode, received) straight into its place.
+    Collective in rank-0 mode only (rank 0 sends each rank only its blocks)."""
+    like = local_tensor(item.entry.tensor)
     piece = item.layout.piece(comm.rank())
-    with problems.guard(item.key):
-        return copy_block(value, (piece.shape, piece.slices), dtype=like.dtype, device=device, into=into)
+    local = fillable(like, device=moves.device)
+    if local is None:
+        local = torch.empty(piece.shape, dtype=like.dtype, device=moves.device)
+    for part in item.parts or ():
+        met = part_piece(part, piece)
+        if met is None and moves.mode != RANK0:
+            continue  # this rank holds none of it; in rank-0 mode it still takes part
+        dst = into = None
+        if met is not None:
+            dst = local[met[1]]
+            into = dst.view(met[0].shape) if dst.is_contiguous() else None
+        value = full_sd.get(part.name) if full_sd else None
+        block = _dense_block(part_layout(part, item.layout), value, part.name, like.dtype, into, moves)
+        if dst is not None and block is not None and into is None:
+            dst.copy_(block.reshape(dst.shape))
+    return local
+
+
+def _dense_block(
+    layout: TensorLayout, value: Any, key: str, dtype: torch.dtype, into: torch.Tensor | None, moves: _Moves
+) -> torch.Tensor | None:
+    """This rank's block of ``layout`` from ``value``, in ``into`` when given: read by this rank,
+    or (collective, in rank-0 mode) sent by rank 0. None when it could not be read (in the problems)."""
+    if moves.mode == RANK0:
+        return scatter_dense(
+            layout,
+            value,
+            dtype=dtype,
+            device=moves.device,
+            transfer_device=moves.transfer_device,
+            on_error=moves.problems,
+            key=key,
+            into=into,
+            send_buffer=moves.send_buffer,
+        )
+    piece = layout.piece(comm.rank())
+    with moves.problems.guard(key):
+        return copy_block(value, (piece.shape, piece.slices), dtype=dtype, device=moves.device, into=into)
     return None
 
 

@@ -24,11 +24,11 @@ from torch.distributed.tensor import DTensor
 from shardtune.state_dict import comm, quantized
 from shardtune.state_dict.agreement import EVERY_RANK, RANK0, agree_on_mode
 from shardtune.state_dict.blocks import SendBuffer, copy_block, scatter_dense
-from shardtune.state_dict.dtypes import SAFETENSORS_DTYPES
 from shardtune.state_dict.gather import gather_to_rank0
 from shardtune.state_dict.install import fillable
 from shardtune.state_dict.keys import StateDictError, model_entries
 from shardtune.state_dict.layout import TensorLayout, layout_of, local_tensor
+from shardtune.state_dict.lazy import is_lazy, lazy_dtype
 from shardtune.state_dict.quantized import QuantizedState, QuantSpec
 
 
@@ -258,8 +258,8 @@ def _describe(full_sd: dict) -> dict:
                 state[fqn][key] = ("quantized", tuple(packed.shape), packed.spec)
             elif isinstance(value, torch.Tensor) and value.dim() > 0:
                 state[fqn][key] = ("tensor", tuple(value.shape), value.dtype)
-            elif hasattr(value, "get_shape"):  # lazy (e.g. a safetensors slice): read later, by blocks
-                state[fqn][key] = ("tensor", tuple(value.get_shape()), _lazy_dtype(value))
+            elif is_lazy(value):  # e.g. a safetensors slice: read later, by blocks
+                state[fqn][key] = ("tensor", tuple(value.get_shape()), lazy_dtype(value) or torch.float32)
             else:
                 state[fqn][key] = (
                     "inline",
@@ -270,11 +270,6 @@ def _describe(full_sd: dict) -> dict:
         "group_params": [list(g["params"]) for g in full_sd["param_groups"]],
         "state": state,
     }
-
-
-def _lazy_dtype(value: Any) -> torch.dtype:
-    dtype = value.get_dtype() if hasattr(value, "get_dtype") else "F32"
-    return dtype if isinstance(dtype, torch.dtype) else SAFETENSORS_DTYPES.get(str(dtype), torch.float32)
 
 
 def _check(desc: dict, groups: list[list[str]], params: dict[str, torch.Tensor]) -> list[str]:

@@ -1,0 +1,176 @@
+"""One model tensor stored as several file tensors (N:1): stacked experts <-> per-expert weights.
+
+A toy MoE block holds ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``; its files hold
+``{e}.gate_proj.weight``, ``{e}.up_proj.weight`` ``[I, H]`` and ``{e}.down_proj.weight``
+``[H, I]`` (transformers' per-expert layout). On 2 ranks with FSDP2 ``Shard(0)`` (a range of
+experts, E = 5 uneven) and ``Shard(1)`` (rows of every expert): the saved files, read with
+safetensors, equal the hand split of the full tensors; a load from them gives every rank its
+piece while reading exactly its own bytes; the collectives do not grow with the experts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch import nn
+
+from shardtune.state_dict.parts import stacked_parts
+from tests.nccl_rules import nccl_rules
+
+pytestmark = pytest.mark.timeout(180)
+
+INTER, HID = 3, 4  # I and H: 2I != H, so a transposed or mis-cut tensor cannot pass
+GATE_UP = ("gate_proj", "up_proj")
+
+
+class Experts(nn.Module):
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * INTER, HID))
+        self.down_proj = nn.Parameter(torch.empty(experts, HID, INTER))
+
+    def file_parts(self, prefix, name, shape):
+        if name == "gate_up_proj":
+            return stacked_parts(shape, lambda e, c: f"{prefix}.{e}.{GATE_UP[c]}.weight", chunks=2)
+        if name == "down_proj":
+            return stacked_parts(shape, lambda e, c: f"{prefix}.{e}.down_proj.weight")
+        return None
+
+
+class Moe(nn.Module):
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(HID, experts, bias=False)  # the router: stored as itself
+        self.experts = Experts(experts)
+
+
+class Toy(nn.Module):
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.ModuleDict({"mlp": Moe(experts)})])
+
+
+def _full(experts: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(experts)
+    p = "layers.0.mlp."
+    return {
+        p + "gate.weight": torch.randn(experts, HID, generator=g),
+        p + "experts.gate_up_proj": torch.randn(experts, 2 * INTER, HID, generator=g),
+        p + "experts.down_proj": torch.randn(experts, HID, INTER, generator=g),
+    }
+
+
+def _per_expert(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The hand split: what transformers' per-expert files hold."""
+    p = "layers.0.mlp."
+    out = {p + "gate.weight": full[p + "gate.weight"]}
+    for e, (gu, down) in enumerate(zip(full[p + "experts.gate_up_proj"], full[p + "experts.down_proj"])):
+        out[f"{p}experts.{e}.gate_proj.weight"] = gu[:INTER]
+        out[f"{p}experts.{e}.up_proj.weight"] = gu[INTER:]
+        out[f"{p}experts.{e}.down_proj.weight"] = down
+    return out
+
+
+def _sharded(experts: int, dim: int) -> Toy:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    with torch.device("meta"):
+        model = Toy(experts)
+    fully_shard(model, shard_placement_fn=lambda p: Shard(dim if p.dim() == 3 else 0))
+    return model
+
+
+def _round_trip(out: str, experts: int, dim: int, shared: bool):
+    """Load the fused tensors, save per-expert files, load them into a fresh model: each
+    rank's pieces, bytes read and collective counts."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from shardtune.checkpoint.hf import load_hf_checkpoint
+    from shardtune.checkpoint.hf_save import save_hf_checkpoint
+    from shardtune.state_dict import load_from_full_model_state_dict, stats
+
+    full = _full(experts)
+    model = _sharded(experts, dim)
+    load_from_full_model_state_dict(model, full, "cpu", strict=True)  # the fused keys: stored as themselves
+    with nccl_rules() as rules:
+        rules.host(model)
+        save_hf_checkpoint(model, out, config={"model_type": "toy"}, max_shard_size="400B", shared_filesystem=shared)
+        fresh = _sharded(experts, dim)
+        dist.barrier()
+        stats.reset()
+        load_hf_checkpoint(fresh, out, device="cpu", strict=True, shared_filesystem=shared)
+        read = stats.bytes_read
+    pieces = {n: p.to_local() for n, p in fresh.named_parameters()}
+    wanted = {  # DTensor's own cut of the full tensors: the reference
+        n: distribute_tensor(full[n], p.device_mesh, p.placements).to_local() for n, p in fresh.named_parameters()
+    }
+    return {
+        "read": read,
+        "counts": dict(rules.counts),
+        "equal": {n: torch.equal(pieces[n], wanted[n]) for n in pieces},
+        "own_bytes": sum(t.nbytes for t in pieces.values()),
+        "expert_bytes": sum(t.nbytes for n, t in pieces.items() if "experts" in n),
+    }
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_stacked_experts_round_trip_through_per_expert_files(pool2, tmp_path, dim):
+    experts = 5
+    res = pool2.run_ok(_round_trip, str(tmp_path / "hf"), experts, dim, True)
+    expected = _per_expert(_full(experts))
+    saved = {}
+    files = sorted((tmp_path / "hf").glob("*.safetensors"))
+    assert len(files) > 1  # offsets in several files
+    for path in files:
+        with safe_open(str(path), "pt") as f:  # the independent reader
+            saved.update({k: f.get_tensor(k) for k in f.keys()})
+    assert sorted(saved) == sorted(expected)
+    for key, value in expected.items():
+        assert saved[key].shape == value.shape and torch.equal(saved[key], value), key
+    total_expert_bytes = sum(v.nbytes for k, v in expected.items() if "experts" in k)
+    for r in res:
+        assert all(r["equal"].values()), r["equal"]
+        assert r["read"] == r["own_bytes"]  # exactly this rank's bytes, straight from the files
+        assert r["expert_bytes"] < total_expert_bytes
+    assert sum(r["expert_bytes"] for r in res) == total_expert_bytes
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_collectives_do_not_grow_with_the_experts(pool2, tmp_path, dim):
+    few = pool2.run_ok(_round_trip, str(tmp_path / "few"), 2, dim, True)
+    many = pool2.run_ok(_round_trip, str(tmp_path / "many"), 9, dim, True)
+    assert [r["counts"] for r in few] == [r["counts"] for r in many]
+    assert all("batch_isend_irecv" not in r["counts"] for r in many)  # no data crosses the network
+
+
+def test_rank0_files_obey_nccl_rules(pool2, tmp_path):
+    """Without a shared filesystem rank 0 gathers each file tensor and sends each rank its
+    blocks of every part, under NCCL's rules."""
+    res = pool2.run_ok(_round_trip, str(tmp_path / "rank0"), 5, 1, False)
+    saved = {}
+    for path in sorted((tmp_path / "rank0").glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            saved.update({k: f.get_tensor(k) for k in f.keys()})
+    expected = _per_expert(_full(5))
+    assert sorted(saved) == sorted(expected) and all(torch.equal(saved[k], v) for k, v in expected.items())
+    assert all(all(r["equal"].values()) for r in res)
+    assert res[1]["read"] == 0 and all(r["counts"]["batch_isend_irecv"] >= 1 for r in res)
+
+
+def _partial_checkpoint():
+    from shardtune.state_dict import load_from_full_model_state_dict
+
+    sd = _per_expert(_full(5))
+    del sd["layers.0.mlp.experts.3.up_proj.weight"]
+    load_from_full_model_state_dict(_sharded(5, 0), sd, "cpu")
+
+
+def test_a_missing_expert_tensor_is_refused_on_every_rank(pool2):
+    outcomes = pool2.run(_partial_checkpoint, timeout=60)
+    assert all(not o.ok for o in outcomes)
+    assert len({o.error for o in outcomes}) == 1
+    assert "layers.0.mlp.experts.gate_up_proj: the checkpoint holds 9 of its 10" in outcomes[0].error
+    assert "experts.3.up_proj.weight" in outcomes[0].error
