@@ -14,9 +14,10 @@ registered state in place; :attr:`Checkpointer.progress` is the registered progr
 training loop reads and advances. How weights are written (HF files now, HF files staged for a
 background thread, DCP shards; per-rank or rank-0 writes; full or LoRA) is a strategy picked in
 ``__init__`` and handed its inputs explicitly (:mod:`~shardtune.checkpoint.strategies`), not a
-branch in ``save``. A save goes: ``save`` -> the strategy -> a format module plans the files
-(``hf_save``, ``optimizer_io``, ``peft_format``) -> ``writer.write_files`` hands each rank's
-blocks -> a sink (``sinks``) writes the bytes. Which checkpoint a resume reads, and its
+branch in ``save``. A save goes: ``save`` -> the strategy -> a format module describes the
+files (``hf_save``, ``optimizer_io``, ``peft_format``: a pure ``SavePlan``) -> ``plans.save``
+executes it (agree, create, ``writer.write_files`` hands each rank's blocks) -> a sink
+(``sinks``) writes the bytes. Which checkpoint a resume reads, and its
 verification, is :mod:`~shardtune.checkpoint.resume_choice`.
 
 A checkpoint ``<output_dir>/epoch_<n>`` (or ``step_<n>`` mid-epoch) holds:

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardtune.checkpoint.errors import CheckpointError
 from shardtune.checkpoint.hf_load import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES, log_done, progress_bar
 from shardtune.checkpoint.plans import Copied, SavePlan, SmallFile, save
-from shardtune.checkpoint.errors import CheckpointError
 from shardtune.checkpoint.safetensors_io import parse_size
 from shardtune.checkpoint.sinks import StagedSink, resolve_sink
 from shardtune.checkpoint.writer import BlockFn, FilePlan, Sink, WriteItem, plan_files

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtune.checkpoint.plans import SavePlan, SmallFile, save
 from shardtune.checkpoint.errors import CheckpointError
+from shardtune.checkpoint.plans import SavePlan, SmallFile, save
 from shardtune.checkpoint.safetensors_io import SafetensorsFile
 from shardtune.checkpoint.sinks import resolve_sink
 from shardtune.checkpoint.writer import Sink, WriteItem, plan_files
