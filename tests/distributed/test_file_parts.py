@@ -88,7 +88,7 @@ def _round_trip(out: str, experts: int, dim: int, shared: bool):
     rank's pieces, bytes read and collective counts."""
     from torch.distributed.tensor import distribute_tensor
 
-    from shardtune.checkpoint.hf import load_hf_checkpoint
+    from shardtune.checkpoint.hf_load import load_hf_checkpoint
     from shardtune.checkpoint.hf_save import save_hf_checkpoint
     from shardtune.state_dict import load_from_full_model_state_dict, stats
 

@@ -217,3 +217,57 @@ def staging_size(kind: str, base_dir: str, out_dir: str) -> dict:
         "second_growth": after_second[0] - after_first[0],
         "second_allocs": after_second[1] - after_first[1],
     }
+
+
+def background_poll_and_cuda_rng(kind: str, base_dir: str, out_dir: str) -> dict:
+    """A background save under NCCL published by ``poll()`` alone (its gloo side group beside the
+    NCCL default group), whose ``rng/rank_<r>.safetensors`` holds the CUDA generator: restoring
+    it replays this rank's CUDA random stream exactly."""
+    import time
+
+    import safetensors
+
+    from shardtune.checkpoint import Checkpointer, CheckpointOptions, CheckpointStates
+    from shardtune.checkpoint.state import load_rng, set_rng_state
+    from shardtune.distributed import make_mesh, shard_model
+    from shardtune.models import llama_from_hf_config
+    from shardtune.training.optim import build_optimizer
+
+    device = current_device(kind)
+    with torch.device("meta"):
+        model = llama_from_hf_config(base_dir)
+    shard_model(model, mesh=make_mesh(device=kind))
+    opt = build_optimizer(model.parameters(), lr=1e-3, weight_decay=0.0)
+    ck = Checkpointer(
+        states=CheckpointStates(model=model, optimizer=opt),
+        options=CheckpointOptions(output_dir=out_dir, base_dir=base_dir, seed=0, device=device, async_save=True),
+    )
+    ck.load_base()
+    model.init_buffers(device)
+    torch.manual_seed(1234)  # every device's generator
+    torch.rand(3, device=device)
+    ck.progress.batches_in_epoch = 1  # mid-epoch: named step_<n>
+    published = Path(ck.save(step=1, epoch=0))
+    expected = torch.rand(5, device=device).cpu()  # the draws after the saved state
+    polls = 0
+    deadline = time.monotonic() + 120
+    while ck.save_pending and time.monotonic() < deadline:
+        ck.poll()
+        polls += 1
+        time.sleep(0.01)
+    rank = dist.get_rank()
+    rng_dir = published / "training_state" / "rng"
+    torch.rand(100, device=device)  # move the stream on
+    state = load_rng(rng_dir, rank)
+    if state is None:
+        return {"error": f"no RNG state in {rng_dir}"}
+    set_rng_state(state)
+    replayed = torch.rand(5, device=device).cpu()
+    with safetensors.safe_open(str(rng_dir / f"rank_{rank}.safetensors"), framework="pt") as f:
+        saved_keys = sorted(f.keys())
+    return {
+        "published_by_poll": not ck.save_pending and published.is_dir(),
+        "polls": polls,
+        "saved_keys": saved_keys,
+        "replayed": torch.equal(expected, replayed),
+    }

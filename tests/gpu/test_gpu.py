@@ -97,6 +97,14 @@ def test_async_save_staging_is_one_exact_pinned_allocation(nccl1, tiny_base, tmp
     assert found["second_growth"] == 0 and found["second_allocs"] == 0
 
 
+def test_background_save_is_published_by_poll_and_keeps_the_cuda_rng(nccl1, tiny_base, tmp_path):
+    found = nccl1.run_ok(checks.background_poll_and_cuda_rng, "cuda", str(tiny_base), str(tmp_path / "out"))[0]
+    assert found.get("error") is None, found
+    assert found["published_by_poll"] and found["polls"] >= 1
+    assert "cuda" in found["saved_keys"] and "torch" in found["saved_keys"]
+    assert found["replayed"]
+
+
 def _run(
     recipe: str, config: str, *overrides: str, nproc: int = 1, timeout: float = 300
 ) -> subprocess.CompletedProcess:

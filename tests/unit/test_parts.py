@@ -89,7 +89,7 @@ def _mixtral():
 def test_a_module_renames_its_file_tensors_and_a_single_process_round_trip_keeps_them(tmp_path):
     from safetensors.torch import load_file
 
-    from shardtune.checkpoint.hf import load_hf_checkpoint
+    from shardtune.checkpoint.hf_load import load_hf_checkpoint
     from shardtune.checkpoint.hf_save import save_hf_checkpoint
 
     model = _mixtral()
