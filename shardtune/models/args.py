@@ -19,6 +19,7 @@ import torch
 
 from shardtune.json_files import read_json
 from shardtune.models.families import FULL, SLIDING, Family, get_family, supported_model_types
+from shardtune.models.moe_args import MoeArgs
 
 __all__ = [
     "ModelArgs",
@@ -69,6 +70,7 @@ class ModelArgs:
     query_pre_attn_scalar: float | None = None
     partial_rotary_factor: float = 1.0
     rope_local_theta: float | None = None
+    moe: MoeArgs | None = None  # the experts of a mixture-of-experts family (qwen3_moe, mixtral)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     """Free-form metadata (e.g. token ids) carried into ``model_args_to_hf_config``."""
 
@@ -94,7 +96,12 @@ class ModelArgs:
             raise ValueError(
                 f"ModelArgs: rotary dims head_dim * partial_rotary_factor = {self.rotary_dim} must be even and > 0"
             )
-        get_family(self.model_type)  # raises listing the supported ones
+        self.moe = MoeArgs.of(self.moe)
+        if get_family(self.model_type).moe != (self.moe is not None):  # get_family raises listing the supported ones
+            raise ValueError(
+                f"ModelArgs.moe must be set exactly for mixture-of-experts model types; model_type "
+                f"{self.model_type!r} {'needs' if self.moe is None else 'has no'} experts"
+            )
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(
                 f"ModelArgs.hidden_act {self.hidden_act!r} is not supported; use 'silu' or 'gelu_pytorch_tanh'"
@@ -220,6 +227,13 @@ _CONFIG_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     **dict.fromkeys(("hidden_act", "hidden_activation"), (_STR, True)),
     **dict.fromkeys(("rope_scaling", "rope_parameters"), ((dict,), True)),
     "layer_types": ((list,), True),
+    **dict.fromkeys(
+        ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"),
+        (_INT, True),
+    ),
+    "norm_topk_prob": (_BOOL, True),
+    **dict.fromkeys(("router_aux_loss_coef", "router_jitter_noise"), (_NUMBER, True)),
+    "mlp_only_layers": ((list,), True),
 }
 _TYPE_NAMES: dict[tuple[type, ...], str] = {
     _INT: "an integer",
@@ -244,8 +258,11 @@ def _check_config_types(cfg: Mapping[str, Any], source: str) -> None:
         ok = isinstance(value, types) and (types == _BOOL or not isinstance(value, bool))
         if key == "layer_types" and ok:
             ok = all(isinstance(t, str) for t in value)
+        if key == "mlp_only_layers" and ok:
+            ok = all(isinstance(i, int) and not isinstance(i, bool) for i in value)
         if not ok:
-            expected = _TYPE_NAMES.get(types) or f"a JSON {'object' if types == (dict,) else 'list of strings'}"
+            items = "integers" if key == "mlp_only_layers" else "strings"
+            expected = _TYPE_NAMES.get(types) or f"a JSON {'object' if types == (dict,) else 'list of ' + items}"
             shown = json.dumps(value, default=repr)[:60]
             problems.append(f"{key} must be {expected}{' or null' if nullable else ''}, got {shown}")
     if problems:
