@@ -1,0 +1,62 @@
+"""Mixture-of-experts models under FSDP2 against transformers in one process: loss (with the
+load-balancing loss), logits and every gradient, experts sharded on the expert dim or the next."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from shardtune.distributed import make_mesh, shard_model
+from shardtune.models import from_hf_config
+from shardtune.training import load_from_full_model_state_dict
+from tests.nccl_rules import nccl_rules
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _sharded_vs_transformers(name: str, changes: dict, checkpointing: bool):
+    from tests.unit.test_models_moe import _loss, _rel, batch, hf_moe_model
+
+    hf = hf_moe_model(name, **changes)
+    full_sd = hf.state_dict()
+    with torch.device("meta"):
+        model = from_hf_config(hf.config.to_dict())
+    shard_model(model, mesh=make_mesh(), activation_checkpointing=checkpointing)
+    with nccl_rules() as rules:
+        rules.host(full_sd)
+        load_from_full_model_state_dict(model, full_sd if dist.get_rank() == 0 else {}, "cpu", strict=True)
+    model.init_buffers("cpu")
+    tokens, mask, labels = batch()
+    out = hf(tokens, attention_mask=mask, labels=labels, output_router_logits=True)
+    out.loss.backward()
+    loss, routing, _ = _loss(model, tokens, mask, labels, hf.config.router_aux_loss_coef)
+    loss.backward()  # every rank the same batch: FSDP's averaged gradient is the single-process one
+    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    worst = 0.0
+    for n, p in model.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        worst = max(worst, _rel(grad, hf_grads[n.replace("_checkpoint_wrapped_module.", "")]))
+    expert = model.model.layers[0].mlp.experts.gate_up_proj
+    return {
+        "loss": abs(loss.item() - out.loss.item()),
+        "aux": abs(routing.aux_loss().item() - out.aux_loss.item()),
+        "grad": worst,
+        "placement": tuple(expert.placements),
+        "local": tuple(expert._local_tensor.shape),
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "changes", "checkpointing", "placement", "local"),
+    [
+        ("qwen3_moe", {}, True, Shard(0), (4, 48, 64)),  # 2 ranks divide 8 experts: whole experts per rank
+        ("mixtral", {"num_local_experts": 5}, False, Shard(1), (5, 24, 64)),  # 5 experts: split 2I instead
+    ],
+)
+def test_sharded_forward_backward_equals_transformers(pool2, name, changes, checkpointing, placement, local):
+    res = pool2.run_ok(_sharded_vs_transformers, name, changes, checkpointing, timeout=200)
+    for r in res:
+        assert r["loss"] < 1e-5 and r["aux"] < 1e-6 and r["grad"] < 1e-4, r
+        assert r["placement"] == (placement,) and r["local"] == local, r
