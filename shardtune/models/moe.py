@@ -29,7 +29,7 @@ from shardtune.models.moe_kernels import expert_kernel
 if TYPE_CHECKING:
     from shardtune.models.args import ModelArgs
 
-__all__ = ["Experts", "Router", "SparseMoeBlock", "expert_shard_placement"]
+__all__ = ["Experts", "Router", "SparseMoeBlock", "expert_layout_hint", "expert_shard_placement"]
 
 
 class Router(nn.Module):
@@ -119,3 +119,15 @@ def expert_shard_placement(model: nn.Module, shard_ranks: int) -> Callable[[nn.P
     placement = Shard(0) if experts[0].num_experts % shard_ranks == 0 else Shard(1)
     ids = {id(p) for m in experts for p in m.parameters(recurse=False)}
     return lambda p: placement if id(p) in ids else None
+
+
+def expert_layout_hint(missing: list[str]) -> str:
+    """The fix for a checkpoint that lacks fused experts among ``missing`` keys ('' when it has them)."""
+    if not any(k.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) for k in missing):
+        return ""
+    return (
+        " Experts are read in transformers' fused layout only (mlp.experts.gate_up_proj [E, 2I, H], "
+        "mlp.experts.down_proj [E, H, I]), not per expert (experts.N.gate_proj/up_proj/down_proj, Mixtral's "
+        "block_sparse_moe.experts.N.w1/w2/w3, transformers' default save). Re-save the model once with "
+        "transformers: AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR, save_original_format=False)"
+    )
