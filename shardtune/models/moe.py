@@ -44,12 +44,15 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """The fused weights of E gated MLPs; :meth:`forward` runs expert-sorted token rows."""
+    """The fused weights of E gated MLPs; :meth:`forward` runs expert-sorted token rows, each token
+    through ``top_k`` of them (what its FLOPs count: ``training/flops.py``)."""
 
-    def __init__(self, num_experts: int, dim: int, intermediate: int, *, act: str, device=None, dtype=None) -> None:
+    def __init__(
+        self, num_experts: int, dim: int, intermediate: int, *, top_k: int, act: str, device=None, dtype=None
+    ) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype}
-        self.num_experts = num_experts
+        self.num_experts, self.top_k = num_experts, top_k
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, dim, **kw))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, intermediate, **kw))
         self.act: Callable[[Tensor], Tensor] = F.silu if act == "silu" else lambda t: F.gelu(t, approximate="tanh")
@@ -71,7 +74,7 @@ class SparseMoeBlock(nn.Module):
         self.layer_idx = layer_idx
         self.top_k, self.norm_topk_prob, self.fp32_scores = moe.top_k, moe.norm_topk_prob, moe.fp32_scores
         kw = {"device": device, "dtype": dtype}
-        experts = Experts(moe.num_experts, args.dim, moe.intermediate_size, act=args.hidden_act, **kw)
+        experts = Experts(moe.num_experts, args.dim, moe.intermediate_size, top_k=moe.top_k, act=args.hidden_act, **kw)
         router = Router(moe.num_experts, args.dim, **kw)
         # transformers registers Mixtral's router first and Qwen3-MoE's experts first: same state_dict order
         if moe.fp32_scores:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 from shardtune.distributed import make_mesh, shard_model
@@ -60,3 +61,32 @@ def test_sharded_forward_backward_equals_transformers(pool2, name, changes, chec
     for r in res:
         assert r["loss"] < 1e-5 and r["aux"] < 1e-6 and r["grad"] < 1e-4, r
         assert r["placement"] == (placement,) and r["local"] == local, r
+
+
+def _mixed_precision_and_compile():
+    from tests.unit.test_models_moe import _loss, batch, hf_moe_model
+
+    hf = hf_moe_model("qwen3_moe")
+    tokens, mask, labels = batch()
+    expected = hf(tokens, attention_mask=mask, labels=labels, output_router_logits=True).loss.item()
+    with torch.device("meta"):
+        model = from_hf_config(hf.config.to_dict())
+    try:
+        shard_model(model, mesh=make_mesh(), compile=True)
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    shard_model(model, mesh=make_mesh(), mp_policy=policy)
+    load_from_full_model_state_dict(model, hf.state_dict() if dist.get_rank() == 0 else {}, "cpu", strict=True)
+    model.init_buffers("cpu")
+    loss = _loss(model, tokens, mask, labels, hf.config.router_aux_loss_coef)[0]
+    loss.backward()
+    finite = all(p.grad is not None and p.grad.full_tensor().isfinite().all().item() for p in model.parameters())
+    return {"rel": abs(loss.item() - expected) / expected, "finite": finite, "refused": refused}
+
+
+def test_mixed_precision_runs_bf16_experts_and_compile_is_refused_by_name(pool2):
+    for r in pool2.run_ok(_mixed_precision_and_compile, timeout=120):
+        assert r["rel"] < 2e-2 and r["finite"], r
+        assert "compile is not supported for mixture-of-experts models" in r["refused"], r

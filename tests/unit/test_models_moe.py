@@ -18,6 +18,7 @@ from shardtune.models import from_hf_config, model_args_from_hf_config, model_ar
 from shardtune.models.moe import expert_shard_placement
 from shardtune.models.moe_aux import Routing
 from shardtune.models.moe_kernels import grouped_experts, looped_experts
+from shardtune.training.flops import flops_per_token_fn
 
 VOCAB, SEQ, PAD = 128, 40, 9  # the second row's last PAD tokens are padding
 TOL = 1e-4  # max |ours - hf| / max |hf|
@@ -197,6 +198,17 @@ def test_expert_placement_is_the_expert_dim_when_the_shard_group_divides_it():
     assert (
         expert_shard_placement(from_hf_config(moe_config("qwen3_moe").to_dict() | {"model_type": "qwen3"}), 2) is None
     )
+
+
+def test_flops_count_the_active_experts():
+    model = from_hf_config(moe_config("qwen3_moe").to_dict(), device="meta")
+    h, vocab, experts_per_token = 64, VOCAB, 2
+    attention = 2 * h * h + 2 * h * (2 * 16)  # q, o: h x h; k, v: h x (2 kv heads x head_dim 16)
+    sparse = h * 8 + experts_per_token * 3 * h * 24  # router + 2 of 8 experts of width 24
+    dense = 3 * h * 96
+    norms = 3 * (2 * h + 2 * 16) + h  # per layer 2 norms + q/k norms; the final norm
+    weights = 3 * attention + 2 * sparse + dense + vocab * h + norms  # 3 layers, layer 1 dense; lm_head
+    assert flops_per_token_fn(model)(SEQ) == 6 * weights + 12 * 3 * 4 * 16 * SEQ
 
 
 def test_router_jitter_noise_is_refused_naming_the_key():
