@@ -19,19 +19,11 @@ from shardtune.models.moe import expert_shard_placement
 from shardtune.models.moe_aux import Routing
 from shardtune.models.moe_kernels import grouped_experts, looped_experts
 from shardtune.training.flops import flops_per_token_fn
+from tests.unit.test_models_families import COMMON as DENSE_COMMON
 
 VOCAB, SEQ, PAD = 128, 40, 9  # the second row's last PAD tokens are padding
 TOL = 1e-4  # max |ours - hf| / max |hf|
-COMMON = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-    "num_experts_per_tok": 2,
-    "router_aux_loss_coef": 0.05,
-}
+COMMON = {**DENSE_COMMON, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.05}  # each config sets its widths
 MOE_CONFIGS = {
     # layer 1 dense (mlp_only_layers), experts 2I = 48 != H = 64; dense intermediate 96
     "qwen3_moe": (
