@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import transformers
 from torch.distributed.tensor import Shard
 
+from shardtune.generation import generate
 from shardtune.models import from_hf_config, model_args_from_hf_config, model_args_to_hf_config
 from shardtune.models.moe import expert_shard_placement
 from shardtune.models.moe_aux import Routing
@@ -190,6 +191,15 @@ def test_expert_placement_is_the_expert_dim_when_the_shard_group_divides_it():
     assert (
         expert_shard_placement(from_hf_config(moe_config("qwen3_moe").to_dict() | {"model_type": "qwen3"}), 2) is None
     )
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_greedy_generation_with_the_kv_cache_equals_transformers(name):
+    hf = hf_moe_model(name).eval()
+    ours = ours_from(hf).eval()
+    prompt = batch()[0][0, :12].tolist()  # longer than Mixtral's sliding window
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt) :].tolist()
+    assert generate(ours, prompt, max_new_tokens=10, device="cpu") == expected
 
 
 def test_flops_count_the_active_experts():
