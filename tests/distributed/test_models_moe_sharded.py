@@ -1,5 +1,6 @@
-"""Mixture-of-experts models under FSDP2 against transformers in one process: loss (with the
-load-balancing loss), logits and every gradient, experts sharded on the expert dim or the next."""
+"""Mixture-of-experts models under FSDP2 (2 and 4 ranks) against transformers in one process: loss
+(with the load-balancing loss) and every gradient, experts sharded on the expert dim or the next,
+with activation checkpointing; bf16 mixed precision runs; compile is refused by name."""
 
 from __future__ import annotations
 
@@ -61,6 +62,12 @@ def test_sharded_forward_backward_equals_transformers(pool2, name, changes, chec
     for r in res:
         assert r["loss"] < 1e-5 and r["aux"] < 1e-6 and r["grad"] < 1e-4, r
         assert r["placement"] == (placement,) and r["local"] == local, r
+
+
+def test_sharded_on_4_ranks_equals_transformers(pool4):
+    for r in pool4.run_ok(_sharded_vs_transformers, "mixtral", {}, True, timeout=200):
+        assert r["loss"] < 1e-5 and r["aux"] < 1e-6 and r["grad"] < 1e-4, r
+        assert r["placement"] == (Shard(0),) and r["local"] == (2, 48, 64), r
 
 
 def _mixed_precision_and_compile():
