@@ -1,8 +1,9 @@
-"""A Qwen3-MoE base (transformers' fused expert layout) through the full fine-tuning recipe on 2 CPU
-ranks, with activation checkpointing and the chunked loss: the first step's loss equals transformers'
-``out.loss`` (cross-entropy plus ``router_aux_loss_coef`` times the load-balancing loss of the real
-tokens) on the same global batch, ``aux_loss`` is logged, and the saved model loads in transformers
-with the trained weights. A per-expert base checkpoint is refused naming the layout to re-save in."""
+"""A Qwen3-MoE base (transformers' fused expert layout) through the full and LoRA fine-tuning recipes on
+2 CPU ranks, with activation checkpointing and the chunked loss: the first step's loss equals
+transformers' ``out.loss`` (cross-entropy plus ``router_aux_loss_coef`` times the load-balancing loss
+of the real tokens) on the same global batch, ``aux_loss`` is logged, the saved model loads in
+transformers with the trained weights, the LoRA adapter (attention) in peft with the merged model's
+logits. A per-expert base checkpoint is refused naming the layout to re-save in."""
 
 from __future__ import annotations
 
@@ -58,14 +59,14 @@ def _moe_base(tiny_base: Path, dest: Path, *, fused: bool = True) -> Path:
     return dest
 
 
-def _reference_first_step(base: Path) -> tuple[float, float]:
+def _reference_first_step(base: Path, config: str) -> tuple[float, float]:
     """(loss, aux_loss) of step 1 as the loop defines them, from transformers on each rank's batch."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(base, experts_implementation="eager").eval()
     loss_sum, aux_sum, tokens = 0.0, 0.0, 0
     with torch.no_grad():
-        for batch in _first_global_batch("tiny/full", base):
+        for batch in _first_global_batch(config, base):
             out = model(batch["tokens"], attention_mask=batch["attention_mask"], output_router_logits=True)
             logits, labels = out.logits[:, :-1], batch["labels"][:, 1:]
             ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
@@ -85,7 +86,7 @@ def test_moe_full_finetune_first_step_equals_transformers_and_saves_fused(tiny_d
     overrides += ["batch_size=4", "log_every_n_steps=1", "enable_activation_checkpointing=true"]
     run_recipe("full_finetune_distributed", "tiny/full", *overrides)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    loss, aux = _reference_first_step(base)
+    loss, aux = _reference_first_step(base, "tiny/full")
     assert abs(rows[0]["loss"] - loss) < 1e-4 * loss, (rows[0], loss)
     assert abs(rows[0]["aux_loss"] - aux) < 1e-4 * aux, (rows[0], aux)
     final = out / "epoch_1"
@@ -97,6 +98,30 @@ def test_moe_full_finetune_first_step_equals_transformers_and_saves_fused(tiny_d
     assert not info["missing_keys"] and not info["unexpected_keys"]
     for name, p in trained.state_dict().items():
         assert torch.equal(p, saved[name]), name
+
+
+def test_moe_lora_first_step_equals_transformers_and_adapter_loads_in_peft(tiny_dirs, tmp_path):
+    import peft
+    import transformers
+
+    base = _moe_base(tiny_dirs["base"], tmp_path / "moe_base")
+    out = tmp_path / "run"
+    overrides = [f"output_dir={out}", f"checkpoint_dir={base}", "model=null", "epochs=1", "max_steps_per_epoch=2"]
+    overrides += ["batch_size=4", "log_every_n_steps=1", "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"]
+    run_recipe("lora_finetune_distributed", "tiny/lora", *overrides)
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    loss, aux = _reference_first_step(base, "tiny/lora")  # fresh adapters: the base's loss
+    assert abs(first["loss"] - loss) < 1e-4 * loss and abs(first["aux_loss"] - aux) < 1e-4 * aux, (first, loss)
+    final, tokens = out / "epoch_1", torch.arange(3, 40).reshape(1, -1)
+    load = {"experts_implementation": "eager"}
+    merged = transformers.AutoModelForCausalLM.from_pretrained(final, **load).eval()
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(base, **load).eval()
+    with torch.no_grad():
+        plain = base_model(tokens).logits
+        adapted = peft.PeftModel.from_pretrained(base_model, final / "adapter").eval()(tokens).logits
+        got = merged(tokens).logits
+    assert (got - adapted).abs().max() < 1e-4
+    assert (got - plain).abs().max() > 1e-3  # the adapters changed the model
 
 
 def test_per_expert_base_is_refused_naming_the_fused_layout(tiny_dirs, tmp_path):
