@@ -1,4 +1,4 @@
-"""Mixture-of-experts models under FSDP2 (2 and 4 ranks) against transformers in one process: loss
+"""Mixture-of-experts models under FSDP2 (2 and 4 ranks, HSDP) against transformers in one process: loss
 (with the load-balancing loss) and every gradient, experts sharded on the expert dim or the next,
 with activation checkpointing; bf16 mixed precision runs; compile is refused by name."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardtune.distributed import make_mesh, shard_model
 from shardtune.models import from_hf_config
@@ -18,14 +18,14 @@ from tests.nccl_rules import nccl_rules
 pytestmark = pytest.mark.timeout(240)
 
 
-def _sharded_vs_transformers(name: str, changes: dict, checkpointing: bool):
+def _sharded_vs_transformers(name: str, changes: dict, checkpointing: bool, replicate: int = 1):
     from tests.unit.test_models_moe import _loss, _rel, batch, hf_moe_model
 
     hf = hf_moe_model(name, **changes)
     full_sd = hf.state_dict()
     with torch.device("meta"):
         model = from_hf_config(hf.config.to_dict())
-    shard_model(model, mesh=make_mesh(), activation_checkpointing=checkpointing)
+    shard_model(model, mesh=make_mesh(replicate=replicate), activation_checkpointing=checkpointing)
     with nccl_rules() as rules:
         rules.host(full_sd)
         load_from_full_model_state_dict(model, full_sd if dist.get_rank() == 0 else {}, "cpu", strict=True)
@@ -64,10 +64,13 @@ def test_sharded_forward_backward_equals_transformers(pool2, name, changes, chec
         assert r["placement"] == (placement,) and r["local"] == local, r
 
 
-def test_sharded_on_4_ranks_equals_transformers(pool4):
-    for r in pool4.run_ok(_sharded_vs_transformers, "mixtral", {}, True, timeout=200):
+@pytest.mark.parametrize(
+    ("replicate", "placement", "local"), [(1, (Shard(0),), (2, 48, 64)), (2, (Replicate(), Shard(0)), (4, 48, 64))]
+)
+def test_sharded_on_4_ranks_and_hsdp_equals_transformers(pool4, replicate, placement, local):
+    for r in pool4.run_ok(_sharded_vs_transformers, "mixtral", {}, True, replicate, timeout=200):
         assert r["loss"] < 1e-5 and r["aux"] < 1e-6 and r["grad"] < 1e-4, r
-        assert r["placement"] == (Shard(0),) and r["local"] == (2, 48, 64), r
+        assert r["placement"] == placement and r["local"] == local, r
 
 
 def _mixed_precision_and_compile():
