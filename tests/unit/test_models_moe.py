@@ -216,3 +216,14 @@ def test_flops_count_the_active_experts():
 def test_router_jitter_noise_is_refused_naming_the_key():
     with pytest.raises(ValueError, match="router_jitter_noise"):
         model_args_from_hf_config(moe_config("mixtral", router_jitter_noise=0.1).to_dict())
+
+
+def test_batches_mark_padding_for_the_aux_loss():
+    """collate and packing give transformers' attention_mask: 1 on real tokens, 0 on padding."""
+    from shardtune.data import collate
+    from shardtune.data.packing import PackedDataset
+
+    samples = [{"tokens": [5, 6, 7], "labels": [5, 6, 7]}, {"tokens": [8], "labels": [8]}]
+    assert collate(samples, pad_id=0)["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    packs = PackedDataset(samples, max_seq_len=6, pad_id=0)
+    assert collate([packs[0]], pad_id=0)["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0]]
