@@ -77,19 +77,23 @@ def _reference_first_step(base: Path, config: str) -> tuple[float, float]:
     return loss_sum / tokens, aux_sum / tokens
 
 
-def test_moe_full_finetune_first_step_equals_transformers_and_saves_fused(tiny_dirs, tmp_path):
-    import transformers
-
+def _first_step_checked(recipe: str, config: str, tiny_dirs, tmp_path: Path, extra: str) -> tuple[Path, Path]:
+    """Run ``recipe`` 2 steps on a fresh MoE base; check step 1's loss and aux_loss; returns (base, epoch_1)."""
     base = _moe_base(tiny_dirs["base"], tmp_path / "moe_base")
     out = tmp_path / "run"
     overrides = [f"output_dir={out}", f"checkpoint_dir={base}", "model=null", "epochs=1", "max_steps_per_epoch=2"]
-    overrides += ["batch_size=4", "log_every_n_steps=1", "enable_activation_checkpointing=true"]
-    run_recipe("full_finetune_distributed", "tiny/full", *overrides)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    loss, aux = _reference_first_step(base, "tiny/full")
-    assert abs(rows[0]["loss"] - loss) < 1e-4 * loss, (rows[0], loss)
-    assert abs(rows[0]["aux_loss"] - aux) < 1e-4 * aux, (rows[0], aux)
-    final = out / "epoch_1"
+    run_recipe(recipe, config, *overrides, "batch_size=4", "log_every_n_steps=1", extra)
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    loss, aux = _reference_first_step(base, config)  # LoRA: fresh adapters, the base's loss
+    assert abs(first["loss"] - loss) < 1e-4 * loss and abs(first["aux_loss"] - aux) < 1e-4 * aux, (first, loss)
+    return base, out / "epoch_1"
+
+
+def test_moe_full_finetune_first_step_equals_transformers_and_saves_fused(tiny_dirs, tmp_path):
+    import transformers
+
+    checkpointing = "enable_activation_checkpointing=true"
+    _, final = _first_step_checked("full_finetune_distributed", "tiny/full", tiny_dirs, tmp_path, checkpointing)
     saved = load_file(final / "model.safetensors")
     assert saved["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 48, 64)
     trained, info = transformers.AutoModelForCausalLM.from_pretrained(
@@ -104,15 +108,9 @@ def test_moe_lora_first_step_equals_transformers_and_adapter_loads_in_peft(tiny_
     import peft
     import transformers
 
-    base = _moe_base(tiny_dirs["base"], tmp_path / "moe_base")
-    out = tmp_path / "run"
-    overrides = [f"output_dir={out}", f"checkpoint_dir={base}", "model=null", "epochs=1", "max_steps_per_epoch=2"]
-    overrides += ["batch_size=4", "log_every_n_steps=1", "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"]
-    run_recipe("lora_finetune_distributed", "tiny/lora", *overrides)
-    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-    loss, aux = _reference_first_step(base, "tiny/lora")  # fresh adapters: the base's loss
-    assert abs(first["loss"] - loss) < 1e-4 * loss and abs(first["aux_loss"] - aux) < 1e-4 * aux, (first, loss)
-    final, tokens = out / "epoch_1", torch.arange(3, 40).reshape(1, -1)
+    targets = "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"
+    base, final = _first_step_checked("lora_finetune_distributed", "tiny/lora", tiny_dirs, tmp_path, targets)
+    tokens = torch.arange(3, 40).reshape(1, -1)
     load = {"experts_implementation": "eager"}
     merged = transformers.AutoModelForCausalLM.from_pretrained(final, **load).eval()
     base_model = transformers.AutoModelForCausalLM.from_pretrained(base, **load).eval()
