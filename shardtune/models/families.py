@@ -8,6 +8,7 @@ embeddings) are handled once in ``args.py``. Adding a family = one ``Family`` en
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -287,13 +288,8 @@ def _mixtral_write(args: ModelArgs) -> dict[str, Any]:
     _require(args, "mixtral", attention_bias=False, o_proj_bias=False, mlp_bias=False)
     moe = args.moe
     assert moe is not None  # ModelArgs.__post_init__ requires it for this family
-    if (moe.intermediate_size, moe.norm_topk_prob, moe.mlp_only_layers, moe.decoder_sparse_step, moe.fp32_scores) != (
-        args.intermediate_size,
-        True,
-        (),
-        1,
-        True,
-    ):
+    fixed = {"norm_topk_prob": True, "mlp_only_layers": (), "decoder_sparse_step": 1, "fp32_scores": True}
+    if moe != dataclasses.replace(moe, intermediate_size=args.intermediate_size, **fixed):
         raise ValueError(
             "model_type 'mixtral' has experts of intermediate_size in every layer, normalized fp32 top-k weights: "
             "set MoeArgs(intermediate_size=ModelArgs.intermediate_size, norm_topk_prob=True, fp32_scores=True) "
