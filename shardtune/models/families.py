@@ -288,8 +288,15 @@ def _mixtral_write(args: ModelArgs) -> dict[str, Any]:
     _require(args, "mixtral", attention_bias=False, o_proj_bias=False, mlp_bias=False)
     moe = args.moe
     assert moe is not None  # ModelArgs.__post_init__ requires it for this family
-    fixed = {"norm_topk_prob": True, "mlp_only_layers": (), "decoder_sparse_step": 1, "fp32_scores": True}
-    if moe != dataclasses.replace(moe, intermediate_size=args.intermediate_size, **fixed):
+    as_mixtral = dataclasses.replace(
+        moe,
+        intermediate_size=args.intermediate_size,
+        norm_topk_prob=True,
+        mlp_only_layers=(),
+        decoder_sparse_step=1,
+        fp32_scores=True,
+    )
+    if moe != as_mixtral:
         raise ValueError(
             "model_type 'mixtral' has experts of intermediate_size in every layer, normalized fp32 top-k weights: "
             "set MoeArgs(intermediate_size=ModelArgs.intermediate_size, norm_topk_prob=True, fp32_scores=True) "
