@@ -7,6 +7,8 @@ which transformers' ``attention_mask`` leaves out of the load-balancing loss.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import safetensors.torch
 import torch
@@ -211,6 +213,16 @@ def test_flops_count_the_active_experts():
     norms = 3 * (2 * h + 2 * 16) + h  # per layer 2 norms + q/k norms; the final norm
     weights = 3 * attention + 2 * sparse + dense + vocab * h + norms  # 3 layers, layer 1 dense; lm_head
     assert flops_per_token_fn(model)(SEQ) == 6 * weights + 12 * 3 * 4 * 16 * SEQ
+
+
+def test_experts_a_config_cannot_express_are_refused():
+    args = model_args_from_hf_config(moe_config("mixtral").to_dict())
+    with pytest.raises(ValueError, match="norm_topk_prob=True"):
+        model_args_to_hf_config(args.replace(moe=dataclasses.replace(args.moe, norm_topk_prob=False)))
+    with pytest.raises(ValueError, match="model_type 'mixtral' needs experts"):
+        args.replace(moe=None)
+    with pytest.raises(ValueError, match="model_type 'llama' has no experts"):
+        args.replace(model_type="llama")
 
 
 def test_router_jitter_noise_is_refused_naming_the_key():
