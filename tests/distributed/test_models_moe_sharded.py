@@ -100,3 +100,44 @@ def test_mixed_precision_runs_bf16_experts_and_compile_is_refused_by_name(pool2)
     for r in pool2.run_ok(_mixed_precision_and_compile, timeout=120):
         assert r["rel"] < 2e-2 and r["finite"], r
         assert "compile is not supported for mixture-of-experts models" in r["refused"], r
+
+
+def _unsharded_in_backward() -> int:
+    """The most FSDP2 param groups unsharded at once during backward of loss + aux loss (6 sparse layers)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from tests.unit.test_models_moe import _loss, batch, hf_moe_model
+
+    hf = hf_moe_model("qwen3_moe", num_hidden_layers=6, mlp_only_layers=[])
+    with torch.device("meta"):
+        model = from_hf_config(hf.config.to_dict())
+    shard_model(model, mesh=make_mesh())
+    load_from_full_model_state_dict(model, hf.state_dict() if dist.get_rank() == 0 else {}, "cpu", strict=True)
+    model.init_buffers("cpu")
+    loss = _loss(model, *batch(), 0.05)[0]
+    live: set[int] = set()
+    most = 0
+    unshard, reshard = FSDPParamGroup.unshard, FSDPParamGroup.reshard
+
+    def counting_unshard(self, *args, **kwargs):
+        nonlocal most
+        live.add(id(self))
+        most = max(most, len(live))
+        return unshard(self, *args, **kwargs)
+
+    def counting_reshard(self, *args, **kwargs):
+        live.discard(id(self))
+        return reshard(self, *args, **kwargs)
+
+    FSDPParamGroup.unshard, FSDPParamGroup.reshard = counting_unshard, counting_reshard
+    try:
+        loss.backward()
+    finally:
+        FSDPParamGroup.unshard, FSDPParamGroup.reshard = unshard, reshard
+    return most
+
+
+def test_aux_loss_gradient_keeps_backward_layer_by_layer(pool2):
+    """The routers get the aux loss's gradient in their own layer's backward: FSDP2 holds the root, the
+    layer and the prefetched next one, never all 6 layers at once."""
+    assert all(most <= 3 for most in pool2.run_ok(_unsharded_in_backward, timeout=120))
