@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from shardtune.launch_checks import check_launch
+from shardtune.models.moe import expert_shard_placement
 from shardtune.state_dict.nf4 import is_nf4
 
 log = logging.getLogger(__name__)
@@ -120,8 +121,17 @@ def shard_model(
     FSDP2 then skips its all-gather and rebuilds each param from the first all-gather input
     alone, which loses the NF4 scalers (torchao's ``fsdp_post_all_gather`` needs all three).
     They are frozen, so FSDP has nothing to reduce for them.
+
+    Mixture-of-experts layers shard their experts on the expert dim when the shard dimension's
+    size divides the number of experts, else on the next dim (``moe.expert_shard_placement``).
+    ``compile`` is refused for them (their routing record is not traced).
     """
     mesh = mesh or make_mesh()
+    placement = expert_shard_placement(model, mesh.size(mesh.ndim - 1))
+    if compile and placement is not None:
+        raise ValueError(
+            "compile is not supported for mixture-of-experts models (qwen3_moe, mixtral) yet; set compile: false"
+        )
     options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mesh.size(mesh.ndim - 1) == 1:
         options["ignored_params"] = {p for p in model.parameters() if is_nf4(p)}
@@ -137,6 +147,6 @@ def shard_model(
             layers[i] = layer
         if compile:
             layer.compile()
-        fully_shard(layer, **options)
+        fully_shard(layer, **options, shard_placement_fn=placement)
     fully_shard(model, **options)
     return model

@@ -82,6 +82,7 @@ from shardtune.checkpoint.strategies import (
 )
 from shardtune.distributed import device_type
 from shardtune.faults import fault_point
+from shardtune.models.moe import expert_layout_hint
 from shardtune.peft.lora import is_lora
 from shardtune.state_dict import comm
 from shardtune.state_dict.keys import StateDictError
@@ -160,7 +161,7 @@ class Checkpointer:
         if missing:
             raise StateDictError(
                 f"{self.options.base_dir} lacks weights the model needs: {missing[:10]}; "
-                "point checkpoint_dir at a model of the same architecture."
+                "point checkpoint_dir at a model of the same architecture." + expert_layout_hint(missing)
             )
 
     def resume(self, *, checkpoint: str | os.PathLike | None = None) -> TrainingProgress | None:

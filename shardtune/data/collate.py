@@ -20,6 +20,9 @@ def collate(
     ``logits[:, :-1]`` against ``labels[:, 1:]``. Padding comes after every real token, so a
     causal model needs no attention mask. When every sample has ``position_ids`` (packed
     data), they are stacked too (padding positions continue each row's count).
+    ``attention_mask [b, s]`` (transformers' name) is 1 on real tokens and 0 on padding, a
+    sample's own ``attention_mask`` (a pack's padding) included; the load-balancing loss of
+    mixture-of-experts models leaves the zeros out, as transformers does.
     """
     if not batch:
         raise ValueError("cannot collate an empty batch")
@@ -33,7 +36,10 @@ def collate(
     for i, sample in enumerate(batch):
         tokens[i, : lengths[i]] = torch.as_tensor(sample["tokens"], dtype=torch.long)
         labels[i, : lengths[i]] = torch.as_tensor(sample["labels"], dtype=torch.long)
-    out = {"tokens": tokens, "labels": labels}
+    mask = torch.zeros((len(batch), seq_len), dtype=torch.long)
+    for i, sample in enumerate(batch):
+        mask[i, : lengths[i]] = torch.as_tensor(sample.get("attention_mask", [1] * lengths[i]), dtype=torch.long)
+    out = {"tokens": tokens, "labels": labels, "attention_mask": mask}
     if all("position_ids" in sample for sample in batch):
         positions = torch.arange(seq_len, dtype=torch.long).repeat(len(batch), 1)
         for i, sample in enumerate(batch):

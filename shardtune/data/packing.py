@@ -8,6 +8,7 @@ exactly ``max_seq_len`` positions:
 * ``labels``: the samples' labels, with the first label of every sample set to ``-100`` (so
   the last token of one sample is never trained to predict the start of the next), and
   ``-100`` on the padding; the loss of a pack is therefore the sum of its samples' losses;
+* ``attention_mask``: 1 on the samples' tokens, 0 on the padding;
 * ``position_ids``: restart at 0 for every sample (RoPE positions as if each sample stood
   alone); the padding continues the last sample's positions.
 
@@ -70,6 +71,7 @@ class PackedDataset(Dataset):
             "tokens": pack["tokens"] + [self.pad_id] * n_pad,
             "labels": pack["labels"] + [_IGNORE] * n_pad,
             "position_ids": pack["position_ids"] + list(range(last_pos + 1, last_pos + 1 + n_pad)),
+            "attention_mask": [1] * len(pack["tokens"]) + [0] * n_pad,
         }
 
     def __len__(self) -> int:

@@ -20,6 +20,8 @@ from shardtune.models.losses import (
     early_exit_loss_scales,
     forward_kl_loss,
 )
+from shardtune.models.moe_args import MoeArgs
+from shardtune.models.moe_aux import Routing
 from shardtune.models.packed_attention import sample_lengths
 from shardtune.models.registry import (
     build_model,
@@ -42,8 +44,10 @@ __all__ = [
     "LlamaForCausalLM",
     "LlamaModel",
     "ModelArgs",
+    "MoeArgs",
     "RMSNorm",
     "RotaryEmbedding",
+    "Routing",
     "build_model",
     "compute_inv_freq",
     "cross_entropy_loss",

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardtune.models.moe_args import MoeArgs
+
 __all__ = ["FULL", "SLIDING", "ModelArgs"]
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # the layer types of ``ModelArgs.layer_types``
@@ -59,6 +61,7 @@ class ModelArgs:
     query_pre_attn_scalar: float | None = None
     partial_rotary_factor: float = 1.0
     rope_local_theta: float | None = None
+    moe: MoeArgs | None = None  # the experts of a mixture-of-experts family (qwen3_moe, mixtral)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     """Free-form metadata (e.g. token ids) carried into ``model_args_to_hf_config``."""
 
@@ -84,6 +87,7 @@ class ModelArgs:
             raise ValueError(
                 f"ModelArgs: rotary dims head_dim * partial_rotary_factor = {self.rotary_dim} must be even and > 0"
             )
+        self.moe = MoeArgs.of(self.moe)
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(
                 f"ModelArgs.hidden_act {self.hidden_act!r} is not supported; use 'silu' or 'gelu_pytorch_tanh'"

@@ -8,13 +8,15 @@ embeddings) are handled once in ``args.py``. Adding a family = one ``Family`` en
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardtune.models.args import FULL, SLIDING, ModelArgs
+from shardtune.models.moe_args import MoeArgs
 
-__all__ = ["FAMILIES", "Family", "get_family", "supported_model_types"]
+__all__ = ["FAMILIES", "Family", "family_of", "get_family", "supported_model_types"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class Family:
     default_theta: float = 10000.0
     default_eps: float = 1e-6
     default_local_theta: float | None = None  # sliding layers' own rope base (Gemma 3)
+    moe: bool = False  # sparse layers route to experts (``ModelArgs.moe``, models/moe.py)
 
 
 def _require(args: ModelArgs, family: str, **expected: Any) -> None:
@@ -209,6 +212,101 @@ def _gemma3_read(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return _gemma_read(cfg, 6, (None, None))
 
 
+# --- qwen3_moe / mixtral ---------------------------------------------------------------------------------------------
+def _experts(cfg: Mapping[str, Any], *, count_key: str, size_key: str, **fixed: Any) -> dict[str, Any]:
+    # transformers' Qwen3MoeConfig maps num_experts to num_local_experts when it writes config.json
+    count = cfg.get(count_key, cfg.get("num_local_experts"))
+    if count is None or "num_experts_per_tok" not in cfg or size_key not in cfg:
+        raise ValueError(
+            f"config.json of model_type {cfg.get('model_type')!r} needs {count_key}, num_experts_per_tok and "
+            f"{size_key}; use the model's config.json as transformers writes it"
+        )
+    return {
+        "moe": MoeArgs(
+            num_experts=int(count),
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg[size_key]),
+            router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001)),
+            **fixed,
+        )
+    }
+
+
+def _qwen3_moe_read(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    bias = bool(cfg.get("attention_bias", False))
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    experts = _experts(
+        cfg,
+        count_key="num_experts",
+        size_key="moe_intermediate_size",
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
+    )
+    return {"attention_bias": bias, "o_proj_bias": bias, **_read_window({"sliding_window": window}), **experts}
+
+
+def _moe_entries(moe: MoeArgs) -> dict[str, Any]:
+    return {"num_experts_per_tok": moe.top_k, "router_aux_loss_coef": moe.router_aux_loss_coef}
+
+
+def _qwen3_moe_write(args: ModelArgs) -> dict[str, Any]:
+    _require(args, "qwen3_moe", o_proj_bias=args.attention_bias, mlp_bias=False)
+    moe, window = args.moe, _uniform_window(args, "qwen3_moe")
+    assert moe is not None  # ModelArgs.__post_init__ requires it for this family
+    return {
+        "attention_bias": args.attention_bias,
+        "head_dim": args.head_dim,
+        "use_sliding_window": window is not None,
+        "sliding_window": window,
+        "num_experts": moe.num_experts,
+        "moe_intermediate_size": moe.intermediate_size,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "mlp_only_layers": list(moe.mlp_only_layers),
+        "decoder_sparse_step": moe.decoder_sparse_step,
+        **_moe_entries(moe),
+    }
+
+
+def _mixtral_read(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    if cfg.get("router_jitter_noise"):
+        raise ValueError(
+            f"config router_jitter_noise={cfg['router_jitter_noise']} is not supported (it randomizes routing in "
+            "training); set it to 0.0 in config.json"
+        )
+    experts = _experts(
+        cfg, count_key="num_local_experts", size_key="intermediate_size", norm_topk_prob=True, fp32_scores=True
+    )
+    return {**_read_window(cfg), **experts}
+
+
+def _mixtral_write(args: ModelArgs) -> dict[str, Any]:
+    _require(args, "mixtral", attention_bias=False, o_proj_bias=False, mlp_bias=False)
+    moe = args.moe
+    assert moe is not None  # ModelArgs.__post_init__ requires it for this family
+    as_mixtral = dataclasses.replace(
+        moe,
+        intermediate_size=args.intermediate_size,
+        norm_topk_prob=True,
+        mlp_only_layers=(),
+        decoder_sparse_step=1,
+        fp32_scores=True,
+    )
+    if moe != as_mixtral:
+        raise ValueError(
+            "model_type 'mixtral' has experts of intermediate_size in every layer, normalized fp32 top-k weights: "
+            "set MoeArgs(intermediate_size=ModelArgs.intermediate_size, norm_topk_prob=True, fp32_scores=True) "
+            "without mlp_only_layers, or use model_type='qwen3_moe'"
+        )
+    return {
+        "head_dim": args.head_dim,
+        "sliding_window": _uniform_window(args, "mixtral"),
+        "num_local_experts": moe.num_experts,
+        "router_jitter_noise": 0.0,
+        **_moe_entries(moe),
+    }
+
+
 _FUSED = {
     "q_proj": "qkv_proj",
     "k_proj": "qkv_proj",
@@ -253,6 +351,16 @@ FAMILIES: dict[str, Family] = {
             default_local_theta=10_000.0,
             **_GEMMA,
         ),
+        Family("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3_moe_read, _qwen3_moe_write, qk_norm=True, moe=True),
+        Family(
+            "mixtral",
+            "MixtralForCausalLM",
+            _mixtral_read,
+            _mixtral_write,
+            default_theta=1_000_000.0,
+            default_eps=1e-5,
+            moe=True,
+        ),
     )
 }
 
@@ -260,6 +368,18 @@ FAMILIES: dict[str, Family] = {
 def supported_model_types() -> list[str]:
     """HF ``model_type`` values shardtune builds."""
     return list(FAMILIES)
+
+
+def family_of(args: ModelArgs) -> Family:
+    """The spec of ``args.model_type``, checked against ``args``: experts (``args.moe``) exactly
+    for mixture-of-experts families. ``ValueError`` naming the model type otherwise."""
+    family = get_family(args.model_type)
+    if family.moe != (args.moe is not None):
+        raise ValueError(
+            f"ModelArgs.moe must be set exactly for mixture-of-experts model types; model_type "
+            f"{args.model_type!r} {'needs' if args.moe is None else 'has no'} experts"
+        )
+    return family
 
 
 def get_family(model_type: str) -> Family:

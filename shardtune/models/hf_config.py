@@ -19,7 +19,7 @@ import torch
 
 from shardtune.json_files import read_json
 from shardtune.models.args import FULL, SLIDING, ModelArgs
-from shardtune.models.families import Family, get_family, supported_model_types
+from shardtune.models.families import Family, family_of, get_family, supported_model_types
 
 __all__ = ["load_hf_config", "model_args_from_hf_config", "model_args_to_hf_config"]
 
@@ -72,6 +72,13 @@ _CONFIG_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     **dict.fromkeys(("hidden_act", "hidden_activation"), (_STR, True)),
     **dict.fromkeys(("rope_scaling", "rope_parameters"), ((dict,), True)),
     "layer_types": ((list,), True),
+    **dict.fromkeys(
+        ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"),
+        (_INT, True),
+    ),
+    "norm_topk_prob": (_BOOL, True),
+    **dict.fromkeys(("router_aux_loss_coef", "router_jitter_noise"), (_NUMBER, True)),
+    "mlp_only_layers": ((list,), True),
 }
 _TYPE_NAMES: dict[tuple[type, ...], str] = {
     _INT: "an integer",
@@ -96,8 +103,11 @@ def _check_config_types(cfg: Mapping[str, Any], source: str) -> None:
         ok = isinstance(value, types) and (types == _BOOL or not isinstance(value, bool))
         if key == "layer_types" and ok:
             ok = all(isinstance(t, str) for t in value)
+        if key == "mlp_only_layers" and ok:
+            ok = all(isinstance(i, int) and not isinstance(i, bool) for i in value)
         if not ok:
-            expected = _TYPE_NAMES.get(types) or f"a JSON {'object' if types == (dict,) else 'list of strings'}"
+            items = "integers" if key == "mlp_only_layers" else "strings"
+            expected = _TYPE_NAMES.get(types) or f"a JSON {'object' if types == (dict,) else 'list of ' + items}"
             shown = json.dumps(value, default=repr)[:60]
             problems.append(f"{key} must be {expected}{' or null' if nullable else ''}, got {shown}")
     if problems:
@@ -197,7 +207,7 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
 
 def _check_family_features(args: ModelArgs) -> None:
     """Raise when ``args`` uses a feature the family's HF config cannot say (it would load differently)."""
-    family = get_family(args.model_type)
+    family = family_of(args)
     unsupported = []
     if not family.gemma_norm:
         unsupported += [

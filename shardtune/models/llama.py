@@ -24,10 +24,12 @@ from torch import Tensor, nn
 
 from shardtune.models.args import FULL, SLIDING, ModelArgs
 from shardtune.models.attention import Attention, KVUpdate, RMSNorm, attention_mask, init_linear
-from shardtune.models.families import get_family
+from shardtune.models.families import family_of, get_family
 from shardtune.models.kv_cache import KVCache, cached_attention_mask
 from shardtune.models.layer_dropout import LayerDropoutSchedule, layer_dropout_probs
 from shardtune.models.linear_cross_entropy import LinearHead, head_for_several_losses, softcap
+from shardtune.models.moe import SparseMoeBlock
+from shardtune.models.moe_aux import Routing
 from shardtune.models.packed_attention import (
     PackedSamples,
     SampleLengths,
@@ -87,13 +89,17 @@ class DecoderLayer(nn.Module):
     """Pre-norm transformer block: attention and MLP, each with a residual. With the family's
     sandwich norms (Gemma 2/3) each branch output is normed too before its residual add."""
 
-    def __init__(self, args: ModelArgs, *, layer_type: str = FULL, device=None, dtype=None) -> None:
+    def __init__(self, args: ModelArgs, *, layer_type: str = FULL, layer_idx: int = 0, device=None, dtype=None) -> None:
         super().__init__()
         self.layer_type = layer_type
         family = get_family(args.model_type)
         norm = {"eps": args.norm_eps, "offset": family.gemma_norm, "device": device, "dtype": dtype}
         self.self_attn = Attention(args, device=device, dtype=dtype)
-        self.mlp = MLP(args, device=device, dtype=dtype)
+        self.mlp: MLP | SparseMoeBlock
+        if args.moe is not None and args.moe.is_sparse(layer_idx):
+            self.mlp = SparseMoeBlock(args, layer_idx, device=device, dtype=dtype)
+        else:
+            self.mlp = MLP(args, device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(args.dim, **norm)
         self.post_attention_layernorm = RMSNorm(args.dim, **norm)
         self.sandwich = family.sandwich_norm
@@ -116,12 +122,17 @@ class DecoderLayer(nn.Module):
         mask: Tensor | None = None,
         kv: KVUpdate | None = None,
         packed: PackedSamples | None = None,
+        routing: Routing | None = None,
     ) -> Tensor:
         if not self.sandwich:
             h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, packed)
-            return h + self.mlp(self.post_attention_layernorm(h))
+            return h + self._feed_forward(self.post_attention_layernorm(h), routing)
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, packed))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        return h + self.post_feedforward_layernorm(self._feed_forward(self.pre_feedforward_layernorm(h), routing))
+
+    def _feed_forward(self, x: Tensor, routing: Routing | None) -> Tensor:
+        """The MLP; a sparse layer records its routing in ``routing`` (see ``moe_aux.py``)."""
+        return self.mlp(x, routing) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(x)
 
 
 class LlamaModel(nn.Module):
@@ -130,10 +141,11 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, *, device=None, dtype=None) -> None:
         super().__init__()
         self.args = args
-        family = get_family(args.model_type)
+        family = family_of(args)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(args, layer_type=t, device=device, dtype=dtype) for t in args.layer_types or ()
+            DecoderLayer(args, layer_type=t, layer_idx=i, device=device, dtype=dtype)
+            for i, t in enumerate(args.layer_types or ())
         )
         self.norm = RMSNorm(args.dim, eps=args.norm_eps, offset=family.gemma_norm, device=device, dtype=dtype)
         rope: dict[str, Any] = {"max_position_embeddings": args.max_seq_len}
@@ -169,6 +181,7 @@ class LlamaModel(nn.Module):
         sample_lengths: Sequence[Sequence[int]] | None = None,
         output_hidden_states: Iterable[int] | None = None,
         kv_cache: KVCache | None = None,
+        routing: Routing | None = None,
     ) -> tuple[Tensor, dict[int, Tensor]]:
         """Return the final (normed) hidden state and ``{layer: output of layer}`` for requested layers.
 
@@ -178,7 +191,8 @@ class LlamaModel(nn.Module):
         lengths are then read from them, which waits for the device when they live there, so
         training passes both (``sample_lengths`` of the CPU batch). Without either, every row is
         one causal sequence. With ``kv_cache`` (generation) the tokens continue the cached ones
-        (see ``kv_cache.py``).
+        (see ``kv_cache.py``). ``routing`` (mixture-of-experts models) records what the sparse
+        layers routed, for the load-balancing loss (:class:`~shardtune.models.moe_aux.Routing`).
         """
         if kv_cache is not None:
             return self._forward_cached(tokens, kv_cache)
@@ -211,7 +225,7 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.decoder_layers):
             if skipped is None or not skipped[i]:
                 cos, sin = rope[layer.layer_type]
-                h = layer(h, cos, sin, masks[layer.layer_type], packed=packed[layer.layer_type])
+                h = layer(h, cos, sin, masks[layer.layer_type], packed=packed[layer.layer_type], routing=routing)
             if i in wanted:
                 hidden[i] = h
         return self.norm(h), hidden
@@ -360,6 +374,7 @@ class LlamaForCausalLM(nn.Module):
         hidden_to_logits: bool = False,
         head_loss: HeadLoss | None = None,
         kv_cache: KVCache | None = None,
+        routing: Routing | None = None,
     ) -> Any:
         """``tokens`` ``[b, s]`` -> logits ``[b, s, vocab]``; packed rows give ``position_ids`` and
         ``sample_lengths`` (see :meth:`LlamaModel.forward`).
@@ -378,6 +393,10 @@ class LlamaForCausalLM(nn.Module):
 
         ``kv_cache`` (generation, :class:`~shardtune.models.kv_cache.KVCache`): ``tokens`` continue
         the cached ones; returns their logits.
+
+        ``routing`` (mixture-of-experts models, :class:`~shardtune.models.moe_aux.Routing`): the sparse
+        layers record their router logits there; ``routing.aux_loss()`` is then transformers'
+        ``aux_loss`` and ``routing.add_to(loss, coef)`` adds it to a loss made from this forward.
         """
         h, hidden = self.model(
             tokens,
@@ -385,6 +404,7 @@ class LlamaForCausalLM(nn.Module):
             sample_lengths=sample_lengths,
             output_hidden_states=output_hidden_states,
             kv_cache=kv_cache,
+            routing=routing,
         )
         if head_loss is not None:
             out = head_loss(h, self.loss_head())

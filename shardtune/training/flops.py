@@ -7,7 +7,8 @@ included) of a sequence of length ``t``:
 * matmuls with weights: forward ``2 N`` and the input gradients ``2 N`` for every weight; the
   weight gradients ``2 N_trainable`` only for weights that train (a LoRA or QLoRA base's do not).
   ``N`` counts every weight that multiplies activations: not the embedding lookup, but the
-  output head even when it shares the embedding's weight;
+  output head even when it shares the embedding's weight; of a mixture of experts only the
+  ``top_k`` experts a token runs through (the active parameters), the router included;
 * attention scores and values: ``12 * layers * heads * head_dim * t`` (forward and backward,
   no causal halving, as PaLM's and torchtitan's MFU count).
 
@@ -21,6 +22,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from shardtune.models.moe import Experts
 
 __all__ = ["PEAK_BF16_TFLOPS", "flops_per_token_fn", "peak_tflops"]
 
@@ -47,8 +50,9 @@ def _weights(model: nn.Module) -> tuple[int, int]:
             if (id(param) in seen and not tied_head) or (id(param) in embedding_ids and not tied_head):
                 continue
             seen.add(id(param))
-            total += param.numel()
-            trainable += param.numel() if param.requires_grad else 0
+            numel = param.numel() * module.top_k // module.num_experts if isinstance(module, Experts) else param.numel()
+            total += numel
+            trainable += numel if param.requires_grad else 0
     return total, trainable
 
 

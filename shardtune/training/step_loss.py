@@ -16,6 +16,7 @@ from torch import nn
 
 from shardtune.models import HeadLoss, sample_lengths
 from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
+from shardtune.models.moe_aux import Routing
 
 __all__ = ["label_tokens", "next_token_head_loss", "next_token_loss", "on_device"]
 
@@ -54,13 +55,24 @@ def next_token_loss(
 ):
     """``loss_fn`` for the loop: next-token cross-entropy of ``model`` on a batch (moved to
     ``device``), computed from the final hidden states in chunks of ``chunk_tokens`` (None:
-    from full logits)."""
+    from full logits).
 
-    def loss_fn(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    Mixture-of-experts models add ``router_aux_loss_coef`` times the load-balancing loss of the
+    batch's real tokens (``attention_mask``), as transformers' ``out.loss`` does, and log it as
+    ``aux_loss``."""
+    moe = getattr(getattr(model, "args", None), "moe", None)
+
+    def loss_fn(batch: dict[str, torch.Tensor]) -> Any:
         tokens, labels, packing = on_device(batch, device)
         n_tokens = label_tokens(batch["labels"])
-        loss_sum = model(tokens, **packing, head_loss=next_token_head_loss(labels, chunk_tokens, compile))
-        return loss_sum / max(n_tokens, 1), n_tokens
+        head_loss = next_token_head_loss(labels, chunk_tokens, compile)
+        if moe is None:
+            return model(tokens, **packing, head_loss=head_loss) / max(n_tokens, 1), n_tokens
+        mask = batch.get("attention_mask")
+        routing = Routing(mask=None if mask is None else mask.to(device, non_blocking=True))
+        loss_sum = model(tokens, **packing, head_loss=head_loss, routing=routing)
+        loss_sum = routing.add_to(loss_sum, moe.router_aux_loss_coef * max(n_tokens, 1))
+        return loss_sum / max(n_tokens, 1), n_tokens, {"aux_loss": routing.aux_loss().to(loss_sum.device) * n_tokens}
 
     return loss_fn
 

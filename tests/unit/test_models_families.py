@@ -231,7 +231,10 @@ def test_build_and_forward_from_a_save_pretrained_dir(tmp_path, name):
 def test_unsupported_model_type_lists_the_supported_ones():
     with pytest.raises(ValueError, match="'falcon' is not supported; supported model types: .*'phi3'"):
         from_hf_config({**COMMON, "model_type": "falcon"})
-    assert set(supported_model_types()) == {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"}
+    assert set(supported_model_types()) == {
+        *("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"),
+        *("qwen3_moe", "mixtral"),
+    }
 
 
 PEFT_TARGETS = {

@@ -1,0 +1,136 @@
+"""Sparse mixture-of-experts feed-forward layers (Qwen3-MoE, Mixtral) with transformers' (v5) runtime names.
+
+Rule: a sparse layer's ``mlp`` is ``gate`` (the router, ``weight [E, H]``) and ``experts``
+(``gate_up_proj [E, 2I, H]``, gate rows then up, and ``down_proj [E, H, I]``), the keys of
+transformers' ``*SparseMoeBlock``. Routing is transformers': softmax in fp32, top-k, optionally
+renormalized (``norm_topk_prob``; always for Mixtral), the weights cast to the activations'
+dtype (Qwen3-MoE) or kept in fp32 (Mixtral) when they scale the experts' outputs. Tokens are
+sorted by expert once and run through :mod:`shardtune.models.moe_kernels`; the k outputs of a
+token are put back in its order and summed, with no atomic adds (deterministic on GPU).
+The load-balancing loss is :mod:`shardtune.models.moe_aux`'s.
+
+FSDP2 shards the experts on the expert dim when the shard group's size divides E, else on
+the next one (torchtitan's rule), chosen once per model: :func:`expert_shard_placement`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import Shard
+
+from shardtune.models.moe_aux import Routing
+from shardtune.models.moe_kernels import expert_kernel
+
+if TYPE_CHECKING:
+    from shardtune.models.args import ModelArgs
+
+__all__ = ["Experts", "Router", "SparseMoeBlock", "expert_layout_hint", "expert_shard_placement"]
+
+
+class Router(nn.Module):
+    """``weight [E, H]``: router logits of each token; transformers' ``*TopKRouter``."""
+
+    def __init__(self, num_experts: int, dim: int, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, dim, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
+
+
+class Experts(nn.Module):
+    """The fused weights of E gated MLPs; :meth:`forward` runs expert-sorted token rows, each token
+    through ``top_k`` of them (what its FLOPs count: ``training/flops.py``)."""
+
+    def __init__(
+        self, num_experts: int, dim: int, intermediate: int, *, top_k: int, act: str, device=None, dtype=None
+    ) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.num_experts, self.top_k = num_experts, top_k
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, dim, **kw))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, intermediate, **kw))
+        self.act: Callable[[Tensor], Tensor] = F.silu if act == "silu" else lambda t: F.gelu(t, approximate="tanh")
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        """``x [N, H]`` sorted by expert, ``counts [E]`` rows per expert -> ``[N, H]``."""
+        kernel = expert_kernel(x.device, x.dtype)
+        return kernel(x, counts, self.gate_up_proj, self.down_proj, self.act)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router plus experts of sparse layer ``layer_idx``: each token's output is the routing-weighted
+    sum of its top-k experts' outputs."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int, *, device=None, dtype=None) -> None:
+        super().__init__()
+        moe = args.moe
+        assert moe is not None  # built only for models with experts
+        self.layer_idx = layer_idx
+        self.top_k, self.norm_topk_prob, self.fp32_scores = moe.top_k, moe.norm_topk_prob, moe.fp32_scores
+        kw = {"device": device, "dtype": dtype}
+        experts = Experts(moe.num_experts, args.dim, moe.intermediate_size, top_k=moe.top_k, act=args.hidden_act, **kw)
+        router = Router(moe.num_experts, args.dim, **kw)
+        # transformers registers Mixtral's router first and Qwen3-MoE's experts first: same state_dict order
+        if moe.fp32_scores:
+            self.gate, self.experts = router, experts
+        else:
+            self.experts, self.gate = experts, router
+
+    def init_weights(self, std: float) -> None:
+        for p in (self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj):
+            if not p.is_meta:
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def route(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Router logits ``[T, E]``, top-k weights and expert indices ``[T, k]``, as transformers computes them."""
+        logits = self.gate(flat)
+        weights, indices = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, weights if self.fp32_scores else weights.to(logits.dtype), indices
+
+    def forward(self, x: Tensor, routing: Routing | None = None) -> Tensor:
+        b, s, dim = x.shape
+        flat = x.reshape(-1, dim)
+        logits, weights, indices = self.route(flat)
+        chosen = indices.reshape(-1)  # [T * k], token-major
+        order = torch.argsort(chosen, stable=True)
+        counts = torch.zeros(self.experts.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, chosen, torch.ones_like(chosen))  # no bincount: its size would need a host sync
+        y = self.experts(flat[order // self.top_k], counts)
+        y = (y * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
+        out = y[torch.argsort(order)].view(-1, self.top_k, dim).sum(dim=1)
+        if routing is not None:
+            out = routing.attach(out, routing.record(self.layer_idx, logits, self.top_k))
+        return out.view(b, s, dim)
+
+
+def expert_shard_placement(model: nn.Module, shard_ranks: int) -> Callable[[nn.Parameter], Shard | None] | None:
+    """FSDP2's ``shard_placement_fn`` for ``model``'s experts over ``shard_ranks`` ranks (None: no experts).
+
+    ``Shard(0)`` (whole experts per rank) when ``shard_ranks`` divides E, else ``Shard(1)``;
+    every other param keeps FSDP2's default ``Shard(0)``."""
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    if not experts:
+        return None
+    placement = Shard(0) if experts[0].num_experts % shard_ranks == 0 else Shard(1)
+    ids = {id(p) for m in experts for p in m.parameters(recurse=False)}
+    return lambda p: placement if id(p) in ids else None
+
+
+def expert_layout_hint(missing: list[str]) -> str:
+    """The fix for a checkpoint that lacks fused experts among ``missing`` keys ('' when it has them)."""
+    if not any(k.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) for k in missing):
+        return ""
+    return (
+        " Experts are read in transformers' fused layout only (mlp.experts.gate_up_proj [E, 2I, H], "
+        "mlp.experts.down_proj [E, H, I]), not per expert (experts.N.gate_proj/up_proj/down_proj, Mixtral's "
+        "block_sparse_moe.experts.N.w1/w2/w3, transformers' default save). Re-save the model once with "
+        "transformers: AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR, save_original_format=False)"
+    )

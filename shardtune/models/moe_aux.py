@@ -1,0 +1,129 @@
+"""The routers' load-balancing loss, as transformers' ``load_balancing_loss_func``, with its gradient
+reaching each router inside its own layer's backward.
+
+Rule: a :class:`Routing` lives for one forward. Each sparse layer records its router logits and
+its share of the loss (top-k counts and summed routing probabilities over the tokens the mask
+keeps); :meth:`Routing.aux_loss` is ``E * sum_e (C_e / R) * (P_e / R)`` over every layer's
+counts ``C``, probabilities ``P`` and rows ``R``, exactly transformers' value (``out.aux_loss``).
+
+Why not simply differentiate that value: its inputs would be outputs of every layer, whose
+gradients arrive at the very start of backward, so FSDP2 would gather every layer's params at
+once. Instead the gradient with respect to a layer's ``P`` (``scale * E * C / R**2``, known once
+the forward is done) is added by an identity node on the layer's MoE output
+(``_RouterGrad``), during that layer's backward. :meth:`Routing.add_to` adds
+``weight * aux_loss`` to the loss through a node whose backward records ``scale`` first: every
+layer's backward depends on the loss's gradient, so it always runs before them. Without
+``add_to`` the routers get no gradient from the aux loss (it is not in the loss).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["Routing"]
+
+
+class Routing:
+    """What the sparse layers of one forward routed (pass as the model's ``routing=``).
+
+    ``mask`` (``[batch, seq]``, nonzero for tokens that count; transformers' ``attention_mask``)
+    leaves padding out of the loss; None counts every token. ``router_logits[layer]`` is that
+    layer's ``[batch * seq, E]`` router logits (detached), transformers' ``router_logits``.
+    """
+
+    def __init__(self, *, mask: Tensor | None = None) -> None:
+        self.mask = mask
+        self.router_logits: dict[int, Tensor] = {}
+        self._counts: dict[int, Tensor] = {}
+        self._probs: dict[int, Tensor] = {}
+        self._rows: dict[int, Tensor | float] = {}
+        self._scale: Tensor | None = None
+        self._grad: Tensor | None = None
+
+    def record(self, layer_idx: int, router_logits: Tensor, top_k: int) -> Tensor:
+        """Record layer ``layer_idx``'s router logits; returns its (differentiable) probability sums ``[E]``.
+
+        Recomputation (activation checkpointing) records the same values again under the same layer."""
+        num_experts = router_logits.shape[-1]
+        probs = torch.softmax(router_logits, dim=-1)  # in the logits' dtype, as transformers computes it here
+        selected = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
+        zeros = torch.zeros(num_experts, dtype=torch.float32, device=router_logits.device)
+        if self.mask is None:
+            counts = zeros.scatter_add_(0, selected, torch.ones_like(selected, dtype=torch.float32))
+            prob_sums = probs.float().sum(dim=0)
+            rows: Tensor | float = float(probs.shape[0])
+        else:
+            flat = self.mask.reshape(-1).to(device=router_logits.device, dtype=torch.float32)
+            if flat.numel() != probs.shape[0]:
+                raise ValueError(
+                    f"Routing mask has {flat.numel()} entries but the batch has {probs.shape[0]} tokens; "
+                    "give a [batch, seq] mask of the tokens' shape"
+                )
+            counts = zeros.scatter_add_(0, selected, flat.repeat_interleave(top_k))
+            prob_sums = (probs.float() * flat.unsqueeze(-1)).sum(dim=0)
+            rows = flat.sum()
+        self.router_logits[layer_idx] = router_logits.detach()
+        self._counts[layer_idx], self._probs[layer_idx], self._rows[layer_idx] = counts, prob_sums.detach(), rows
+        return prob_sums
+
+    def _totals(self) -> tuple[Tensor, Tensor, Tensor | float]:
+        counts, probs, rows = self._counts, self._probs, self._rows
+        layers = sorted(counts)
+        count_sum, prob_sum, row_sum = counts[layers[0]], probs[layers[0]], rows[layers[0]]
+        for i in layers[1:]:  # summed in layer order, as transformers sums them
+            count_sum, prob_sum, row_sum = count_sum + counts[i], prob_sum + probs[i], row_sum + rows[i]
+        return count_sum, prob_sum, row_sum
+
+    def aux_loss(self) -> Tensor:
+        """The load-balancing loss of this forward (a detached fp32 scalar; 0 without sparse layers)."""
+        if not self._counts:
+            return torch.zeros((), dtype=torch.float32)
+        count_sum, prob_sum, rows = self._totals()
+        return torch.sum((count_sum / rows) * (prob_sum / rows).unsqueeze(0)) * count_sum.numel()
+
+    def add_to(self, loss: Tensor, weight: float) -> Tensor:
+        """``loss + weight * aux_loss()``; backward through it gives the routers the aux loss's gradient."""
+        return _AddAux.apply(loss, self.aux_loss().to(loss.device), weight, self)
+
+    def probs_grad(self) -> Tensor | None:
+        """d(loss)/d(a layer's probability sums), the same for every layer; None when the aux loss is not in it."""
+        if self._scale is None:
+            return None
+        if self._grad is None:
+            count_sum, _, rows = self._totals()
+            self._grad = self._scale * count_sum.numel() * count_sum / (rows * rows)
+        return self._grad
+
+    def attach(self, out: Tensor, prob_sums: Tensor) -> Tensor:
+        """``out`` unchanged, carrying ``prob_sums``' aux-loss gradient into this layer's backward."""
+        if not (torch.is_grad_enabled() and prob_sums.requires_grad):
+            return out
+        return _RouterGrad.apply(out, prob_sums, self)
+
+
+class _RouterGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, prob_sums: Tensor, routing: Routing) -> Tensor:
+        ctx.routing = routing
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, Tensor | None, None]:
+        return grad_out, ctx.routing.probs_grad(), None
+
+
+class _AddAux(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, loss: Tensor, aux: Tensor, weight: float, routing: Routing) -> Tensor:
+        ctx.weight, ctx.routing = weight, routing
+        return loss + weight * aux.to(loss.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        routing: Routing = ctx.routing
+        routing._scale = grad.detach().float() * ctx.weight
+        routing._grad = None
+        return grad, None, None, None
