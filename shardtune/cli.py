@@ -6,7 +6,7 @@
     shardtune validate CONFIG [--recipe RECIPE] [key=value ...]
     shardtune convert CHECKPOINT OUT_DIR [--base-dir DIR]
     shardtune verify CHECKPOINT_DIR|OUTPUT_DIR [--latest]
-    shardtune make-tiny-base DIR
+    shardtune make-tiny-base DIR [--preset tiny_moe]
     shardtune inspect-data --config CONFIG [--recipe RECIPE] [--limit N] [--decode] [key=value ...]
     shardtune generate MODEL_DIR --prompt TEXT [--max_new_tokens N] [--temperature T] [--top_p P] [--seed S]
                        [--chat] [--adapter DIR]      (also under torchrun: the model is then sharded)
@@ -31,6 +31,7 @@ from pathlib import Path
 
 from shardtune import run_errors
 from shardtune.config import ConfigError, load_config, resolve_config_path
+from shardtune.model_presets import TINY_PRESETS
 from shardtune.recipes.registry import RECIPES, UnknownRecipe, get_recipe, load_recipe_config, recipe_of_config
 
 
@@ -339,8 +340,8 @@ def cmd_make_tiny_base(args: argparse.Namespace) -> int:
     if (path / "config.json").exists():
         sys.stdout.write(f"{path} already holds a model\n")
         return 0
-    create_tiny_base(path)
-    sys.stdout.write(f"created the tiny base model (HF layout, byte tokenizer) in {path}\n")
+    create_tiny_base(path, preset=args.preset)
+    sys.stdout.write(f"created the {args.preset} base model (HF layout, byte tokenizer) in {path}\n")
     return 0
 
 
@@ -396,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     verify.set_defaults(fn=cmd_verify)
     tiny = sub.add_parser("make-tiny-base", help="create the tiny demo base model (HF layout) in DIR")
     tiny.add_argument("dir")
+    tiny.add_argument(
+        "--preset", default="tiny", choices=TINY_PRESETS, help="tiny (dense, default) or tiny_moe (Qwen3-MoE)"
+    )
     tiny.set_defaults(fn=cmd_make_tiny_base)
     args = parser.parse_args(argv)
     return args.fn(args)

@@ -79,7 +79,79 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "extra": _LLAMA3_TOKENS,
     },
+    # A tiny Qwen3-MoE (~0.5M params, byte-level vocab) for the MoE demo and CI: 8 experts, top-2,
+    # expert width 2I = 128 != H = 96 (a transposed expert tensor cannot load), layer 1 dense.
+    "tiny_moe": {
+        "model_type": "qwen3_moe",
+        "vocab_size": 256,
+        "dim": 96,
+        "n_layers": 3,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "head_dim": 32,
+        "intermediate_size": 192,
+        "norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_seq_len": 2048,
+        "moe": {
+            "num_experts": 8,
+            "top_k": 2,
+            "intermediate_size": 64,
+            "norm_topk_prob": True,
+            "router_aux_loss_coef": 0.001,
+            "mlp_only_layers": (1,),
+        },
+    },
+    # Qwen/Qwen3-30B-A3B's config.json (30.5B params, 3.3B active).
+    "qwen3_moe_30b_a3b": {
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "dim": 2048,
+        "n_layers": 48,
+        "n_heads": 32,
+        "n_kv_heads": 4,
+        "head_dim": 128,
+        "intermediate_size": 6144,
+        "norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_seq_len": 40960,
+        "tie_word_embeddings": False,
+        "moe": {
+            "num_experts": 128,
+            "top_k": 8,
+            "intermediate_size": 768,
+            "norm_topk_prob": True,
+            "router_aux_loss_coef": 0.001,
+        },
+        "extra": {"bos_token_id": 151643, "eos_token_id": 151645},
+    },
+    # mistralai/Mixtral-8x7B-v0.1's config.json (46.7B params, 12.9B active).
+    "mixtral_8x7b": {
+        "model_type": "mixtral",
+        "vocab_size": 32000,
+        "dim": 4096,
+        "n_layers": 32,
+        "n_heads": 32,
+        "n_kv_heads": 8,
+        "intermediate_size": 14336,
+        "norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "max_seq_len": 32768,
+        "tie_word_embeddings": False,
+        "moe": {
+            "num_experts": 8,
+            "top_k": 2,
+            "intermediate_size": 14336,
+            "norm_topk_prob": True,
+            "router_aux_loss_coef": 0.02,
+            "fp32_scores": True,
+        },
+        "extra": {"bos_token_id": 1, "eos_token_id": 2},
+    },
 }
+
+# The presets ``create_tiny_base`` writes (and so a recipe's ``model`` key can create when checkpoint_dir is empty).
+TINY_PRESETS = ("tiny", "tiny_moe")
 
 
 def preset_names() -> list[str]:

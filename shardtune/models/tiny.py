@@ -1,4 +1,4 @@
-"""The tiny demo base model as an HF model directory (config.json, safetensors, tokenizer)."""
+"""The tiny demo base models (``tiny``, ``tiny_moe``) as HF model directories (config.json, safetensors, tokenizer)."""
 
 from __future__ import annotations
 
@@ -11,22 +11,26 @@ from safetensors.torch import save_file
 
 from shardtune.checkpoint.atomic import fsync_tree
 from shardtune.data.tokenizer import save_byte_tokenizer
+from shardtune.model_presets import TINY_PRESETS
 from shardtune.models.hf_config import model_args_to_hf_config
 from shardtune.models.registry import build_model, get_model_args
 
 TINY_SEED = 1234
 
 
-def create_tiny_base(directory: str | os.PathLike, *, seed: int = TINY_SEED) -> Path:
-    """Write the ``tiny`` preset with seeded random weights and the byte tokenizer to ``directory``.
+def create_tiny_base(directory: str | os.PathLike, *, seed: int = TINY_SEED, preset: str = "tiny") -> Path:
+    """Write ``preset`` (``tiny`` or ``tiny_moe``) with seeded random weights and the byte tokenizer to ``directory``.
 
     Single process (no collectives). The directory appears complete or not at all: files are
-    written to a temporary sibling that is renamed at the end.
+    written to a temporary sibling that is renamed at the end. Experts are written in
+    transformers' fused layout (``mlp.experts.gate_up_proj``), which ``from_pretrained`` reads.
     """
+    if preset not in TINY_PRESETS:
+        raise ValueError(f"preset {preset!r} cannot be created as a tiny base; use one of {list(TINY_PRESETS)}")
     final = Path(directory)
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    args = get_model_args("tiny")
+    args = get_model_args(preset)
     torch.manual_seed(seed)
     model = build_model(args, dtype=torch.float32)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}

@@ -35,6 +35,7 @@ from shardtune.data.checks import build_training_dataset, check_one_step
 from shardtune.data.from_config import is_preference
 from shardtune.data.preference import collate_pairs
 from shardtune.distributed import decoder_layers, device_type, init_distributed, make_mesh, shard_model
+from shardtune.model_presets import TINY_PRESETS
 from shardtune.models import (
     LlamaForCausalLM,
     ModelArgs,
@@ -143,7 +144,7 @@ def base_model_dir(
 
     A model already in ``cfg.<key>`` (its ``config.json``) is the one trained. The preset
     ``cfg.<preset_key>`` only names the base to create when the directory holds none (only
-    ``tiny`` can be created); a preset of another shape than the directory's model is reported
+    ``tiny`` and ``tiny_moe`` can be created); a preset of another shape than the directory's model is reported
     with a warning on rank 0, not an error, so a bundled tiny config pointed at a user's own
     model with ``checkpoint_dir=...`` alone trains that model. Collective (a barrier) when the
     tiny base is created.
@@ -157,14 +158,14 @@ def base_model_dir(
         if preset is not None and run.is_rank_zero:
             _warn_if_preset_differs(path, preset, key=key, preset_key=preset_key)
         return path
-    if preset != "tiny":
+    if preset not in TINY_PRESETS:
         raise FileNotFoundError(
             f"{key}={directory} has no config.json; download the HF model there "
             f"(e.g. huggingface-cli download <repo> --local-dir {directory})"
         )
     if run.is_rank_zero:
-        log.info("creating the tiny base model in %s", path)
-        create_tiny_base(path) if seed is None else create_tiny_base(path, seed=seed)
+        log.info("creating the %s base model in %s", preset, path)
+        create_tiny_base(path, preset=preset) if seed is None else create_tiny_base(path, seed=seed, preset=preset)
     dist.barrier()
     return path
 

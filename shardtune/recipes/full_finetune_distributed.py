@@ -18,7 +18,13 @@ def recipe_main(cfg: Config) -> None:
     base_dir = setup.base_model_dir(cfg, run)
     model = setup.build_model(base_dir, run, cfg)
     training = setup.build_training(cfg, run, model, base_dir)
-    loss_fn = next_token_loss(model, device=run.device, chunk_tokens=cfg.loss_chunk_tokens, compile=cfg.compile)
+    loss_fn = next_token_loss(
+        model,
+        device=run.device,
+        chunk_tokens=cfg.loss_chunk_tokens,
+        compile=cfg.compile,
+        router_aux_loss_coef=cfg.router_aux_loss_coef,
+    )
     setup.fit(cfg, run, NAME, training, loss_fn=loss_fn)
 
 

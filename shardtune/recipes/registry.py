@@ -18,12 +18,12 @@ from pathlib import Path
 from shardtune.config import CONFIGS_DIR, Config, load_config
 from shardtune.config_validation import Schema
 from shardtune.recipes.schemas import (
-    BASE_SCHEMA,
     EARLY_EXIT_SCHEMA,
     FULL_DPO_SCHEMA,
+    FULL_FINETUNE_SCHEMA,
     KD_SCHEMA,
     LORA_DPO_SCHEMA,
-    LORA_SCHEMA,
+    LORA_FINETUNE_SCHEMA,
 )
 
 
@@ -48,12 +48,19 @@ RECIPES: dict[str, Recipe] = {
     for r in (
         Recipe(
             "full_finetune_distributed",
-            BASE_SCHEMA,
-            ("tiny/full", "llama3_2/1B_full", "llama3_2/3B_full", "llama3_1/8B_full"),
+            FULL_FINETUNE_SCHEMA,
+            (
+                "tiny/full",
+                "tiny/moe_full",
+                "llama3_2/1B_full",
+                "llama3_2/3B_full",
+                "llama3_1/8B_full",
+                "qwen3_moe/30B_A3B_full",
+            ),
         ),
         Recipe(
             "lora_finetune_distributed",
-            LORA_SCHEMA,
+            LORA_FINETUNE_SCHEMA,
             (
                 "tiny/lora",
                 "tiny/qlora",
@@ -69,6 +76,8 @@ RECIPES: dict[str, Recipe] = {
                 "mistral/7B_lora",
                 "gemma2/9B_lora",
                 "phi3/mini_lora",
+                "qwen3_moe/30B_A3B_lora",
+                "mixtral/8x7B_qlora",
             ),
         ),
         Recipe("knowledge_distillation_distributed", KD_SCHEMA, ("tiny/kd", "llama3_2/8B_to_1B_KD_lora")),

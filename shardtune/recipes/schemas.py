@@ -30,12 +30,15 @@ __all__ = [
     "DPO_SECTION",
     "EARLY_EXIT_SCHEMA",
     "FULL_DPO_SCHEMA",
+    "FULL_FINETUNE_SCHEMA",
     "EARLY_EXIT_SECTION",
     "KD_SCHEMA",
     "LAYER_DROPOUT_SECTION",
     "LORA_DPO_SCHEMA",
+    "LORA_FINETUNE_SCHEMA",
     "LORA_SCHEMA",
     "LORA_SECTION",
+    "ROUTER_AUX_KEYS",
 ]
 
 # Logical column names per dataset format; ``column_map`` maps them to the file's columns.
@@ -136,7 +139,7 @@ BASE_SCHEMA = Schema(
         "model": Field(
             (str, None),
             None,
-            help="the preset that creates a missing base (only tiny can be created); when checkpoint_dir holds a "
+            help="the preset that creates a missing base (only tiny and tiny_moe can be created); when checkpoint_dir holds a "
             "model (config.json), that model trains and a preset of another shape is warned about; null: always "
             "checkpoint_dir's",
         ),
@@ -241,6 +244,19 @@ BASE_SCHEMA = Schema(
     checks=(_check_base,),
 )
 
+# The full and LoRA fine-tuning recipes' loss (``training/step_loss.py``) reads it; the DPO, KD and early-exit
+# schemas do not offer it, so a config of theirs that sets it is refused as an unknown key.
+ROUTER_AUX_KEYS = {
+    "router_aux_loss_coef": Field(
+        (float, None),
+        None,
+        ge=0,
+        help="mixture-of-experts models: weight of the routers' load-balancing loss in the training loss (logged as "
+        "aux_loss); null: config.json's router_aux_loss_coef; 0: logged only. Dense models ignore it",
+    ),
+}
+FULL_FINETUNE_SCHEMA = BASE_SCHEMA | ROUTER_AUX_KEYS
+
 LORA_SECTION = Schema(
     {
         "rank": Field(int, 8, gt=0),
@@ -254,6 +270,8 @@ LORA_SCHEMA = BASE_SCHEMA | {
     "lora": LORA_SECTION,
     "adapter_weights_only": Field(bool, False, help="LoRA checkpoints hold only the PEFT adapter (no merged model)"),
 }
+
+LORA_FINETUNE_SCHEMA = LORA_SCHEMA | ROUTER_AUX_KEYS
 
 KD_SCHEMA = LORA_SCHEMA | {
     "teacher_checkpoint_dir": Field(str, help="HF model directory of the teacher"),

@@ -52,15 +52,18 @@ def next_token_loss(
     device: torch.device,
     chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
     compile: bool = False,
+    router_aux_loss_coef: float | None = None,
 ):
     """``loss_fn`` for the loop: next-token cross-entropy of ``model`` on a batch (moved to
     ``device``), computed from the final hidden states in chunks of ``chunk_tokens`` (None:
     from full logits).
 
-    Mixture-of-experts models add ``router_aux_loss_coef`` times the load-balancing loss of the
-    batch's real tokens (``attention_mask``), as transformers' ``out.loss`` does, and log it as
-    ``aux_loss``."""
+    Mixture-of-experts models add ``router_aux_loss_coef`` (None: the model config's) times the
+    load-balancing loss of the batch's real tokens (``attention_mask``), as transformers' ``out.loss``
+    does with ``output_router_logits=True``, and log it as ``aux_loss``; 0 logs it without adding it
+    (the routers then get no gradient from it). Dense models ignore the coefficient."""
     moe = getattr(getattr(model, "args", None), "moe", None)
+    coef = moe.router_aux_loss_coef if moe is not None and router_aux_loss_coef is None else router_aux_loss_coef
 
     def loss_fn(batch: dict[str, torch.Tensor]) -> Any:
         tokens, labels, packing = on_device(batch, device)
@@ -71,7 +74,8 @@ def next_token_loss(
         mask = batch.get("attention_mask")
         routing = Routing(mask=None if mask is None else mask.to(device, non_blocking=True))
         loss_sum = model(tokens, **packing, head_loss=head_loss, routing=routing)
-        loss_sum = routing.add_to(loss_sum, moe.router_aux_loss_coef * max(n_tokens, 1))
+        if coef:
+            loss_sum = routing.add_to(loss_sum, coef * max(n_tokens, 1))
         return loss_sum / max(n_tokens, 1), n_tokens, {"aux_loss": routing.aux_loss().to(loss_sum.device) * n_tokens}
 
     return loss_fn
