@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One prepared GPU check (about 13 minutes on one H200): the GPU tests, then the checkpoint and
-# training-step benchmarks on CUDA. Run from anywhere on a machine with a CUDA GPU and this repository:
+# One prepared GPU check (about 13 minutes on one H200, estimated: not run yet): the GPU tests, then the
+# checkpoint and training-step (dense and MoE) benchmarks on CUDA. Run from anywhere on a machine with a
+# CUDA GPU and this repository:
 #   bash benchmarks/gpu_check.sh
 # Assumes torch with CUDA is already installed (CUDA wheels cannot be fetched offline); without
 # torch it installs torch==2.13.0 from the configured index. Outputs go under $OUT when set
 # (else ./gpu_check_out): pytest's log, the benchmark's tables and raw runs, and BENCHMARKS.md
-# with the new "checkpoint-cuda" and "train-cuda" sections.
+# with the new "checkpoint-cuda", "train-cuda" and "train-moe-cuda" sections.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-$PWD/gpu_check_out}"
@@ -24,7 +25,7 @@ python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version
 
 status=0
 start=$SECONDS
-timeout 270 python -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$out/tests_gpu.log" || status=1
+timeout 300 python -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$out/tests_gpu.log" || status=1
 echo "tests/gpu: $((SECONDS - start)) s" | tee -a "$out/device.txt"
 
 # 1b at world 1, one repeat: load, save and resume against DSD/DCP, each run in fresh processes.
@@ -42,4 +43,12 @@ timeout 180 python -m benchmarks.train --device cuda --world 1 --repeats 1 --ste
     --bench-dir "$out/bench_train" --markdown "$out/BENCHMARKS.md" 2>&1 | tee "$out/benchmark_train_cuda.log" || status=1
 echo "train benchmark: $((SECONDS - start)) s" | tee -a "$out/device.txt"
 rm -rf "$out/bench_train"/train_llama_*  # the HF fixture; the runs JSON stays
+
+# The mixture-of-experts training step on CUDA (world 1, bf16): grouped-GEMM experts against transformers'
+# grouped_mm + FSDP2; the "train-moe-cuda" section of $out/BENCHMARKS.md.
+start=$SECONDS
+timeout 120 python -m benchmarks.train_moe --device cuda --world 1 --dtype bf16 --repeats 1 --steps 3 \
+    --bench-dir "$out/bench_train_moe" --markdown "$out/BENCHMARKS.md" 2>&1 | tee "$out/benchmark_train_moe_cuda.log" || status=1
+echo "MoE train benchmark: $((SECONDS - start)) s" | tee -a "$out/device.txt"
+rm -rf "$out/bench_train_moe"/train_moe_h*  # the HF fixture; the runs JSON stays
 exit $status

@@ -36,6 +36,7 @@ import math
 import os
 import shutil
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -127,16 +128,21 @@ def rows_for(seq: int, tokens_per_rank: int) -> int:
 
 def hf_dir(bench_dir: Path, shape: Shape) -> Path:
     """The seeded HF model directory both stacks load (written once, reused)."""
-    path = bench_dir / f"train_llama_h{shape.hidden}_l{shape.layers}_v{shape.vocab}"
-    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
-        return path
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    path = bench_dir / f"train_llama_h{shape.hidden}_l{shape.layers}_v{shape.vocab}"
+    return saved_once(path, lambda: LlamaForCausalLM(LlamaConfig(**shape.hf_config())), safe_serialization=True)
+
+
+def saved_once(path: Path, build: Callable[[], nn.Module], **save: Any) -> Path:
+    """``build()``'s model (seed 0) written with ``save_pretrained(**save)`` to ``path``, unless it is there."""
+    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+        return path
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**shape.hf_config()))
+    model = build()
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, **save)
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
     return path
@@ -145,8 +151,9 @@ def hf_dir(bench_dir: Path, shape: Shape) -> Path:
 # --------------------------------------------------------------------------- in the ranks
 
 
-def _shardtune(group: str, hf: str, device: torch.device):
-    """The shardtune model and its loss: ``loss(tokens) -> mean next-token loss``."""
+def _shardtune(group: str, hf: str, device: torch.device, *, dtype: torch.dtype = torch.float32):
+    """The shardtune model and its loss: ``loss(tokens) -> mean next-token loss`` (mixtures of experts:
+    plus ``router_aux_loss_coef`` times the load-balancing loss, as the recipes train them)."""
     from shardtune.checkpoint.hf_load import load_hf_checkpoint
     from shardtune.distributed import shard_model
     from shardtune.models import llama_from_hf_config
@@ -154,7 +161,7 @@ def _shardtune(group: str, hf: str, device: torch.device):
     from shardtune.training.step_loss import next_token_loss
 
     with torch.device("meta"):
-        model = llama_from_hf_config(hf, dtype=torch.float32)
+        model = llama_from_hf_config(hf, dtype=dtype)
         if group != "full":
             apply_lora(
                 model, rank=LORA_RANK, alpha=LORA_ALPHA, target_modules=list(TARGETS), quantize_base=group == "qlora"
@@ -179,10 +186,19 @@ def _quantize_lora_bases(model: nn.Module) -> None:
             base.weight = nn.Parameter(to_nf4(base.weight.detach(), 64, 256), requires_grad=False)
 
 
-def _transformers(group: str, hf: str, device: torch.device):
-    """The transformers (+ peft) model with FSDP2 as users write it, and its full-logits loss."""
+def fsdp2_as_users_write_it(model: nn.Module, decoder: nn.Module, **options: Any) -> None:
+    """``checkpoint_wrapper`` and ``fully_shard`` on each of ``decoder``'s layers, then ``fully_shard`` on the root."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import fully_shard
+
+    for i, layer in enumerate(decoder.layers):
+        decoder.layers[i] = checkpoint_wrapper(layer)
+        fully_shard(decoder.layers[i], **options)
+    fully_shard(model, **options)
+
+
+def _transformers(group: str, hf: str, device: torch.device):
+    """The transformers (+ peft) model with FSDP2 as users write it, and its full-logits loss."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).to(device)
@@ -200,10 +216,7 @@ def _transformers(group: str, hf: str, device: torch.device):
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
 
         options["ignored_params"] = {p for p in model.parameters() if isinstance(p, NF4Tensor)}
-    for i, layer in enumerate(decoder.layers):
-        decoder.layers[i] = checkpoint_wrapper(layer)
-        fully_shard(decoder.layers[i], **options)
-    fully_shard(model, **options)
+    fsdp2_as_users_write_it(model, decoder, **options)
 
     def loss(tokens: torch.Tensor) -> torch.Tensor:
         logits = model(input_ids=tokens).logits
@@ -218,6 +231,14 @@ def run(*, group: str, method: str, hf: str, rows: int, seq: int, vocab: int, st
     device = bench_device()
     torch.manual_seed(0)
     model, loss_fn = (_shardtune if method == "shardtune" else _transformers)(group, hf, device)
+    return measure_run(model, loss_fn, device=device, rows=rows, seq=seq, vocab=vocab, steps=steps)
+
+
+def measure_run(
+    model: nn.Module, loss_fn, *, device: torch.device, rows: int, seq: int, vocab: int, steps: int
+) -> dict[str, Any]:
+    """A built model's run on this rank: one warm-up step, ``steps`` measured steps (AdamW over the
+    trainable params, seeded random tokens per rank); returns its record."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=LR)
     rank = dist.get_rank()
@@ -442,11 +463,16 @@ def report(
 # --------------------------------------------------------------------------- main
 
 
-def _add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seq-lens", default="1024,4096", help="comma list of tokens per row")
+def add_step_options(p: argparse.ArgumentParser, *, seq_lens: str, steps: int) -> None:
+    """The options of a training-step benchmark: rows, tokens, timed steps, device."""
+    p.add_argument("--seq-lens", default=seq_lens, help="comma list of tokens per row")
     p.add_argument("--tokens-per-rank", type=int, default=2048, help="tokens per rank a step (at least one row)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per run, after one untimed warm-up step")
+    p.add_argument("--steps", type=int, default=steps, help="timed steps per run, after one untimed warm-up step")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per rank, NCCL")
+
+
+def _add_options(p: argparse.ArgumentParser) -> None:
+    add_step_options(p, seq_lens="1024,4096", steps=3)
     p.add_argument(
         "--from-runs",
         type=Path,

@@ -55,7 +55,7 @@ from shardtune.training.flops import flops_per_token_fn, peak_tflops
 from shardtune.training.loop import LoopSettings, LossFn, Training, run_training, steps_per_epoch
 from shardtune.training.metrics import MetricLogger
 from shardtune.training.optim import LrSchedule, build_lr_scheduler, build_optimizer, continue_schedule
-from shardtune.training.step_loss import label_tokens, next_token_head_loss, on_device
+from shardtune.training.step_loss import label_tokens, next_token_head_loss, next_token_loss, on_device
 
 log = logging.getLogger("shardtune")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -384,6 +384,18 @@ def build_training(
     load_weights(cfg, run, model, checkpointer)
     evaluate = build_evaluator(cfg, run, model, tokenizer)
     return Training(model, loader, sampler, optimizer, lr_scheduler, checkpointer, evaluate=evaluate)
+
+
+def next_token_loss_of(cfg: Config, run: Run, model: nn.Module) -> LossFn:
+    """The full and LoRA recipes' loss as ``cfg`` sets it: next-token cross-entropy in chunks of
+    ``loss_chunk_tokens``, plus ``router_aux_loss_coef`` times the routers' load-balancing loss for MoE models."""
+    return next_token_loss(
+        model,
+        device=run.device,
+        chunk_tokens=cfg.loss_chunk_tokens,
+        compile=cfg.compile,
+        router_aux_loss_coef=cfg.router_aux_loss_coef,
+    )
 
 
 def fit(cfg: Config, run: Run, recipe: str, training: Training, *, loss_fn: LossFn) -> None:

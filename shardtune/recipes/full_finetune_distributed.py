@@ -7,7 +7,6 @@ import sys
 from shardtune.config import Config
 from shardtune.recipes import builders as setup
 from shardtune.recipes._entry import main
-from shardtune.training.step_loss import next_token_loss
 
 NAME = "full_finetune_distributed"
 
@@ -18,14 +17,7 @@ def recipe_main(cfg: Config) -> None:
     base_dir = setup.base_model_dir(cfg, run)
     model = setup.build_model(base_dir, run, cfg)
     training = setup.build_training(cfg, run, model, base_dir)
-    loss_fn = next_token_loss(
-        model,
-        device=run.device,
-        chunk_tokens=cfg.loss_chunk_tokens,
-        compile=cfg.compile,
-        router_aux_loss_coef=cfg.router_aux_loss_coef,
-    )
-    setup.fit(cfg, run, NAME, training, loss_fn=loss_fn)
+    setup.fit(cfg, run, NAME, training, loss_fn=setup.next_token_loss_of(cfg, run, model))
 
 
 if __name__ == "__main__":

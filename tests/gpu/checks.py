@@ -271,3 +271,87 @@ def background_poll_and_cuda_rng(kind: str, base_dir: str, out_dir: str) -> dict
         "saved_keys": saved_keys,
         "replayed": torch.equal(expected, replayed),
     }
+
+
+def moe_grouped_vs_loop(kind: str, dtype_name: str) -> dict:
+    """A tiny Qwen3-MoE's training loss (cross-entropy plus the load-balancing loss, the recipes'
+    ``next_token_loss``) and gradients on ``kind`` in ``dtype_name``, against the same weights in fp32
+    on the CPU, whose experts run the exact per-expert loop (what transformers' eager experts
+    compute: ``tests/unit/test_models_moe.py``). Single process. Reports the kernel each ran, the
+    relative errors, and on CUDA the host synchronizations counted by ``set_sync_debug_mode``."""
+    import copy
+    import warnings
+
+    from shardtune.models import build_model, get_model_args
+    from shardtune.models.moe_kernels import expert_kernel
+    from shardtune.training.step_loss import next_token_loss
+
+    device, dtype = current_device(kind), DTYPES[dtype_name]
+    args = get_model_args("tiny_moe")
+    torch.manual_seed(0)
+    reference = build_model(args, dtype=torch.float32)
+    with torch.no_grad():  # routing that differs between tokens, so the aux loss is not at its minimum
+        for name, p in reference.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    model = copy.deepcopy(reference).to(device=device, dtype=dtype)
+    tokens = torch.randint(0, args.vocab_size, (2, 96), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(tokens)
+    mask[1, -16:] = 0  # right padding, left out of both losses
+    batch = {"tokens": tokens, "labels": tokens.masked_fill(mask == 0, -100), "attention_mask": mask}
+
+    def loss_and_grads(m: torch.nn.Module, on: torch.device, data: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        loss, n_tokens, extra = next_token_loss(m, device=on, chunk_tokens=None)(data)
+        loss.backward()
+        return loss.detach(), extra["aux_loss"].detach() / n_tokens, {n: p.grad for n, p in m.named_parameters()}
+
+    want_loss, want_aux, want_grads = loss_and_grads(reference, torch.device("cpu"), batch)
+    syncs = None
+    if device.type == "cuda":  # pinned, as the loader gives them: the copies do not wait for the host
+        pinned = {k: v.pin_memory() for k, v in batch.items()}
+        loss_and_grads(copy.deepcopy(model), device, pinned)  # warm-up: lazy CUDA initialization syncs once
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                got_loss, got_aux, got_grads = loss_and_grads(model, device, pinned)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message)[:200] for w in caught if "synchroniz" in str(w.message)]
+    else:
+        got_loss, got_aux, got_grads = loss_and_grads(model, device, batch)
+
+    def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+        return ((got.cpu().float() - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+
+    cosine = {
+        n: F.cosine_similarity(got_grads[n].cpu().float().flatten(), g.flatten(), dim=0).item()
+        for n, g in want_grads.items()
+    }
+    return {
+        "kernel": expert_kernel(device, dtype).__name__,
+        "reference_kernel": expert_kernel(torch.device("cpu"), torch.float32).__name__,
+        "loss_rel": rel(got_loss, want_loss),
+        "aux_rel": rel(got_aux, want_aux),
+        "grad_rel": {n: rel(got_grads[n], g) for n, g in want_grads.items()},
+        "grad_cosine_min": min(cosine.values()),
+        "router_grad_max": max(g.abs().max().item() for n, g in want_grads.items() if n.endswith("mlp.gate.weight")),
+        "syncs": syncs,
+    }
+
+
+def assert_moe_matches_loop(found: dict, dtype_name: str) -> None:
+    """:func:`moe_grouped_vs_loop`'s findings within ``dtype_name``'s resolution of the fp32 loop.
+
+    bf16: top-k choices of near-tied tokens may flip, so gradients are compared by direction."""
+    assert found["reference_kernel"] == "looped_experts", found
+    assert found["router_grad_max"] > 0, found  # the aux loss reaches the routers
+    if dtype_name == "bf16":
+        assert found["kernel"] == "grouped_experts", found
+        assert found["loss_rel"] < 1e-2 and found["aux_rel"] < 2e-2, found
+        assert found["grad_cosine_min"] > 0.97, found
+    else:
+        assert found["loss_rel"] < 1e-5 and found["aux_rel"] < 1e-5, found
+        worst = max(found["grad_rel"].items(), key=lambda item: item[1])
+        assert worst[1] < 1e-3, worst

@@ -1,0 +1,292 @@
+"""Benchmark of one mixture-of-experts training step: shardtune against transformers' MoE + FSDP2.
+
+    python -m benchmarks.train_moe --repeats 1 --steps 2
+    python -m benchmarks.train_moe --device cuda --world 1 --dtype bf16
+    python -m benchmarks.train_moe --smoke        # tiny shape, short rows, no BENCHMARKS.md
+
+Both stacks start from the same HF model directory: a seeded ``Qwen3MoeForCausalLM`` saved with
+fused experts (``save_original_format=False``), full fine-tuning, activation checkpointing per
+layer, AdamW, in ``--dtype``:
+
+* ``shardtune``: what the full recipe builds (``benchmarks.train``'s shardtune stack: meta device,
+  ``shard_model``, whose experts FSDP2 shards on the expert dim, ``load_hf_checkpoint``, the
+  recipes' ``next_token_loss`` with the load-balancing loss); its experts run grouped GEMMs
+  (``torch._grouped_mm``) on CUDA and in bf16 on CPU, an exact per-expert loop in fp32 on CPU;
+* ``transformers``: ``AutoModelForCausalLM.from_pretrained(experts_implementation="grouped_mm")``,
+  FSDP2 as ``benchmarks.train`` applies it, ``out.loss`` with ``output_router_logits=True``
+  (cross-entropy on the full logits plus the same load-balancing loss).
+
+The runs, the measurement and the columns are ``benchmarks.train``'s (fresh rank processes per
+run, one warm-up step whose losses must agree, timed steps); the section goes between the
+``train-moe`` markers of BENCHMARKS.md (``train-moe-cuda`` on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import train
+from benchmarks._measure import bench_device
+from benchmarks._report import fmt_bytes
+from benchmarks.driver import (
+    Options,
+    Run,
+    environment_lines,
+    finish,
+    parse_run_options,
+    progress,
+    rotated,
+    snapshot_sources,
+    try_spawn,
+)
+
+MARKERS = {
+    "cpu": ("<!-- train-moe:begin -->", "<!-- train-moe:end -->"),
+    "cuda": ("<!-- train-moe-cuda:begin -->", "<!-- train-moe-cuda:end -->"),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+LOSS_RTOL = {"fp32": 1e-4, "bf16": 2e-2}  # first-step losses of the two stacks (same weights, same tokens)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeShape:
+    """The Qwen3-MoE model both stacks train: every layer sparse, ``top_k`` of ``experts`` experts."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    top_k: int
+    expert_ffn: int
+    vocab: int
+
+    def hf_config(self) -> dict[str, Any]:
+        return {
+            "hidden_size": self.hidden,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": 4 * self.expert_ffn,  # unused: no dense layers
+            "moe_intermediate_size": self.expert_ffn,
+            "num_experts": self.experts,
+            "num_experts_per_tok": self.top_k,
+            "norm_topk_prob": True,
+            "router_aux_loss_coef": 0.001,
+            "vocab_size": self.vocab,
+            "max_position_embeddings": 8192,
+            "tie_word_embeddings": False,
+        }
+
+    def params(self, *, active: bool = False) -> int:
+        """Weights of the model; ``active``: with only ``top_k`` experts per layer (what a token runs through)."""
+        attn = 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_heads * self.head_dim
+        experts = (self.top_k if active else self.experts) * 3 * self.hidden * self.expert_ffn
+        norms = 2 * self.hidden + 2 * self.head_dim
+        layer = attn + self.hidden * self.experts + experts + norms
+        return self.layers * layer + 2 * self.vocab * self.hidden + self.hidden
+
+
+BENCH = MoeShape(
+    hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, experts=16, top_k=2, expert_ffn=384, vocab=8192
+)
+SMOKE = MoeShape(hidden=64, layers=1, heads=4, kv_heads=2, head_dim=16, experts=4, top_k=2, expert_ffn=48, vocab=256)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeOptions(Options):
+    seq_lens: tuple[int, ...]
+    tokens_per_rank: int
+    steps: int
+    device: str
+    dtype: str
+    shape: MoeShape
+
+
+def hf_dir(bench_dir: Path, shape: MoeShape, dtype: str) -> Path:
+    """The seeded HF model directory both stacks load, fused experts (written once, reused)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    path = bench_dir / f"train_moe_h{shape.hidden}_l{shape.layers}_e{shape.experts}_v{shape.vocab}_{dtype}"
+
+    def build() -> torch.nn.Module:
+        return AutoModelForCausalLM.from_config(Qwen3MoeConfig(**shape.hf_config()), dtype=DTYPES[dtype])
+
+    return train.saved_once(path, build, save_original_format=False)
+
+
+# --------------------------------------------------------------------------- in the ranks
+
+
+def _transformers(hf: str, device: torch.device, dtype: torch.dtype):
+    """transformers' MoE with grouped-GEMM experts and FSDP2, and its ``out.loss`` (with the aux loss)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=dtype, experts_implementation="grouped_mm").to(device)
+    train.fsdp2_as_users_write_it(model, model.model)
+
+    def loss(tokens: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=tokens, labels=tokens, output_router_logits=True).loss
+
+    return model, loss
+
+
+def run(*, method: str, hf: str, dtype: str, rows: int, seq: int, vocab: int, steps: int) -> dict[str, Any]:
+    """One run on this rank: build, warm-up step, ``steps`` measured steps; returns its record."""
+    device = bench_device()
+    torch.manual_seed(0)
+    if method == "shardtune":
+        model, loss_fn = train._shardtune("full", hf, device, dtype=DTYPES[dtype])
+    else:
+        model, loss_fn = _transformers(hf, device, DTYPES[dtype])
+    return train.measure_run(model, loss_fn, device=device, rows=rows, seq=seq, vocab=vocab, steps=steps)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def report(cfg: MoeOptions, summaries: dict[tuple[int, str], dict[str, Any] | None], *, load_avg) -> tuple[str, bool]:
+    """The Markdown section and whether every case's first-step losses agree between the stacks."""
+    shape, rtol = cfg.shape, LOSS_RTOL[cfg.dtype]
+    lines = [
+        f"## MoE training step{'' if cfg.device == 'cpu' else ' on ' + cfg.device.upper()}: shardtune vs "
+        "transformers' MoE (`grouped_mm`) + FSDP2 (`benchmarks/train_moe.py`)",
+        "",
+        *environment_lines(
+            cfg.command,
+            load_avg=load_avg,
+            libraries=("transformers",),
+            accelerator="no GPU; gloo on 127.0.0.1" if cfg.device == "cpu" else f"{cfg.device}; NCCL",
+        ),
+        (
+            f"- Model: Qwen3-MoE, hidden {shape.hidden}, {shape.layers} layers (all sparse), {shape.heads} heads "
+            f"({shape.kv_heads} kv, head_dim {shape.head_dim}), {shape.experts} experts of width {shape.expert_ffn}, "
+            f"top-{shape.top_k}, vocabulary {shape.vocab}: {shape.params() / 1e6:.1f} M params, "
+            f"{shape.params(active=True) / 1e6:.1f} M active; {cfg.dtype}; full fine-tuning, activation checkpointing "
+            "per layer in both, AdamW; loss: cross-entropy + 0.001 × load-balancing loss in both"
+        ),
+        (
+            '- Experts: transformers `experts_implementation="grouped_mm"`; shardtune '
+            + (
+                "its exact per-expert loop (its kernel for fp32 on CPU)"
+                if cfg.device == "cpu" and cfg.dtype == "fp32"
+                else "`torch._grouped_mm`"
+            )
+            + f". World {cfg.world}; per run fresh processes, 1 untimed warm-up step then {cfg.steps} timed steps; "
+            f"{cfg.repeats} repeat(s), the two methods back to back, their order alternating; "
+            f"{cfg.tokens_per_rank} tokens per rank a step where a row is shorter, else one row"
+        ),
+        "",
+        (
+            "| rows × tokens per rank | shardtune tokens/s per rank | transformers tokens/s | speed ratio "
+            "| shardtune peak Δ (per rank) | transformers peak Δ | memory ratio (max rank) | process peak ratio "
+            "| first-step loss shardtune / transformers (r0) | repeats |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    agree = True
+    for seq in cfg.seq_lens:
+        rows = train.rows_for(seq, cfg.tokens_per_rank)
+        st, tf = summaries.get((seq, "shardtune")), summaries.get((seq, "transformers"))
+        if st is None or tf is None:
+            lines.append(
+                f"| {rows} × {seq} | {'FAILED' if st is None else 'ok'} | {'FAILED' if tf is None else 'ok'} |"
+            )
+            agree = False
+            continue
+        close = all(abs(x - y) <= rtol * abs(y) for x, y in zip(st["first_loss"], tf["first_loss"], strict=True))
+        agree &= close
+        lines.append(
+            f"| {rows} × {seq} | {st['tokens_per_s']:.0f} | {tf['tokens_per_s']:.0f} "
+            f"| {st['tokens_per_s'] / tf['tokens_per_s']:.2f} | {' / '.join(fmt_bytes(p) for p in st['peaks'])} "
+            f"| {' / '.join(fmt_bytes(p) for p in tf['peaks'])} | {max(st['peaks']) / max(tf['peaks']):.2f} "
+            f"| {max(st['totals']) / max(tf['totals']):.2f} | {st['first_loss'][0]:.5f} / {tf['first_loss'][0]:.5f} "
+            f"| {st['runs']} / {tf['runs']} |"
+        )
+    lines += [
+        "",
+        (
+            "Columns as in the dense training-step table (`benchmarks/train.py`); the ratios are shardtune / "
+            f"transformers; first-step losses agree within {rtol:g} relative. shardtune's loss runs in chunks "
+            "without full logits; transformers' keeps the full logits."
+        ),
+    ]
+    return "\n".join(lines), agree
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _add_options(p: argparse.ArgumentParser) -> None:
+    train.add_step_options(p, seq_lens="1024", steps=2)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="params, compute and optimizer state")
+
+
+def parse(argv: list[str] | None) -> MoeOptions:
+    a, common = parse_run_options(
+        argv,
+        module="benchmarks.train_moe",
+        description=__doc__.split("\n")[0],
+        groups=("full",),
+        cold_help="(no effect: nothing is read during a step)",
+        smoke_help="tiny shape, 32-token rows, 1 repeat, 1 timed step, no BENCHMARKS.md",
+        add_options=_add_options,
+    )
+    return MoeOptions(
+        **common,
+        seq_lens=(32,) if a.smoke else tuple(int(s) for s in a.seq_lens.split(",") if s),
+        tokens_per_rank=64 if a.smoke else a.tokens_per_rank,
+        steps=1 if a.smoke else a.steps,
+        device=a.device,
+        dtype=a.dtype,
+        shape=SMOKE if a.smoke else BENCH,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; exit status 1 if a run failed or the stacks' first-step losses disagree."""
+    cfg = parse(argv)
+    cfg.bench_dir.mkdir(parents=True, exist_ok=True)
+    hf = hf_dir(cfg.bench_dir, cfg.shape, cfg.dtype)
+    root = snapshot_sources(cfg.bench_dir / "train_moe_sources")
+    load_before = os.getloadavg()[0]
+    runs: list[Run] = []
+    for repeat in range(cfg.repeats):
+        for seq in cfg.seq_lens:
+            for method in rotated(list(train.METHODS), repeat):
+                kwargs = {"method": method, "hf": str(hf), "dtype": cfg.dtype, "seq": seq, "steps": cfg.steps}
+                kwargs |= {"rows": train.rows_for(seq, cfg.tokens_per_rank), "vocab": cfg.shape.vocab}
+                run_ = Run(f"moe@{seq}", method, repeat)
+                run_.ranks, run_.error = try_spawn(
+                    "benchmarks.train_moe:run",
+                    world=cfg.world,
+                    kwargs=kwargs,
+                    timeout_s=cfg.timeout_s,
+                    device=cfg.device,
+                    root=root,
+                )
+                progress(run_, total=cfg.repeats)
+                runs.append(run_)
+    (cfg.bench_dir / "train_moe_runs.json").write_text(json.dumps(runs, default=asdict, indent=1))
+    summaries = {
+        (seq, method): train.summarize([r for r in runs if (r.group, r.method) == (f"moe@{seq}", method)])
+        for seq in cfg.seq_lens
+        for method in train.METHODS
+    }
+    section, agree = report(cfg, summaries, load_avg=(load_before, os.getloadavg()[0]))
+    finish(section, markdown=cfg.markdown, markers=MARKERS[cfg.device])
+    bad_verify = any(rk["verify"] != "ok" for r in runs for rk in r.ranks)
+    return 0 if agree and not bad_verify and not any(r.error for r in runs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
