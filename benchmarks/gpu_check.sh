@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU check (about 13 minutes on one H200, estimated: not run yet): the GPU tests, then the
+# One prepared GPU check (at most 12.5 minutes of timeouts on one H200; not run yet): the GPU tests, then the
 # checkpoint and training-step (dense and MoE) benchmarks on CUDA. Run from anywhere on a machine with a
 # CUDA GPU and this repository:
 #   bash benchmarks/gpu_check.sh
@@ -25,13 +25,13 @@ python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version
 
 status=0
 start=$SECONDS
-timeout 300 python -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$out/tests_gpu.log" || status=1
+timeout 270 python -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$out/tests_gpu.log" || status=1
 echo "tests/gpu: $((SECONDS - start)) s" | tee -a "$out/device.txt"
 
 # 1b at world 1, one repeat: load, save and resume against DSD/DCP, each run in fresh processes.
 start=$SECONDS
 cp BENCHMARKS.md "$out/BENCHMARKS.md"
-timeout 300 python -m benchmarks.checkpoint --device cuda --world 1 --size 1b --repeats 1 --load-rounds 1 \
+timeout 240 python -m benchmarks.checkpoint --device cuda --world 1 --size 1b --repeats 1 --load-rounds 1 \
     --bench-dir "$out/bench" --markdown "$out/BENCHMARKS.md" 2>&1 | tee "$out/benchmark_cuda.log" || status=1
 echo "benchmark: $((SECONDS - start)) s" | tee -a "$out/device.txt"
 rm -rf "$out/bench"/hf_* "$out/bench"/save_* "$out/bench"/resume_*  # GBs of fixtures; the runs JSON stays
@@ -39,7 +39,7 @@ rm -rf "$out/bench"/hf_* "$out/bench"/save_* "$out/bench"/resume_*  # GBs of fix
 # The training step on CUDA (world 1): full, LoRA, QLoRA at 1024 and 4096 tokens against transformers + FSDP2;
 # the "train-cuda" section of $out/BENCHMARKS.md, its plots in $out/benchmarks/plots.
 start=$SECONDS
-timeout 180 python -m benchmarks.train --device cuda --world 1 --repeats 1 --steps 3 \
+timeout 150 python -m benchmarks.train --device cuda --world 1 --repeats 1 --steps 3 \
     --bench-dir "$out/bench_train" --markdown "$out/BENCHMARKS.md" 2>&1 | tee "$out/benchmark_train_cuda.log" || status=1
 echo "train benchmark: $((SECONDS - start)) s" | tee -a "$out/device.txt"
 rm -rf "$out/bench_train"/train_llama_*  # the HF fixture; the runs JSON stays
@@ -47,7 +47,7 @@ rm -rf "$out/bench_train"/train_llama_*  # the HF fixture; the runs JSON stays
 # The mixture-of-experts training step on CUDA (world 1, bf16): grouped-GEMM experts against transformers'
 # grouped_mm + FSDP2; the "train-moe-cuda" section of $out/BENCHMARKS.md.
 start=$SECONDS
-timeout 120 python -m benchmarks.train_moe --device cuda --world 1 --dtype bf16 --repeats 1 --steps 3 \
+timeout 90 python -m benchmarks.train_moe --device cuda --world 1 --dtype bf16 --repeats 1 --steps 3 \
     --bench-dir "$out/bench_train_moe" --markdown "$out/BENCHMARKS.md" 2>&1 | tee "$out/benchmark_train_moe_cuda.log" || status=1
 echo "MoE train benchmark: $((SECONDS - start)) s" | tee -a "$out/device.txt"
 rm -rf "$out/bench_train_moe"/train_moe_h*  # the HF fixture; the runs JSON stays
