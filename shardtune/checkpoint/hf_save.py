@@ -27,9 +27,10 @@ from shardtune.checkpoint.hf_load import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILE
 from shardtune.checkpoint.plans import Copied, SavePlan, SmallFile, save
 from shardtune.checkpoint.safetensors_io import parse_size
 from shardtune.checkpoint.sinks import StagedSink, resolve_sink
-from shardtune.checkpoint.writer import BlockFn, FilePlan, Sink, WriteItem, plan_files
+from shardtune.checkpoint.writer import BlockFn, BlockTransform, FilePlan, Sink, WriteItem, plan_files
 from shardtune.peft.adapters import merge_lora_weight
 from shardtune.peft.lora import LoRALinear
+from shardtune.peft.param_lora import ParamAdapter, adapted_modules, factor_paths, merge_block
 from shardtune.state_dict import comm
 from shardtune.state_dict.agreement import model_signature
 from shardtune.state_dict.keys import ModelEntry, clean_fqn, model_entries
@@ -180,6 +181,23 @@ class LoRAMerge:
         return merge
 
 
+@dataclass
+class ParamMerge:
+    """A parameter adapter's base (MoE experts, the router) written merged, ``W[e] + scaling * B_e @ A_e``."""
+
+    adapter: ParamAdapter
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+
+    def prepare(self, layout: TensorLayout) -> BlockFn:
+        """Collective when the adapters are DTensors: A and B whole on every rank (they are small; B's
+        rows never line up with an expert block's). Returns the merge of one block of W."""
+        transfer_device = comm.comm_device(None)
+        a = comm.full_tensor(self.lora_a.detach(), transfer_device)
+        b = comm.full_tensor(self.lora_b.detach(), transfer_device)
+        return lambda block, piece: merge_block(block, piece.slices, self.adapter, a, b)
+
+
 def _rows_line_up(w: TensorLayout, b: TensorLayout) -> bool:
     """True when, on every rank, B's local rows (whole rows) are exactly W's local rows."""
     if w.pieces is None or b.pieces is None:
@@ -249,8 +267,10 @@ def _is_tied_head(fqn: str, entry: ModelEntry) -> bool:
     return fqn == "lm_head.weight" and "model.embed_tokens.weight" in entry.fqns
 
 
-def _lora_merges(model: nn.Module, by_fqn: dict[str, ModelEntry]) -> tuple[dict[str, LoRAMerge], set[str], list[str]]:
-    merges: dict[str, LoRAMerge] = {}
+def _lora_merges(
+    model: nn.Module, by_fqn: dict[str, ModelEntry]
+) -> tuple[dict[str, BlockTransform], set[str], list[str]]:
+    merges: dict[str, BlockTransform] = {}
     skipped: set[str] = set()
     problems: list[str] = []
     for name, module in model.named_modules():
@@ -264,6 +284,13 @@ def _lora_merges(model: nn.Module, by_fqn: dict[str, ModelEntry]) -> tuple[dict[
             continue
         merges[keys[0]] = LoRAMerge(by_fqn[keys[1]].tensor, by_fqn[keys[2]].tensor, float(module.scaling))
         skipped.update(keys[1:])
+    for name, module in adapted_modules(model):
+        for param, (factor, adapter) in factor_paths(module).items():
+            base, a, b = (
+                f"{clean_fqn(name)}.{key}" for key in (param, f"{factor}lora_A.weight", f"{factor}lora_B.weight")
+            )
+            merges[base] = ParamMerge(adapter, by_fqn[a].tensor, by_fqn[b].tensor)
+            skipped.update((a, b))
     return merges, skipped, problems
 
 

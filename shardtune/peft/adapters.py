@@ -108,6 +108,7 @@ def peft_adapter_config(
     rank: int,
     alpha: float,
     target_modules: Iterable[str],
+    target_parameters: Iterable[str] = (),
     dropout: float = 0.0,
     base_model_name_or_path: str | None = None,
 ) -> dict[str, Any]:
@@ -120,6 +121,7 @@ def peft_adapter_config(
         "lora_alpha": alpha,
         "lora_dropout": dropout,
         "target_modules": sorted(set(target_modules)),
+        "target_parameters": sorted(set(target_parameters)) or None,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
