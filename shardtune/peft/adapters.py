@@ -63,6 +63,11 @@ def get_merged_state_dict(
         if not key.endswith(_LORA_A):
             continue
         prefix = key[: -len(_LORA_A)]
+        if prefix.endswith((".mlp.experts", ".base_layer")):
+            raise ValueError(
+                f"{key} adapts fused expert weights (lora.target_parameters), which this merge of linear adapters "
+                "cannot fold; use merge_lora(model) or save_hf_checkpoint (merged export) instead"
+            )
         for needed in (prefix + _LORA_B, prefix + ".weight"):
             if needed not in state_dict:
                 raise KeyError(f"{key} has no matching {needed!r}; pass the full state dict (base and both adapters)")

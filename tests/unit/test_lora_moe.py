@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from shardtune.checkpoint import save_hf_checkpoint, save_peft_adapter
 from shardtune.checkpoint.peft_format import load_peft_adapter
-from shardtune.peft import apply_lora, get_adapter_state_dict, merge_lora
+from shardtune.peft import apply_lora, get_adapter_state_dict, get_merged_state_dict, merge_lora
 from shardtune.peft.adapters import PEFT_PREFIX
 from shardtune.training.dpo import adapters_disabled
 from tests.unit.test_lora import _hf as dense_hf
@@ -126,5 +126,8 @@ def test_bad_target_parameters_are_refused_naming_the_option():
         apply_lora(ours_from(hf), **kw, target_parameters=PARAMETERS, dropout=0.1)
     with pytest.raises(ValueError, match="unknown LoRA target_parameters"):
         apply_lora(ours_from(hf), **kw, target_parameters=["mlp.experts.up_proj"])
+    adapted = apply_lora(ours_from(hf), **kw, target_parameters=PARAMETERS)
+    with pytest.raises(ValueError, match="target_parameters.*use merge_lora"):
+        get_merged_state_dict(adapted.state_dict(), alpha=ALPHA)
     with pytest.raises(ValueError, match="names no parameter of this llama model"):
         apply_lora(dense_ours(dense_hf()), **kw, target_parameters=["mlp.experts.down_proj"])
