@@ -134,6 +134,11 @@ def adapt_parameters(module: nn.Module, names: list[str], *, rank: int, alpha: f
     paths: the last targeted parameter (in registration order) at the module, each earlier one a
     ``base_layer`` deeper. Fresh factors on a real device are initialized; on meta, later.
     """
+    if type(module) not in _ADAPTED:
+        raise ValueError(
+            f"LoRA target_parameters {names} name parameters of a {type(module).__name__}; only the experts and "
+            "router of shardtune's mixture-of-experts layers can be adapted: drop them from target_parameters"
+        )
     ordered = [n for n in module._parameters if n in names]
     first = cast(Tensor, getattr(module, ordered[0]))
     adapters = {
