@@ -16,7 +16,7 @@ import json
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from shardtune.state_dict import comm
 from shardtune.state_dict.agreement import model_signature
 from shardtune.state_dict.keys import ModelEntry, clean_fqn, model_entries
 from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor, unsupported_placement
-from shardtune.state_dict.parts import part_layout, tiling_problem
+from shardtune.state_dict.parts import Part, part_layout, tiling_problem
 
 __all__ = ["HFSaveOptions", "LoRAMerge", "plan_hf_checkpoint", "save_hf_checkpoint"]
 
@@ -188,14 +188,39 @@ class ParamMerge:
     adapter: ParamAdapter
     lora_a: torch.Tensor
     lora_b: torch.Tensor
+    full: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def prepare(self, layout: TensorLayout) -> BlockFn:
-        """Collective when the adapters are DTensors: A and B whole on every rank (they are small; B's
-        rows never line up with an expert block's). Returns the merge of one block of W."""
-        transfer_device = comm.comm_device(None)
-        a = comm.full_tensor(self.lora_a.detach(), transfer_device)
-        b = comm.full_tensor(self.lora_b.detach(), transfer_device)
+        """Collective the first time when the adapters are DTensors: A and B whole on every rank (they
+        are small; B's rows never line up with an expert block's), kept for the W's other file tensors
+        (every rank prepares the same items in the same order). Returns the merge of one block of W."""
+        if self.full is None:
+            transfer_device = comm.comm_device(None)
+            a = comm.full_tensor(self.lora_a.detach(), transfer_device)
+            self.full = (a, comm.full_tensor(self.lora_b.detach(), transfer_device))
+        a, b = self.full
         return lambda block, piece: merge_block(block, piece.slices, self.adapter, a, b)
+
+
+@dataclass
+class PartMerge:
+    """The merge of one file tensor (``part``, e.g. one expert's ``up_proj``) of a parameter adapter's base."""
+
+    merge: ParamMerge
+    part: Part
+
+    def prepare(self, layout: TensorLayout) -> BlockFn:
+        merge, region, squeeze = self.merge.prepare(layout), self.part.region, self.part.squeeze
+
+        def merge_part(block: torch.Tensor, piece: Piece) -> torch.Tensor:
+            # file coordinates -> the model tensor's: the part's offset, its squeezed unit dims put back
+            offset, shape = iter(piece.offset), iter(piece.shape)
+            start = [o + (0 if d in squeeze else next(offset)) for d, o in enumerate(region.offset)]
+            size = [1 if d in squeeze else next(shape) for d in range(len(region.shape))]
+            whole = Piece(shape=tuple(size), offset=tuple(start))
+            return merge(block.reshape(whole.shape), whole).reshape(block.shape)
+
+        return merge_part
 
 
 def _rows_line_up(w: TensorLayout, b: TensorLayout) -> bool:
@@ -247,17 +272,26 @@ def _plan_items(
                 WriteItem(name=fqn, tensor=entry.tensor, dtype=out_dtype, layout=layout, transform=merges.get(fqn))
             )
             continue
+        merge = merges.get(fqn)
         problem = tiling_problem(fqn, layout.shape, entry.parts) or (
             f"{fqn}: a LoRA base weight stored as several file tensors cannot be merged yet; save with "
             "merge_adapters=False"
-            if fqn in merges
+            if merge is not None and not isinstance(merge, ParamMerge)
             else None
         )
         if problem is not None:
             problems.append(problem)
             continue
         items += [
-            WriteItem(part.name, entry.tensor, out_dtype, part_layout(part, layout), part=part, source=layout)
+            WriteItem(
+                part.name,
+                entry.tensor,
+                out_dtype,
+                part_layout(part, layout),
+                part=part,
+                source=layout,
+                transform=PartMerge(merge, part) if isinstance(merge, ParamMerge) else None,
+            )
             for part in entry.parts
         ]
     return items, problems

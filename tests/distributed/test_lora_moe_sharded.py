@@ -1,7 +1,8 @@
 """LoRA on fused experts and the router under FSDP2 on 2 ranks, experts sharded on the expert dim
 (Qwen3-MoE, 8 experts) or the next (Mixtral, 5 experts), against peft in one process: a peft-saved
 adapter loads, logits and adapter gradients equal peft's; the adapter is written with each rank writing
-its own rows (no gather) and equals peft's file; the merged export equals ``merge_and_unload``; adapter
+its own rows (no gather) and equals peft's file; the merged export, fused or per expert (as transformers
+saves it), equals ``merge_and_unload``; adapter
 and optimizer saved after a step and loaded into a fresh model continue bitwise. Under NCCL's rules."""
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _step(model, opt, tokens) -> torch.Tensor:
 
 
 def _run(name: str, changes: dict, peft_dir: str, out: str):
-    from tests.unit.test_lora_moe import _peft
+    from tests.unit.test_lora_moe import _peft, per_expert_layout
     from tests.unit.test_models_moe import batch, hf_moe_model
 
     hf = hf_moe_model(name, **changes)
@@ -75,6 +76,8 @@ def _run(name: str, changes: dict, peft_dir: str, out: str):
         model.zero_grad()
         save_peft_adapter(model, out_dir / "adapter")
         save_hf_checkpoint(model, out_dir / "merged")
+        with per_expert_layout(name):
+            save_hf_checkpoint(model, out_dir / "per_expert")
     layer = model.model.layers[0].mlp.experts
     # resume: a step, adapter + optimizer saved, both loaded into a fresh model; the next steps agree bitwise
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -118,8 +121,13 @@ def test_sharded_expert_lora_equals_peft_saves_in_place_and_resumes(pool2, tmp_p
     ours = load_file(tmp_path / "out/adapter/adapter_model.safetensors")
     assert sorted(ours) == sorted(theirs)
     assert all(torch.equal(ours[k], v) for k, v in theirs.items())
-    merged = load_file(tmp_path / "out/merged/model.safetensors")
-    reference = pm.merge_and_unload().state_dict()
-    assert sorted(merged) == sorted(reference)
-    for key, value in reference.items():
-        assert (merged[key] - value).abs().max() < 1e-6, key
+    merged_model = pm.merge_and_unload()
+    merged_model.save_pretrained(tmp_path / "hf")  # transformers' default: per-expert tensors
+    per_expert = {k: v for k, v in load_file(tmp_path / "hf/model.safetensors").items() if ".experts." in k}
+    for ours_dir, reference in (("merged", merged_model.state_dict()), ("per_expert", per_expert)):
+        merged = load_file(tmp_path / "out" / ours_dir / "model.safetensors")
+        if ours_dir == "per_expert":  # only the experts are declared per expert here (Mixtral renames its router too)
+            merged = {k: v for k, v in merged.items() if ".experts." in k}
+        assert sorted(merged) == sorted(reference)
+        for key, value in reference.items():
+            assert (merged[key] - value).abs().max() < 1e-6, (ours_dir, key)
