@@ -28,6 +28,10 @@ LORA_TARGETS = (
     "lm_head",
 )
 
+# ``lora.target_parameters``: PEFT's parameter names of mixture-of-experts layers (fused expert weights, the
+# router); applied by ``shardtune.peft.param_lora``.
+LORA_TARGET_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight")
+
 # ``dtype``: the compute dtype of the recipes (``shardtune.recipes.builders`` maps each to a torch dtype).
 DTYPES = ("bf16", "fp32")
 

@@ -147,7 +147,8 @@ def load_generator(
                 model,
                 rank=adapter["r"],
                 alpha=adapter["lora_alpha"],
-                target_modules=list(adapter["target_modules"]),
+                target_modules=list(adapter["target_modules"] or []),
+                target_parameters=list(adapter.get("target_parameters") or []),
             )
     if sharded:
         shard_model(model)

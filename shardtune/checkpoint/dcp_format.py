@@ -206,6 +206,7 @@ def write_model_description(model: nn.Module, directory: Path, base_dir: Path | 
             "alpha": lora.alpha,
             "dropout": lora.dropout,
             "target_modules": list(lora.target_modules),
+            "target_parameters": list(lora.target_parameters),
             "quantize_base": lora.quantize_base,
             "base_dir": str(base_dir) if base_dir else None,
         }
@@ -242,6 +243,7 @@ def convert_dcp_to_hf(
                 alpha=lora["alpha"],
                 dropout=lora["dropout"],
                 target_modules=lora["target_modules"],
+                target_parameters=lora.get("target_parameters", []),
                 quantize_base=lora["quantize_base"],
             )
     if sharded:

@@ -16,7 +16,7 @@ import json
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,14 +27,15 @@ from shardtune.checkpoint.hf_load import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILE
 from shardtune.checkpoint.plans import Copied, SavePlan, SmallFile, save
 from shardtune.checkpoint.safetensors_io import parse_size
 from shardtune.checkpoint.sinks import StagedSink, resolve_sink
-from shardtune.checkpoint.writer import BlockFn, FilePlan, Sink, WriteItem, plan_files
+from shardtune.checkpoint.writer import BlockFn, BlockTransform, FilePlan, Sink, WriteItem, plan_files
 from shardtune.peft.adapters import merge_lora_weight
 from shardtune.peft.lora import LoRALinear
+from shardtune.peft.param_lora import ParamAdapter, adapted_modules, factor_paths, merge_block
 from shardtune.state_dict import comm
 from shardtune.state_dict.agreement import model_signature
 from shardtune.state_dict.keys import ModelEntry, clean_fqn, model_entries
 from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor, unsupported_placement
-from shardtune.state_dict.parts import part_layout, tiling_problem
+from shardtune.state_dict.parts import Part, part_layout, tiling_problem
 
 __all__ = ["HFSaveOptions", "LoRAMerge", "plan_hf_checkpoint", "save_hf_checkpoint"]
 
@@ -180,6 +181,48 @@ class LoRAMerge:
         return merge
 
 
+@dataclass
+class ParamMerge:
+    """A parameter adapter's base (MoE experts, the router) written merged, ``W[e] + scaling * B_e @ A_e``."""
+
+    adapter: ParamAdapter
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    full: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def prepare(self, layout: TensorLayout) -> BlockFn:
+        """Collective the first time when the adapters are DTensors: A and B whole on every rank (they
+        are small; B's rows never line up with an expert block's), kept for the W's other file tensors
+        (every rank prepares the same items in the same order). Returns the merge of one block of W."""
+        if self.full is None:
+            transfer_device = comm.comm_device(None)
+            a = comm.full_tensor(self.lora_a.detach(), transfer_device)
+            self.full = (a, comm.full_tensor(self.lora_b.detach(), transfer_device))
+        a, b = self.full
+        return lambda block, piece: merge_block(block, piece.slices, self.adapter, a, b)
+
+
+@dataclass
+class PartMerge:
+    """The merge of one file tensor (``part``, e.g. one expert's ``up_proj``) of a parameter adapter's base."""
+
+    merge: ParamMerge
+    part: Part
+
+    def prepare(self, layout: TensorLayout) -> BlockFn:
+        merge, region, squeeze = self.merge.prepare(layout), self.part.region, self.part.squeeze
+
+        def merge_part(block: torch.Tensor, piece: Piece) -> torch.Tensor:
+            # file coordinates -> the model tensor's: the part's offset, its squeezed unit dims put back
+            offset, shape = iter(piece.offset), iter(piece.shape)
+            start = [o + (0 if d in squeeze else next(offset)) for d, o in enumerate(region.offset)]
+            size = [1 if d in squeeze else next(shape) for d in range(len(region.shape))]
+            whole = Piece(shape=tuple(size), offset=tuple(start))
+            return merge(block.reshape(whole.shape), whole).reshape(block.shape)
+
+        return merge_part
+
+
 def _rows_line_up(w: TensorLayout, b: TensorLayout) -> bool:
     """True when, on every rank, B's local rows (whole rows) are exactly W's local rows."""
     if w.pieces is None or b.pieces is None:
@@ -229,17 +272,26 @@ def _plan_items(
                 WriteItem(name=fqn, tensor=entry.tensor, dtype=out_dtype, layout=layout, transform=merges.get(fqn))
             )
             continue
+        merge = merges.get(fqn)
         problem = tiling_problem(fqn, layout.shape, entry.parts) or (
             f"{fqn}: a LoRA base weight stored as several file tensors cannot be merged yet; save with "
             "merge_adapters=False"
-            if fqn in merges
+            if merge is not None and not isinstance(merge, ParamMerge)
             else None
         )
         if problem is not None:
             problems.append(problem)
             continue
         items += [
-            WriteItem(part.name, entry.tensor, out_dtype, part_layout(part, layout), part=part, source=layout)
+            WriteItem(
+                part.name,
+                entry.tensor,
+                out_dtype,
+                part_layout(part, layout),
+                part=part,
+                source=layout,
+                transform=PartMerge(merge, part) if isinstance(merge, ParamMerge) else None,
+            )
             for part in entry.parts
         ]
     return items, problems
@@ -249,8 +301,10 @@ def _is_tied_head(fqn: str, entry: ModelEntry) -> bool:
     return fqn == "lm_head.weight" and "model.embed_tokens.weight" in entry.fqns
 
 
-def _lora_merges(model: nn.Module, by_fqn: dict[str, ModelEntry]) -> tuple[dict[str, LoRAMerge], set[str], list[str]]:
-    merges: dict[str, LoRAMerge] = {}
+def _lora_merges(
+    model: nn.Module, by_fqn: dict[str, ModelEntry]
+) -> tuple[dict[str, BlockTransform], set[str], list[str]]:
+    merges: dict[str, BlockTransform] = {}
     skipped: set[str] = set()
     problems: list[str] = []
     for name, module in model.named_modules():
@@ -264,6 +318,13 @@ def _lora_merges(model: nn.Module, by_fqn: dict[str, ModelEntry]) -> tuple[dict[
             continue
         merges[keys[0]] = LoRAMerge(by_fqn[keys[1]].tensor, by_fqn[keys[2]].tensor, float(module.scaling))
         skipped.update(keys[1:])
+    for name, module in adapted_modules(model):
+        for param, (factor, adapter) in factor_paths(module).items():
+            base, a, b = (
+                f"{clean_fqn(name)}.{key}" for key in (param, f"{factor}lora_A.weight", f"{factor}lora_B.weight")
+            )
+            merges[base] = ParamMerge(adapter, by_fqn[a].tensor, by_fqn[b].tensor)
+            skipped.update((a, b))
     return merges, skipped, problems
 
 

@@ -63,6 +63,11 @@ def get_merged_state_dict(
         if not key.endswith(_LORA_A):
             continue
         prefix = key[: -len(_LORA_A)]
+        if prefix.endswith((".mlp.experts", ".base_layer")):
+            raise ValueError(
+                f"{key} adapts fused expert weights (lora.target_parameters), which this merge of linear adapters "
+                "cannot fold; use merge_lora(model) or save_hf_checkpoint (merged export) instead"
+            )
         for needed in (prefix + _LORA_B, prefix + ".weight"):
             if needed not in state_dict:
                 raise KeyError(f"{key} has no matching {needed!r}; pass the full state dict (base and both adapters)")
@@ -108,6 +113,7 @@ def peft_adapter_config(
     rank: int,
     alpha: float,
     target_modules: Iterable[str],
+    target_parameters: Iterable[str] = (),
     dropout: float = 0.0,
     base_model_name_or_path: str | None = None,
 ) -> dict[str, Any]:
@@ -120,6 +126,7 @@ def peft_adapter_config(
         "lora_alpha": alpha,
         "lora_dropout": dropout,
         "target_modules": sorted(set(target_modules)),
+        "target_parameters": sorted(set(target_parameters)) or None,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,

@@ -5,7 +5,9 @@ unchanged) and the adapters at ``<module>.lora_A.weight``/``<module>.lora_B.weig
 names without ``base_layer``/``.default``). With ``quantize_base=True`` the base weight is a
 torchao ``NF4Tensor`` Parameter (QLoRA). Everything works on the meta device. Target names are
 PEFT's module names for every family (``qkv_proj``/``gate_up_proj`` for Phi-3); Llama names given
-for a family with fused projections wrap the fused module that holds them.
+for a family with fused projections wrap the fused module that holds them. ``target_parameters``
+(PEFT's name) adapts mixture-of-experts parameters instead, in PEFT's format:
+:mod:`shardtune.peft.param_lora`.
 """
 
 from __future__ import annotations
@@ -19,16 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shardtune.choices import LORA_TARGETS
+from shardtune.choices import LORA_TARGET_PARAMETERS, LORA_TARGETS
 from shardtune.models.args import ModelArgs
 from shardtune.models.families import get_family
 from shardtune.peft import nf4
 from shardtune.peft.adapters import is_adapter_key, merge_lora_weight, peft_adapter_config
+from shardtune.peft.param_lora import LoRAExperts, LoRARouter, adapt_parameters, adapted_modules, unadapt
 
 __all__ = [
     "LORA_TARGETS",
     "LoRAConfig",
     "LoRALinear",
+    "adapter_modules",
     "apply_lora",
     "build_lora_model",
     "get_adapter_params",
@@ -46,6 +50,7 @@ class LoRAConfig:
     alpha: float
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=list)
+    target_parameters: list[str] = field(default_factory=list)
     quantize_base: bool = False
     block_size: int = nf4.DEFAULT_BLOCK_SIZE
     scaler_block_size: int = nf4.DEFAULT_SCALER_BLOCK_SIZE
@@ -58,9 +63,25 @@ class LoRAConfig:
         unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
         if unknown:
             raise ValueError(f"unknown LoRA target_modules {unknown}; choose from {list(LORA_TARGETS)}")
-        if not self.target_modules:
-            raise ValueError(f"LoRA target_modules is empty; choose from {list(LORA_TARGETS)}")
+        unknown = sorted(set(self.target_parameters) - set(LORA_TARGET_PARAMETERS))
+        if unknown:
+            raise ValueError(f"unknown LoRA target_parameters {unknown}; choose from {list(LORA_TARGET_PARAMETERS)}")
+        if not self.target_modules and not self.target_parameters:
+            raise ValueError(
+                f"LoRA target_modules and target_parameters are both empty; choose modules from {list(LORA_TARGETS)}"
+            )
+        if self.target_parameters and self.quantize_base:
+            raise ValueError(
+                "LoRA quantize_base (QLoRA) with target_parameters is not supported: NF4 experts are not implemented; "
+                "set quantize_base=false or drop target_parameters"
+            )
+        if self.target_parameters and self.dropout:
+            raise ValueError(
+                f"LoRA dropout {self.dropout} with target_parameters: PEFT's parameter adapters have no dropout "
+                "(its ParamWrapper refuses lora_dropout != 0); set dropout=0"
+            )
         self.target_modules = sorted(set(self.target_modules), key=LORA_TARGETS.index)
+        self.target_parameters = sorted(set(self.target_parameters), key=LORA_TARGET_PARAMETERS.index)
 
     @property
     def scaling(self) -> float:
@@ -73,6 +94,7 @@ class LoRAConfig:
             alpha=self.alpha,
             dropout=self.dropout,
             target_modules=self.target_modules,
+            target_parameters=self.target_parameters,
             base_model_name_or_path=base_model_name_or_path,
         )
 
@@ -227,6 +249,12 @@ def lora_config_of(model: nn.Module) -> LoRAConfig | None:
     return getattr(model, "lora_config", None)
 
 
+def adapter_modules(model: nn.Module) -> list[LoRALinear | LoRAExperts | LoRARouter]:
+    """Every module with a ``disabled`` switch for its adapters: ``LoRALinear``s and adapted MoE modules."""
+    linears: list[LoRALinear | LoRAExperts | LoRARouter] = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    return linears + [m for _, m in adapted_modules(model)]
+
+
 def is_lora(model: nn.Module) -> bool:
     """Whether ``model`` carries LoRA adapters: the one test of it (:func:`lora_config_of` is set)."""
     return lora_config_of(model) is not None
@@ -260,6 +288,7 @@ def apply_lora(
     alpha: float,
     dropout: float = 0.0,
     target_modules: Iterable[str],
+    target_parameters: Iterable[str] = (),
     quantize_base: bool = False,
     block_size: int = nf4.DEFAULT_BLOCK_SIZE,
     scaler_block_size: int = nf4.DEFAULT_SCALER_BLOCK_SIZE,
@@ -270,14 +299,23 @@ def apply_lora(
     trainable. ``quantize_base`` stores the wrapped bases as NF4 (other weights stay as they
     are). Works on a meta-device model: adapters are then initialized after materialization
     with ``init_lora_parameters``. Names are resolved per family by ``resolve_targets``, and
-    ``model.lora_config`` (which this sets) records the resolved ones.
+    ``model.lora_config`` (which this sets) records the resolved ones. ``target_parameters`` adapts
+    the named mixture-of-experts parameters (PEFT's ``target_parameters``; no dropout, no NF4 base).
     """
-    requested = LoRAConfig(rank=rank, alpha=alpha, target_modules=list(target_modules))  # validates the names
+    requested = LoRAConfig(
+        rank=rank,
+        alpha=alpha,
+        dropout=dropout,
+        target_modules=list(target_modules),
+        target_parameters=list(target_parameters),
+        quantize_base=quantize_base,
+    )  # validates the names and their combination
     config = LoRAConfig(
         rank=rank,
         alpha=alpha,
         dropout=dropout,
         target_modules=resolve_targets(model, requested.target_modules),
+        target_parameters=requested.target_parameters,
         quantize_base=quantize_base,
         block_size=block_size,
         scaler_block_size=scaler_block_size,
@@ -290,8 +328,9 @@ def apply_lora(
         for name, module in model.named_modules()
         if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in config.target_modules
     ]
-    if not targets:
+    if config.target_modules and not targets:
         raise ValueError(f"no nn.Linear named any of {config.target_modules} found in the model")
+    param_targets = _parameter_targets(model, config.target_parameters)
     for name, linear in targets:
         if quantize_base and id(linear.weight) in shared:
             raise ValueError(
@@ -310,10 +349,34 @@ def apply_lora(
         )
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, lora)
+    for module, names in param_targets:
+        adapt_parameters(module, names, rank=rank, alpha=alpha)
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter_key(name))
     model.lora_config = config  # type: ignore[assignment]  # a plain attribute; nn.Module's stubs expect Tensor | Module
     return model
+
+
+def _parameter_targets(model: nn.Module, target_parameters: list[str]) -> list[tuple[nn.Module, list[str]]]:
+    """Each module holding parameters named by ``target_parameters`` (``<module suffix>.<param>``) and those
+    parameters' names; every entry must name a parameter of the model."""
+    found: dict[int, tuple[nn.Module, list[str]]] = {}
+    for entry in target_parameters:
+        suffix, _, attr = entry.rpartition(".")
+        hits = [
+            m
+            for n, m in model.named_modules()
+            if (n == suffix or n.endswith("." + suffix)) and isinstance(m._parameters.get(attr), nn.Parameter)
+        ]
+        if not hits:
+            kind = getattr(getattr(model, "args", None), "model_type", type(model).__name__)
+            raise ValueError(
+                f"LoRA target_parameters entry {entry!r} names no parameter of this {kind} model; it adapts the "
+                "experts and router of mixture-of-experts models (qwen3_moe, mixtral): drop it for this model"
+            )
+        for m in hits:
+            found.setdefault(id(m), (m, []))[1].append(attr)
+    return list(found.values())
 
 
 def build_lora_model(
@@ -357,6 +420,12 @@ def init_lora_parameters(model: nn.Module, *, device: torch.device | str | None 
                 module.lora_A.to_empty(device=device)
                 module.lora_B.to_empty(device=device)
             module.reset_lora_parameters()
+    for _, adapted in adapted_modules(model):
+        for adapter in adapted.adapters.values():
+            if device is not None:
+                adapter.lora_A.to_empty(device=device)
+                adapter.lora_B.to_empty(device=device)
+            adapter.reset_parameters()
 
 
 def get_adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -365,7 +434,8 @@ def get_adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Replace each ``LoRALinear`` by an ``nn.Linear`` holding ``W + scaling * B @ A`` (in place).
+    """Replace each ``LoRALinear`` by an ``nn.Linear`` holding ``W + scaling * B @ A`` (in place), and fold
+    parameter adapters into their parameters.
 
     The result has plain HF keys and no ``lora`` parameters; NF4 bases are dequantized.
     """
@@ -384,6 +454,8 @@ def merge_lora(model: nn.Module) -> nn.Module:
             linear.bias = cast(nn.Parameter, lora.bias)  # the base's own Parameter
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, linear)
+    for _, adapted in adapted_modules(model):
+        unadapt(adapted)
     if hasattr(model, "lora_config"):
         model.lora_config = None  # type: ignore[assignment]  # as in apply_lora
     return model

@@ -206,6 +206,7 @@ def build_model(base_dir: Path, run: Run, cfg: Config, *, lora: Config | None = 
                 alpha=lora.alpha,
                 dropout=lora.dropout,
                 target_modules=list(lora.target_modules),
+                target_parameters=list(lora.target_parameters),
                 quantize_base=lora.quantize_base,
             )
     shard_model(

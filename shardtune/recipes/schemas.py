@@ -14,6 +14,7 @@ from typing import Any
 from shardtune.choices import (
     DTYPES,
     LAYER_DROPOUT_SCHEDULES,
+    LORA_TARGET_PARAMETERS,
     LORA_TARGETS,
     LR_SCHEDULES,
     OPTIMIZERS,
@@ -263,6 +264,7 @@ LORA_SECTION = Schema(
         "alpha": Field(float, 16.0, gt=0),
         "dropout": Field(float, 0.0, ge=0, lt=1),
         "target_modules": Field(list, ["q_proj", "v_proj"], item=str, choices=LORA_TARGETS),
+        "target_parameters": Field(list, [], item=str, choices=LORA_TARGET_PARAMETERS),
         "quantize_base": Field(bool, False),
     }
 )

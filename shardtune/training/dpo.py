@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from shardtune.models.chunked_loss import chunked_cross_entropy
 from shardtune.models.linear_cross_entropy import head_for_several_losses
 from shardtune.models.preference_losses import preference_loss
-from shardtune.peft.lora import LoRALinear
+from shardtune.peft.lora import adapter_modules
 
 __all__ = ["adapters_disabled", "dpo_loss_fn", "sequence_logps_head_loss"]
 
@@ -30,7 +30,7 @@ __all__ = ["adapters_disabled", "dpo_loss_fn", "sequence_logps_head_loss"]
 @contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """The model as its base: every LoRA adapter switched off inside the block."""
-    lora = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    lora = adapter_modules(model)
     if not lora:
         raise ValueError("adapters_disabled: the model has no LoRA adapters (a LoRA DPO reference needs them)")
     for module in lora:

@@ -77,12 +77,12 @@ def _reference_first_step(base: Path, config: str) -> tuple[float, float]:
     return loss_sum / tokens, aux_sum / tokens
 
 
-def _first_step_checked(recipe: str, config: str, tiny_dirs, tmp_path: Path, extra: str) -> tuple[Path, Path]:
+def _first_step_checked(recipe: str, config: str, tiny_dirs, tmp_path: Path, *extra: str) -> tuple[Path, Path]:
     """Run ``recipe`` 2 steps on a fresh MoE base; check step 1's loss and aux_loss; returns (base, epoch_1)."""
     base = _moe_base(tiny_dirs["base"], tmp_path / "moe_base")
     out = tmp_path / "run"
     overrides = [f"output_dir={out}", f"checkpoint_dir={base}", "model=null", "epochs=1", "max_steps_per_epoch=2"]
-    run_recipe(recipe, config, *overrides, "batch_size=4", "log_every_n_steps=1", extra)
+    run_recipe(recipe, config, *overrides, "batch_size=4", "log_every_n_steps=1", *extra)
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     loss, aux = _reference_first_step(base, config)  # LoRA: fresh adapters, the base's loss
     assert abs(first["loss"] - loss) < 1e-4 * loss and abs(first["aux_loss"] - aux) < 1e-4 * aux, (first, loss)

@@ -1,0 +1,193 @@
+"""LoRA on parameters (PEFT's ``target_parameters``): the fused expert weights and the router.
+
+Rule: the adapters are PEFT's ``ParamWrapper`` tensors exactly, under the names PEFT saves them
+with, so an adapter file holds the model's own adapter entries behind ``base_model.model.``. For a
+parameter ``[E, out, in]`` (transformers' expert layout, which PEFT 0.21 reads as ``[E, out, in]``;
+a 2-D ``[out, in]`` one is ``E = 1``):
+
+- ``lora_A.weight [E·r, in]`` is expert-major: rows ``e·r … e·r+r-1`` are expert ``e``'s ``A_e``;
+- ``lora_B.weight [out, r·E]`` is rank-major, expert-minor: column ``j·E + e`` is column ``j`` of ``B_e``;
+- the adapted weight is ``W[e] + alpha/r · B_e @ A_e`` (PEFT's ``baddbmm``), formed in the forward.
+
+PEFT wraps a module's targeted parameters in their registration order, each wrapper around the
+previous one, so with both expert weights targeted ``gate_up_proj``'s adapter is saved as
+``experts.base_layer.lora_A/B`` and ``down_proj``'s as ``experts.lora_A/B``; the adapted module
+registers its factors at those paths. The base parameters keep their HF names. FSDP2 shards the
+adapters with its default ``Shard(0)`` (rows of these tensors, whatever the experts' placement),
+so each rank writes whole rows of PEFT's tensors in place and no strided column is ever written.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from shardtune.choices import LORA_TARGET_PARAMETERS
+from shardtune.models.moe import Experts, Router
+from shardtune.models.moe_kernels import expert_kernel
+
+__all__ = [
+    "LORA_TARGET_PARAMETERS",
+    "LoRAExperts",
+    "LoRARouter",
+    "ParamAdapter",
+    "adapt_parameters",
+    "adapted_modules",
+    "factor_paths",
+    "merge_block",
+    "unadapt",
+]
+
+
+class _Factor(nn.Module):
+    """One LoRA factor, ``weight [rows, cols]`` (PEFT keeps its factors in ``nn.Linear``s: the same key)."""
+
+    def __init__(self, rows: int, cols: int, *, device, dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, cols, device=device, dtype=dtype))
+
+
+class ParamAdapter:
+    """The LoRA factors of one targeted parameter (``num_experts`` 1 for a 2-D one); not a module:
+    its factors are registered by the adapted module at PEFT's paths, and read from there."""
+
+    def __init__(self, shape: tuple[int, ...], *, rank: int, alpha: float, device, dtype) -> None:
+        self.num_experts, out_features, in_features = shape if len(shape) == 3 else (1, *shape)
+        self.ndim, self.rank, self.scaling = len(shape), rank, alpha / rank
+        self.lora_A = _Factor(self.num_experts * rank, in_features, device=device, dtype=dtype)
+        self.lora_B = _Factor(out_features, rank * self.num_experts, device=device, dtype=dtype)
+
+    def reset_parameters(self) -> None:
+        """PEFT's default init: Kaiming-uniform ``lora_A``, zero ``lora_B``."""
+        if self.lora_A.weight.is_meta:
+            return
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    def factors(self, a: Tensor | None = None, b: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(B_e [E, out, r], A_e [E, r, in])`` from PEFT's layouts (of ``a``/``b`` when given: full tensors)."""
+        a = self.lora_A.weight if a is None else a
+        b = self.lora_B.weight if b is None else b
+        e = self.num_experts
+        return b.reshape(b.shape[0], -1, e).permute(2, 0, 1), a.reshape(e, -1, a.shape[-1])
+
+    def adapted(self, weight: Tensor) -> Tensor:
+        """``weight + alpha/r · B @ A`` per expert, as PEFT's forward forms it (in the weight's dtype)."""
+        lhs, rhs = self.factors()
+        if self.ndim == 2:
+            return weight + (lhs[0] @ rhs[0]) * self.scaling
+        return torch.baddbmm(weight, lhs.to(weight.dtype), rhs.to(weight.dtype), alpha=self.scaling)
+
+
+def merge_block(block: Tensor, slices: tuple[slice, ...], adapter: ParamAdapter, a: Tensor, b: Tensor) -> Tensor:
+    """``block`` (the ``slices`` of the base parameter) plus its part of the update, in fp32, returned in the
+    block's dtype; ``a``/``b`` are the full factors (PEFT's layouts)."""
+    lhs, rhs = adapter.factors(a, b)
+    if adapter.ndim == 2:
+        rows, cols = slices
+        delta = lhs[0, rows].float() @ rhs[0, :, cols].float()
+    else:
+        experts, rows, cols = slices
+        delta = torch.bmm(lhs[experts, rows].float(), rhs[experts, :, cols].float())
+    return (block.float() + adapter.scaling * delta.to(block.device)).to(block.dtype)
+
+
+class _Adapted:
+    """What an adapted module holds: ``adapters`` by parameter name, in PEFT's nesting order."""
+
+    adapters: dict[str, ParamAdapter]
+    disabled: bool  # True: behave as the base module (a DPO reference pass)
+
+    def adapted(self, name: str) -> Tensor:
+        weight = cast(Tensor, getattr(self, name))
+        adapter = self.adapters.get(name)
+        return weight if adapter is None or self.disabled else adapter.adapted(weight)
+
+
+class LoRAExperts(Experts, _Adapted):
+    """:class:`~shardtune.models.moe.Experts` with LoRA on ``gate_up_proj`` and/or ``down_proj``."""
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        kernel = expert_kernel(x.device, x.dtype)
+        return kernel(x, counts, self.adapted("gate_up_proj"), self.adapted("down_proj"), self.act)
+
+
+class LoRARouter(Router, _Adapted):
+    """:class:`~shardtune.models.moe.Router` with LoRA on its ``weight``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.adapted("weight"))
+
+
+_ADAPTED = {Experts: LoRAExperts, Router: LoRARouter}
+
+
+def adapt_parameters(module: nn.Module, names: list[str], *, rank: int, alpha: float) -> None:
+    """Give ``module`` (an ``Experts`` or ``Router``) adapters on its parameters ``names``, in place.
+
+    The module's class becomes its adapted subclass (as ``torch.nn.utils.parametrize`` does), so its
+    Parameters, hyper-parameters and parent stay as they are. Factors are registered at PEFT's nested
+    paths: the last targeted parameter (in registration order) at the module, each earlier one a
+    ``base_layer`` deeper. Fresh factors on a real device are initialized; on meta, later.
+    """
+    if type(module) not in _ADAPTED:
+        raise ValueError(
+            f"LoRA target_parameters {names} name parameters of a {type(module).__name__}; only the experts and "
+            "router of shardtune's mixture-of-experts layers can be adapted: drop them from target_parameters"
+        )
+    ordered = [n for n in module._parameters if n in names]
+    first = cast(Tensor, getattr(module, ordered[0]))
+    adapters = {
+        n: ParamAdapter(tuple(getattr(module, n).shape), rank=rank, alpha=alpha, device="meta", dtype=first.dtype)
+        for n in ordered
+    }
+    module.__class__ = _ADAPTED[type(module)]
+    holder: nn.Module = module
+    for i, name in enumerate(reversed(ordered)):
+        if i:
+            holder.base_layer = nn.Module()
+            holder = holder.base_layer
+        holder.lora_A, holder.lora_B = adapters[name].lora_A, adapters[name].lora_B
+    adapted = cast(_Adapted, module)
+    adapted.adapters, adapted.disabled = adapters, False
+    if not first.is_meta:
+        for adapter in adapters.values():
+            adapter.lora_A.to_empty(device=first.device)
+            adapter.lora_B.to_empty(device=first.device)
+            adapter.reset_parameters()
+
+
+def factor_paths(module: nn.Module) -> dict[str, tuple[str, ParamAdapter]]:
+    """``{parameter name: (path of its factors relative to the module, adapter)}``: ``""`` for the last
+    adapted parameter, ``"base_layer."`` for the one before it, and so on (PEFT's nesting)."""
+    adapters = cast(_Adapted, module).adapters
+    depth = len(adapters) - 1
+    return {name: ("base_layer." * (depth - i), a) for i, (name, a) in enumerate(adapters.items())}
+
+
+def adapted_modules(model: nn.Module) -> list[tuple[str, LoRAExperts | LoRARouter]]:
+    """``(name, module)`` of every module carrying parameter adapters."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRAExperts | LoRARouter)]
+
+
+def unadapt(module: nn.Module) -> None:
+    """Fold ``module``'s adapters into its parameters and make it its base class again (in place)."""
+    adapted = cast(_Adapted, module)
+    for name, adapter in adapted.adapters.items():
+        weight = cast(Tensor, getattr(module, name))
+        merged = merge_block(
+            weight.detach(),
+            tuple(slice(None) for _ in weight.shape),
+            adapter,
+            adapter.lora_A.weight.detach(),
+            adapter.lora_B.weight.detach(),
+        )
+        setattr(module, name, nn.Parameter(merged, requires_grad=False))
+    for child in ("lora_A", "lora_B", "base_layer"):
+        module._modules.pop(child, None)
+    del module.adapters, module.disabled  # type: ignore[attr-defined]
+    module.__class__ = next(base for base, sub in _ADAPTED.items() if isinstance(module, sub))
