@@ -4,7 +4,8 @@ Rule: this module decides names, dtypes, files, ``config.json``, the index, the 
 files and the LoRA merge (a per-block :class:`LoRAMerge`), from the model alone, the same on
 every rank, as a :class:`~shardtune.checkpoint.plans.SavePlan` (a description: this module
 opens no file); a tensor whose module declares file parts is written as those file tensors
-(:mod:`~shardtune.state_dict.parts`), each rank its own bytes of each.
+(:mod:`~shardtune.state_dict.parts`), each rank its own bytes of each, or as itself, as
+``expert_layout`` says (by default the form it was read in).
 :func:`~shardtune.checkpoint.plans.save` executes it: rank 0 writes the small
 files and the weight files' headers, the weights' bytes go through a sink
 (:mod:`~shardtune.checkpoint.sinks`): no rank gathers the model.
@@ -34,9 +35,13 @@ from shardtune.state_dict import comm
 from shardtune.state_dict.agreement import model_signature
 from shardtune.state_dict.keys import ModelEntry, clean_fqn, model_entries
 from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor, unsupported_placement
-from shardtune.state_dict.parts import part_layout, tiling_problem
+from shardtune.state_dict.parts import part_layout, read_as_parts, tiling_problem
 
-__all__ = ["HFSaveOptions", "LoRAMerge", "plan_hf_checkpoint", "save_hf_checkpoint"]
+__all__ = ["EXPERT_LAYOUTS", "HFSaveOptions", "LoRAMerge", "plan_hf_checkpoint", "save_hf_checkpoint"]
+
+# How tensors stored as several file tensors (MoE experts) are written: as they were read
+# (a model never loaded: per expert, transformers' default), per expert, or fused (as themselves).
+EXPERT_LAYOUTS = ("auto", "per_expert", "fused")
 
 MID_TENSOR_FAULT = "save:mid_tensor"  # reached after a rank's first block of model weights
 
@@ -53,6 +58,7 @@ def save_hf_checkpoint(
     tokenizer_dir: str | os.PathLike | None = None,
     shared_filesystem: bool = True,
     sink: Sink | None = None,
+    expert_layout: str = "auto",
 ) -> list[str]:
     """Write ``model`` as an HF checkpoint directory loadable by ``AutoModelForCausalLM.from_pretrained``.
 
@@ -81,6 +87,7 @@ def save_hf_checkpoint(
         merge_adapters=merge_adapters,
         config=config,
         tokenizer_dir=tokenizer_dir,
+        expert_layout=expert_layout,
     )
     plan = plan_hf_checkpoint(model, out_dir, options=options)
     files = plan.files
@@ -101,6 +108,7 @@ class HFSaveOptions:
     merge_adapters: bool = True
     config: Mapping[str, Any] | None = None
     tokenizer_dir: str | os.PathLike | None = None
+    expert_layout: str = "auto"
 
 
 def plan_hf_checkpoint(model: nn.Module, out_dir: str | os.PathLike, *, options: HFSaveOptions) -> SavePlan:
@@ -110,12 +118,15 @@ def plan_hf_checkpoint(model: nn.Module, out_dir: str | os.PathLike, *, options:
     :func:`~shardtune.checkpoint.plans.save` (or ``prepare`` and the writer)."""
     out_dir = os.fspath(out_dir)
     problems: list[str] = []
+    if options.expert_layout not in EXPERT_LAYOUTS:
+        problems.append(f"expert_layout={options.expert_layout!r}: choose one of {', '.join(EXPERT_LAYOUTS)}")
     hf_config = _hf_config(model, options.config, problems)
     items, item_problems = _plan_items(
         model,
         dtype=options.dtype,
         merge_adapters=options.merge_adapters,
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings")),
+        expert_layout=options.expert_layout,
     )
     problems += item_problems
     files = []
@@ -191,7 +202,12 @@ def _rows_line_up(w: TensorLayout, b: TensorLayout) -> bool:
 
 
 def _plan_items(
-    model: nn.Module, *, dtype: torch.dtype | None, merge_adapters: bool, tie_word_embeddings: bool
+    model: nn.Module,
+    *,
+    dtype: torch.dtype | None,
+    merge_adapters: bool,
+    tie_word_embeddings: bool,
+    expert_layout: str = "auto",
 ) -> tuple[list[WriteItem], list[str]]:
     """The tensors to write, in ``state_dict()`` order, and any problems found (not raised)."""
     entries = model_entries(model)
@@ -222,9 +238,10 @@ def _plan_items(
             problems.append(f"{fqn}: {exc}")
             continue
         out_dtype = dtype if dtype is not None and entry.tensor.dtype.is_floating_point else entry.tensor.dtype
-        if entry.parts is not None and fqn != entry.fqn:
+        as_parts = _writes_parts(entry, expert_layout)
+        if as_parts and fqn != entry.fqn:
             continue  # the file tensors are named after the first name only
-        if entry.parts is None:
+        if not as_parts:
             items.append(
                 WriteItem(name=fqn, tensor=entry.tensor, dtype=out_dtype, layout=layout, transform=merges.get(fqn))
             )
@@ -240,9 +257,16 @@ def _plan_items(
             continue
         items += [
             WriteItem(part.name, entry.tensor, out_dtype, part_layout(part, layout), part=part, source=layout)
-            for part in entry.parts
+            for part in entry.parts or ()
         ]
     return items, problems
+
+
+def _writes_parts(entry: ModelEntry, expert_layout: str) -> bool:
+    """Whether ``entry`` is written as its file parts (per expert) rather than as itself (fused)."""
+    if entry.parts is None or expert_layout == "fused":
+        return False
+    return expert_layout == "per_expert" or read_as_parts(entry.names[0][1]) is not False
 
 
 def _is_tied_head(fqn: str, entry: ModelEntry) -> bool:
