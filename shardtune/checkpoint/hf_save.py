@@ -35,7 +35,7 @@ from shardtune.state_dict import comm
 from shardtune.state_dict.agreement import model_signature
 from shardtune.state_dict.keys import ModelEntry, clean_fqn, model_entries
 from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor, unsupported_placement
-from shardtune.state_dict.parts import part_layout, read_as_parts, tiling_problem
+from shardtune.state_dict.parts import Part, part_layout, read_as_parts, tiling_problem
 
 __all__ = ["EXPERT_LAYOUTS", "HFSaveOptions", "LoRAMerge", "plan_hf_checkpoint", "save_hf_checkpoint"]
 
@@ -238,15 +238,15 @@ def _plan_items(
             problems.append(f"{fqn}: {exc}")
             continue
         out_dtype = dtype if dtype is not None and entry.tensor.dtype.is_floating_point else entry.tensor.dtype
-        as_parts = _writes_parts(entry, expert_layout)
-        if as_parts and fqn != entry.fqn:
+        parts = _written_parts(entry, expert_layout)
+        if parts is not None and fqn != entry.fqn:
             continue  # the file tensors are named after the first name only
-        if not as_parts:
+        if parts is None:
             items.append(
                 WriteItem(name=fqn, tensor=entry.tensor, dtype=out_dtype, layout=layout, transform=merges.get(fqn))
             )
             continue
-        problem = tiling_problem(fqn, layout.shape, entry.parts) or (
+        problem = tiling_problem(fqn, layout.shape, parts) or (
             f"{fqn}: a LoRA base weight stored as several file tensors cannot be merged yet; save with "
             "merge_adapters=False"
             if fqn in merges
@@ -257,16 +257,18 @@ def _plan_items(
             continue
         items += [
             WriteItem(part.name, entry.tensor, out_dtype, part_layout(part, layout), part=part, source=layout)
-            for part in entry.parts or ()
+            for part in parts
         ]
     return items, problems
 
 
-def _writes_parts(entry: ModelEntry, expert_layout: str) -> bool:
-    """Whether ``entry`` is written as its file parts (per expert) rather than as itself (fused)."""
+def _written_parts(entry: ModelEntry, expert_layout: str) -> tuple[Part, ...] | None:
+    """The file parts ``entry`` is written as (per expert), or None: as itself (fused, or no parts)."""
     if entry.parts is None or expert_layout == "fused":
-        return False
-    return expert_layout == "per_expert" or read_as_parts(entry.names[0][1]) is not False
+        return None
+    if expert_layout == "per_expert" or read_as_parts(entry.names[0][1]) is not False:
+        return entry.parts
+    return None
 
 
 def _is_tied_head(fqn: str, entry: ModelEntry) -> bool:

@@ -151,6 +151,8 @@ def _match(entries: list[ModelEntry], desc: dict, mode: str, *, strict: bool) ->
     missing: list[str] = []
     problems: list[str] = []
     known = set()
+    item: LoadItem | None
+    problem: str | None
     for entry in entries:
         known.update(entry.fqns)
         key = next((fqn for fqn in entry.fqns if fqn in desc), None)
