@@ -39,13 +39,11 @@ def _sharded(hf_dir: Path, *, shared: bool = True):
     return model
 
 
-def _load_and_save(hf_dir: str, out: str, shared: bool) -> dict:
-    """Load ``hf_dir`` (bytes read counted), check each piece against DTensor's cut, save it back."""
-    from transformers import AutoModelForCausalLM
-
+def _load_and_save(hf_dir: str, out: str, shared: bool, reference: dict) -> dict:
+    """Load ``hf_dir`` (bytes read counted), check each piece against DTensor's cut of transformers'
+    ``reference`` state dict, save it back."""
     from tests.unit.test_models_moe import batch
 
-    reference = AutoModelForCausalLM.from_pretrained(hf_dir, experts_implementation="eager").state_dict()
     with nccl_rules() as rules:
         rules.host(reference)
         dist.barrier()
@@ -87,7 +85,8 @@ def test_each_rank_reads_its_expert_bytes_and_saves_the_layout_it_read(
 
     hf = hf_moe_model(name, **changes).eval()
     hf.save_pretrained(tmp_path / "hf", save_original_format=LAYOUTS[layout])
-    res = pool2.run_ok(_load_and_save, str(tmp_path / "hf"), str(tmp_path / "out"), shared, timeout=200)
+    args = (str(tmp_path / "hf"), str(tmp_path / "out"), shared, hf.state_dict())
+    res = pool2.run_ok(_load_and_save, *args, timeout=200)
     with torch.no_grad():
         expected = hf(batch()[0]).logits
     total_experts = sum(r["experts"] for r in res)

@@ -17,6 +17,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
+from shardtune.checkpoint import CheckpointError, CheckpointOptions
 from shardtune.checkpoint.hf_load import load_hf_checkpoint
 from shardtune.checkpoint.hf_save import save_hf_checkpoint
 from shardtune.models import from_hf_config
@@ -86,7 +87,9 @@ def test_ambiguous_and_mixed_layouts_are_refused_naming_the_tensors(tmp_path):
 
 
 def test_an_unknown_expert_layout_is_refused(tmp_path):
-    hf = hf_moe_model("mixtral")
-    ours = from_hf_config(hf.config.to_dict())
-    with pytest.raises(Exception, match="expert_layout='stacked': choose one of auto, per_expert, fused"):
+    ours = from_hf_config(hf_moe_model("mixtral").config.to_dict())
+    refusal = "expert_layout='stacked': choose one of auto, per_expert, fused"
+    with pytest.raises(CheckpointError, match=refusal):
         save_hf_checkpoint(ours, tmp_path / "x", expert_layout="stacked")
+    with pytest.raises(ValueError, match=refusal):
+        CheckpointOptions(output_dir=tmp_path, expert_layout="stacked")
