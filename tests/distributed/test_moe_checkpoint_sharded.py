@@ -3,7 +3,8 @@
 Each rank reads exactly its own bytes of a per-expert or fused directory (experts on ``Shard(0)``:
 8 experts on 2 ranks; ``Shard(1)``: 5 experts), or none without a shared filesystem (rank 0 sends
 each rank its blocks, under NCCL's rules); its pieces are DTensor's cut of transformers' weights;
-the save writes the layout it read, equal to transformers' directory, with no gather. Training
+the save writes the layout it read, equal to transformers' directory, with no gather (fused experts
+split on dim 1 too: each rank writes its rows of every expert in place). Training
 resumed from a 2-rank checkpoint on 4 ranks (6 experts: ``Shard(0)`` -> ``Shard(1)``) continues
 bit for bit like the run that never stopped.
 """
@@ -75,6 +76,7 @@ def _load_and_save(hf_dir: str, out: str, shared: bool, reference: dict) -> dict
     [
         ("qwen3_moe", {}, "per_expert", True, 0),
         ("mixtral", {"num_local_experts": 5}, "per_expert", True, 1),
+        ("mixtral", {"num_local_experts": 5}, "fused", True, 1),  # each expert's rows: runs of the fused tensor
         ("mixtral", {"num_local_experts": 5}, "fused", False, 1),
     ],
 )
