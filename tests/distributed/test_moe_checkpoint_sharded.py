@@ -158,3 +158,27 @@ def test_resume_on_4_ranks_with_the_expert_placement_changed_continues_bitwise(p
     assert sorted(resumed["final"]) == sorted(run["final"])
     for key, value in run["final"].items():
         assert torch.equal(resumed["final"][key], value), key
+
+
+def _load_sharded(config: dict, full_sd: dict) -> None:
+    from shardtune.state_dict import load_from_full_model_state_dict
+
+    with torch.device("meta"):
+        model = from_hf_config(config)
+    shard_model(model, mesh=make_mesh())
+    load_from_full_model_state_dict(model, full_sd, "cpu")
+
+
+def test_a_mixed_layout_is_refused_on_every_rank(pool2, tmp_path):
+    from tests.unit.test_models_moe import hf_moe_model
+
+    hf = hf_moe_model("mixtral", num_local_experts=5)
+    for layout, original in LAYOUTS.items():
+        hf.save_pretrained(tmp_path / layout, save_original_format=original)
+    fused, per_expert = tensors(tmp_path / "fused"), tensors(tmp_path / "per_expert")
+    mixed = {k: v for k, v in fused.items() if ".layers.1." not in k}
+    mixed |= {k: v for k, v in per_expert.items() if ".layers.1." in k}
+    outcomes = pool2.run(_load_sharded, hf.config.to_dict(), mixed, timeout=120)
+    assert all(not o.ok for o in outcomes) and len({o.error for o in outcomes}) == 1
+    assert "mixes layouts: ['model.layers.0.mlp.gate.weight'" in outcomes[0].error
+    assert "'model.layers.1.mlp.gate.weight'" in outcomes[0].error  # read from block_sparse_moe.gate.weight
