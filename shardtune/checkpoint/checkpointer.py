@@ -122,6 +122,7 @@ class Checkpointer:
             max_shard_size=options.max_shard_size,
             adapter_weights_only=options.adapter_weights_only,
             shared_filesystem=options.shared_filesystem,
+            expert_layout=options.expert_layout,
         )
         self._final, self._intermediate = pick_weights(
             inputs,

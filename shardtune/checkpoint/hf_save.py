@@ -4,7 +4,8 @@ Rule: this module decides names, dtypes, files, ``config.json``, the index, the 
 files and the LoRA merge (a per-block :class:`LoRAMerge`), from the model alone, the same on
 every rank, as a :class:`~shardtune.checkpoint.plans.SavePlan` (a description: this module
 opens no file); a tensor whose module declares file parts is written as those file tensors
-(:mod:`~shardtune.state_dict.parts`), each rank its own bytes of each.
+(:mod:`~shardtune.state_dict.parts`), each rank its own bytes of each, or as itself, as
+``expert_layout`` says (by default the form it was read in).
 :func:`~shardtune.checkpoint.plans.save` executes it: rank 0 writes the small
 files and the weight files' headers, the weights' bytes go through a sink
 (:mod:`~shardtune.checkpoint.sinks`): no rank gathers the model.
@@ -13,6 +14,7 @@ files and the weight files' headers, the weights' bytes go through a sink
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -35,9 +37,13 @@ from shardtune.state_dict import comm
 from shardtune.state_dict.agreement import model_signature
 from shardtune.state_dict.keys import ModelEntry, clean_fqn, model_entries
 from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor, unsupported_placement
-from shardtune.state_dict.parts import Part, part_layout, tiling_problem
+from shardtune.state_dict.parts import Part, part_layout, read_as_parts, stacked_parts, tiling_problem
 
-__all__ = ["HFSaveOptions", "LoRAMerge", "plan_hf_checkpoint", "save_hf_checkpoint"]
+__all__ = ["EXPERT_LAYOUTS", "HFSaveOptions", "LoRAMerge", "plan_hf_checkpoint", "save_hf_checkpoint"]
+
+# How tensors stored as several file tensors (MoE experts) are written: as they were read
+# (a model never loaded: per expert, transformers' default), per expert, or fused (as themselves).
+EXPERT_LAYOUTS = ("auto", "per_expert", "fused")
 
 MID_TENSOR_FAULT = "save:mid_tensor"  # reached after a rank's first block of model weights
 
@@ -54,6 +60,7 @@ def save_hf_checkpoint(
     tokenizer_dir: str | os.PathLike | None = None,
     shared_filesystem: bool = True,
     sink: Sink | None = None,
+    expert_layout: str = "auto",
 ) -> list[str]:
     """Write ``model`` as an HF checkpoint directory loadable by ``AutoModelForCausalLM.from_pretrained``.
 
@@ -82,6 +89,7 @@ def save_hf_checkpoint(
         merge_adapters=merge_adapters,
         config=config,
         tokenizer_dir=tokenizer_dir,
+        expert_layout=expert_layout,
     )
     plan = plan_hf_checkpoint(model, out_dir, options=options)
     files = plan.files
@@ -102,6 +110,7 @@ class HFSaveOptions:
     merge_adapters: bool = True
     config: Mapping[str, Any] | None = None
     tokenizer_dir: str | os.PathLike | None = None
+    expert_layout: str = "auto"
 
 
 def plan_hf_checkpoint(model: nn.Module, out_dir: str | os.PathLike, *, options: HFSaveOptions) -> SavePlan:
@@ -111,12 +120,15 @@ def plan_hf_checkpoint(model: nn.Module, out_dir: str | os.PathLike, *, options:
     :func:`~shardtune.checkpoint.plans.save` (or ``prepare`` and the writer)."""
     out_dir = os.fspath(out_dir)
     problems: list[str] = []
+    if options.expert_layout not in EXPERT_LAYOUTS:
+        problems.append(f"expert_layout={options.expert_layout!r}: choose one of {', '.join(EXPERT_LAYOUTS)}")
     hf_config = _hf_config(model, options.config, problems)
     items, item_problems = _plan_items(
         model,
         dtype=options.dtype,
         merge_adapters=options.merge_adapters,
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings")),
+        expert_layout=options.expert_layout,
     )
     problems += item_problems
     files = []
@@ -234,7 +246,12 @@ def _rows_line_up(w: TensorLayout, b: TensorLayout) -> bool:
 
 
 def _plan_items(
-    model: nn.Module, *, dtype: torch.dtype | None, merge_adapters: bool, tie_word_embeddings: bool
+    model: nn.Module,
+    *,
+    dtype: torch.dtype | None,
+    merge_adapters: bool,
+    tie_word_embeddings: bool,
+    expert_layout: str = "auto",
 ) -> tuple[list[WriteItem], list[str]]:
     """The tensors to write, in ``state_dict()`` order, and any problems found (not raised)."""
     entries = model_entries(model)
@@ -265,15 +282,14 @@ def _plan_items(
             problems.append(f"{fqn}: {exc}")
             continue
         out_dtype = dtype if dtype is not None and entry.tensor.dtype.is_floating_point else entry.tensor.dtype
-        if entry.parts is not None and fqn != entry.fqn:
+        parts = _written_parts(entry, expert_layout)
+        if parts is not None and fqn != entry.fqn:
             continue  # the file tensors are named after the first name only
-        if entry.parts is None:
-            items.append(
-                WriteItem(name=fqn, tensor=entry.tensor, dtype=out_dtype, layout=layout, transform=merges.get(fqn))
-            )
+        if parts is None:
+            items += _whole_items(fqn, entry.tensor, out_dtype, layout, merges.get(fqn))
             continue
         merge = merges.get(fqn)
-        problem = tiling_problem(fqn, layout.shape, entry.parts) or (
+        problem = tiling_problem(fqn, layout.shape, parts) or (
             f"{fqn}: a LoRA base weight stored as several file tensors cannot be merged yet; save with "
             "merge_adapters=False"
             if merge is not None and not isinstance(merge, ParamMerge)
@@ -292,9 +308,37 @@ def _plan_items(
                 source=layout,
                 transform=PartMerge(merge, part) if isinstance(merge, ParamMerge) else None,
             )
-            for part in entry.parts
+            for part in parts
         ]
     return items, problems
+
+
+def _whole_items(
+    fqn: str, tensor: torch.Tensor, dtype: torch.dtype, layout: TensorLayout, merge: BlockTransform | None
+) -> list[WriteItem]:
+    """A tensor written as itself: one item, or, when its pieces are not whole rows (fused experts
+    split on dim 1), one slice per index of dim 0, in which each piece is whole rows, so that
+    every rank still writes its own bytes in place."""
+    pieces_are_rows = not layout.is_sharded or all(p.is_row_range(layout.shape) for p in layout.owners())
+    if pieces_are_rows or merge is not None or len(layout.shape) < 3:
+        return [WriteItem(name=fqn, tensor=tensor, dtype=dtype, layout=layout, transform=merge)]
+    slices = stacked_parts(layout.shape, lambda i, _: fqn)
+    step = math.prod(layout.shape[1:]) * dtype.itemsize
+    return [
+        WriteItem(
+            fqn, tensor, dtype, part_layout(s, layout), part=s, source=layout, file_shape=layout.shape, within=i * step
+        )
+        for i, s in enumerate(slices)
+    ]
+
+
+def _written_parts(entry: ModelEntry, expert_layout: str) -> tuple[Part, ...] | None:
+    """The file parts ``entry`` is written as (per expert), or None: as itself (fused, or no parts)."""
+    if entry.parts is None or expert_layout == "fused":
+        return None
+    if expert_layout == "per_expert" or read_as_parts(entry.names[0][1]) is not False:
+        return entry.parts
+    return None
 
 
 def _is_tied_head(fqn: str, entry: ModelEntry) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardtune.checkpoint.hf_save import EXPERT_LAYOUTS
 from shardtune.checkpoint.state import Stateful, TrainingProgress
 
 FORMATS = ("hf", "dcp")  # of intermediate checkpoints; the final one is always HF
@@ -51,7 +52,9 @@ class CheckpointOptions:
     background save's CPU copy for the next one. ``keep_last_n`` (None: all) bounds this run's
     checkpoints; ``fingerprint`` is what a resume must match; ``seed`` re-derives RNG states on
     another world size. ``checksums=False`` records no checksums on save and checks none on
-    resume: it exists to measure their cost (benchmarks/checksums.py).
+    resume: it exists to measure their cost (benchmarks/checksums.py). ``expert_layout`` is how
+    HF checkpoints hold MoE experts (``auto``: the layout the model was loaded from; ``per_expert``;
+    ``fused``: see :func:`~shardtune.checkpoint.hf_save.save_hf_checkpoint`).
     """
 
     output_dir: Path
@@ -68,12 +71,15 @@ class CheckpointOptions:
     async_save: bool = False
     keep_staging_memory: bool = True
     checksums: bool = True
+    expert_layout: str = "auto"
 
     def __post_init__(self) -> None:
         # Paths given as str are stored as Path; every check of the options is made here, once.
         object.__setattr__(self, "output_dir", Path(self.output_dir))
         if self.base_dir is not None:
             object.__setattr__(self, "base_dir", Path(self.base_dir))
+        if self.expert_layout not in EXPERT_LAYOUTS:
+            raise ValueError(f"expert_layout={self.expert_layout!r}: choose one of {', '.join(EXPERT_LAYOUTS)}")
         if self.checkpoint_format not in FORMATS:
             raise ValueError(f"checkpoint_format={self.checkpoint_format!r}: choose 'hf' or 'dcp'")
         if not self.shared_filesystem and (self.async_save or self.checkpoint_format == "dcp"):

@@ -299,11 +299,21 @@ class TensorSlice:
         shape = self.entry.shape
         index = _expand_index(index, len(shape), self.entry.name)
         if not shape:
-            return self._read_rows(0, 1).reshape(())
+            return self._read_rows(self.entry.start, shape, 0, 1).reshape(())
+        return self._read_block(self.entry.start, shape, index)
+
+    def _read_block(self, base: int, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
+        """The block ``index`` of the tensor of ``shape`` whose data starts at byte ``base``: whole
+        rows of dim 0 are read; a block that is not whole rows of a tensor of 3+ dims (experts
+        split on dim 1) is read per index of dim 0, so only its own rows are read."""
         start, stop, step = index[0].indices(shape[0])
         if step != 1:
-            return self._read_rows(0, shape[0])[index]
-        rows = self._read_rows(start, max(stop - start, 0))
+            return self._read_rows(base, shape, 0, shape[0])[index]
+        partial = any(s.indices(n) != (0, n, 1) for s, n in zip(index[1:], shape[1:]))
+        if partial and len(shape) > 2 and stop > start:
+            inner = math.prod(shape[1:]) * self.entry.dtype.itemsize
+            return torch.stack([self._read_block(base + i * inner, shape[1:], index[1:]) for i in range(start, stop)])
+        rows = self._read_rows(base, shape, start, max(stop - start, 0))
         return rows[(slice(None), *index[1:])]
 
     def read_block_into(self, index: tuple[slice, ...], out: torch.Tensor) -> bool:
@@ -327,12 +337,11 @@ class TensorSlice:
     def to_tensor(self) -> torch.Tensor:
         return self[...]
 
-    def _read_rows(self, start: int, count: int) -> torch.Tensor:
-        shape = self.entry.shape
+    def _read_rows(self, base: int, shape: tuple[int, ...], start: int, count: int) -> torch.Tensor:
         row_numel = math.prod(shape[1:])
         out = torch.empty((count, *shape[1:]) if shape else (1,), dtype=self.entry.dtype)
         if out.numel():
-            self.file.read_into(out, self.entry.start + start * row_numel * out.element_size())
+            self.file.read_into(out, base + start * row_numel * out.element_size())
         return out
 
 

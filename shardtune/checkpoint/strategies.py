@@ -46,6 +46,7 @@ class WeightsInputs:
     max_shard_size: int | str
     adapter_weights_only: bool
     shared_filesystem: bool
+    expert_layout: str = "auto"  # how the HF files hold MoE experts (hf_save.EXPERT_LAYOUTS)
 
 
 def write_adapter(inputs: WeightsInputs, staging: Path) -> bool:
@@ -84,6 +85,7 @@ class HFNow:
                 merge_adapters=True,
                 tokenizer_dir=inputs.base_dir,
                 shared_filesystem=shared,
+                expert_layout=inputs.expert_layout,
             )
         if inputs.optimizer is not None:
             save_optimizer(inputs.model, inputs.optimizer, staging / STATE_DIR, shared_filesystem=shared)
@@ -104,7 +106,10 @@ class HFInBackground:
         plans = []
         if write_adapter(inputs, staging):
             options = HFSaveOptions(
-                max_shard_size=inputs.max_shard_size, merge_adapters=True, tokenizer_dir=inputs.base_dir
+                max_shard_size=inputs.max_shard_size,
+                merge_adapters=True,
+                tokenizer_dir=inputs.base_dir,
+                expert_layout=inputs.expert_layout,
             )
             plans.append(plan_hf_checkpoint(inputs.model, staging, options=options))
         if inputs.optimizer is not None:

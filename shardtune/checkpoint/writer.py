@@ -2,7 +2,8 @@
 
 Rule: a format module says *what* is written, as :class:`WriteItem` s (name, written dtype,
 global layout, an optional per-block transform, and for one of several file tensors of a model
-tensor its :class:`~shardtune.state_dict.parts.Part`) grouped into :class:`FilePlan` s whose headers
+tensor its :class:`~shardtune.state_dict.parts.Part`; consecutive items of one name are slices of
+one file tensor, each at its byte offset ``within`` it) grouped into :class:`FilePlan` s whose headers
 every rank computes alike from shapes alone; rank 0 creates the files (:func:`create_files`).
 This module decides *which rank hands which block* (:func:`write_files`): the owner of a
 whole-rows shard hands its rows, rank 0 hands unsharded tensors and gathered ones (blocks
@@ -53,6 +54,10 @@ class WriteItem:
     # A part of ``tensor`` (N:1 mapping): ``layout`` is the part's, ``source`` the tensor's.
     part: Part | None = None
     source: TensorLayout | None = None
+    # One slice of a file tensor written as several items: the whole file tensor's shape, and
+    # this slice's byte offset in its data (e.g. expert e of a fused [E, 2I, H] split on dim 1).
+    file_shape: tuple[int, ...] | None = None
+    within: int = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -93,18 +98,20 @@ def plan_files(
     items: list[WriteItem], directory: str, *, max_shard_bytes: int, name: Callable[[int, int], str]
 ) -> list[FilePlan]:
     """Split ``items`` in order into files of at most ``max_shard_bytes`` of tensor data (a larger
-    tensor gets a file of its own); file ``i`` of ``n`` (from 1) is called ``name(i, n)``."""
+    tensor gets a file of its own; the slices of one file tensor stay together); file ``i`` of
+    ``n`` (from 1) is called ``name(i, n)``."""
     groups: list[list[WriteItem]] = [[]]
     size = 0
     for item in items:
-        if groups[-1] and size + item.nbytes > max_shard_bytes:
+        if groups[-1] and size + item.nbytes > max_shard_bytes and groups[-1][-1].name != item.name:
             groups.append([])
             size = 0
         groups[-1].append(item)
         size += item.nbytes
     files = []
     for i, group in enumerate(groups, start=1):
-        header, offsets = build_header((it.name, it.dtype, it.shape) for it in group)
+        tensors = {it.name: (it.name, it.dtype, it.file_shape or it.shape) for it in group}  # a slice: its tensor
+        header, offsets = build_header(tensors.values())
         size = len(header) + sum(it.nbytes for it in group)
         files.append(FilePlan(directory, name(i, len(groups)), header, offsets, size, group))
     return files
@@ -178,7 +185,7 @@ def write_files(files: list[FilePlan], *, sink: Sink, on_item: Callable[[int], N
 def _write_item(item: WriteItem, file: FilePlan, sink: Sink, problems: comm.Problems) -> None:
     """Hand ``item``: its owner ranks their rows, or rank 0 the whole (gathered) tensor."""
     route, piece = _route(item, sink)
-    offset = file.offsets[item.name]
+    offset = file.offsets[item.name] + item.within
     transform = _prepare(item)  # collective for sharded adapters: every rank, same order
     if route == "gather":
         out = sink.buffer(item)

@@ -11,11 +11,17 @@ The load-balancing loss is :mod:`shardtune.models.moe_aux`'s.
 
 FSDP2 shards the experts on the expert dim when the shard group's size divides E, else on
 the next one (torchtitan's rule), chosen once per model: :func:`expert_shard_placement`.
+
+On disk (:mod:`shardtune.state_dict.parts`): a fused checkpoint holds the runtime keys; transformers'
+default save holds each expert's ``gate``/``up``/``down`` weights (:data:`PER_EXPERT_NAMES`, Mixtral
+under ``block_sparse_moe`` with its router too), which :meth:`Experts.file_parts` and
+:meth:`Router.file_parts` declare as the regions of the stacked tensors they hold.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,22 +31,65 @@ from torch.distributed.tensor import Shard
 
 from shardtune.models.moe_aux import Routing
 from shardtune.models.moe_kernels import expert_kernel
+from shardtune.state_dict.layout import Piece
+from shardtune.state_dict.parts import Part, stacked_parts
 
 if TYPE_CHECKING:
     from shardtune.models.args import ModelArgs
 
-__all__ = ["Experts", "Router", "SparseMoeBlock", "expert_layout_hint", "expert_shard_placement"]
+__all__ = [
+    "PER_EXPERT_NAMES",
+    "ExpertNames",
+    "Experts",
+    "Router",
+    "SparseMoeBlock",
+    "expert_layout_hint",
+    "expert_shard_placement",
+]
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """A family's names in transformers' per-expert files: the sparse block's (its runtime ``mlp``)
+    and each expert's gate, up and down weights."""
+
+    block: str
+    gate: str
+    up: str
+    down: str
+
+    def block_prefix(self, prefix: str) -> str:
+        """``prefix`` (a runtime ``...layers.N.mlp.<child>`` FQN) with the block's file name."""
+        head, sep, child = prefix.rpartition(".mlp.")
+        return f"{head}.{self.block}.{child}" if sep else prefix
+
+
+PER_EXPERT_NAMES = {
+    "qwen3_moe": ExpertNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj"),
+    "mixtral": ExpertNames(block="block_sparse_moe", gate="w1", up="w3", down="w2"),
+}
 
 
 class Router(nn.Module):
     """``weight [E, H]``: router logits of each token; transformers' ``*TopKRouter``."""
 
-    def __init__(self, num_experts: int, dim: int, *, device=None, dtype=None) -> None:
+    def __init__(
+        self, num_experts: int, dim: int, *, names: ExpertNames | None = None, device=None, dtype=None
+    ) -> None:
         super().__init__()
+        self.names = names
         self.weight = nn.Parameter(torch.empty(num_experts, dim, device=device, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight)
+
+    def file_parts(self, prefix: str, name: str, shape: tuple[int, ...]) -> list[Part] | None:
+        """Per-expert files of a family whose block is renamed on disk (Mixtral's
+        ``block_sparse_moe.gate.weight``) hold the router whole under that name; None otherwise."""
+        if self.names is None or self.names.block == "mlp" or name != "weight":
+            return None
+        whole = Piece(shape=shape, offset=(0,) * len(shape))
+        return [Part(f"{self.names.block_prefix(prefix)}.{name}", whole)]
 
 
 class Experts(nn.Module):
@@ -48,11 +97,20 @@ class Experts(nn.Module):
     through ``top_k`` of them (what its FLOPs count: ``training/flops.py``)."""
 
     def __init__(
-        self, num_experts: int, dim: int, intermediate: int, *, top_k: int, act: str, device=None, dtype=None
+        self,
+        num_experts: int,
+        dim: int,
+        intermediate: int,
+        *,
+        top_k: int,
+        act: str,
+        names: ExpertNames | None = None,
+        device=None,
+        dtype=None,
     ) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype}
-        self.num_experts, self.top_k = num_experts, top_k
+        self.num_experts, self.top_k, self.names = num_experts, top_k, names
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, dim, **kw))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, intermediate, **kw))
         self.act: Callable[[Tensor], Tensor] = F.silu if act == "silu" else lambda t: F.gelu(t, approximate="tanh")
@@ -61,6 +119,17 @@ class Experts(nn.Module):
         """``x [N, H]`` sorted by expert, ``counts [E]`` rows per expert -> ``[N, H]``."""
         kernel = expert_kernel(x.device, x.dtype)
         return kernel(x, counts, self.gate_up_proj, self.down_proj, self.act)
+
+    def file_parts(self, prefix: str, name: str, shape: tuple[int, ...]) -> list[Part] | None:
+        """transformers' per-expert file tensors of ``gate_up_proj`` (expert ``e``'s gate rows, then
+        its up rows: two ``[I, H]`` weights) and ``down_proj`` (``[H, I]`` each); None without names."""
+        if self.names is None or name not in ("gate_up_proj", "down_proj"):
+            return None
+        names, base = self.names, self.names.block_prefix(prefix)
+        if name == "gate_up_proj":
+            chunk = (names.gate, names.up)
+            return stacked_parts(shape, lambda e, c: f"{base}.{e}.{chunk[c]}.weight", chunks=2)
+        return stacked_parts(shape, lambda e, _: f"{base}.{e}.{names.down}.weight")
 
 
 class SparseMoeBlock(nn.Module):
@@ -73,7 +142,7 @@ class SparseMoeBlock(nn.Module):
         assert moe is not None  # built only for models with experts
         self.layer_idx = layer_idx
         self.top_k, self.norm_topk_prob, self.fp32_scores = moe.top_k, moe.norm_topk_prob, moe.fp32_scores
-        kw = {"device": device, "dtype": dtype}
+        kw = {"device": device, "dtype": dtype, "names": PER_EXPERT_NAMES.get(args.model_type)}
         experts = Experts(moe.num_experts, args.dim, moe.intermediate_size, top_k=moe.top_k, act=args.hidden_act, **kw)
         router = Router(moe.num_experts, args.dim, **kw)
         # transformers registers Mixtral's router first and Qwen3-MoE's experts first: same state_dict order
@@ -125,12 +194,11 @@ def expert_shard_placement(model: nn.Module, shard_ranks: int) -> Callable[[nn.P
 
 
 def expert_layout_hint(missing: list[str]) -> str:
-    """The fix for a checkpoint that lacks fused experts among ``missing`` keys ('' when it has them)."""
+    """The layouts experts are read in, when ``missing`` holds experts ('' otherwise)."""
     if not any(k.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) for k in missing):
         return ""
     return (
-        " Experts are read in transformers' fused layout only (mlp.experts.gate_up_proj [E, 2I, H], "
-        "mlp.experts.down_proj [E, H, I]), not per expert (experts.N.gate_proj/up_proj/down_proj, Mixtral's "
-        "block_sparse_moe.experts.N.w1/w2/w3, transformers' default save). Re-save the model once with "
-        "transformers: AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR, save_original_format=False)"
+        " Experts are read in transformers' fused layout (mlp.experts.gate_up_proj [E, 2I, H], "
+        "mlp.experts.down_proj [E, H, I]) or per expert (mlp.experts.N.gate_proj/up_proj/down_proj.weight, "
+        "Mixtral's block_sparse_moe.experts.N.w1/w3/w2.weight); this checkpoint holds neither."
     )

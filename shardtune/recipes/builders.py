@@ -330,6 +330,7 @@ def build_checkpointer(
         async_save=cfg.async_save,
         keep_staging_memory=cfg.keep_staging_memory,
         shared_filesystem=cfg.shared_filesystem,
+        expert_layout=cfg.expert_layout,
     )
     states = CheckpointStates(model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler)
     return Checkpointer(states=states, options=options)

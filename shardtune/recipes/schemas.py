@@ -227,6 +227,13 @@ BASE_SCHEMA = Schema(
         "save_every_n_steps": Field((int, None), None, gt=0),
         "keep_last_n": Field((int, None), None, gt=0, help="checkpoints to keep; null keeps all"),
         "checkpoint_format": Field(str, "hf", choices=("hf", "dcp"), help="format of intermediate checkpoints"),
+        "expert_layout": Field(
+            str,
+            "auto",
+            choices=("auto", "per_expert", "fused"),
+            help="how HF checkpoints hold MoE experts: auto (as the base came in), per_expert (transformers' "
+            "save_pretrained) or fused (save_original_format=False)",
+        ),
         "shared_filesystem": Field(
             bool,
             True,

@@ -151,11 +151,16 @@ def _match(entries: list[ModelEntry], desc: dict, mode: str, *, strict: bool) ->
     missing: list[str] = []
     problems: list[str] = []
     known = set()
+    item: LoadItem | None
+    problem: str | None
     for entry in entries:
         known.update(entry.fqns)
         key = next((fqn for fqn in entry.fqns if fqn in desc), None)
-        if key is None and entry.parts is not None:
+        if entry.parts is not None:
             known.update(p.name for p in entry.parts)
+        if key is not None and entry.parts is not None and any(p.name in desc for p in entry.parts):
+            item, problem = None, _both_forms_problem(entry, key, desc)
+        elif key is None and entry.parts is not None:
             item, problem = _match_parts(entry, desc, world)
         elif key is None:
             item, problem = None, None
@@ -168,12 +173,34 @@ def _match(entries: list[ModelEntry], desc: dict, mode: str, *, strict: bool) ->
         elif item is not None:
             items.append(item)
     unexpected = [k for k in desc if k not in known]
+    problems += _mixed_forms_problems(items)
     if strict and (missing or unexpected):
         problems.append(
             f"strict loading: missing keys {missing[:20]}, unexpected keys {unexpected[:20]}; "
             "load a checkpoint of this model or pass strict=False."
         )
     return LoadPlan(mode=mode, items=items, missing=missing, unexpected=unexpected), problems
+
+
+def _both_forms_problem(entry: ModelEntry, key: str, desc: dict) -> str:
+    both = [p.name for p in entry.parts or () if p.name in desc]
+    return (
+        f"{key}: the checkpoint holds it both as itself and as its file tensors ({both[:4]}...); the layout is "
+        "ambiguous: keep one (e.g. re-save the checkpoint with transformers' save_pretrained)."
+    )
+
+
+def _mixed_forms_problems(items: list[LoadItem]) -> list[str]:
+    """A checkpoint holding some tensors as their parts and others (that have parts) as themselves:
+    mixed layouts are refused, so a save can write the model back in the one it came in."""
+    split = [i.key for i in items if i.parts is not None]
+    whole = [i.key for i in items if i.parts is None and i.entry.parts is not None]
+    if not split or not whole:
+        return []
+    return [
+        f"the checkpoint mixes layouts: {whole[:3]} are stored as themselves (fused) but {split[:3]} as several "
+        "file tensors each (per expert); re-save it in one layout (transformers' save_pretrained)."
+    ]
 
 
 def _match_key(entry: ModelEntry, key: str, desc: tuple, world: int) -> tuple[LoadItem | None, str | None]:

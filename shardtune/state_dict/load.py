@@ -30,7 +30,7 @@ from shardtune.state_dict.faults import fault_point
 from shardtune.state_dict.install import fillable, install
 from shardtune.state_dict.keys import model_entries
 from shardtune.state_dict.layout import TensorLayout, local_tensor
-from shardtune.state_dict.parts import part_layout, part_piece
+from shardtune.state_dict.parts import note_read_form, part_layout, part_piece
 
 
 @torch.no_grad()
@@ -77,6 +77,9 @@ def load_from_full_model_state_dict(
     for item, new_local in deferred:
         _install_item(item, new_local, problems)
     comm.raise_on_every_rank(problems, header="Loading the full model state dict failed:")
+    for item in plan.items:
+        if item.entry.parts is not None:
+            note_read_form(item.entry.names[0][1], as_parts=item.parts is not None)
     return _IncompatibleKeys(plan.missing, plan.unexpected)
 
 

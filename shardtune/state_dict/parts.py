@@ -55,6 +55,19 @@ def module_parts(module: object, prefix: str, attr: str, shape: tuple[int, ...])
     return None if parts is None else tuple(parts)
 
 
+READ_AS_PARTS = "read_as_parts"  # the module attribute a load sets: True (from parts), False (as itself)
+
+
+def note_read_form(module: object, *, as_parts: bool) -> None:
+    """Record on ``module`` that its tensors were last read from their parts (or as themselves)."""
+    setattr(module, READ_AS_PARTS, as_parts)
+
+
+def read_as_parts(module: object) -> bool | None:
+    """Whether ``module``'s tensors were last read from their parts; None when never loaded."""
+    return getattr(module, READ_AS_PARTS, None)
+
+
 def stacked_parts(shape: tuple[int, ...], name: Callable[[int, int], str], *, chunks: int = 1) -> list[Part]:
     """Parts of a tensor stacked on dim 0 whose dim 1 concatenates ``chunks`` equal blocks:
     ``tensor[i, c*n:(c+1)*n]`` is file tensor ``name(i, c)`` (``n = shape[1] // chunks``), e.g.

@@ -97,7 +97,14 @@ def _round_trip(out: str, experts: int, dim: int, shared: bool):
     load_from_full_model_state_dict(model, full, "cpu", strict=True)  # the fused keys: stored as themselves
     with nccl_rules() as rules:
         rules.host(model)
-        save_hf_checkpoint(model, out, config={"model_type": "toy"}, max_shard_size="400B", shared_filesystem=shared)
+        save_hf_checkpoint(
+            model,
+            out,
+            config={"model_type": "toy"},
+            max_shard_size="400B",
+            shared_filesystem=shared,
+            expert_layout="per_expert",  # read fused: the default writes back the layout read
+        )
         fresh = _sharded(experts, dim)
         dist.barrier()
         stats.reset()

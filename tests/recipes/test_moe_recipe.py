@@ -3,14 +3,12 @@
 transformers' ``out.loss`` (cross-entropy plus ``router_aux_loss_coef`` times the load-balancing loss
 of the real tokens) on the same global batch, ``aux_loss`` is logged, the saved model loads in
 transformers with the trained weights, the LoRA adapter (attention) in peft with the merged model's
-logits. A per-expert base checkpoint is refused naming the layout to re-save in."""
+logits. A per-expert base (transformers' default save) trains and is saved per expert."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -122,10 +120,29 @@ def test_moe_lora_first_step_equals_transformers_and_adapter_loads_in_peft(tiny_
     assert (got - plain).abs().max() > 1e-3  # the adapters changed the model
 
 
-def test_per_expert_base_is_refused_naming_the_fused_layout(tiny_dirs, tmp_path):
+def test_per_expert_base_trains_and_saves_per_expert_covered_by_checksums(tiny_dirs, tmp_path):
+    """transformers' default (per-expert) save as the base: the run writes that layout back, exactly as
+    transformers' ``save_pretrained`` of the trained weights; ``shardtune verify`` finds a flipped expert byte."""
+    import transformers
+
+    from shardtune import cli
+    from tests.unit.test_moe_checkpoint import tensors
+
     base = _moe_base(tiny_dirs["base"], tmp_path / "per_expert", fused=False)
-    cmd = [sys.executable, "-m", "shardtune.cli", "run", "--nproc_per_node", "1", "full_finetune_distributed"]
-    cmd += ["--config", "tiny/full", f"output_dir={tmp_path / 'run'}", f"checkpoint_dir={base}", "model=null"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 1
-    assert "save_original_format=False" in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    out = tmp_path / "run"
+    overrides = [f"output_dir={out}", f"checkpoint_dir={base}", "model=null", "epochs=1", "max_steps_per_epoch=1"]
+    run_recipe("full_finetune_distributed", "tiny/full", *overrides, "batch_size=4")
+    final = out / "epoch_1"
+    trained = transformers.AutoModelForCausalLM.from_pretrained(final, dtype="auto", experts_implementation="eager")
+    trained.save_pretrained(tmp_path / "resaved")  # transformers' per-expert layout of the same weights
+    got, want = tensors(final), tensors(tmp_path / "resaved")
+    assert sorted(got) == sorted(want) and "model.layers.1.mlp.experts.7.up_proj.weight" in got
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in want.items())
+    assert cli.main(["verify", str(final)]) == 0
+    weights = final / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    header_len = int.from_bytes(data[:8], "little")
+    start = json.loads(data[8 : 8 + header_len])["model.layers.1.mlp.experts.7.up_proj.weight"]["data_offsets"][0]
+    data[8 + header_len + start] ^= 0x01
+    weights.write_bytes(bytes(data))
+    assert cli.main(["verify", str(final)]) == 1
