@@ -51,7 +51,7 @@ def _step(model, opt, tokens) -> torch.Tensor:
 
 
 def _run(name: str, changes: dict, peft_dir: str, out: str):
-    from tests.unit.test_lora_moe import _peft, per_expert_layout
+    from tests.unit.test_lora_moe import _peft
     from tests.unit.test_models_moe import batch, hf_moe_model
 
     hf = hf_moe_model(name, **changes)
@@ -75,9 +75,8 @@ def _run(name: str, changes: dict, peft_dir: str, out: str):
                 worst = max(worst, ((grad - ref).abs().max() / ref.abs().max()).item())
         model.zero_grad()
         save_peft_adapter(model, out_dir / "adapter")
-        save_hf_checkpoint(model, out_dir / "merged")
-        with per_expert_layout(name):
-            save_hf_checkpoint(model, out_dir / "per_expert")
+        save_hf_checkpoint(model, out_dir / "merged", expert_layout="fused")
+        save_hf_checkpoint(model, out_dir / "per_expert", expert_layout="per_expert")
     layer = model.model.layers[0].mlp.experts
     # resume: a step, adapter + optimizer saved, both loaded into a fresh model; the next steps agree bitwise
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)

@@ -10,8 +10,6 @@ same weights, adapter files that peft saves with exactly the same names and that
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import peft
 import pytest
@@ -20,10 +18,8 @@ from safetensors.torch import load_file
 
 from shardtune.checkpoint import save_hf_checkpoint, save_peft_adapter
 from shardtune.checkpoint.peft_format import load_peft_adapter
-from shardtune.models.moe import Experts
 from shardtune.peft import apply_lora, get_adapter_state_dict, get_merged_state_dict, merge_lora
 from shardtune.peft.adapters import PEFT_PREFIX
-from shardtune.state_dict.parts import stacked_parts
 from shardtune.training.dpo import adapters_disabled
 from tests.unit.test_lora import _hf as dense_hf
 from tests.unit.test_lora import _ours as dense_ours
@@ -33,33 +29,6 @@ PEFT_VERSION = "0.21.2"  # the peft these expectations were checked with (its Pa
 RANK, ALPHA = 4, 8.0
 MODULES = ["q_proj", "v_proj"]
 PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
-# transformers' default save_pretrained names of one expert's weights: the block's name, gate, up, down
-PER_EXPERT = {
-    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
-}
-
-
-@contextmanager
-def per_expert_layout(model_type: str) -> Iterator[None]:
-    """Experts declared as stored per expert (``file_parts``), as transformers' default save writes them."""
-    block, gate, up, down = PER_EXPERT[model_type]
-
-    def file_parts(self, prefix: str, name: str, shape: tuple[int, ...]):
-        stem = prefix.replace(".mlp.", f".{block}.")
-        if name == "gate_up_proj":
-            return stacked_parts(shape, lambda e, c: f"{stem}.{e}.{(gate, up)[c]}.weight", chunks=2)
-        return stacked_parts(shape, lambda e, c: f"{stem}.{e}.{down}.weight") if name == "down_proj" else None
-
-    before = Experts.__dict__.get("file_parts")
-    Experts.file_parts = file_parts  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        if before is None:
-            del Experts.file_parts  # type: ignore[attr-defined]
-        else:
-            Experts.file_parts = before  # type: ignore[attr-defined]
 
 
 def _peft(hf, parameters=PARAMETERS, seed: int = 3):
@@ -132,15 +101,14 @@ def test_saved_adapter_has_peft_names_loads_in_peft_and_merges_as_peft(tmp_path)
     with torch.no_grad():
         logits = ours(tokens)
         assert (loaded(tokens).logits - logits).abs().max() < 1e-5
-    save_hf_checkpoint(ours, tmp_path / "merged")
+    save_hf_checkpoint(ours, tmp_path / "merged", expert_layout="fused")
     merged = load_file(tmp_path / "merged/model.safetensors")
     merged_model = pm.merge_and_unload()
     reference = merged_model.state_dict()
     assert sorted(merged) == sorted(reference)
     for key, value in reference.items():
         assert (merged[key] - value).abs().max() < 1e-6, key
-    with per_expert_layout("qwen3_moe"):
-        save_hf_checkpoint(ours, tmp_path / "per_expert")
+    save_hf_checkpoint(ours, tmp_path / "per_expert", expert_layout="per_expert")
     merged_model.save_pretrained(tmp_path / "hf")  # transformers' default: per-expert tensors
     per_expert, expected = (
         load_file(tmp_path / "per_expert/model.safetensors"),
