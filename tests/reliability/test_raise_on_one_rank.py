@@ -12,6 +12,7 @@ through the process group, within the configured timeout.
 
 from __future__ import annotations
 
+import os
 import re
 from contextlib import nullcontext
 from pathlib import Path
@@ -27,7 +28,7 @@ from shardtune.checkpoint import (
     CheckpointOptions,
     CheckpointStates,
     atomic,
-    peft_format,
+    checksums,
     strategies,
 )
 from shardtune.distributed import shard_model
@@ -90,14 +91,17 @@ def _async_save_with_fault(base: str, out: str, fault: str) -> str:
 
 
 def _save_with_rank0_adapter_write_failing(base: str, out: str) -> str:
-    """Rank 0 alone writes the PEFT adapter; its disk fills up."""
+    """Rank 0 alone writes the PEFT adapter's small files; its disk fills up at the adapter."""
     ck = _build(base, out)
     _load(ck)
+    write_bytes = checksums.write_bytes
 
-    def disk_full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
+    def disk_full(path, *args, **kwargs):
+        if "adapter" in os.fspath(path):
+            raise OSError(28, "No space left on device")
+        return write_bytes(path, *args, **kwargs)
 
-    with mock.patch.object(peft_format.checksums, "write_bytes", disk_full) if dist.get_rank() == 0 else nullcontext():
+    with mock.patch.object(checksums, "write_bytes", disk_full) if dist.get_rank() == 0 else nullcontext():
         ck.progress.batches_in_epoch = 1  # mid-epoch: named step_<n>
         return str(ck.save(step=1, epoch=0))
 
