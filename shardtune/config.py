@@ -150,7 +150,7 @@ def _spec_at(schema: Schema, keys: Sequence[str]) -> Spec | None:
 
 
 def _parse_value(raw: str, spec: Spec | None) -> Any:
-    """The YAML value of ``raw``; kept as text where the schema wants a string."""
+    """The YAML value of ``raw``; kept as text where the schema wants a string and not the value's type."""
     try:
         value = yaml.load(raw, Loader=_Loader)
     except yaml.YAMLError:
@@ -158,8 +158,8 @@ def _parse_value(raw: str, spec: Spec | None) -> Any:
     except (RecursionError, ValueError) as e:
         raise ConfigError([_unreadable_yaml(e)], source=f"the override value {raw[:80]!r}") from None
     _check_expanded_size(value, source=f"the override value {raw[:80]!r}")
-    wants_str = isinstance(spec, Field) and str in as_types(spec.types)
-    if wants_str and isinstance(value, (int, float, bool, dict)):
+    types = as_types(spec.types) if isinstance(spec, Field) else ()
+    if str in types and type(value) not in types and isinstance(value, (int, float, bool, dict)):
         return raw
     return value
 

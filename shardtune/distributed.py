@@ -11,10 +11,10 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from shardtune.activation_checkpointing import checkpointed
 from shardtune.launch_checks import check_launch
 from shardtune.models.moe import expert_shard_placement
 from shardtune.state_dict.nf4 import is_nf4
@@ -103,15 +103,23 @@ def shard_model(
     mesh: DeviceMesh | None = None,
     cpu_offload: bool = False,
     reshard_after_forward: bool = True,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | str = False,
     mp_policy: MixedPrecisionPolicy | None = None,
     compile: bool = False,
+    frozen: bool = False,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2: each decoder layer, then the root (embeddings, norm, lm_head).
 
+    ``reshard_after_forward`` applies to the decoder layers but the last: the root unit and the
+    last layer are the first units backward needs, so resharding them after forward would only
+    gather them again at once; they stay gathered from forward to backward (FSDP2 frees them after
+    their backward). A ``frozen`` model (a DPO reference, a KD teacher: no-grad forwards only, no
+    backward to free them) reshards every unit after forward.
+
     Works on meta-device models (follow with ``load_from_full_model_state_dict``). A 2-D
-    ``mesh`` gives HSDP (replicate x shard). ``activation_checkpointing`` wraps each layer
-    first; state-dict names are unchanged by it. ``compile`` then compiles each layer in place
+    ``mesh`` gives HSDP (replicate x shard). ``activation_checkpointing`` (True or ``"full"``,
+    ``"selective"``: :mod:`shardtune.activation_checkpointing`) wraps each layer first;
+    state-dict names are unchanged by it. ``compile`` then compiles each layer in place
     (``nn.Module.compile``, so names stay too) before it is sharded, as torchtitan orders it.
     ``cpu_offload`` keeps params, gradients and the optimizer step in CPU memory (FSDP2's
     ``CPUOffloadPolicy``, pinned when the mesh is on an accelerator). Returns the same (now
@@ -143,10 +151,16 @@ def shard_model(
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         if activation_checkpointing:
-            layer = checkpoint_wrapper(layer)
+            layer = checkpointed(layer, "full" if activation_checkpointing is True else activation_checkpointing)
             layers[i] = layer
         if compile:
             layer.compile()
-        fully_shard(layer, **options, shard_placement_fn=placement)
-    fully_shard(model, **options)
+        last = i == len(layers) - 1
+        fully_shard(layer, **_resharding(options, keep=last and not frozen), shard_placement_fn=placement)
+    fully_shard(model, **_resharding(options, keep=not frozen))
     return model
+
+
+def _resharding(options: dict[str, Any], *, keep: bool) -> dict[str, Any]:
+    """``options`` with ``reshard_after_forward`` off where the unit is kept gathered until backward."""
+    return {**options, "reshard_after_forward": False} if keep else options

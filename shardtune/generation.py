@@ -151,7 +151,7 @@ def load_generator(
                 target_parameters=list(adapter.get("target_parameters") or []),
             )
     if sharded:
-        shard_model(model)
+        shard_model(model, frozen=True)
     load_hf_checkpoint(model, model_dir, device=device, strict=adapter_dir is None)
     if adapter_dir is not None:
         load_peft_adapter(model, Path(adapter_dir), device=device)

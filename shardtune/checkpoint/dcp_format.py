@@ -249,7 +249,7 @@ def convert_dcp_to_hf(
     if sharded:
         from shardtune.distributed import shard_model
 
-        shard_model(model)
+        shard_model(model, frozen=True)
     base = base_dir or (lora or {}).get("base_dir")
     if lora is not None:
         if base is None:

@@ -195,8 +195,11 @@ def _describe(args: ModelArgs) -> str:
     )
 
 
-def build_model(base_dir: Path, run: Run, cfg: Config, *, lora: Config | None = None) -> LlamaForCausalLM:
-    """The model on the meta device (optionally with LoRA), sharded with FSDP2; weights come later."""
+def build_model(
+    base_dir: Path, run: Run, cfg: Config, *, lora: Config | None = None, frozen: bool = False
+) -> LlamaForCausalLM:
+    """The model on the meta device (optionally with LoRA), sharded with FSDP2; weights come later.
+    ``frozen``: a model that only runs no-grad forwards (a reference or teacher; see ``shard_model``)."""
     with torch.device("meta"):
         model = llama_from_hf_config(base_dir, dtype=run.dtype)
         if lora is not None:
@@ -217,6 +220,7 @@ def build_model(base_dir: Path, run: Run, cfg: Config, *, lora: Config | None = 
         activation_checkpointing=cfg.enable_activation_checkpointing,
         mp_policy=_mixed_precision(cfg),
         compile=cfg.compile,
+        frozen=frozen,
     )
     if cfg.enable_activation_offloading:
         offload_layer_activations(decoder_layers(model))

@@ -28,7 +28,7 @@ def recipe_main(cfg: Config) -> None:
     reference, frozen = None, {}
     if not cfg.dpo.reference_free and cfg.dpo.loss != "simpo":
         reference_dir = Path(cfg.reference_checkpoint_dir) if cfg.reference_checkpoint_dir else base_dir
-        reference = setup.build_model(reference_dir, run, cfg)
+        reference = setup.build_model(reference_dir, run, cfg, frozen=True)
         load_hf_checkpoint(reference, reference_dir, device=run.device, strict=True, cpu_offload=cfg.fsdp_cpu_offload)
         reference.init_buffers(run.device)
         reference.requires_grad_(False).eval()

@@ -30,7 +30,7 @@ def recipe_main(cfg: Config) -> None:
         cfg, run, key="teacher_checkpoint_dir", preset_key="teacher_model", seed=TEACHER_SEED
     )
     model = setup.build_model(base_dir, run, cfg, lora=cfg.lora)
-    teacher = setup.build_model(teacher_dir, run, cfg)
+    teacher = setup.build_model(teacher_dir, run, cfg, frozen=True)
     load_hf_checkpoint(teacher, teacher_dir, device=run.device, strict=True, cpu_offload=cfg.fsdp_cpu_offload)
     teacher.init_buffers(run.device)
     teacher.requires_grad_(False).eval()

@@ -195,7 +195,13 @@ BASE_SCHEMA = Schema(
             gt=0,
             help="the device's peak TFLOP/s for the logged mfu (null: known GPUs' dense bf16 peak; no mfu elsewhere)",
         ),
-        "enable_activation_checkpointing": Field(bool, False),
+        "enable_activation_checkpointing": Field(
+            (bool, str),
+            False,
+            choices=(False, True, "selective"),
+            help="true: each layer recomputes its forward in backward (least memory); selective: layers keep "
+            "matmul and attention outputs and recompute only the cheap ops (faster, more memory)",
+        ),
         "enable_activation_offloading": Field(
             bool, False, help="keep what each layer saves for backward in pinned CPU memory (copied on a side stream)"
         ),

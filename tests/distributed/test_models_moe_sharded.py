@@ -18,7 +18,7 @@ from tests.nccl_rules import nccl_rules
 pytestmark = pytest.mark.timeout(240)
 
 
-def _sharded_vs_transformers(name: str, changes: dict, checkpointing: bool, replicate: int = 1):
+def _sharded_vs_transformers(name: str, changes: dict, checkpointing: bool | str, replicate: int = 1):
     from tests.unit.test_models_moe import _loss, _rel, batch, hf_moe_model
 
     hf = hf_moe_model(name, **changes)
@@ -54,7 +54,7 @@ def _sharded_vs_transformers(name: str, changes: dict, checkpointing: bool, repl
     ("name", "changes", "checkpointing", "placement", "local"),
     [
         ("qwen3_moe", {}, True, Shard(0), (4, 48, 64)),  # 2 ranks divide 8 experts: whole experts per rank
-        ("mixtral", {"num_local_experts": 5}, False, Shard(1), (5, 24, 64)),  # 5 experts: split 2I instead
+        ("mixtral", {"num_local_experts": 5}, "selective", Shard(1), (5, 24, 64)),  # 5 experts: split 2I instead
     ],
 )
 def test_sharded_forward_backward_equals_transformers(pool2, name, changes, checkpointing, placement, local):

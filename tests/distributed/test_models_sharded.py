@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -188,3 +190,35 @@ def test_compile_compiles_every_layer_in_place(pool2):
     for compiled, same_names in pool2.run_ok(_compiled_layers_keep_their_names):
         assert compiled and all(compiled)
         assert same_names
+
+
+def _units_gathered_after_forward(frozen: bool):
+    """Which units hold gathered (plain, not DTensor) params after a training forward, then after backward."""
+    with torch.device("meta"):
+        model = build_model(dataclasses.replace(ARGS, n_layers=3, layer_types=None))
+    shard_model(model, frozen=frozen)
+    torch.manual_seed(0)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    model.init_buffers("cpu")
+
+    def gathered() -> list[bool]:
+        units = [model.model.embed_tokens.weight, *(layer.mlp.up_proj.weight for layer in model.model.layers)]
+        return [not isinstance(w, DTensor) for w in units]
+
+    loss = _loss(model, _tokens())
+    after_forward = gathered()
+    loss.backward()
+    return after_forward, gathered()
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_root_and_last_layer_stay_gathered_until_backward(pool2, frozen):
+    """Backward starts with the root (head) and the last layer: they are not resharded after a training
+    forward (unless ``frozen``), every other layer is; after backward every unit is sharded again."""
+    for after_forward, after_backward in pool2.run_ok(_units_gathered_after_forward, frozen):
+        n = len(after_forward) - 1
+        assert after_forward == ([False] * (n + 1) if frozen else [True, *[False] * (n - 1), True])
+        assert after_backward == [False] * (n + 1)

@@ -85,6 +85,20 @@ def test_overrides_nested_list_index_and_types(tmp_path):
     assert cfg.lora.rank == 4 and cfg.lora.alpha == 16.0 and cfg.lora.target_modules == ["q_proj", "v_proj", "lm_head"]
 
 
+def test_activation_checkpointing_true_false_or_selective(tmp_path):
+    path = _write(tmp_path, MINIMAL)
+    selective = load_config(path, ["enable_activation_checkpointing=selective"], schema=BASE_SCHEMA)
+    assert selective.enable_activation_checkpointing == "selective"
+    assert (
+        load_config(path, ["enable_activation_checkpointing=false"], schema=BASE_SCHEMA).enable_activation_checkpointing
+        is False
+    )
+    with pytest.raises(
+        ConfigError, match=r"enable_activation_checkpointing: 'op' is not one of \[False, True, 'selective'\]"
+    ):
+        load_config(path, ["enable_activation_checkpointing=op"], schema=BASE_SCHEMA)
+
+
 def test_override_of_a_single_dataset_mapping_and_malformed_overrides():
     out = apply_overrides({"dataset": {"path": "a"}}, ["dataset.0.path=b", "dataset.template=simple"])
     assert out == {"dataset": {"path": "b", "template": "simple"}}
