@@ -151,7 +151,14 @@ def saved_once(path: Path, build: Callable[[], nn.Module], **save: Any) -> Path:
 # --------------------------------------------------------------------------- in the ranks
 
 
-def _shardtune(group: str, hf: str, device: torch.device, *, dtype: torch.dtype = torch.float32):
+def _shardtune(
+    group: str,
+    hf: str,
+    device: torch.device,
+    *,
+    dtype: torch.dtype = torch.float32,
+    activation_checkpointing: bool | str = True,
+):
     """The shardtune model and its loss: ``loss(tokens) -> mean next-token loss`` (mixtures of experts:
     plus ``router_aux_loss_coef`` times the load-balancing loss, as the recipes train them)."""
     from shardtune.checkpoint.hf_load import load_hf_checkpoint
@@ -166,7 +173,7 @@ def _shardtune(group: str, hf: str, device: torch.device, *, dtype: torch.dtype 
             apply_lora(
                 model, rank=LORA_RANK, alpha=LORA_ALPHA, target_modules=list(TARGETS), quantize_base=group == "qlora"
             )
-    shard_model(model, activation_checkpointing=True)
+    shard_model(model, activation_checkpointing=activation_checkpointing)
     load_hf_checkpoint(model, hf, device=device)
     if group != "full":
         init_lora_parameters(model, device=device)
