@@ -1,5 +1,6 @@
-"""What a recipe's ``loss_fn`` is made of: the batch on the device, its label-token count, and
-next-token cross-entropy from the model's final hidden states.
+"""What a recipe's ``loss_fn`` is made of: the batch on the device, its label-token count,
+next-token cross-entropy from the model's final hidden states, and for mixture-of-experts models
+the routers' load-balancing loss (:class:`RouterAux`, which every recipe's loss adds).
 
 Rule: a loss never makes the host wait for the device. Batches are copied without blocking
 (the loader pins them on CUDA), tokens are counted on the CPU batch, and packed rows' sample
@@ -101,8 +102,8 @@ class RouterAux:
     per DPO pair) and logged as ``aux_loss``.
 
     Per forward: pass :meth:`routing` as the model's ``routing=``, then :meth:`add` to the loss of
-    that forward. The routing weights a packed row's samples by their tokens, as transformers'
-    ``load_balancing_loss_func`` does for a padding-free batch; the pad tail is left out."""
+    that forward. Every token of a packed row's samples counts and its pad tail does not: transformers'
+    ``load_balancing_loss_func`` over the same samples as a padding-free batch."""
 
     coef: float
 

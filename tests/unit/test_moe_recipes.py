@@ -32,24 +32,26 @@ def _rel(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got - expected).abs().max() / expected.abs().max()).item()
 
 
-def _assert_grads_equal(ours, hf) -> None:
+def _assert_grads_equal(ours, hf, hf_name=lambda name: name) -> None:
     hf_params = dict(hf.named_parameters())
     routers = 0
     for name, p in ours.named_parameters():
-        expected = hf_params[name].grad
+        if not p.requires_grad:
+            continue
+        expected = hf_params[hf_name(name)].grad
         assert p.grad is not None and expected is not None, name
         assert _rel(p.grad, expected) < 1e-4, name
         routers += name.endswith("mlp.gate.weight")
     assert routers
 
 
-def _assert_equal_to_reference(loss, metrics, units: int, expected, aux, ours, hf) -> None:
+def _assert_equal_to_reference(loss, metrics, units: int, expected, aux, ours, hf, **names) -> None:
     """Loss, logged ``aux_loss`` (a sum over ``units``) and every gradient equal the reference's."""
     assert abs(metrics["aux_loss"].item() / units - aux.item()) < 1e-6 * aux.item()
     assert abs(loss.item() - expected.item()) < 1e-5 * expected.item()
     loss.backward()
     expected.backward()
-    _assert_grads_equal(ours, hf)
+    _assert_grads_equal(ours, hf, **names)
 
 
 def _token_batch() -> dict[str, torch.Tensor]:
@@ -217,3 +219,31 @@ def test_validation_loss_of_a_moe_model_adds_the_aux_loss_as_transformers_out_lo
             total += _shifted_ce_sum(out.logits, data["labels"]).item() + 0.1 * out.aux_loss.item() * n
             tokens += n
     assert abs(got - total / tokens) < 1e-5 * got
+
+
+def test_early_exit_layer_dropout_of_a_sparse_layer_leaves_its_router_out_of_the_aux_loss():
+    """Layer dropout that always skips layer 0: the loss is transformers' ``out.loss`` (cross-entropy +
+    coef * aux_loss) of the same model without layer 0, whose router then routes nothing."""
+    hf = hf_moe_model("qwen3_moe")
+    ours = ours_from(hf)
+    ours.set_layer_dropout(max_prob=1.0, layers=[0])
+    data = _token_batch()
+    loss, n_tokens, metrics = early_exit_loss_fn(
+        ours, device=CPU, exits=list, scale_type="one", scale=1.0, chunk_tokens=16
+    )(data)
+    hf.model.layers = torch.nn.ModuleList(list(hf.model.layers)[1:])
+    hf.config.num_hidden_layers = 2
+    hf.config.mlp_only_layers = [0]  # the dense layer 1 is now the first
+    tokens, mask, labels = data["tokens"], data["attention_mask"], data["labels"]
+    out = hf(tokens, attention_mask=mask, labels=labels, output_router_logits=True, use_cache=False)
+    assert len([r for r in out.router_logits if r is not None]) == 1
+    skipped = ours.model.layers[0]
+    skipped.requires_grad_(False)  # it ran nowhere: no gradient to compare
+    shifted = {f"model.layers.{i}.": f"model.layers.{i - 1}." for i in (1, 2)}
+
+    def hf_name(name: str) -> str:
+        prefix = next((p for p in shifted if name.startswith(p)), None)
+        return name if prefix is None else shifted[prefix] + name[len(prefix) :]
+
+    _assert_equal_to_reference(loss, metrics, n_tokens, out.loss, out.aux_loss, ours, hf, hf_name=hf_name)
+    assert all(p.grad is None for p in skipped.parameters())
