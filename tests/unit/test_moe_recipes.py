@@ -76,8 +76,9 @@ def _pairs_batch() -> dict[str, torch.Tensor]:
 
 
 def _trl_dpo_loss(policy, reference, data: dict[str, torch.Tensor], beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """TRL's ``DPOTrainer._compute_loss`` (sigmoid): summed completion log-probs of the concatenated
-    forward, ``-logsigmoid(beta * delta)`` averaged over pairs, plus ``coef * outputs.aux_loss``."""
+    """TRL's ``DPOTrainer._compute_loss`` (sigmoid; read at huggingface/trl f2cd577, trl is not installed
+    here): summed completion log-probs of the concatenated forward, ``-logsigmoid(beta * delta)``
+    averaged over pairs, plus ``router_aux_loss_coef * outputs.aux_loss`` of the policy forward."""
     tokens, mask, labels = data["tokens"], data["attention_mask"], data["labels"]
 
     def logps(logits: torch.Tensor) -> torch.Tensor:
