@@ -55,7 +55,7 @@ from shardtune.training.flops import flops_per_token_fn, peak_tflops
 from shardtune.training.loop import LoopSettings, LossFn, Training, run_training, steps_per_epoch
 from shardtune.training.metrics import MetricLogger
 from shardtune.training.optim import LrSchedule, build_lr_scheduler, build_optimizer, continue_schedule
-from shardtune.training.step_loss import label_tokens, next_token_head_loss, next_token_loss, on_device
+from shardtune.training.step_loss import RouterAux, label_tokens, next_token_head_loss, next_token_loss, on_device
 
 log = logging.getLogger("shardtune")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -429,17 +429,26 @@ def fit(cfg: Config, run: Run, recipe: str, training: Training, *, loss_fn: Loss
 
 
 def build_evaluator(cfg: Config, run: Run, model: nn.Module, tokenizer) -> Evaluator | None:
-    """The validation-loss evaluator of ``validation_dataset`` (next-token cross-entropy, unpacked), or None."""
+    """The validation-loss evaluator of ``validation_dataset`` (next-token cross-entropy, unpacked), or None.
+
+    A mixture-of-experts model's validation loss adds ``router_aux_loss_coef`` times each batch's
+    load-balancing loss, as its fine-tuning ``loss`` does (and TRL's ``eval_loss``, transformers'
+    ``out.loss`` with ``output_router_logits=True``): ``val_loss`` and ``loss`` compare."""
     if cfg.validation_dataset is None:
         return None
     dataset = build_dataset(
         _dataset_specs(cfg.validation_dataset), tokenizer, max_seq_len=cfg.max_seq_len, packed=False
     )
+    aux = RouterAux.of(model, cfg.router_aux_loss_coef)
 
     def loss_sum(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         tokens, labels, packing = on_device(batch, run.device)
         head_loss = next_token_head_loss(labels, cfg.loss_chunk_tokens)
-        return model(tokens, **packing, head_loss=head_loss), label_tokens(batch["labels"])
+        n_tokens = label_tokens(batch["labels"])
+        if aux is None:
+            return model(tokens, **packing, head_loss=head_loss), n_tokens
+        routing = aux.routing(batch, run.device)
+        return aux.add(model(tokens, **packing, head_loss=head_loss, routing=routing), routing, n_tokens)[0], n_tokens
 
     return Evaluator(
         dataset,

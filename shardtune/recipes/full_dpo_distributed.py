@@ -40,6 +40,7 @@ def recipe_main(cfg: Config) -> None:
         device=run.device,
         dpo=cfg.dpo,
         chunk_tokens=cfg.loss_chunk_tokens,
+        router_aux_loss_coef=cfg.router_aux_loss_coef,
     )
     setup.fit(cfg, run, NAME, training, loss_fn=loss_fn)
 

@@ -2,7 +2,9 @@
 
 Loss = (1 - kd_ratio) * cross-entropy + kd_ratio * forward KL(teacher || student) on the
 response tokens, made from student and teacher logits chunk by chunk (``loss_chunk_tokens``).
-Student and teacher may differ in size but share the vocabulary.
+Student and teacher may differ in size but share the vocabulary. A mixture-of-experts student
+adds its routers' load-balancing loss (``router_aux_loss_coef``, logged as ``aux_loss``) as its
+fine-tuning loss does; a mixture-of-experts teacher only forwards.
 """
 
 from __future__ import annotations
@@ -10,13 +12,14 @@ from __future__ import annotations
 import sys
 
 import torch
+from torch import nn
 
 from shardtune.checkpoint import load_hf_checkpoint
 from shardtune.config import Config
 from shardtune.models.chunked_loss import Head, chunked_distillation_loss, frozen_head
 from shardtune.recipes import builders as setup
 from shardtune.recipes._entry import main
-from shardtune.training.step_loss import label_tokens, on_device
+from shardtune.training.step_loss import RouterAux, on_device, token_mean_loss
 
 NAME = "knowledge_distillation_distributed"
 TEACHER_SEED = 4321  # the tiny teacher preset, when created, differs from the tiny student base
@@ -36,9 +39,34 @@ def recipe_main(cfg: Config) -> None:
     teacher.requires_grad_(False).eval()
     training = setup.build_training(cfg, run, model, base_dir, frozen={"teacher_weights": teacher_dir})
 
+    loss_fn = distillation_loss_fn(
+        model,
+        teacher,
+        device=run.device,
+        kd_ratio=cfg.kd_ratio,
+        chunk_tokens=cfg.loss_chunk_tokens,
+        router_aux_loss_coef=cfg.router_aux_loss_coef,
+    )
+    setup.fit(cfg, run, NAME, training, loss_fn=loss_fn)
+
+
+def distillation_loss_fn(
+    model: nn.Module,
+    teacher: nn.Module,
+    *,
+    device: torch.device,
+    kd_ratio: float,
+    chunk_tokens: int | None,
+    router_aux_loss_coef: float | None = None,
+):
+    """``loss_fn`` for the loop: the distillation loss of ``model`` against the frozen ``teacher``
+    per label token. A mixture-of-experts student adds ``router_aux_loss_coef`` (None: its config's)
+    times its routers' load-balancing loss, as its fine-tuning loss does; a mixture-of-experts
+    teacher only forwards."""
+    aux = RouterAux.of(model, router_aux_loss_coef)
+
     def loss_fn(batch):
-        tokens, labels, packing = on_device(batch, run.device)
-        n_tokens = label_tokens(batch["labels"])
+        tokens, labels, packing = on_device(batch, device)
         with torch.no_grad():
             teacher_hidden, teacher_head = teacher(
                 tokens, **packing, head_loss=lambda hidden, _head: (hidden, _frozen_head(teacher))
@@ -51,13 +79,13 @@ def recipe_main(cfg: Config) -> None:
                 teacher_hidden[:, :-1],
                 teacher_head,
                 labels[:, 1:],
-                kd_ratio=cfg.kd_ratio,
-                chunk_tokens=cfg.loss_chunk_tokens,
+                kd_ratio=kd_ratio,
+                chunk_tokens=chunk_tokens,
             )
 
-        return model(tokens, **packing, head_loss=head_loss) / max(n_tokens, 1), n_tokens
+        return token_mean_loss(model, tokens, batch, head_loss=head_loss, aux=aux, device=device, **packing)
 
-    setup.fit(cfg, run, NAME, training, loss_fn=loss_fn)
+    return loss_fn
 
 
 def _frozen_head(teacher) -> Head:

@@ -32,7 +32,12 @@ def recipe_main(cfg: Config) -> None:
 
     training = setup.build_training(cfg, run, model, base_dir)
     loss_fn = dpo_loss_fn(
-        model, reference=reference, device=run.device, dpo=cfg.dpo, chunk_tokens=cfg.loss_chunk_tokens
+        model,
+        reference=reference,
+        device=run.device,
+        dpo=cfg.dpo,
+        chunk_tokens=cfg.loss_chunk_tokens,
+        router_aux_loss_coef=cfg.router_aux_loss_coef,
     )
     setup.fit(cfg, run, NAME, training, loss_fn=loss_fn)
 

@@ -39,7 +39,6 @@ __all__ = [
     "LORA_FINETUNE_SCHEMA",
     "LORA_SCHEMA",
     "LORA_SECTION",
-    "ROUTER_AUX_KEYS",
 ]
 
 # Logical column names per dataset format; ``column_map`` maps them to the file's columns.
@@ -211,6 +210,15 @@ BASE_SCHEMA = Schema(
             gt=0,
             help="tokens per chunk of the output projection + loss (no full-vocabulary logits); null: unchunked",
         ),
+        # read by every recipe's loss (training/step_loss.RouterAux) and the validation loss
+        "router_aux_loss_coef": Field(
+            (float, None),
+            None,
+            ge=0,
+            help="mixture-of-experts models: weight of the routers' load-balancing loss in the training and validation "
+            "loss (logged as aux_loss; DPO: of the policy, as TRL's DPOTrainer); null: config.json's "
+            "router_aux_loss_coef; 0: logged only. Dense models ignore it",
+        ),
         "compile": Field(
             bool, False, help="torch.compile each decoder layer and the loss's chunks (first steps are slower)"
         ),
@@ -258,18 +266,7 @@ BASE_SCHEMA = Schema(
     checks=(_check_base,),
 )
 
-# The full and LoRA fine-tuning recipes' loss (``training/step_loss.py``) reads it; the DPO, KD and early-exit
-# schemas do not offer it, so a config of theirs that sets it is refused as an unknown key.
-ROUTER_AUX_KEYS = {
-    "router_aux_loss_coef": Field(
-        (float, None),
-        None,
-        ge=0,
-        help="mixture-of-experts models: weight of the routers' load-balancing loss in the training loss (logged as "
-        "aux_loss); null: config.json's router_aux_loss_coef; 0: logged only. Dense models ignore it",
-    ),
-}
-FULL_FINETUNE_SCHEMA = BASE_SCHEMA | ROUTER_AUX_KEYS
+FULL_FINETUNE_SCHEMA = BASE_SCHEMA
 
 LORA_SECTION = Schema(
     {
@@ -286,7 +283,7 @@ LORA_SCHEMA = BASE_SCHEMA | {
     "adapter_weights_only": Field(bool, False, help="LoRA checkpoints hold only the PEFT adapter (no merged model)"),
 }
 
-LORA_FINETUNE_SCHEMA = LORA_SCHEMA | ROUTER_AUX_KEYS
+LORA_FINETUNE_SCHEMA = LORA_SCHEMA
 
 KD_SCHEMA = LORA_SCHEMA | {
     "teacher_checkpoint_dir": Field(str, help="HF model directory of the teacher"),

@@ -8,6 +8,10 @@ its LoRA adapters switched off (LoRA DPO: no second copy of the weights); it run
 final hidden states through the chunked cross-entropy, one sequence at a time, so no full
 logits exist. The loss is the mean over pairs (the loop weighs micro-batches by their pairs);
 rewards, margin, accuracy and label tokens are returned as sums for the loop to log.
+
+A mixture-of-experts policy adds ``router_aux_loss_coef`` times the load-balancing loss of its
+concatenated forward (prompt and response tokens of both sequences, padding left out), as TRL's
+``DPOTrainer`` does, and logs it as ``aux_loss``; the reference forward routes without it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from shardtune.models.chunked_loss import chunked_cross_entropy
 from shardtune.models.linear_cross_entropy import head_for_several_losses
 from shardtune.models.preference_losses import preference_loss
 from shardtune.peft.lora import adapter_modules
+from shardtune.training.step_loss import RouterAux
 
 __all__ = ["adapters_disabled", "dpo_loss_fn", "sequence_logps_head_loss"]
 
@@ -63,13 +68,16 @@ def dpo_loss_fn(
     device: torch.device,
     dpo: Mapping[str, Any],
     chunk_tokens: int | None,
+    router_aux_loss_coef: float | None = None,
 ):
     """``loss_fn`` for the loop. ``reference(tokens, head_loss)`` runs the reference model (None, or
     ``dpo["reference_free"]``: reference-free); ``dpo`` is the config's ``dpo`` section (loss, beta,
-    label_smoothing, simpo_gamma). Returns ``(mean loss over pairs, pairs, {metric sums})``."""
+    label_smoothing, simpo_gamma); ``router_aux_loss_coef`` weighs a mixture-of-experts policy's
+    load-balancing loss (None: its config's). Returns ``(mean loss over pairs, pairs, {metric sums})``."""
     loss, beta, label_smoothing, simpo_gamma = dpo["loss"], dpo["beta"], dpo["label_smoothing"], dpo["simpo_gamma"]
     if dpo["reference_free"]:
         reference = None
+    aux = RouterAux.of(model, router_aux_loss_coef)
 
     def loss_fn(batch: dict[str, Tensor]) -> tuple[Tensor, int, dict[str, Tensor]]:
         tokens = batch["tokens"].to(device, non_blocking=True)
@@ -77,7 +85,8 @@ def dpo_loss_fn(
         pairs = tokens.shape[0] // 2
         counts = (batch["labels"][:, 1:] != -100).sum(-1)  # CPU: no device sync
         head_loss = sequence_logps_head_loss(labels, chunk_tokens)
-        policy = model(tokens, head_loss=head_loss)
+        routing = None if aux is None else aux.routing(batch, device)
+        policy = model(tokens, head_loss=head_loss, routing=routing)
         ref_chosen = ref_rejected = None
         if reference is not None and loss != "simpo":
             with torch.no_grad():
@@ -96,6 +105,9 @@ def dpo_loss_fn(
             "reward_accuracy": (margin > 0).float().sum(),
             "tokens": torch.full((), float(counts.sum()), dtype=torch.float64, device=policy.device),
         }
-        return out.losses.mean(), pairs, metrics
+        if aux is None or routing is None:
+            return out.losses.mean(), pairs, metrics
+        loss_sum, aux_metrics = aux.add(out.losses.sum(), routing, pairs)
+        return loss_sum / pairs, pairs, metrics | aux_metrics
 
     return loss_fn

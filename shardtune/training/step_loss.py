@@ -1,5 +1,6 @@
-"""What a recipe's ``loss_fn`` is made of: the batch on the device, its label-token count, and
-next-token cross-entropy from the model's final hidden states.
+"""What a recipe's ``loss_fn`` is made of: the batch on the device, its label-token count,
+next-token cross-entropy from the model's final hidden states, and for mixture-of-experts models
+the routers' load-balancing loss (:class:`RouterAux`, which every recipe's loss adds).
 
 Rule: a loss never makes the host wait for the device. Batches are copied without blocking
 (the loader pins them on CUDA), tokens are counted on the CPU batch, and packed rows' sample
@@ -9,16 +10,17 @@ takes the resulting ``loss_fn(batch) -> (mean loss over label tokens, label toke
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from shardtune.models import HeadLoss, sample_lengths
 from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from shardtune.models.moe_aux import Routing
 
-__all__ = ["label_tokens", "next_token_head_loss", "next_token_loss", "on_device"]
+__all__ = ["RouterAux", "label_tokens", "next_token_head_loss", "next_token_loss", "on_device", "token_mean_loss"]
 
 
 def on_device(
@@ -62,23 +64,69 @@ def next_token_loss(
     load-balancing loss of the batch's real tokens (``attention_mask``), as transformers' ``out.loss``
     does with ``output_router_logits=True``, and log it as ``aux_loss``; 0 logs it without adding it
     (the routers then get no gradient from it). Dense models ignore the coefficient."""
-    moe = getattr(getattr(model, "args", None), "moe", None)
-    coef = moe.router_aux_loss_coef if moe is not None and router_aux_loss_coef is None else router_aux_loss_coef
+    aux = RouterAux.of(model, router_aux_loss_coef)
 
     def loss_fn(batch: dict[str, torch.Tensor]) -> Any:
         tokens, labels, packing = on_device(batch, device)
-        n_tokens = label_tokens(batch["labels"])
         head_loss = next_token_head_loss(labels, chunk_tokens, compile)
-        if moe is None:
-            return model(tokens, **packing, head_loss=head_loss) / max(n_tokens, 1), n_tokens
-        mask = batch.get("attention_mask")
-        routing = Routing(mask=None if mask is None else mask.to(device, non_blocking=True))
-        loss_sum = model(tokens, **packing, head_loss=head_loss, routing=routing)
-        if coef:
-            loss_sum = routing.add_to(loss_sum, coef * max(n_tokens, 1))
-        return loss_sum / max(n_tokens, 1), n_tokens, {"aux_loss": routing.aux_loss().to(loss_sum.device) * n_tokens}
+        return token_mean_loss(model, tokens, batch, head_loss=head_loss, aux=aux, device=device, **packing)
 
     return loss_fn
+
+
+def token_mean_loss(
+    model: nn.Module,
+    tokens: Tensor,
+    batch: dict[str, Tensor],
+    *,
+    head_loss: HeadLoss,
+    aux: RouterAux | None,
+    device: torch.device,
+    **forward: Any,
+) -> Any:
+    """What ``loss_fn`` returns for a ``head_loss`` summed over label tokens: ``(its mean, label
+    tokens)``, with ``aux``'s load-balancing loss added and ``{"aux_loss": ...}`` for a MoE model.
+    ``forward``: the model's other keywords (packing)."""
+    n_tokens = label_tokens(batch["labels"])
+    if aux is None:
+        return model(tokens, **forward, head_loss=head_loss) / max(n_tokens, 1), n_tokens
+    routing = aux.routing(batch, device)
+    loss_sum, metrics = aux.add(model(tokens, **forward, head_loss=head_loss, routing=routing), routing, n_tokens)
+    return loss_sum / max(n_tokens, 1), n_tokens, metrics
+
+
+@dataclass(frozen=True)
+class RouterAux:
+    """A mixture-of-experts model's load-balancing loss in a recipe's loss: ``coef`` times
+    transformers' ``aux_loss`` of the batch's real tokens, weighted like the loss (per label token,
+    per DPO pair) and logged as ``aux_loss``.
+
+    Per forward: pass :meth:`routing` as the model's ``routing=``, then :meth:`add` to the loss of
+    that forward. Every token of a packed row's samples counts and its pad tail does not: transformers'
+    ``load_balancing_loss_func`` over the same samples as a padding-free batch."""
+
+    coef: float
+
+    @classmethod
+    def of(cls, model: nn.Module, coef: float | None) -> RouterAux | None:
+        """For ``model``'s experts, with ``coef`` (None: its config's ``router_aux_loss_coef``); None for a dense model."""
+        moe = getattr(getattr(model, "args", None), "moe", None)
+        if moe is None:
+            return None
+        return cls(moe.router_aux_loss_coef if coef is None else coef)
+
+    @staticmethod
+    def routing(batch: dict[str, torch.Tensor], device: torch.device) -> Routing:
+        """A :class:`Routing` counting the batch's real tokens (its ``attention_mask``; all without one)."""
+        mask = batch.get("attention_mask")
+        return Routing(mask=None if mask is None else mask.to(device, non_blocking=True))
+
+    def add(self, loss_sum: Tensor, routing: Routing, units: int) -> tuple[Tensor, dict[str, Tensor]]:
+        """``loss_sum`` (summed over ``units`` of the loop's weight) plus ``coef * units * aux_loss``
+        (the routers get its gradient), and the metric ``{"aux_loss": units * aux_loss}``."""
+        if self.coef:
+            loss_sum = routing.add_to(loss_sum, self.coef * units)
+        return loss_sum, {"aux_loss": routing.aux_loss().to(loss_sum.device) * units}
 
 
 def next_token_head_loss(labels: torch.Tensor, chunk_tokens: int | None, compile: bool = False) -> HeadLoss:

@@ -104,10 +104,17 @@ def test_router_aux_loss_coef_sets_the_aux_loss_weight_as_transformers_applies_i
         assert ((grad - expected).abs().max() / expected.abs().max()).item() < 1e-4, name
 
 
-def test_the_key_is_offered_by_the_full_and_lora_recipes_only():
+def test_the_key_is_offered_by_every_recipe():
     overrides = ["router_aux_loss_coef=0.01"]
     cfg = load_config("tiny/moe_full", overrides, schema=get_recipe("full_finetune_distributed").schema)
     assert cfg.router_aux_loss_coef == 0.01 and cfg.model == "tiny_moe"
     assert load_config("tiny/lora", schema=get_recipe("lora_finetune_distributed").schema).router_aux_loss_coef is None
+    for recipe, config in [
+        ("lora_dpo_distributed", "tiny/lora_dpo"),
+        ("full_dpo_distributed", "tiny/full_dpo"),
+        ("knowledge_distillation_distributed", "tiny/kd"),
+        ("early_exit_finetune_distributed", "tiny/early_exit"),
+    ]:
+        assert load_config(config, overrides, schema=get_recipe(recipe).schema).router_aux_loss_coef == 0.01, recipe
     with pytest.raises(ConfigError, match="router_aux_loss_coef"):
-        load_config("tiny/lora_dpo", overrides, schema=get_recipe("lora_dpo_distributed").schema)
+        load_config("tiny/lora_dpo", ["router_aux_loss_coef=-1"], schema=get_recipe("lora_dpo_distributed").schema)
