@@ -377,7 +377,7 @@ def _load_quantized(
     parts = {}
     for name, part in quantized.part_layouts(spec, layout).items():
         dtype = torch.uint8 if name == quantized.CODES else torch.float32
-        value = getattr(packed, name) if packed is not None else None
+        value = quantized.as_rows(getattr(packed, name), part.shape) if packed is not None else None
         me = part.piece(comm.rank())
         if mode == RANK0:
             parts[name] = scatter_dense(
