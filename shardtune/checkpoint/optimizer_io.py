@@ -2,14 +2,16 @@
 
 Rule: both are FQN keyed (``<param fqn>::<state key>``), so a checkpoint written on N ranks
 loads on M, and no rank gathers the state: on save the tensors go through the same sharded
-writer and sinks as model weights (:mod:`~shardtune.checkpoint.writer`), on load every rank
-reads only its own rows (without a shared filesystem rank 0 does the file I/O).
+writer and sinks as model weights (:mod:`~shardtune.checkpoint.writer`; experts split on dim 1
+as one slice per expert, each rank its rows of each), on load every rank reads only its own
+rows (without a shared filesystem rank 0 does the file I/O).
 
 A torchao quantized state (AdamW8bit/4bit) is stored as it is held, never dequantized: its
 codes and scales as ``<fqn>::<key>::codes`` and ``<fqn>::<key>::scale`` (the full tensors of
 :mod:`~shardtune.state_dict.quantized`), its bits, block size, signedness, code table and
-shape under ``"quantized"`` in ``optimizer.json``. Loading slices them for the current
-sharding; a world size that would cut a quantization block between ranks is refused.
+shape under ``"quantized"`` in ``optimizer.json``, the same files whatever the sharding.
+Loading slices them for the current sharding; a world size that would cut a quantization
+block between ranks (or, for experts split on dim 1, between experts) is refused.
 """
 
 from __future__ import annotations

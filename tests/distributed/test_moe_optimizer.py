@@ -180,17 +180,28 @@ def _low_bit_steps(opt: torch.optim.Optimizer, params: dict, grads: list[dict]) 
             opt.zero_grad()
 
 
-def _cut_blocks_state_kind() -> str:
+def _straddling_blocks(out: str) -> dict:
     """[8, 4, 640] on ``Shard(1)`` over 4 ranks: 5120 values a rank (whole 256-blocks, which torchao
-    alone would quantize), but 640 per expert: blocks would straddle experts."""
+    alone quantizes), but 640 per expert: its blocks straddle experts. shardtune's AdamW8bit keeps
+    the state unquantized; saving torchao's own is refused."""
+    import torchao.optim
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
+
+    from shardtune.checkpoint.errors import CheckpointError
 
     module = torch.nn.Module()
     module.w = torch.nn.Parameter(torch.zeros(8, 4, 640))
     fully_shard(module, shard_placement_fn=lambda p: Shard(1))
-    opt = build_optimizer(module.parameters(), name="adamw8bit", lr=1e-2)
-    return type(opt._new_buffer(module.w, True).to_local()).__name__
+    ours = build_optimizer(module.parameters(), name="adamw8bit", lr=1e-2)
+    theirs = torchao.optim.AdamW8bit(module.parameters(), lr=1e-2)
+    theirs.state[module.w] = {"step": torch.tensor(1.0), "exp_avg": theirs._new_buffer(module.w, True)}
+    try:
+        save_optimizer(module, theirs, Path(out))
+        error = ""
+    except CheckpointError as exc:
+        error = str(exc)
+    return {"kind": type(ours._new_buffer(module.w, True).to_local()).__name__, "error": error}
 
 
 def _low_bit_train_save(config: dict, weights: dict, grads: list[dict], out: str) -> dict:
@@ -208,7 +219,7 @@ def _low_bit_train_save(config: dict, weights: dict, grads: list[dict], out: str
         kinds = {type(s[k].to_local()).__name__ for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")}
         runs[name] = {"gathers": gathers.calls, "kinds": kinds, "full": full}
     runs["placement"] = params[EXPERTS].placements[0].dim
-    runs["cut_blocks_kind"] = _cut_blocks_state_kind()
+    runs["straddling"] = _straddling_blocks(str(Path(out) / "straddling"))
     return runs
 
 
@@ -256,7 +267,9 @@ def test_low_bit_expert_state_steps_saves_in_place_and_resumes_bitwise_across_pl
     ]
     refs = {name: _torchao_reference(config, weights, grads, name) for name in LOW_BIT}
     saved = pool4.run_ok(_low_bit_train_save, config, weights, grads, str(tmp_path), timeout=200)
-    assert all(r["placement"] == 1 and r["cut_blocks_kind"] == "Tensor" for r in saved)
+    assert all(r["placement"] == 1 and r["straddling"]["kind"] == "Tensor" for r in saved)
+    errors = {r["straddling"]["error"] for r in saved}
+    assert len(errors) == 1 and "w.exp_avg: on ranks [0, 1, 2, 3]" in errors.pop()  # refused on every rank
     for name, ref in refs.items():
         assert all(r[name]["gathers"] == 0 and r[name]["kinds"] == {"OptimState" + name[5:]} for r in saved)
         on_disk = safetensors.torch.load_file(tmp_path / name / "optimizer.safetensors")
