@@ -204,76 +204,81 @@ def _straddling_blocks(out: str) -> dict:
     return {"kind": type(ours._new_buffer(module.w, True).to_local()).__name__, "error": error}
 
 
-def _low_bit_train_save(config: dict, weights: dict, grads: list[dict], out: str) -> dict:
-    """Two steps of each low-bit AdamW over the experts, then save (no gather may run) and gather."""
-    model = _sharded(config, weights)
-    params = _expert_params(model)
-    runs = {}
-    for name in LOW_BIT:
-        opt = build_optimizer(params.values(), name=name, **HYPER)
-        _low_bit_steps(opt, params, grads[:2])
-        with nccl_rules() as rules, _CountGathers() as gathers:
-            rules.host(model, opt)
-            save_optimizer(model, opt, Path(out) / name)
-            full = get_full_optimizer_state_dict(model, opt, dist.get_rank() == 0)
-        kinds = {type(s[k].to_local()).__name__ for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")}
-        runs[name] = {"gathers": gathers.calls, "kinds": kinds, "full": full}
-    runs["placement"] = params[EXPERTS].placements[0].dim
-    runs["straddling"] = _straddling_blocks(str(Path(out) / "straddling"))
-    return runs
-
-
-def _low_bit_resume(config: dict, weights: dict, after_two: dict, grad: dict, out: str) -> dict:
-    """Resume each low-bit AdamW from the files, its experts' weights after two steps given, and take step 3."""
+def _low_bit_run(config: dict, weights: dict, experts: dict, grads: list, resume: str, out: str, shared: bool):
+    """Each low-bit AdamW over the experts (their weights ``experts[name]``): resume from
+    ``resume`` (when given) under NCCL's rules, step with ``grads``, save (no gather may run) and gather."""
     model = _sharded(config, weights)
     params = _expert_params(model)
     runs = {}
     for name in LOW_BIT:
         with torch.no_grad():
             for n, p in params.items():
-                p.copy_(_placed(after_two[name][n], p))
+                p.copy_(_placed(experts[name][n], p))
         opt = build_optimizer(params.values(), name=name, **HYPER)
-        load_optimizer(model, opt, Path(out) / name, device="cpu")
-        kinds = {type(s[k].to_local()).__name__ for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")}
-        _low_bit_steps(opt, params, [grad])
-        runs[name] = {"kinds": kinds, "final": {n: p.detach().full_tensor() for n, p in params.items()}}
+        with nccl_rules() as rules:
+            rules.host(model, opt)
+            if resume:
+                load_optimizer(model, opt, Path(resume) / name, device="cpu", shared_filesystem=shared)
+        _low_bit_steps(opt, params, grads)
+        with nccl_rules() as rules, _CountGathers() as gathers:
+            rules.host(model, opt)
+            save_optimizer(model, opt, Path(out) / name)
+            full = get_full_optimizer_state_dict(model, opt, dist.get_rank() == 0)
+        runs[name] = {
+            "gathers": gathers.calls,
+            "kinds": {type(s[k].to_local()).__name__ for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")},
+            "full": full,
+            "final": {n: p.detach().full_tensor() for n, p in params.items()},
+        }
     runs["placement"] = params[EXPERTS].placements[0].dim
     return runs
 
 
 def _torchao_reference(config: dict, weights: dict, grads: list[dict], name: str) -> dict:
-    """torchao's optimizer over the unsharded experts, eager: the state and weights after 2 steps, then step 3."""
+    """torchao's optimizer over the unsharded experts, eager: its state after 2 steps, the weights after each."""
     import torchao.optim
 
     model = _unsharded(config, weights)
     params = _expert_params(model)
     opt = getattr(torchao.optim, LOW_BIT[name])(params.values(), **HYPER)
-    _low_bit_steps(opt, params, grads[:2])
-    state = {
-        n: {k: (opt.state[p][k].codes.clone(), opt.state[p][k].scale.clone()) for k in ("exp_avg", "exp_avg_sq")}
-        for n, p in params.items()
-    }
-    after_two = {n: p.detach().clone() for n, p in params.items()}
-    _low_bit_steps(opt, params, grads[2:3])
-    return {"state": state, "after_two": after_two, "final": {n: p.detach().clone() for n, p in params.items()}}
+    weights_after, state = [], {}
+    for step, grad in enumerate(grads, start=1):
+        _low_bit_steps(opt, params, [grad])
+        weights_after.append({n: p.detach().clone() for n, p in params.items()})
+        if step == 2:
+            keys = ("exp_avg", "exp_avg_sq")
+            state = {
+                n: {k: (opt.state[p][k].codes.clone(), opt.state[p][k].scale.clone()) for k in keys}
+                for n, p in params.items()
+            }
+    return {"state": state, "weights": weights_after}
 
 
 def test_low_bit_expert_state_steps_saves_in_place_and_resumes_bitwise_across_placements(pool2, pool4, tmp_path):
+    """4 ranks (Shard(1)) two steps and save; 2 ranks (Shard(0)) resume, a third step and save; 4 ranks
+    resume (rank 0 reading, sending each rank its column blocks) and a fourth: torchao's steps, bitwise."""
     hf = _hf()
     config, weights = hf.config.to_dict(), {k: v.detach().clone() for k, v in hf.state_dict().items()}
     gen = torch.Generator().manual_seed(3)
     grads = [
-        {n: torch.randn(w.shape, generator=gen) * 0.1 for n, w in weights.items() if ".experts." in n} for _ in range(3)
+        {n: torch.randn(w.shape, generator=gen) * 0.1 for n, w in weights.items() if ".experts." in n} for _ in range(4)
     ]
     refs = {name: _torchao_reference(config, weights, grads, name) for name in LOW_BIT}
-    saved = pool4.run_ok(_low_bit_train_save, config, weights, grads, str(tmp_path), timeout=200)
-    assert all(r["placement"] == 1 and r["straddling"]["kind"] == "Tensor" for r in saved)
-    errors = {r["straddling"]["error"] for r in saved}
-    assert len(errors) == 1 and "w.exp_avg: on ranks [0, 1, 2, 3]" in errors.pop()  # refused on every rank
+    dirs = [str(tmp_path / d) for d in "abc"]
+    start = {name: {n: weights[n] for n in grads[0]} for name in LOW_BIT}
+    first = pool4.run_ok(_low_bit_run, config, weights, start, grads[:2], "", dirs[0], True, timeout=200)
+    second = pool2.run_ok(
+        _low_bit_run, config, weights, _finals(first), grads[2:3], dirs[0], dirs[1], True, timeout=200
+    )
+    third = pool4.run_ok(
+        _low_bit_run, config, weights, _finals(second), grads[3:], dirs[1], dirs[2], False, timeout=200
+    )
+    assert [r["placement"] for r in (first[0], second[0], third[0])] == [1, 0, 1]
     for name, ref in refs.items():
-        assert all(r[name]["gathers"] == 0 and r[name]["kinds"] == {"OptimState" + name[5:]} for r in saved)
-        on_disk = safetensors.torch.load_file(tmp_path / name / "optimizer.safetensors")
-        full = saved[0][name]["full"]["state"]
+        for r in (*first, *second, *third):
+            assert r[name]["gathers"] == 0 and r[name]["kinds"] == {"OptimState" + name[5:]}, name
+        on_disk = safetensors.torch.load_file(tmp_path / "a" / name / "optimizer.safetensors")
+        full = first[0][name]["full"]["state"]
         for fqn, states in ref["state"].items():
             for key, (codes, scale) in states.items():
                 # the file and the gathered state hold torchao's unsharded codes and scales
@@ -281,9 +286,16 @@ def test_low_bit_expert_state_steps_saves_in_place_and_resumes_bitwise_across_pl
                 assert torch.equal(on_disk[f"{fqn}::{key}::scale"], scale), (name, fqn, key)
                 assert torch.equal(full[fqn][key].codes.view(-1), codes.view(-1))
                 assert torch.equal(full[fqn][key].scale, scale)
-    after_two = {name: ref["after_two"] for name, ref in refs.items()}
-    resumed = pool2.run_ok(_low_bit_resume, config, weights, after_two, grads[2], str(tmp_path), timeout=200)
-    assert all(r["placement"] == 0 for r in resumed)
-    for name, ref in refs.items():
-        assert resumed[0][name]["kinds"] == {"OptimState" + name[5:]}
-        assert all(torch.equal(resumed[0][name]["final"][n], w) for n, w in ref["final"].items()), name
+        for run, want in zip((first, second, third), ref["weights"][1:]):
+            assert all(torch.equal(run[0][name]["final"][n], w) for n, w in want.items()), name
+
+
+def _finals(runs: list[dict]) -> dict:
+    return {name: runs[0][name]["final"] for name in LOW_BIT}
+
+
+def test_low_bit_state_whose_blocks_straddle_experts_is_not_quantized_and_not_saved(pool4, tmp_path):
+    outcomes = pool4.run_ok(_straddling_blocks, str(tmp_path), timeout=120)
+    assert all(r["kind"] == "Tensor" for r in outcomes)
+    errors = {r["error"] for r in outcomes}
+    assert len(errors) == 1 and "w.exp_avg: on ranks [0, 1, 2, 3]" in errors.pop()  # refused on every rank
