@@ -74,13 +74,9 @@ def plan_optimizer(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) 
         for fqn, param in zip(fqns, group["params"]):
             for key, value in opt.state.get(param, {}).items():
                 spec = specs.get(f"{fqn}.{key}")
-                cut = quantized.misaligned(spec, layout_of(value, world)) if spec is not None else []
-                if spec is not None and cut:
-                    problems.append(
-                        f"{fqn}.{key}: on ranks {cut} this {spec.bits}-bit state's quantization blocks are not blocks "
-                        f"of the whole {list(value.shape)} state (experts split on dim 1 need whole blocks per expert); "
-                        "build the optimizer with shardtune.training.build_optimizer, which keeps such states unquantized"
-                    )
+                problem = quantized.straddling(f"{fqn}.{key}", spec, layout_of(value, world)) if spec else None
+                if problem is not None:
+                    problems.append(problem)
                 elif spec is not None:
                     items += _quantized_items(f"{fqn}{_SEP}{key}", value, spec, world)
                     packed.setdefault(fqn, {})[key] = {**dataclasses.asdict(spec), "shape": list(value.shape)}

@@ -126,7 +126,10 @@ def _gather_param_state(
     out: dict[str, Any] = {}
     for key, value in param_state.items():
         spec = specs.get(f"{fqn}.{key}")
-        if spec is not None:
+        problem = quantized.straddling(f"{fqn}.{key}", spec, layout_of(value, comm.world_size())) if spec else None
+        if problem is not None:  # the same on every rank (from the layout): none gathers it
+            errors.append(problem)
+        elif spec is not None:
             layout = layout_of(value, comm.world_size())
             parts = quantized.local_parts(value, spec, layout)
             full = {

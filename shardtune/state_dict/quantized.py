@@ -145,6 +145,19 @@ def misaligned(spec: QuantSpec, layout: TensorLayout) -> list[int]:
     return cut_blocks(layout, spec.block_size)
 
 
+def straddling(name: str, spec: QuantSpec, layout: TensorLayout) -> str | None:
+    """Why state ``name`` (quantized per rank, e.g. by torchao's own optimizer) cannot be saved or
+    gathered: on some ranks its blocks are not blocks of the whole state; None when they are."""
+    cut = misaligned(spec, layout)
+    if not cut:
+        return None
+    return (
+        f"{name}: on ranks {cut} this {spec.bits}-bit state's quantization blocks are not blocks of the whole "
+        f"{list(layout.shape)} state (experts split on dim 1 need whole blocks per expert); build the optimizer "
+        "with shardtune.training.build_optimizer, which keeps such states unquantized"
+    )
+
+
 def cut_blocks(layout: TensorLayout, block_size: int) -> list[int]:
     """The ranks whose quantization blocks of ``block_size`` values (of their local, flattened
     piece) would not be global blocks (see :func:`misaligned`)."""
