@@ -14,7 +14,6 @@ files and the weight files' headers, the weights' bytes go through a sink
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections.abc import Mapping
@@ -29,7 +28,7 @@ from shardtune.checkpoint.hf_load import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILE
 from shardtune.checkpoint.plans import Copied, SavePlan, SmallFile, save
 from shardtune.checkpoint.safetensors_io import parse_size
 from shardtune.checkpoint.sinks import StagedSink, resolve_sink
-from shardtune.checkpoint.writer import BlockFn, BlockTransform, FilePlan, Sink, WriteItem, plan_files
+from shardtune.checkpoint.writer import BlockFn, BlockTransform, FilePlan, Sink, WriteItem, plan_files, whole_items
 from shardtune.peft.adapters import merge_lora_weight
 from shardtune.peft.lora import LoRALinear
 from shardtune.peft.param_lora import ParamAdapter, adapted_modules, factor_paths, merge_block
@@ -37,7 +36,7 @@ from shardtune.state_dict import comm
 from shardtune.state_dict.agreement import model_signature
 from shardtune.state_dict.keys import ModelEntry, clean_fqn, model_entries
 from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor, unsupported_placement
-from shardtune.state_dict.parts import Part, part_layout, read_as_parts, stacked_parts, tiling_problem
+from shardtune.state_dict.parts import Part, part_layout, read_as_parts, tiling_problem
 
 __all__ = ["EXPERT_LAYOUTS", "HFSaveOptions", "LoRAMerge", "plan_hf_checkpoint", "save_hf_checkpoint"]
 
@@ -286,7 +285,7 @@ def _plan_items(
         if parts is not None and fqn != entry.fqn:
             continue  # the file tensors are named after the first name only
         if parts is None:
-            items += _whole_items(fqn, entry.tensor, out_dtype, layout, merges.get(fqn))
+            items += whole_items(fqn, entry.tensor, out_dtype, layout, merges.get(fqn))
             continue
         merge = merges.get(fqn)
         problem = tiling_problem(fqn, layout.shape, parts) or (
@@ -311,25 +310,6 @@ def _plan_items(
             for part in parts
         ]
     return items, problems
-
-
-def _whole_items(
-    fqn: str, tensor: torch.Tensor, dtype: torch.dtype, layout: TensorLayout, merge: BlockTransform | None
-) -> list[WriteItem]:
-    """A tensor written as itself: one item, or, when its pieces are not whole rows (fused experts
-    split on dim 1), one slice per index of dim 0, in which each piece is whole rows, so that
-    every rank still writes its own bytes in place."""
-    pieces_are_rows = not layout.is_sharded or all(p.is_row_range(layout.shape) for p in layout.owners())
-    if pieces_are_rows or merge is not None or len(layout.shape) < 3:
-        return [WriteItem(name=fqn, tensor=tensor, dtype=dtype, layout=layout, transform=merge)]
-    slices = stacked_parts(layout.shape, lambda i, _: fqn)
-    step = math.prod(layout.shape[1:]) * dtype.itemsize
-    return [
-        WriteItem(
-            fqn, tensor, dtype, part_layout(s, layout), part=s, source=layout, file_shape=layout.shape, within=i * step
-        )
-        for i, s in enumerate(slices)
-    ]
 
 
 def _written_parts(entry: ModelEntry, expert_layout: str) -> tuple[Part, ...] | None:

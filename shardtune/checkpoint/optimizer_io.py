@@ -2,14 +2,16 @@
 
 Rule: both are FQN keyed (``<param fqn>::<state key>``), so a checkpoint written on N ranks
 loads on M, and no rank gathers the state: on save the tensors go through the same sharded
-writer and sinks as model weights (:mod:`~shardtune.checkpoint.writer`), on load every rank
-reads only its own rows (without a shared filesystem rank 0 does the file I/O).
+writer and sinks as model weights (:mod:`~shardtune.checkpoint.writer`; experts split on dim 1
+as one slice per expert, each rank its rows of each), on load every rank reads only its own
+rows (without a shared filesystem rank 0 does the file I/O).
 
 A torchao quantized state (AdamW8bit/4bit) is stored as it is held, never dequantized: its
 codes and scales as ``<fqn>::<key>::codes`` and ``<fqn>::<key>::scale`` (the full tensors of
 :mod:`~shardtune.state_dict.quantized`), its bits, block size, signedness, code table and
-shape under ``"quantized"`` in ``optimizer.json``. Loading slices them for the current
-sharding; a world size that would cut a quantization block between ranks is refused.
+shape under ``"quantized"`` in ``optimizer.json``, the same files whatever the sharding.
+Loading slices them for the current sharding; a world size that would cut a quantization
+block between ranks (or, for experts split on dim 1, between experts) is refused.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from shardtune.checkpoint.errors import CheckpointError
 from shardtune.checkpoint.plans import SavePlan, SmallFile, save
 from shardtune.checkpoint.safetensors_io import SafetensorsFile
 from shardtune.checkpoint.sinks import resolve_sink
-from shardtune.checkpoint.writer import Sink, WriteItem, plan_files
+from shardtune.checkpoint.writer import Sink, WriteItem, plan_files, row_slices, whole_items
 from shardtune.state_dict import comm, load_from_full_optimizer_state_dict, quantized
 from shardtune.state_dict.layout import layout_of
 from shardtune.state_dict.optim import hyperparameters, param_group_fqns, state_tensors
@@ -64,6 +66,7 @@ def plan_optimizer(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) 
     groups = param_group_fqns(model, opt)
     specs = quantized.agree_on_specs(state_tensors(groups, opt), header=f"Cannot save the optimizer to {out_dir}:")
     items: list[WriteItem] = []
+    problems: list[str] = []
     scalars: dict[str, Any] = {}
     packed: dict[str, Any] = {}
     world = comm.world_size()
@@ -71,11 +74,14 @@ def plan_optimizer(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) 
         for fqn, param in zip(fqns, group["params"]):
             for key, value in opt.state.get(param, {}).items():
                 spec = specs.get(f"{fqn}.{key}")
-                if spec is not None:
+                problem = quantized.straddling(f"{fqn}.{key}", spec, layout_of(value, world)) if spec else None
+                if problem is not None:
+                    problems.append(problem)
+                elif spec is not None:
                     items += _quantized_items(f"{fqn}{_SEP}{key}", value, spec, world)
                     packed.setdefault(fqn, {})[key] = {**dataclasses.asdict(spec), "shape": list(value.shape)}
                 elif isinstance(value, torch.Tensor) and value.dim() > 0:
-                    items.append(WriteItem(f"{fqn}{_SEP}{key}", value, value.dtype, layout_of(value, world)))
+                    items += whole_items(f"{fqn}{_SEP}{key}", value, value.dtype, layout_of(value, world))
                 elif isinstance(value, torch.Tensor):
                     scalars.setdefault(fqn, {})[key] = {
                         "tensor": value.item(),
@@ -98,17 +104,30 @@ def plan_optimizer(model: nn.Module, opt: torch.optim.Optimizer, out_dir: Path) 
         what="optimizer state differs between ranks",
         fix="every rank must step the same model",
         small_files=[SmallFile(OPTIMIZER_META, json.dumps(meta, indent=1).encode())],
+        problems=problems,
     )
 
 
 def _quantized_items(name: str, value: torch.Tensor, spec: quantized.QuantSpec, world: int) -> list[WriteItem]:
-    """The codes and scales of a quantized state, as this rank holds them, for the writer."""
+    """The codes and scales of a quantized state, as this rank holds them, for the writer (seen
+    as rows when the state is split on dim 1: written flat, each rank its range of every row)."""
     layout = layout_of(value, world)
     parts = quantized.local_parts(value, spec, layout)
-    return [
-        WriteItem(f"{name}{_SEP}{part}", parts[part], parts[part].dtype, part_layout)
-        for part, part_layout in quantized.part_layouts(spec, layout).items()
-    ]
+    items = []
+    for part, part_layout in quantized.part_layouts(spec, layout).items():
+        local, file_shape = parts[part], _file_shape(spec, part, value)
+        if part_layout.shape == file_shape:
+            items += whole_items(f"{name}{_SEP}{part}", local, local.dtype, part_layout)
+        else:
+            items += row_slices(f"{name}{_SEP}{part}", local, local.dtype, part_layout, file_shape=file_shape)
+    return items
+
+
+def _file_shape(spec: quantized.QuantSpec, part: str, value: torch.Tensor) -> tuple[int, ...]:
+    """A quantized state's part as stored: 8-bit codes shaped like the state, the rest flat."""
+    if part == quantized.CODES and spec.bits == 8:
+        return tuple(value.shape)
+    return (value.numel() // (8 // spec.bits if part == quantized.CODES else spec.block_size),)
 
 
 def _encode(hyper: dict[str, Any]) -> dict[str, Any]:

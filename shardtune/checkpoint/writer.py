@@ -28,7 +28,7 @@ from shardtune.checkpoint.safetensors_io import build_header
 from shardtune.state_dict import comm, nf4
 from shardtune.state_dict.gather import gather_to_rank0
 from shardtune.state_dict.layout import Piece, TensorLayout, local_tensor
-from shardtune.state_dict.parts import Part, part_block
+from shardtune.state_dict.parts import Part, part_block, part_layout, stacked_parts
 
 BlockFn = Callable[[torch.Tensor, Piece], torch.Tensor]
 
@@ -115,6 +115,47 @@ def plan_files(
         size = len(header) + sum(it.nbytes for it in group)
         files.append(FilePlan(directory, name(i, len(groups)), header, offsets, size, group))
     return files
+
+
+def whole_items(
+    name: str, tensor: torch.Tensor, dtype: torch.dtype, layout: TensorLayout, transform: BlockTransform | None = None
+) -> list[WriteItem]:
+    """``tensor`` (global ``layout``) written as itself under ``name``: one item, or, when its
+    pieces are not whole rows (fused experts split on dim 1), :func:`row_slices`, in which each
+    piece is whole rows, so that every rank still writes its own bytes in place."""
+    pieces_are_rows = not layout.is_sharded or all(p.is_row_range(layout.shape) for p in layout.owners())
+    if pieces_are_rows or transform is not None or len(layout.shape) < 3:
+        return [WriteItem(name=name, tensor=tensor, dtype=dtype, layout=layout, transform=transform)]
+    return row_slices(name, tensor, dtype, layout)
+
+
+def row_slices(
+    name: str,
+    tensor: torch.Tensor,
+    dtype: torch.dtype,
+    layout: TensorLayout,
+    *,
+    file_shape: tuple[int, ...] | None = None,
+) -> list[WriteItem]:
+    """File tensor ``name`` written one slice per index of dim 0 of ``layout`` (``tensor`` is
+    this rank's block of it), each at its byte offset: a rank's piece of slice ``i`` is its
+    piece's row ``i``, so a piece that is whole on dim 0 (a split on dim 1) becomes one byte
+    range per slice, written in place. ``file_shape``: the file tensor's shape when it is not
+    ``layout``'s (the same bytes, e.g. flat)."""
+    step = math.prod(layout.shape[1:]) * dtype.itemsize
+    return [
+        WriteItem(
+            name,
+            tensor,
+            dtype,
+            part_layout(s, layout),
+            part=s,
+            source=layout,
+            file_shape=file_shape or layout.shape,
+            within=i * step,
+        )
+        for i, s in enumerate(stacked_parts(layout.shape, lambda i, _: name))
+    ]
 
 
 def plan_digest(files: list[FilePlan]) -> str:

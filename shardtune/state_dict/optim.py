@@ -126,7 +126,10 @@ def _gather_param_state(
     out: dict[str, Any] = {}
     for key, value in param_state.items():
         spec = specs.get(f"{fqn}.{key}")
-        if spec is not None:
+        problem = quantized.straddling(f"{fqn}.{key}", spec, layout_of(value, comm.world_size())) if spec else None
+        if problem is not None:  # the same on every rank (from the layout): none gathers it
+            errors.append(problem)
+        elif spec is not None:
             layout = layout_of(value, comm.world_size())
             parts = quantized.local_parts(value, spec, layout)
             full = {
@@ -377,7 +380,7 @@ def _load_quantized(
     parts = {}
     for name, part in quantized.part_layouts(spec, layout).items():
         dtype = torch.uint8 if name == quantized.CODES else torch.float32
-        value = getattr(packed, name) if packed is not None else None
+        value = quantized.as_rows(getattr(packed, name), part.shape) if packed is not None else None
         me = part.piece(comm.rank())
         if mode == RANK0:
             parts[name] = scatter_dense(

@@ -6,7 +6,11 @@ flattened tensor) plus a :class:`QuantSpec` (bits, block size, signedness, code 
 FSDP2 each rank holds whole rows and quantizes them on its own, so its blocks are global
 blocks: the full codes and scales are the shards' in rank order, and a rank's rows on any
 other sharding are exactly a slice of them when its first and last value fall on block
-boundaries. Moving a state between shardings slices; it never dequantizes, so it is exact.
+boundaries. Experts split on dim 1 (``Shard(1)`` of ``[E, F, D]``) hold, per expert, a row
+range of it: their blocks are global blocks when each expert's range is whole blocks, and the
+flat codes and scales are then seen as ``[E, F*D/divisor]`` (one row per expert), of which each
+rank holds a column block (:func:`part_layouts`, :func:`as_rows`). Moving a state between
+shardings slices; it never dequantizes, so it is exact.
 """
 
 from __future__ import annotations
@@ -95,43 +99,120 @@ def _flat(piece: Piece, full_shape: tuple[int, ...]) -> tuple[int, int]:
 
 
 def part_layouts(spec: QuantSpec, layout: TensorLayout) -> dict[str, TensorLayout]:
-    """The layouts of the codes and scales of a state of ``layout`` (pieces must be row ranges,
-    see :func:`misaligned`): 8-bit codes are shaped like the state, the rest is flat."""
-    numel = math.prod(layout.shape)
+    """The layouts of the codes and scales of a state of ``layout`` (see :func:`misaligned`):
+    8-bit codes are shaped like the state; the rest is flat, or, for pieces split on dim 1,
+    ``[shape[0], rest]`` (the flat values, one row per index of dim 0)."""
     per_byte = 8 // spec.bits
 
     def flat(divisor: int) -> TensorLayout:
+        if _split_on_dim1(layout):
+            return _rows_layout(layout, divisor)
         pieces = None
         if layout.pieces is not None:
             spans = [_flat(p, layout.shape) for p in layout.pieces]
             pieces = tuple(Piece(shape=(n // divisor,), offset=(start // divisor,)) for start, n in spans)
-        return TensorLayout(shape=(numel // divisor,), pieces=pieces)
+        return TensorLayout(shape=(math.prod(layout.shape) // divisor,), pieces=pieces)
 
     codes = layout if spec.bits == 8 else flat(per_byte)
     return {CODES: codes, SCALE: flat(spec.block_size)}
 
 
+def _split_on_dim1(layout: TensorLayout) -> bool:
+    """Pieces whole on every dim but dim 1, not all whole rows (e.g. experts on ``Shard(1)``)."""
+    shape = layout.shape
+    if layout.pieces is None or len(shape) < 2 or all(p.is_row_range(shape) for p in layout.pieces):
+        return False
+    return all((p.shape[0], *p.shape[2:]) == (shape[0], *shape[2:]) or not p.numel for p in layout.pieces)
+
+
+def _rows_layout(layout: TensorLayout, divisor: int) -> TensorLayout:
+    """The flat values of a dim-1 split ``layout`` over ``divisor`` as ``[shape[0], rest]``: each
+    rank's piece is its column block of every row."""
+    rows, inner = layout.shape[0], math.prod(layout.shape[2:])
+    width = math.prod(layout.shape[1:]) // divisor
+    pieces = tuple(
+        Piece(shape=(rows, p.shape[1] * inner // divisor), offset=(0, p.offset[1] * inner // divisor))
+        if p.numel
+        else Piece(shape=(rows, 0), offset=(0, 0))
+        for p in layout.pieces or ()
+    )
+    return TensorLayout(shape=(rows, width), pieces=pieces)
+
+
 def misaligned(spec: QuantSpec, layout: TensorLayout) -> list[int]:
-    """The ranks whose non-empty piece of ``layout`` is not whole blocks of whole rows (its
-    codes and scales would not be a slice of the full ones)."""
+    """The ranks whose non-empty piece of ``layout`` is not whole blocks (of whole rows, or, split
+    on dim 1, of each index of dim 0): its codes and scales would not be a slice of the full ones."""
+    return cut_blocks(layout, spec.block_size)
+
+
+def straddling(name: str, spec: QuantSpec, layout: TensorLayout) -> str | None:
+    """Why state ``name`` (quantized per rank, e.g. by torchao's own optimizer) cannot be saved or
+    gathered: on some ranks its blocks are not blocks of the whole state; None when they are."""
+    cut = misaligned(spec, layout)
+    if not cut:
+        return None
+    return (
+        f"{name}: on ranks {cut} this {spec.bits}-bit state's quantization blocks are not blocks of the whole "
+        f"{list(layout.shape)} state (experts split on dim 1 need whole blocks per expert); build the optimizer "
+        "with shardtune.training.build_optimizer, which keeps such states unquantized"
+    )
+
+
+def cut_blocks(layout: TensorLayout, block_size: int) -> list[int]:
+    """The ranks whose quantization blocks of ``block_size`` values (of their local, flattened
+    piece) would not be global blocks (see :func:`misaligned`)."""
     bad = []
+    split = _split_on_dim1(layout)
+    inner = math.prod(layout.shape[2:])
     for r, piece in enumerate(layout.pieces or ()):
         start, n = _flat(piece, layout.shape)
-        if n and (not piece.is_row_range(layout.shape) or start % spec.block_size or n % spec.block_size):
+        if split and piece.numel:  # each index of dim 0: its rows of the flat tensor
+            start, n = piece.offset[1] * inner, piece.shape[1] * inner
+        if n and ((not split and not piece.is_row_range(layout.shape)) or start % block_size or n % block_size):
             bad.append(r)
     return bad
+
+
+def as_rows(value: Any, shape: tuple[int, ...]) -> Any:
+    """A full part (a tensor, or a lazy flat slice) as ``shape`` (see :func:`part_layouts`); a
+    lazy one reads only the blocks asked for."""
+    if isinstance(value, torch.Tensor):
+        return value.view(shape)
+    if tuple(value.get_shape()) == tuple(shape):
+        return value
+    return _LazyRows(value, shape)
+
+
+class _LazyRows:
+    """A lazy flat tensor seen as ``[rows, width]``: a block is read as one range per row."""
+
+    def __init__(self, flat: Any, shape: tuple[int, ...]) -> None:
+        self.flat, self.shape = flat, shape
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self) -> Any:
+        return self.flat.get_dtype()
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        rows, cols = index if isinstance(index, tuple) else (index, slice(None))
+        width = self.shape[1]
+        lo, hi, _ = cols.indices(width)
+        return torch.stack([self.flat[r * width + lo : r * width + hi] for r in range(*rows.indices(self.shape[0]))])
 
 
 def local_parts(tensor: torch.Tensor, spec: QuantSpec, layout: TensorLayout) -> dict[str, torch.Tensor]:
     """This rank's codes and scales of a quantized state (empty tensors where its piece is empty)."""
     local = local_tensor(tensor)
+    me = comm.rank()
+    shapes = {name: part.piece(me).shape for name, part in part_layouts(spec, layout).items()}
     if local.numel():
         state: Any = local  # a torchao quantized state (untyped)
-        return {CODES: state.codes, SCALE: state.scale}
-    me = comm.rank()
+        return {CODES: state.codes.view(shapes[CODES]), SCALE: state.scale.view(shapes[SCALE])}
     return {
-        name: torch.empty(part.piece(me).shape, dtype=torch.uint8 if name == CODES else torch.float32)
-        for name, part in part_layouts(spec, layout).items()
+        name: torch.empty(shape, dtype=torch.uint8 if name == CODES else torch.float32)
+        for name, shape in shapes.items()
     }
 
 
@@ -143,8 +224,8 @@ def rebuild(spec: QuantSpec, shape: tuple[int, ...], codes: torch.Tensor, scale:
     qmap = torch.tensor(spec.qmap, dtype=torch.float32, device=codes.device)
     cls = _classes()[spec.bits]
     if spec.bits == 8:
-        return cls(codes.view(shape), scale, qmap, spec.signed)
-    return cls(codes.view(-1), scale, qmap, spec.signed, torch.Size(shape))
+        return cls(codes.view(shape), scale.view(-1), qmap, spec.signed)
+    return cls(codes.view(-1), scale.view(-1), qmap, spec.signed, torch.Size(shape))
 
 
 def as_quantized_state(value: Any) -> QuantizedState | None:

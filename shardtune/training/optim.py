@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from shardtune.choices import LR_SCHEDULES, OPTIMIZERS
-from shardtune.state_dict import comm
+from shardtune.state_dict import comm, quantized
 from shardtune.state_dict.layout import layout_of, local_tensor
 
 _MIN_QUANTIZED = 4096  # torchao (after bitsandbytes) keeps smaller tensors' state in full precision
@@ -69,12 +69,15 @@ def _low_bit_adamw(name: str) -> type[torch.optim.Optimizer]:
     class LowBitAdamW(base):  # type: ignore[misc, valid-type]  # a base chosen at run time from untyped torchao
         """torchao quantizes a state when this rank's shard has >= 4096 values in whole blocks,
         so ranks of one uneven param could differ; here every rank with a non-empty shard
-        quantizes when all of them qualify (empty shards stay plain)."""
+        quantizes when all of them qualify (empty shards stay plain) and its blocks are global
+        blocks (experts split on dim 1: each expert's rows whole blocks), so that the state can
+        be saved and resharded without dequantizing."""
 
         def _new_buffer(self, p: torch.Tensor, signed: bool):
-            pieces = layout_of(p, comm.world_size()).pieces
-            sizes = [piece.numel for piece in pieces if piece.numel] if pieces else [p.numel()]
-            if all(n >= _MIN_QUANTIZED and n % self.block_size == 0 for n in sizes):
+            layout = layout_of(p, comm.world_size())
+            sizes = [piece.numel for piece in layout.pieces if piece.numel] if layout.pieces else [p.numel()]
+            whole = all(n >= _MIN_QUANTIZED and n % self.block_size == 0 for n in sizes)
+            if whole and not quantized.cut_blocks(layout, self.block_size):
                 return super()._new_buffer(p, signed)  # every non-empty shard qualifies in torchao too
             out = torch.zeros_like(local_tensor(p))
             if isinstance(p, DTensor):
