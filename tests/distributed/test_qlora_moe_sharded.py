@@ -46,13 +46,14 @@ def _hf():
     return hf_moe_model("qwen3_moe", **WIDTH)
 
 
-def nf4_experts_reference(hf):
+def nf4_experts_reference(hf, block_size: int = 64, scaler_block_size: int = 256):
     """A copy of ``hf`` whose expert weights are torchao's NF4 of each expert's 2-D slice, dequantized."""
     ref = copy.deepcopy(hf)
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if name.endswith(EXPERTS):
-                p.copy_(torch.stack([to_nf4(p[e].contiguous()).get_original_weight() for e in range(p.shape[0])]))
+                nf4 = [to_nf4(p[e].contiguous(), block_size, scaler_block_size) for e in range(p.shape[0])]
+                p.copy_(torch.stack([q.get_original_weight() for q in nf4]))
     return ref
 
 
@@ -83,46 +84,47 @@ def _step(model, opt, tokens) -> None:
     opt.zero_grad()
 
 
-def _run(tmp: str, layout: str, shared_filesystem: bool, expected_logits: torch.Tensor) -> dict:
+def _run(tmp: str, layout: str, shared_filesystem: bool, expected_logits, reference, coef: float, full: bool) -> dict:
+    """Load ``layout`` into NF4 experts; the first-step loss and logits; with ``full`` also the saves and a resume."""
     from tests.unit.test_models_moe import _loss, batch
 
-    tmp_path = Path(tmp)
-    ref = nf4_experts_reference(_hf())
+    tmp_path, out = Path(tmp), Path(tmp) / f"out-{layout}"
     tokens, mask, labels = batch()
     with nccl_rules() as rules:
         model = _qlora(tmp_path / layout, shared_filesystem=shared_filesystem)
         load_peft_adapter(model, tmp_path / "peft", device="cpu")
         rules.host(model)
-        loss, _, logits = _loss(model, tokens, mask, labels, ref.config.router_aux_loss_coef)
-        out = tmp_path / f"out-{layout}"
-        save_peft_adapter(model, out / "adapter")
-        save_hf_checkpoint(model, out / "merged", expert_layout="fused")
+        loss, _, logits = _loss(model, tokens, mask, labels, coef)
+        if full:
+            save_peft_adapter(model, out / "adapter")
+            save_hf_checkpoint(model, out / "merged", expert_layout="fused")
     experts = model.model.layers[0].mlp.experts
     local = experts.gate_up_proj.to_local()
-    reference = ref.model.layers[0].mlp.experts.gate_up_proj.detach()
     mine = slice(dist.get_rank() * 4, dist.get_rank() * 4 + 4)
-    # resume: a step, adapter + optimizer saved, both loaded into a fresh model; the next steps agree bitwise
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    _step(model, opt, tokens)
-    save_peft_adapter(model, out / "step1")
-    save_optimizer(model, opt, out / "step1")
-    fresh = _qlora(tmp_path / layout, shared_filesystem=shared_filesystem)
-    load_peft_adapter(fresh, out / "step1", device="cpu")
-    fresh_opt = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-2)
-    load_optimizer(fresh, fresh_opt, out / "step1", device="cpu")
-    _step(model, opt, tokens)
-    _step(fresh, fresh_opt, tokens)
-    adapters = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    fresh_adapters = dict(fresh.named_parameters())
-    return {
+    result = {
         "loss": loss.item(),
         "logits": ((logits - expected_logits)[mask.bool()].abs().max() / expected_logits.abs().max()).item(),
         "type": type(local).__name__,
         "placement": tuple(experts.gate_up_proj.placements),
         "bits": torch.equal(local.get_original_weight(), reference[mine]),
         "frozen": not experts.gate_up_proj.requires_grad,
-        "resumed": all(torch.equal(p.to_local(), fresh_adapters[n].to_local()) for n, p in adapters),
     }
+    if full:  # resume: a step, adapter + optimizer saved, both loaded into a fresh model; the next steps agree
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        _step(model, opt, tokens)
+        save_peft_adapter(model, out / "step1")
+        save_optimizer(model, opt, out / "step1")
+        fresh = _qlora(tmp_path / layout, shared_filesystem=shared_filesystem)
+        load_peft_adapter(fresh, out / "step1", device="cpu")
+        fresh_opt = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-2)
+        load_optimizer(fresh, fresh_opt, out / "step1", device="cpu")
+        _step(model, opt, tokens)
+        _step(fresh, fresh_opt, tokens)
+        adapters = dict(fresh.named_parameters())
+        result["resumed"] = all(
+            torch.equal(p.to_local(), adapters[n].to_local()) for n, p in model.named_parameters() if p.requires_grad
+        )
+    return result
 
 
 def test_sharded_nf4_experts_equal_peft_over_torchao_nf4(pool2, tmp_path):
@@ -141,17 +143,38 @@ def test_sharded_nf4_experts_equal_peft_over_torchao_nf4(pool2, tmp_path):
     assert abs(unrounded.item() - expected.loss.item()) > 1e-3  # NF4 rounding of the experts shows in the loss
     theirs = load_file(tmp_path / "peft/adapter_model.safetensors")
     merged_reference = pm.merge_and_unload().state_dict()
-    for layout, shared in (("per_expert", True), ("fused", False)):
-        results = pool2.run_ok(_run, str(tmp_path), layout, shared, expected.logits, timeout=240)
-        for r in results:
+    reference = ref.model.layers[0].mlp.experts.gate_up_proj.detach()
+    coef = ref.config.router_aux_loss_coef
+    # per expert, every rank reading its own experts (and saving, resuming); fused, rank 0 sending them
+    for layout, shared, full in (("per_expert", True, True), ("fused", False, False)):
+        args = (str(tmp_path), layout, shared, expected.logits, reference, coef, full)
+        for r in pool2.run_ok(_run, *args, timeout=240):
             assert r["type"] == "NF4Experts" and r["placement"] == (Shard(0),) and r["frozen"], r
             assert r["bits"], r  # each rank's experts are torchao's NF4 of its own expert slices
             assert abs(r["loss"] - expected.loss.item()) < 1e-5, (layout, r)
             assert r["logits"] < 1e-5, (layout, r)
-            assert r["resumed"], r
-        ours = load_file(tmp_path / f"out-{layout}/adapter/adapter_model.safetensors")
-        assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], v) for k, v in theirs.items())
-        merged = load_file(tmp_path / f"out-{layout}/merged/model.safetensors")
-        assert sorted(merged) == sorted(merged_reference)
-        for key, value in merged_reference.items():
-            assert (merged[key] - value).abs().max() < 1e-6, (layout, key)
+            assert r.get("resumed", True), r
+    ours = load_file(tmp_path / "out-per_expert/adapter/adapter_model.safetensors")
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], v) for k, v in theirs.items())
+    merged = load_file(tmp_path / "out-per_expert/merged/model.safetensors")
+    assert sorted(merged) == sorted(merged_reference)
+    for key, value in merged_reference.items():
+        assert (merged[key] - value).abs().max() < 1e-6, key
+
+
+def _shard_nf4_experts(changes: dict) -> None:
+    from tests.unit.test_models_moe import moe_config
+
+    with torch.device("meta"):
+        model = from_hf_config(moe_config("mixtral", **changes).to_dict())
+        apply_lora(model, rank=RANK, alpha=ALPHA, target_modules=[], target_parameters=PARAMETERS, quantize_base=True)
+    shard_model(model, mesh=make_mesh())
+
+
+def test_nf4_experts_that_cannot_be_whole_per_rank_are_refused_on_every_rank(pool2):
+    # 5 experts on 2 ranks would be Shard(1): rows of every expert, cutting their NF4 blocks
+    outcomes = pool2.run(_shard_nf4_experts, {"num_local_experts": 5, "intermediate_size": 256}, timeout=60)
+    assert not any(o.ok for o in outcomes) and len({o.error for o in outcomes}) == 1, outcomes
+    error = outcomes[0].error
+    assert error.startswith("ValueError: model.layers.0.mlp.experts.gate_up_proj: NF4 experts"), error
+    assert "does not divide its 5 experts" in error and "quantize_base=false" in error, error
