@@ -80,3 +80,24 @@ def test_experts_nf4_cannot_quantize_are_refused_naming_the_parameter():
         apply_lora(
             ours_from(hf), rank=RANK, alpha=ALPHA, target_modules=[], target_parameters=PARAMETERS, quantize_base=True
         )
+
+
+def test_bundled_mixtral_qlora_config_holds_nf4_experts_for_mixtral_8x7b():
+    from shardtune.config import load_config
+    from shardtune.models.registry import build_model
+    from shardtune.recipes.registry import get_recipe
+
+    lora = load_config("mixtral/8x7B_qlora", schema=get_recipe("lora_finetune_distributed").schema).lora
+    model = build_model("mixtral_8x7b", device="meta")
+    apply_lora(
+        model,
+        rank=lora.rank,
+        alpha=lora.alpha,
+        dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        target_parameters=list(lora.target_parameters),
+        quantize_base=lora.quantize_base,
+    )
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts.gate_up_proj, NF4Experts) and isinstance(experts.down_proj, NF4Experts)
+    assert tuple(experts.gate_up_proj.shape) == (8, 2 * 14336, 4096)
