@@ -110,9 +110,12 @@ class _Adapted:
     adapters: dict[str, ParamAdapter]
     disabled: bool  # True: behave as the base module (a DPO reference pass)
 
-    def adapted(self, name: str) -> Tensor:
-        """The parameter as the forward uses it: dequantized when NF4, plus its update when adapted."""
-        weight = nf4.dequantize(cast(Tensor, getattr(self, name)))
+    def adapted(self, name: str, dtype: torch.dtype | None = None) -> Tensor:
+        """The parameter as the forward uses it: dequantized when NF4 (then cast to ``dtype``, the
+        activations', which FSDP2's mixed precision does not do for NF4), plus its update when adapted."""
+        weight = cast(Tensor, getattr(self, name))
+        if nf4.is_quantized(weight):
+            weight = nf4.dequantize(weight).to(dtype or weight.dtype)
         adapter = self.adapters.get(name)
         return weight if adapter is None or self.disabled else adapter.adapted(weight)
 
@@ -122,7 +125,7 @@ class LoRAExperts(Experts, _Adapted):
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         kernel = expert_kernel(x.device, x.dtype)
-        return kernel(x, counts, self.adapted("gate_up_proj"), self.adapted("down_proj"), self.act)
+        return kernel(x, counts, self.adapted("gate_up_proj", x.dtype), self.adapted("down_proj", x.dtype), self.act)
 
 
 class LoRARouter(Router, _Adapted):

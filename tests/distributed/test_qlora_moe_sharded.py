@@ -7,9 +7,10 @@ by ``to_nf4(W[e]).get_original_weight()``, with peft's LoRA on both expert weigh
 factor random, so the update is not zero). shardtune loads the *unrounded* HF checkpoint, in both layouts
 (per expert with every rank reading, fused with rank 0 sending), into NF4 experts on ``Shard(0)``: each
 rank's experts dequantize bit-equal to torchao's, the first-step loss (cross-entropy plus the
-load-balancing loss) and the logits equal the reference's; the adapter saved equals peft's file; the
-merged export (dequantized + merged) equals peft's ``merge_and_unload``; adapter and optimizer saved
-after a step and loaded into a fresh model continue bitwise. Under NCCL's rules."""
+load-balancing loss) and the logits equal the reference's; the gathered base is the NF4-rounded
+experts; the adapter saved equals peft's file; the merged export (dequantized + merged) equals peft's
+``merge_and_unload``; adapter and optimizer saved after a step and loaded into a fresh model continue
+bitwise. Under NCCL's rules."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from shardtune.checkpoint.optimizer_io import load_optimizer, save_optimizer
 from shardtune.distributed import make_mesh, shard_model
 from shardtune.models import from_hf_config
 from shardtune.peft import apply_lora
+from shardtune.training import gather_cpu_state_dict
 from tests.nccl_rules import nccl_rules
 
 pytestmark = pytest.mark.timeout(300)
@@ -98,6 +100,7 @@ def _run(tmp: str, layout: str, shared_filesystem: bool, expected_logits, refere
         if full:
             save_peft_adapter(model, out / "adapter")
             save_hf_checkpoint(model, out / "merged", expert_layout="fused")
+            gathered = gather_cpu_state_dict(model, dist.get_rank() == 0)
     experts = model.model.layers[0].mlp.experts
     local = experts.gate_up_proj.to_local()
     mine = slice(dist.get_rank() * 4, dist.get_rank() * 4 + 4)
@@ -109,6 +112,8 @@ def _run(tmp: str, layout: str, shared_filesystem: bool, expected_logits, refere
         "bits": torch.equal(local.get_original_weight(), reference[mine]),
         "frozen": not experts.gate_up_proj.requires_grad,
     }
+    if full and dist.get_rank() == 0:  # the gathered base: the NF4-rounded experts, dequantized
+        result["gathered"] = torch.equal(gathered["model.layers.0.mlp.experts.gate_up_proj"], reference)
     if full:  # resume: a step, adapter + optimizer saved, both loaded into a fresh model; the next steps agree
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         _step(model, opt, tokens)
@@ -146,14 +151,16 @@ def test_sharded_nf4_experts_equal_peft_over_torchao_nf4(pool2, tmp_path):
     reference = ref.model.layers[0].mlp.experts.gate_up_proj.detach()
     coef = ref.config.router_aux_loss_coef
     # per expert, every rank reading its own experts (and saving, resuming); fused, rank 0 sending them
+    outcomes = {}
     for layout, shared, full in (("per_expert", True, True), ("fused", False, False)):
         args = (str(tmp_path), layout, shared, expected.logits, reference, coef, full)
-        for r in pool2.run_ok(_run, *args, timeout=240):
+        outcomes[layout] = pool2.run_ok(_run, *args, timeout=240)
+        for r in outcomes[layout]:
             assert r["type"] == "NF4Experts" and r["placement"] == (Shard(0),) and r["frozen"], r
             assert r["bits"], r  # each rank's experts are torchao's NF4 of its own expert slices
             assert abs(r["loss"] - expected.loss.item()) < 1e-5, (layout, r)
             assert r["logits"] < 1e-5, (layout, r)
-            assert r.get("resumed", True), r
+    assert all(r["resumed"] for r in outcomes["per_expert"]) and outcomes["per_expert"][0]["gathered"]
     ours = load_file(tmp_path / "out-per_expert/adapter/adapter_model.safetensors")
     assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], v) for k, v in theirs.items())
     merged = load_file(tmp_path / "out-per_expert/merged/model.safetensors")

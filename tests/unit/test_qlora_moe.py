@@ -8,6 +8,8 @@ quantize per expert are refused naming the parameter. The sharded case: tests/di
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
@@ -84,20 +86,16 @@ def test_experts_nf4_cannot_quantize_are_refused_naming_the_parameter():
 
 def test_bundled_mixtral_qlora_config_holds_nf4_experts_for_mixtral_8x7b():
     from shardtune.config import load_config
+    from shardtune.models import get_model_args
     from shardtune.models.registry import build_model
     from shardtune.recipes.registry import get_recipe
 
     lora = load_config("mixtral/8x7B_qlora", schema=get_recipe("lora_finetune_distributed").schema).lora
-    model = build_model("mixtral_8x7b", device="meta")
-    apply_lora(
-        model,
-        rank=lora.rank,
-        alpha=lora.alpha,
-        dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
-        target_parameters=list(lora.target_parameters),
-        quantize_base=lora.quantize_base,
-    )
+    args = get_model_args("mixtral_8x7b")
+    one_layer = dataclasses.replace(args, n_layers=1, layer_types=args.layer_types[:1])  # every layer's shapes
+    model = build_model(one_layer, device="meta")
+    options = {key: getattr(lora, key) for key in ("rank", "alpha", "dropout", "quantize_base")}
+    apply_lora(model, **options, target_modules=lora.target_modules, target_parameters=lora.target_parameters)
     experts = model.model.layers[0].mlp.experts
     assert isinstance(experts.gate_up_proj, NF4Experts) and isinstance(experts.down_proj, NF4Experts)
     assert tuple(experts.gate_up_proj.shape) == (8, 2 * 14336, 4096)
