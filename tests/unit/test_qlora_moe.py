@@ -99,3 +99,24 @@ def test_bundled_mixtral_qlora_config_holds_nf4_experts_for_mixtral_8x7b():
     experts = model.model.layers[0].mlp.experts
     assert isinstance(experts.gate_up_proj, NF4Experts) and isinstance(experts.down_proj, NF4Experts)
     assert tuple(experts.gate_up_proj.shape) == (8, 2 * 14336, 4096)
+
+
+def test_nf4_experts_run_in_the_activations_dtype():
+    """FSDP2's mixed precision casts plain params to bf16 but leaves NF4 experts in their own dtype (fp32)."""
+    model = apply_lora(
+        ours_from(hf_moe_model("qwen3_moe", moe_intermediate_size=128)),
+        rank=RANK,
+        alpha=ALPHA,
+        target_modules=[],
+        target_parameters=PARAMETERS,
+        quantize_base=True,
+        **BLOCKS,
+    )
+    experts = model.model.layers[0].mlp.experts
+    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(2))
+    counts = torch.tensor([3, 0, 2, 1, 1, 2, 0, 3])
+    with torch.no_grad():
+        full = experts(x, counts)
+        half = experts(x.bfloat16(), counts)
+    assert half.dtype == torch.bfloat16
+    assert (half.float() - full).abs().max() < 2e-2 * full.abs().max()
