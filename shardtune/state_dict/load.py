@@ -68,7 +68,7 @@ def load_from_full_model_state_dict(
         like = local_tensor(item.entry.tensor)
         if nf4.is_nf4_experts(like):
             new_local = _quantized_experts(item.key, like, new_local, moves)
-        if local_tensor(item.entry.tensor).is_meta:
+        if like.is_meta:
             # Replacing a meta tensor frees nothing, so it can wait: swapped in one pass after
             # the reads it is cheaper (each multi-MiB read evicts the interpreter's data from
             # the CPU caches; BENCHMARKS.md, "One-off measurements"). Others are installed now, so the
