@@ -10,7 +10,7 @@ rank's experts dequantize bit-equal to torchao's, the first-step loss (cross-ent
 load-balancing loss) and the logits equal the reference's; the gathered base is the NF4-rounded
 experts; the adapter saved equals peft's file; the merged export (dequantized + merged) equals peft's
 ``merge_and_unload``; adapter and optimizer saved after a step and loaded into a fresh model continue
-bitwise. Under NCCL's rules."""
+bitwise; on a 2x2 HSDP mesh the logits equal the reference's too. Under NCCL's rules."""
 
 from __future__ import annotations
 
@@ -70,11 +70,11 @@ def _peft(ref):
     return pm
 
 
-def _qlora(hf_dir: Path, *, shared_filesystem: bool):
+def _qlora(hf_dir: Path, *, shared_filesystem: bool, replicate: int = 1):
     with torch.device("meta"):
         model = from_hf_config(hf_dir / "config.json")
         apply_lora(model, rank=RANK, alpha=ALPHA, target_modules=[], target_parameters=PARAMETERS, quantize_base=True)
-    shard_model(model, mesh=make_mesh())
+    shard_model(model, mesh=make_mesh(replicate=replicate))
     load_hf_checkpoint(model, hf_dir, device="cpu", shared_filesystem=shared_filesystem)
     model.init_buffers("cpu")
     return model
@@ -167,6 +167,33 @@ def test_sharded_nf4_experts_equal_peft_over_torchao_nf4(pool2, tmp_path):
     assert sorted(merged) == sorted(merged_reference)
     for key, value in merged_reference.items():
         assert (merged[key] - value).abs().max() < 1e-6, key
+
+
+def _hsdp_logits(tmp: str, expected_logits) -> float:
+    from tests.unit.test_models_moe import batch
+
+    tokens, mask, _ = batch()
+    with nccl_rules() as rules:
+        model = _qlora(Path(tmp) / "per_expert", shared_filesystem=True, replicate=2)
+        load_peft_adapter(model, Path(tmp) / "peft", device="cpu")
+        rules.host(model)
+        with torch.no_grad():
+            logits = model(tokens)
+    return ((logits - expected_logits)[mask.bool()].abs().max() / expected_logits.abs().max()).item()
+
+
+def test_nf4_experts_on_an_hsdp_mesh_equal_peft_over_torchao_nf4(pool4, tmp_path):
+    """2 replicas of 2 shards: each shard group holds the experts whole per rank, as on a 1-D mesh."""
+    from tests.unit.test_models_moe import batch
+
+    hf = _hf()
+    hf.save_pretrained(tmp_path / "per_expert")
+    pm = _peft(nf4_experts_reference(hf))
+    pm.save_pretrained(tmp_path / "peft")
+    tokens, mask, _ = batch()
+    with torch.no_grad():
+        expected = pm(tokens, attention_mask=mask).logits
+    assert all(r < 1e-5 for r in pool4.run_ok(_hsdp_logits, str(tmp_path), expected, timeout=240))
 
 
 def _shard_nf4_experts(changes: dict) -> None:
