@@ -47,19 +47,16 @@ def test_each_expert_is_torchaos_nf4_of_its_slice_and_pieces_keep_their_bits(dty
         q + 1
 
 
+def _qlora_moe(hf):
+    kw = {"rank": RANK, "alpha": ALPHA, "target_modules": [], "target_parameters": PARAMETERS}
+    return apply_lora(ours_from(hf), **kw, quantize_base=True, **BLOCKS)
+
+
 def test_qlora_experts_logits_and_merge_equal_peft_over_nf4_experts():
     hf = hf_moe_model("qwen3_moe", moe_intermediate_size=128)
     ref = nf4_experts_reference(hf, **BLOCKS)
     pm = _peft(ref)
-    model = apply_lora(
-        ours_from(hf),
-        rank=RANK,
-        alpha=ALPHA,
-        target_modules=[],
-        target_parameters=PARAMETERS,
-        quantize_base=True,
-        **BLOCKS,
-    )
+    model = _qlora_moe(hf)
     experts = model.model.layers[0].mlp.experts
     assert isinstance(experts.gate_up_proj, NF4Experts) and isinstance(experts.down_proj, NF4Experts)
     assert type(model.model.layers[0].mlp.gate.weight) is torch.nn.Parameter  # the router stays as it is
@@ -103,15 +100,7 @@ def test_bundled_mixtral_qlora_config_holds_nf4_experts_for_mixtral_8x7b():
 
 def test_nf4_experts_run_in_the_activations_dtype():
     """FSDP2's mixed precision casts plain params to bf16 but leaves NF4 experts in their own dtype (fp32)."""
-    model = apply_lora(
-        ours_from(hf_moe_model("qwen3_moe", moe_intermediate_size=128)),
-        rank=RANK,
-        alpha=ALPHA,
-        target_modules=[],
-        target_parameters=PARAMETERS,
-        quantize_base=True,
-        **BLOCKS,
-    )
+    model = _qlora_moe(hf_moe_model("qwen3_moe", moe_intermediate_size=128))
     experts = model.model.layers[0].mlp.experts
     x = torch.randn(12, 64, generator=torch.Generator().manual_seed(2))
     counts = torch.tensor([3, 0, 2, 1, 1, 2, 0, 3])
