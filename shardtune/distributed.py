@@ -17,7 +17,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from shardtune.activation_checkpointing import checkpointed
 from shardtune.launch_checks import check_launch
 from shardtune.models.moe import expert_shard_placement
-from shardtune.state_dict.nf4 import is_nf4
+from shardtune.state_dict.nf4 import is_nf4_experts, is_quantized
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,25 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise ValueError(f"{type(model).__name__} has no ModuleList at model.layers or layers to shard per block")
 
 
+def _check_nf4_experts(model: nn.Module, shard_ranks: int, *, cpu_offload: bool) -> None:
+    """Refuse NF4 experts FSDP2 cannot hold: each rank must hold whole experts (``Shard(0)``; the
+    experts' second dim would cut their NF4 blocks), and they are not offloaded to the CPU."""
+    for name, p in model.named_parameters():
+        if not is_nf4_experts(p):
+            continue
+        if p.shape[0] % shard_ranks:
+            raise ValueError(
+                f"{name}: NF4 experts are sharded on the expert dim only, and a shard group of {shard_ranks} ranks "
+                f"does not divide its {p.shape[0]} experts; use a world size (or data_parallel_replicate) whose "
+                "shard group divides the number of experts, or set lora.quantize_base=false"
+            )
+        if cpu_offload:
+            raise ValueError(
+                f"{name}: fsdp_cpu_offload is not supported with NF4 experts (lora.quantize_base with "
+                "lora.target_parameters); set fsdp_cpu_offload=false or lora.quantize_base=false"
+            )
+
+
 def shard_model(
     model: nn.Module,
     *,
@@ -128,6 +147,8 @@ def shard_model(
     On a mesh whose shard dimension has one rank, NF4 params stay plain (FSDP2 ignores them):
     FSDP2 then skips its all-gather and rebuilds each param from the first all-gather input
     alone, which loses the NF4 scalers (torchao's ``fsdp_post_all_gather`` needs all three).
+    NF4 experts (QLoRA on experts) need whole experts per rank: a shard dimension that does not
+    divide the number of experts is refused naming the parameter, as is CPU offload for them.
     They are frozen, so FSDP has nothing to reduce for them.
 
     Mixture-of-experts layers shard their experts on the expert dim when the shard dimension's
@@ -140,9 +161,10 @@ def shard_model(
         raise ValueError(
             "compile is not supported for mixture-of-experts models (qwen3_moe, mixtral) yet; set compile: false"
         )
+    _check_nf4_experts(model, mesh.size(mesh.ndim - 1), cpu_offload=cpu_offload)
     options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mesh.size(mesh.ndim - 1) == 1:
-        options["ignored_params"] = {p for p in model.parameters() if is_nf4(p)}
+        options["ignored_params"] = {p for p in model.parameters() if is_quantized(p)}
     if cpu_offload:
         # Pinned host memory needs an accelerator; on a CPU mesh (gloo tests) the shards are plain CPU tensors.
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")

@@ -7,7 +7,8 @@ torchao ``NF4Tensor`` Parameter (QLoRA). Everything works on the meta device. Ta
 PEFT's module names for every family (``qkv_proj``/``gate_up_proj`` for Phi-3); Llama names given
 for a family with fused projections wrap the fused module that holds them. ``target_parameters``
 (PEFT's name) adapts mixture-of-experts parameters instead, in PEFT's format:
-:mod:`shardtune.peft.param_lora`.
+:mod:`shardtune.peft.param_lora`; with ``quantize_base`` the targeted experts are NF4, one
+quantization per expert (the router stays as it is).
 """
 
 from __future__ import annotations
@@ -24,9 +25,18 @@ from torch import Tensor, nn
 from shardtune.choices import LORA_TARGET_PARAMETERS, LORA_TARGETS
 from shardtune.models.args import ModelArgs
 from shardtune.models.families import get_family
+from shardtune.models.moe import Experts
 from shardtune.peft import nf4
 from shardtune.peft.adapters import is_adapter_key, merge_lora_weight, peft_adapter_config
-from shardtune.peft.param_lora import LoRAExperts, LoRARouter, adapt_parameters, adapted_modules, unadapt
+from shardtune.peft.param_lora import (
+    LoRAExperts,
+    LoRARouter,
+    adapt_parameters,
+    adapted_modules,
+    check_expert_shapes,
+    quantize_expert_weights,
+    unadapt,
+)
 
 __all__ = [
     "LORA_TARGETS",
@@ -69,11 +79,6 @@ class LoRAConfig:
         if not self.target_modules and not self.target_parameters:
             raise ValueError(
                 f"LoRA target_modules and target_parameters are both empty; choose modules from {list(LORA_TARGETS)}"
-            )
-        if self.target_parameters and self.quantize_base:
-            raise ValueError(
-                "LoRA quantize_base (QLoRA) with target_parameters is not supported: NF4 experts are not implemented; "
-                "set quantize_base=false or drop target_parameters"
             )
         if self.target_parameters and self.dropout:
             raise ValueError(
@@ -300,7 +305,9 @@ def apply_lora(
     are). Works on a meta-device model: adapters are then initialized after materialization
     with ``init_lora_parameters``. Names are resolved per family by ``resolve_targets``, and
     ``model.lora_config`` (which this sets) records the resolved ones. ``target_parameters`` adapts
-    the named mixture-of-experts parameters (PEFT's ``target_parameters``; no dropout, no NF4 base).
+    the named mixture-of-experts parameters (PEFT's ``target_parameters``; no dropout); with
+    ``quantize_base`` the targeted expert weights become NF4 experts (one NF4 per expert, see
+    :mod:`shardtune.state_dict.nf4_experts`), while a targeted router stays in its dtype.
     """
     requested = LoRAConfig(
         rank=rank,
@@ -331,6 +338,16 @@ def apply_lora(
     if config.target_modules and not targets:
         raise ValueError(f"no nn.Linear named any of {config.target_modules} found in the model")
     param_targets = _parameter_targets(model, config.target_parameters)
+    if quantize_base:  # every shape checked before anything is quantized
+        module_names = {id(m): n for n, m in model.named_modules()}
+        for target, names in param_targets:
+            check_expert_shapes(
+                target,
+                names,
+                prefix=module_names[id(target)],
+                block_size=block_size,
+                scaler_block_size=scaler_block_size,
+            )
     for name, linear in targets:
         if quantize_base and id(linear.weight) in shared:
             raise ValueError(
@@ -350,6 +367,8 @@ def apply_lora(
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, lora)
     for module, names in param_targets:
+        if quantize_base and isinstance(module, Experts):
+            quantize_expert_weights(module, names, block_size=block_size, scaler_block_size=scaler_block_size)
         adapt_parameters(module, names, rank=rank, alpha=alpha)
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter_key(name))

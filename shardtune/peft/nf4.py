@@ -10,9 +10,9 @@ import math
 
 from torch import Tensor
 
-from shardtune.state_dict.nf4 import dequantize
+from shardtune.state_dict.nf4 import dequantize, is_quantized
 
-__all__ = ["check_nf4_shape", "dequantize", "linear_nf4", "to_nf4"]
+__all__ = ["check_nf4_shape", "dequantize", "is_quantized", "linear_nf4", "to_nf4"]
 
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_SCALER_BLOCK_SIZE = 256

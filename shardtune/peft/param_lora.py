@@ -15,6 +15,10 @@ previous one, so with both expert weights targeted ``gate_up_proj``'s adapter is
 registers its factors at those paths. The base parameters keep their HF names. FSDP2 shards the
 adapters with its default ``Shard(0)`` (rows of these tensors, whatever the experts' placement),
 so each rank writes whole rows of PEFT's tensors in place and no strided column is ever written.
+
+QLoRA (``quantize_base``) stores the targeted expert weights as NF4 experts
+(:mod:`shardtune.state_dict.nf4_experts`: one torchao NF4 per expert's 2-D slice); the forward
+dequantizes the gathered experts to their dtype and adds the update as above.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from torch import Tensor, nn
 from shardtune.choices import LORA_TARGET_PARAMETERS
 from shardtune.models.moe import Experts, Router
 from shardtune.models.moe_kernels import expert_kernel
+from shardtune.peft import nf4
+from shardtune.state_dict.nf4_experts import nf4_experts_shape_problem, quantize_experts
 
 __all__ = [
     "LORA_TARGET_PARAMETERS",
@@ -37,8 +43,10 @@ __all__ = [
     "ParamAdapter",
     "adapt_parameters",
     "adapted_modules",
+    "check_expert_shapes",
     "factor_paths",
     "merge_block",
+    "quantize_expert_weights",
     "unadapt",
 ]
 
@@ -102,8 +110,12 @@ class _Adapted:
     adapters: dict[str, ParamAdapter]
     disabled: bool  # True: behave as the base module (a DPO reference pass)
 
-    def adapted(self, name: str) -> Tensor:
+    def adapted(self, name: str, dtype: torch.dtype | None = None) -> Tensor:
+        """The parameter as the forward uses it: dequantized when NF4 (then cast to ``dtype``, the
+        activations', which FSDP2's mixed precision does not do for NF4), plus its update when adapted."""
         weight = cast(Tensor, getattr(self, name))
+        if nf4.is_quantized(weight):
+            weight = nf4.dequantize(weight).to(dtype or weight.dtype)
         adapter = self.adapters.get(name)
         return weight if adapter is None or self.disabled else adapter.adapted(weight)
 
@@ -113,7 +125,7 @@ class LoRAExperts(Experts, _Adapted):
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         kernel = expert_kernel(x.device, x.dtype)
-        return kernel(x, counts, self.adapted("gate_up_proj"), self.adapted("down_proj"), self.act)
+        return kernel(x, counts, self.adapted("gate_up_proj", x.dtype), self.adapted("down_proj", x.dtype), self.act)
 
 
 class LoRARouter(Router, _Adapted):
@@ -161,6 +173,32 @@ def adapt_parameters(module: nn.Module, names: list[str], *, rank: int, alpha: f
             adapter.reset_parameters()
 
 
+_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def check_expert_shapes(
+    module: nn.Module, names: list[str], *, prefix: str, block_size: int, scaler_block_size: int
+) -> None:
+    """Raise a ``ValueError`` naming the parameter when one of ``module``'s expert weights ``names``
+    cannot be NF4-quantized per expert with these block sizes."""
+    for name in (n for n in names if n in _EXPERT_WEIGHTS):
+        shape = tuple(getattr(module, name).shape)
+        problem = nf4_experts_shape_problem(
+            f"{prefix}.{name}", shape, block_size=block_size, scaler_block_size=scaler_block_size
+        )
+        if problem is not None:
+            raise ValueError(problem)
+
+
+def quantize_expert_weights(module: nn.Module, names: list[str], *, block_size: int, scaler_block_size: int) -> None:
+    """Replace ``module``'s expert weights ``names`` by frozen NF4 experts, one NF4 per expert (QLoRA);
+    on the meta device only their shapes (a load quantizes each rank's experts)."""
+    for name in (n for n in names if n in _EXPERT_WEIGHTS):
+        weight = cast(Tensor, getattr(module, name)).detach()
+        quantized = quantize_experts(weight, block_size=block_size, scaler_block_size=scaler_block_size)
+        setattr(module, name, nn.Parameter(quantized, requires_grad=False))
+
+
 def factor_paths(module: nn.Module) -> dict[str, tuple[str, ParamAdapter]]:
     """``{parameter name: (path of its factors relative to the module, adapter)}``: ``""`` for the last
     adapted parameter, ``"base_layer."`` for the one before it, and so on (PEFT's nesting)."""
@@ -178,9 +216,9 @@ def unadapt(module: nn.Module) -> None:
     """Fold ``module``'s adapters into its parameters and make it its base class again (in place)."""
     adapted = cast(_Adapted, module)
     for name, adapter in adapted.adapters.items():
-        weight = cast(Tensor, getattr(module, name))
+        weight = nf4.dequantize(cast(Tensor, getattr(module, name)).detach())
         merged = merge_block(
-            weight.detach(),
+            weight,
             tuple(slice(None) for _ in weight.shape),
             adapter,
             adapter.lora_A.weight.detach(),

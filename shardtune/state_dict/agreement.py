@@ -19,6 +19,7 @@ from shardtune.state_dict import comm, nf4
 from shardtune.state_dict.keys import ModelEntry
 from shardtune.state_dict.layout import TensorLayout, layout_of, local_tensor, unsupported_placement
 from shardtune.state_dict.lazy import is_lazy, lazy_dtype
+from shardtune.state_dict.nf4_experts import nf4_experts_layout_problem
 from shardtune.state_dict.parts import Part, tiling_problem
 
 # How a full state dict was passed, as agreed by agree_on_mode.
@@ -215,6 +216,8 @@ def _match_key(entry: ModelEntry, key: str, desc: tuple, world: int) -> tuple[Lo
     local = local_tensor(entry.tensor)
     if nf4.is_nf4(local):
         problem = nf4.nf4_layout_problem(key, item.layout, *nf4.block_sizes(local))
+    elif nf4.is_nf4_experts(local):
+        problem = nf4_experts_layout_problem(key, item.layout)
     return (None, problem) if problem is not None else (item, None)
 
 
@@ -247,9 +250,12 @@ def _match_parts(entry: ModelEntry, desc: dict, world: int) -> tuple[LoadItem | 
     if problem is not None:
         return None, problem
     try:
-        return LoadItem(entry=entry, key=key, layout=layout_of(entry.tensor, world), parts=parts), None
+        item = LoadItem(entry=entry, key=key, layout=layout_of(entry.tensor, world), parts=parts)
     except ValueError as exc:
         return None, f"{key}: {exc}"
+    if nf4.is_nf4_experts(local_tensor(entry.tensor)):
+        problem = nf4_experts_layout_problem(key, item.layout)
+    return (None, problem) if problem is not None else (item, None)
 
 
 def _number_kind_problems(entries: list[ModelEntry], full_sd: Mapping[str, Any]) -> list[str]:

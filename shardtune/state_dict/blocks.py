@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 
 
 def read_block(value: Any, slices: tuple[slice, ...]) -> torch.Tensor:
-    """The block ``slices`` of a full value (tensor, NF4 tensor, or lazy slice object)."""
-    if nf4.is_nf4(value):
+    """The block ``slices`` of a full value (tensor, NF4 tensor or experts, or lazy slice object)."""
+    if nf4.is_quantized(value):
         value = nf4.dequantize(value)
     if not slices:  # 0-dim
         return value if isinstance(value, torch.Tensor) else value[...]
@@ -171,7 +171,7 @@ def scatter_dense(
 def _view_to_send(value: Any, piece: Piece, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """``piece`` of an in-memory ``value`` when it already is a contiguous tensor in ``dtype`` on
     the transfer ``device`` (sent without a copy); None when it must be staged."""
-    if isinstance(value, torch.Tensor) and not nf4.is_nf4(value):
+    if isinstance(value, torch.Tensor) and not nf4.is_quantized(value):
         view = value[piece.slices]
         if view.is_contiguous() and view.dtype == dtype and comm.on_transfer_device(view, device):
             return view

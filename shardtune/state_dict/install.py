@@ -19,7 +19,7 @@ from shardtune.state_dict.layout import local_tensor
 
 def fillable(local: torch.Tensor | None, *, device: torch.device) -> torch.Tensor | None:
     """``local`` when new values can be written straight into it (materialized, contiguous, on ``device``)."""
-    if local is None or local.is_meta or nf4.is_nf4(local) or not local.is_contiguous() or local.device != device:
+    if local is None or local.is_meta or nf4.is_quantized(local) or not local.is_contiguous() or local.device != device:
         return None
     return local
 
@@ -28,7 +28,7 @@ def install(entry: ModelEntry, new_local: torch.Tensor | None) -> None:
     """Put ``new_local`` into the model, keeping the Parameter objects the caller holds.
 
     Materialized tensors of the same shape/dtype/device are filled in place. Otherwise
-    (meta, NF4, another dtype or device) the new tensor is swapped into the existing
+    (meta, NF4 or NF4 experts, another dtype or device) the new tensor is swapped into the existing
     Parameter object, so an optimizer created before the load still holds the model's
     params and tied weights stay tied; assignment is the fallback when a swap is refused.
     ``None`` (a failed read) and the param's own storage (already written in place) are no-ops.
@@ -64,8 +64,8 @@ def install(entry: ModelEntry, new_local: torch.Tensor | None) -> None:
 def _can_fill_in_place(current: torch.Tensor, new_local: torch.Tensor) -> bool:
     return (
         not current.is_meta
-        and not nf4.is_nf4(current)
-        and not nf4.is_nf4(new_local)
+        and not nf4.is_quantized(current)
+        and not nf4.is_quantized(new_local)
         and current.shape == new_local.shape
         and current.dtype == new_local.dtype
         and current.device == new_local.device
@@ -78,12 +78,12 @@ def materialize_meta(model: nn.Module, device: torch.device | str) -> list[str]:
 
     Local to each rank (no collectives). The storage is swapped into the existing Parameter
     objects, as a load does, for readers that fill tensors in place (e.g. DCP). NF4 params
-    are skipped (they need values to be quantized). Returns the names materialized.
+    (NF4 experts too) are skipped (they need values to be quantized). Returns the names materialized.
     """
     done = []
     for entry in model_entries(model):
         local = local_tensor(entry.tensor)
-        if local.is_meta and not nf4.is_nf4(local):
+        if local.is_meta and not nf4.is_quantized(local):
             install(entry, torch.empty(local.shape, dtype=local.dtype, device=device))
             done.extend(entry.fqns)
     return done

@@ -6,7 +6,8 @@ Two ways to receive the full state dict, agreed on by all ranks up front
 * every rank passes a full mapping (possibly lazy, e.g. safetensors slices): each rank reads
   and casts only its own piece; no weights cross the network;
 * rank 0 passes it and the others pass ``{}``: rank 0 reads each tensor once and scatters to
-  every rank only that rank's piece (NF4 pieces are quantized once and sent packed).
+  every rank only that rank's piece (NF4 pieces are quantized once and sent packed; NF4
+  experts are received plain and quantized by the rank holding them, expert by expert).
 
 Validation (keys, shapes, NF4 layout, model structure) happens before any data moves and
 raises the same error on every rank; the pieces come from :mod:`~shardtune.state_dict.blocks`
@@ -30,6 +31,7 @@ from shardtune.state_dict.faults import fault_point
 from shardtune.state_dict.install import fillable, install
 from shardtune.state_dict.keys import model_entries
 from shardtune.state_dict.layout import TensorLayout, local_tensor
+from shardtune.state_dict.nf4_experts import NF4Experts, quantize_experts
 from shardtune.state_dict.parts import note_read_form, part_layout, part_piece
 
 
@@ -63,7 +65,10 @@ def load_from_full_model_state_dict(
             new_local = _my_parts(item, full_sd, moves)
         else:
             new_local = _my_piece(item, full_sd[item.key] if full_sd else None, moves)
-        if local_tensor(item.entry.tensor).is_meta:
+        like = local_tensor(item.entry.tensor)
+        if nf4.is_nf4_experts(like):
+            new_local = _quantized_experts(item.key, like, new_local, moves)
+        if like.is_meta:
             # Replacing a meta tensor frees nothing, so it can wait: swapped in one pass after
             # the reads it is cheaper (each multi-MiB read evicts the interpreter's data from
             # the CPU caches; BENCHMARKS.md, "One-off measurements"). Others are installed now, so the
@@ -111,6 +116,16 @@ def _my_piece(item: LoadItem, value: Any, moves: _Moves) -> torch.Tensor | None:
         )
     into = fillable(like, device=moves.device)
     return _dense_block(item.layout, value, item.key, like.dtype, into, moves)
+
+
+def _quantized_experts(key: str, like: NF4Experts, plain: torch.Tensor | None, moves: _Moves) -> torch.Tensor | None:
+    """This rank's NF4 experts (block sizes of ``like``), quantized from its plain block: its experts are
+    whole (``Shard(0)``) and each is quantized on its own, so no other rank is needed. None when the
+    block was not read."""
+    with moves.problems.guard(key):
+        if plain is not None:
+            return quantize_experts(plain, block_size=like.block_size, scaler_block_size=like.scaler_block_size)
+    return None
 
 
 def _my_parts(item: LoadItem, full_sd: Mapping[str, Any], moves: _Moves) -> torch.Tensor | None:

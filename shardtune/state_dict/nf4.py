@@ -20,7 +20,9 @@ from shardtune.state_dict.layout import TensorLayout
 if TYPE_CHECKING:
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
 
-__all__ = ["dequantize", "is_nf4", "nf4_layout_problem", "nf4_rows", "quantize_like"]
+    from shardtune.state_dict.nf4_experts import NF4Experts
+
+__all__ = ["dequantize", "is_nf4", "is_nf4_experts", "is_quantized", "nf4_layout_problem", "nf4_rows", "quantize_like"]
 
 
 @cache
@@ -34,6 +36,16 @@ def _ao() -> ModuleType:
 def is_nf4(tensor: object) -> TypeGuard[NF4Tensor]:
     """True for a torchao ``NF4Tensor`` (by class name, so torchao need not be imported)."""
     return any(cls.__name__ == "NF4Tensor" for cls in type(tensor).__mro__)
+
+
+def is_nf4_experts(tensor: object) -> TypeGuard[NF4Experts]:
+    """True for NF4 expert weights (:class:`shardtune.state_dict.nf4_experts.NF4Experts`, one NF4 per expert)."""
+    return type(tensor).__name__ == "NF4Experts"
+
+
+def is_quantized(tensor: object) -> bool:
+    """True for an NF4 tensor or NF4 experts: values that must be quantized, not copied, into place."""
+    return is_nf4(tensor) or is_nf4_experts(tensor)
 
 
 def block_sizes(tensor: NF4Tensor) -> tuple[int, int]:
@@ -167,8 +179,10 @@ def unpack(buf: torch.Tensor, shape: tuple[int, ...], like: NF4Tensor, *, device
 
 
 def dequantize(tensor: torch.Tensor) -> torch.Tensor:
-    """A plain tensor in the original dtype for an NF4 tensor; other tensors unchanged."""
-    return tensor.get_original_weight() if is_nf4(tensor) else tensor
+    """A plain tensor in the original dtype for an NF4 tensor or NF4 experts; other tensors unchanged."""
+    if is_nf4(tensor) or is_nf4_experts(tensor):
+        return tensor.get_original_weight()
+    return tensor
 
 
 def _nf4_from_parts(
