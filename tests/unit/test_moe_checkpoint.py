@@ -18,7 +18,7 @@ import transformers
 from safetensors import safe_open
 
 from shardtune.checkpoint import CheckpointError, CheckpointOptions
-from shardtune.checkpoint.hf_load import load_hf_checkpoint
+from shardtune.checkpoint.hf_load import _expected_reads, load_hf_checkpoint, open_hf_checkpoint
 from shardtune.checkpoint.hf_save import save_hf_checkpoint
 from shardtune.models import from_hf_config
 from shardtune.state_dict import StateDictError, load_from_full_model_state_dict
@@ -93,3 +93,14 @@ def test_an_unknown_expert_layout_is_refused(tmp_path):
         save_hf_checkpoint(ours, tmp_path / "x", expert_layout="stacked")
     with pytest.raises(ValueError, match=refusal):
         CheckpointOptions(output_dir=tmp_path, expert_layout="stacked")
+
+
+def test_the_load_progress_total_counts_every_expert_file_tensor(tmp_path):
+    """The progress bar's total is what the load reads: on one rank, every tensor of the per-expert
+    directory (their sizes from the safetensors reader, summed by hand), experts included."""
+    hf, dirs = hf_dirs("qwen3_moe", tmp_path)
+    ours = from_hf_config(hf.config.to_dict())
+    files = tensors(dirs["per_expert"])
+    assert sum(".mlp.experts." in k for k in files) >= 3 * 8  # per-expert tensors: the ones undercounted
+    with open_hf_checkpoint(dirs["per_expert"]) as checkpoint:
+        assert _expected_reads(ours, checkpoint, True) == sum(t.nbytes for t in files.values())
