@@ -102,7 +102,7 @@ class RunWriter:
         if len(run) > 1:  # one byte view over the run: its blocks are adjacent in one storage
             storage = data.untyped_storage()
             start = data.data_ptr() - storage.data_ptr()
-            data = torch.empty(0, dtype=torch.uint8).set_(storage, start, (self._end - self._start,))
+            data = torch.empty(0, dtype=torch.uint8).set_(storage, start, (self._end - self._start,), (1,))
         with self.writer.problems.guard(f"{file.path} bytes [{self._start}, {self._end})"):
             self.writer.write(file, data, self._start)
 

@@ -104,3 +104,21 @@ def test_the_load_progress_total_counts_every_expert_file_tensor(tmp_path):
     assert sum(".mlp.experts." in k for k in files) >= 3 * 8  # per-expert tensors: the ones undercounted
     with open_hf_checkpoint(dirs["per_expert"]) as checkpoint:
         assert _expected_reads(ours, checkpoint, True) == sum(t.nbytes for t in files.values())
+
+
+def test_a_per_expert_save_writes_adjacent_expert_tensors_as_one_range(tmp_path, monkeypatch):
+    """Experts stored per expert lie in the file as in the fused tensor, so the save joins them: a
+    few writes for all 48 expert file tensors (one each before), and still transformers' files."""
+    from shardtune.checkpoint.safetensors_io import RangeWriter
+
+    hf, dirs = hf_dirs("qwen3_moe", tmp_path)
+    ours = from_hf_config(dirs["per_expert"])
+    load_hf_checkpoint(ours, dirs["per_expert"], device="cpu", strict=True)
+    writes: list[int] = []
+    write = RangeWriter.write
+    monkeypatch.setattr(RangeWriter, "write", lambda self, *a: writes.append(1) or write(self, *a))
+    save_hf_checkpoint(ours, tmp_path / "saved", config=hf.config.to_dict())
+    got, want = tensors(tmp_path / "saved"), tensors(dirs["per_expert"])
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    experts = sum(".mlp.experts." in k for k in want)
+    assert experts == 48 and len(writes) <= len(want) - experts + 2 * 2, len(writes)  # 2 ranges per sparse layer
