@@ -64,6 +64,7 @@ def test_report_ratios_to_the_best_peer_and_targets_met_or_not():
     assert "| dsd_save_pretrained | 3.00 (3.00) | 1.00 |" in section
     assert [ok for _, _, ok in met] == [True, True, False]  # save: 1.0 / 3.0 > 0.3
     assert "| **not met** |" in section and "dcp_hf_stack" in met[0][0]
+    assert "= 0.40 |" in section  # one repeat: no per-repeat ratios
     over = [_run("load", m, t, 2 * ((64 << 20) + one)) for m, t in times.items()]
     assert not report(_options(("load",)), over, load_avg=(1.0, 1.0), core="abc")[1][1][2]
 
