@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared GPU check (at most 12.5 minutes of timeouts on one H200; not run yet): the GPU tests (MoE HF
-# checkpoint load/save among them), then the checkpoint and training-step (dense and MoE) benchmarks on CUDA. Run from anywhere on a machine with a
-# CUDA GPU and this repository:
+# checkpoint load/save among them), then the checkpoint and training-step (dense and MoE) benchmarks on
+# CUDA. Run from anywhere on a machine with a CUDA GPU and this repository:
 #   bash benchmarks/gpu_check.sh
 # Assumes torch with CUDA is already installed (CUDA wheels cannot be fetched offline); without
 # torch it installs torch==2.13.0 from the configured index. Outputs go under $OUT when set
