@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One prepared GPU check (at most 12.5 minutes of timeouts on one H200; not run yet): the GPU tests, then the
-# checkpoint and training-step (dense and MoE) benchmarks on CUDA. Run from anywhere on a machine with a
-# CUDA GPU and this repository:
+# One prepared GPU check (at most 12.5 minutes of timeouts on one H200; not run yet): the GPU tests (MoE HF
+# checkpoint load/save among them), then the checkpoint and training-step (dense and MoE) benchmarks on
+# CUDA. Run from anywhere on a machine with a CUDA GPU and this repository:
 #   bash benchmarks/gpu_check.sh
 # Assumes torch with CUDA is already installed (CUDA wheels cannot be fetched offline); without
 # torch it installs torch==2.13.0 from the configured index. Outputs go under $OUT when set
@@ -25,6 +25,8 @@ python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version
 
 status=0
 start=$SECONDS
+# tests/gpu includes the MoE checks: grouped-GEMM experts, the tiny MoE recipe, and the MoE HF checkpoint
+# load/save in both expert layouts (a few seconds on the one-rank pool the other checks start anyway).
 timeout 270 python -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$out/tests_gpu.log" || status=1
 echo "tests/gpu: $((SECONDS - start)) s" | tee -a "$out/device.txt"
 

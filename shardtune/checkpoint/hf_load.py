@@ -234,16 +234,20 @@ def _warn_unused(model_dir: str, unexpected: list[str]) -> None:
 
 
 def _expected_reads(model: nn.Module, checkpoint: HFCheckpoint, shared_filesystem: bool) -> int:
-    """Bytes this rank will read: the rows of its own local tensors, or everything when it scatters."""
+    """Bytes this rank will read: the rows of its own local tensors (of each of their file tensors,
+    for tensors stored as several: MoE experts per expert), or everything when it scatters."""
     if not shared_filesystem:
         return checkpoint.total_bytes
     total = 0
     for entry in model_entries(model):
         key = next((fqn for fqn in entry.fqns if fqn in checkpoint), None)
+        if key is None and entry.parts is not None:
+            key = next((p.name for p in entry.parts if p.name in checkpoint), None)
         if key is None:
             continue
         meta = checkpoint.files[checkpoint.weight_map[key]].entries[key]
-        # A rank reads exactly its local block (NF4 included: quantized per shard from its rows).
+        # A rank reads exactly its local block (NF4 included: quantized per shard from its rows); the
+        # parts of a tensor tile it, so its blocks of them add up to that block too.
         local = local_tensor(entry.tensor)
         total += local.numel() * meta.dtype.itemsize
     return total

@@ -56,6 +56,57 @@ class FileWriter:
         self.ranges.release()
 
 
+class RunWriter:
+    """Writes through a :class:`FileWriter`, joining blocks that continue each other both in one
+    file and in memory into one range: a rank's experts stored per expert (thousands of small
+    file tensors, laid out in the file as in its fused shard) go out as a few large writes
+    (``O_DIRECT``) rather than thousands of small buffered ones. A block stays referenced until
+    its range is written (:meth:`flush`); a failed range is recorded in the writer's problems
+    under its file and bytes."""
+
+    def __init__(self, writer: FileWriter) -> None:
+        self.writer = writer
+        self._run: list[torch.Tensor] = []
+        self._file: FilePlan | None = None
+        self._start = self._end = self._next_ptr = 0
+
+    def write(self, file: FilePlan, tensor: torch.Tensor, offset: int) -> None:
+        joinable = tensor.device.type == "cpu" and tensor.is_contiguous()
+        if joinable and self._continues(file, tensor, offset):
+            self._run.append(tensor)
+            self._end += tensor.nbytes
+            self._next_ptr += tensor.nbytes
+            return
+        self.flush()
+        if not joinable:
+            self.writer.write(file, tensor, offset)
+            return
+        self._file, self._run = file, [tensor]
+        self._start, self._end, self._next_ptr = offset, offset + tensor.nbytes, tensor.data_ptr() + tensor.nbytes
+
+    def _continues(self, file: FilePlan, tensor: torch.Tensor, offset: int) -> bool:
+        return (
+            bool(self._run)
+            and file is self._file
+            and offset == self._end
+            and tensor.data_ptr() == self._next_ptr
+            and tensor.untyped_storage().data_ptr() == self._run[0].untyped_storage().data_ptr()
+        )
+
+    def flush(self) -> None:
+        """Write the pending range."""
+        if not self._run or self._file is None:
+            return
+        run, file, self._run, self._file = self._run, self._file, [], None
+        data = run[0]
+        if len(run) > 1:  # one byte view over the run: its blocks are adjacent in one storage
+            storage = data.untyped_storage()
+            start = data.data_ptr() - storage.data_ptr()
+            data = torch.empty(0, dtype=torch.uint8).set_(storage, start, (self._end - self._start,), (1,))
+        with self.writer.problems.guard(f"{file.path} bytes [{self._start}, {self._end})"):
+            self.writer.write(file, data, self._start)
+
+
 class DirectSink:
     """Every rank writes its blocks in place as they come (``O_DIRECT`` for large ranges where
     the filesystem allows it, see :class:`~shardtune.checkpoint.safetensors_io.RangeWriter`)."""
@@ -65,21 +116,26 @@ class DirectSink:
 
     def __init__(self, *, direct_io: bool = True) -> None:
         self.direct_io = direct_io
-        self._writer: FileWriter | None = None
+        self._writer: RunWriter | None = None
 
     def begin(self, blocks: list[tuple[WriteItem, int]], problems: comm.Problems) -> None:
-        self._writer = FileWriter(problems, direct_io=self.direct_io)
+        self._writer = RunWriter(FileWriter(problems, direct_io=self.direct_io))
 
     def buffer(self, item: WriteItem) -> torch.Tensor | None:
         return None
 
     def write(self, file: FilePlan, tensor: torch.Tensor, offset: int, *, buffered: bool = False) -> None:
+        # The blocks are the model's own memory, unchanged until the save returns: a block joined
+        # to the pending range is written by a later call or by finish().
         assert self._writer is not None, "begin() first"
         self._writer.write(file, tensor, offset)
 
     def finish(self) -> None:
         assert self._writer is not None, "begin() first"
-        self._writer.close()
+        try:
+            self._writer.flush()
+        finally:
+            self._writer.writer.close()
 
 
 class StagedSink:
@@ -123,12 +179,13 @@ class StagedSink:
         collectives: it may run in a background thread. The checkpoint is complete once every
         rank's flush has returned none."""
         problems = comm.Problems()
-        writer = FileWriter(problems, direct_io=self.direct_io)
+        writer = RunWriter(FileWriter(problems, direct_io=self.direct_io))
         blocks, self.blocks = self.blocks, []
         for file, tensor, offset in blocks:
             with problems.guard(file.path):
                 writer.write(file, tensor, offset)
-        writer.close()
+        writer.flush()
+        writer.writer.close()
         return list(problems)
 
 

@@ -211,21 +211,25 @@ def write_files(files: list[FilePlan], *, sink: Sink, on_item: Callable[[int], N
     to ``sink``; returns this rank's problems (the caller raises them on every rank, after the
     last collective). ``on_item(nbytes)`` runs after each item (progress bars)."""
     problems = comm.Problems()
-    sink.begin([(item, _block_nbytes(item, sink)) for file in files for item in file.items], problems)
+    me = comm.rank()
+    routed = [(file, item, _route(item, sink, me)) for file in files for item in file.items]
+    sink.begin([(item, _block_nbytes(item, piece)) for _, item, (_, piece) in routed], problems)
     try:
-        for file in files:
-            for item in file.items:
-                _write_item(item, file, sink, problems)
-                if on_item is not None:
-                    on_item(item.nbytes)
+        for file, item, route in routed:
+            _write_item(item, file, sink, problems, route)
+            if on_item is not None:
+                on_item(item.nbytes)
     finally:
         sink.finish()
     return list(problems)
 
 
-def _write_item(item: WriteItem, file: FilePlan, sink: Sink, problems: comm.Problems) -> None:
-    """Hand ``item``: its owner ranks their rows, or rank 0 the whole (gathered) tensor."""
-    route, piece = _route(item, sink)
+def _write_item(
+    item: WriteItem, file: FilePlan, sink: Sink, problems: comm.Problems, routed: tuple[str, Piece | None]
+) -> None:
+    """Hand ``item`` as :func:`_route` ``routed`` it: its owner ranks their rows, or rank 0 the whole
+    (gathered) tensor."""
+    route, piece = routed
     offset = file.offsets[item.name] + item.within
     transform = _prepare(item)  # collective for sharded adapters: every rank, same order
     if route == "gather":
@@ -241,11 +245,11 @@ def _write_item(item: WriteItem, file: FilePlan, sink: Sink, problems: comm.Prob
             sink.write(file, block, offset + _row_offset(item, piece))
 
 
-def _route(item: WriteItem, sink: Sink) -> tuple[str, Piece | None]:
+def _route(item: WriteItem, sink: Sink, me: int) -> tuple[str, Piece | None]:
     """How :func:`_write_item` hands ``item`` (``gather``: rank 0 the gathered tensor; ``whole``:
-    rank 0 an unsharded tensor; ``rows``: owners their rows) and the piece this rank hands
+    rank 0 an unsharded tensor; ``rows``: owners their rows) and the piece rank ``me`` hands
     (None when it hands nothing)."""
-    me, layout = comm.rank(), item.layout
+    layout = item.layout
     whole = Piece(shape=layout.shape, offset=(0,) * len(layout.shape))
     owners = layout.owners() if layout.is_sharded else {}
     if (layout.is_sharded and sink.gathers_sharded) or not all(p.is_row_range(layout.shape) for p in owners):
@@ -256,9 +260,8 @@ def _route(item: WriteItem, sink: Sink) -> tuple[str, Piece | None]:
     return "rows", piece if owners.get(piece) == me else None
 
 
-def _block_nbytes(item: WriteItem, sink: Sink) -> int:
-    """Bytes of the block this rank hands for ``item`` (0 when none)."""
-    piece = _route(item, sink)[1]
+def _block_nbytes(item: WriteItem, piece: Piece | None) -> int:
+    """Bytes of the block ``piece`` this rank hands for ``item`` (0 when none)."""
     return 0 if piece is None else math.prod(piece.shape) * item.dtype.itemsize
 
 

@@ -19,7 +19,6 @@ import torch
 
 from shardtune.state_dict import comm, nf4
 from shardtune.state_dict.layout import Piece, TensorLayout
-from shardtune.state_dict.lazy import BlockReader
 
 if TYPE_CHECKING:
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
@@ -40,7 +39,10 @@ def fill_block(value: Any, slices: tuple[slice, ...], out: torch.Tensor) -> torc
     A lazy value offering ``read_block_into(slices, out) -> bool`` (a file-backed slice) reads
     straight into ``out`` when it can; anything else is read, then copied (and cast) once.
     """
-    if isinstance(value, torch.Tensor) or not isinstance(value, BlockReader) or not value.read_block_into(slices, out):
+    # getattr, not isinstance(value, lazy.BlockReader): a runtime Protocol check costs more than a small
+    # read, and a load of per-expert files makes one per file tensor
+    read_into = None if isinstance(value, torch.Tensor) else getattr(value, "read_block_into", None)
+    if read_into is None or not read_into(slices, out):
         out.copy_(read_block(value, slices))
     return out
 

@@ -30,7 +30,7 @@ from shardtune.state_dict.blocks import SendBuffer, copy_block, scatter_dense, s
 from shardtune.state_dict.faults import fault_point
 from shardtune.state_dict.install import fillable, install
 from shardtune.state_dict.keys import model_entries
-from shardtune.state_dict.layout import TensorLayout, local_tensor
+from shardtune.state_dict.layout import Piece, TensorLayout, local_tensor
 from shardtune.state_dict.nf4_experts import NF4Experts, quantize_experts
 from shardtune.state_dict.parts import note_read_form, part_layout, part_piece
 
@@ -146,7 +146,10 @@ def _my_parts(item: LoadItem, full_sd: Mapping[str, Any], moves: _Moves) -> torc
             dst = local[met[1]]
             into = dst.view(met[0].shape) if dst.is_contiguous() else None
         value = full_sd.get(part.name) if full_sd else None
-        block = _dense_block(part_layout(part, item.layout), value, part.name, like.dtype, into, moves)
+        if moves.mode != RANK0 and met is not None:  # only this rank's block: no layout of every rank's
+            block = _read_block(met[0], value, part.name, like.dtype, into, moves)
+        else:
+            block = _dense_block(part_layout(part, item.layout), value, part.name, like.dtype, into, moves)
         if dst is not None and block is not None and into is None:
             dst.copy_(block.reshape(dst.shape))
     return local
@@ -169,7 +172,14 @@ def _dense_block(
             into=into,
             send_buffer=moves.send_buffer,
         )
-    piece = layout.piece(comm.rank())
+    return _read_block(layout.piece(comm.rank()), value, key, dtype, into, moves)
+
+
+def _read_block(
+    piece: Piece, value: Any, key: str, dtype: torch.dtype, into: torch.Tensor | None, moves: _Moves
+) -> torch.Tensor | None:
+    """The block ``piece`` of ``value``, read by this rank (in ``into`` when given); None when it
+    could not be read (in the problems)."""
     with moves.problems.guard(key):
         return copy_block(value, (piece.shape, piece.slices), dtype=dtype, device=moves.device, into=into)
     return None

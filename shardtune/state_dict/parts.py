@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -29,7 +30,7 @@ class Part:
     region: Piece
     squeeze: tuple[int, ...] = ()
 
-    @property
+    @cached_property
     def shape(self) -> tuple[int, ...]:
         """The file tensor's shape."""
         return tuple(n for d, n in enumerate(self.region.shape) if d not in self.squeeze)
@@ -101,17 +102,18 @@ def part_piece(part: Part, piece: Piece) -> tuple[Piece, tuple[slice, ...]] | No
     """Where a rank's ``piece`` of the model tensor meets ``part``: the block of the file tensor
     it holds (file coordinates) and the slices of the rank's local tensor holding it; None when
     they do not meet."""
-    start = [max(a, b) for a, b in zip(piece.offset, part.region.offset)]
-    stop = [min(a + s, b + t) for a, s, b, t in zip(piece.offset, piece.shape, part.region.offset, part.region.shape)]
-    if any(lo >= hi for lo, hi in zip(start, stop)):
-        return None
-    local = tuple(slice(lo - o, hi - o) for lo, hi, o in zip(start, stop, piece.offset))
-    keep = [d for d in range(len(start)) if d not in part.squeeze]
-    block = Piece(
-        shape=tuple(stop[d] - start[d] for d in keep),
-        offset=tuple(start[d] - part.region.offset[d] for d in keep),
-    )
-    return block, local
+    # One plain loop: a save or load of per-expert files calls this for every file tensor and rank.
+    region, squeeze = part.region, part.squeeze
+    local, shape, offset = [], [], []
+    for d, (o, s, ro, rs) in enumerate(zip(piece.offset, piece.shape, region.offset, region.shape)):
+        lo, hi = max(o, ro), min(o + s, ro + rs)
+        if lo >= hi:
+            return None
+        local.append(slice(lo - o, hi - o))
+        if d not in squeeze:
+            shape.append(hi - lo)
+            offset.append(lo - ro)
+    return Piece(shape=tuple(shape), offset=tuple(offset)), tuple(local)
 
 
 def part_layout(part: Part, layout: TensorLayout) -> TensorLayout:

@@ -355,3 +355,56 @@ def assert_moe_matches_loop(found: dict, dtype_name: str) -> None:
         assert found["loss_rel"] < 1e-5 and found["aux_rel"] < 1e-5, found
         worst = max(found["grad_rel"].items(), key=lambda item: item[1])
         assert worst[1] < 1e-3, worst
+
+
+def moe_hf_round_trip(kind: str, hf_dir: str, out_dir: str) -> dict:
+    """transformers' save of a tiny Qwen3-MoE (``hf_dir``, per expert or fused) -> shardtune's sharded
+    model on ``kind`` (``load_hf_checkpoint``: each rank reads only its own bytes of every expert) ->
+    ``save_hf_checkpoint`` into ``out_dir``. Against the files themselves: each local shard equals its
+    cut of transformers' own load of ``hf_dir`` (fused runtime keys), the bytes read equal the rank's
+    own shard, and (rank 0) the written directory holds exactly the keys and tensors of ``hf_dir``."""
+    from safetensors import safe_open
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.checkpoint import load_hf_checkpoint, save_hf_checkpoint
+    from shardtune.distributed import make_mesh, shard_model
+    from shardtune.models import from_hf_config
+    from shardtune.state_dict import stats
+
+    device, rank = current_device(kind), dist.get_rank()
+    reference = AutoModelForCausalLM.from_pretrained(hf_dir, experts_implementation="eager").state_dict()
+    with torch.device("meta"):
+        model = from_hf_config(hf_dir)
+    shard_model(model, mesh=make_mesh(device=kind))
+    stats.reset()
+    load_hf_checkpoint(model, hf_dir, device=device, strict=True)
+    read = stats.bytes_read
+    own, wrong, where = 0, [], set()
+    for name, p in model.named_parameters():
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        cut = reference[name][tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+        local = p.to_local()
+        own += local.nbytes
+        where.add(local.device.type)
+        if not torch.equal(local.cpu(), cut):
+            wrong.append(name)
+    save_hf_checkpoint(model, out_dir)
+    found = {"read": read, "own": own, "wrong": wrong, "where": where}
+    if rank != 0:
+        return found
+
+    def files(directory: str) -> dict[str, torch.Tensor]:
+        out = {}
+        for path in sorted(Path(directory).glob("*.safetensors")):
+            with safe_open(str(path), "pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
+        return out
+
+    got, want = files(out_dir), files(hf_dir)
+    found["same_keys"] = sorted(got) == sorted(want)
+    found["differ"] = [
+        k for k, v in want.items() if k in got and not (got[k].dtype == v.dtype and torch.equal(got[k], v))
+    ]
+    found["expert_files"] = sum(".mlp.experts." in k for k in got)
+    return found

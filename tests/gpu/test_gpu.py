@@ -177,6 +177,26 @@ def test_moe_grouped_gemm_experts_equal_the_fp32_loop_without_host_syncs(dtype):
     assert found["syncs"] == [], found["syncs"]
 
 
+def _check_moe_hf_round_trip(res: list[dict], layout: str) -> None:
+    found = res[0]
+    assert found["same_keys"] and found["differ"] == [], found
+    assert found["expert_files"] == (3 * 8 * 2 if layout == "per_expert" else 2 * 2), found  # 2 sparse layers
+    for r in res:
+        assert r["wrong"] == [] and r["where"] == {"cuda"}, r
+        assert r["read"] == r["own"], r  # each rank read its own bytes of every file tensor, no more
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_moe_hf_checkpoint_loads_and_saves_as_transformers_on_one_gpu(nccl1, tmp_path, layout):
+    """A tiny Qwen3-MoE in either of transformers' layouts, loaded onto the GPU and saved back: the
+    layout it came in, exactly transformers' files."""
+    from tests.unit.test_moe_checkpoint import hf_dirs
+
+    _, dirs = hf_dirs("qwen3_moe", tmp_path)
+    res = nccl1.run_ok(checks.moe_hf_round_trip, "cuda", str(dirs[layout]), str(tmp_path / "out"))
+    _check_moe_hf_round_trip(res, layout)
+
+
 def test_tiny_moe_recipe_trains_on_one_gpu(tmp_path):
     """``tiny/moe_full`` creates its base and trains in bf16 compute (grouped GEMMs) with fp32 masters and
     activation checkpointing: a falling loss, a logged ``aux_loss`` and FLOPs, fused experts saved."""
@@ -206,6 +226,17 @@ def test_tiny_moe_recipe_trains_on_one_gpu(tmp_path):
 def test_rank0_load_and_gather_on_two_gpus(nccl2, dtype, qlora, cpu_offload):
     res = nccl2.run_ok(checks.model_round_trip, "cuda", dtype, qlora, cpu_offload, True)
     _check_model_round_trip(res, cpu_offload=cpu_offload, qlora=qlora)
+
+
+@two_gpus
+def test_moe_hf_checkpoint_each_gpu_reads_its_experts(nccl2, tmp_path):
+    """Per-expert files on two GPUs (8 experts: 4 whole experts each): each rank reads only its own
+    bytes of the 48 expert file tensors, and the save writes transformers' files back."""
+    from tests.unit.test_moe_checkpoint import hf_dirs
+
+    _, dirs = hf_dirs("qwen3_moe", tmp_path)
+    res = nccl2.run_ok(checks.moe_hf_round_trip, "cuda", str(dirs["per_expert"]), str(tmp_path / "out"))
+    _check_moe_hf_round_trip(res, "per_expert")
 
 
 @two_gpus

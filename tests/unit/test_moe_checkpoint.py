@@ -18,7 +18,7 @@ import transformers
 from safetensors import safe_open
 
 from shardtune.checkpoint import CheckpointError, CheckpointOptions
-from shardtune.checkpoint.hf_load import load_hf_checkpoint
+from shardtune.checkpoint.hf_load import _expected_reads, load_hf_checkpoint, open_hf_checkpoint
 from shardtune.checkpoint.hf_save import save_hf_checkpoint
 from shardtune.models import from_hf_config
 from shardtune.state_dict import StateDictError, load_from_full_model_state_dict
@@ -93,3 +93,32 @@ def test_an_unknown_expert_layout_is_refused(tmp_path):
         save_hf_checkpoint(ours, tmp_path / "x", expert_layout="stacked")
     with pytest.raises(ValueError, match=refusal):
         CheckpointOptions(output_dir=tmp_path, expert_layout="stacked")
+
+
+def test_the_load_progress_total_counts_every_expert_file_tensor(tmp_path):
+    """The progress bar's total is what the load reads: on one rank, every tensor of the per-expert
+    directory (their sizes from the safetensors reader, summed by hand), experts included."""
+    hf, dirs = hf_dirs("qwen3_moe", tmp_path)
+    ours = from_hf_config(hf.config.to_dict())
+    files = tensors(dirs["per_expert"])
+    assert sum(".mlp.experts." in k for k in files) >= 3 * 8  # per-expert tensors: the ones undercounted
+    with open_hf_checkpoint(dirs["per_expert"]) as checkpoint:
+        assert _expected_reads(ours, checkpoint, True) == sum(t.nbytes for t in files.values())
+
+
+def test_a_per_expert_save_writes_adjacent_expert_tensors_as_one_range(tmp_path, monkeypatch):
+    """Experts stored per expert lie in the file as in the fused tensor, so the save joins them: a
+    few writes for all 48 expert file tensors (one each before), and still transformers' files."""
+    from shardtune.checkpoint.safetensors_io import RangeWriter
+
+    hf, dirs = hf_dirs("qwen3_moe", tmp_path)
+    ours = from_hf_config(dirs["per_expert"])
+    load_hf_checkpoint(ours, dirs["per_expert"], device="cpu", strict=True)
+    writes: list[int] = []
+    write = RangeWriter.write
+    monkeypatch.setattr(RangeWriter, "write", lambda self, *a: writes.append(1) or write(self, *a))
+    save_hf_checkpoint(ours, tmp_path / "saved", config=hf.config.to_dict())
+    got, want = tensors(tmp_path / "saved"), tensors(dirs["per_expert"])
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    experts = sum(".mlp.experts." in k for k in want)
+    assert experts == 48 and len(writes) <= len(want) - experts + 2 * 2, len(writes)  # 2 ranges per sparse layer
