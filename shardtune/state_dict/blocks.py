@@ -81,7 +81,8 @@ def _is_fresh(value: Any, data: torch.Tensor, *, dtype: torch.dtype, device: tor
 class SendBuffer:
     """Rank 0's reusable staging memory for the outgoing blocks of one exchange batch that need
     a copy (a cast, a strided view, a lazy read, a host-to-device move): its pages are faulted
-    in once, and it never holds more than the largest batch (at most one tensor's blocks)."""
+    in once, and it never holds more than the largest batch (at most :data:`comm.BATCH_BYTES`,
+    or one block that alone is larger)."""
 
     _ALIGN = 64
 
@@ -104,6 +105,36 @@ class SendBuffer:
         nbytes = math.prod(shape) * dtype.itemsize
         start, self._used = self._used, self._used + self._aligned(nbytes)
         return self._bytes[start : start + nbytes].view(dtype).view(shape)
+
+    def blocks(
+        self,
+        outgoing: list[tuple[Any, Piece, str]],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        on_error: comm.Problems,
+    ) -> list[torch.Tensor]:
+        """One exchange batch's blocks to send, for ``(value, piece, key)`` each, in order: a view of
+        an in-memory value that already is contiguous in ``dtype`` on the transfer ``device``, else
+        a copy staged here (blocks taken before are given up). A block that cannot be read is sent
+        as zeros, since its rank still waits for the bytes; the error goes in ``on_error`` under
+        its key, to be raised on every rank at the end."""
+        views = [_view_to_send(value, piece, dtype, device) for value, piece, _ in outgoing]
+        self.reserve([piece.numel * dtype.itemsize for (_, piece, _), v in zip(outgoing, views) if v is None], device)
+        sent = []
+        for (value, piece, key), view in zip(outgoing, views):
+            sent.append(view if view is not None else self._staged(value, piece, dtype, on_error, key))
+        return sent
+
+    def _staged(self, value: Any, piece: Piece, dtype: torch.dtype, on_error: comm.Problems, key: str) -> torch.Tensor:
+        """``piece`` of ``value`` copied into the next reserved room; zeros when it cannot be read."""
+        block = self.take(piece.shape, dtype)
+        failures = len(on_error)
+        with on_error.guard(key):
+            fill_block(value, piece.slices, block)
+        if len(on_error) > failures:
+            block.zero_()
+        return block
 
     @classmethod
     def _aligned(cls, nbytes: int) -> int:
@@ -149,21 +180,9 @@ def scatter_dense(
         return _deliver(buf, into, device)
     send_buffer = send_buffer if send_buffer is not None else SendBuffer()
     for batch in comm.batches(others):
-        views = {r: _view_to_send(value, layout.pieces[r], dtype, transfer_device) for r in batch}
-        send_buffer.reserve([others[r] for r in batch if views[r] is None], transfer_device)
-        sends = []
-        for r in batch:
-            piece = layout.pieces[r]
-            block = views[r]
-            if block is None:
-                block = send_buffer.take(piece.shape, dtype)
-                failures = len(on_error)
-                with on_error.guard(key):
-                    fill_block(value, piece.slices, block)
-                if len(on_error) > failures:  # rank r still waits for bytes: send zeros, the error is raised at the end
-                    block.zero_()
-            sends.append((block, r))
-        comm.exchange(sends, [])
+        outgoing = [(value, layout.pieces[r], key) for r in batch]
+        sent = send_buffer.blocks(outgoing, dtype=dtype, device=transfer_device, on_error=on_error)
+        comm.exchange(list(zip(sent, batch)), [])
     own = None
     with on_error.guard(key):
         own = copy_block(value, (mine.shape, mine.slices), dtype=dtype, device=device, into=into)

@@ -336,15 +336,18 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tens
 BATCH_BYTES = 256 << 20  # bytes one exchange batch moves at most (unless one block alone is larger)
 
 
-def batches(nbytes: dict[int, int], *, limit: int | None = None) -> list[list[int]]:
-    """The ranks of ``nbytes`` (rank -> bytes it sends or receives), in order, split into
-    consecutive batches of at most ``limit`` bytes (default :data:`BATCH_BYTES`; a larger
-    block gets a batch of its own).
+K = TypeVar("K")
+
+
+def batches(nbytes: dict[K, int], *, limit: int | None = None) -> list[list[K]]:
+    """The ranks of ``nbytes`` (rank -> bytes it sends or receives; or any other key, e.g. a
+    rank's share of one tensor's blocks), in order, split into consecutive batches of at most
+    ``limit`` bytes (default :data:`BATCH_BYTES`; a larger block gets a batch of its own).
 
     Identical on every rank given the same ``nbytes``: rank 0 takes part in every batch, each
     other rank in its own one, so rank 0 holds at most one batch of staged blocks."""
     limit = BATCH_BYTES if limit is None else limit
-    groups: list[list[int]] = []
+    groups: list[list[K]] = []
     total = 0
     for r, size in nbytes.items():
         if not groups or total + size > limit:

@@ -32,7 +32,8 @@ from shardtune.state_dict.install import fillable, install
 from shardtune.state_dict.keys import model_entries
 from shardtune.state_dict.layout import Piece, TensorLayout, local_tensor
 from shardtune.state_dict.nf4_experts import NF4Experts, quantize_experts
-from shardtune.state_dict.parts import note_read_form, part_layout, part_piece
+from shardtune.state_dict.part_scatter import scatter_parts
+from shardtune.state_dict.parts import note_read_form, part_piece
 
 
 @torch.no_grad()
@@ -131,26 +132,32 @@ def _quantized_experts(key: str, like: NF4Experts, plain: torch.Tensor | None, m
 def _my_parts(item: LoadItem, full_sd: Mapping[str, Any], moves: _Moves) -> torch.Tensor | None:
     """This rank's local tensor for ``item`` assembled from its file tensors: each part's block
     that meets this rank's piece is read (or, in rank-0 mode, received) straight into its place.
-    Collective in rank-0 mode only (rank 0 sends each rank only its blocks)."""
+    Collective in rank-0 mode only (rank 0 sends each rank its blocks of all the parts in as few
+    exchanges as the batch limit allows: :mod:`~shardtune.state_dict.part_scatter`)."""
     like = local_tensor(item.entry.tensor)
     piece = item.layout.piece(comm.rank())
     local = fillable(like, device=moves.device)
     if local is None:
         local = torch.empty(piece.shape, dtype=like.dtype, device=moves.device)
+    if moves.mode == RANK0:
+        scatter_parts(
+            item.parts or (),
+            item.layout,
+            full_sd,
+            local=local,
+            transfer_device=moves.transfer_device,
+            on_error=moves.problems,
+            send_buffer=moves.send_buffer,
+        )
+        return local
     for part in item.parts or ():
         met = part_piece(part, piece)
-        if met is None and moves.mode != RANK0:
-            continue  # this rank holds none of it; in rank-0 mode it still takes part
-        dst = into = None
-        if met is not None:
-            dst = local[met[1]]
-            into = dst.view(met[0].shape) if dst.is_contiguous() else None
-        value = full_sd.get(part.name) if full_sd else None
-        if moves.mode != RANK0 and met is not None:  # only this rank's block: no layout of every rank's
-            block = _read_block(met[0], value, part.name, like.dtype, into, moves)
-        else:
-            block = _dense_block(part_layout(part, item.layout), value, part.name, like.dtype, into, moves)
-        if dst is not None and block is not None and into is None:
+        if met is None:
+            continue  # this rank holds none of it
+        dst = local[met[1]]
+        into = dst.view(met[0].shape) if dst.is_contiguous() else None
+        block = _read_block(met[0], full_sd.get(part.name), part.name, like.dtype, into, moves)
+        if block is not None and into is None:
             dst.copy_(block.reshape(dst.shape))
     return local
 

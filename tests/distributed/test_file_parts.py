@@ -181,3 +181,93 @@ def test_a_missing_expert_tensor_is_refused_on_every_rank(pool2):
     assert len({o.error for o in outcomes}) == 1
     assert "layers.0.mlp.experts.gate_up_proj: the checkpoint holds 9 of its 10" in outcomes[0].error
     assert "experts.3.up_proj.weight" in outcomes[0].error
+
+
+# --- rank 0 holds the files (shared_filesystem=false): batched sends -------------------------
+
+
+def _rank0_load(experts: int, dim: int, limit: int | None):
+    """Load per-expert tensors that rank 0 alone holds (in host memory): this rank's collective
+    counts, the largest batch rank 0 staged, and its pieces against DTensor's cut of the fused
+    tensors and against a load in which every rank reads its own bytes."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from shardtune.state_dict import blocks, comm, load_from_full_model_state_dict
+
+    full = _full(experts)
+    files = _per_expert(full)
+    direct = _sharded(experts, dim)
+    load_from_full_model_state_dict(direct, files, "cpu", strict=True)
+    given = files if dist.get_rank() == 0 else {}
+    model = _sharded(experts, dim)
+    staged: list[list[int]] = []  # the block sizes of each batch rank 0 staged
+    reserve, saved_limit = blocks.SendBuffer.reserve, comm.BATCH_BYTES
+
+    def record(self, sizes, device):
+        staged.append(list(sizes))
+        reserve(self, sizes, device)
+
+    blocks.SendBuffer.reserve = record
+    comm.BATCH_BYTES = saved_limit if limit is None else limit
+    try:
+        with nccl_rules() as rules:
+            rules.host(given)  # staged before sending, as host memory is on a GPU run
+            load_from_full_model_state_dict(model, given, "cpu", strict=True)
+    finally:
+        blocks.SendBuffer.reserve, comm.BATCH_BYTES = reserve, saved_limit
+    direct_pieces = {n: p.to_local() for n, p in direct.named_parameters()}
+    return {
+        "counts": dict(rules.counts),
+        "staged": [s for s in staged if s],
+        "equal_cut": all(
+            torch.equal(p.to_local(), distribute_tensor(full[n], p.device_mesh, p.placements).to_local())
+            for n, p in model.named_parameters()
+        ),
+        "equal_direct": all(torch.equal(p.to_local(), direct_pieces[n]) for n, p in model.named_parameters()),
+    }
+
+
+def _few_and_many(dim: int, limit: int | None):
+    return [_rank0_load(experts, dim, limit) for experts in (2, 9)]
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_rank0_load_exchanges_do_not_grow_with_the_experts(pool2, dim):
+    """Rank 0 sends all parts' blocks of one parameter to a rank in one exchange: E = 2 and E = 9
+    make the same collectives (one exchange per sharded parameter), under NCCL's rules; only the
+    point-to-point ops inside each exchange (one per block) grow with E."""
+    res = pool2.run_ok(_few_and_many, dim, None)
+    for few, many in res:
+        assert few["equal_cut"] and many["equal_cut"] and few["equal_direct"] and many["equal_direct"]
+        calls = [{k: n for k, n in r["counts"].items() if not k.startswith("batched_")} for r in (few, many)]
+        assert calls[0] == calls[1], calls
+    assert all(many["counts"]["batch_isend_irecv"] == 3 for _, many in res)  # router, gate_up, down
+
+
+def test_rank0_load_stages_at_most_one_block_per_batch(pool2):
+    """With a batch limit of 1 byte every block travels alone: rank 0 stages one block per batch
+    (E = 9, Shard(1): rank 1 holds the up_proj rows and half the rows of every down_proj), and
+    the values still arrive in their places."""
+    res = pool2.run_ok(_few_and_many, 1, 1)
+    many = [r for _, r in res]
+    assert all(r["equal_cut"] and r["equal_direct"] for r in many)
+    router, up, down_half = 4 * HID * 4, INTER * HID * 4, (HID // 2) * INTER * 4  # rank 1's blocks, in bytes
+    assert many[0]["staged"] == [[router]] + [[up]] * 9 + [[down_half]] * 9
+    assert many[1]["counts"]["batch_isend_irecv"] == 1 + 9 + 9  # router, 9 up_proj parts, 9 down_proj halves
+
+
+def _rank0_part_fails():
+    from shardtune.state_dict import load_from_full_model_state_dict
+    from tests.distributed.test_errors import _FailingSlice  # a truncated file: fails on read
+
+    files = _per_expert(_full(5))
+    key = "layers.0.mlp.experts.3.up_proj.weight"
+    files[key] = _FailingSlice(files[key].shape)
+    load_from_full_model_state_dict(_sharded(5, 1), files if dist.get_rank() == 0 else {}, "cpu")
+
+
+def test_rank0_part_read_failure_raises_on_every_rank(pool2):
+    outcomes = pool2.run(_rank0_part_fails, timeout=60)
+    assert all(not o.ok for o in outcomes)
+    assert len({o.error for o in outcomes}) == 1
+    assert "layers.0.mlp.experts.3.up_proj.weight: OSError: read failed: file truncated" in outcomes[0].error

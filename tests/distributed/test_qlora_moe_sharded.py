@@ -212,3 +212,34 @@ def test_nf4_experts_that_cannot_be_whole_per_rank_are_refused_on_every_rank(poo
     error = outcomes[0].error
     assert error.startswith("ValueError: model.layers.0.mlp.experts.gate_up_proj: NF4 experts"), error
     assert "does not divide its 5 experts" in error and "quantize_base=false" in error, error
+
+
+def _rank0_per_expert(hf_dir: str, reference: dict[str, torch.Tensor]) -> dict:
+    """NF4 experts from per-expert files that rank 0 alone reads and sends: each rank's experts
+    dequantized against ``reference``'s (torchao's NF4 of each expert); the exchanges this rank made."""
+    from shardtune.state_dict import stats
+
+    stats.reset()
+    with nccl_rules() as rules:
+        model = _qlora(Path(hf_dir), shared_filesystem=False)
+    experts = {n: p.to_local() for n, p in model.named_parameters() if n.endswith(EXPERTS)}
+    mine = slice(dist.get_rank() * 4, dist.get_rank() * 4 + 4)  # Shard(0): 4 of the 8 experts each
+    return {
+        "types": {type(t).__name__ for t in experts.values()},
+        "bits": [n for n, t in experts.items() if not torch.equal(t.get_original_weight(), reference[n][mine])],
+        "read": stats.bytes_read,
+        "exchanges": rules.counts["batch_isend_irecv"],
+        "loaded": sum(1 for n, p in model.named_parameters() if "lora_" not in n and p.to_local().numel()),
+    }
+
+
+def test_nf4_experts_from_per_expert_files_sent_by_rank0(pool2, tmp_path):
+    """Rank 0 reads the per-expert files and sends each rank its experts' plain bytes, one exchange
+    per parameter (not per expert file tensor); each rank quantizes its own experts to torchao's NF4."""
+    hf = _hf()
+    hf.save_pretrained(tmp_path / "per_expert")
+    ref = nf4_experts_reference(hf)
+    reference = {n: p.detach() for n, p in ref.named_parameters() if n.endswith(EXPERTS)}
+    res = pool2.run_ok(_rank0_per_expert, str(tmp_path / "per_expert"), reference, timeout=120)
+    assert all(r["types"] == {"NF4Experts"} and r["bits"] == [] for r in res), res
+    assert res[1]["read"] == 0 and res[1]["exchanges"] == res[1]["loaded"], res[1]
