@@ -5,7 +5,8 @@ A toy MoE block holds ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``; i
 ``[H, I]`` (transformers' per-expert layout). On 2 ranks with FSDP2 ``Shard(0)`` (a range of
 experts, E = 5 uneven) and ``Shard(1)`` (rows of every expert): the saved files, read with
 safetensors, equal the hand split of the full tensors; a load from them gives every rank its
-piece while reading exactly its own bytes; the collectives do not grow with the experts.
+piece while reading exactly its own bytes; the collectives do not grow with the experts, nor
+do the exchanges when rank 0 alone holds the files and sends each rank its blocks.
 """
 
 from __future__ import annotations
@@ -188,8 +189,8 @@ def test_a_missing_expert_tensor_is_refused_on_every_rank(pool2):
 
 def _rank0_load(experts: int, dim: int, limit: int | None):
     """Load per-expert tensors that rank 0 alone holds (in host memory): this rank's collective
-    counts, the largest batch rank 0 staged, and its pieces against DTensor's cut of the fused
-    tensors and against a load in which every rank reads its own bytes."""
+    counts, the block sizes of each batch rank 0 staged, and its pieces against DTensor's cut of
+    the fused tensors and against a load in which every rank reads its own bytes."""
     from torch.distributed.tensor import distribute_tensor
 
     from shardtune.state_dict import blocks, comm, load_from_full_model_state_dict
