@@ -50,9 +50,10 @@ class FileForm(Protocol):
 def module_parts(module: object, prefix: str, attr: str, shape: tuple[int, ...]) -> tuple[Part, ...] | None:
     """The parts of ``module``'s tensor ``attr`` (``prefix``: the module's clean FQN), or None
     when the module stores it as itself."""
-    if not isinstance(module, FileForm):
+    file_parts = getattr(module, "file_parts", None)  # FileForm, without a runtime Protocol check per module
+    if not callable(file_parts):
         return None
-    parts = module.file_parts(prefix, attr, shape)
+    parts = file_parts(prefix, attr, shape)
     return None if parts is None else tuple(parts)
 
 
