@@ -27,9 +27,11 @@ from tqdm import tqdm
 from shardtune.checkpoint.errors import CheckpointError, UnsafeFileNameError
 from shardtune.checkpoint.file_names import inside
 from shardtune.checkpoint.safetensors_io import SafetensorsFile, TensorSlice
-from shardtune.state_dict import comm, load_from_full_model_state_dict
-from shardtune.state_dict.keys import format_problems, model_entries
+from shardtune.state_dict import comm
+from shardtune.state_dict.gc_pause import collector_paused
+from shardtune.state_dict.keys import ModelEntry, format_problems, model_entries
 from shardtune.state_dict.layout import local_tensor
+from shardtune.state_dict.load import load_entries
 
 __all__ = [
     "INDEX_FILE",
@@ -191,7 +193,26 @@ def load_hf_checkpoint(
     ``_IncompatibleKeys(missing, unexpected)`` on every rank. A missing, truncated or corrupt
     file raises :class:`CheckpointError` naming the file and key on every rank.
     """
-    model_dir = os.fspath(model_dir)
+    with collector_paused():
+        return _load(
+            model,
+            os.fspath(model_dir),
+            device=device,
+            shared_filesystem=shared_filesystem,
+            strict=strict,
+            cpu_offload=cpu_offload,
+        )
+
+
+def _load(
+    model: nn.Module,
+    model_dir: str,
+    *,
+    device: torch.device | str,
+    shared_filesystem: bool,
+    strict: bool,
+    cpu_offload: bool,
+) -> _IncompatibleKeys:
     start = time.perf_counter()
     checkpoint, problems = None, []
     if shared_filesystem or comm.rank() == 0:
@@ -201,12 +222,13 @@ def load_hf_checkpoint(
             problems.append(str(exc))
     try:
         comm.raise_on_every_rank(problems, header="Cannot load the HF checkpoint:", error=CheckpointError)
-        total = _expected_reads(model, checkpoint, shared_filesystem) if checkpoint is not None else 0
+        entries = model_entries(model)
+        total = _expected_reads(entries, checkpoint, shared_filesystem) if checkpoint is not None else 0
         with progress_bar(total, desc="load") as bar:
             if checkpoint is not None:
                 checkpoint.set_read_callback(bar.update)
-            result = load_from_full_model_state_dict(
-                model, checkpoint if checkpoint is not None else {}, device, strict=strict, cpu_offload=cpu_offload
+            result = load_entries(
+                entries, checkpoint if checkpoint is not None else {}, device, strict=strict, cpu_offload=cpu_offload
             )
     finally:
         if checkpoint is not None:
@@ -233,13 +255,13 @@ def _warn_unused(model_dir: str, unexpected: list[str]) -> None:
         )
 
 
-def _expected_reads(model: nn.Module, checkpoint: HFCheckpoint, shared_filesystem: bool) -> int:
+def _expected_reads(entries: list[ModelEntry], checkpoint: HFCheckpoint, shared_filesystem: bool) -> int:
     """Bytes this rank will read: the rows of its own local tensors (of each of their file tensors,
     for tensors stored as several: MoE experts per expert), or everything when it scatters."""
     if not shared_filesystem:
         return checkpoint.total_bytes
     total = 0
-    for entry in model_entries(model):
+    for entry in entries:
         key = next((fqn for fqn in entry.fqns if fqn in checkpoint), None)
         if key is None and entry.parts is not None:
             key = next((p.name for p in entry.parts if p.name in checkpoint), None)

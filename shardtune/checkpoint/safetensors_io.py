@@ -18,7 +18,6 @@ with spaces to a multiple of 8), then the tensors' bytes, row-major, little-endi
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import math
@@ -26,7 +25,6 @@ import mmap
 import os
 import re
 import struct
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -35,7 +33,9 @@ import torch
 from shardtune.checkpoint import checksums
 from shardtune.checkpoint.errors import CheckpointError
 from shardtune.state_dict import comm
+from shardtune.state_dict.byte_runs import block_range
 from shardtune.state_dict.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_NAMES
+from shardtune.state_dict.fresh_memory import prefault
 
 __all__ = [
     "DTYPES",
@@ -50,8 +50,6 @@ __all__ = [
 ]
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
-_PAGE_BYTES = mmap.PAGESIZE
-_PREFAULT_MIN_BYTES = 1 << 20
 
 DTYPES = SAFETENSORS_DTYPES  # re-exported; the one table lives in shardtune.state_dict.dtypes
 
@@ -194,40 +192,6 @@ def _check_overlaps(path: str, entries: Iterable[HeaderEntry]) -> None:
         previous = entry
 
 
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
-
-
-def _libc_madvise() -> Callable[[int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return madvise
-
-
-_madvise = _libc_madvise()
-
-
-def _prefault(flat: torch.Tensor) -> None:
-    """Fault in the pages of a buffer about to be filled by ``preadv``.
-
-    Page faults taken one 4 KiB page at a time inside the kernel's copy dominate reading into
-    fresh memory; populating the range in one ``madvise(MADV_POPULATE_WRITE)`` first was
-    cheaper when measured (BENCHMARKS.md, "One-off measurements"; "I/O choices" reruns it).
-    Kernels without it get one user-space write per page instead.
-    Contents are not read: the caller overwrites every byte.
-    """
-    start = -(-flat.data_ptr() // _PAGE_BYTES) * _PAGE_BYTES
-    end = (flat.data_ptr() + flat.numel()) // _PAGE_BYTES * _PAGE_BYTES
-    if end > start and _madvise is not None and _madvise(start, end - start, _MADV_POPULATE_WRITE) == 0:
-        return
-    flat[::_PAGE_BYTES] = 0
-
-
 class SafetensorsFile:
     """A validated safetensors file opened for positional reads (no mmap, no whole-file read).
 
@@ -245,24 +209,34 @@ class SafetensorsFile:
 
     def read_into(self, buf: torch.Tensor, offset: int) -> None:
         """Fill the contiguous CPU tensor ``buf`` with the file's bytes from ``offset``."""
+        flat = buf.view(-1).view(torch.uint8)
+        prefault(flat)
+        self.read_views(offset, [memoryview(flat.numpy())])  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on 3.12+ only
+
+    def read_views(self, offset: int, views: list[memoryview]) -> None:
+        """Fill the byte buffers ``views``, in order, with the file's bytes from ``offset`` on (one
+        ``preadv`` per call when the kernel reads them all at once)."""
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDONLY)
-        flat = buf.view(-1).view(torch.uint8)
-        if flat.numel() >= _PREFAULT_MIN_BYTES:
-            _prefault(flat)
-        view = memoryview(flat.numpy())  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on 3.12+ only
-        done = 0
-        while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], offset + done)
+        pending = [v for v in views if len(v)]
+        total = done = 0
+        for view in pending:
+            total += len(view)
+        while pending:
+            n = os.preadv(self._fd, pending, offset + done)
             if n <= 0:
                 raise CheckpointError(
                     f"{self.path}: read past the end of the file at byte {offset + done}: the file was truncated "
                     "after it was opened; re-copy it"
                 )
             done += n
-        comm.stats.bytes_read += len(view)
+            while pending and n >= len(pending[0]):  # drop the buffers filled, cut the one filled in part
+                n -= len(pending.pop(0))
+            if n:
+                pending[0] = pending[0][n:]
+        comm.stats.bytes_read += total
         if self.on_read is not None:
-            self.on_read(len(view))
+            self.on_read(total)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -333,6 +307,15 @@ class TensorSlice:
         if out.numel():
             self.file.read_into(out, self.entry.start + start * math.prod(shape[1:]) * out.element_size())
         return True
+
+    def file_range(self, index: tuple[slice, ...], dtype: torch.dtype) -> tuple[SafetensorsFile, int, int] | None:
+        """``(file, first byte, byte count)`` of the block ``index`` when it is one range of the file
+        stored in ``dtype`` (read it with :meth:`SafetensorsFile.read_views`); None otherwise."""
+        if dtype != self.entry.dtype:
+            return None
+        index = _expand_index(index, len(self.entry.shape), self.entry.name)
+        found = block_range(self.entry.shape, index, dtype.itemsize)
+        return None if found is None else (self.file, self.entry.start + found[0], found[1])
 
     def to_tensor(self) -> torch.Tensor:
         return self[...]

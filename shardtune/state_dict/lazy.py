@@ -3,7 +3,8 @@
 Rule: a value is lazy when it is not a ``torch.Tensor`` but satisfies :class:`LazyTensor`
 (``get_shape()`` and ``value[slices]``, as ``safetensors.safe_open(...).get_slice(name)``
 and :class:`~shardtune.checkpoint.safetensors_io.TensorSlice`). Describing one never reads
-data; ``get_dtype()`` and ``read_block_into`` are optional capabilities, asked for only here.
+data; ``get_dtype()``, ``read_block_into`` and ``file_range`` are optional capabilities, asked
+for only here (and ``file_range`` by :mod:`~shardtune.state_dict.byte_runs`' callers).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from shardtune.state_dict.byte_runs import RangeSource
 from shardtune.state_dict.dtypes import SAFETENSORS_DTYPES
 
 
@@ -31,6 +33,23 @@ class BlockReader(Protocol):
     def read_block_into(self, index: tuple[slice, ...], out: torch.Tensor) -> bool:
         """Fill ``out`` with the block ``index``; False (nothing read) when it cannot do so directly."""
         ...
+
+
+class FileBacked(Protocol):
+    """A lazy tensor stored as row-major bytes of a file that can say where a block lies."""
+
+    def file_range(self, index: tuple[slice, ...], dtype: torch.dtype) -> tuple[RangeSource, int, int] | None:
+        """``(source, first byte, byte count)`` of the block ``index`` when it is one range of the
+        source stored in ``dtype``; None otherwise (read it another way)."""
+        ...
+
+
+def file_range(value: object, index: tuple[slice, ...], dtype: torch.dtype) -> tuple[RangeSource, int, int] | None:
+    """Where ``value``'s block ``index`` lies, when ``value`` is :class:`FileBacked` and the block is one
+    range stored in ``dtype``; None otherwise."""
+    # getattr, not isinstance(value, FileBacked): a runtime Protocol check per file tensor costs more than its read
+    find = None if isinstance(value, torch.Tensor) else getattr(value, "file_range", None)
+    return None if find is None else find(index, dtype)
 
 
 def is_lazy(value: object) -> bool:

@@ -27,13 +27,17 @@ from torch.nn.modules.module import _IncompatibleKeys
 from shardtune.state_dict import comm, nf4
 from shardtune.state_dict.agreement import RANK0, LoadItem, agree_on_plan
 from shardtune.state_dict.blocks import SendBuffer, copy_block, scatter_dense, scatter_nf4, slice_nf4
+from shardtune.state_dict.byte_runs import RangeSource, RunReader, block_range, byte_view
 from shardtune.state_dict.faults import fault_point
+from shardtune.state_dict.fresh_memory import prefault
+from shardtune.state_dict.gc_pause import collector_paused
 from shardtune.state_dict.install import fillable, install
-from shardtune.state_dict.keys import model_entries
+from shardtune.state_dict.keys import ModelEntry, model_entries
 from shardtune.state_dict.layout import Piece, TensorLayout, local_tensor
+from shardtune.state_dict.lazy import file_range
 from shardtune.state_dict.nf4_experts import NF4Experts, quantize_experts
 from shardtune.state_dict.part_scatter import scatter_parts
-from shardtune.state_dict.parts import note_read_form, part_piece
+from shardtune.state_dict.parts import Part, note_read_form, part_piece
 
 
 @torch.no_grad()
@@ -54,10 +58,41 @@ def load_from_full_model_state_dict(
     ``cpu_offload``. Returns the same ``_IncompatibleKeys(missing, unexpected)`` on every rank;
     with ``strict=True`` raises :class:`StateDictError` on every rank before any data moves.
     """
+    with collector_paused():
+        return load_entries(model_entries(model), full_sd, device, strict=strict, cpu_offload=cpu_offload)
+
+
+@torch.no_grad()
+def load_entries(
+    entries: list[ModelEntry],
+    full_sd: Mapping[str, Any],
+    device: torch.device | str,
+    *,
+    strict: bool = False,
+    cpu_offload: bool = False,
+) -> _IncompatibleKeys:
+    """:func:`load_from_full_model_state_dict` into the model of ``entries`` (its
+    :func:`~shardtune.state_dict.keys.model_entries`, built once by a caller that needs them too).
+
+    Collective: call on all ranks, in the same order. Returns the same
+    ``_IncompatibleKeys(missing, unexpected)`` on every rank.
+    """
+    with collector_paused():
+        return _load(entries, full_sd, device, strict=strict, cpu_offload=cpu_offload)
+
+
+def _load(
+    entries: list[ModelEntry],
+    full_sd: Mapping[str, Any],
+    device: torch.device | str,
+    *,
+    strict: bool,
+    cpu_offload: bool,
+) -> _IncompatibleKeys:
     device = comm.normalize_device(device)
     local_device = torch.device("cpu") if cpu_offload else device
     transfer_device = comm.comm_device(device)
-    plan = agree_on_plan(model_entries(model), full_sd, strict=strict)
+    plan = agree_on_plan(entries, full_sd, strict=strict)
     problems = comm.Problems()
     moves = _Moves(plan.mode, local_device, transfer_device, problems, SendBuffer())
     deferred: list[tuple[LoadItem, torch.Tensor | None]] = []
@@ -139,6 +174,7 @@ def _my_parts(item: LoadItem, full_sd: Mapping[str, Any], moves: _Moves) -> torc
     local = fillable(like, device=moves.device)
     if local is None:
         local = torch.empty(piece.shape, dtype=like.dtype, device=moves.device)
+        prefault(local)  # its parts tile it: fault its pages in once, not per part inside each read
     if moves.mode == RANK0:
         scatter_parts(
             item.parts or (),
@@ -149,17 +185,49 @@ def _my_parts(item: LoadItem, full_sd: Mapping[str, Any], moves: _Moves) -> torc
             on_error=moves.problems,
             send_buffer=moves.send_buffer,
         )
-        return local
-    for part in item.parts or ():
+    else:
+        _read_parts(item.parts or (), piece, full_sd, local, moves)
+    return local
+
+
+def _read_parts(
+    parts: tuple[Part, ...], piece: Piece, full_sd: Mapping[str, Any], local: torch.Tensor, moves: _Moves
+) -> None:
+    """Read this rank's block of each of ``parts`` into its place in ``local`` (this rank's
+    ``piece``): blocks that are byte ranges both of a file and of ``local`` are read straight
+    into it, runs of them that continue each other in the file in one read
+    (:mod:`~shardtune.state_dict.byte_runs`); any other block on its own (cast, strided)."""
+    local_bytes = byte_view(local)
+    runs = RunReader(moves.problems)
+    for part in parts:
         met = part_piece(part, piece)
         if met is None:
             continue  # this rank holds none of it
-        dst = local[met[1]]
-        into = dst.view(met[0].shape) if dst.is_contiguous() else None
-        block = _read_block(met[0], full_sd.get(part.name), part.name, like.dtype, into, moves)
-        if block is not None and into is None:
-            dst.copy_(block.reshape(dst.shape))
-    return local
+        block, slices = met
+        value = full_sd.get(part.name)
+        found = None if local_bytes is None else _file_run(value, block, local, slices)
+        if local_bytes is not None and found is not None:
+            source, start, (at, nbytes) = found
+            runs.add(source, start, local_bytes[at : at + nbytes], part.name)
+            continue
+        dst = local[slices]
+        into = dst.view(block.shape) if dst.is_contiguous() else None
+        read = _read_block(block, value, part.name, local.dtype, into, moves)
+        if read is not None and into is None:
+            dst.copy_(read.reshape(dst.shape))
+    runs.flush()
+
+
+def _file_run(
+    value: Any, block: Piece, local: torch.Tensor, slices: tuple[slice, ...]
+) -> tuple[RangeSource, int, tuple[int, int]] | None:
+    """``(source, first byte, (offset, byte count) in local)`` when ``value``'s ``block`` is one byte
+    range of a file in ``local``'s dtype and its place in ``local`` (``slices``) one range too."""
+    found = file_range(value, block.slices, local.dtype)
+    if found is None:
+        return None
+    at = block_range(tuple(local.shape), slices, local.element_size())
+    return None if at is None or at[1] != found[2] else (found[0], found[1], at)
 
 
 def _dense_block(

@@ -22,6 +22,7 @@ from shardtune.checkpoint.hf_load import _expected_reads, load_hf_checkpoint, op
 from shardtune.checkpoint.hf_save import save_hf_checkpoint
 from shardtune.models import from_hf_config
 from shardtune.state_dict import StateDictError, load_from_full_model_state_dict
+from shardtune.state_dict.keys import model_entries
 from tests.unit.test_models_moe import batch, hf_moe_model
 
 LAYOUTS = {"per_expert": True, "fused": False}  # expert_layout -> transformers' save_original_format
@@ -103,7 +104,7 @@ def test_the_load_progress_total_counts_every_expert_file_tensor(tmp_path):
     files = tensors(dirs["per_expert"])
     assert sum(".mlp.experts." in k for k in files) >= 3 * 8  # per-expert tensors: the ones undercounted
     with open_hf_checkpoint(dirs["per_expert"]) as checkpoint:
-        assert _expected_reads(ours, checkpoint, True) == sum(t.nbytes for t in files.values())
+        assert _expected_reads(model_entries(ours), checkpoint, True) == sum(t.nbytes for t in files.values())
 
 
 def test_a_per_expert_save_writes_adjacent_expert_tensors_as_one_range(tmp_path, monkeypatch):

@@ -1,0 +1,86 @@
+"""Reading many small blocks of a file into a rank's tensors with few system calls.
+
+Rule: a block whose bytes are one range both in its source (a file) and in the rank's local
+tensor is read straight into that tensor's memory, and blocks that continue each other in the
+source are joined into one positional read with one destination buffer each (``preadv``). A
+load of per-expert files meets thousands of such blocks (each expert's gate, up and down weights,
+adjacent in the file as in the rank's stacked shard); reading each on its own cost more in
+Python than in the kernel. The load-side twin of :class:`~shardtune.checkpoint.sinks.RunWriter`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+
+from shardtune.state_dict import comm
+
+# Linux's IOV_MAX: the most buffers one preadv takes.
+MAX_VIEWS = 1024
+
+
+class RangeSource(Protocol):
+    """Where file-backed values keep their bytes: reads a range into several buffers at once."""
+
+    def read_views(self, offset: int, views: list[memoryview]) -> None:
+        """Fill ``views``, in order, with the bytes from ``offset`` on; raises when it cannot."""
+        ...
+
+
+def block_range(shape: tuple[int, ...], slices: tuple[slice, ...], itemsize: int) -> tuple[int, int] | None:
+    """``(first byte, byte count)`` of the block ``slices`` of a row-major tensor of ``shape`` with
+    ``itemsize``-byte elements, when the block's bytes are one range; None when they are not."""
+    bounds = [s.indices(n) for s, n in zip(slices, shape, strict=True)]
+    if any(step != 1 or stop < start for start, stop, step in bounds):
+        return None
+    full = len(shape)  # dims from ``full`` on are whole; the one before may be cut; those before it are single
+    while full and bounds[full - 1][:2] == (0, shape[full - 1]):
+        full -= 1
+    if any(stop - start != 1 for start, stop, _ in bounds[: max(full - 1, 0)]):
+        return None
+    offset, stride = 0, itemsize
+    for (start, _, _), n in zip(reversed(bounds), reversed(shape)):
+        offset += start * stride
+        stride *= n
+    return offset, math.prod(stop - start for start, stop, _ in bounds) * itemsize
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview | None:
+    """The bytes of a contiguous CPU tensor, writable (None for any other tensor)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_meta:
+        return None
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
+
+
+class RunReader:
+    """Collects ``(source, offset, destination)`` reads and performs each run of them that
+    continues in one source as one :meth:`RangeSource.read_views`; a failed run is recorded in
+    ``problems`` under the key of its first block. Call :meth:`flush` before using the memory."""
+
+    def __init__(self, problems: comm.Problems) -> None:
+        self.problems = problems
+        self._source: RangeSource | None = None
+        self._start = self._end = 0
+        self._views: list[memoryview] = []
+        self._key = ""
+
+    def add(self, source: RangeSource, offset: int, dest: memoryview, key: str) -> None:
+        """Read ``len(dest)`` bytes of ``source`` from ``offset`` into ``dest`` (now or at the next flush)."""
+        if not len(dest):
+            return
+        if source is self._source and offset == self._end and len(self._views) < MAX_VIEWS:
+            self._views.append(dest)
+            self._end += len(dest)
+            return
+        self.flush()
+        self._source, self._start, self._end, self._views, self._key = source, offset, offset + len(dest), [dest], key
+
+    def flush(self) -> None:
+        """Perform the pending run."""
+        if self._source is None:
+            return
+        source, views, self._source, self._views = self._source, self._views, None, []
+        with self.problems.guard(self._key):
+            source.read_views(self._start, views)
