@@ -31,7 +31,7 @@ from shardtune.state_dict.byte_runs import RangeSource, RunReader, block_range, 
 from shardtune.state_dict.faults import fault_point
 from shardtune.state_dict.fresh_memory import prefault
 from shardtune.state_dict.gc_pause import collector_paused
-from shardtune.state_dict.install import fillable, install
+from shardtune.state_dict.install import fillable, install, run_load_hooks
 from shardtune.state_dict.keys import ModelEntry, model_entries
 from shardtune.state_dict.layout import Piece, TensorLayout, local_tensor
 from shardtune.state_dict.lazy import file_range
@@ -115,8 +115,12 @@ def _load(
         if index == 0:
             with problems.guard(item.key):
                 fault_point("load:mid")
+    swapped: dict[int, nn.Module] = {}  # their owners' load hooks run once each, after every swap
     for item, new_local in deferred:
-        _install_item(item, new_local, problems)
+        if _install_item(item, new_local, problems, run_hooks=False):
+            swapped.update((id(module), module) for _, module, _ in item.entry.names)
+    with problems.guard("the load hooks of the modules loaded"):
+        run_load_hooks(swapped.values())
     comm.raise_on_every_rank(problems, header="Loading the full model state dict failed:")
     for item in plan.items:
         if item.entry.parts is not None:
@@ -260,7 +264,11 @@ def _read_block(
     return None
 
 
-def _install_item(item: LoadItem, new_local: torch.Tensor | None, problems: comm.Problems) -> None:
-    """Install one loaded piece, recording a failure under its key."""
+def _install_item(
+    item: LoadItem, new_local: torch.Tensor | None, problems: comm.Problems, *, run_hooks: bool = True
+) -> bool:
+    """Install one loaded piece (:func:`~shardtune.state_dict.install.install`), recording a failure
+    under its key; True when it was swapped in."""
     with problems.guard(item.key):
-        install(item.entry, new_local)
+        return install(item.entry, new_local, run_hooks=run_hooks)
+    return False

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -29,11 +28,13 @@ class Part:
     name: str
     region: Piece
     squeeze: tuple[int, ...] = ()
+    shape: tuple[int, ...] = field(init=False, repr=False, compare=False)  # the file tensor's shape
 
-    @cached_property
-    def shape(self) -> tuple[int, ...]:
-        """The file tensor's shape."""
-        return tuple(n for d, n in enumerate(self.region.shape) if d not in self.squeeze)
+    def __post_init__(self) -> None:
+        # Set once here, not a cached_property: Python 3.11's takes a lock per first access, and
+        # a load of per-expert files reads the shapes of thousands of parts.
+        shape = tuple(n for d, n in enumerate(self.region.shape) if d not in self.squeeze)
+        object.__setattr__(self, "shape", shape)
 
 
 @runtime_checkable
@@ -87,11 +88,15 @@ def stacked_parts(shape: tuple[int, ...], name: Callable[[int, int], str], *, ch
 
 def tiling_problem(key: str, shape: tuple[int, ...], parts: tuple[Part, ...]) -> str | None:
     """Why ``parts`` do not cover a tensor of ``shape`` exactly once (None: they do)."""
-    outside = [
-        p.name for p in parts if any(o < 0 or o + s > n for o, s, n in zip(p.region.offset, p.region.shape, shape))
-    ]
-    bad_squeeze = [p.name for p in parts if any(p.region.shape[d] != 1 for d in p.squeeze)]
-    if outside or bad_squeeze or sum(p.region.numel for p in parts) != math.prod(shape):
+    outside, bad_squeeze, numel = [], [], 0
+    for p in parts:  # one pass: a MoE layer's experts have hundreds of parts
+        region = p.region
+        if any(o < 0 or o + s > n for o, s, n in zip(region.offset, region.shape, shape)):
+            outside.append(p.name)
+        if any(region.shape[d] != 1 for d in p.squeeze):
+            bad_squeeze.append(p.name)
+        numel += region.numel
+    if outside or bad_squeeze or numel != math.prod(shape):
         return (
             f"{key}: its file tensors {[p.name for p in parts][:4]}... do not tile its shape {shape} "
             f"(outside: {outside[:4]}, squeezing a dim that is not 1: {bad_squeeze[:4]}); fix the module's file_parts"
