@@ -26,6 +26,7 @@ import os
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +34,10 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from benchmarks._measure import bench_device, measure_step
+from benchmarks._measure import bench_device
 from benchmarks._report import fmt_bytes
 from benchmarks.driver import Options, Run, environment_lines, finish, parse_run_options, progress, try_spawn
-from benchmarks.train import LR, Shape, hf_dir
+from benchmarks.train import Shape, hf_dir, measure_run
 
 MARKERS = ("<!-- profile-step:begin -->", "<!-- profile-step:end -->")
 MODES = ("none", "full", "selective")
@@ -143,36 +144,25 @@ def run(*, hf: str, rows: int, seq: int, vocab: int, steps: int, mode: str) -> d
     device = bench_device()
     torch.manual_seed(0)
     model, loss_fn = _shardtune("full", hf, device, activation_checkpointing=CHECKPOINTING[mode])
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    tokens = torch.randint(vocab, (rows, seq), generator=torch.Generator().manual_seed(1000 + dist.get_rank()))
 
-    def step() -> float:
-        with record_function("phase:forward"):
-            loss = loss_fn(tokens)
-        with record_function("phase:backward"):
-            loss.backward()
-        with record_function("phase:optimizer"):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+    def profiled(step: Callable[[], torch.Tensor]) -> dict[str, Any]:
+        dist.barrier()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
+            step()
+        dist.barrier()
+        return {"profile": categorize(list(prof.events())), "mm_rate": best_mm_flops_per_s()}
 
-    dist.barrier()
-    first_loss = step()
-    measurements = [measure_step(step, barrier=dist.barrier)[1].to_json() for _ in range(steps)]
-    dist.barrier()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
-        step()
-    dist.barrier()
-    return {
-        "rank": dist.get_rank(),
-        "first_loss": first_loss,
-        "steps": measurements,
-        "measurement": measurements[0],
-        "profile": categorize(list(prof.events())),
-        "mm_rate": best_mm_flops_per_s(),
-        "tokens": rows * seq,
-        "verify": "ok" if torch.isfinite(torch.tensor(first_loss)) else f"loss not finite: {first_loss}",
-    }
+    return measure_run(
+        model,
+        loss_fn,
+        device=device,
+        rows=rows,
+        seq=seq,
+        vocab=vocab,
+        steps=steps,
+        phase=lambda name: record_function(f"phase:{name}"),
+        after=profiled,
+    )
 
 
 def summarize(run_: Run) -> dict[str, Any]:

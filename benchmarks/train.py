@@ -37,6 +37,7 @@ import os
 import shutil
 import statistics
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -242,21 +243,38 @@ def run(*, group: str, method: str, hf: str, rows: int, seq: int, vocab: int, st
 
 
 def measure_run(
-    model: nn.Module, loss_fn, *, device: torch.device, rows: int, seq: int, vocab: int, steps: int
+    model: nn.Module,
+    loss_fn,
+    *,
+    device: torch.device,
+    rows: int,
+    seq: int,
+    vocab: int,
+    steps: int,
+    phase: Callable[[str], AbstractContextManager[Any]] | None = None,
+    after: Callable[[Callable[[], torch.Tensor]], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """A built model's run on this rank: one warm-up step, ``steps`` measured steps (AdamW over the
-    trainable params, seeded random tokens per rank); returns its record."""
+    trainable params, seeded random tokens per rank); returns its record.
+
+    ``phase(name)``, when given, wraps each step's ``"forward"``, ``"backward"`` and ``"optimizer"``
+    (e.g. profiler ranges); ``after(step)``, when given, runs after the measured steps with the step
+    function, and the fields it returns are added to the record (e.g. one profiled step)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=LR)
     rank = dist.get_rank()
     tokens = torch.randint(vocab, (rows, seq), generator=torch.Generator().manual_seed(1000 + rank))
     tokens = tokens.to(device=device)
+    within = phase or (lambda _: nullcontext())
 
-    def step() -> float:
-        loss = loss_fn(tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def step() -> torch.Tensor:
+        with within("forward"):
+            loss = loss_fn(tokens)
+        with within("backward"):
+            loss.backward()
+        with within("optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         return loss.detach()
 
     dist.barrier()
@@ -276,6 +294,7 @@ def measure_run(
         "tokens": rows * seq,
         "trainable_params": sum(_numel(p) for p in trainable),
         "verify": "ok" if finite else f"loss not finite: {[first_loss, *losses]}",
+        **(after(step) if after is not None else {}),
     }
 
 

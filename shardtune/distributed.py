@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from shardtune.activation_checkpointing import checkpointed
 from shardtune.launch_checks import check_launch
@@ -97,13 +99,22 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise ValueError(f"{type(model).__name__} has no ModuleList at model.layers or layers to shard per block")
 
 
-def _check_nf4_experts(model: nn.Module, shard_ranks: int, *, cpu_offload: bool) -> None:
+def _check_nf4_experts(
+    model: nn.Module,
+    placement: Callable[[nn.Parameter], Shard | None] | None,
+    shard_ranks: int,
+    *,
+    cpu_offload: bool,
+) -> None:
     """Refuse NF4 experts FSDP2 cannot hold: each rank must hold whole experts (``Shard(0)``; the
-    experts' second dim would cut their NF4 blocks), and they are not offloaded to the CPU."""
+    experts' second dim would cut their NF4 blocks), and they are not offloaded to the CPU.
+    ``placement``: the experts' placement as :func:`~shardtune.models.moe.expert_shard_placement`
+    chose it for ``shard_ranks`` ranks (the one place that decides it)."""
     for name, p in model.named_parameters():
+        chosen = placement(p) if placement is not None else None
         if not is_nf4_experts(p):
             continue
-        if p.shape[0] % shard_ranks:
+        if chosen != Shard(0):
             raise ValueError(
                 f"{name}: NF4 experts are sharded on the expert dim only, and a shard group of {shard_ranks} ranks "
                 f"does not divide its {p.shape[0]} experts; use a world size (or data_parallel_replicate) whose "
@@ -161,7 +172,7 @@ def shard_model(
         raise ValueError(
             "compile is not supported for mixture-of-experts models (qwen3_moe, mixtral) yet; set compile: false"
         )
-    _check_nf4_experts(model, mesh.size(mesh.ndim - 1), cpu_offload=cpu_offload)
+    _check_nf4_experts(model, placement, mesh.size(mesh.ndim - 1), cpu_offload=cpu_offload)
     options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mesh.size(mesh.ndim - 1) == 1:
         options["ignored_params"] = {p for p in model.parameters() if is_quantized(p)}
