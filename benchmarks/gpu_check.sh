@@ -25,8 +25,9 @@ python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version
 
 status=0
 start=$SECONDS
-# tests/gpu includes the MoE checks: grouped-GEMM experts, the tiny MoE recipe, and the MoE HF checkpoint
-# load/save in both expert layouts (a few seconds on the one-rank pool the other checks start anyway).
+# tests/gpu includes the MoE checks: grouped-GEMM experts, the tiny MoE recipe, the MoE HF checkpoint
+# load/save in both expert layouts, and QLoRA on experts (NF4 experts quantized on the GPU, first-step loss
+# against transformers + peft over torchao NF4 on the CPU): seconds each on the one-rank pool the others use.
 timeout 270 python -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$out/tests_gpu.log" || status=1
 echo "tests/gpu: $((SECONDS - start)) s" | tee -a "$out/device.txt"
 

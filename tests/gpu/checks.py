@@ -408,3 +408,40 @@ def moe_hf_round_trip(kind: str, hf_dir: str, out_dir: str) -> dict:
     ]
     found["expert_files"] = sum(".mlp.experts." in k for k in got)
     return found
+
+
+def qlora_moe_first_step(kind: str, hf_dir: str, peft_dir: str, reference_experts: torch.Tensor) -> dict:
+    """QLoRA on experts on ``kind``: transformers' per-expert save of a tiny Qwen3-MoE (``hf_dir``) loaded
+    into NF4 experts (``lora.quantize_base`` with ``lora.target_parameters``), peft's adapter of ``peft_dir``
+    loaded over it; the first-step loss (cross-entropy plus the load-balancing loss) and how far layer 0's
+    dequantized ``gate_up_proj`` lies from ``reference_experts`` (torchao's NF4 of each expert, on the CPU).
+    The caller compares the loss with transformers + peft's over those NF4 experts (fp32, CPU)."""
+    from shardtune.checkpoint import load_peft_adapter
+    from shardtune.checkpoint.hf_load import load_hf_checkpoint
+    from shardtune.distributed import make_mesh, shard_model
+    from shardtune.models import from_hf_config
+    from shardtune.peft import apply_lora
+    from tests.distributed.test_qlora_moe_sharded import ALPHA, PARAMETERS, RANK
+    from tests.unit.test_models_moe import _loss, batch
+
+    device = current_device(kind)
+    with torch.device("meta"):
+        model = from_hf_config(Path(hf_dir) / "config.json")
+        apply_lora(model, rank=RANK, alpha=ALPHA, target_modules=[], target_parameters=PARAMETERS, quantize_base=True)
+    shard_model(model, mesh=make_mesh(device=kind))
+    load_hf_checkpoint(model, hf_dir, device=device)  # the base: the adapter comes from peft_dir
+    model.init_buffers(device)
+    load_peft_adapter(model, peft_dir, device=device)
+    tokens, mask, labels = (t.to(device) for t in batch())
+    coef = json.loads((Path(hf_dir) / "config.json").read_text())["router_aux_loss_coef"]
+    with torch.no_grad():
+        loss, _, _ = _loss(model, tokens, mask, labels, coef)
+    experts = model.model.layers[0].mlp.experts.gate_up_proj
+    local = experts.to_local() if isinstance(experts, DTensor) else experts
+    dequantized = local.get_original_weight().float().cpu()
+    return {
+        "loss": loss.item(),
+        "type": type(local).__name__,
+        "where": local.device.type,
+        "experts_diff": ((dequantized - reference_experts).abs().max() / reference_experts.abs().max()).item(),
+    }

@@ -197,6 +197,29 @@ def test_moe_hf_checkpoint_loads_and_saves_as_transformers_on_one_gpu(nccl1, tmp
     _check_moe_hf_round_trip(res, layout)
 
 
+def test_qlora_moe_first_step_loss_equals_peft_over_torchao_nf4_experts_on_one_gpu(nccl1, tmp_path):
+    """NF4 experts on the GPU (QLoRA on a tiny Qwen3-MoE, E = 8, top-2): each expert quantized on the device
+    as torchao's ``to_nf4`` of its slice, and the first-step loss (with the aux loss) equal to transformers +
+    peft's over those NF4 experts, computed in fp32 on the CPU (tests/distributed/test_qlora_moe_sharded.py)."""
+    from tests.distributed.test_qlora_moe_sharded import _hf, _peft, nf4_experts_reference
+    from tests.unit.test_models_moe import batch
+
+    hf = _hf()
+    hf.save_pretrained(tmp_path / "per_expert")
+    ref = nf4_experts_reference(hf)
+    pm = _peft(ref)
+    pm.save_pretrained(tmp_path / "peft")
+    tokens, mask, labels = batch()
+    with torch.no_grad():
+        expected = pm(tokens, attention_mask=mask, labels=labels, output_router_logits=True).loss.item()
+    reference = ref.model.layers[0].mlp.experts.gate_up_proj.detach()
+    args = (str(tmp_path / "per_expert"), str(tmp_path / "peft"), reference)
+    found = nccl1.run_ok(checks.qlora_moe_first_step, "cuda", *args)[0]
+    assert found["type"] == "NF4Experts" and found["where"] == "cuda", found
+    assert found["experts_diff"] < 1e-6, found  # the device's NF4 of each expert is torchao's (CPU)
+    assert abs(found["loss"] - expected) < 1e-4, (found, expected)
+
+
 def test_tiny_moe_recipe_trains_on_one_gpu(tmp_path):
     """``tiny/moe_full`` creates its base and trains in bf16 compute (grouped GEMMs) with fp32 masters and
     activation checkpointing: a falling loss, a logged ``aux_loss`` and FLOPs, fused experts saved."""
