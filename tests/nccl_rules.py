@@ -15,6 +15,10 @@ DTensor uses, e.g. ``full_tensor()``):
 
 * no unbatched point-to-point: ``send``/``recv``/``isend``/``irecv`` outside
   ``dist.batch_isend_irecv`` (on NCCL each pair of ranks would get its own communicator);
+* at most one ``batch_isend_irecv`` in flight per rank (from the call until all its works are
+  waited), and no other collective started behind it: a rank never queues a second batch
+  behind bytes that have not arrived, and every rank issues its collectives in one order;
+  none is left in flight at the end of the block;
 * every tensor has a dtype NCCL supports (``NCCL_DTYPES``); others raise at once, as NCCL does;
 * no tensor is host memory. On a CPU-only machine host memory and the transfer device are
   the same, so host memory is what the test says it is: the storages of the tensors given
@@ -26,7 +30,8 @@ DTensor uses, e.g. ``full_tensor()``):
 
 Host-memory and point-to-point violations are recorded and the collective still runs (so
 no rank is left waiting); leaving the block raises :class:`NcclRuleError` listing them.
-``rules.violations`` holds them as text. Blind spot: memory allocated fresh on the host's
+``rules.violations`` holds them as text. ``rules.ahead`` counts the tensor ops this rank ran
+while one of its exchanges was in flight (rank 0 reading ahead). Blind spot: memory allocated fresh on the host's
 device (``torch.empty(..., device=host_tensor.device)``) is indistinguishable from transfer
 memory here; only a GPU run sees it.
 """
@@ -101,6 +106,20 @@ class NcclRules:
         self.violations: list[str] = []
         self._host: dict[int, list[weakref.ref]] = {}
         self._batched = threading.local()
+        self.ahead = 0  # tensor ops run while an exchange of this rank was in flight
+        self._in_flight: set[int] = set()  # ids of the works of the exchange in flight
+
+    def started(self, works: list[Any]) -> list[Any]:
+        """Record a ``batch_isend_irecv``'s works as in flight until each is waited."""
+        self._in_flight = {id(work) for work in works}
+        return [_Tracked(work, self) for work in works]
+
+    def _behind(self, kind: str) -> None:
+        if self._in_flight:
+            self.violations.append(
+                f"{kind} started while an exchange is in flight; wait for it first (comm.settle): "
+                "a rank queues at most one batch"
+            )
 
     def host(self, *objects: Any) -> None:
         """Register host (CPU) memory: tensors, modules, optimizers, or dicts/lists/tuples of them."""
@@ -142,6 +161,8 @@ class NcclRules:
             kind = f"funcol.{name}"
         else:
             kind = _KINDS.get(name, name)
+        if not (kind in ("send", "recv") and getattr(self._batched, "depth", 0)):
+            self._behind(kind)
         if kind in ("send", "recv"):
             if getattr(self._batched, "depth", 0):
                 kind = f"batched_{kind}"
@@ -154,6 +175,21 @@ class NcclRules:
         self._check(kind, (args, kwargs))
 
 
+class _Tracked:
+    """A work of a batch in flight: waiting it takes it out of the rules' in-flight set."""
+
+    def __init__(self, work: Any, rules: NcclRules) -> None:
+        self._work, self._rules = work, rules
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._work.wait(*args, **kwargs)
+        self._rules._in_flight.discard(id(self._work))
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, rules: NcclRules) -> None:
         super().__init__()
@@ -162,6 +198,8 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace in ("c10d", "_c10d_functional"):
             self.rules._on_op(func, args, kwargs or {})
+        elif self.rules._in_flight:
+            self.rules.ahead += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -179,9 +217,10 @@ def nccl_rules() -> Iterator[NcclRules]:
 
     def batch_isend_irecv(p2p_op_list):
         rules.counts["batch_isend_irecv"] += 1
+        rules._behind("batch_isend_irecv")
         rules._batched.depth = getattr(rules._batched, "depth", 0) + 1
         try:
-            return original_batch(p2p_op_list)
+            return rules.started(original_batch(p2p_op_list))
         finally:
             rules._batched.depth -= 1
 
@@ -201,6 +240,8 @@ def nccl_rules() -> Iterator[NcclRules]:
     finally:
         c10d.batch_isend_irecv = dist.batch_isend_irecv = original_batch
         comm.on_transfer_device, comm.host_empty = original_on_device, original_host_empty
+    if rules._in_flight:
+        rules.violations.append("an exchange is still in flight at the end of the block; wait for it (comm.settle)")
     if rules.violations:
         shown = sorted(set(rules.violations))
         raise NcclRuleError(f"{len(rules.violations)} NCCL rule violations:\n  " + "\n  ".join(shown[:20]))

@@ -2,8 +2,9 @@
 
 A value is a tensor, an NF4 tensor, or a lazy slice (e.g. of a safetensors file). Reading
 copies once, into the caller's tensor when given. Rank 0's sends move only each rank's
-block, in batched exchanges (:func:`comm.exchange`) through at most one batch of staged
-blocks; a plain tensor, needed whole everywhere, is broadcast.
+block, in batched exchanges (:func:`comm.exchange`); it reads and stages the next batch while
+the last one is in flight, so it holds at most two batches of staged blocks. A plain tensor,
+needed whole everywhere, is broadcast.
 
 An NF4 parameter's block is whole rows of ONE quantization of the full tensor: cut from an
 NF4 value, quantized per shard from a plain one (only the mean of the block scalers is
@@ -79,32 +80,66 @@ def _is_fresh(value: Any, data: torch.Tensor, *, dtype: torch.dtype, device: tor
 
 
 class SendBuffer:
-    """Rank 0's reusable staging memory for the outgoing blocks of one exchange batch that need
-    a copy (a cast, a strided view, a lazy read, a host-to-device move): its pages are faulted
-    in once, and it never holds more than the largest batch (at most :data:`comm.BATCH_BYTES`,
-    or one block that alone is larger)."""
+    """Rank 0's reusable staging memory for the outgoing blocks that need a copy (a cast, a
+    strided view, a lazy read, a host-to-device move), in two halves that take turns: while the
+    batch staged in one half is in flight (:meth:`send`), the next batch is read and staged in
+    the other. Each half holds one batch (at most :data:`comm.BATCH_BYTES`, or one block that
+    alone is larger), so the buffer never holds more than two batches; its pages are faulted in
+    once."""
 
     _ALIGN = 64
 
     def __init__(self) -> None:
-        self._bytes: torch.Tensor | None = None
+        self._halves: list[torch.Tensor | None] = [None, None]
+        self._senders: list[comm.InFlight | None] = [None, None]  # the exchange reading each half
+        self._turn = 1
         self._used = 0
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of staging memory held (both halves)."""
+        return sum(half.numel() for half in self._halves if half is not None)
+
     def reserve(self, sizes: list[int], device: torch.device) -> None:
-        """Make room for blocks of ``sizes`` bytes on ``device``; blocks taken before are given up."""
+        """Make room for one batch's blocks of ``sizes`` bytes on ``device`` in the half the last
+        batch did not use, once the exchange sending from that half is done; blocks taken from
+        it before are given up."""
+        self._turn ^= 1
+        sender, self._senders[self._turn] = self._senders[self._turn], None
+        if sender is not None:
+            sender.wait()
         nbytes = sum(self._aligned(n) for n in sizes)
-        if nbytes and (self._bytes is None or self._bytes.numel() < nbytes or self._bytes.device != device):
-            self._bytes = None  # free the smaller one first
-            self._bytes = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        half = self._halves[self._turn]
+        if nbytes and (half is None or half.numel() < nbytes or half.device != device):
+            self._halves[self._turn] = None  # free the smaller one first
+            self._halves[self._turn] = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self._used = 0
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The next block of the reserved room, as a tensor of ``shape`` and ``dtype``."""
-        if self._bytes is None:
+        half = self._halves[self._turn]
+        if half is None:
             raise RuntimeError("SendBuffer.take: call reserve() with the batch's block sizes first")
         nbytes = math.prod(shape) * dtype.itemsize
         start, self._used = self._used, self._used + self._aligned(nbytes)
-        return self._bytes[start : start + nbytes].view(dtype).view(shape)
+        return half[start : start + nbytes].view(dtype).view(shape)
+
+    def send(
+        self,
+        outgoing: list[tuple[Any, Piece, str]],
+        dsts: list[int],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        on_error: comm.Problems,
+    ) -> None:
+        """Rank 0's side of one exchange batch: the blocks of ``outgoing`` (as :meth:`blocks`) are
+        staged while the batch before is still in flight, then block i starts towards rank
+        ``dsts[i]`` (:func:`comm.start_exchange`, which first waits for the batch before).
+        Returns while the bytes move: the caller may read its next blocks meanwhile; comm's next
+        collective waits for them."""
+        sent = self.blocks(outgoing, dtype=dtype, device=device, on_error=on_error)
+        self._senders[self._turn] = comm.start_exchange(list(zip(sent, dsts)), [])
 
     def blocks(
         self,
@@ -116,7 +151,7 @@ class SendBuffer:
     ) -> list[torch.Tensor]:
         """One exchange batch's blocks to send, for ``(value, piece, key)`` each, in order: a view of
         an in-memory value that already is contiguous in ``dtype`` on the transfer ``device``, else
-        a copy staged here (blocks taken before are given up). A block that cannot be read is sent
+        a copy staged in the next half (see :meth:`reserve`). A block that cannot be read is sent
         as zeros, since its rank still waits for the bytes; the error goes in ``on_error`` under
         its key, to be raised on every rank at the end."""
         views = [_view_to_send(value, piece, dtype, device) for value, piece, _ in outgoing]
@@ -157,9 +192,10 @@ def scatter_dense(
     ``device`` (None on rank 0 when its own block could not be read; the error is in ``on_error``).
 
     Sharded tensors go in batched point-to-point exchanges (:func:`comm.exchange`, in
-    :func:`comm.batches`): rank 0 sends every other rank only its block, staging at most one
-    batch of blocks in ``send_buffer``, and takes its own; each other rank receives once and
-    waits for its bytes. Plain tensors, needed whole on every rank, are broadcast. ``into``
+    :func:`comm.batches`): rank 0 sends every other rank only its block, staging each batch in
+    ``send_buffer`` while the one before is in flight, and takes its own while the last one is
+    (still in flight on return; comm's next collective waits for it); each other rank receives
+    once and waits for its bytes. Plain tensors, needed whole on every rank, are broadcast. ``into``
     (this rank's block shape, ``dtype``, ``device``) receives the data in place when it is on
     the transfer device.
     """
@@ -181,10 +217,9 @@ def scatter_dense(
     send_buffer = send_buffer if send_buffer is not None else SendBuffer()
     for batch in comm.batches(others):
         outgoing = [(value, layout.pieces[r], key) for r in batch]
-        sent = send_buffer.blocks(outgoing, dtype=dtype, device=transfer_device, on_error=on_error)
-        comm.exchange(list(zip(sent, batch)), [])
+        send_buffer.send(outgoing, batch, dtype=dtype, device=transfer_device, on_error=on_error)
     own = None
-    with on_error.guard(key):
+    with on_error.guard(key):  # read while the last batch is in flight
         own = copy_block(value, (mine.shape, mine.slices), dtype=dtype, device=device, into=into)
     return own
 

@@ -7,6 +7,12 @@ device (:func:`comm_device`; :func:`to_transfer` is the one way there), with a d
 knows (others travel as raw bytes), and point-to-point traffic goes through
 ``batch_isend_irecv`` (:func:`exchange`), which reuses the group's communicator rather than
 building one per pair of ranks.
+
+At most one exchange per process is in flight: :func:`start_exchange` returns while its bytes
+move (so rank 0 can read the next blocks meanwhile) and waits first for the one started
+before it; every other collective here, and :func:`settle`, waits for it too. So every rank
+still issues the same collectives in the same order, and none queues a second batch behind
+one that has not arrived.
 """
 
 from __future__ import annotations
@@ -155,6 +161,7 @@ def all_gather_objects(obj: T) -> list[T]:
     """Collective: call on all ranks. Returns every rank's ``obj``, indexed by rank."""
     if world_size() == 1:
         return [obj]
+    settle()
     gathered: list[Any] = [None] * world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
@@ -253,6 +260,7 @@ def scatter_from_rank0(
         stats.bytes_sent += longest * out.element_size() * (len(numels) - 1)
     else:
         stats.bytes_received += longest * out.element_size()
+    settle()
     dist.scatter(wire(out), scatter_list, src=0)
     if into is not None and not direct:
         into.view(-1).copy_(out[: numels[me]])
@@ -290,6 +298,7 @@ def all_gather_varlen(local: torch.Tensor, numels: list[int], *, device: torch.d
     padded = torch.zeros(longest, dtype=local.dtype, device=device)
     padded[: local.numel()] = local.flatten()  # the host-to-device copy, when local is offloaded
     gathered = [torch.empty_like(padded) for _ in numels]
+    settle()
     dist.all_gather([wire(g) for g in gathered], wire(padded))
     stats.bytes_sent += longest * padded.element_size() * (len(numels) - 1)
     stats.bytes_received += longest * padded.element_size() * (len(numels) - 1)
@@ -300,6 +309,7 @@ def broadcast_from_rank0(tensor: torch.Tensor) -> torch.Tensor:
     """Collective: call on all ranks. Rank 0's ``tensor`` (contiguous, on the transfer device)
     is copied into every rank's ``tensor``; returns it."""
     nbytes = tensor.nbytes
+    settle()
     dist.broadcast(wire(tensor), src=0)
     if rank() == 0:
         stats.bytes_sent += nbytes * (world_size() - 1)
@@ -308,29 +318,74 @@ def broadcast_from_rank0(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
+class InFlight:
+    """An exchange :func:`start_exchange` started: its works, and the tensors they read or write
+    (kept alive until the bytes have moved)."""
+
+    def __init__(self, works: list[Any], tensors: list[torch.Tensor]) -> None:
+        self._works: list[Any] | None = works
+        self._tensors = tensors
+
+    def wait(self) -> None:
+        """Return once every send and receive of the exchange has completed (at once if it had).
+        On an accelerator the host waits too, so no rank queues a second batch behind this one."""
+        if self._works is None:
+            return
+        works, self._works = self._works, None
+        tensors, self._tensors = self._tensors, []
+        for work in works:
+            work.wait()
+        if tensors and tensors[0].device.type != "cpu":
+            torch.accelerator.current_stream(tensors[0].device).synchronize()
+
+
+_in_flight: InFlight | None = None
+
+
+def settle() -> None:
+    """Wait for the exchange :func:`start_exchange` left in flight on this process, if any.
+
+    Not a collective: it only waits for this rank's own sends and receives. Every collective of
+    this module calls it first; call it before any other collective or before reusing a tensor
+    that an exchange may still be sending."""
+    global _in_flight
+    pending, _in_flight = _in_flight, None
+    if pending is not None:
+        pending.wait()
+
+
+def start_exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> InFlight:
     """Batched point-to-point: sends each ``(tensor, dst)`` and receives into each ``(tensor, src)``
-    in one ``batch_isend_irecv``, then waits for all of them.
+    in one ``batch_isend_irecv``, and returns while the bytes move.
 
     Collective over the ranks named: every rank that appears in another rank's call makes one
     matching call (a send to rank r pairs with r's receive from this rank, in the same order,
     same size). On NCCL the batch runs on the group's own communicator. Tensors are contiguous
-    and on the transfer device. On an accelerator the host waits until the bytes arrived, so a
-    rank never queues more than one batch and then idles inside a collective until the timeout
-    while rank 0 reads a large checkpoint. Returns None on every rank; a rank with no ops
-    returns at once.
+    and on the transfer device; they must stay unchanged (sends) or unread (receives) until the
+    returned :class:`InFlight` is waited (by this rank's next collective here, or :func:`settle`).
+    The exchange started before this one is waited first. Returns the new exchange's handle on
+    every rank (one that is already complete where this rank has no ops).
     """
+    global _in_flight
+    settle()
     ops = [dist.P2POp(dist.isend, wire(t), dst) for t, dst in sends]
     ops += [dist.P2POp(dist.irecv, wire(t), src) for t, src in recvs]
     if not ops:
-        return
+        return InFlight([], [])
     stats.bytes_sent += sum(t.nbytes for t, _ in sends)
     stats.bytes_received += sum(t.nbytes for t, _ in recvs)
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    device = ops[0].tensor.device
-    if device.type != "cpu":
-        torch.accelerator.current_stream(device).synchronize()
+    _in_flight = InFlight(list(dist.batch_isend_irecv(ops)), [op.tensor for op in ops])
+    return _in_flight
+
+
+def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
+    """:func:`start_exchange`, then wait for it: collective over the ranks named, with the same
+    matching rules. On an accelerator the host waits until the bytes arrived, so a rank never
+    queues more than one batch and then idles inside a collective until the timeout while rank 0
+    reads a large checkpoint. Returns None on every rank; a rank with no ops returns at once
+    (after the exchange it had in flight)."""
+    start_exchange(sends, recvs)
+    settle()
 
 
 BATCH_BYTES = 256 << 20  # bytes one exchange batch moves at most (unless one block alone is larger)
@@ -345,7 +400,8 @@ def batches(nbytes: dict[K, int], *, limit: int | None = None) -> list[list[K]]:
     ``limit`` bytes (default :data:`BATCH_BYTES`; a larger block gets a batch of its own).
 
     Identical on every rank given the same ``nbytes``: rank 0 takes part in every batch, each
-    other rank in its own one, so rank 0 holds at most one batch of staged blocks."""
+    other rank in its own one, so rank 0 holds at most two batches of staged blocks (the one in
+    flight and the next, :class:`~shardtune.state_dict.blocks.SendBuffer`)."""
     limit = BATCH_BYTES if limit is None else limit
     groups: list[list[K]] = []
     total = 0
@@ -367,6 +423,7 @@ def full_tensor(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if not isinstance(tensor, DTensor):
         return tensor
     local = to_transfer(tensor._local_tensor, device)
+    settle()
     moved = DTensor.from_local(
         local, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
     )

@@ -7,7 +7,8 @@ a rank's blocks of all the parts travel in one exchange, split only where they p
 :data:`comm.BATCH_BYTES`, with several ranks per exchange of rank 0 (:func:`comm.batches`),
 in part order on both sides. A receiver takes each block straight into its place in its
 local tensor where that place is contiguous on the transfer device, the rest into one buffer
-copied after. Rank 0 stages at most one batch (its
+copied after. Rank 0 stages each batch while the one before is in flight and reads its own
+blocks while the last one is, so it holds at most two batches (its
 :class:`~shardtune.state_dict.blocks.SendBuffer`); a part it cannot read is sent as zeros and
 its error kept under the part's name, to be raised on every rank at the end.
 """
@@ -59,9 +60,9 @@ def scatter_parts(
     for batch in comm.batches(sizes):
         to = [(r, i, piece) for r, j in batch for i, piece, _ in runs[(r, j)]]
         outgoing = [(files.get(parts[i].name), piece, parts[i].name) for _, i, piece in to]
-        sent = send_buffer.blocks(outgoing, dtype=local.dtype, device=transfer_device, on_error=on_error)
-        comm.exchange([(block, r) for block, (r, _, _) in zip(sent, to)], [])
-    for i, piece, slices in _blocks(parts, layout.piece(0)):
+        dsts = [r for r, _, _ in to]
+        send_buffer.send(outgoing, dsts, dtype=local.dtype, device=transfer_device, on_error=on_error)
+    for i, piece, slices in _blocks(parts, layout.piece(0)):  # read while the last batch is in flight
         with on_error.guard(parts[i].name):
             fill_block(files.get(parts[i].name), piece.slices, local[slices].squeeze(parts[i].squeeze))
 

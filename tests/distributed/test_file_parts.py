@@ -257,6 +257,42 @@ def test_rank0_load_stages_at_most_one_block_per_batch(pool2):
     assert many[1]["counts"]["batch_isend_irecv"] == 1 + 9 + 9  # router, 9 up_proj parts, 9 down_proj halves
 
 
+def _rank0_staging(experts: int, dim: int):
+    """Rank-0 load of per-expert tensors held in host memory (every block staged), one block per
+    batch: after each batch rank 0 stages, the room that batch needed and the staging memory held."""
+    from shardtune.state_dict import blocks, comm, load_from_full_model_state_dict
+
+    files = _per_expert(_full(experts))
+    given = files if dist.get_rank() == 0 else {}
+    model = _sharded(experts, dim)
+    needed, held = [], []
+    reserve, saved_limit = blocks.SendBuffer.reserve, comm.BATCH_BYTES
+
+    def record(self, sizes, device):
+        reserve(self, sizes, device)
+        needed.append(sum(-(-n // blocks.SendBuffer._ALIGN) * blocks.SendBuffer._ALIGN for n in sizes))
+        held.append(self.nbytes)
+
+    blocks.SendBuffer.reserve, comm.BATCH_BYTES = record, 1
+    try:
+        with nccl_rules() as rules:
+            rules.host(given)
+            load_from_full_model_state_dict(model, given, "cpu", strict=True)
+    finally:
+        blocks.SendBuffer.reserve, comm.BATCH_BYTES = reserve, saved_limit
+    return {"needed": needed, "held": held}
+
+
+def test_rank0_load_stages_at_most_two_batches(pool2):
+    """Rank 0 stages the next batch while the last is in flight: its staging memory holds two
+    batches' rooms, never more (the largest, twice), and none on the receiving rank."""
+    res = pool2.run_ok(_rank0_staging, 9, 1)
+    needed, held = res[0]["needed"], res[0]["held"]
+    assert len(needed) == 1 + 9 + 9  # router, up_proj parts, down_proj halves: one batch each
+    assert max(needed) < max(held) <= 2 * max(needed)
+    assert res[1] == {"needed": [], "held": []}
+
+
 def _rank0_part_fails():
     from shardtune.state_dict import load_from_full_model_state_dict
     from tests.distributed.test_errors import _FailingSlice  # a truncated file: fails on read

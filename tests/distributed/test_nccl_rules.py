@@ -50,6 +50,16 @@ def _broken(rule: str):
         elif rule == "host_full_tensor":
             rules.host(model)
             model.layers[0].norm.full_tensor()  # a functional all-gather of the offloaded local tensor
+        elif rule == "two_in_flight":
+            peer, op = 1 - dist.get_rank(), dist.isend if dist.get_rank() == 0 else dist.irecv
+            first = dist.batch_isend_irecv([dist.P2POp(op, torch.zeros(4), peer)])
+            second = dist.batch_isend_irecv([dist.P2POp(op, torch.zeros(4), peer)])  # queued behind the first
+            for work in first + second:
+                work.wait()
+        elif rule == "left_in_flight":
+            comm.start_exchange([(torch.zeros(4), 1)], []) if dist.get_rank() == 0 else comm.exchange(
+                [], [(torch.zeros(4), 0)]
+            )
 
 
 @pytest.mark.parametrize(
@@ -59,12 +69,19 @@ def _broken(rule: str):
         ("uint16", "dtype torch.uint16"),
         ("host_all_gather", "all_gather: a torch.float32 tensor of shape (128, 256) is host memory"),
         ("host_full_tensor", "funcol.all_gather_into_tensor: a torch.float32 tensor"),
+        ("two_in_flight", "batch_isend_irecv started while an exchange is in flight"),
     ],
 )
 def test_harness_catches_each_broken_rule(pool2, rule, words):
     outcomes = pool2.run(_broken, rule, timeout=60)
     assert all(not o.ok and o.error.startswith("NcclRuleError") for o in outcomes), [o.error for o in outcomes]
     assert words in outcomes[0].error
+
+
+def test_harness_catches_an_exchange_left_in_flight(pool2):
+    outcomes = pool2.run(_broken, "left_in_flight", timeout=60)
+    assert outcomes[1].ok and not outcomes[0].ok  # rank 0 returned with its send in flight
+    assert "an exchange is still in flight at the end of the block" in outcomes[0].error
 
 
 def _allowed_forms():
@@ -360,3 +377,31 @@ def test_one_rank_per_batch_on_an_hsdp_mesh(pool4):
     assert res[0]["batches"] == res[0]["sharded"] * (3 + 1)
     assert res[1]["batches"] == 2 * res[1]["sharded"]  # rank 1: one receive, and one send of its distinct shard
     assert all(r["batches"] == r["sharded"] for r in res[2:])  # replicas: one receive, nothing to send
+
+
+def _read_ahead():
+    """Rank-0 load from a state dict in host memory (so every block is staged), under the rules."""
+    sd = toy.full_state_dict(seed=25)
+    model = toy.build_sharded(meta=True)
+    given = sd if dist.get_rank() == 0 else {}
+    with nccl_rules() as rules:
+        rules.host(given)
+        load_from_full_model_state_dict(model, given, "cpu", strict=True)
+    out = gather_cpu_state_dict(model, dist.get_rank() == 0)
+    sharded = sum(1 for p in model.parameters() if p.placements[-1].is_shard())
+    result = {"ahead": rules.ahead, "batches": rules.counts["batch_isend_irecv"], "sharded": sharded}
+    if dist.get_rank() == 0:
+        result["mismatched"] = [k for k in sd if not torch.equal(out[k], sd[k])]
+    return result
+
+
+def test_rank0_reads_ahead_with_one_batch_in_flight(pool2):
+    """Rank 0 stages the next tensor's batch and reads its own blocks while the last batch is in
+    flight (tensor ops run between a batch's start and its wait), yet never has two batches in
+    flight nor another collective behind one (the rules above); the values equal the state dict.
+    (Several batches per tensor: test_one_rank_per_batch_on_an_hsdp_mesh, under the same rules.)"""
+    res = pool2.run_ok(_read_ahead)
+    assert res[0]["mismatched"] == []
+    assert res[0]["batches"] == res[1]["batches"] == res[0]["sharded"]  # one per sharded tensor at 2 ranks
+    assert res[0]["ahead"] >= res[0]["batches"]  # at least one op (a copy) behind each batch
+    assert res[1]["ahead"] == 0  # receivers wait for their bytes
