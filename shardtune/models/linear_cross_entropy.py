@@ -81,26 +81,45 @@ def _through_softcap(grad: Tensor, capped: Tensor | None) -> Tensor:
     return grad if capped is None else grad.mul_(1 - capped * capped)
 
 
-def _log_normalizer_and_softmax(z: Tensor) -> tuple[Tensor, Tensor]:
-    """``logsumexp(z)`` per row and ``softmax(z)`` written over ``z``: no second ``[n, vocab]``
-    tensor (``torch.logsumexp`` would make one)."""
+# On the CPU a chunk's logits are normalized in blocks of rows this large: the block stays in cache
+# across the normalizer's passes (max, subtract, exp, sum, scale) instead of streaming the whole
+# chunk through memory five times. Devices (and compiled graphs) fuse or parallelize the passes.
+_CPU_BLOCK_BYTES = 4 << 20
+
+
+def _log_normalizer_and_softmax(z: Tensor, row_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``logsumexp(z)`` per row and ``softmax(z)`` (times ``row_scale`` per row when given) written
+    over ``z``: no second ``[n, vocab]`` tensor (``torch.logsumexp`` would make one)."""
+    rows = max(1, _CPU_BLOCK_BYTES // max(1, z.shape[1] * z.element_size()))
+    if z.device.type != "cpu" or rows >= z.shape[0] or torch.compiler.is_compiling():
+        return _normalized(z, row_scale)
+    lse = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
+    for start in range(0, z.shape[0], rows):
+        block = slice(start, start + rows)
+        lse[block] = _normalized(z[block], None if row_scale is None else row_scale[block])[0]
+    return lse, z
+
+
+def _normalized(z: Tensor, row_scale: Tensor | None) -> tuple[Tensor, Tensor]:
     top = z.amax(dim=-1, keepdim=True)
     exp = z.sub_(top).exp_()
     total = exp.sum(dim=-1, keepdim=True)
-    return (top + total.log()).squeeze(1), exp.div_(total)
+    lse = (top + total.log()).squeeze(1)
+    return lse, exp.div_(total) if row_scale is None else exp.mul_(row_scale.unsqueeze(1) / total)
 
 
 def _loss_and_logit_grad(logits: Tensor, labels: Tensor, softcap: float | None, ignore_index: int):
     """Summed cross-entropy of ``logits`` ``[n, vocab]`` and its gradient with respect to them
-    (before soft-capping), fp32; the gradient reuses the fp32 logits' memory when it can."""
+    (before soft-capping), fp32; the gradient reuses the fp32 logits' memory when it can. Ignored
+    rows' softmax is zeroed in the normalization itself, not by a pass of its own."""
     z, capped = _softcapped(logits, softcap)
     valid = labels != ignore_index
     target = labels.clamp(min=0).unsqueeze(1)  # ignored rows read any column, then count zero
     target_logit = z.gather(1, target).squeeze(1)
-    lse, grad = _log_normalizer_and_softmax(z)
+    lse, grad = _log_normalizer_and_softmax(z, valid.to(z.dtype))
     loss = ((lse - target_logit) * valid).sum()
     grad.scatter_add_(1, target, -valid.unsqueeze(1).to(grad.dtype))
-    return loss, _through_softcap(grad.mul_(valid.unsqueeze(1)), capped)
+    return loss, _through_softcap(grad, capped)
 
 
 def _distillation_and_logit_grad(

@@ -214,17 +214,19 @@ def _step(
 def _scale_grads(model: torch.nn.Module, global_tokens: torch.Tensor) -> None:
     """Turn summed per-token gradients into the global-token mean (FSDP already divided by world).
 
-    The factor stays a tensor on the device of the reduced token count: no host round trip."""
+    The factor stays a tensor on the device of the reduced token count: no host round trip. One
+    ``_foreach_mul_`` per device the gradients live on (CPU-offloaded ones: one copy of the factor),
+    not one multiplication per parameter."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     # A division of two float64 tensors, bitwise Python's ``world / max(tokens, 1.0)``.
     factor = torch.full_like(global_tokens, world).div_(global_tokens.clamp(min=1.0))
-    factors = {factor.device: factor}  # CPU-offloaded gradients: one copy of the factor, not one per param
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
     for p in model.parameters():
         if p.grad is not None:
             local = local_tensor(p.grad)
-            if local.device not in factors:
-                factors[local.device] = factor.to(local.device)
-            local.mul_(factors[local.device])
+            by_device.setdefault(local.device, []).append(local)
+    for device, grads in by_device.items():
+        torch._foreach_mul_(grads, factor.to(device))
 
 
 def _fetch(values: torch.Tensor) -> list[float]:

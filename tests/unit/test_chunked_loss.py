@@ -294,3 +294,51 @@ def test_several_losses_over_a_trainable_head_do_not_fuse():
         head = head_for_several_losses(LinearHead(weight.detach()))
         chunked_cross_entropy(hidden, head, labels, chunk_tokens=16).backward()
     assert frozen.flops == 2 * TOKENS * DIM * VOCAB
+
+
+class OpCount(TorchDispatchMode):
+    """Counts calls of one aten op."""
+
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.op, self.calls = op, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is self.op
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("kd_ratio", "softcap"), [(None, None), (None, 3.0), (0.5, None)])
+def test_linear_head_normalized_in_row_blocks_on_cpu_equals_full_logits(monkeypatch, kd_ratio, softcap):
+    """On the CPU each chunk's softmax is made in blocks of rows (here 3 rows, and a shorter last block
+    per chunk; ignored rows fall inside blocks): loss and gradients still
+    equal the full-logits computation, for cross-entropy and distillation."""
+    from shardtune.models import linear_cross_entropy
+
+    monkeypatch.setattr(linear_cross_entropy, "_CPU_BLOCK_BYTES", 3 * VOCAB * 4)
+    hidden, weight, bias, labels = _linear_head_inputs()
+    teacher_hidden, teacher_weight, _ = _inputs(seed=1)
+    teacher_weight = teacher_weight.detach()
+    student = F.linear(hidden, weight, bias)
+    if softcap is not None:
+        student = torch.tanh(student / softcap) * softcap
+    student, flat_labels = student.reshape(-1, VOCAB), labels.reshape(-1)
+    want = F.cross_entropy(student, flat_labels, reduction="sum")
+    head = LinearHead(weight, bias, softcap)
+    if kd_ratio is not None:
+        teacher = (teacher_hidden @ teacher_weight.T).reshape(-1, VOCAB)
+        per_token = (F.softmax(teacher, -1) * F.log_softmax(student, -1)).sum(-1)
+        want = (1 - kd_ratio) * want + kd_ratio * -(per_token * (flat_labels != -100)).sum()
+    teacher_head = functools.partial(F.linear, weight=teacher_weight)
+    with OpCount(torch.ops.aten.amax.default) as maxima:
+        if kd_ratio is None:
+            got = chunked_cross_entropy(hidden, head, labels, chunk_tokens=16)
+        else:
+            got = chunked_distillation_loss(
+                hidden, head, teacher_hidden, teacher_head, labels, kd_ratio=kd_ratio, chunk_tokens=16
+            )
+        grads = _grads(got, hidden, weight, bias)
+    assert maxima.calls == 4 * 6 + 4  # 74 rows: 4 chunks of 16 rows (blocks 3, 3, 3, 3, 3, 1), then 10 (3, 3, 3, 1)
+    _close(got, want)
+    for g, w in zip(grads, _grads(want, hidden, weight, bias), strict=True):
+        _close(g, w)
