@@ -1,0 +1,97 @@
+"""Expert parallelism (``expert_parallel``) on 4 gloo ranks against transformers in one process: the loss
+and every gradient of a tiny Qwen3-MoE (E=8, 2I != H), each rank its own batch, with expert_parallel=2
+equal to expert_parallel=1; gradient clipping over both meshes against ``clip_grad_norm_`` on the
+unsharded model; the all-to-all path under NCCL's rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from shardtune.distributed import make_mesh, shard_model
+from shardtune.models import from_hf_config
+from shardtune.training.grad_norm import clip_grad_norm
+from tests.nccl_rules import nccl_rules
+
+pytestmark = pytest.mark.timeout(240)
+
+MAX_NORM = 0.05  # below the gradient norm: clipping scales every gradient
+SMALL = {"num_hidden_layers": 2, "mlp_only_layers": [1]}  # a sparse layer, then a dense one
+
+
+def _sharded_step(hf, degree: int, *, replicate: int = 1) -> dict:
+    """Loss, pre-clip norm, clipped full gradients (rank 0) and placements of one step with ``degree``."""
+    from tests.unit.test_models_moe import _loss, batch
+
+    model = from_hf_config(hf.config.to_dict())
+    model.load_state_dict(hf.state_dict(), strict=True)
+    shard_model(model, mesh=make_mesh(replicate=replicate, expert_parallel=degree))
+    tokens, mask, labels = batch(seed=1 + dist.get_rank())  # each rank its own tokens, routed unevenly
+    with nccl_rules() as rules:
+        rules.host(tokens, mask, labels)
+        loss = _loss(model, tokens, mask, labels, hf.config.router_aux_loss_coef)[0]
+        loss.backward()
+        norm = clip_grad_norm(model.parameters(), MAX_NORM)
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    expert = model.model.layers[0].mlp.experts.gate_up_proj
+    return {
+        "loss": loss.item(),
+        "norm": norm.item(),
+        "grads": grads if dist.get_rank() == 0 else None,
+        "placements": tuple(expert.placements),
+        "local": tuple(expert._local_tensor.shape),
+        "mesh": tuple(expert.device_mesh.mesh_dim_names or ()),
+        "all_to_all": rules.counts["all_to_all_single"] + rules.counts["funcol.all_to_all_single"],
+    }
+
+
+def _ep_and_dp() -> dict:
+    from tests.unit.test_models_moe import hf_moe_model
+
+    hf = hf_moe_model("qwen3_moe", **SMALL)
+    return {"dp": _sharded_step(hf, 1), "ep": _sharded_step(hf, 2), "hsdp": _sharded_step(hf, 2, replicate=2)}
+
+
+def _reference(ranks: int) -> tuple[list[float], dict[str, torch.Tensor], float]:
+    """transformers in one process: each rank's loss, and the clipped gradients of their mean."""
+    from tests.unit.test_models_moe import batch, hf_moe_model
+
+    hf = hf_moe_model("qwen3_moe", **SMALL)
+    losses = []
+    for rank in range(ranks):
+        tokens, mask, labels = batch(seed=1 + rank)
+        out = hf(tokens, attention_mask=mask, labels=labels, output_router_logits=True)
+        (out.loss / ranks).backward()
+        losses.append(out.loss.item())
+    norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), MAX_NORM).item()
+    return losses, {n: p.grad for n, p in hf.named_parameters()}, norm
+
+
+def _rel(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got - expected).abs().max() / expected.abs().max()).item()
+
+
+def test_expert_parallel_equals_data_parallel_and_transformers(pool4):
+    res = pool4.run_ok(_ep_and_dp, timeout=200)
+    losses, hf_grads, hf_norm = _reference(4)
+    for rank, r in enumerate(res):
+        for kind in ("dp", "ep", "hsdp"):
+            assert abs(r[kind]["loss"] - losses[rank]) < 1e-5 * abs(losses[rank]), (rank, kind, r[kind]["loss"])
+            assert abs(r[kind]["norm"] - hf_norm) < 1e-5 * hf_norm, (rank, kind, r[kind]["norm"], hf_norm)
+            assert abs(r[kind]["loss"] - r["dp"]["loss"]) <= 1e-5 * abs(r["dp"]["loss"]), (rank, kind)
+        # efsdp=2 divides an ep rank's 4 experts: FSDP2 on the expert dim, strided over ep's blocks
+        assert r["ep"]["placements"] == (_StridedShard(0, split_factor=2), Shard(0)), r["ep"]["placements"]
+        assert r["ep"]["local"] == (2, 48, 64) and r["ep"]["mesh"] == ("efsdp", "ep"), r["ep"]
+        # HSDP: 2 replicas of (efsdp=1, ep=2); each rank holds its ep block's 4 experts
+        assert r["hsdp"]["local"] == (4, 48, 64) and r["hsdp"]["mesh"] == ("replicate", "efsdp", "ep"), r["hsdp"]
+        # the sparse layer: counts, rows out, rows back in forward, two more in backward
+        assert r["ep"]["all_to_all"] == 5 and r["dp"]["all_to_all"] == 0, r
+    dp = res[0]["dp"]["grads"]
+    assert sorted(dp) == sorted(hf_grads)
+    for kind in ("ep", "hsdp"):
+        for name, grad in res[0][kind]["grads"].items():
+            assert _rel(grad, dp[name]) < 1e-5, (kind, name)  # expert parallel == data parallel, fp32
+            assert _rel(grad, hf_grads[name]) < 1e-4, (kind, name)  # == transformers (its own kernels)
