@@ -4,8 +4,9 @@ Rule: with ``expert_parallel = ep > 1`` the world mesh is ``(efsdp, ep)`` (``(re
 ep)`` under HSDP), ``ep`` the fastest-varying dim so that an expert group is neighbouring ranks
 (one node). Dense params are FSDP2-sharded over every shard rank (a mesh ``shard`` or
 ``(replicate, shard)`` over the same ranks in the same order, rank ``f * ep + j`` of a replica
-being ``(efsdp f, ep j)``, built beside it: :func:`dense_mesh`); expert params become DTensors ``Shard(0)`` on ``ep`` (ep rank ``j`` holds
-global experts ``j * E/ep ... (j + 1) * E/ep - 1``), then FSDP2 shards each rank's E/ep experts
+being ``(efsdp f, ep j)``, built beside it: :func:`dense_mesh`). Expert params become DTensors
+``Shard(0)`` on ``ep`` (ep rank ``j`` holds global experts ``j * E/ep ... (j + 1) * E/ep - 1``),
+then FSDP2 shards each rank's E/ep experts
 over ``efsdp`` (on the expert dim when ``efsdp`` divides E/ep, else the next one:
 ``moe.expert_shard_placement``). An expert's gradient sums the tokens of every rank (the
 all-to-all's backward within an expert group, FSDP2's reduction across groups); it is divided
@@ -23,10 +24,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from shardtune.models.moe import Experts
+from shardtune.state_dict.layout import EP_DIM
 
 __all__ = ["dense_mesh", "distribute_experts", "ep_degree", "expert_mesh", "experts_fsdp_mesh", "mark_expert_unit"]
 
-EP_DIM = "ep"
 _DENSE: weakref.WeakKeyDictionary[DeviceMesh, DeviceMesh] = weakref.WeakKeyDictionary()
 
 
@@ -38,7 +39,8 @@ def expert_mesh(*, world: int, replicate: int, expert_parallel: int, device: str
             f"expert_parallel={expert_parallel} must divide the {shard} data-parallel shard ranks "
             f"(world size {world} / data_parallel_replicate {replicate}); set expert_parallel to a divisor of {shard}"
         )
-    dims, names = (shard // expert_parallel, expert_parallel), ("efsdp", EP_DIM)
+    dims: tuple[int, ...] = (shard // expert_parallel, expert_parallel)
+    names: tuple[str, ...] = ("efsdp", EP_DIM)
     dense_dims: tuple[int, ...] = (shard,)
     dense_names: tuple[str, ...] = ("shard",)
     if replicate > 1:

@@ -122,6 +122,13 @@ def _check_parallelism(cfg: Config, *, device: torch.device, world: int) -> None
             f"data_parallel_replicate={cfg.data_parallel_replicate} does not divide the world size {world}; "
             "set it to a divisor (e.g. the number of nodes) or 1"
         )
+    shard = world // cfg.data_parallel_replicate
+    if shard % cfg.expert_parallel:
+        raise ValueError(
+            f"expert_parallel={cfg.expert_parallel} does not divide the {shard} data-parallel shard ranks (world size "
+            f"{world} / data_parallel_replicate {cfg.data_parallel_replicate}); set expert_parallel to a divisor of "
+            f"{shard} (1: no expert parallelism)"
+        )
 
 
 def _agree_on_config(cfg: Config) -> None:
@@ -214,7 +221,9 @@ def build_model(
             )
     shard_model(
         model,
-        mesh=make_mesh(replicate=cfg.data_parallel_replicate, device=run.device.type),
+        mesh=make_mesh(
+            replicate=cfg.data_parallel_replicate, expert_parallel=cfg.expert_parallel, device=run.device.type
+        ),
         cpu_offload=cfg.fsdp_cpu_offload,
         reshard_after_forward=cfg.reshard_after_forward,
         activation_checkpointing=cfg.enable_activation_checkpointing,
