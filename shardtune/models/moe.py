@@ -141,7 +141,8 @@ class Experts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """Router plus experts of sparse layer ``layer_idx``: each token's output is the routing-weighted
-    sum of its top-k experts' outputs."""
+    sum of its top-k experts' outputs. Under expert parallelism (the experts' ``ep_group`` set) its
+    forward and backward are collective over that group: every rank of it runs each layer alike."""
 
     def __init__(self, args: ModelArgs, layer_idx: int, *, device=None, dtype=None) -> None:
         super().__init__()

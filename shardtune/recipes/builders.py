@@ -122,13 +122,6 @@ def _check_parallelism(cfg: Config, *, device: torch.device, world: int) -> None
             f"data_parallel_replicate={cfg.data_parallel_replicate} does not divide the world size {world}; "
             "set it to a divisor (e.g. the number of nodes) or 1"
         )
-    shard = world // cfg.data_parallel_replicate
-    if shard % cfg.expert_parallel:
-        raise ValueError(
-            f"expert_parallel={cfg.expert_parallel} does not divide the {shard} data-parallel shard ranks (world size "
-            f"{world} / data_parallel_replicate {cfg.data_parallel_replicate}); set expert_parallel to a divisor of "
-            f"{shard} (1: no expert parallelism)"
-        )
 
 
 def _agree_on_config(cfg: Config) -> None:

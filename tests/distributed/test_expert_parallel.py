@@ -143,3 +143,50 @@ def test_checkpoints_with_expert_parallel_are_refused_on_every_rank(pool4, tmp_p
             assert error.startswith(("StateDictError", "CheckpointError")), (name, error)
             assert "expert-parallel mesh" in error and "set expert_parallel=1" in error, (name, error)
     assert not list(tmp_path.rglob("*.safetensors")) and not list(tmp_path.rglob("*.distcp"))
+
+
+def _sharding_refused() -> dict[str, str]:
+    """shard_model with expert_parallel on what it does not run with yet; what each raised on this rank."""
+    from shardtune.models import build_model
+    from shardtune.peft import apply_lora
+    from tests.unit.test_models_moe import moe_config
+
+    def moe(**changes):
+        with torch.device("meta"):
+            return from_hf_config(moe_config("qwen3_moe", **SMALL, **changes).to_dict())
+
+    def lora_on_experts():
+        model = moe()
+        apply_lora(model, rank=2, alpha=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])
+        return model
+
+    with torch.device("meta"):
+        dense = build_model("tiny", dtype=torch.float32)
+    cases = {
+        "dense": lambda: shard_model(dense, mesh=make_mesh(expert_parallel=2)),
+        "experts": lambda: shard_model(moe(num_experts=6), mesh=make_mesh(expert_parallel=4)),
+        "ranks": lambda: make_mesh(expert_parallel=3),
+        "lora": lambda: shard_model(lora_on_experts(), mesh=make_mesh(expert_parallel=2)),
+        "offload": lambda: shard_model(moe(), mesh=make_mesh(expert_parallel=2), cpu_offload=True),
+    }
+    raised = {}
+    for name, call in cases.items():
+        try:
+            call()
+            raised[name] = ""
+        except ValueError as exc:
+            raised[name] = str(exc)
+    return raised
+
+
+def test_unsupported_expert_parallel_setups_are_refused_by_name(pool4):
+    expected = {
+        "dense": "needs a mixture-of-experts model",
+        "experts": "expert_parallel=4 does not divide the model's 6 experts; set expert_parallel to a divisor of 6",
+        "ranks": "expert_parallel=3 must divide the 4 data-parallel shard ranks",
+        "lora": "not supported with LoRA or QLoRA on experts",
+        "offload": "not supported with fsdp_cpu_offload yet; set fsdp_cpu_offload=false",
+    }
+    for r in pool4.run_ok(_sharding_refused, timeout=120):
+        for name, text in expected.items():
+            assert text in r[name] and "expert_parallel" in r[name], (name, r[name])

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from shardtune.training import loop, step_loss
-from tests.unit.checkpointer_stubs import NoCheckpoints
-from tests.unit.test_loop_scaling import _Rows, _Sampler
+from shardtune.training import step_loss
+from tests.unit.test_loop_scaling import _one_step
 from tests.unit.test_models_moe import batch, hf_moe_model, ours_from
 
 
@@ -37,21 +36,8 @@ def test_step_logs_tokens_per_expert_min_max_mean():
     hf = hf_moe_model("qwen3_moe")
     model, batches = ours_from(hf), _batches()
     expected = _expected(hf, batches)
-    rows = _Rows()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    loop.run_training(
-        loop.Training(
-            model=model,
-            loader=batches,
-            sampler=_Sampler(),
-            optimizer=optimizer,
-            lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
-            checkpointer=NoCheckpoints(),
-        ),
-        loss_fn=step_loss.next_token_loss(model, device=torch.device("cpu")),
-        logger=rows,
-        settings=loop.LoopSettings(epochs=1, gradient_accumulation_steps=2),
-    )
+    loss_fn = step_loss.next_token_loss(model, device=torch.device("cpu"))
+    rows = _one_step(model, batches, loss_fn=loss_fn, accumulate=len(batches))
     row = rows.rows[0]
     assert expected.min() < expected.max()  # the tiny router is unbalanced: min and max differ
     assert row["tokens_per_expert_min"] == expected.min().item()
