@@ -16,9 +16,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from shardtune import expert_parallel as ep
 from shardtune.activation_checkpointing import checkpointed
 from shardtune.launch_checks import check_launch
-from shardtune.models.moe import expert_shard_placement
+from shardtune.models.moe import Experts, expert_shard_placement
 from shardtune.state_dict.nf4 import is_nf4_experts, is_quantized
 
 log = logging.getLogger(__name__)
@@ -76,12 +77,15 @@ def init_distributed(*, backend: str | None = None, timeout_s: float = 600.0) ->
     return dist.get_rank(), dist.get_world_size()
 
 
-def make_mesh(*, replicate: int = 1, device: str | None = None) -> DeviceMesh:
-    """A 1-D mesh over all ranks, or a 2-D (replicate, shard) mesh for HSDP when ``replicate > 1``."""
+def make_mesh(*, replicate: int = 1, expert_parallel: int = 1, device: str | None = None) -> DeviceMesh:
+    """A 1-D mesh over all ranks, or a 2-D (replicate, shard) mesh for HSDP when ``replicate > 1``;
+    with ``expert_parallel > 1`` the expert-parallel mesh of :func:`shardtune.expert_parallel.expert_mesh`."""
     world = dist.get_world_size()
     kind = device or device_type()
     if replicate < 1 or world % replicate:
         raise ValueError(f"replicate={replicate} must be a positive divisor of the world size {world}")
+    if expert_parallel != 1:
+        return ep.expert_mesh(world=world, replicate=replicate, expert_parallel=expert_parallel, device=kind)
     if replicate == 1:
         return init_device_mesh(kind, (world,), mesh_dim_names=("shard",))
     return init_device_mesh(kind, (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
@@ -111,10 +115,9 @@ def _check_nf4_experts(
     ``placement``: the experts' placement as :func:`~shardtune.models.moe.expert_shard_placement`
     chose it for ``shard_ranks`` ranks (the one place that decides it)."""
     for name, p in model.named_parameters():
-        chosen = placement(p) if placement is not None else None
         if not is_nf4_experts(p):
             continue
-        if chosen != Shard(0):
+        if placement is None or placement(p) != Shard(0):
             raise ValueError(
                 f"{name}: NF4 experts are sharded on the expert dim only, and a shard group of {shard_ranks} ranks "
                 f"does not divide its {p.shape[0]} experts; use a world size (or data_parallel_replicate) whose "
@@ -164,17 +167,25 @@ def shard_model(
 
     Mixture-of-experts layers shard their experts on the expert dim when the shard dimension's
     size divides the number of experts, else on the next dim (``moe.expert_shard_placement``).
-    ``compile`` is refused for them (their routing record is not traced).
+    ``compile`` is refused for them (their routing record is not traced). An expert-parallel
+    ``mesh`` (``make_mesh(expert_parallel=...)``) splits the experts over its ``ep`` dim and
+    shards each experts module as its own unit (:mod:`shardtune.expert_parallel`).
     """
     mesh = mesh or make_mesh()
-    placement = expert_shard_placement(model, mesh.size(mesh.ndim - 1))
+    degree = ep.ep_degree(mesh)
+    dense = ep.dense_mesh(mesh) if degree > 1 else mesh
+    shard_ranks = dense.size(dense.ndim - 1)
+    placement = expert_shard_placement(model, shard_ranks)
     if compile and placement is not None:
         raise ValueError(
             "compile is not supported for mixture-of-experts models (qwen3_moe, mixtral) yet; set compile: false"
         )
-    _check_nf4_experts(model, placement, mesh.size(mesh.ndim - 1), cpu_offload=cpu_offload)
-    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    if mesh.size(mesh.ndim - 1) == 1:
+    if degree > 1:
+        _check_expert_parallel(model, placement is not None, cpu_offload=cpu_offload)
+        ep.distribute_experts(model, mesh)
+    _check_nf4_experts(model, placement, shard_ranks, cpu_offload=cpu_offload)
+    options: dict[str, Any] = {"mesh": dense, "reshard_after_forward": reshard_after_forward}
+    if shard_ranks == 1:
         options["ignored_params"] = {p for p in model.parameters() if is_quantized(p)}
     if cpu_offload:
         # Pinned host memory needs an accelerator; on a CPU mesh (gloo tests) the shards are plain CPU tensors.
@@ -188,10 +199,40 @@ def shard_model(
             layers[i] = layer
         if compile:
             layer.compile()
-        last = i == len(layers) - 1
-        fully_shard(layer, **_resharding(options, keep=last and not frozen), shard_placement_fn=placement)
+        keep = i == len(layers) - 1 and not frozen
+        if degree > 1:
+            _shard_experts(layer, mesh, _resharding(options, keep=keep))
+        fully_shard(layer, **_resharding(options, keep=keep), shard_placement_fn=placement)
     fully_shard(model, **_resharding(options, keep=not frozen))
     return model
+
+
+def _check_expert_parallel(model: nn.Module, has_experts: bool, *, cpu_offload: bool) -> None:
+    """Refuse, by name, what expert parallelism does not run with yet."""
+    if not has_experts:
+        raise ValueError(
+            "expert_parallel > 1 needs a mixture-of-experts model (qwen3_moe, mixtral); this model has no "
+            "experts: set expert_parallel=1"
+        )
+    if cpu_offload:
+        raise ValueError("expert_parallel > 1 is not supported with fsdp_cpu_offload yet; set fsdp_cpu_offload=false")
+    # LoRAExperts (peft/param_lora.py) subclasses Experts: adapters on experts are not split over ep yet
+    if any(isinstance(m, Experts) and type(m) is not Experts for m in model.modules()):
+        raise ValueError(
+            "expert_parallel > 1 is not supported with LoRA or QLoRA on experts (lora.target_parameters naming "
+            "mlp.experts.*) yet; set expert_parallel=1 or drop the experts from lora.target_parameters"
+        )
+
+
+def _shard_experts(layer: nn.Module, mesh: DeviceMesh, options: dict[str, Any]) -> None:
+    """Shard ``layer``'s experts (already DTensors on ``ep``) as their own FSDP2 unit over ``efsdp``."""
+    degree = ep.ep_degree(mesh)
+    experts_mesh = ep.experts_fsdp_mesh(mesh)
+    for module in [m for m in layer.modules() if isinstance(m, Experts)]:
+        shard_ranks = experts_mesh.size(experts_mesh.ndim - 1)
+        placement = expert_shard_placement(module, shard_ranks, expert_parallel=degree)
+        unit = fully_shard(module, **{**options, "mesh": experts_mesh}, shard_placement_fn=placement)
+        ep.mark_expert_unit(unit, data_parallel=mesh.size(), shard_ranks=shard_ranks, device_type=mesh.device_type)
 
 
 def _resharding(options: dict[str, Any], *, keep: bool) -> dict[str, Any]:

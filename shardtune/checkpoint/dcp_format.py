@@ -44,6 +44,7 @@ from shardtune.peft.lora import lora_config_of
 from shardtune.state_dict import comm
 from shardtune.state_dict.install import materialize_meta
 from shardtune.state_dict.keys import format_problems
+from shardtune.state_dict.layout import refuse_expert_parallel
 
 if TYPE_CHECKING:
     from shardtune.models.args import ModelArgs
@@ -136,6 +137,7 @@ class _WeightsOnlyPlanner(DefaultLoadPlanner):
 
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict:
+    refuse_expert_parallel(model.named_parameters())  # the same params on every rank: each raises alike
     if opt is None:
         model_sd, _ = get_state_dict(model, [], options=_OPTIONS)
         return {"model": model_sd}

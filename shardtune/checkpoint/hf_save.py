@@ -35,7 +35,7 @@ from shardtune.peft.param_lora import ParamAdapter, adapted_modules, factor_path
 from shardtune.state_dict import comm
 from shardtune.state_dict.agreement import model_signature
 from shardtune.state_dict.keys import ModelEntry, clean_fqn, model_entries
-from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor, unsupported_placement
+from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor, placement_problem
 from shardtune.state_dict.parts import Part, part_layout, read_as_parts, tiling_problem
 
 __all__ = ["EXPERT_LAYOUTS", "HFSaveOptions", "LoRAMerge", "plan_hf_checkpoint", "save_hf_checkpoint"]
@@ -271,9 +271,9 @@ def _plan_items(
         if local_tensor(entry.tensor).is_meta:
             problems.append(f"{fqn}: still on the meta device; load or initialize the weights before saving")
             continue
-        placement = unsupported_placement(tuple(getattr(entry.tensor, "placements", ())))
-        if placement is not None:
-            problems.append(f"{fqn}: placement {placement} is not supported; use Shard(d) or Replicate")
+        problem = placement_problem(fqn, entry.tensor)
+        if problem is not None:
+            problems.append(problem)
             continue
         try:
             layout = layout_of(entry.tensor, world)

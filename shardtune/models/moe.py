@@ -11,6 +11,9 @@ The load-balancing loss is :mod:`shardtune.models.moe_aux`'s.
 
 FSDP2 shards the experts on the expert dim when the shard group's size divides E, else on
 the next one (torchtitan's rule), chosen once per model: :func:`expert_shard_placement`.
+Under expert parallelism (:mod:`shardtune.expert_parallel`) the experts module holds its ep
+rank's E/ep experts and its ``ep_group``; the sorted rows then travel to the ranks holding
+their experts and back (:mod:`shardtune.models.moe_dispatch`).
 
 On disk (:mod:`shardtune.state_dict.parts`): a fused checkpoint holds the runtime keys; transformers'
 default save holds each expert's ``gate``/``up``/``down`` weights (:data:`PER_EXPERT_NAMES`, Mixtral
@@ -25,11 +28,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from shardtune.models.moe_aux import Routing
+from shardtune.models.moe_dispatch import experts_over_ranks
 from shardtune.models.moe_kernels import expert_kernel
 from shardtune.state_dict.layout import Piece
 from shardtune.state_dict.parts import Part, stacked_parts
@@ -114,11 +119,13 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, dim, **kw))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, intermediate, **kw))
         self.act: Callable[[Tensor], Tensor] = F.silu if act == "silu" else lambda t: F.gelu(t, approximate="tanh")
+        self.ep_group: dist.ProcessGroup | None = None  # expert parallel: the ranks sharing the experts
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        """``x [N, H]`` sorted by expert, ``counts [E]`` rows per expert -> ``[N, H]``."""
+        """``x [N, H]`` sorted by expert, ``counts [E_local]`` rows per expert (this rank's experts under
+        expert parallelism, whose weights are then DTensors on ``ep``) -> ``[N, H]``."""
         kernel = expert_kernel(x.device, x.dtype)
-        return kernel(x, counts, self.gate_up_proj, self.down_proj, self.act)
+        return kernel(x, counts, _local(self.gate_up_proj), _local(self.down_proj), self.act)
 
     def file_parts(self, prefix: str, name: str, shape: tuple[int, ...]) -> list[Part] | None:
         """transformers' per-expert file tensors of ``gate_up_proj`` (expert ``e``'s gate rows, then
@@ -134,7 +141,8 @@ class Experts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """Router plus experts of sparse layer ``layer_idx``: each token's output is the routing-weighted
-    sum of its top-k experts' outputs."""
+    sum of its top-k experts' outputs. Under expert parallelism (the experts' ``ep_group`` set) its
+    forward and backward are collective over that group: every rank of it runs each layer alike."""
 
     def __init__(self, args: ModelArgs, layer_idx: int, *, device=None, dtype=None) -> None:
         super().__init__()
@@ -172,7 +180,11 @@ class SparseMoeBlock(nn.Module):
         order = torch.argsort(chosen, stable=True)
         counts = torch.zeros(self.experts.num_experts, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, chosen, torch.ones_like(chosen))  # no bincount: its size would need a host sync
-        y = self.experts(flat[order // self.top_k], counts)
+        rows = flat[order // self.top_k]
+        if self.experts.ep_group is None:
+            y = self.experts(rows, counts)
+        else:
+            y = experts_over_ranks(self.experts, rows, counts, group=self.experts.ep_group)
         y = (y * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
         out = y[torch.argsort(order)].view(-1, self.top_k, dim).sum(dim=1)
         if routing is not None:
@@ -180,15 +192,24 @@ class SparseMoeBlock(nn.Module):
         return out.view(b, s, dim)
 
 
-def expert_shard_placement(model: nn.Module, shard_ranks: int) -> Callable[[nn.Parameter], Shard | None] | None:
+def _local(param: Tensor) -> Tensor:
+    """This rank's experts of an expert-parallel weight (differentiably), the weight itself otherwise."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def expert_shard_placement(
+    model: nn.Module, shard_ranks: int, *, expert_parallel: int = 1
+) -> Callable[[nn.Parameter], Shard | None] | None:
     """FSDP2's ``shard_placement_fn`` for ``model``'s experts over ``shard_ranks`` ranks (None: no experts).
 
-    ``Shard(0)`` (whole experts per rank) when ``shard_ranks`` divides E, else ``Shard(1)``;
-    every other param keeps FSDP2's default ``Shard(0)``."""
+    ``Shard(0)`` (whole experts per rank) when ``shard_ranks`` divides the experts each rank
+    holds (E, or E / ``expert_parallel``), else ``Shard(1)``; every other param keeps FSDP2's
+    default ``Shard(0)``."""
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     if not experts:
         return None
-    placement = Shard(0) if experts[0].num_experts % shard_ranks == 0 else Shard(1)
+    held = experts[0].num_experts // expert_parallel
+    placement = Shard(0) if held % shard_ranks == 0 else Shard(1)
     ids = {id(p) for m in experts for p in m.parameters(recurse=False)}
     return lambda p: placement if id(p) in ids else None
 

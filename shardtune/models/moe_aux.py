@@ -84,6 +84,13 @@ class Routing:
         count_sum, prob_sum, rows = self._totals()
         return torch.sum((count_sum / rows) * (prob_sum / rows).unsqueeze(0)) * count_sum.numel()
 
+    def expert_counts(self) -> Tensor:
+        """The tokens (the mask's) each expert of each sparse layer was routed, ``[layers * E]`` fp32
+        in layer order (empty without sparse layers)."""
+        if not self._counts:
+            return torch.zeros(0, dtype=torch.float32)
+        return torch.cat([self._counts[i] for i in sorted(self._counts)])
+
     def add_to(self, loss: Tensor, weight: float) -> Tensor:
         """``loss + weight * aux_loss()``; backward through it gives the routers the aux loss's gradient."""
         return _AddAux.apply(loss, self.aux_loss().to(loss.device), weight, self)

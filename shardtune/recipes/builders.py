@@ -212,9 +212,11 @@ def build_model(
                 target_parameters=list(lora.target_parameters),
                 quantize_base=lora.quantize_base,
             )
+    # a frozen dense model (a KD teacher, a DPO reference) beside an expert-parallel MoE model has no experts to split
+    ep = 1 if frozen and model.args.moe is None else cfg.expert_parallel
     shard_model(
         model,
-        mesh=make_mesh(replicate=cfg.data_parallel_replicate, device=run.device.type),
+        mesh=make_mesh(replicate=cfg.data_parallel_replicate, expert_parallel=ep, device=run.device.type),
         cpu_offload=cfg.fsdp_cpu_offload,
         reshard_after_forward=cfg.reshard_after_forward,
         activation_checkpointing=cfg.enable_activation_checkpointing,

@@ -233,6 +233,13 @@ BASE_SCHEMA = Schema(
         "data_parallel_replicate": Field(
             int, 1, gt=0, help="HSDP: shard within groups of world/N ranks, replicate across N groups"
         ),
+        "expert_parallel": Field(
+            int,
+            1,
+            gt=0,
+            help="mixture-of-experts models: split the experts over groups of N data-parallel ranks, tokens sent "
+            "to their experts' ranks (must divide world/data_parallel_replicate and the number of experts)",
+        ),
         "reshard_after_forward": Field(
             bool, True, help="free gathered params after forward (false: keep them until backward, more memory)"
         ),

@@ -17,7 +17,7 @@ import torch
 
 from shardtune.state_dict import comm, nf4
 from shardtune.state_dict.keys import ModelEntry
-from shardtune.state_dict.layout import TensorLayout, layout_of, local_tensor, unsupported_placement
+from shardtune.state_dict.layout import TensorLayout, layout_of, local_tensor, placement_problem
 from shardtune.state_dict.lazy import is_lazy, lazy_dtype
 from shardtune.state_dict.nf4_experts import nf4_experts_layout_problem
 from shardtune.state_dict.parts import Part, tiling_problem
@@ -288,7 +288,4 @@ def _entry_problem(entry: ModelEntry, key: str, desc: tuple) -> str | None:
 
 
 def _placement_problem(key: str, entry: ModelEntry) -> str | None:
-    placement = unsupported_placement(tuple(getattr(entry.tensor, "placements", ())))
-    if placement is not None:
-        return f"{key}: placement {placement} is not supported; use Shard(d) or Replicate."
-    return None
+    return placement_problem(key, entry.tensor)

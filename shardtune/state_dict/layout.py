@@ -1,10 +1,17 @@
-"""Where each rank's piece of a DTensor lies in the full tensor, and which tensor holds it locally."""
+"""Where each rank's piece of a DTensor lies in the full tensor, and which tensor holds it locally.
+
+Expert-parallel tensors (a mesh with an ``ep`` dim: ``shardtune.expert_parallel``) are refused
+(:func:`refuse_expert_parallel`) until loading, gathering and saving their two-mesh placements is
+proven to move every expert's rows: every layout is computed on every rank in the same order, so
+each rank raises the same error at the same point, before any of its data moves.
+"""
 
 from __future__ import annotations
 
 import itertools
 import math
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -66,6 +73,45 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
+EP_DIM = "ep"
+
+
+def expert_parallel_problem(name: str, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> str | None:
+    """Why a tensor placed on ``mesh`` cannot be loaded, gathered or saved yet (None: it can)."""
+    if EP_DIM not in (mesh.mesh_dim_names or ()):
+        return None
+    return (
+        f"{name}: placed {placements} on the expert-parallel mesh {mesh.mesh_dim_names}; loading, saving and "
+        "gathering checkpoints (the base model's too) and low-bit optimizer state do not support "
+        "expert_parallel > 1 yet: set expert_parallel=1"
+    )
+
+
+def refuse_expert_parallel(named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Raise :class:`~shardtune.state_dict.keys.StateDictError` for the first expert-parallel DTensor of ``named``."""
+    for name, tensor in named:
+        if isinstance(tensor, DTensor):
+            _raise_if(expert_parallel_problem(name, tensor.device_mesh, tuple(tensor.placements)))
+
+
+def _raise_if(problem: str | None) -> None:
+    if problem is not None:
+        from shardtune.state_dict.keys import StateDictError  # keys imports parts, which imports this module
+
+        raise StateDictError(problem)
+
+
+def placement_problem(name: str, tensor: torch.Tensor) -> str | None:
+    """Why ``tensor``'s pieces cannot be mapped to blocks of the full tensor (None: they can)."""
+    if not isinstance(tensor, DTensor):
+        return None
+    placements = tuple(tensor.placements)
+    problem = expert_parallel_problem(name, tensor.device_mesh, placements)
+    if problem is None and (placement := unsupported_placement(placements)) is not None:
+        problem = f"{name}: placement {placement} is not supported; use Shard(d) or Replicate"
+    return problem
+
+
 def unsupported_placement(placements: tuple[Placement, ...]) -> Placement | None:
     """The first placement this module cannot map to a rectangular block, if any."""
     for p in placements:
@@ -85,6 +131,7 @@ def dtensor_layout(
     shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...], world_size: int
 ) -> TensorLayout:
     """Layout of a DTensor of global ``shape`` placed by ``placements`` on ``mesh``."""
+    _raise_if(expert_parallel_problem(f"a tensor of shape {shape}", mesh, placements))
     mesh_ranks, mesh_shape = _mesh_ranks(mesh)
     if len(mesh_ranks) != world_size:
         raise ValueError(

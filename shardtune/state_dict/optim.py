@@ -27,7 +27,7 @@ from shardtune.state_dict.blocks import SendBuffer, copy_block, scatter_dense
 from shardtune.state_dict.gather import gather_to_rank0
 from shardtune.state_dict.install import fillable
 from shardtune.state_dict.keys import StateDictError, model_entries
-from shardtune.state_dict.layout import TensorLayout, layout_of, local_tensor
+from shardtune.state_dict.layout import TensorLayout, layout_of, local_tensor, refuse_expert_parallel
 from shardtune.state_dict.lazy import is_lazy, lazy_dtype
 from shardtune.state_dict.quantized import QuantizedState, QuantSpec
 
@@ -78,6 +78,7 @@ def get_full_optimizer_state_dict(
     quantized state is a full ``OptimState8bit``/``OptimState4bit`` (its codes and scales, not
     dequantized). ``device`` is where CPU-offloaded state goes for the collectives (NCCL); gloo uses CPU.
     """
+    refuse_expert_parallel(model.named_parameters())  # the same params on every rank: each raises alike
     device = comm.normalize_device(device)
     groups = param_group_fqns(model, opt)
     view = [
@@ -172,6 +173,7 @@ def load_from_full_optimizer_state_dict(
     and scales; a sharding that would cut a quantization block between ranks is a problem.
     Problems raise :class:`StateDictError` on every rank before data moves.
     """
+    refuse_expert_parallel(model.named_parameters())  # the same params on every rank: each raises alike
     device = comm.normalize_device(device)
     groups = param_group_fqns(model, opt)
     params = {fqn: p for fqns, g in zip(groups, opt.param_groups) for fqn, p in zip(fqns, g["params"])}

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardtune.state_dict import comm
 from shardtune.state_dict.layout import local_tensor
@@ -30,11 +31,13 @@ __all__ = ["clip_grad_norm", "grad_norm"]
 
 
 def _reduce_groups(grad: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
-    """The process groups a gradient's squared norm must be summed over (its sharded mesh dims)."""
+    """The process groups a gradient's squared norm must be summed over (its sharded mesh dims; an
+    expert-parallel gradient's FSDP2 dim is a ``_StridedShard``, which is no ``Shard``)."""
     if not isinstance(grad, DTensor):
         return ()
     mesh = grad.device_mesh
-    return tuple(mesh.get_group(dim) for dim, p in enumerate(grad.placements) if isinstance(p, Shard))
+    sharded = (Shard, _StridedShard)
+    return tuple(mesh.get_group(dim) for dim, p in enumerate(grad.placements) if isinstance(p, sharded))
 
 
 def grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:

@@ -5,7 +5,9 @@ everything else is here, so the recipes stay short and resume the same way. A lo
 other units than tokens (DPO: pairs) and return a third item, ``{name: sum over the batch}``
 of device tensors: each is summed over micro-batches and ranks with the loss and logged as
 ``sum / global weight``; a ``"tokens"`` entry (label tokens) is logged as ``tokens_per_second``
-instead of the weight.
+instead of the weight. A 1-D entry (counts, e.g. ``tokens_per_expert``: tokens routed to each
+expert of each sparse layer) is summed the same way and logged as ``<name>_min/_max/_mean``
+over its elements, unweighted.
 
 The optimizer step sees the mean over every label token of the global batch (all
 micro-batches on all ranks): each micro-batch contributes ``mean * n_tokens`` and gradients
@@ -229,6 +231,16 @@ def _scale_grads(model: torch.nn.Module, global_tokens: torch.Tensor) -> None:
         torch._foreach_mul_(grads, factor.to(device))
 
 
+def _split_counts(metrics: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """The names of the scalar metrics and of the 1-D count metrics, each sorted."""
+    names = sorted(metrics)
+    return [n for n in names if metrics[n].ndim == 0], [n for n in names if metrics[n].ndim == 1]
+
+
+def _min_max_mean(counts: torch.Tensor) -> list[torch.Tensor]:
+    return [counts.min(), counts.max(), counts.mean()]
+
+
 def _fetch(values: torch.Tensor) -> list[float]:
     """The loop's only device-to-host copy (and so its only synchronization): one per logged step."""
     return values.tolist()
@@ -266,11 +278,15 @@ class _Window:
         tokens = torch.full((), float(self.tokens), dtype=torch.float64, device=device)
         flops = torch.full((), self.flops, dtype=torch.float64, device=device)
         names = sorted(self.metrics)  # the same on every rank: the same loss function
-        totals = torch.stack([loss_sum.to(device), tokens, flops, *(self.metrics[n].to(device) for n in names)])
+        values = [self.metrics[n].to(device).reshape(-1) for n in names]
+        totals = torch.cat([torch.stack([loss_sum.to(device), tokens, flops]), *values])
         if dist.is_initialized():
             dist.all_reduce(totals)
         self.global_loss_sum, self.global_tokens, self.global_flops = totals[0], totals[1], totals[2]
-        self.global_metrics = dict(zip(names, totals[3:], strict=True))
+        summed = totals[3:].split([v.numel() for v in values])
+        self.global_metrics = {
+            n: value if self.metrics[n].ndim == 1 else value[0] for n, value in zip(names, summed, strict=True)
+        }
 
     def row(
         self,
@@ -284,14 +300,17 @@ class _Window:
     ) -> tuple[dict[str, Any], float]:
         """The step's metrics and the value of ``flag`` (the guard's first non-finite step, 0: none);
         fetches loss, tokens, FLOPs, grad norm and the flag from the device in one copy."""
-        names = sorted(self.global_metrics)
+        names, counts = _split_counts(self.global_metrics)
         values = [self.global_loss_sum, self.global_tokens, self.global_flops, *(self.global_metrics[n] for n in names)]
+        values += [stat for n in counts for stat in _min_max_mean(self.global_metrics[n])]
         if grad_norm is not None:
             values.append(grad_norm.to(device=self.global_tokens.device, dtype=torch.float64))
         values.append(torch.zeros_like(self.global_tokens) if flag is None else flag.to(self.global_tokens.device))
         *fetched, flag_value = _fetch(torch.stack(values))
         loss_sum, weight, flops, *rest = fetched
-        metrics, norm = dict(zip(names, rest[: len(names)], strict=True)), rest[len(names) :]
+        metrics, rest = dict(zip(names, rest[: len(names)], strict=True)), rest[len(names) :]
+        stats = {f"{n}_{s}": rest.pop(0) for n in counts for s in ("min", "max", "mean")}
+        norm = rest
         seconds = time.perf_counter() - self.start
         tokens = metrics.pop("tokens", weight)
         row = {
@@ -299,6 +318,7 @@ class _Window:
             "epoch": epoch,
             "loss": loss_sum / max(weight, 1.0),
             **{name: value / max(weight, 1.0) for name, value in metrics.items()},
+            **stats,
             "lr": lr,
             "tokens_per_second": tokens / max(seconds, 1e-9),
             "peak_memory_mib": peak_memory_mib(),

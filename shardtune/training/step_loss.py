@@ -123,10 +123,16 @@ class RouterAux:
 
     def add(self, loss_sum: Tensor, routing: Routing, units: int) -> tuple[Tensor, dict[str, Tensor]]:
         """``loss_sum`` (summed over ``units`` of the loop's weight) plus ``coef * units * aux_loss``
-        (the routers get its gradient), and the metric ``{"aux_loss": units * aux_loss}``."""
+        (the routers get its gradient), and the metrics ``{"aux_loss": units * aux_loss,
+        "tokens_per_expert": the batch's real tokens routed to each expert of each sparse layer}``
+        (1-D: the loop logs its min, max and mean)."""
         if self.coef:
             loss_sum = routing.add_to(loss_sum, self.coef * units)
-        return loss_sum, {"aux_loss": routing.aux_loss().to(loss_sum.device) * units}
+        metrics = {"aux_loss": routing.aux_loss().to(loss_sum.device) * units}
+        counts = routing.expert_counts()
+        if counts.numel():  # a model whose layers are all dense has no experts to count
+            metrics["tokens_per_expert"] = counts.to(loss_sum.device)
+        return loss_sum, metrics
 
 
 def next_token_head_loss(labels: torch.Tensor, chunk_tokens: int | None, compile: bool = False) -> HeadLoss:

@@ -72,8 +72,9 @@ def _summed(model: nn.Module, batches) -> tuple[torch.Tensor, int]:
     return F.cross_entropy(logits, labels, reduction="sum"), int((labels != -100).sum())
 
 
-def _one_step(model: nn.Module, batches) -> _Rows:
-    """One optimizer step of the loop: SGD with lr 1, so the weights move by exactly the gradient."""
+def _one_step(model: nn.Module, batches, *, loss_fn=None, accumulate: int = ACCUMULATE) -> _Rows:
+    """One optimizer step of the loop over ``accumulate`` micro-batches (``loss_fn``: the token mean by
+    default): SGD with lr 1, so the weights move by exactly the gradient."""
     rows = _Rows()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     loop.run_training(
@@ -85,9 +86,9 @@ def _one_step(model: nn.Module, batches) -> _Rows:
             lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
             checkpointer=NoCheckpoints(),
         ),
-        loss_fn=_mean_loss(model),
+        loss_fn=loss_fn or _mean_loss(model),
         logger=rows,
-        settings=loop.LoopSettings(epochs=1, gradient_accumulation_steps=ACCUMULATE),
+        settings=loop.LoopSettings(epochs=1, gradient_accumulation_steps=accumulate),
     )
     return rows
 

@@ -1,0 +1,104 @@
+"""Expert parallelism as torchtitan's dp2ep: experts split over an ``ep`` mesh dim taken from the data-parallel ranks.
+
+Rule: with ``expert_parallel = ep > 1`` the world mesh is ``(efsdp, ep)`` (``(replicate, efsdp,
+ep)`` under HSDP), ``ep`` the fastest-varying dim so that an expert group is neighbouring ranks
+(one node). Dense params are FSDP2-sharded over every shard rank (a mesh ``shard`` or
+``(replicate, shard)`` over the same ranks in the same order, rank ``f * ep + j`` of a replica
+being ``(efsdp f, ep j)``, built beside it: :func:`dense_mesh`). Expert params become DTensors
+``Shard(0)`` on ``ep`` (ep rank ``j`` holds global experts ``j * E/ep ... (j + 1) * E/ep - 1``),
+then FSDP2 shards each rank's E/ep experts
+over ``efsdp`` (on the expert dim when ``efsdp`` divides E/ep, else the next one:
+``moe.expert_shard_placement``). An expert's gradient sums the tokens of every rank (the
+all-to-all's backward within an expert group, FSDP2's reduction across groups); it is divided
+by the whole data-parallel size, as a dense gradient is, not by the ``efsdp`` size FSDP2 would
+use. Tokens reach their experts through :mod:`shardtune.models.moe_dispatch`.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+
+from shardtune.models.moe import Experts
+from shardtune.state_dict.layout import EP_DIM
+
+__all__ = ["dense_mesh", "distribute_experts", "ep_degree", "expert_mesh", "experts_fsdp_mesh", "mark_expert_unit"]
+
+_DENSE: weakref.WeakKeyDictionary[DeviceMesh, DeviceMesh] = weakref.WeakKeyDictionary()
+
+
+def expert_mesh(*, world: int, replicate: int, expert_parallel: int, device: str) -> DeviceMesh:
+    """The world mesh ``(replicate?, efsdp, ep)``; its dense mesh (:func:`dense_mesh`) is built with it."""
+    shard = world // replicate
+    if expert_parallel < 1 or shard % expert_parallel:
+        raise ValueError(
+            f"expert_parallel={expert_parallel} must divide the {shard} data-parallel shard ranks "
+            f"(world size {world} / data_parallel_replicate {replicate}); set expert_parallel to a divisor of {shard}"
+        )
+    dims: tuple[int, ...] = (shard // expert_parallel, expert_parallel)
+    names: tuple[str, ...] = ("efsdp", EP_DIM)
+    dense_dims: tuple[int, ...] = (shard,)
+    dense_names: tuple[str, ...] = ("shard",)
+    if replicate > 1:
+        dims, names = (replicate, *dims), ("replicate", *names)
+        dense_dims, dense_names = (replicate, shard), ("replicate", "shard")
+    mesh = init_device_mesh(device, dims, mesh_dim_names=names)
+    # torch deprecates slicing a flattened (efsdp, ep) dim together with replicate from the root: a mesh of its own
+    _DENSE[mesh] = init_device_mesh(device, dense_dims, mesh_dim_names=dense_names)
+    return mesh
+
+
+def ep_degree(mesh: DeviceMesh) -> int:
+    """The mesh's expert-parallel degree (1: no ``ep`` dim)."""
+    names = mesh.mesh_dim_names or ()
+    return mesh.size(names.index(EP_DIM)) if EP_DIM in names else 1
+
+
+def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh dense params are sharded on: ``shard``, or ``(replicate, shard)`` for HSDP."""
+    dense = _DENSE.get(mesh)
+    if dense is None:
+        raise ValueError("an expert-parallel mesh comes from make_mesh(expert_parallel=...); build it there")
+    return dense
+
+
+def experts_fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards each rank's experts on: ``efsdp``, or ``(replicate, efsdp)`` for HSDP."""
+    return mesh["replicate", "efsdp"] if "replicate" in (mesh.mesh_dim_names or ()) else mesh["efsdp"]
+
+
+def distribute_experts(model: nn.Module, mesh: DeviceMesh) -> list[Experts]:
+    """Turn every experts module's params into DTensors ``Shard(0)`` on ``mesh[ep]`` (this rank keeps its
+    E/ep experts of the tensor it holds, real or meta) and give it the ``ep`` group; returns the modules."""
+    ep_mesh = mesh[EP_DIM]
+    ep, index = ep_mesh.size(), ep_mesh.get_local_rank()
+    modules = [m for m in model.modules() if isinstance(m, Experts)]
+    for experts in modules:
+        if experts.num_experts % ep:
+            raise ValueError(
+                f"expert_parallel={ep} does not divide the model's {experts.num_experts} experts; "
+                f"set expert_parallel to a divisor of {experts.num_experts}"
+            )
+        per_rank = experts.num_experts // ep
+        for name, param in list(experts.named_parameters(recurse=False)):
+            local = param.detach()[index * per_rank : (index + 1) * per_rank].clone()
+            dtensor = DTensor.from_local(
+                local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
+            )
+            setattr(experts, name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
+        experts.ep_group = ep_mesh.get_group()
+    return modules
+
+
+def mark_expert_unit(unit: FSDPModule, *, data_parallel: int, shard_ranks: int, device_type: str) -> None:
+    """Divide an experts FSDP2 unit's gradients by the whole ``data_parallel`` size (FSDP2 would divide
+    by its own mesh's, ``ep`` times smaller). ``shard_ranks``: the unit's ``efsdp`` size."""
+    unit.set_gradient_divide_factor(float(data_parallel))
+    # gloo has no pre-multiplied sum: sum, then divide. Not on a 1-rank efsdp dim, where FSDP2 (torch 2.13)
+    # divides while copying instead of reduce-scattering, and would divide a second time after the sum.
+    if device_type == "cpu" and shard_ranks > 1:
+        unit.set_force_sum_reduction_for_comms(True)
