@@ -258,8 +258,13 @@ def load_dsd_broadcast(model: nn.Module, path: str, rank: int) -> object:
 
 
 def load_torchtune(model: nn.Module, path: str, *, device: torch.device | str = "cpu") -> object:
-    """torchtune 0.6.1 ``load_from_full_model_state_dict`` (non-DSD path), inlined: every rank
-    ``load_file``, ``distribute_tensor`` per param, ``load_state_dict(assign=True)``."""
+    """torchtune 0.6.1 ``load_from_full_model_state_dict``, inlined: every rank ``load_file``,
+    ``distribute_tensor`` per param (a ``scatter`` from rank 0), ``load_state_dict(assign=True)``.
+
+    The same calls as ``torchtune/training/_distributed.py`` of the 0.6.1 wheel for a plain
+    (non-NF4) model: 0.6.1 sets ``_DISTRIBUTED_STATE_DICT_API_IS_AVAILABLE = False``, so this is
+    the path it always takes. Inlined because the package does not import beside torchao 0.18
+    (it needs ``torchao.dtypes.nf4tensor`` and ``TensorCoreTiledLayoutType``, both gone)."""
     from safetensors.torch import load_file
     from torch.distributed.tensor import distribute_tensor
 

@@ -2,10 +2,10 @@
 
 Rule: a block whose bytes are one range both in its source (a file) and in the rank's local
 tensor is read straight into that tensor's memory, and blocks that continue each other in the
-source are joined into one positional read with one destination buffer each (``preadv``). A
-load of per-expert files meets thousands of such blocks (each expert's gate, up and down weights,
-adjacent in the file as in the rank's stacked shard); reading each on its own cost more in
-Python than in the kernel. The load-side twin of :class:`~shardtune.checkpoint.sinks.RunWriter`.
+source are joined into one positional read with one destination buffer each (``preadv``), in
+file order, whichever tensors they go to. A load of per-expert files meets thousands of such
+blocks (each expert's gate, up and down weights, a rank's experts adjacent in the file); reading
+each on its own cost more in Python than in the kernel. The load-side twin of :class:`~shardtune.checkpoint.sinks.RunWriter`.
 """
 
 from __future__ import annotations
@@ -55,32 +55,35 @@ def byte_view(tensor: torch.Tensor) -> memoryview | None:
 
 
 class RunReader:
-    """Collects ``(source, offset, destination)`` reads and performs each run of them that
-    continues in one source as one :meth:`RangeSource.read_views`; a failed run is recorded in
-    ``problems`` under the key of its first block. Call :meth:`flush` before using the memory."""
+    """Collects ``(source, offset, destination)`` reads and, at :meth:`flush`, performs them in file
+    order, each run that continues in one source as one :meth:`RangeSource.read_views` (blocks of
+    several tensors too: a layer's experts ``e.down``, ``e.gate``, ``e.up`` lie in turn in the file but
+    go to two stacked tensors). A failed run is recorded in ``problems`` under the key of its first
+    block. Flush before the memory is used."""
 
     def __init__(self, problems: comm.Problems) -> None:
         self.problems = problems
-        self._source: RangeSource | None = None
-        self._start = self._end = 0
-        self._views: list[memoryview] = []
-        self._key = ""
+        self._pending: list[tuple[int, int, RangeSource, memoryview, str]] = []
 
     def add(self, source: RangeSource, offset: int, dest: memoryview, key: str) -> None:
-        """Read ``len(dest)`` bytes of ``source`` from ``offset`` into ``dest`` (now or at the next flush)."""
-        if not len(dest):
-            return
-        if source is self._source and offset == self._end and len(self._views) < MAX_VIEWS:
-            self._views.append(dest)
-            self._end += len(dest)
-            return
-        self.flush()
-        self._source, self._start, self._end, self._views, self._key = source, offset, offset + len(dest), [dest], key
+        """Read ``len(dest)`` bytes of ``source`` from ``offset`` into ``dest`` at the next flush."""
+        if len(dest):
+            self._pending.append((id(source), offset, source, dest, key))
 
     def flush(self) -> None:
-        """Perform the pending run."""
-        if self._source is None:
-            return
-        source, views, self._source, self._views = self._source, self._views, None, []
-        with self.problems.guard(self._key):
-            source.read_views(self._start, views)
+        """Perform every pending read, joined into runs."""
+        pending, self._pending = self._pending, []
+        pending.sort(key=lambda read: read[:2])
+        start = 0
+        while start < len(pending):
+            _, offset, source, _, key = pending[start]
+            end, stop = start + 1, offset + len(pending[start][3])
+            while end < len(pending) and end - start < MAX_VIEWS:
+                _, next_offset, next_source, dest, _ = pending[end]
+                if next_source is not source or next_offset != stop:
+                    break
+                stop += len(dest)
+                end += 1
+            with self.problems.guard(key):
+                source.read_views(offset, [read[3] for read in pending[start:end]])
+            start = end

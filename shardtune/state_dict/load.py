@@ -94,7 +94,7 @@ def _load(
     transfer_device = comm.comm_device(device)
     plan = agree_on_plan(entries, full_sd, strict=strict)
     problems = comm.Problems()
-    moves = _Moves(plan.mode, local_device, transfer_device, problems, SendBuffer())
+    moves = _Moves(plan.mode, local_device, transfer_device, problems, SendBuffer(), RunReader(problems))
     deferred: list[tuple[LoadItem, torch.Tensor | None]] = []
     for index, item in enumerate(plan.items):
         if item.parts is not None:
@@ -103,6 +103,7 @@ def _load(
             new_local = _my_piece(item, full_sd[item.key] if full_sd else None, moves)
         like = local_tensor(item.entry.tensor)
         if nf4.is_nf4_experts(like):
+            moves.runs.flush()  # its plain block, to quantize
             new_local = _quantized_experts(item.key, like, new_local, moves)
         if like.is_meta:
             # Replacing a meta tensor frees nothing, so it can wait: swapped in one pass after
@@ -111,10 +112,13 @@ def _load(
             # storage they replace or the copy they fill from is freed as the load goes.
             deferred.append((item, new_local))
         else:
+            if new_local is not like:  # installed from a copy now (the model's own storage is filled by the reads)
+                moves.runs.flush()
             _install_item(item, new_local, problems)
         if index == 0:
             with problems.guard(item.key):
                 fault_point("load:mid")
+    moves.runs.flush()  # the part reads still pending, in file order: into new tensors and the model's own
     swapped: dict[int, nn.Module] = {}  # their owners' load hooks run once each, after every swap
     for item, new_local in deferred:
         if _install_item(item, new_local, problems, run_hooks=False):
@@ -137,6 +141,7 @@ class _Moves:
     transfer_device: torch.device
     problems: comm.Problems
     send_buffer: SendBuffer
+    runs: RunReader  # part reads joined in file order, performed when flushed (before their tensors are used)
 
 
 def _my_piece(item: LoadItem, value: Any, moves: _Moves) -> torch.Tensor | None:
@@ -200,9 +205,9 @@ def _read_parts(
     """Read this rank's block of each of ``parts`` into its place in ``local`` (this rank's
     ``piece``): blocks that are byte ranges both of a file and of ``local`` are read straight
     into it, runs of them that continue each other in the file in one read
-    (:mod:`~shardtune.state_dict.byte_runs`); any other block on its own (cast, strided)."""
+    (:mod:`~shardtune.state_dict.byte_runs`; pending in ``moves.runs`` until flushed); any other block
+    on its own, now (cast, strided)."""
     local_bytes = byte_view(local)
-    runs = RunReader(moves.problems)
     for part in parts:
         met = part_piece(part, piece)
         if met is None:
@@ -212,14 +217,13 @@ def _read_parts(
         found = None if local_bytes is None else _file_run(value, block, local, slices)
         if local_bytes is not None and found is not None:
             source, start, (at, nbytes) = found
-            runs.add(source, start, local_bytes[at : at + nbytes], part.name)
+            moves.runs.add(source, start, local_bytes[at : at + nbytes], part.name)
             continue
         dst = local[slices]
         into = dst.view(block.shape) if dst.is_contiguous() else None
         read = _read_block(block, value, part.name, local.dtype, into, moves)
         if read is not None and into is None:
             dst.copy_(read.reshape(dst.shape))
-    runs.flush()
 
 
 def _file_run(

@@ -107,6 +107,25 @@ def test_the_load_progress_total_counts_every_expert_file_tensor(tmp_path):
         assert _expected_reads(model_entries(ours), checkpoint, True) == sum(t.nbytes for t in files.values())
 
 
+def test_a_per_expert_load_reads_adjacent_expert_tensors_in_one_call(tmp_path, monkeypatch):
+    """The load's twin of the save below: the 48 expert file tensors lie in transformers' file as in the
+    fused tensors, so they are read in one preadv per fused tensor (one each before), and the model
+    still equals transformers' own load of the files."""
+    from shardtune.checkpoint import safetensors_io
+
+    hf, dirs = hf_dirs("qwen3_moe", tmp_path)
+    want = tensors(dirs["per_expert"])
+    reads: list[int] = []
+    preadv = safetensors_io.os.preadv
+    monkeypatch.setattr(safetensors_io.os, "preadv", lambda *a: reads.append(1) or preadv(*a))
+    ours = from_hf_config(dirs["per_expert"])
+    load_hf_checkpoint(ours, dirs["per_expert"], device="cpu", strict=True)
+    monkeypatch.undo()
+    assert all(torch.equal(v, hf.state_dict()[k]) for k, v in ours.state_dict().items())
+    experts = sum(".mlp.experts." in k for k in want)
+    assert experts == 48 and len(reads) <= len(want) - experts + 2 * 2, len(reads)  # 2 sparse layers
+
+
 def test_a_per_expert_save_writes_adjacent_expert_tensors_as_one_range(tmp_path, monkeypatch):
     """Experts stored per expert lie in the file as in the fused tensor, so the save joins them: a
     few writes for all 48 expert file tensors (one each before), and still transformers' files."""
