@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardtune.model_presets import GPT_OSS_YARN
 from shardtune.models.args import FULL, SLIDING, ModelArgs
 from shardtune.models.moe_args import MoeArgs
 
@@ -281,24 +282,29 @@ def _mixtral_read(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {**_read_window(cfg), **experts}
 
 
+def _every_layer_experts(args: ModelArgs, problem: str, **fixed: Any) -> MoeArgs:
+    """``args.moe``, after checking it has experts of ``intermediate_size`` in every layer and the
+    family's ``fixed`` fields (``problem``: the error otherwise)."""
+    moe = args.moe
+    assert moe is not None  # ModelArgs.__post_init__ requires it for MoE families
+    expected = dataclasses.replace(
+        moe, intermediate_size=args.intermediate_size, mlp_only_layers=(), decoder_sparse_step=1, **fixed
+    )
+    if moe != expected:
+        raise ValueError(problem)
+    return moe
+
+
 def _mixtral_write(args: ModelArgs) -> dict[str, Any]:
     _require(args, "mixtral", attention_bias=False, o_proj_bias=False, mlp_bias=False)
-    moe = args.moe
-    assert moe is not None  # ModelArgs.__post_init__ requires it for this family
-    as_mixtral = dataclasses.replace(
-        moe,
-        intermediate_size=args.intermediate_size,
+    moe = _every_layer_experts(
+        args,
+        "model_type 'mixtral' has experts of intermediate_size in every layer, normalized fp32 top-k weights: "
+        "set MoeArgs(intermediate_size=ModelArgs.intermediate_size, norm_topk_prob=True, fp32_scores=True) "
+        "without mlp_only_layers, or use model_type='qwen3_moe'",
         norm_topk_prob=True,
-        mlp_only_layers=(),
-        decoder_sparse_step=1,
         fp32_scores=True,
     )
-    if moe != as_mixtral:
-        raise ValueError(
-            "model_type 'mixtral' has experts of intermediate_size in every layer, normalized fp32 top-k weights: "
-            "set MoeArgs(intermediate_size=ModelArgs.intermediate_size, norm_topk_prob=True, fp32_scores=True) "
-            "without mlp_only_layers, or use model_type='qwen3_moe'"
-        )
     return {
         "head_dim": args.head_dim,
         "sliding_window": _uniform_window(args, "mixtral"),
@@ -309,15 +315,6 @@ def _mixtral_write(args: ModelArgs) -> dict[str, Any]:
 
 
 # --- gpt_oss ---------------------------------------------------------------------------------------------------------
-# transformers' GptOssConfig defaults for keys a config.json may leave out
-_GPT_OSS_YARN = {
-    "rope_type": "yarn",
-    "factor": 32.0,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "truncate": False,
-    "original_max_position_embeddings": 4096,
-}
 
 
 def _gpt_oss_read(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -344,28 +341,20 @@ def _gpt_oss_read(cfg: Mapping[str, Any]) -> dict[str, Any]:
         **experts,
     }
     if not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
-        out["rope_scaling"] = dict(_GPT_OSS_YARN)
+        out["rope_scaling"] = dict(GPT_OSS_YARN)  # transformers' GptOssConfig default
     return out
 
 
 def _gpt_oss_write(args: ModelArgs) -> dict[str, Any]:
     _require(args, "gpt_oss", o_proj_bias=args.attention_bias, mlp_bias=False)
-    moe = args.moe
-    assert moe is not None and moe.swiglu_limit is not None  # family_of requires both for this family
-    as_gpt_oss = dataclasses.replace(
-        moe,
-        intermediate_size=args.intermediate_size,
+    moe = _every_layer_experts(
+        args,
+        "model_type 'gpt_oss' has experts of intermediate_size in every layer with softmaxed top-k logits: set "
+        "MoeArgs(intermediate_size=ModelArgs.intermediate_size, norm_topk_prob=False, fp32_scores=False) without "
+        "mlp_only_layers",
         norm_topk_prob=False,
-        mlp_only_layers=(),
-        decoder_sparse_step=1,
         fp32_scores=False,
     )
-    if moe != as_gpt_oss:
-        raise ValueError(
-            "model_type 'gpt_oss' has experts of intermediate_size in every layer with softmaxed top-k logits: set "
-            "MoeArgs(intermediate_size=ModelArgs.intermediate_size, norm_topk_prob=False, fp32_scores=False) without "
-            "mlp_only_layers"
-        )
     if args.sliding_window is None:
         raise ValueError("model_type 'gpt_oss' needs sliding_window (use layer_types to make every layer full)")
     return {

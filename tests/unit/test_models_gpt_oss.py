@@ -18,6 +18,8 @@ import transformers
 from shardtune.generation import generate
 from shardtune.models import LlamaForCausalLM, from_hf_config, model_args_from_hf_config, model_args_to_hf_config
 from shardtune.models.gpt_oss import grouped_biased_experts, looped_biased_experts
+from shardtune.models.registry import build_model, get_model_args
+from shardtune.models.tiny import create_tiny_base
 from tests.unit.test_models_moe import COMMON, TOL, _loss, _rel, batch
 
 YARN = {
@@ -142,13 +144,51 @@ def test_grouped_experts_equal_the_loop_in_bf16():
     assert _rel(got, expected) < 1e-2
 
 
-def test_bf16_loss_is_close_to_fp32():
-    hf = hf_gpt_oss()
-    ours = ours_from(hf)
-    tokens, mask, labels = batch()
-    loss32 = _loss(ours, tokens, mask, labels, 0.05)[0]
-    ours16 = ours.to(torch.bfloat16)
-    loss16 = _loss(ours16, tokens, mask, labels, 0.05)[0]
-    loss16.backward()
-    assert abs(loss16.item() - loss32.item()) < 3e-2 * loss32.item()
-    assert all(p.grad is not None and p.grad.isfinite().all() for p in ours16.parameters())
+# From openai/gpt-oss-20b's config.json (the keys that shape the model).
+PUBLISHED_20B = {
+    "model_type": "gpt_oss",
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "vocab_size": 201088,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+    "attention_bias": True,
+    "tie_word_embeddings": False,
+    "eos_token_id": 200002,
+    "pad_token_id": 199999,
+}
+
+
+def test_20b_preset_has_the_published_shapes():
+    config = transformers.AutoConfig.for_model(**model_args_to_hf_config(get_model_args("gpt_oss_20b")))
+    for key, value in PUBLISHED_20B.items():
+        assert getattr(config, key) == value, key
+    assert config.layer_types == ["sliding_attention", "full_attention"] * 12
+    assert config.rope_parameters == {**transformers.GptOssConfig().rope_parameters, "rope_theta": 150000.0}
+    with torch.device("meta"):
+        reference = transformers.AutoModelForCausalLM.from_config(config)
+    ours = build_model("gpt_oss_20b", device="meta")
+    assert [(k, v.shape) for k, v in ours.state_dict().items()] == [
+        (k, v.shape) for k, v in reference.state_dict().items()
+    ]
+
+
+def test_tiny_base_loads_in_transformers_with_equal_logits(tmp_path):
+    directory = create_tiny_base(tmp_path / "base", preset="tiny_gpt_oss")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    ours = from_hf_config(directory)
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert _rel(ours.eval()(tokens), hf(tokens).logits) < TOL
