@@ -26,6 +26,14 @@ from tests.unit.test_moe_checkpoint import tensors
 pytestmark = pytest.mark.timeout(300)
 
 
+def _pieces_equal(params: dict, reference: dict) -> dict[str, bool]:
+    """Per parameter: this rank's piece equals DTensor's cut of the full ``reference`` tensor."""
+    return {
+        n: torch.equal(p.to_local(), distribute_tensor(reference[n], p.device_mesh, p.placements).to_local())
+        for n, p in params.items()
+    }
+
+
 def _load_and_save(hf_dir: str, out: str, reference: dict) -> dict:
     with nccl_rules() as rules:
         rules.host(reference)
@@ -39,10 +47,7 @@ def _load_and_save(hf_dir: str, out: str, reference: dict) -> dict:
         read = stats.bytes_read
         save_hf_checkpoint(model, out)
     params = dict(model.named_parameters())
-    equal = {
-        n: torch.equal(p.to_local(), distribute_tensor(reference[n], p.device_mesh, p.placements).to_local())
-        for n, p in params.items()
-    }
+    equal = _pieces_equal(params, reference)
     return {
         "read": read,
         "own": sum(p.to_local().nbytes for p in params.values()),
@@ -76,3 +81,55 @@ def test_each_rank_reads_its_bytes_and_the_save_loads_in_transformers(pool2, tmp
     ours, theirs = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / d, **kw) for d in ("out", "hf"))
     with torch.no_grad():
         assert torch.equal(ours.eval()(batch()[0]).logits, theirs.eval()(batch()[0]).logits)
+
+
+def _load_mxfp4(hf_dir: str, out: str, expected: dict) -> dict:
+    """Load an MXFP4 directory (bytes read counted), compare each piece with DTensor's cut of
+    transformers' dequantization, save; or the error the load raised."""
+    dist.barrier()
+    stats.reset()
+    with torch.device("meta"):
+        model = from_hf_config(hf_dir, dtype=torch.bfloat16)
+    shard_model(model, mesh=make_mesh())
+    try:
+        load_hf_checkpoint(model, hf_dir, device="cpu", strict=True)
+    except Exception as exc:  # the refusal every rank must raise
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    read = stats.bytes_read
+    save_hf_checkpoint(model, out)
+    params = dict(model.named_parameters())
+    equal = _pieces_equal(params, expected)
+    # its own experts' FP4 bytes (half a byte a value) and exponents (one a block of 32); the rest as stored
+    own = sum(
+        p.to_local().numel() // 2 + p.to_local().numel() // 32
+        if n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        else p.to_local().nbytes
+        for n, p in params.items()
+    )
+    return {"equal": equal, "read": read, "own": own}
+
+
+def test_mxfp4_experts_are_dequantized_per_rank_and_saved_as_bf16(pool2, tmp_path):
+    """8 experts on 2 ranks: each rank reads and dequantizes only its experts' blocks; the save is bf16 HF."""
+    from tests.unit.test_mxfp4 import quantized_dir
+
+    stored, dequantized = quantized_dir(tmp_path / "hf")
+    expected = {k: v for k, v in stored.items() if not k.endswith(("_blocks", "_scales"))} | dequantized
+    res = pool2.run_ok(_load_mxfp4, str(tmp_path / "hf"), str(tmp_path / "out"), expected, timeout=200)
+    for r in res:
+        assert all(r["equal"].values()), r["equal"]
+        assert r["read"] == r["own"], r
+    got = tensors(tmp_path / "out")
+    assert sorted(got) == sorted(expected)
+    assert all(torch.equal(got[k], v) and got[k].dtype == torch.bfloat16 for k, v in expected.items())
+
+
+def test_a_sharding_that_cuts_mxfp4_blocks_is_refused_on_every_rank(pool2, tmp_path):
+    """5 experts on 2 ranks split dim 1 (H = 96) at 48, inside a block of 32: refused naming the tensor."""
+    from tests.unit.test_mxfp4 import quantized_dir
+
+    quantized_dir(tmp_path / "hf", num_local_experts=5)
+    res = pool2.run_ok(_load_mxfp4, str(tmp_path / "hf"), str(tmp_path / "out"), {}, timeout=200)
+    for r in res:
+        assert "CheckpointError" in r["error"] and "experts.gate_up_proj: a piece of rows" in r["error"], r
+        assert "cuts the MXFP4 blocks" in r["error"], r
