@@ -22,6 +22,7 @@ runtime keys are the file keys (transformers' save writes them as they are).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +40,7 @@ __all__ = [
     "GptOssMLP",
     "GptOssRouter",
     "SinkAttention",
+    "biased_experts",
     "clamped_swiglu",
     "grouped_biased_experts",
     "looped_biased_experts",
@@ -95,31 +97,45 @@ def clamped_swiglu(gate_up: Tensor, *, limit: float, alpha: float) -> Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def looped_biased_experts(x: Tensor, counts: Tensor, experts: GptOssExperts) -> Tensor:
+ExpertWeights = tuple[Tensor, Tensor, Tensor, Tensor]  # gate_up [E, H, 2I], its bias, down [E, I, H], its bias
+
+
+def looped_biased_experts(
+    x: Tensor, counts: Tensor, weights: ExpertWeights, activate: Callable[[Tensor], Tensor]
+) -> Tensor:
     """Expert-sorted rows ``x [N, H]`` through their experts, one matmul pair per expert (reads ``counts``
     on the host); exactly transformers' ``eager`` gpt-oss experts per row."""
+    gate_up, gate_up_bias, down, down_bias = weights
     outs = []
     for e, rows in enumerate(x.split(counts.tolist())):
-        hidden = rows @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e]
-        outs.append(experts.activate(hidden) @ experts.down_proj[e] + experts.down_proj_bias[e])
+        outs.append(activate(rows @ gate_up[e] + gate_up_bias[e]) @ down[e] + down_bias[e])
     return torch.cat(outs)
 
 
-def grouped_biased_experts(x: Tensor, counts: Tensor, experts: GptOssExperts) -> Tensor:
+def grouped_biased_experts(
+    x: Tensor, counts: Tensor, weights: ExpertWeights, activate: Callable[[Tensor], Tensor]
+) -> Tensor:
     """The same with two grouped GEMMs and no host synchronization (CUDA: the CPU grouped GEMM has no
     backward for these layouts). The weights are transposed copies in torchtitan's call pattern."""
+    gate_up, gate_up_bias, down, down_bias = weights
     offs = counts.cumsum(0).to(torch.int32)
     expert_of_row = torch.repeat_interleave(
-        torch.arange(experts.num_experts, device=x.device), counts, output_size=x.shape[0]
+        torch.arange(gate_up.shape[0], device=x.device), counts, output_size=x.shape[0]
     )
-    gate_up = experts.gate_up_proj.mT.contiguous().mT
-    hidden = torch._grouped_mm(x, gate_up, offs=offs) + experts.gate_up_proj_bias[expert_of_row]
-    down = experts.down_proj.mT.contiguous().mT
-    return torch._grouped_mm(experts.activate(hidden), down, offs=offs) + experts.down_proj_bias[expert_of_row]
+    hidden = torch._grouped_mm(x, gate_up.mT.contiguous().mT, offs=offs) + gate_up_bias[expert_of_row]
+    return torch._grouped_mm(activate(hidden), down.mT.contiguous().mT, offs=offs) + down_bias[expert_of_row]
+
+
+def biased_experts(x: Tensor, counts: Tensor, weights: ExpertWeights, activate: Callable[[Tensor], Tensor]) -> Tensor:
+    """The kernel for ``x``'s device: grouped GEMMs on CUDA, the loop elsewhere."""
+    kernel = grouped_biased_experts if x.device.type == "cuda" else looped_biased_experts
+    return kernel(x, counts, weights, activate)
 
 
 class GptOssExperts(Experts):
     """gpt-oss's E biased experts in transformers' transposed, interleaved layout (module docstring)."""
+
+    is_transposed = True  # weights are [E, in, out]: PEFT's flag for how its expert adapters are laid out
 
     def __init__(
         self,
@@ -147,9 +163,8 @@ class GptOssExperts(Experts):
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """``x [N, H]`` sorted by expert, ``counts [E]`` rows per expert -> ``[N, H]``."""
-        if x.device.type == "cuda":
-            return grouped_biased_experts(x, counts, self)
-        return looped_biased_experts(x, counts, self)
+        weights = (self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias)
+        return biased_experts(x, counts, weights, self.activate)
 
 
 class GptOssMLP(SparseMoeBlock):

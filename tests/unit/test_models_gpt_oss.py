@@ -139,8 +139,9 @@ def test_grouped_experts_equal_the_loop_in_bf16():
     counts = torch.tensor([5, 0, 7, 1, 0, 9, 3, 6])  # empty groups included
     x = torch.randn(int(counts.sum()), 64, generator=torch.Generator().manual_seed(0)).bfloat16()
     with torch.no_grad():
-        got = grouped_biased_experts(x, counts, experts).float()
-        expected = looped_biased_experts(x, counts, experts).float()
+        weights = (experts.gate_up_proj, experts.gate_up_proj_bias, experts.down_proj, experts.down_proj_bias)
+        got = grouped_biased_experts(x, counts, weights, experts.activate).float()
+        expected = looped_biased_experts(x, counts, weights, experts.activate).float()
     assert _rel(got, expected) < 1e-2
 
 
