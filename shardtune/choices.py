@@ -30,7 +30,12 @@ LORA_TARGETS = (
 
 # ``lora.target_parameters``: PEFT's parameter names of mixture-of-experts layers (fused expert weights, the
 # router); applied by ``shardtune.peft.param_lora``.
-LORA_TARGET_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight")
+LORA_TARGET_PARAMETERS = (
+    "mlp.experts.gate_up_proj",
+    "mlp.experts.down_proj",
+    "mlp.gate.weight",
+    "mlp.router.weight",  # gpt-oss's router
+)
 
 # ``dtype``: the compute dtype of the recipes (``shardtune.recipes.builders`` maps each to a torch dtype).
 DTYPES = ("bf16", "fp32")

@@ -398,7 +398,10 @@ def main(argv: list[str] | None = None) -> int:
     tiny = sub.add_parser("make-tiny-base", help="create the tiny demo base model (HF layout) in DIR")
     tiny.add_argument("dir")
     tiny.add_argument(
-        "--preset", default="tiny", choices=TINY_PRESETS, help="tiny (dense, default) or tiny_moe (Qwen3-MoE)"
+        "--preset",
+        default="tiny",
+        choices=TINY_PRESETS,
+        help="tiny (dense, default), tiny_moe (Qwen3-MoE) or tiny_gpt_oss (gpt-oss)",
     )
     tiny.set_defaults(fn=cmd_make_tiny_base)
     args = parser.parse_args(argv)

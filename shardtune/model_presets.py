@@ -18,6 +18,14 @@ _LLAMA3_1_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 _LLAMA3_2_ROPE = {**_LLAMA3_1_ROPE, "factor": 32.0}
+GPT_OSS_YARN = {  # transformers' GptOssConfig default rope (gpt-oss-20b/120b)
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
 _LLAMA3_TOKENS = {"bos_token_id": 128000, "eos_token_id": 128001}
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -148,10 +156,65 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "extra": {"bos_token_id": 1, "eos_token_id": 2},
     },
+    # A tiny gpt-oss (byte-level vocab) for CI: 8 experts, top-2, 2I = 128 != H = 96, sliding window 16 on
+    # layers 0 and 2, yarn rope, attention sinks, biased experts.
+    "tiny_gpt_oss": {
+        "model_type": "gpt_oss",
+        "vocab_size": 256,
+        "dim": 96,
+        "n_layers": 3,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "head_dim": 32,
+        "intermediate_size": 64,
+        "norm_eps": 1e-5,
+        "rope_theta": 150000.0,
+        "rope_scaling": {**GPT_OSS_YARN, "factor": 4.0, "original_max_position_embeddings": 512},
+        "max_seq_len": 2048,
+        "attention_bias": True,
+        "o_proj_bias": True,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "moe": {
+            "num_experts": 8,
+            "top_k": 2,
+            "intermediate_size": 64,
+            "router_aux_loss_coef": 0.01,
+            "swiglu_limit": 7.0,
+        },
+    },
+    # openai/gpt-oss-20b's config.json (21B params, 3.6B active; on the Hub its experts are MXFP4).
+    "gpt_oss_20b": {
+        "model_type": "gpt_oss",
+        "vocab_size": 201088,
+        "dim": 2880,
+        "n_layers": 24,
+        "n_heads": 64,
+        "n_kv_heads": 8,
+        "head_dim": 64,
+        "intermediate_size": 2880,
+        "norm_eps": 1e-5,
+        "rope_theta": 150000.0,
+        "rope_scaling": GPT_OSS_YARN,
+        "max_seq_len": 131072,
+        "tie_word_embeddings": False,
+        "attention_bias": True,
+        "o_proj_bias": True,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "moe": {
+            "num_experts": 32,
+            "top_k": 4,
+            "intermediate_size": 2880,
+            "router_aux_loss_coef": 0.9,
+            "swiglu_limit": 7.0,
+        },
+        "extra": {"eos_token_id": 200002, "pad_token_id": 199999},
+    },
 }
 
 # The presets ``create_tiny_base`` writes (and so a recipe's ``model`` key can create when checkpoint_dir is empty).
-TINY_PRESETS = ("tiny", "tiny_moe")
+TINY_PRESETS = ("tiny", "tiny_moe", "tiny_gpt_oss")
 
 
 def preset_names() -> list[str]:

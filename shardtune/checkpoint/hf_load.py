@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 from tqdm import tqdm
 
+from shardtune.checkpoint import mxfp4
 from shardtune.checkpoint.errors import CheckpointError, UnsafeFileNameError
 from shardtune.checkpoint.file_names import inside
 from shardtune.checkpoint.safetensors_io import SafetensorsFile, TensorSlice
@@ -215,9 +216,11 @@ def _load(
 ) -> _IncompatibleKeys:
     start = time.perf_counter()
     checkpoint, problems = None, []
+    state: Mapping = {}
     if shared_filesystem or comm.rank() == 0:
         try:
             checkpoint = open_hf_checkpoint(model_dir)
+            state = mxfp4.dequantizing(checkpoint)  # gpt-oss MXFP4 experts, dequantized per piece as read
         except CheckpointError as exc:
             problems.append(str(exc))
     try:
@@ -227,9 +230,7 @@ def _load(
         with progress_bar(total, desc="load") as bar:
             if checkpoint is not None:
                 checkpoint.set_read_callback(bar.update)
-            result = load_entries(
-                entries, checkpoint if checkpoint is not None else {}, device, strict=strict, cpu_offload=cpu_offload
-            )
+            result = load_entries(entries, state, device, strict=strict, cpu_offload=cpu_offload)
     finally:
         if checkpoint is not None:
             checkpoint.close()

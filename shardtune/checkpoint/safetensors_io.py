@@ -286,13 +286,13 @@ class TensorSlice:
 
     def _read_block(self, base: int, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
         """The block ``index`` of the tensor of ``shape`` whose data starts at byte ``base``: whole
-        rows of dim 0 are read; a block that is not whole rows of a tensor of 3+ dims (experts
-        split on dim 1) is read per index of dim 0, so only its own rows are read."""
+        rows of dim 0 are read; a block that is not whole rows (experts and their biases split on
+        dim 1) is read per index of dim 0, so only its own rows are read."""
         start, stop, step = index[0].indices(shape[0])
         if step != 1:
             return self._read_rows(base, shape, 0, shape[0])[index]
         partial = any(s.indices(n) != (0, n, 1) for s, n in zip(index[1:], shape[1:]))
-        if partial and len(shape) > 2 and stop > start:
+        if partial and len(shape) > 1 and stop > start:
             inner = math.prod(shape[1:]) * self.entry.dtype.itemsize
             return torch.stack([self._read_block(base + i * inner, shape[1:], index[1:]) for i in range(start, stop)])
         rows = self._read_rows(base, shape, start, max(stop - start, 0))

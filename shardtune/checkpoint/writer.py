@@ -121,10 +121,10 @@ def whole_items(
     name: str, tensor: torch.Tensor, dtype: torch.dtype, layout: TensorLayout, transform: BlockTransform | None = None
 ) -> list[WriteItem]:
     """``tensor`` (global ``layout``) written as itself under ``name``: one item, or, when its
-    pieces are not whole rows (fused experts split on dim 1), :func:`row_slices`, in which each
-    piece is whole rows, so that every rank still writes its own bytes in place."""
+    pieces are not whole rows (fused experts or their biases split on dim 1), :func:`row_slices`, in
+    which each piece is whole rows, so that every rank still writes its own bytes in place."""
     pieces_are_rows = not layout.is_sharded or all(p.is_row_range(layout.shape) for p in layout.owners())
-    if pieces_are_rows or transform is not None or len(layout.shape) < 3:
+    if pieces_are_rows or transform is not None or len(layout.shape) < 2:
         return [WriteItem(name=name, tensor=tensor, dtype=dtype, layout=layout, transform=transform)]
     return row_slices(name, tensor, dtype, layout)
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardtune.model_presets import GPT_OSS_YARN
 from shardtune.models.args import FULL, SLIDING, ModelArgs
 from shardtune.models.moe_args import MoeArgs
 
@@ -47,6 +48,7 @@ class Family:
     default_eps: float = 1e-6
     default_local_theta: float | None = None  # sliding layers' own rope base (Gemma 3)
     moe: bool = False  # sparse layers route to experts (``ModelArgs.moe``, models/moe.py)
+    clamped_swiglu: bool = False  # biased experts with a clamped SwiGLU, attention sinks (gpt-oss, models/gpt_oss.py)
 
 
 def _require(args: ModelArgs, family: str, **expected: Any) -> None:
@@ -280,29 +282,89 @@ def _mixtral_read(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {**_read_window(cfg), **experts}
 
 
+def _every_layer_experts(args: ModelArgs, problem: str, **fixed: Any) -> MoeArgs:
+    """``args.moe``, after checking it has experts of ``intermediate_size`` in every layer and the
+    family's ``fixed`` fields (``problem``: the error otherwise)."""
+    moe = args.moe
+    assert moe is not None  # ModelArgs.__post_init__ requires it for MoE families
+    expected = dataclasses.replace(
+        moe, intermediate_size=args.intermediate_size, mlp_only_layers=(), decoder_sparse_step=1, **fixed
+    )
+    if moe != expected:
+        raise ValueError(problem)
+    return moe
+
+
 def _mixtral_write(args: ModelArgs) -> dict[str, Any]:
     _require(args, "mixtral", attention_bias=False, o_proj_bias=False, mlp_bias=False)
-    moe = args.moe
-    assert moe is not None  # ModelArgs.__post_init__ requires it for this family
-    as_mixtral = dataclasses.replace(
-        moe,
-        intermediate_size=args.intermediate_size,
+    moe = _every_layer_experts(
+        args,
+        "model_type 'mixtral' has experts of intermediate_size in every layer, normalized fp32 top-k weights: "
+        "set MoeArgs(intermediate_size=ModelArgs.intermediate_size, norm_topk_prob=True, fp32_scores=True) "
+        "without mlp_only_layers, or use model_type='qwen3_moe'",
         norm_topk_prob=True,
-        mlp_only_layers=(),
-        decoder_sparse_step=1,
         fp32_scores=True,
     )
-    if moe != as_mixtral:
-        raise ValueError(
-            "model_type 'mixtral' has experts of intermediate_size in every layer, normalized fp32 top-k weights: "
-            "set MoeArgs(intermediate_size=ModelArgs.intermediate_size, norm_topk_prob=True, fp32_scores=True) "
-            "without mlp_only_layers, or use model_type='qwen3_moe'"
-        )
     return {
         "head_dim": args.head_dim,
         "sliding_window": _uniform_window(args, "mixtral"),
         "num_local_experts": moe.num_experts,
         "router_jitter_noise": 0.0,
+        **_moe_entries(moe),
+    }
+
+
+# --- gpt_oss ---------------------------------------------------------------------------------------------------------
+
+
+def _gpt_oss_read(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or [SLIDING if (i + 1) % 2 else FULL for i in range(n)]
+    bias = bool(cfg.get("attention_bias", True))
+    heads = int(cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim", 64) or int(cfg["hidden_size"]) // heads
+    experts = _experts(
+        cfg,
+        count_key="num_local_experts",
+        size_key="intermediate_size",
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+    )
+    out: dict[str, Any] = {
+        "attention_bias": bias,
+        "o_proj_bias": bias,
+        "head_dim": int(head_dim),
+        "n_kv_heads": int(cfg.get("num_key_value_heads", 8) or heads),
+        "sliding_window": int(cfg.get("sliding_window") or 128),
+        "layer_types": list(types),
+        "max_seq_len": int(cfg.get("max_position_embeddings", 131072)),
+        **experts,
+    }
+    if not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
+        out["rope_scaling"] = dict(GPT_OSS_YARN)  # transformers' GptOssConfig default
+    return out
+
+
+def _gpt_oss_write(args: ModelArgs) -> dict[str, Any]:
+    _require(args, "gpt_oss", o_proj_bias=args.attention_bias, mlp_bias=False)
+    moe = _every_layer_experts(
+        args,
+        "model_type 'gpt_oss' has experts of intermediate_size in every layer with softmaxed top-k logits: set "
+        "MoeArgs(intermediate_size=ModelArgs.intermediate_size, norm_topk_prob=False, fp32_scores=False) without "
+        "mlp_only_layers",
+        norm_topk_prob=False,
+        fp32_scores=False,
+    )
+    if args.sliding_window is None:
+        raise ValueError("model_type 'gpt_oss' needs sliding_window (use layer_types to make every layer full)")
+    return {
+        "attention_bias": args.attention_bias,
+        "head_dim": args.head_dim,
+        "sliding_window": args.sliding_window,
+        "layer_types": list(args.layer_types or ()),
+        "num_local_experts": moe.num_experts,
+        "swiglu_limit": moe.swiglu_limit,
+        "swiglu_alpha": moe.swiglu_alpha,
         **_moe_entries(moe),
     }
 
@@ -361,6 +423,16 @@ FAMILIES: dict[str, Family] = {
             default_eps=1e-5,
             moe=True,
         ),
+        Family(
+            "gpt_oss",
+            "GptOssForCausalLM",
+            _gpt_oss_read,
+            _gpt_oss_write,
+            default_theta=150_000.0,
+            default_eps=1e-5,
+            moe=True,
+            clamped_swiglu=True,
+        ),
     )
 }
 
@@ -378,6 +450,12 @@ def family_of(args: ModelArgs) -> Family:
         raise ValueError(
             f"ModelArgs.moe must be set exactly for mixture-of-experts model types; model_type "
             f"{args.model_type!r} {'needs' if args.moe is None else 'has no'} experts"
+        )
+    if args.moe is not None and family.clamped_swiglu != (args.moe.swiglu_limit is not None):
+        raise ValueError(
+            "MoeArgs.swiglu_limit must be set exactly for model types with clamped-SwiGLU experts (gpt_oss); "
+            f"model_type {args.model_type!r} "
+            + ("needs it" if family.clamped_swiglu else "has none: leave swiglu_limit None")
         )
     return family
 

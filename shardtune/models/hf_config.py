@@ -77,7 +77,7 @@ _CONFIG_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
         (_INT, True),
     ),
     "norm_topk_prob": (_BOOL, True),
-    **dict.fromkeys(("router_aux_loss_coef", "router_jitter_noise"), (_NUMBER, True)),
+    **dict.fromkeys(("router_aux_loss_coef", "router_jitter_noise", "swiglu_limit", "swiglu_alpha"), (_NUMBER, True)),
     "mlp_only_layers": ((list,), True),
 }
 _TYPE_NAMES: dict[tuple[type, ...], str] = {

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from shardtune.models.args import FULL, SLIDING, ModelArgs
 from shardtune.models.attention import Attention, KVUpdate, RMSNorm, attention_mask, init_linear
 from shardtune.models.families import family_of, get_family
+from shardtune.models.gpt_oss import GptOssMLP, SinkAttention
 from shardtune.models.kv_cache import KVCache, cached_attention_mask
 from shardtune.models.layer_dropout import LayerDropoutSchedule, layer_dropout_probs
 from shardtune.models.linear_cross_entropy import LinearHead, head_for_several_losses, softcap
@@ -85,6 +86,11 @@ class MLP(nn.Module):
         return self.down_proj(act * up)
 
 
+# the layers a family replaces (gpt-oss: attention sinks, biased clamped-SwiGLU experts)
+_ATTENTION: dict[str, type[Attention]] = {"gpt_oss": SinkAttention}
+_SPARSE: dict[str, type[SparseMoeBlock]] = {"gpt_oss": GptOssMLP}
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block: attention and MLP, each with a residual. With the family's
     sandwich norms (Gemma 2/3) each branch output is normed too before its residual add."""
@@ -94,10 +100,10 @@ class DecoderLayer(nn.Module):
         self.layer_type = layer_type
         family = get_family(args.model_type)
         norm = {"eps": args.norm_eps, "offset": family.gemma_norm, "device": device, "dtype": dtype}
-        self.self_attn = Attention(args, device=device, dtype=dtype)
+        self.self_attn = _ATTENTION.get(args.model_type, Attention)(args, device=device, dtype=dtype)
         self.mlp: MLP | SparseMoeBlock
         if args.moe is not None and args.moe.is_sparse(layer_idx):
-            self.mlp = SparseMoeBlock(args, layer_idx, device=device, dtype=dtype)
+            self.mlp = _SPARSE.get(args.model_type, SparseMoeBlock)(args, layer_idx, device=device, dtype=dtype)
         else:
             self.mlp = MLP(args, device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(args.dim, **norm)

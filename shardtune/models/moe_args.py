@@ -21,6 +21,7 @@ class MoeArgs:
     ``intermediate_size`` for Mixtral). ``fp32_scores`` keeps the top-k routing weights in fp32 when
     they scale the experts' outputs (Mixtral); otherwise they are cast to the activations' dtype
     first (Qwen3-MoE). ``router_aux_loss_coef`` weighs the load-balancing loss in the training loss.
+    ``swiglu_limit`` (set exactly for gpt-oss) and ``swiglu_alpha`` are its experts' clamp and sigmoid gain.
     """
 
     num_experts: int
@@ -31,6 +32,8 @@ class MoeArgs:
     mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
     decoder_sparse_step: int = 1
     fp32_scores: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "intermediate_size", "decoder_sparse_step"):
@@ -44,6 +47,8 @@ class MoeArgs:
             )
         if self.router_aux_loss_coef < 0:
             raise ValueError(f"MoeArgs.router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"MoeArgs.swiglu_limit must be > 0 or None, got {self.swiglu_limit}")
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
 
     @classmethod

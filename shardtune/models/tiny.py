@@ -1,4 +1,4 @@
-"""The tiny demo base models (``tiny``, ``tiny_moe``) as HF model directories (config.json, safetensors, tokenizer)."""
+"""The tiny demo base models (``tiny``, ``tiny_moe``, ``tiny_gpt_oss``) as HF model directories (config.json, safetensors, tokenizer)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ TINY_SEED = 1234
 
 
 def create_tiny_base(directory: str | os.PathLike, *, seed: int = TINY_SEED, preset: str = "tiny") -> Path:
-    """Write ``preset`` (``tiny`` or ``tiny_moe``) with seeded random weights and the byte tokenizer to ``directory``.
+    """Write ``preset`` (one of ``TINY_PRESETS``) with seeded random weights and the byte tokenizer to ``directory``.
 
     Single process (no collectives). The directory appears complete or not at all: files are
     written to a temporary sibling that is renamed at the end. Experts are written in

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardtune.choices import LORA_TARGET_PARAMETERS
+from shardtune.models.gpt_oss import GptOssExperts, GptOssRouter, biased_experts
 from shardtune.models.moe import Experts, Router
 from shardtune.models.moe_kernels import expert_kernel
 from shardtune.peft import nf4
@@ -39,6 +40,8 @@ from shardtune.state_dict.nf4_experts import nf4_experts_shape_problem, quantize
 __all__ = [
     "LORA_TARGET_PARAMETERS",
     "LoRAExperts",
+    "LoRAGptOssExperts",
+    "LoRAGptOssRouter",
     "LoRARouter",
     "ParamAdapter",
     "adapt_parameters",
@@ -63,9 +66,14 @@ class ParamAdapter:
     """The LoRA factors of one targeted parameter (``num_experts`` 1 for a 2-D one); not a module:
     its factors are registered by the adapted module at PEFT's paths, and read from there."""
 
-    def __init__(self, shape: tuple[int, ...], *, rank: int, alpha: float, device, dtype) -> None:
-        self.num_experts, out_features, in_features = shape if len(shape) == 3 else (1, *shape)
-        self.ndim, self.rank, self.scaling = len(shape), rank, alpha / rank
+    def __init__(
+        self, shape: tuple[int, ...], *, rank: int, alpha: float, device, dtype, transposed: bool = False
+    ) -> None:
+        if transposed:  # gpt-oss: [E, in, out] (PEFT's is_transposed)
+            self.num_experts, in_features, out_features = shape
+        else:
+            self.num_experts, out_features, in_features = shape if len(shape) == 3 else (1, *shape)
+        self.ndim, self.rank, self.scaling, self.transposed = len(shape), rank, alpha / rank, transposed
         self.lora_A = _Factor(self.num_experts * rank, in_features, device=device, dtype=dtype)
         self.lora_B = _Factor(out_features, rank * self.num_experts, device=device, dtype=dtype)
 
@@ -88,6 +96,8 @@ class ParamAdapter:
         lhs, rhs = self.factors()
         if self.ndim == 2:
             return weight + (lhs[0] @ rhs[0]) * self.scaling
+        if self.transposed:  # W[e] [in, out] + (B_e @ A_e)^T
+            lhs, rhs = rhs.mT, lhs.mT
         return torch.baddbmm(weight, lhs.to(weight.dtype), rhs.to(weight.dtype), alpha=self.scaling)
 
 
@@ -100,7 +110,10 @@ def merge_block(block: Tensor, slices: tuple[slice, ...], adapter: ParamAdapter,
         delta = lhs[0, rows].float() @ rhs[0, :, cols].float()
     else:
         experts, rows, cols = slices
-        delta = torch.bmm(lhs[experts, rows].float(), rhs[experts, :, cols].float())
+        if adapter.transposed:  # rows of [E, in, out] are A's columns, its columns B's rows
+            delta = torch.bmm(rhs[experts, :, rows].mT.float(), lhs[experts, cols].mT.float())
+        else:
+            delta = torch.bmm(lhs[experts, rows].float(), rhs[experts, :, cols].float())
     return (block.float() + adapter.scaling * delta.to(block.device)).to(block.dtype)
 
 
@@ -135,7 +148,23 @@ class LoRARouter(Router, _Adapted):
         return F.linear(x, self.adapted("weight"))
 
 
-_ADAPTED = {Experts: LoRAExperts, Router: LoRARouter}
+class LoRAGptOssExperts(GptOssExperts, LoRAExperts):
+    """gpt-oss's :class:`~shardtune.models.gpt_oss.GptOssExperts` with LoRA on its expert weights (PEFT's
+    transposed layout); the biases stay as they are."""
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        gate_up, down = self.adapted("gate_up_proj", x.dtype), self.adapted("down_proj", x.dtype)
+        return biased_experts(x, counts, (gate_up, self.gate_up_proj_bias, down, self.down_proj_bias), self.activate)
+
+
+class LoRAGptOssRouter(GptOssRouter, LoRARouter):
+    """gpt-oss's biased router with LoRA on its ``weight``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.adapted("weight"), self.bias)
+
+
+_ADAPTED = {Experts: LoRAExperts, Router: LoRARouter, GptOssExperts: LoRAGptOssExperts, GptOssRouter: LoRAGptOssRouter}
 
 
 def adapt_parameters(module: nn.Module, names: list[str], *, rank: int, alpha: float) -> None:
@@ -153,8 +182,16 @@ def adapt_parameters(module: nn.Module, names: list[str], *, rank: int, alpha: f
         )
     ordered = [n for n in module._parameters if n in names]
     first = cast(Tensor, getattr(module, ordered[0]))
+    transposed = getattr(module, "is_transposed", False)
     adapters = {
-        n: ParamAdapter(tuple(getattr(module, n).shape), rank=rank, alpha=alpha, device="meta", dtype=first.dtype)
+        n: ParamAdapter(
+            tuple(getattr(module, n).shape),
+            rank=rank,
+            alpha=alpha,
+            device="meta",
+            dtype=first.dtype,
+            transposed=transposed and getattr(module, n).dim() == 3,
+        )
         for n in ordered
     }
     module.__class__ = _ADAPTED[type(module)]
@@ -228,4 +265,4 @@ def unadapt(module: nn.Module) -> None:
     for child in ("lora_A", "lora_B", "base_layer"):
         module._modules.pop(child, None)
     del module.adapters, module.disabled  # type: ignore[attr-defined]
-    module.__class__ = next(base for base, sub in _ADAPTED.items() if isinstance(module, sub))
+    module.__class__ = next(base for base, sub in _ADAPTED.items() if type(module) is sub)

@@ -78,6 +78,8 @@ RECIPES: dict[str, Recipe] = {
                 "phi3/mini_lora",
                 "qwen3_moe/30B_A3B_lora",
                 "mixtral/8x7B_qlora",
+                "gpt_oss/20B_lora",
+                "tiny/gpt_oss_lora",
             ),
         ),
         Recipe("knowledge_distillation_distributed", KD_SCHEMA, ("tiny/kd", "llama3_2/8B_to_1B_KD_lora")),

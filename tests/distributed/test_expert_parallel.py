@@ -149,6 +149,7 @@ def _sharding_refused() -> dict[str, str]:
     """shard_model with expert_parallel on what it does not run with yet; what each raised on this rank."""
     from shardtune.models import build_model
     from shardtune.peft import apply_lora
+    from tests.unit.test_models_gpt_oss import hf_gpt_oss
     from tests.unit.test_models_moe import moe_config
 
     def moe(**changes):
@@ -160,6 +161,10 @@ def _sharding_refused() -> dict[str, str]:
         apply_lora(model, rank=2, alpha=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])
         return model
 
+    def gpt_oss():
+        with torch.device("meta"):
+            return from_hf_config(hf_gpt_oss().config.to_dict())
+
     with torch.device("meta"):
         dense = build_model("tiny", dtype=torch.float32)
     cases = {
@@ -168,6 +173,7 @@ def _sharding_refused() -> dict[str, str]:
         "ranks": lambda: make_mesh(expert_parallel=3),
         "lora": lambda: shard_model(lora_on_experts(), mesh=make_mesh(expert_parallel=2)),
         "offload": lambda: shard_model(moe(), mesh=make_mesh(expert_parallel=2), cpu_offload=True),
+        "gpt_oss": lambda: shard_model(gpt_oss(), mesh=make_mesh(expert_parallel=2)),
     }
     raised = {}
     for name, call in cases.items():
@@ -186,6 +192,7 @@ def test_unsupported_expert_parallel_setups_are_refused_by_name(pool4):
         "ranks": "expert_parallel=3 must divide the 4 data-parallel shard ranks",
         "lora": "not supported with LoRA or QLoRA on experts",
         "offload": "not supported with fsdp_cpu_offload yet; set fsdp_cpu_offload=false",
+        "gpt_oss": "not supported for gpt_oss yet",
     }
     for r in pool4.run_ok(_sharding_refused, timeout=120):
         for name, text in expected.items():

@@ -233,7 +233,7 @@ def test_unsupported_model_type_lists_the_supported_ones():
         from_hf_config({**COMMON, "model_type": "falcon"})
     assert set(supported_model_types()) == {
         *("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"),
-        *("qwen3_moe", "mixtral"),
+        *("qwen3_moe", "mixtral", "gpt_oss"),
     }
 
 
