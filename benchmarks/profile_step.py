@@ -24,116 +24,28 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd.profiler import record_function
 
 from benchmarks._measure import bench_device, measure_step
 from benchmarks._report import fmt_bytes
+from benchmarks._step_profile import CATEGORIES, PHASES, best_mm_flops_per_s, floor_seconds, phased_step, profiled
 from benchmarks.driver import Options, Run, environment_lines, finish, parse_run_options, progress, try_spawn
-from benchmarks.train import LR, Shape, hf_dir
+from benchmarks.train import LR, SHAPES, Shape, hf_dir
 
 MARKERS = ("<!-- profile-step:begin -->", "<!-- profile-step:end -->")
 MODES = ("none", "full", "selective")
 CHECKPOINTING: dict[str, bool | str] = {"none": False, "full": True, "selective": "selective"}
-SHAPES = {
-    "head": (Shape(hidden=256, layers=4, heads=4, kv_heads=2, ffn=1024, vocab=128256), 2, 1024),
-    "body": (Shape(hidden=1024, layers=12, heads=16, kv_heads=8, ffn=2816, vocab=32000), 1, 1024),
-}
 SMOKE = {"smoke": (Shape(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=512), 1, 64)}
-CATEGORIES = ("GEMM", "attention", "other ops", "copies and casts", "FSDP collectives and copies", "optimizer", "rest")
-_GEMMS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm"})
-_COPIES = frozenset(
-    {
-        "aten::copy_",
-        "aten::to",
-        "aten::_to_copy",
-        "aten::clone",
-        "aten::contiguous",
-        "aten::cat",
-        "aten::stack",
-        "aten::split_with_sizes_copy",
-        "aten::_chunk_cat",
-        "aten::fill_",
-        "aten::zero_",
-        "aten::empty",
-        "aten::empty_like",
-        "aten::empty_strided",
-        "aten::zeros",
-        "aten::zeros_like",
-    }
-)
-_COMMS = ("c10d", "gloo", "nccl", "all_gather", "reduce_scatter", "allreduce", "record_param_comms")
-PHASES = ("forward", "backward", "optimizer")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ProfileOptions(Options):
     steps: int
     shapes: dict[str, tuple[Shape, int, int]]
-
-
-def _category(name: str, ancestors: list[str]) -> str:
-    """The category of one profiler event's self time (its own name, then its enclosing ranges)."""
-    if "phase:optimizer" in ancestors:
-        return "optimizer"
-    if any(a.startswith("FSDP::") for a in ancestors) or name.startswith("FSDP::") or any(c in name for c in _COMMS):
-        return "FSDP collectives and copies"
-    if name in _GEMMS:
-        return "GEMM"
-    if "scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name:
-        return "attention"
-    if name in _COPIES:
-        return "copies and casts"
-    if name.startswith("aten::"):
-        return "other ops"
-    return "rest"
-
-
-def categorize(events: list[Any]) -> dict[str, Any]:
-    """Per phase and category, microseconds of self time; per phase its wall time; the GEMM FLOPs.
-
-    ``events`` are a profile's ``FunctionEvent``s. Time of a phase not inside any op (Python, the
-    autograd engine between nodes, hooks) goes to ``rest``: the phase's wall time minus its events."""
-    by_phase: dict[str, dict[str, float]] = {p: defaultdict(float) for p in PHASES}
-    wall = dict.fromkeys(PHASES, 0.0)
-    flops = 0
-    for e in events:
-        chain, parent = [], e.cpu_parent
-        while parent is not None:
-            chain.append(parent.name)
-            parent = parent.cpu_parent
-        if e.name.startswith("phase:") and not chain:
-            wall[e.name.removeprefix("phase:")] += e.cpu_time_total
-            continue
-        phase = next((c.removeprefix("phase:") for c in chain if c.startswith("phase:")), None)
-        if phase is None:
-            continue
-        by_phase[phase][_category(e.name, chain)] += e.self_cpu_time_total
-        if e.name in _GEMMS:
-            flops += e.flops or 0
-    for phase in PHASES:
-        counted = sum(by_phase[phase].values())
-        by_phase[phase]["rest"] += max(0.0, wall[phase] - counted)
-    return {"us": {p: dict(v) for p, v in by_phase.items()}, "wall_us": wall, "gemm_flops": flops}
-
-
-def best_mm_flops_per_s(*, sizes: tuple[int, ...] = (512, 1024, 2048), repeats: int = 3) -> float:
-    """This rank's best measured fp32 ``torch.mm`` rate (FLOP/s) over square sizes."""
-    best = 0.0
-    for n in sizes:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        torch.mm(a, b)
-        for _ in range(repeats):
-            start = time.perf_counter()
-            torch.mm(a, b)
-            best = max(best, 2 * n**3 / (time.perf_counter() - start))
-    return best
 
 
 def run(*, hf: str, rows: int, seq: int, vocab: int, steps: int, mode: str) -> dict[str, Any]:
@@ -145,30 +57,19 @@ def run(*, hf: str, rows: int, seq: int, vocab: int, steps: int, mode: str) -> d
     model, loss_fn = _shardtune("full", hf, device, activation_checkpointing=CHECKPOINTING[mode])
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     tokens = torch.randint(vocab, (rows, seq), generator=torch.Generator().manual_seed(1000 + dist.get_rank()))
-
-    def step() -> float:
-        with record_function("phase:forward"):
-            loss = loss_fn(tokens)
-        with record_function("phase:backward"):
-            loss.backward()
-        with record_function("phase:optimizer"):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
+    step = phased_step(loss_fn, opt, tokens)
     dist.barrier()
-    first_loss = step()
+    first_loss = float(step())
     measurements = [measure_step(step, barrier=dist.barrier)[1].to_json() for _ in range(steps)]
     dist.barrier()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
-        step()
+    profile = profiled(step)
     dist.barrier()
     return {
         "rank": dist.get_rank(),
         "first_loss": first_loss,
         "steps": measurements,
         "measurement": measurements[0],
-        "profile": categorize(list(prof.events())),
+        "profile": profile,
         "mm_rate": best_mm_flops_per_s(),
         "tokens": rows * seq,
         "verify": "ok" if torch.isfinite(torch.tensor(first_loss)) else f"loss not finite: {first_loss}",
@@ -181,8 +82,7 @@ def summarize(run_: Run) -> dict[str, Any]:
     seconds = statistics.median(max(rk["steps"][i]["seconds"] for rk in run_.ranks) for i in range(len(r0["steps"])))
     prof = r0["profile"]
     wall = sum(prof["wall_us"].values())
-    attention = sum(prof["us"][p].get("attention", 0.0) for p in PHASES)
-    floor_s = prof["gemm_flops"] / r0["mm_rate"] + attention / 1e6
+    floor_s = floor_seconds(prof, mm_rate=r0["mm_rate"])
     return {
         "tokens_per_s": r0["tokens"] / seconds,
         "seconds": seconds,

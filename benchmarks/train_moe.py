@@ -35,6 +35,7 @@ import torch
 from benchmarks import train
 from benchmarks._measure import bench_device
 from benchmarks._report import fmt_bytes
+from benchmarks._train_report import LOSS_RTOL
 from benchmarks.driver import (
     Options,
     Run,
@@ -51,8 +52,7 @@ MARKERS = {
     "cpu": ("<!-- train-moe:begin -->", "<!-- train-moe:end -->"),
     "cuda": ("<!-- train-moe-cuda:begin -->", "<!-- train-moe-cuda:end -->"),
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-LOSS_RTOL = {"fp32": 1e-4, "bf16": 2e-2}  # first-step losses of the two stacks (same weights, same tokens)
+DTYPES = train.DTYPES
 
 
 @dataclass(frozen=True, kw_only=True)
