@@ -18,7 +18,8 @@ with ``load_state_dict(assign=True)`` (``training.load_from_full_model_state_dic
 ``torchtune.training`` itself does not import with torchao 0.18 (it imports ``TensorCoreTiledLayout``
 and ``int4_weight_only``, which torchao removed), so its three utilities named above are applied here
 with the torch calls they make (their dense, no-offload path); the model, the weight mapping and the
-loss are torchtune's own.
+loss are torchtune's own. torchao 0.18 also moved ``NF4Tensor`` out of ``torchao.dtypes.nf4tensor``,
+which ``import torchtune`` reads: :func:`import_torchtune` points that module name at its new home.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ import torch.nn.functional as F
 from torch import nn
 
 VERSION = "0.6.1"
+# without pip resolving torch (torchtune's torchdata requirement would): what it imports that torch doesn't bring
+INSTALL = (
+    f"pip install --no-deps torchtune=={VERSION} omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 sentencepiece "
+    "tiktoken pillow"
+)
 # torchao 0.18 moved NF4Tensor; torchtune 0.6.1 imports it from the old path when it is imported
 _NF4_OLD = "torchao.dtypes.nf4tensor"
 _NF4_NEW = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
@@ -60,7 +66,7 @@ def unavailable() -> str | None:
         for module in ("torchtune.models.llama3", "torchtune.models.convert_weights", "torchtune.modules.loss"):
             importlib.import_module(module)
     except ImportError as e:
-        return f"torchtune {VERSION} does not import here ({type(e).__name__}: {e})"
+        return f"torchtune {VERSION} does not import here ({type(e).__name__}: {e}); to add the peer: `{INSTALL}`"
     if not torchtune.__version__.startswith(VERSION):
         return f"torchtune {torchtune.__version__} is installed; the peer is torchtune {VERSION}"
     return None
@@ -126,7 +132,7 @@ def chunked_loss(model: nn.Module):
     from torchtune.modules.loss import CEWithChunkedOutputLoss
 
     ce = CEWithChunkedOutputLoss()
-    model.set_num_output_chunks(ce.num_output_chunks)  # type: ignore[operator]
+    model.set_num_output_chunks(ce.num_output_chunks)
 
     def loss(tokens: torch.Tensor) -> torch.Tensor:
         labels = F.pad(tokens[:, 1:], (0, 1), value=ce.ignore_index)  # position t predicts token t+1

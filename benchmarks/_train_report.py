@@ -187,8 +187,8 @@ def targets_rows(cfg: TrainOptions, summaries: Summaries) -> list[str]:
             st, (fastest, leanest) = by_method.get("shardtune"), best_peers(by_method)
             if st is None or fastest is None or leanest is None:
                 continue
-            speed = st["tokens_per_s"] / by_method[fastest]["tokens_per_s"]  # type: ignore[index]
-            memory = max(st["peaks"]) / max(by_method[leanest]["peaks"])  # type: ignore[index]
+            speed = st["tokens_per_s"] / by_method[fastest]["tokens_per_s"]
+            memory = max(st["peaks"]) / max(by_method[leanest]["peaks"])
             mem_target, floor_target = MEMORY_TARGETS.get(shape), FLOOR_TARGETS.get(shape)
             floor = None if st["floor"] is None else f"{100 * st['floor']:.0f}%"
             cells = [

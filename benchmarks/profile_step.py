@@ -14,9 +14,10 @@ elementwise work), copies and casts, FSDP collectives and their copies, optimize
 the phase's wall time (Python, hooks, autograd engine). Recompute under checkpointing is the
 backward time above the same shape's run without it.
 
-The *matmul floor* is every GEMM of the profiled step (the profiler's FLOP count of ``mm``,
-``addmm``, ``bmm``) at this rank's best measured ``torch.mm`` rate, plus its attention time; the
-step reaches ``floor / step time`` of it.
+Profiling, categories and the floor are :mod:`benchmarks._step_profile`'s (``benchmarks.train``
+reports the same floor per row). The *matmul floor* is every GEMM of the profiled step (the
+profiler's FLOP count of ``mm``, ``addmm``, ``bmm``) at this rank's best measured ``torch.mm``
+rate, plus its attention time; the step reaches ``floor / step time`` of it.
 """
 
 from __future__ import annotations

@@ -430,19 +430,22 @@ def measure(cfg: TrainOptions, runs_path: Path, *, torchtune: bool) -> tuple[lis
         for method in rotated(list(methods_for(group, torchtune=torchtune)), repeat):
             kwargs = {"group": group, "method": method, "hf": str(dirs[name]), "dtype": dtype, "seq": seq}
             kwargs |= {"rows": rows_for(seq, cfg.tokens_for(name)), "vocab": shape.vocab, "steps": cfg.steps}
-            run_ = Run(case_label(name, dtype, group, seq), method, repeat)
-            run_.ranks, run_.error = try_spawn(
-                "benchmarks.train:run",
-                world=cfg.world,
-                kwargs=kwargs,
-                timeout_s=cfg.timeout_s,
-                device=cfg.device,
-                root=root,
+            label = case_label(name, dtype, group, seq)
+            runs.append(
+                spawn_run("benchmarks.train:run", Run(label, method, repeat), cfg=cfg, kwargs=kwargs, root=root)
             )
-            progress(run_, total=cfg.repeats)
-            runs.append(run_)
             _save(runs_path, {"command": cfg.command, "load_avg": [load_before, os.getloadavg()[0]]}, runs)
     return runs, (load_before, os.getloadavg()[0])
+
+
+def spawn_run(target: str, run_: Run, *, cfg: Any, kwargs: dict[str, Any], root: Path) -> Run:
+    """``run_`` with the ranks' records of ``target(**kwargs)`` in fresh processes (or the failure), its line printed;
+    ``cfg``: a step benchmark's options (world, repeats, timeout, device)."""
+    run_.ranks, run_.error = try_spawn(
+        target, world=cfg.world, kwargs=kwargs, timeout_s=cfg.timeout_s, device=cfg.device, root=root
+    )
+    progress(run_, total=cfg.repeats)
+    return run_
 
 
 def _save(path: Path, header: dict[str, Any], runs: list[Run]) -> None:

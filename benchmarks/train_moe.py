@@ -42,10 +42,8 @@ from benchmarks.driver import (
     environment_lines,
     finish,
     parse_run_options,
-    progress,
     rotated,
     snapshot_sources,
-    try_spawn,
 )
 
 MARKERS = {
@@ -266,16 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                 kwargs = {"method": method, "hf": str(hf), "dtype": cfg.dtype, "seq": seq, "steps": cfg.steps}
                 kwargs |= {"rows": train.rows_for(seq, cfg.tokens_per_rank), "vocab": cfg.shape.vocab}
                 run_ = Run(f"moe@{seq}", method, repeat)
-                run_.ranks, run_.error = try_spawn(
-                    "benchmarks.train_moe:run",
-                    world=cfg.world,
-                    kwargs=kwargs,
-                    timeout_s=cfg.timeout_s,
-                    device=cfg.device,
-                    root=root,
-                )
-                progress(run_, total=cfg.repeats)
-                runs.append(run_)
+                runs.append(train.spawn_run("benchmarks.train_moe:run", run_, cfg=cfg, kwargs=kwargs, root=root))
     (cfg.bench_dir / "train_moe_runs.json").write_text(json.dumps(runs, default=asdict, indent=1))
     summaries = {
         (seq, method): train.summarize([r for r in runs if (r.group, r.method) == (f"moe@{seq}", method)])
