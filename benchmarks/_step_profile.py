@@ -142,6 +142,6 @@ def profiled(step: Callable[[], Any]) -> dict[str, Any]:
 
 
 def floor_seconds(profile: dict[str, Any], *, mm_rate: float) -> float:
-    """The matmul floor of a step profiled by :func:`profiled`: its GEMM FLOPs at ``mm_rate`` plus its attention time."""
+    """The matmul floor of a :func:`profiled` step: its GEMM FLOPs at ``mm_rate`` plus its attention time."""
     attention_us = sum(profile["us"][p].get("attention", 0.0) for p in PHASES)
     return profile["gemm_flops"] / mm_rate + attention_us / 1e6

@@ -1,4 +1,4 @@
-"""torchtune 0.6.1 as a peer of the training-step benchmark, built as its ``full_finetune_distributed`` recipe builds one.
+"""torchtune 0.6.1 as a peer of the training-step benchmark, built as its full_finetune_distributed recipe does.
 
 Rule: everything torchtune-specific lives here and nothing here imports torchtune at module import,
 so the benchmark and its tests run where torchtune does not install; :func:`unavailable` says why

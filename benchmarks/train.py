@@ -164,7 +164,7 @@ class TrainOptions(Options):
         return [
             f"- Models (Llama): {shapes}",
             (
-                f"- {', '.join(self.dtypes)}: in bf16 each method builds or loads its model in bf16 (parameters, "
+                f"- {', '.join(self.dtypes)}: each method builds or loads its model in the row's dtype (parameters, "
                 "gradients, AdamW state and compute; no mixed-precision policy; each loss upcasts its logits to "
                 f"fp32); activation checkpointing per layer in every method; AdamW; LoRA rank {LORA_RANK}, alpha "
                 f"{LORA_ALPHA:g} on " + ", ".join(TARGETS) + "; QLoRA bases NF4 (torchao, block 64, scaler block 256)"
@@ -328,12 +328,13 @@ def measure_run(
         loss, m = measure_step(step, barrier=dist.barrier, trace=i == 0)
         losses.append(float(loss))
         measurements.append(m.to_json())
-    floor = None
+    floor = gemm_flops = mm_rate = None
     if floor_dtype is not None:
         dist.barrier()
         profile = profiled(step)
         dist.barrier()
-        floor = floor_seconds(profile, mm_rate=best_mm_flops_per_s(dtype=floor_dtype))
+        gemm_flops, mm_rate = profile["gemm_flops"], best_mm_flops_per_s(dtype=floor_dtype)
+        floor = floor_seconds(profile, mm_rate=mm_rate)
     finite = all(math.isfinite(x) for x in [first_loss, *losses])
     return {
         "rank": rank,
@@ -342,6 +343,8 @@ def measure_run(
         "steps": measurements,
         "measurement": measurements[0],
         "floor_s": floor,
+        "gemm_flops": gemm_flops,
+        "mm_rate": mm_rate,
         "tokens": rows * seq,
         "trainable_params": sum(_numel(p) for p in trainable),
         "verify": "ok" if finite else f"loss not finite: {[first_loss, *losses]}",
