@@ -14,9 +14,10 @@ elementwise work), copies and casts, FSDP collectives and their copies, optimize
 the phase's wall time (Python, hooks, autograd engine). Recompute under checkpointing is the
 backward time above the same shape's run without it.
 
-The *matmul floor* is every GEMM of the profiled step (the profiler's FLOP count of ``mm``,
-``addmm``, ``bmm``) at this rank's best measured ``torch.mm`` rate, plus its attention time; the
-step reaches ``floor / step time`` of it.
+Profiling, categories and the floor are :mod:`benchmarks._step_profile`'s (``benchmarks.train``
+reports the same floor per row). The *matmul floor* is every GEMM of the profiled step (the
+profiler's FLOP count of ``mm``, ``addmm``, ``bmm``) at this rank's best measured ``torch.mm``
+rate, plus its attention time; the step reaches ``floor / step time`` of it.
 """
 
 from __future__ import annotations
@@ -24,53 +25,21 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
-from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.autograd.profiler import record_function
 
 from benchmarks._measure import bench_device
 from benchmarks._report import fmt_bytes
+from benchmarks._step_profile import CATEGORIES, PHASES, floor_seconds
 from benchmarks.driver import Options, Run, environment_lines, finish, parse_run_options, progress, try_spawn
-from benchmarks.train import Shape, hf_dir, measure_run
+from benchmarks.train import SHAPES, Shape, hf_dir
 
 MARKERS = ("<!-- profile-step:begin -->", "<!-- profile-step:end -->")
 MODES = ("none", "full", "selective")
 CHECKPOINTING: dict[str, bool | str] = {"none": False, "full": True, "selective": "selective"}
-SHAPES = {
-    "head": (Shape(hidden=256, layers=4, heads=4, kv_heads=2, ffn=1024, vocab=128256), 2, 1024),
-    "body": (Shape(hidden=1024, layers=12, heads=16, kv_heads=8, ffn=2816, vocab=32000), 1, 1024),
-}
 SMOKE = {"smoke": (Shape(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=512), 1, 64)}
-CATEGORIES = ("GEMM", "attention", "other ops", "copies and casts", "FSDP collectives and copies", "optimizer", "rest")
-_GEMMS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm"})
-_COPIES = frozenset(
-    {
-        "aten::copy_",
-        "aten::to",
-        "aten::_to_copy",
-        "aten::clone",
-        "aten::contiguous",
-        "aten::cat",
-        "aten::stack",
-        "aten::split_with_sizes_copy",
-        "aten::_chunk_cat",
-        "aten::fill_",
-        "aten::zero_",
-        "aten::empty",
-        "aten::empty_like",
-        "aten::empty_strided",
-        "aten::zeros",
-        "aten::zeros_like",
-    }
-)
-_COMMS = ("c10d", "gloo", "nccl", "all_gather", "reduce_scatter", "allreduce", "record_param_comms")
-PHASES = ("forward", "backward", "optimizer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,89 +48,15 @@ class ProfileOptions(Options):
     shapes: dict[str, tuple[Shape, int, int]]
 
 
-def _category(name: str, ancestors: list[str]) -> str:
-    """The category of one profiler event's self time (its own name, then its enclosing ranges)."""
-    if "phase:optimizer" in ancestors:
-        return "optimizer"
-    if any(a.startswith("FSDP::") for a in ancestors) or name.startswith("FSDP::") or any(c in name for c in _COMMS):
-        return "FSDP collectives and copies"
-    if name in _GEMMS:
-        return "GEMM"
-    if "scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name:
-        return "attention"
-    if name in _COPIES:
-        return "copies and casts"
-    if name.startswith("aten::"):
-        return "other ops"
-    return "rest"
-
-
-def categorize(events: list[Any]) -> dict[str, Any]:
-    """Per phase and category, microseconds of self time; per phase its wall time; the GEMM FLOPs.
-
-    ``events`` are a profile's ``FunctionEvent``s. Time of a phase not inside any op (Python, the
-    autograd engine between nodes, hooks) goes to ``rest``: the phase's wall time minus its events."""
-    by_phase: dict[str, dict[str, float]] = {p: defaultdict(float) for p in PHASES}
-    wall = dict.fromkeys(PHASES, 0.0)
-    flops = 0
-    for e in events:
-        chain, parent = [], e.cpu_parent
-        while parent is not None:
-            chain.append(parent.name)
-            parent = parent.cpu_parent
-        if e.name.startswith("phase:") and not chain:
-            wall[e.name.removeprefix("phase:")] += e.cpu_time_total
-            continue
-        phase = next((c.removeprefix("phase:") for c in chain if c.startswith("phase:")), None)
-        if phase is None:
-            continue
-        by_phase[phase][_category(e.name, chain)] += e.self_cpu_time_total
-        if e.name in _GEMMS:
-            flops += e.flops or 0
-    for phase in PHASES:
-        counted = sum(by_phase[phase].values())
-        by_phase[phase]["rest"] += max(0.0, wall[phase] - counted)
-    return {"us": {p: dict(v) for p, v in by_phase.items()}, "wall_us": wall, "gemm_flops": flops}
-
-
-def best_mm_flops_per_s(*, sizes: tuple[int, ...] = (512, 1024, 2048), repeats: int = 3) -> float:
-    """This rank's best measured fp32 ``torch.mm`` rate (FLOP/s) over square sizes."""
-    best = 0.0
-    for n in sizes:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        torch.mm(a, b)
-        for _ in range(repeats):
-            start = time.perf_counter()
-            torch.mm(a, b)
-            best = max(best, 2 * n**3 / (time.perf_counter() - start))
-    return best
-
-
 def run(*, hf: str, rows: int, seq: int, vocab: int, steps: int, mode: str) -> dict[str, Any]:
     """One run on this rank: build, warm-up, ``steps`` timed steps, one profiled step."""
-    from benchmarks.train import _shardtune
+    from benchmarks.train import _shardtune, measure_run
 
     device = bench_device()
     torch.manual_seed(0)
     model, loss_fn = _shardtune("full", hf, device, activation_checkpointing=CHECKPOINTING[mode])
-
-    def profiled(step: Callable[[], torch.Tensor]) -> dict[str, Any]:
-        dist.barrier()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
-            step()
-        dist.barrier()
-        return {"profile": categorize(list(prof.events())), "mm_rate": best_mm_flops_per_s()}
-
     return measure_run(
-        model,
-        loss_fn,
-        device=device,
-        rows=rows,
-        seq=seq,
-        vocab=vocab,
-        steps=steps,
-        phase=lambda name: record_function(f"phase:{name}"),
-        after=profiled,
+        model, loss_fn, device=device, rows=rows, seq=seq, vocab=vocab, steps=steps, floor_dtype=torch.float32
     )
 
 
@@ -171,8 +66,7 @@ def summarize(run_: Run) -> dict[str, Any]:
     seconds = statistics.median(max(rk["steps"][i]["seconds"] for rk in run_.ranks) for i in range(len(r0["steps"])))
     prof = r0["profile"]
     wall = sum(prof["wall_us"].values())
-    attention = sum(prof["us"][p].get("attention", 0.0) for p in PHASES)
-    floor_s = prof["gemm_flops"] / r0["mm_rate"] + attention / 1e6
+    floor_s = floor_seconds(prof, mm_rate=r0["mm_rate"])
     return {
         "tokens_per_s": r0["tokens"] / seconds,
         "seconds": seconds,

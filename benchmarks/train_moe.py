@@ -35,24 +35,22 @@ import torch
 from benchmarks import train
 from benchmarks._measure import bench_device
 from benchmarks._report import fmt_bytes
+from benchmarks._train_report import LOSS_RTOL
 from benchmarks.driver import (
     Options,
     Run,
     environment_lines,
     finish,
     parse_run_options,
-    progress,
     rotated,
     snapshot_sources,
-    try_spawn,
 )
 
 MARKERS = {
     "cpu": ("<!-- train-moe:begin -->", "<!-- train-moe:end -->"),
     "cuda": ("<!-- train-moe-cuda:begin -->", "<!-- train-moe-cuda:end -->"),
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-LOSS_RTOL = {"fp32": 1e-4, "bf16": 2e-2}  # first-step losses of the two stacks (same weights, same tokens)
+DTYPES = train.DTYPES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -266,16 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                 kwargs = {"method": method, "hf": str(hf), "dtype": cfg.dtype, "seq": seq, "steps": cfg.steps}
                 kwargs |= {"rows": train.rows_for(seq, cfg.tokens_per_rank), "vocab": cfg.shape.vocab}
                 run_ = Run(f"moe@{seq}", method, repeat)
-                run_.ranks, run_.error = try_spawn(
-                    "benchmarks.train_moe:run",
-                    world=cfg.world,
-                    kwargs=kwargs,
-                    timeout_s=cfg.timeout_s,
-                    device=cfg.device,
-                    root=root,
-                )
-                progress(run_, total=cfg.repeats)
-                runs.append(run_)
+                runs.append(train.spawn_run("benchmarks.train_moe:run", run_, cfg=cfg, kwargs=kwargs, root=root))
     (cfg.bench_dir / "train_moe_runs.json").write_text(json.dumps(runs, default=asdict, indent=1))
     summaries = {
         (seq, method): train.summarize([r for r in runs if (r.group, r.method) == (f"moe@{seq}", method)])

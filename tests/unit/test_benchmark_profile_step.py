@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.autograd.profiler import record_function
 
-from benchmarks.profile_step import CATEGORIES, PHASES, categorize
+from benchmarks._step_profile import CATEGORIES, PHASES, categorize
 
 
 def test_categories_of_a_profiled_step():

@@ -11,7 +11,7 @@ import torch
 
 from benchmarks._measure import measure_step
 from benchmarks.driver import Run
-from benchmarks.train import BENCH, TrainOptions, merge_saved_runs, report, rows_for, summarize
+from benchmarks.train import SHAPES, TrainOptions, merge_saved_runs, report, rows_for, summarize
 
 MIB = 1 << 20
 
@@ -44,8 +44,8 @@ def _rank(rank: int, *, seconds: tuple[float, float], peak: int, loss: float) ->
 def _options(tmp_path: Path) -> TrainOptions:
     return TrainOptions(
         size="tiny", world=2, repeats=1, groups=("full",), cold=False, bench_dir=tmp_path, markdown=None,
-        timeout_s=1.0, command="python -m benchmarks.train", seq_lens=(1024,), tokens_per_rank=2048, steps=2,
-        device="cpu", shape=BENCH, from_runs=(),
+        timeout_s=1.0, command="python -m benchmarks.train", seq_lens=(1024,), steps=2,
+        device="cpu", shapes={"head": SHAPES["head"]}, dtypes=("fp32",), from_runs=(),
     )  # fmt: skip
 
 
@@ -59,14 +59,17 @@ def test_ratios_use_the_slowest_rank_and_the_larger_peak(tmp_path: Path, tf_peak
         _rank(0, seconds=(4.0, 4.0), peak=tf_peak_r0 * MIB, loss=11.0),
         _rank(1, seconds=(1.0, 3.0), peak=250 * MIB, loss=11.5),
     ])  # fmt: skip
-    summaries = {("full", 1024, "shardtune"): summarize([st]), ("full", 1024, "transformers"): summarize([tf])}
-    assert summaries[("full", 1024, "shardtune")]["tokens_per_s"] == 2048 / 2.0
+    summaries = {
+        ("head", "fp32", "full", 1024, "shardtune"): summarize([st]),
+        ("head", "fp32", "full", 1024, "transformers"): summarize([tf]),
+    }
+    assert summaries[("head", "fp32", "full", 1024, "shardtune")]["tokens_per_s"] == 2048 / 2.0
     section, agree = report(_options(tmp_path), summaries, load_avg=(0.0, 0.0), plots={})
     memory = 200 / max(tf_peak_r0, 250)  # the larger rank of each
     assert agree
-    assert "| full | 2 × 1024 | 1024 | 512 | 2.00 |" in section
-    assert f"peak memory ≤ 0.5× the transformers peer: {memory:.2f}× ({verdict})" in section
-    assert "tokens/s ≥ 0.95×: 2.00× (met)" in section
+    assert "| head | fp32 | full | 2 × 1024 | shardtune | 1024 | 2.00 |" in section
+    assert f"| {memory:.2f}× transformers ({verdict}) |" in section
+    assert "| 2.00× transformers (met) |" in section
 
 
 def test_disagreeing_first_losses_fail_the_verification(tmp_path: Path):
@@ -74,7 +77,7 @@ def test_disagreeing_first_losses_fail_the_verification(tmp_path: Path):
         method: Run("full@1024", method, 0, ranks=[_rank(k, seconds=(1.0, 1.0), peak=MIB, loss=loss) for k in (0, 1)])
         for method, loss in (("shardtune", 11.0), ("transformers", 11.01))
     }
-    summaries = {("full", 1024, m): summarize([r]) for m, r in runs.items()}
+    summaries = {("head", "fp32", "full", 1024, m): summarize([r]) for m, r in runs.items()}
     _, agree = report(_options(tmp_path), summaries, load_avg=(0.0, 0.0), plots={})
     assert not agree
 
