@@ -116,9 +116,10 @@ def _check_nf4_experts(
     ``placement``: the experts' placement as :func:`~shardtune.models.moe.expert_shard_placement`
     chose it for ``shard_ranks`` ranks (the one place that decides it)."""
     for name, p in model.named_parameters():
+        chosen = placement(p) if placement is not None else None
         if not is_nf4_experts(p):
             continue
-        if placement is None or placement(p) != Shard(0):
+        if chosen != Shard(0):
             raise ValueError(
                 f"{name}: NF4 experts are sharded on the expert dim only, and a shard group of {shard_ranks} ranks "
                 f"does not divide its {p.shape[0]} experts; use a world size (or data_parallel_replicate) whose "
