@@ -36,7 +36,8 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """The ``name`` optimizer (one of :data:`OPTIMIZERS`) over the trainable ``params`` (frozen ones are left out).
 
-    ``adamw_fused`` is ``torch.optim.AdamW(fused=True)`` (CUDA, and CPU in recent torch);
+    ``adamw`` is ``torch.optim.AdamW`` with torch's default implementation, except on the CPU
+    (:func:`_adamw`: fused there); ``adamw_fused`` is ``torch.optim.AdamW(fused=True)`` (CUDA, and CPU in recent torch);
     ``adamw8bit``/``adamw4bit`` are torchao's block-wise quantized AdamW (state in 8 or 4 bits).
     """
     trainable = [p for p in params if p.requires_grad]
@@ -44,7 +45,7 @@ def build_optimizer(
         raise ValueError("no trainable parameters: check the LoRA target_modules or which params are frozen")
     adam: dict[str, Any] = {"lr": lr, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps}
     if name == "adamw":
-        return torch.optim.AdamW(trainable, **adam)
+        return _adamw(trainable, adam)
     if name == "adamw_fused":
         try:
             return torch.optim.AdamW(trainable, **adam, fused=True)
@@ -58,6 +59,19 @@ def build_optimizer(
     if name == "sgd":
         return torch.optim.SGD(trainable, lr=lr, weight_decay=weight_decay, momentum=momentum)
     raise ValueError(f"optimizer.name={name!r} is not supported; choose one of {OPTIMIZERS}")
+
+
+def _adamw(params: list[torch.nn.Parameter], adam: dict[str, Any]) -> torch.optim.Optimizer:
+    """``torch.optim.AdamW``, fused when every param (its local shard) lives on the CPU and torch has
+    a fused CPU kernel for them: torch's CPU default is its per-parameter loop, several passes over
+    each tensor with Python between them, where the fused kernel makes one (body-shaped shards of
+    70M values: 1.09 s a step against 0.17 s). Updates equal the loop's to rounding."""
+    if all(local_tensor(p).device.type == "cpu" for p in params):
+        try:
+            return torch.optim.AdamW(params, **adam, fused=True)
+        except RuntimeError:  # no fused kernel for these dtypes in this torch
+            pass
+    return torch.optim.AdamW(params, **adam)
 
 
 def _low_bit_adamw(name: str) -> type[torch.optim.Optimizer]:
