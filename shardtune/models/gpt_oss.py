@@ -152,7 +152,6 @@ class GptOssExperts(Experts):
         nn.Module.__init__(self)  # Experts' own weights have the other layout: none of them is made
         kw = {"device": device, "dtype": dtype}
         self.num_experts, self.top_k, self.names = num_experts, top_k, None
-        self.ep_group = None  # expert parallel is refused for gpt-oss (shard_model)
         self.limit, self.alpha = limit, alpha
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, dim, 2 * intermediate, **kw))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate, **kw))

@@ -101,6 +101,8 @@ class Experts(nn.Module):
     """The fused weights of E gated MLPs; :meth:`forward` runs expert-sorted token rows, each token
     through ``top_k`` of them (what its FLOPs count: ``training/flops.py``)."""
 
+    ep_group: dist.ProcessGroup | None = None  # expert parallel: the ranks sharing the experts (shard_model)
+
     def __init__(
         self,
         num_experts: int,
@@ -119,7 +121,6 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, dim, **kw))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, intermediate, **kw))
         self.act: Callable[[Tensor], Tensor] = F.silu if act == "silu" else lambda t: F.gelu(t, approximate="tanh")
-        self.ep_group: dist.ProcessGroup | None = None  # expert parallel: the ranks sharing the experts
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """``x [N, H]`` sorted by expert, ``counts [E_local]`` rows per expert (this rank's experts under

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 from shardtune.checkpoint import load_peft_adapter, save_hf_checkpoint, save_peft_adapter
 from shardtune.distributed import make_mesh, shard_model
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def _run(experts: int, peft_dir: str, out: str) -> dict:
     from tests.unit.test_lora_gpt_oss import PARAMETERS
-    from tests.unit.test_lora_moe import ALPHA, MODULES, RANK, _peft
+    from tests.unit.test_lora_moe import ALPHA, MODULES, RANK, _peft, lora_grad_errors
     from tests.unit.test_models_gpt_oss import hf_gpt_oss
     from tests.unit.test_models_moe import batch
 
@@ -34,7 +34,6 @@ def _run(experts: int, peft_dir: str, out: str) -> dict:
     tokens = batch()[0]
     expected = pm(tokens).logits
     expected.square().sum().backward()
-    peft_grads = {k.replace(".default", ""): p.grad for k, p in pm.named_parameters() if "lora_" in k}
     with nccl_rules() as rules:
         with torch.device("meta"):
             model = from_hf_config(hf.config.to_dict())
@@ -47,12 +46,7 @@ def _run(experts: int, peft_dir: str, out: str) -> dict:
         rules.host(model)
         logits = model(tokens)
         logits.square().sum().backward()
-        worst = 0.0
-        for key, p in model.named_parameters():
-            if "lora" in key:
-                grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                ref = peft_grads["base_model.model." + key]
-                worst = max(worst, ((grad - ref).abs().max() / ref.abs().max()).item())
+        worst = max(lora_grad_errors(model, pm).values())
         save_peft_adapter(model, Path(out) / "adapter")
         save_hf_checkpoint(model, Path(out) / "merged")
     return {

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 from shardtune.checkpoint import load_peft_adapter, save_hf_checkpoint, save_peft_adapter
 from shardtune.checkpoint.optimizer_io import load_optimizer, save_optimizer
@@ -51,7 +51,7 @@ def _step(model, opt, tokens) -> torch.Tensor:
 
 
 def _run(name: str, changes: dict, peft_dir: str, out: str):
-    from tests.unit.test_lora_moe import _peft
+    from tests.unit.test_lora_moe import _peft, lora_grad_errors
     from tests.unit.test_models_moe import batch, hf_moe_model
 
     hf = hf_moe_model(name, **changes)
@@ -59,7 +59,6 @@ def _run(name: str, changes: dict, peft_dir: str, out: str):
     tokens = batch()[0]
     expected = pm(tokens).logits
     expected.square().sum().backward()
-    peft_grads = {k.replace(".default", ""): p.grad for k, p in pm.named_parameters() if "lora_" in k}
     out_dir = Path(out)
     with nccl_rules() as rules:
         model = _sharded_lora(hf.config.to_dict(), hf.state_dict(), rules=rules)
@@ -67,12 +66,7 @@ def _run(name: str, changes: dict, peft_dir: str, out: str):
         rules.host(model)
         logits = model(tokens)
         logits.square().sum().backward()
-        worst = 0.0
-        for key, p in model.named_parameters():
-            if "lora" in key:
-                grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                ref = peft_grads["base_model.model." + key.replace("_checkpoint_wrapped_module.", "")]
-                worst = max(worst, ((grad - ref).abs().max() / ref.abs().max()).item())
+        worst = max(lora_grad_errors(model, pm).values())
         model.zero_grad()
         save_peft_adapter(model, out_dir / "adapter")
         save_hf_checkpoint(model, out_dir / "merged", expert_layout="fused")

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 from shardtune.distributed import make_mesh, shard_model
 from shardtune.models import from_hf_config
@@ -33,7 +33,7 @@ def _two_losses(model, tokens, mask, labels, coef: float) -> torch.Tensor:
 
 def _sharded_vs_one_process(experts: int, checkpointing: bool | str) -> dict:
     from tests.unit.test_models_gpt_oss import hf_gpt_oss, ours_from
-    from tests.unit.test_models_moe import _rel, batch
+    from tests.unit.test_models_moe import batch, worst_grad
 
     hf = hf_gpt_oss(num_local_experts=experts)
     reference = ours_from(hf)
@@ -50,11 +50,7 @@ def _sharded_vs_one_process(experts: int, checkpointing: bool | str) -> dict:
     expected.backward()
     loss = _two_losses(model, *batch(), coef)
     loss.backward()  # every rank the same batch: FSDP's averaged gradient is the single-process one
-    grads = {n: p.grad for n, p in reference.named_parameters()}
-    worst = 0.0
-    for n, p in model.named_parameters():
-        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        worst = max(worst, _rel(grad, grads[n.replace("_checkpoint_wrapped_module.", "")]))
+    worst = worst_grad(model, {n: p.grad for n, p in reference.named_parameters()})
     bias = model.model.layers[0].mlp.experts.gate_up_proj_bias
     return {
         "loss": abs(loss.item() - expected.item()),

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from shardtune.distributed import make_mesh, shard_model
 from shardtune.models import from_hf_config
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _sharded_vs_transformers(name: str, changes: dict, checkpointing: bool | str, replicate: int = 1):
-    from tests.unit.test_models_moe import _loss, _rel, batch, hf_moe_model
+    from tests.unit.test_models_moe import _loss, batch, hf_moe_model, worst_grad
 
     hf = hf_moe_model(name, **changes)
     full_sd = hf.state_dict()
@@ -35,11 +35,7 @@ def _sharded_vs_transformers(name: str, changes: dict, checkpointing: bool | str
     out.loss.backward()
     loss, routing, _ = _loss(model, tokens, mask, labels, hf.config.router_aux_loss_coef)
     loss.backward()  # every rank the same batch: FSDP's averaged gradient is the single-process one
-    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
-    worst = 0.0
-    for n, p in model.named_parameters():
-        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        worst = max(worst, _rel(grad, hf_grads[n.replace("_checkpoint_wrapped_module.", "")]))
+    worst = worst_grad(model, {n: p.grad for n, p in hf.named_parameters()})
     expert = model.model.layers[0].mlp.experts.gate_up_proj
     return {
         "loss": abs(loss.item() - out.loss.item()),

@@ -20,7 +20,7 @@ from shardtune.models import LlamaForCausalLM, from_hf_config, model_args_from_h
 from shardtune.models.gpt_oss import grouped_biased_experts, looped_biased_experts
 from shardtune.models.registry import build_model, get_model_args
 from shardtune.models.tiny import create_tiny_base
-from tests.unit.test_models_moe import COMMON, TOL, _loss, _rel, batch
+from tests.unit.test_models_moe import COMMON, TOL, _rel, batch, check_equals_transformers
 
 YARN = {
     "rope_type": "yarn",
@@ -64,24 +64,7 @@ def ours_from(hf) -> torch.nn.Module:
 
 def test_keys_logits_router_logits_aux_loss_and_grads_equal_transformers():
     hf = hf_gpt_oss()
-    ours = ours_from(hf)
-    assert [(k, v.shape) for k, v in ours.state_dict().items()] == [(k, v.shape) for k, v in hf.state_dict().items()]
-    tokens, mask, labels = batch()
-    out = hf(tokens, attention_mask=mask, labels=labels, output_router_logits=True)
-    loss, routing, logits = _loss(ours, tokens, mask, labels, hf.config.router_aux_loss_coef)
-    real = mask.bool()
-    assert _rel(logits[real], out.logits[real]) < TOL
-    assert sorted(routing.router_logits) == list(range(len(out.router_logits)))
-    for i, expected in enumerate(out.router_logits):
-        assert _rel(routing.router_logits[i][real.flatten()], expected[real.flatten()]) < TOL
-    assert abs(routing.aux_loss().item() - out.aux_loss.item()) < 1e-6 * out.aux_loss.item()
-    assert abs(loss.item() - out.loss.item()) < 1e-5
-    loss.backward()
-    out.loss.backward()
-    hf_grads = dict(hf.named_parameters())
-    for n, p in ours.named_parameters():
-        assert hf_grads[n].grad.abs().max() > 0, n
-        assert _rel(p.grad, hf_grads[n].grad) < 1e-4, n
+    check_equals_transformers(hf, ours_from(hf), every_grad_nonzero=True)
 
 
 def test_packed_row_gives_each_sample_its_own_logits():
