@@ -137,7 +137,9 @@ class _WeightsOnlyPlanner(DefaultLoadPlanner):
 
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict:
-    refuse_expert_parallel(model.named_parameters())  # the same params on every rank: each raises alike
+    refuse_expert_parallel(  # the same params on every rank: each raises alike
+        model.named_parameters(), what="checkpoint_format=dcp", fix="set checkpoint_format=hf (or expert_parallel=1)"
+    )
     if opt is None:
         model_sd, _ = get_state_dict(model, [], options=_OPTIONS)
         return {"model": model_sd}

@@ -16,7 +16,7 @@ from torch import nn
 from shardtune.state_dict import comm, nf4
 from shardtune.state_dict.agreement import SAME_MODEL, model_signature
 from shardtune.state_dict.keys import ModelEntry, is_adapter_key, model_entries, state_dict_order
-from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor, refuse_expert_parallel
+from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor
 
 
 @torch.no_grad()
@@ -35,7 +35,6 @@ def gather_cpu_state_dict(
     (names containing ``lora`` or ``magnitude``), filtered before anything is sent.
     ``device`` is where CPU-offloaded shards go for the collective (NCCL); gloo uses CPU.
     """
-    refuse_expert_parallel(model.named_parameters())  # the same params on every rank: each raises alike
     device = comm.normalize_device(device)
     entries = model_entries(model)
     if adapter_weights_only:

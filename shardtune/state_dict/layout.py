@@ -1,9 +1,12 @@
 """Where each rank's piece of a DTensor lies in the full tensor, and which tensor holds it locally.
 
-Expert-parallel tensors (a mesh with an ``ep`` dim: ``shardtune.expert_parallel``) are refused
-(:func:`refuse_expert_parallel`) until loading, gathering and saving their two-mesh placements is
-proven to move every expert's rows: every layout is computed on every rank in the same order, so
-each rank raises the same error at the same point, before any of its data moves.
+Expert-parallel tensors (a mesh ``(efsdp, ep)``: ``shardtune.expert_parallel``) are placed
+``[_StridedShard(0, sf=ep), Shard(0)]`` (FSDP2 over each rank's E/ep experts) or ``[Shard(1),
+Shard(0)]``: each rank's piece is still one rectangle of the full tensor, which torch's own
+local-shape rule gives; any other ``_StridedShard`` (its rows interleaved across ranks) is refused.
+Every layout is computed on every rank in the same order, so each rank raises the same error at
+the same point, before any of its data moves. The DCP format and torchao's low-bit optimizer
+states still refuse expert-parallel tensors (:func:`refuse_expert_parallel`).
 """
 
 from __future__ import annotations
@@ -76,22 +79,15 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 EP_DIM = "ep"
 
 
-def expert_parallel_problem(name: str, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> str | None:
-    """Why a tensor placed on ``mesh`` cannot be loaded, gathered or saved yet (None: it can)."""
-    if EP_DIM not in (mesh.mesh_dim_names or ()):
-        return None
-    return (
-        f"{name}: placed {placements} on the expert-parallel mesh {mesh.mesh_dim_names}; loading, saving and "
-        "gathering checkpoints (the base model's too) and low-bit optimizer state do not support "
-        "expert_parallel > 1 yet: set expert_parallel=1"
-    )
-
-
-def refuse_expert_parallel(named: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Raise :class:`~shardtune.state_dict.keys.StateDictError` for the first expert-parallel DTensor of ``named``."""
+def refuse_expert_parallel(named: Iterable[tuple[str, torch.Tensor]], *, what: str, fix: str) -> None:
+    """Raise :class:`~shardtune.state_dict.keys.StateDictError` for the first DTensor of ``named`` on an
+    expert-parallel mesh: ``what`` does not support it; ``fix`` says what to set instead."""
     for name, tensor in named:
-        if isinstance(tensor, DTensor):
-            _raise_if(expert_parallel_problem(name, tensor.device_mesh, tuple(tensor.placements)))
+        if isinstance(tensor, DTensor) and EP_DIM in (tensor.device_mesh.mesh_dim_names or ()):
+            _raise_if(
+                f"{name}: placed {tuple(tensor.placements)} on the expert-parallel mesh "
+                f"{tensor.device_mesh.mesh_dim_names}; {what} does not support expert_parallel > 1 yet: {fix}"
+            )
 
 
 def _raise_if(problem: str | None) -> None:
@@ -106,16 +102,21 @@ def placement_problem(name: str, tensor: torch.Tensor) -> str | None:
     if not isinstance(tensor, DTensor):
         return None
     placements = tuple(tensor.placements)
-    problem = expert_parallel_problem(name, tensor.device_mesh, placements)
-    if problem is None and (placement := unsupported_placement(placements)) is not None:
-        problem = f"{name}: placement {placement} is not supported; use Shard(d) or Replicate"
-    return problem
+    if (placement := unsupported_placement(placements, tuple(tensor.device_mesh.shape))) is not None:
+        return f"{name}: placement {placement} of {placements} is not supported; use Shard(d) or Replicate"
+    return None
 
 
-def unsupported_placement(placements: tuple[Placement, ...]) -> Placement | None:
-    """The first placement this module cannot map to a rectangular block, if any."""
-    for p in placements:
-        if isinstance(p, _StridedShard) or not isinstance(p, (Shard, Replicate)):
+def unsupported_placement(placements: tuple[Placement, ...], mesh_shape: tuple[int, ...]) -> Placement | None:
+    """The first placement this module cannot map to a rectangular block, if any. A
+    ``_StridedShard(d, sf)`` is one only when a later mesh dim of size ``sf`` shards the same dim
+    ``d`` (FSDP2 over expert parallel's experts): then each rank's rows are contiguous."""
+    for i, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            later = [j for j in range(i + 1, len(placements)) if placements[j] == Shard(p.dim)]
+            if len(later) != 1 or mesh_shape[later[0]] != p.split_factor:
+                return p
+        elif not isinstance(p, (Shard, Replicate)):
             return p
     return None
 
@@ -131,7 +132,6 @@ def dtensor_layout(
     shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...], world_size: int
 ) -> TensorLayout:
     """Layout of a DTensor of global ``shape`` placed by ``placements`` on ``mesh``."""
-    _raise_if(expert_parallel_problem(f"a tensor of shape {shape}", mesh, placements))
     mesh_ranks, mesh_shape = _mesh_ranks(mesh)
     if len(mesh_ranks) != world_size:
         raise ValueError(

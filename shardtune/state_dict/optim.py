@@ -57,6 +57,17 @@ def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
     return {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
 
 
+def _refuse_low_bit_expert_parallel(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """torchao's low-bit states of expert-parallel params are not mapped yet; the optimizer's type is
+    the same on every rank, so each raises alike."""
+    if type(opt).__module__.startswith("torchao"):
+        refuse_expert_parallel(
+            model.named_parameters(),
+            what=f"{type(opt).__name__} state",
+            fix="use optimizer.name=adamw or expert_parallel=1",
+        )
+
+
 def _value_kind(value: Any) -> tuple:
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype)
@@ -78,7 +89,7 @@ def get_full_optimizer_state_dict(
     quantized state is a full ``OptimState8bit``/``OptimState4bit`` (its codes and scales, not
     dequantized). ``device`` is where CPU-offloaded state goes for the collectives (NCCL); gloo uses CPU.
     """
-    refuse_expert_parallel(model.named_parameters())  # the same params on every rank: each raises alike
+    _refuse_low_bit_expert_parallel(model, opt)
     device = comm.normalize_device(device)
     groups = param_group_fqns(model, opt)
     view = [
@@ -173,7 +184,7 @@ def load_from_full_optimizer_state_dict(
     and scales; a sharding that would cut a quantization block between ranks is a problem.
     Problems raise :class:`StateDictError` on every rank before data moves.
     """
-    refuse_expert_parallel(model.named_parameters())  # the same params on every rank: each raises alike
+    _refuse_low_bit_expert_parallel(model, opt)
     device = comm.normalize_device(device)
     groups = param_group_fqns(model, opt)
     params = {fqn: p for fqns, g in zip(groups, opt.param_groups) for fqn, p in zip(fqns, g["params"])}

@@ -97,54 +97,6 @@ def test_expert_parallel_equals_data_parallel_and_transformers(pool4):
             assert _rel(grad, hf_grads[name]) < 1e-4, (kind, name)  # == transformers (its own kernels)
 
 
-def _checkpoint_io_refused(out_dir: str) -> dict[str, str]:
-    """Every state-dict path on an expert-parallel model; what each raised on this rank ('' if nothing)."""
-    from pathlib import Path
-
-    from shardtune.checkpoint.dcp_format import save_dcp
-    from shardtune.checkpoint.hf_save import save_hf_checkpoint
-    from shardtune.training import (
-        gather_cpu_state_dict,
-        get_full_optimizer_state_dict,
-        load_from_full_model_state_dict,
-        load_from_full_optimizer_state_dict,
-    )
-    from tests.unit.test_models_moe import hf_moe_model
-
-    hf = hf_moe_model("qwen3_moe", **SMALL)
-    model = from_hf_config(hf.config.to_dict())
-    model.load_state_dict(hf.state_dict(), strict=True)
-    shard_model(model, mesh=make_mesh(expert_parallel=2))
-    opt = torch.optim.AdamW(model.parameters())
-    rank0 = dist.get_rank() == 0
-    calls = {
-        "load": lambda: load_from_full_model_state_dict(model, hf.state_dict() if rank0 else {}, "cpu", strict=True),
-        "gather": lambda: gather_cpu_state_dict(model, rank0),
-        "optimizer": lambda: get_full_optimizer_state_dict(model, opt, rank0),
-        "optimizer_load": lambda: load_from_full_optimizer_state_dict(model, opt, {}, "cpu"),
-        "hf_save": lambda: save_hf_checkpoint(model, Path(out_dir) / "hf"),
-        "dcp_save": lambda: save_dcp(model, opt, Path(out_dir) / "dcp", async_save=False),
-    }
-    raised = {}
-    for name, call in calls.items():
-        try:
-            call()
-            raised[name] = ""
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            raised[name] = f"{type(exc).__name__}: {exc}"
-    return raised
-
-
-def test_checkpoints_with_expert_parallel_are_refused_on_every_rank(pool4, tmp_path):
-    """Until the state-dict core moves two-mesh placements, no load, gather or save runs half-way: each
-    raises on every rank (no hang), naming expert_parallel and the fix, and no weight file is written."""
-    for r in pool4.run_ok(_checkpoint_io_refused, str(tmp_path), timeout=200):
-        for name, error in r.items():
-            assert error.startswith(("StateDictError", "CheckpointError")), (name, error)
-            assert "expert-parallel mesh" in error and "set expert_parallel=1" in error, (name, error)
-    assert not list(tmp_path.rglob("*.safetensors")) and not list(tmp_path.rglob("*.distcp"))
-
-
 def _sharding_refused() -> dict[str, str]:
     """shard_model with expert_parallel on what it does not run with yet; what each raised on this rank."""
     from shardtune.models import build_model
