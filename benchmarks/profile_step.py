@@ -50,13 +50,21 @@ class ProfileOptions(Options):
 
 def run(*, hf: str, rows: int, seq: int, vocab: int, steps: int, mode: str) -> dict[str, Any]:
     """One run on this rank: build, warm-up, ``steps`` timed steps, one profiled step."""
-    from benchmarks.train import _shardtune, measure_run
+    from benchmarks.train import _shardtune, measure_run, shardtune_optimizer
 
     device = bench_device()
     torch.manual_seed(0)
     model, loss_fn = _shardtune("full", hf, device, activation_checkpointing=CHECKPOINTING[mode])
     return measure_run(
-        model, loss_fn, device=device, rows=rows, seq=seq, vocab=vocab, steps=steps, floor_dtype=torch.float32
+        model,
+        loss_fn,
+        device=device,
+        rows=rows,
+        seq=seq,
+        vocab=vocab,
+        steps=steps,
+        floor_dtype=torch.float32,
+        optimizer=shardtune_optimizer,
     )
 
 

@@ -26,7 +26,8 @@ the methods:
   and chunked cross-entropy (``CEWithChunkedOutputLoss``), as :mod:`benchmarks._torchtune_peer` builds it.
 
 LoRA: rank 8, alpha 16, on every projection of attention and MLP. Each step is forward,
-backward, ``AdamW.step()`` over the trainable parameters and ``zero_grad(set_to_none=True)``, on
+backward, ``AdamW.step()`` over the trainable parameters (shardtune: the recipes' ``optimizer.name=adamw``,
+fused on CPU; the peers: torch's default AdamW, as their recipes build it) and ``zero_grad(set_to_none=True)``, on
 seeded random tokens (the same for every method; each rank its own). Every run is fresh rank
 processes: build and load, one untimed warm-up step (its loss, taken before any update, must
 agree between the methods), then ``--steps`` timed steps, each measured by
@@ -166,7 +167,9 @@ class TrainOptions(Options):
             (
                 f"- {', '.join(self.dtypes)}: each method builds or loads its model in the row's dtype (parameters, "
                 "gradients, AdamW state and compute; no mixed-precision policy; each loss upcasts its logits to "
-                f"fp32); activation checkpointing per layer in every method; AdamW; LoRA rank {LORA_RANK}, alpha "
+                "fp32); activation checkpointing per layer in every method; AdamW (shardtune: the recipes' "
+                "`optimizer.name=adamw`, fused on CPU; the peers: torch's default, as their recipes build it); "
+                f"LoRA rank {LORA_RANK}, alpha "
                 f"{LORA_ALPHA:g} on " + ", ".join(TARGETS) + "; QLoRA bases NF4 (torchao, block 64, scaler block 256)"
             ),
             (
@@ -234,6 +237,13 @@ def _shardtune(
     return model, lambda tokens: loss_fn({"tokens": tokens, "labels": tokens})[0]
 
 
+def shardtune_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The recipes' ``optimizer.name=adamw`` (``build_optimizer``: fused on CPU), at the benchmark's lr."""
+    from shardtune.training.optim import build_optimizer
+
+    return build_optimizer(params, name="adamw", lr=LR)
+
+
 def _quantize_lora_bases(model: nn.Module) -> None:
     """QLoRA without bitsandbytes: each peft-adapted linear's base weight becomes a frozen NF4Tensor."""
     from peft.tuners.lora import LoraLayer
@@ -297,8 +307,17 @@ def run(*, group: str, method: str, hf: str, dtype: str, rows: int, seq: int, vo
     else:
         model, loss_fn = _torchtune_peer.build(hf, device, dtype=torch_dtype)
     floor_dtype = torch_dtype if device.type == "cpu" else None
+    optimizer = shardtune_optimizer if method == "shardtune" else None
     return measure_run(
-        model, loss_fn, device=device, rows=rows, seq=seq, vocab=vocab, steps=steps, floor_dtype=floor_dtype
+        model,
+        loss_fn,
+        device=device,
+        rows=rows,
+        seq=seq,
+        vocab=vocab,
+        steps=steps,
+        floor_dtype=floor_dtype,
+        optimizer=optimizer,
     )
 
 
@@ -312,13 +331,14 @@ def measure_run(
     vocab: int,
     steps: int,
     floor_dtype: torch.dtype | None = None,
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
 ) -> dict[str, Any]:
-    """A built model's run on this rank: one warm-up step, ``steps`` measured steps (AdamW over the
-    trainable params, seeded random tokens per rank), then with ``floor_dtype`` one step under the
+    """A built model's run on this rank: one warm-up step, ``steps`` measured steps (``optimizer`` over
+    the trainable params, torch's default AdamW unless given; seeded random tokens per rank), then with ``floor_dtype`` one step under the
     profiler (its categories, kept as ``profile``) for the step's matmul floor at the best ``torch.mm``
     rate in that dtype; returns its record."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=LR)
+    opt = optimizer(trainable) if optimizer is not None else torch.optim.AdamW(trainable, lr=LR)
     rank = dist.get_rank()
     tokens = torch.randint(vocab, (rows, seq), generator=torch.Generator().manual_seed(1000 + rank))
     step = phased_step(loss_fn, opt, tokens.to(device=device))

@@ -6,7 +6,7 @@
 
 Both stacks start from the same HF model directory: a seeded ``Qwen3MoeForCausalLM`` saved with
 fused experts (``save_original_format=False``), full fine-tuning, activation checkpointing per
-layer, AdamW, in ``--dtype``:
+layer, AdamW (shardtune: the recipes' ``optimizer.name=adamw``), in ``--dtype``:
 
 * ``shardtune``: what the full recipe builds (``benchmarks.train``'s shardtune stack: meta device,
   ``shard_model``, whose experts FSDP2 shards on the expert dim, ``load_hf_checkpoint``, the
@@ -146,7 +146,10 @@ def run(*, method: str, hf: str, dtype: str, rows: int, seq: int, vocab: int, st
         model, loss_fn = train._shardtune("full", hf, device, dtype=DTYPES[dtype])
     else:
         model, loss_fn = _transformers(hf, device, DTYPES[dtype])
-    return train.measure_run(model, loss_fn, device=device, rows=rows, seq=seq, vocab=vocab, steps=steps)
+    optimizer = train.shardtune_optimizer if method == "shardtune" else None
+    return train.measure_run(
+        model, loss_fn, device=device, rows=rows, seq=seq, vocab=vocab, steps=steps, optimizer=optimizer
+    )
 
 
 # --------------------------------------------------------------------------- report
@@ -170,7 +173,7 @@ def report(cfg: MoeOptions, summaries: dict[tuple[int, str], dict[str, Any] | No
             f"({shape.kv_heads} kv, head_dim {shape.head_dim}), {shape.experts} experts of width {shape.expert_ffn}, "
             f"top-{shape.top_k}, vocabulary {shape.vocab}: {shape.params() / 1e6:.1f} M params, "
             f"{shape.params(active=True) / 1e6:.1f} M active; {cfg.dtype}; full fine-tuning, activation checkpointing "
-            "per layer in both, AdamW; loss: cross-entropy + 0.001 × load-balancing loss in both"
+            "per layer in both, AdamW (shardtune: the recipes' fused CPU AdamW; transformers: torch's default); loss: cross-entropy + 0.001 × load-balancing loss in both"
         ),
         (
             '- Experts: transformers `experts_implementation="grouped_mm"`; shardtune '
