@@ -19,7 +19,6 @@ from torch.distributed.tensor import Shard
 from shardtune import expert_parallel as ep
 from shardtune.activation_checkpointing import checkpointed
 from shardtune.launch_checks import check_launch
-from shardtune.models.gpt_oss import GptOssExperts
 from shardtune.models.moe import Experts, expert_shard_placement
 from shardtune.state_dict.nf4 import is_nf4_experts, is_quantized
 
@@ -213,18 +212,13 @@ def _check_expert_parallel(model: nn.Module, has_experts: bool, *, cpu_offload: 
     """Refuse, by name, what expert parallelism does not run with yet."""
     if not has_experts:
         raise ValueError(
-            "expert_parallel > 1 needs a mixture-of-experts model (qwen3_moe, mixtral); this model has no "
+            "expert_parallel > 1 needs a mixture-of-experts model (qwen3_moe, mixtral, gpt_oss); this model has no "
             "experts: set expert_parallel=1"
         )
     if cpu_offload:
         raise ValueError("expert_parallel > 1 is not supported with fsdp_cpu_offload yet; set fsdp_cpu_offload=false")
-    if any(isinstance(m, GptOssExperts) for m in model.modules()):
-        raise ValueError(
-            "expert_parallel > 1 is not supported for gpt_oss yet (its biased experts are not split over ep); "
-            "set expert_parallel=1"
-        )
-    # LoRAExperts (peft/param_lora.py) subclasses Experts: adapters on experts are not split over ep yet
-    if any(isinstance(m, Experts) and type(m) is not Experts for m in model.modules()):
+    # LoRA's experts (peft/param_lora.py) hold ``adapters``: adapters on experts are not split over ep yet
+    if any(isinstance(m, Experts) and hasattr(m, "adapters") for m in model.modules()):
         raise ValueError(
             "expert_parallel > 1 is not supported with LoRA or QLoRA on experts (lora.target_parameters naming "
             "mlp.experts.*) yet; set expert_parallel=1 or drop the experts from lora.target_parameters"

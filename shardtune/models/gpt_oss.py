@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardtune.models.attention import Attention
-from shardtune.models.moe import Experts, Router, SparseMoeBlock
+from shardtune.models.moe import Experts, Router, SparseMoeBlock, local_experts
 
 if TYPE_CHECKING:
     from shardtune.models.args import ModelArgs
@@ -162,9 +162,11 @@ class GptOssExperts(Experts):
         return clamped_swiglu(gate_up, limit=self.limit, alpha=self.alpha)
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        """``x [N, H]`` sorted by expert, ``counts [E]`` rows per expert -> ``[N, H]``."""
-        weights = (self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias)
-        return biased_experts(x, counts, weights, self.activate)
+        """``x [N, H]`` sorted by expert, ``counts [E_local]`` rows per expert (this rank's experts under
+        expert parallelism) -> ``[N, H]``."""
+        gate_up, gate_up_bias = local_experts(self.gate_up_proj), local_experts(self.gate_up_proj_bias)
+        down, down_bias = local_experts(self.down_proj), local_experts(self.down_proj_bias)
+        return biased_experts(x, counts, (gate_up, gate_up_bias, down, down_bias), self.activate)
 
 
 class GptOssMLP(SparseMoeBlock):

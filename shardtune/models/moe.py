@@ -126,7 +126,7 @@ class Experts(nn.Module):
         """``x [N, H]`` sorted by expert, ``counts [E_local]`` rows per expert (this rank's experts under
         expert parallelism, whose weights are then DTensors on ``ep``) -> ``[N, H]``."""
         kernel = expert_kernel(x.device, x.dtype)
-        return kernel(x, counts, _local(self.gate_up_proj), _local(self.down_proj), self.act)
+        return kernel(x, counts, local_experts(self.gate_up_proj), local_experts(self.down_proj), self.act)
 
     def file_parts(self, prefix: str, name: str, shape: tuple[int, ...]) -> list[Part] | None:
         """transformers' per-expert file tensors of ``gate_up_proj`` (expert ``e``'s gate rows, then
@@ -193,7 +193,7 @@ class SparseMoeBlock(nn.Module):
         return out.view(b, s, dim)
 
 
-def _local(param: Tensor) -> Tensor:
+def local_experts(param: Tensor) -> Tensor:
     """This rank's experts of an expert-parallel weight (differentiably), the weight itself otherwise."""
     return param.to_local() if isinstance(param, DTensor) else param
 

@@ -97,11 +97,35 @@ def test_expert_parallel_equals_data_parallel_and_transformers(pool4):
             assert _rel(grad, hf_grads[name]) < 1e-4, (kind, name)  # == transformers (its own kernels)
 
 
+def _gpt_oss_ep_and_dp() -> dict:
+    from tests.unit.test_models_gpt_oss import hf_gpt_oss
+
+    hf = hf_gpt_oss()
+    return {"dp": _sharded_step(hf, 1), "ep": _sharded_step(hf, 2), "layers": hf.config.num_hidden_layers}
+
+
+def test_gpt_oss_expert_parallel_equals_data_parallel(pool4):
+    """gpt-oss's biased experts (biases split over ep with their experts) and biased router: loss, clipped
+    norm and every gradient at expert_parallel=2 equal expert_parallel=1 (itself equal to transformers:
+    tests/distributed/test_models_gpt_oss_sharded.py)."""
+    res = pool4.run_ok(_gpt_oss_ep_and_dp, timeout=200)
+    for rank, r in enumerate(res):
+        dp, ep = r["dp"], r["ep"]
+        assert (
+            abs(ep["loss"] - dp["loss"]) <= 1e-5 * abs(dp["loss"]) and abs(ep["norm"] - dp["norm"]) <= 1e-5 * dp["norm"]
+        )
+        assert ep["mesh"] == ("efsdp", "ep") and dp["all_to_all"] == 0, (rank, ep)
+        assert ep["all_to_all"] == 5 * r["layers"], (rank, ep["all_to_all"])  # every gpt-oss layer is sparse
+    grads = res[0]["dp"]["grads"]
+    assert any(".experts.gate_up_proj_bias" in name for name in grads)
+    for name, grad in res[0]["ep"]["grads"].items():
+        assert _rel(grad, grads[name]) < 1e-5, name
+
+
 def _sharding_refused() -> dict[str, str]:
     """shard_model with expert_parallel on what it does not run with yet; what each raised on this rank."""
     from shardtune.models import build_model
     from shardtune.peft import apply_lora
-    from tests.unit.test_models_gpt_oss import hf_gpt_oss
     from tests.unit.test_models_moe import moe_config
 
     def moe(**changes):
@@ -113,10 +137,6 @@ def _sharding_refused() -> dict[str, str]:
         apply_lora(model, rank=2, alpha=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])
         return model
 
-    def gpt_oss():
-        with torch.device("meta"):
-            return from_hf_config(hf_gpt_oss().config.to_dict())
-
     with torch.device("meta"):
         dense = build_model("tiny", dtype=torch.float32)
     cases = {
@@ -125,7 +145,6 @@ def _sharding_refused() -> dict[str, str]:
         "ranks": lambda: make_mesh(expert_parallel=3),
         "lora": lambda: shard_model(lora_on_experts(), mesh=make_mesh(expert_parallel=2)),
         "offload": lambda: shard_model(moe(), mesh=make_mesh(expert_parallel=2), cpu_offload=True),
-        "gpt_oss": lambda: shard_model(gpt_oss(), mesh=make_mesh(expert_parallel=2)),
     }
     raised = {}
     for name, call in cases.items():
@@ -144,7 +163,6 @@ def test_unsupported_expert_parallel_setups_are_refused_by_name(pool4):
         "ranks": "expert_parallel=3 must divide the 4 data-parallel shard ranks",
         "lora": "not supported with LoRA or QLoRA on experts",
         "offload": "not supported with fsdp_cpu_offload yet; set fsdp_cpu_offload=false",
-        "gpt_oss": "not supported for gpt_oss yet",
     }
     for r in pool4.run_ok(_sharding_refused, timeout=120):
         for name, text in expected.items():
