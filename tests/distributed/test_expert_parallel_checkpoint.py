@@ -1,6 +1,7 @@
 """Checkpoints of expert-parallel models on 4 gloo ranks, against transformers and torch's own gathers:
 a tiny Qwen3-MoE (2I != H) with 8 experts (``[_StridedShard(0), Shard(0)]`` on ``(efsdp, ep)``) and 6
-(``[Shard(1), Shard(0)]``: 3 experts per ep rank do not split over 2 efsdp ranks) loads from transformers'
+(``[Shard(1), Shard(0)]``: 3 experts per ep rank do not split over 2 efsdp ranks), and a tiny gpt-oss
+(8 biased experts, ``[E, H, 2I]``), loads from transformers'
 per-expert files and from a rank-0 state dict, gathers and saves (both layouts) exactly the weights; after
 a step, the optimizer state saved at ``expert_parallel=2`` comes back for every expert (not one rank's
 copy) at 1, 2 and 4, and resuming at 2 continues bitwise; the DCP format refuses by name."""
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardtune.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from shardtune.checkpoint.optimizer_io import load_optimizer, save_optimizer
@@ -25,6 +28,12 @@ pytestmark = pytest.mark.timeout(300)
 SMALL = {"num_hidden_layers": 2, "mlp_only_layers": [1]}
 CPU = torch.device("cpu")
 LAYOUTS = ("per_expert", "fused")
+STRIDED = (_StridedShard(0, split_factor=2), Shard(0))
+PLACEMENTS = {  # case -> the experts' gate_up_proj placements and local shape on rank 0
+    "8": (STRIDED, (2, 48, 64)),
+    "6": ((Shard(1), Shard(0)), (3, 24, 64)),
+    "gpt_oss": (STRIDED, (2, 64, 48)),  # gpt-oss: [E, H, 2I], biases split with their experts
+}
 
 
 def _model(hf, degree: int):
@@ -58,13 +67,15 @@ def _step(model, opt, hf) -> float:
     return loss.item()
 
 
-def _round_trip(experts: int, out: str) -> dict:
+def _round_trip(case: str, out: str) -> dict:
     import transformers
 
+    from tests.unit.test_models_gpt_oss import hf_gpt_oss
     from tests.unit.test_models_moe import hf_moe_model
 
-    out_dir, rank0 = Path(out) / str(experts), dist.get_rank() == 0
-    hf = hf_moe_model("qwen3_moe", num_experts=experts, **SMALL)
+    out_dir, rank0 = Path(out) / case, dist.get_rank() == 0
+    experts = 8 if case == "gpt_oss" else int(case)
+    hf = hf_gpt_oss() if case == "gpt_oss" else hf_moe_model("qwen3_moe", num_experts=experts, **SMALL)
     expected = hf.state_dict()
     if rank0:
         hf.save_pretrained(out_dir / "hf")  # transformers' default: per-expert keys
@@ -129,28 +140,21 @@ def _dcp_refused(out: str) -> str:
 
 
 def _all(out: str) -> dict:
-    return {"8": _round_trip(8, out), "6": _round_trip(6, out), "dcp": _dcp_refused(out)}
+    return {case: _round_trip(case, out) for case in PLACEMENTS} | {"dcp": _dcp_refused(out)}
 
 
 def test_expert_parallel_checkpoints_load_save_and_resume_every_expert(pool4, tmp_path):
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    placements = {
-        "8": ((_StridedShard(0, split_factor=2), Shard(0)), (2, 48, 64)),
-        "6": ((Shard(1), Shard(0)), (3, 24, 64)),
-    }
     for rank, r in enumerate(pool4.run_ok(_all, str(tmp_path), timeout=280)):
-        for experts in ("8", "6"):
-            got = r[experts]
-            resumed = {f"resumed_at_{d}" for d in ((1, 2, 4) if experts == "8" else (1, 2))}
+        for case, placement in PLACEMENTS.items():
+            got = r[case]
+            resumed = {f"resumed_at_{d}" for d in ((1, 2) if case == "6" else (1, 2, 4))}
             checked = {"every_expert_stepped", "next_loss_bitwise", *resumed} | (
                 {"gather", *LAYOUTS} if rank == 0 else set()
             )
             assert set(got) == {"placements", "hf_load", "state_load", *checked}, (rank, sorted(got))
-            assert got.pop("placements") == placements[experts], got
+            assert got.pop("placements") == placement, got
             assert got.pop("hf_load") == [] and got.pop("state_load") == [], got
-            assert all(v is True for v in got.values()), (experts, got)
+            assert all(v is True for v in got.values()), (case, got)
         assert r["dcp"].startswith(("StateDictError", "CheckpointError")), r["dcp"]
         assert "checkpoint_format=dcp does not support expert_parallel > 1" in r["dcp"], r["dcp"]
     assert not list(tmp_path.rglob("*.distcp"))
