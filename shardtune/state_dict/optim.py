@@ -60,7 +60,7 @@ def hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
 def _refuse_low_bit_expert_parallel(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     """torchao's low-bit states of expert-parallel params are not mapped yet; the optimizer's type is
     the same on every rank, so each raises alike."""
-    if type(opt).__module__.startswith("torchao"):
+    if any(cls.__module__.startswith("torchao") for cls in type(opt).__mro__):  # shardtune's subclasses too
         refuse_expert_parallel(
             model.named_parameters(),
             what=f"{type(opt).__name__} state",

@@ -4,7 +4,7 @@ a tiny Qwen3-MoE (2I != H) with 8 experts (``[_StridedShard(0), Shard(0)]`` on `
 (8 biased experts, ``[E, H, 2I]``), loads from transformers'
 per-expert files and from a rank-0 state dict, gathers and saves (both layouts) exactly the weights; after
 a step, the optimizer state saved at ``expert_parallel=2`` comes back for every expert (not one rank's
-copy) at 1, 2 and 4, and resuming at 2 continues bitwise; the DCP format refuses by name."""
+copy) at 1, 2 and 4, and resuming at 2 continues bitwise; the DCP format and low-bit AdamW refuse by name."""
 
 from __future__ import annotations
 
@@ -139,8 +139,25 @@ def _dcp_refused(out: str) -> str:
     return ""
 
 
+def _low_bit_refused() -> str:
+    from shardtune.state_dict import get_full_optimizer_state_dict
+    from shardtune.training.optim import build_optimizer
+    from tests.unit.test_models_moe import hf_moe_model
+
+    hf = hf_moe_model("qwen3_moe", **SMALL)
+    model = from_hf_config(hf.config.to_dict())
+    shard_model(model, mesh=make_mesh(expert_parallel=2))
+    opt = build_optimizer(model.parameters(), name="adamw8bit", lr=1e-3)
+    try:
+        get_full_optimizer_state_dict(model, opt, dist.get_rank() == 0)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
 def _all(out: str) -> dict:
-    return {case: _round_trip(case, out) for case in PLACEMENTS} | {"dcp": _dcp_refused(out)}
+    cases = {case: _round_trip(case, out) for case in PLACEMENTS}
+    return cases | {"dcp": _dcp_refused(out), "low_bit": _low_bit_refused()}
 
 
 def test_expert_parallel_checkpoints_load_save_and_resume_every_expert(pool4, tmp_path):
@@ -157,4 +174,8 @@ def test_expert_parallel_checkpoints_load_save_and_resume_every_expert(pool4, tm
             assert all(v is True for v in got.values()), (case, got)
         assert r["dcp"].startswith(("StateDictError", "CheckpointError")), r["dcp"]
         assert "checkpoint_format=dcp does not support expert_parallel > 1" in r["dcp"], r["dcp"]
+        assert (
+            r["low_bit"].startswith("StateDictError") and "state does not support expert_parallel > 1" in r["low_bit"]
+        )
+        assert "use optimizer.name=adamw or expert_parallel=1" in r["low_bit"], r["low_bit"]
     assert not list(tmp_path.rglob("*.distcp"))
