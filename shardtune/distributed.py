@@ -217,11 +217,11 @@ def _check_expert_parallel(model: nn.Module, has_experts: bool, *, cpu_offload: 
         )
     if cpu_offload:
         raise ValueError("expert_parallel > 1 is not supported with fsdp_cpu_offload yet; set fsdp_cpu_offload=false")
-    # LoRA's experts (peft/param_lora.py) hold ``adapters``: adapters on experts are not split over ep yet
-    if any(isinstance(m, Experts) and hasattr(m, "adapters") for m in model.modules()):
+    nf4 = next((n for n, p in model.named_parameters() if is_nf4_experts(p)), None)
+    if nf4 is not None:
         raise ValueError(
-            "expert_parallel > 1 is not supported with LoRA or QLoRA on experts (lora.target_parameters naming "
-            "mlp.experts.*) yet; set expert_parallel=1 or drop the experts from lora.target_parameters"
+            f"{nf4}: expert_parallel > 1 is not supported with NF4 experts (QLoRA on experts: lora.quantize_base "
+            "with lora.target_parameters naming mlp.experts.*) yet; set expert_parallel=1 or lora.quantize_base=false"
         )
 
 

@@ -11,7 +11,9 @@ over ``efsdp`` (on the expert dim when ``efsdp`` divides E/ep, else the next one
 ``moe.expert_shard_placement``). An expert's gradient sums the tokens of every rank (the
 all-to-all's backward within an expert group, FSDP2's reduction across groups); it is divided
 by the whole data-parallel size, as a dense gradient is, not by the ``efsdp`` size FSDP2 would
-use. Tokens reach their experts through :mod:`shardtune.models.moe_dispatch`.
+use. Tokens reach their experts through :mod:`shardtune.models.moe_dispatch`. LoRA factors on experts
+(PEFT's layout interleaves experts in lora_B's columns) are replicated over ``ep`` instead, each rank
+using its experts' slice (:mod:`shardtune.peft.param_lora`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import weakref
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shardtune.models.moe import Experts
 from shardtune.state_dict.layout import EP_DIM
@@ -73,7 +75,8 @@ def experts_fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def distribute_experts(model: nn.Module, mesh: DeviceMesh) -> list[Experts]:
     """Turn every experts module's params into DTensors ``Shard(0)`` on ``mesh[ep]`` (this rank keeps its
-    E/ep experts of the tensor it holds, real or meta) and give it the ``ep`` group; returns the modules."""
+    E/ep experts of the tensor it holds, real or meta), its LoRA factors into ``Replicate`` ones, and give
+    it the ``ep`` group; returns the modules."""
     ep_mesh = mesh[EP_DIM]
     ep, index = ep_mesh.size(), ep_mesh.get_local_rank()
     modules = [m for m in model.modules() if isinstance(m, Experts)]
@@ -90,6 +93,10 @@ def distribute_experts(model: nn.Module, mesh: DeviceMesh) -> list[Experts]:
                 local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
             )
             setattr(experts, name, nn.Parameter(dtensor, requires_grad=param.requires_grad))
+        for holder in list(experts.modules())[1:]:  # LoRA's factors (peft/param_lora.py): whole on every ep rank
+            for name, param in list(holder.named_parameters(recurse=False)):
+                replicated = DTensor.from_local(param.detach(), ep_mesh, [Replicate()], run_check=False)
+                setattr(holder, name, nn.Parameter(replicated, requires_grad=param.requires_grad))
         experts.ep_group = ep_mesh.get_group()
     return modules
 

@@ -16,6 +16,13 @@ registers its factors at those paths. The base parameters keep their HF names. F
 adapters with its default ``Shard(0)`` (rows of these tensors, whatever the experts' placement),
 so each rank writes whole rows of PEFT's tensors in place and no strided column is ever written.
 
+Under expert parallelism (:mod:`shardtune.expert_parallel`) the factors are replicated over ``ep``
+(sharded by FSDP2 over ``efsdp`` like every other param): lora_B's experts interleave its columns,
+so no ep split of PEFT's tensors is a block of rows. Each rank slices its own experts' ``A_e``,
+``B_e`` out of the gathered factors, and marks their gradient ``Partial`` over ``ep`` (each ep rank
+holds its experts' part of it); FSDP2 sums it over ``ep`` before its reduce-scatter. The factors
+are ``r·E·(in+out)`` elements a weight, small beside the ``E/ep`` experts each rank holds.
+
 QLoRA (``quantize_base``) stores the targeted expert weights as NF4 experts
 (:mod:`shardtune.state_dict.nf4_experts`: one torchao NF4 per expert's 2-D slice); the forward
 dequantizes the gathered experts to their dtype and adds the update as above.
@@ -27,14 +34,17 @@ import math
 from typing import cast
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial
 
 from shardtune.choices import LORA_TARGET_PARAMETERS
 from shardtune.models.gpt_oss import GptOssExperts, GptOssRouter, biased_experts
-from shardtune.models.moe import Experts, Router
+from shardtune.models.moe import Experts, Router, local_experts
 from shardtune.models.moe_kernels import expert_kernel
 from shardtune.peft import nf4
+from shardtune.state_dict.layout import EP_DIM
 from shardtune.state_dict.nf4_experts import nf4_experts_shape_problem, quantize_experts
 
 __all__ = [
@@ -84,21 +94,36 @@ class ParamAdapter:
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
 
-    def factors(self, a: Tensor | None = None, b: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """``(B_e [E, out, r], A_e [E, r, in])`` from PEFT's layouts (of ``a``/``b`` when given: full tensors)."""
-        a = self.lora_A.weight if a is None else a
-        b = self.lora_B.weight if b is None else b
+    def factors(
+        self, a: Tensor | None = None, b: Tensor | None = None, *, experts: slice | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """``(B_e [E, out, r], A_e [E, r, in])`` from PEFT's layouts (of ``a``/``b`` when given: full
+        tensors), only the ``experts`` a rank holds when given (expert parallelism)."""
+        a = _held(self.lora_A.weight) if a is None else a
+        b = _held(self.lora_B.weight) if b is None else b
         e = self.num_experts
-        return b.reshape(b.shape[0], -1, e).permute(2, 0, 1), a.reshape(e, -1, a.shape[-1])
+        lhs, rhs = b.reshape(b.shape[0], -1, e).permute(2, 0, 1), a.reshape(e, -1, a.shape[-1])
+        return (lhs, rhs) if experts is None else (lhs[experts], rhs[experts])
 
-    def adapted(self, weight: Tensor) -> Tensor:
-        """``weight + alpha/r · B @ A`` per expert, as PEFT's forward forms it (in the weight's dtype)."""
-        lhs, rhs = self.factors()
+    def adapted(self, weight: Tensor, *, experts: slice | None = None) -> Tensor:
+        """``weight + alpha/r · B @ A`` per expert, as PEFT's forward forms it (in the weight's dtype);
+        ``experts``: the experts ``weight`` holds (expert parallelism), all when None."""
+        lhs, rhs = self.factors(experts=experts)
         if self.ndim == 2:
             return weight + (lhs[0] @ rhs[0]) * self.scaling
         if self.transposed:  # W[e] [in, out] + (B_e @ A_e)^T
             lhs, rhs = rhs.mT, lhs.mT
         return torch.baddbmm(weight, lhs.to(weight.dtype), rhs.to(weight.dtype), alpha=self.scaling)
+
+
+def _held(factor: Tensor) -> Tensor:
+    """A factor as this rank computes with it: an expert-parallel factor (a DTensor replicated over ``ep``)
+    as its local copy, whose gradient is ``Partial`` over ``ep`` (this rank's experts' part alone)."""
+    if not isinstance(factor, DTensor):
+        return factor
+    names = factor.device_mesh.mesh_dim_names or ()
+    grads = [Partial() if name == EP_DIM else p for name, p in zip(names, factor.placements, strict=True)]
+    return factor.to_local(grad_placements=grads)
 
 
 def merge_block(block: Tensor, slices: tuple[slice, ...], adapter: ParamAdapter, a: Tensor, b: Tensor) -> Tensor:
@@ -126,11 +151,21 @@ class _Adapted:
     def adapted(self, name: str, dtype: torch.dtype | None = None) -> Tensor:
         """The parameter as the forward uses it: dequantized when NF4 (then cast to ``dtype``, the
         activations', which FSDP2's mixed precision does not do for NF4), plus its update when adapted."""
-        weight = cast(Tensor, getattr(self, name))
+        weight = local_experts(cast(Tensor, getattr(self, name)))
         if nf4.is_quantized(weight):
             weight = nf4.dequantize(weight).to(dtype or weight.dtype)
         adapter = self.adapters.get(name)
-        return weight if adapter is None or self.disabled else adapter.adapted(weight)
+        if adapter is None or self.disabled:
+            return weight
+        return adapter.adapted(weight, experts=self._held_experts(weight))
+
+    def _held_experts(self, weight: Tensor) -> slice | None:
+        """The global experts of ``weight`` (this rank's under expert parallelism; None: all of them)."""
+        group = getattr(self, "ep_group", None)
+        if group is None:
+            return None
+        first = dist.get_rank(group) * weight.shape[0]
+        return slice(first, first + weight.shape[0])
 
 
 class LoRAExperts(Experts, _Adapted):
@@ -154,7 +189,8 @@ class LoRAGptOssExperts(GptOssExperts, LoRAExperts):
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         gate_up, down = self.adapted("gate_up_proj", x.dtype), self.adapted("down_proj", x.dtype)
-        return biased_experts(x, counts, (gate_up, self.gate_up_proj_bias, down, self.down_proj_bias), self.activate)
+        biases = local_experts(self.gate_up_proj_bias), local_experts(self.down_proj_bias)
+        return biased_experts(x, counts, (gate_up, biases[0], down, biases[1]), self.activate)
 
 
 class LoRAGptOssRouter(GptOssRouter, LoRARouter):

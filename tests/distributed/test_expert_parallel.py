@@ -132,9 +132,19 @@ def _sharding_refused() -> dict[str, str]:
         with torch.device("meta"):
             return from_hf_config(moe_config("qwen3_moe", **SMALL, **changes).to_dict())
 
-    def lora_on_experts():
+    def qlora_on_experts():
         model = moe()
-        apply_lora(model, rank=2, alpha=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])
+        target = ["mlp.experts.gate_up_proj"]
+        apply_lora(
+            model,
+            rank=2,
+            alpha=4,
+            target_modules=[],
+            target_parameters=target,
+            quantize_base=True,
+            block_size=64,
+            scaler_block_size=16,
+        )
         return model
 
     with torch.device("meta"):
@@ -143,7 +153,7 @@ def _sharding_refused() -> dict[str, str]:
         "dense": lambda: shard_model(dense, mesh=make_mesh(expert_parallel=2)),
         "experts": lambda: shard_model(moe(num_experts=6), mesh=make_mesh(expert_parallel=4)),
         "ranks": lambda: make_mesh(expert_parallel=3),
-        "lora": lambda: shard_model(lora_on_experts(), mesh=make_mesh(expert_parallel=2)),
+        "qlora": lambda: shard_model(qlora_on_experts(), mesh=make_mesh(expert_parallel=2)),
         "offload": lambda: shard_model(moe(), mesh=make_mesh(expert_parallel=2), cpu_offload=True),
     }
     raised = {}
@@ -161,7 +171,7 @@ def test_unsupported_expert_parallel_setups_are_refused_by_name(pool4):
         "dense": "needs a mixture-of-experts model",
         "experts": "expert_parallel=4 does not divide the model's 6 experts; set expert_parallel to a divisor of 6",
         "ranks": "expert_parallel=3 must divide the 4 data-parallel shard ranks",
-        "lora": "not supported with LoRA or QLoRA on experts",
+        "qlora": "model.layers.0.mlp.experts.gate_up_proj: expert_parallel > 1 is not supported with NF4 experts",
         "offload": "not supported with fsdp_cpu_offload yet; set fsdp_cpu_offload=false",
     }
     for r in pool4.run_ok(_sharding_refused, timeout=120):
