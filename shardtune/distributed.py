@@ -20,6 +20,7 @@ from shardtune import expert_parallel as ep
 from shardtune.activation_checkpointing import checkpointed
 from shardtune.launch_checks import check_launch
 from shardtune.models.moe import Experts, expert_shard_placement
+from shardtune.state_dict.layout import local_tensor
 from shardtune.state_dict.nf4 import is_nf4_experts, is_quantized
 
 log = logging.getLogger(__name__)
@@ -181,10 +182,11 @@ def shard_model(
         raise ValueError(
             "compile is not supported for mixture-of-experts models (qwen3_moe, mixtral) yet; set compile: false"
         )
-    if degree > 1:
-        _check_expert_parallel(model, placement is not None, cpu_offload=cpu_offload)
-        ep.distribute_experts(model, mesh)
+    # before experts become ep DTensors: E/ep experts divide over efsdp exactly when E divides over the shard ranks
     _check_nf4_experts(model, placement, shard_ranks, cpu_offload=cpu_offload)
+    if degree > 1:
+        _check_expert_parallel(model, mesh, has_experts=placement is not None, cpu_offload=cpu_offload)
+        ep.distribute_experts(model, mesh)
     options: dict[str, Any] = {"mesh": dense, "reshard_after_forward": reshard_after_forward}
     if shard_ranks == 1:
         options["ignored_params"] = {p for p in model.parameters() if is_quantized(p)}
@@ -208,7 +210,7 @@ def shard_model(
     return model
 
 
-def _check_expert_parallel(model: nn.Module, has_experts: bool, *, cpu_offload: bool) -> None:
+def _check_expert_parallel(model: nn.Module, mesh: DeviceMesh, *, has_experts: bool, cpu_offload: bool) -> None:
     """Refuse, by name, what expert parallelism does not run with yet."""
     if not has_experts:
         raise ValueError(
@@ -217,11 +219,13 @@ def _check_expert_parallel(model: nn.Module, has_experts: bool, *, cpu_offload: 
         )
     if cpu_offload:
         raise ValueError("expert_parallel > 1 is not supported with fsdp_cpu_offload yet; set fsdp_cpu_offload=false")
+    experts_mesh = ep.experts_fsdp_mesh(mesh)
     nf4 = next((n for n, p in model.named_parameters() if is_nf4_experts(p)), None)
-    if nf4 is not None:
+    if nf4 is not None and experts_mesh.ndim > 1 and experts_mesh.size(experts_mesh.ndim - 1) == 1:
         raise ValueError(
-            f"{nf4}: expert_parallel > 1 is not supported with NF4 experts (QLoRA on experts: lora.quantize_base "
-            "with lora.target_parameters naming mlp.experts.*) yet; set expert_parallel=1 or lora.quantize_base=false"
+            f"{nf4}: NF4 experts (QLoRA on experts) under HSDP need the experts FSDP2-sharded over 2 or more ranks, "
+            f"and expert_parallel={ep.ep_degree(mesh)} leaves each expert group's experts on one; set "
+            "expert_parallel to a smaller divisor of world / data_parallel_replicate"
         )
 
 
@@ -232,7 +236,10 @@ def _shard_experts(layer: nn.Module, mesh: DeviceMesh, options: dict[str, Any]) 
     for module in [m for m in layer.modules() if isinstance(m, Experts)]:
         shard_ranks = experts_mesh.size(experts_mesh.ndim - 1)
         placement = expert_shard_placement(module, shard_ranks, expert_parallel=degree)
-        unit = fully_shard(module, **{**options, "mesh": experts_mesh}, shard_placement_fn=placement)
+        unit_options = {**options, "mesh": experts_mesh}
+        if shard_ranks == 1:  # as for dense NF4 params on one shard rank: FSDP2 would drop their scalers
+            unit_options["ignored_params"] = {p for p in module.parameters() if is_nf4_experts(local_tensor(p))}
+        unit = fully_shard(module, **unit_options, shard_placement_fn=placement)
         ep.mark_expert_unit(unit, data_parallel=mesh.size(), shard_ranks=shard_ranks, device_type=mesh.device_type)
 
 

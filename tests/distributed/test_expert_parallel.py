@@ -20,14 +20,24 @@ pytestmark = pytest.mark.timeout(240)
 
 MAX_NORM = 0.05  # below the gradient norm: clipping scales every gradient
 SMALL = {"num_hidden_layers": 2, "mlp_only_layers": [1]}  # a sparse layer, then a dense one
+EXPERT_WEIGHTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
-def _sharded_step(hf, degree: int, *, replicate: int = 1) -> dict:
-    """Loss, pre-clip norm, clipped full gradients (rank 0) and placements of one step with ``degree``."""
+def _sharded_step(hf, degree: int, *, replicate: int = 1, lora: bool = False) -> dict:
+    """Loss, pre-clip norm, clipped full gradients (rank 0) and placements of one step with ``degree``;
+    ``lora``: with random LoRA factors (the same on every rank) on both expert weights, the rest frozen."""
     from tests.unit.test_models_moe import _loss, batch
 
     model = from_hf_config(hf.config.to_dict())
     model.load_state_dict(hf.state_dict(), strict=True)
+    if lora:
+        from shardtune.peft import apply_lora
+
+        apply_lora(model, rank=2, alpha=4, target_modules=[], target_parameters=list(EXPERT_WEIGHTS))
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for p in (p for n, p in model.named_parameters() if "lora_" in n):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
     shard_model(model, mesh=make_mesh(replicate=replicate, expert_parallel=degree))
     tokens, mask, labels = batch(seed=1 + dist.get_rank())  # each rank its own tokens, routed unevenly
     with nccl_rules() as rules:
@@ -35,7 +45,7 @@ def _sharded_step(hf, degree: int, *, replicate: int = 1) -> dict:
         loss = _loss(model, tokens, mask, labels, hf.config.router_aux_loss_coef)[0]
         loss.backward()
         norm = clip_grad_norm(model.parameters(), MAX_NORM)
-    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
     expert = model.model.layers[0].mlp.experts.gate_up_proj
     return {
         "loss": loss.item(),
@@ -101,25 +111,31 @@ def _gpt_oss_ep_and_dp() -> dict:
     from tests.unit.test_models_gpt_oss import hf_gpt_oss
 
     hf = hf_gpt_oss()
-    return {"dp": _sharded_step(hf, 1), "ep": _sharded_step(hf, 2), "layers": hf.config.num_hidden_layers}
+    steps = {"dp": _sharded_step(hf, 1), "ep": _sharded_step(hf, 2)}
+    steps |= {"lora_dp": _sharded_step(hf, 1, lora=True), "lora_ep": _sharded_step(hf, 2, lora=True)}
+    return {**steps, "layers": hf.config.num_hidden_layers}
 
 
 def test_gpt_oss_expert_parallel_equals_data_parallel(pool4):
     """gpt-oss's biased experts (biases split over ep with their experts) and biased router: loss, clipped
     norm and every gradient at expert_parallel=2 equal expert_parallel=1 (itself equal to transformers:
-    tests/distributed/test_models_gpt_oss_sharded.py)."""
+    tests/distributed/test_models_gpt_oss_sharded.py), full fine-tuning and LoRA on the transposed experts."""
     res = pool4.run_ok(_gpt_oss_ep_and_dp, timeout=200)
     for rank, r in enumerate(res):
-        dp, ep = r["dp"], r["ep"]
-        assert (
-            abs(ep["loss"] - dp["loss"]) <= 1e-5 * abs(dp["loss"]) and abs(ep["norm"] - dp["norm"]) <= 1e-5 * dp["norm"]
-        )
-        assert ep["mesh"] == ("efsdp", "ep") and dp["all_to_all"] == 0, (rank, ep)
-        assert ep["all_to_all"] == 5 * r["layers"], (rank, ep["all_to_all"])  # every gpt-oss layer is sparse
-    grads = res[0]["dp"]["grads"]
-    assert any(".experts.gate_up_proj_bias" in name for name in grads)
-    for name, grad in res[0]["ep"]["grads"].items():
-        assert _rel(grad, grads[name]) < 1e-5, name
+        for kind in ("", "lora_"):
+            dp, ep = r[f"{kind}dp"], r[f"{kind}ep"]
+            assert abs(ep["loss"] - dp["loss"]) <= 1e-5 * abs(dp["loss"]), (rank, kind)
+            assert abs(ep["norm"] - dp["norm"]) <= 1e-5 * dp["norm"], (rank, kind)
+            assert ep["mesh"] == ("efsdp", "ep") and dp["all_to_all"] == 0, (rank, ep)
+            # every gpt-oss layer is sparse; under LoRA the first layer's rows need no gradient: no 5th all-to-all
+            assert ep["all_to_all"] == 5 * r["layers"] - (kind != ""), (rank, kind, ep["all_to_all"])
+    assert abs(res[0]["lora_dp"]["loss"] - res[0]["dp"]["loss"]) > 1e-3  # the expert adapters change the model
+    for kind in ("", "lora_"):
+        grads = res[0][f"{kind}dp"]["grads"]
+        assert any(".experts.gate_up_proj_bias" in name for name in grads) == (kind == "")
+        assert len(grads) == (4 * res[0]["layers"] if kind else len(grads))  # lora: A and B of both expert weights
+        for name, grad in res[0][f"{kind}ep"]["grads"].items():
+            assert _rel(grad, grads[name]) < 1e-5, (kind, name)
 
 
 def _sharding_refused() -> dict[str, str]:
@@ -153,7 +169,7 @@ def _sharding_refused() -> dict[str, str]:
         "dense": lambda: shard_model(dense, mesh=make_mesh(expert_parallel=2)),
         "experts": lambda: shard_model(moe(num_experts=6), mesh=make_mesh(expert_parallel=4)),
         "ranks": lambda: make_mesh(expert_parallel=3),
-        "qlora": lambda: shard_model(qlora_on_experts(), mesh=make_mesh(expert_parallel=2)),
+        "qlora": lambda: shard_model(qlora_on_experts(), mesh=make_mesh(replicate=2, expert_parallel=2)),
         "offload": lambda: shard_model(moe(), mesh=make_mesh(expert_parallel=2), cpu_offload=True),
     }
     raised = {}
@@ -171,7 +187,7 @@ def test_unsupported_expert_parallel_setups_are_refused_by_name(pool4):
         "dense": "needs a mixture-of-experts model",
         "experts": "expert_parallel=4 does not divide the model's 6 experts; set expert_parallel to a divisor of 6",
         "ranks": "expert_parallel=3 must divide the 4 data-parallel shard ranks",
-        "qlora": "model.layers.0.mlp.experts.gate_up_proj: expert_parallel > 1 is not supported with NF4 experts",
+        "qlora": "model.layers.0.mlp.experts.gate_up_proj: NF4 experts (QLoRA on experts) under HSDP need",
         "offload": "not supported with fsdp_cpu_offload yet; set fsdp_cpu_offload=false",
     }
     for r in pool4.run_ok(_sharding_refused, timeout=120):

@@ -3,7 +3,8 @@
 with every factor random), each rank its own batch. At expert_parallel=2 the loss, clipped norm and every
 adapter gradient equal expert_parallel=1 (fp32, 1e-5) and peft's; the adapter is written in place in PEFT's
 format (no rank gathers it) with the same bytes at both degrees; adapter and optimizer state saved after a
-step at expert_parallel=2 load at 1 and 4 with every expert's factors and moments bitwise. Under NCCL's rules.
+step at expert_parallel=2 load at 1 and 4 with every expert's factors and moments bitwise. QLoRA (NF4 experts,
+each rank quantizing its own): loss and adapter gradients at expert_parallel 2 and 4 equal 1. Under NCCL's rules.
 """
 
 from __future__ import annotations
@@ -29,14 +30,16 @@ pytestmark = pytest.mark.timeout(300)
 
 MAX_NORM = 0.05  # below the adapters' gradient norm: clipping scales every gradient
 SMALL = {"num_hidden_layers": 2, "mlp_only_layers": [1]}
+NF4 = {"quantize_base": True, "block_size": 64, "scaler_block_size": 8}  # whole groups of each expert's slice
 
 
-def _model(hf, peft_dir: Path, degree: int):
+def _model(hf, peft_dir: Path, degree: int, *, quantize: bool = False):
     from tests.unit.test_lora_moe import ALPHA, MODULES, PARAMETERS, RANK
 
+    lora = {"rank": RANK, "alpha": ALPHA, "target_modules": MODULES, "target_parameters": PARAMETERS}
     with torch.device("meta"):
         model = from_hf_config(hf.config.to_dict())
-        apply_lora(model, rank=RANK, alpha=ALPHA, target_modules=MODULES, target_parameters=PARAMETERS)
+        apply_lora(model, **lora, **(NF4 if quantize else {}))
     shard_model(model, mesh=make_mesh(expert_parallel=degree))
     load_from_full_model_state_dict(model, hf.state_dict() if dist.get_rank() == 0 else {}, "cpu", strict=False)
     model.init_buffers("cpu")
@@ -162,3 +165,45 @@ def test_expert_lora_at_expert_parallel_2_equals_1_and_peft_and_resumes_at_any_d
         )
     key = "model.layers.0.mlp.experts.lora_B.weight"
     assert not torch.equal(params[key], theirs[f"base_model.model.{key}"])  # the step moved the expert adapters
+
+
+def _qlora_step(peft_dir: str, out: str) -> dict:
+    """Loss and adapter gradients over NF4 experts at expert_parallel 1, 2 and 4 (4: one rank per expert
+    group's efsdp, where FSDP2 leaves the NF4 experts alone); the adapter saved at 4."""
+    from shardtune.state_dict.layout import local_tensor
+    from shardtune.state_dict.nf4 import is_nf4_experts
+    from tests.unit.test_models_moe import _loss, batch, hf_moe_model
+
+    hf = hf_moe_model("qwen3_moe", **SMALL)
+    tokens, mask, labels = batch(seed=1 + dist.get_rank())
+    res = {}
+    for degree in (1, 2, 4):
+        model = _model(hf, Path(peft_dir), degree, quantize=True)
+        with nccl_rules() as rules:
+            rules.host(tokens, mask, labels)
+            loss = _loss(model, tokens, mask, labels, hf.config.router_aux_loss_coef)[0]
+            loss.backward()
+            if degree == 4:
+                save_peft_adapter(model, Path(out) / "qlora_ep4")
+        experts = model.model.layers[0].mlp.experts.gate_up_proj
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+        res[degree] = {"loss": loss.item(), "nf4": is_nf4_experts(local_tensor(experts)), "grads": grads}
+    return res
+
+
+def test_qlora_on_experts_at_expert_parallel_2_and_4_equals_1(pool4, tmp_path):
+    from tests.unit.test_lora_moe import _peft
+    from tests.unit.test_models_moe import hf_moe_model
+
+    _peft(hf_moe_model("qwen3_moe", **SMALL)).save_pretrained(tmp_path / "peft")
+    res = pool4.run_ok(_qlora_step, str(tmp_path / "peft"), str(tmp_path / "out"), timeout=200)
+    for rank, r in enumerate(res):
+        assert all(r[degree]["nf4"] for degree in (1, 2, 4)), rank
+        for degree in (2, 4):
+            assert abs(r[degree]["loss"] - r[1]["loss"]) <= 1e-5 * abs(r[1]["loss"]), (rank, degree, r[degree]["loss"])
+            for name, grad in r[degree]["grads"].items():
+                assert _rel(grad, r[1]["grads"][name]) < 1e-5, (rank, degree, name)
+    assert len(res[0][4]["grads"]) == 14
+    theirs = load_file(tmp_path / "peft/adapter_model.safetensors")
+    mine = load_file(tmp_path / "out/qlora_ep4/adapter_model.safetensors")
+    assert sorted(mine) == sorted(theirs) and all(torch.equal(mine[k], v) for k, v in theirs.items())

@@ -10,7 +10,7 @@ rank's experts dequantize bit-equal to torchao's, the first-step loss (cross-ent
 load-balancing loss) and the logits equal the reference's; the gathered base is the NF4-rounded
 experts; the adapter saved equals peft's file; the merged export (dequantized + merged) equals peft's
 ``merge_and_unload``; adapter and optimizer saved after a step and loaded into a fresh model continue
-bitwise; on a 2x2 HSDP mesh the logits equal the reference's too. Under NCCL's rules."""
+bitwise; on a 2x2 HSDP mesh and with expert parallelism the logits equal the reference's too. Under NCCL's rules."""
 
 from __future__ import annotations
 
@@ -70,11 +70,11 @@ def _peft(ref):
     return pm
 
 
-def _qlora(hf_dir: Path, *, shared_filesystem: bool, replicate: int = 1):
+def _qlora(hf_dir: Path, *, shared_filesystem: bool, replicate: int = 1, expert_parallel: int = 1):
     with torch.device("meta"):
         model = from_hf_config(hf_dir / "config.json")
         apply_lora(model, rank=RANK, alpha=ALPHA, target_modules=[], target_parameters=PARAMETERS, quantize_base=True)
-    shard_model(model, mesh=make_mesh(replicate=replicate))
+    shard_model(model, mesh=make_mesh(replicate=replicate, expert_parallel=expert_parallel))
     load_hf_checkpoint(model, hf_dir, device="cpu", shared_filesystem=shared_filesystem)
     model.init_buffers("cpu")
     return model
@@ -169,21 +169,31 @@ def test_sharded_nf4_experts_equal_peft_over_torchao_nf4(pool2, tmp_path):
         assert (merged[key] - value).abs().max() < 1e-6, key
 
 
-def _hsdp_logits(tmp: str, expected_logits) -> float:
+MESHES = {"hsdp": (2, 1, True), "ep2": (1, 2, True), "ep4_rank0": (1, 4, False)}  # replicate, ep, shared fs
+
+
+def _mesh_logits(tmp: str, expected_logits) -> dict[str, float]:
     from tests.unit.test_models_moe import batch
 
     tokens, mask, _ = batch()
-    with nccl_rules() as rules:
-        model = _qlora(Path(tmp) / "per_expert", shared_filesystem=True, replicate=2)
-        load_peft_adapter(model, Path(tmp) / "peft", device="cpu")
-        rules.host(model)
-        with torch.no_grad():
-            logits = model(tokens)
-    return ((logits - expected_logits)[mask.bool()].abs().max() / expected_logits.abs().max()).item()
+    errors = {}
+    for name, (replicate, degree, shared) in MESHES.items():
+        with nccl_rules() as rules:
+            model = _qlora(
+                Path(tmp) / "per_expert", shared_filesystem=shared, replicate=replicate, expert_parallel=degree
+            )
+            load_peft_adapter(model, Path(tmp) / "peft", device="cpu")
+            rules.host(model)
+            with torch.no_grad():
+                logits = model(tokens)
+        errors[name] = ((logits - expected_logits)[mask.bool()].abs().max() / expected_logits.abs().max()).item()
+    return errors
 
 
-def test_nf4_experts_on_an_hsdp_mesh_equal_peft_over_torchao_nf4(pool4, tmp_path):
-    """2 replicas of 2 shards: each shard group holds the experts whole per rank, as on a 1-D mesh."""
+def test_nf4_experts_on_hsdp_and_expert_parallel_meshes_equal_peft_over_torchao_nf4(pool4, tmp_path):
+    """2 replicas of 2 shards: each shard group holds the experts whole per rank, as on a 1-D mesh. Expert
+    parallel 2 (every rank reading its experts) and 4 (rank 0 sending each rank its experts; one rank per
+    efsdp group, where FSDP2 leaves the NF4 experts alone): each rank quantizes its own experts."""
     from tests.unit.test_models_moe import batch
 
     hf = _hf()
@@ -193,7 +203,8 @@ def test_nf4_experts_on_an_hsdp_mesh_equal_peft_over_torchao_nf4(pool4, tmp_path
     tokens, mask, _ = batch()
     with torch.no_grad():
         expected = pm(tokens, attention_mask=mask).logits
-    assert all(r < 1e-5 for r in pool4.run_ok(_hsdp_logits, str(tmp_path), expected, timeout=240))
+    for errors in pool4.run_ok(_mesh_logits, str(tmp_path), expected, timeout=240):
+        assert sorted(errors) == sorted(MESHES) and all(e < 1e-5 for e in errors.values()), errors
 
 
 def _shard_nf4_experts(changes: dict) -> None:
