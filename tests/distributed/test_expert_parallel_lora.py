@@ -207,3 +207,34 @@ def test_qlora_on_experts_at_expert_parallel_2_and_4_equals_1(pool4, tmp_path):
     theirs = load_file(tmp_path / "peft/adapter_model.safetensors")
     mine = load_file(tmp_path / "out/qlora_ep4/adapter_model.safetensors")
     assert sorted(mine) == sorted(theirs) and all(torch.equal(mine[k], v) for k, v in theirs.items())
+
+
+def _fresh_factors_agree() -> bool:
+    """Fresh adapters (``init_lora_parameters``, as the recipes start) at expert_parallel=2: each factor's
+    copies on the ranks of an expert group are equal (replicas that differed would train apart)."""
+    from shardtune.peft import init_lora_parameters
+    from shardtune.peft.param_lora import adapted_modules
+    from tests.unit.test_lora_moe import ALPHA, PARAMETERS, RANK
+    from tests.unit.test_models_moe import moe_config
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = from_hf_config(moe_config("qwen3_moe", **SMALL).to_dict())
+        apply_lora(model, rank=RANK, alpha=ALPHA, target_modules=[], target_parameters=PARAMETERS)
+    shard_model(model, mesh=make_mesh(expert_parallel=2))
+    init_lora_parameters(model, device="cpu")
+    agree = []
+    for _, module in adapted_modules(model):
+        for adapter in module.adapters.values():
+            factor = adapter.lora_A.weight
+            if "ep" not in (factor.device_mesh.mesh_dim_names or ()):
+                continue  # the router's adapters: dense
+            group = factor.device_mesh.get_group("ep")
+            copies = [torch.empty_like(factor.to_local()) for _ in range(group.size())]
+            dist.all_gather(copies, factor.to_local().contiguous(), group=group)
+            agree += [torch.equal(c, copies[0]) and c.abs().sum() > 0 for c in copies]
+    return len(agree) == 4 and all(agree)
+
+
+def test_fresh_expert_adapters_are_equal_on_every_rank_of_an_expert_group(pool4):
+    assert all(pool4.run_ok(_fresh_factors_agree, timeout=120))

@@ -15,11 +15,10 @@ from tests.recipes.conftest import run_recipe
 pytestmark = pytest.mark.timeout(400)
 
 
-def _run(out, base, degree: int, *extra: str) -> list[dict]:
+def _run(out, base, degree: int, *extra: str, recipe: tuple[str, str] = ("full_finetune_distributed", "tiny/moe_full")):
     overrides = [f"output_dir={out}", f"checkpoint_dir={base}", "epochs=1", "max_steps_per_epoch=3"]
     run_recipe(
-        "full_finetune_distributed",
-        "tiny/moe_full",
+        *recipe,
         *overrides,
         "log_every_n_steps=1",
         "save_every_n_steps=2",
@@ -28,6 +27,16 @@ def _run(out, base, degree: int, *extra: str) -> list[dict]:
         nproc=4,
     )
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _resumed_third_step(tmp_path, out, base, rows: list[dict], degree: int, *extra: str, **recipe) -> dict:
+    """Step 3's metrics of a run resumed at ``degree`` from ``out``'s step-2 checkpoint."""
+    resumed = tmp_path / f"resumed_{degree}"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "epoch_1")
+    kept = [json.dumps(r) for r in rows[:2]]  # step 3's row must come from the resumed run
+    (resumed / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    return _run(resumed, base, degree, "resume_from_checkpoint=true", *extra, **recipe)[-1]
 
 
 def test_expert_parallel_run_resumes_bitwise_at_every_degree(tmp_path):
@@ -40,10 +49,19 @@ def test_expert_parallel_run_resumes_bitwise_at_every_degree(tmp_path):
     _, info = transformers.AutoModelForCausalLM.from_pretrained(out / "epoch_1", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     for degree in (1, 2, 4):
-        resumed = tmp_path / f"resumed_{degree}"
-        shutil.copytree(out, resumed)
-        shutil.rmtree(resumed / "epoch_1")
-        kept = [json.dumps(r) for r in rows[:2]]  # step 3's row must come from the resumed run
-        (resumed / "metrics.jsonl").write_text("\n".join(kept) + "\n")
-        third = _run(resumed, base, degree, "resume_from_checkpoint=true")[-1]
+        third = _resumed_third_step(tmp_path, out, base, rows, degree)
         assert (third["step"], third["loss"], third["grad_norm"]) == (3, rows[2]["loss"], rows[2]["grad_norm"]), degree
+
+
+def test_expert_lora_run_at_expert_parallel_2_resumes_bitwise_at_4(tmp_path):
+    """LoRA on both expert weights and the router (``tiny/lora`` on the tiny MoE base): its adapter and
+    optimizer state saved at expert_parallel=2 continue step 3 bitwise at expert_parallel=4."""
+    targets = "lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj,mlp.gate.weight]"
+    lora = {"recipe": ("lora_finetune_distributed", "tiny/lora")}
+    base, out = tmp_path / "base", tmp_path / "run"
+    rows = _run(out, base, 2, "model=tiny_moe", targets, **lora)
+    assert [r["step"] for r in rows] == [1, 2, 3] and (
+        out / "epoch_1" / "adapter" / "adapter_model.safetensors"
+    ).exists()
+    third = _resumed_third_step(tmp_path, out, base, rows, 4, "model=tiny_moe", targets, **lora)
+    assert (third["step"], third["loss"], third["grad_norm"]) == (3, rows[2]["loss"], rows[2]["grad_norm"])
