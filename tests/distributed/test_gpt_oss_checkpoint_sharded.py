@@ -83,14 +83,14 @@ def test_each_rank_reads_its_bytes_and_the_save_loads_in_transformers(pool2, tmp
         assert torch.equal(ours.eval()(batch()[0]).logits, theirs.eval()(batch()[0]).logits)
 
 
-def _load_mxfp4(hf_dir: str, out: str, expected: dict) -> dict:
-    """Load an MXFP4 directory (bytes read counted), compare each piece with DTensor's cut of
-    transformers' dequantization, save; or the error the load raised."""
+def _load_mxfp4(hf_dir: str, out: str, expected: dict, degree: int = 1) -> dict:
+    """Load an MXFP4 directory at expert parallel ``degree`` (bytes read counted), compare each piece with
+    DTensor's cut of transformers' dequantization, save; or the error the load raised."""
     dist.barrier()
     stats.reset()
     with torch.device("meta"):
         model = from_hf_config(hf_dir, dtype=torch.bfloat16)
-    shard_model(model, mesh=make_mesh())
+    shard_model(model, mesh=make_mesh(expert_parallel=degree))
     try:
         load_hf_checkpoint(model, hf_dir, device="cpu", strict=True)
     except Exception as exc:  # the refusal every rank must raise
@@ -109,13 +109,16 @@ def _load_mxfp4(hf_dir: str, out: str, expected: dict) -> dict:
     return {"equal": equal, "read": read, "own": own}
 
 
-def test_mxfp4_experts_are_dequantized_per_rank_and_saved_as_bf16(pool2, tmp_path):
-    """8 experts on 2 ranks: each rank reads and dequantizes only its experts' blocks; the save is bf16 HF."""
+@pytest.mark.parametrize(("ranks", "degree"), [(2, 1), (4, 2)])
+def test_mxfp4_experts_are_dequantized_per_rank_and_saved_as_bf16(request, tmp_path, ranks, degree):
+    """8 experts on 2 ranks, and on 4 at expert_parallel=2 (2 experts a rank): each rank reads and
+    dequantizes only its experts' blocks; the save is bf16 HF."""
     from tests.unit.test_mxfp4 import quantized_dir
 
     stored, dequantized = quantized_dir(tmp_path / "hf")
     expected = {k: v for k, v in stored.items() if not k.endswith(("_blocks", "_scales"))} | dequantized
-    res = pool2.run_ok(_load_mxfp4, str(tmp_path / "hf"), str(tmp_path / "out"), expected, timeout=200)
+    pool = request.getfixturevalue(f"pool{ranks}")
+    res = pool.run_ok(_load_mxfp4, str(tmp_path / "hf"), str(tmp_path / "out"), expected, degree, timeout=200)
     for r in res:
         assert all(r["equal"].values()), r["equal"]
         assert r["read"] == r["own"], r
