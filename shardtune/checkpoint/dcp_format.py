@@ -44,7 +44,6 @@ from shardtune.peft.lora import lora_config_of
 from shardtune.state_dict import comm
 from shardtune.state_dict.install import materialize_meta
 from shardtune.state_dict.keys import format_problems
-from shardtune.state_dict.layout import refuse_expert_parallel
 
 if TYPE_CHECKING:
     from shardtune.models.args import ModelArgs
@@ -137,9 +136,6 @@ class _WeightsOnlyPlanner(DefaultLoadPlanner):
 
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict:
-    refuse_expert_parallel(  # the same params on every rank: each raises alike
-        model.named_parameters(), what="checkpoint_format=dcp", fix="set checkpoint_format=hf (or expert_parallel=1)"
-    )
     if opt is None:
         model_sd, _ = get_state_dict(model, [], options=_OPTIONS)
         return {"model": model_sd}

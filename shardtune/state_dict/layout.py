@@ -5,8 +5,8 @@ Expert-parallel tensors (a mesh ``(efsdp, ep)``: ``shardtune.expert_parallel``) 
 Shard(0)]``: each rank's piece is still one rectangle of the full tensor, which torch's own
 local-shape rule gives; any other ``_StridedShard`` (its rows interleaved across ranks) is refused.
 Every layout is computed on every rank in the same order, so each rank raises the same error at
-the same point, before any of its data moves. The DCP format and torchao's low-bit optimizer
-states still refuse expert-parallel tensors (:func:`refuse_expert_parallel`).
+the same point, before any of its data moves. torchao's low-bit optimizer states still refuse
+expert-parallel tensors (:func:`refuse_expert_parallel`).
 """
 
 from __future__ import annotations

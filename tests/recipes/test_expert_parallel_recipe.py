@@ -65,3 +65,12 @@ def test_expert_lora_run_at_expert_parallel_2_resumes_bitwise_at_4(tmp_path):
     ).exists()
     third = _resumed_third_step(tmp_path, out, base, rows, 4, "model=tiny_moe", targets, **lora)
     assert (third["step"], third["loss"], third["grad_norm"]) == (3, rows[2]["loss"], rows[2]["grad_norm"])
+
+
+def test_expert_parallel_dcp_checkpoint_resumes_bitwise_at_another_degree(tmp_path):
+    """checkpoint_format=dcp: the step-2 checkpoint written at expert_parallel=2 continues step 3 bitwise at 4."""
+    base, out = tmp_path / "base", tmp_path / "run"
+    rows = _run(out, base, 2, "checkpoint_format=dcp")
+    assert (out / "step_2" / "dcp").is_dir()
+    third = _resumed_third_step(tmp_path, out, base, rows, 4, "checkpoint_format=dcp")
+    assert (third["step"], third["loss"], third["grad_norm"]) == (3, rows[2]["loss"], rows[2]["grad_norm"])
