@@ -114,6 +114,17 @@ def _check_base(cfg: dict[str, Any]) -> list[str]:
             "mixed_precision: true computes in `dtype` and keeps fp32 master weights, but dtype is fp32; "
             "set dtype=bf16 (or mixed_precision=false for pure fp32)"
         )
+    optimizer = cfg.get("optimizer")
+    name = optimizer.get("name") if isinstance(optimizer, dict) else None
+    if (
+        name in ("adamw8bit", "adamw4bit")
+        and isinstance(cfg.get("expert_parallel"), int)
+        and cfg["expert_parallel"] > 1
+    ):
+        problems.append(
+            f"optimizer.name: {name} does not run with expert_parallel > 1 yet (torchao's compiled step does not "
+            "take the experts' two-mesh placements); set optimizer.name=adamw or expert_parallel=1"
+        )
     for key in ("model", "teacher_model"):
         preset = cfg.get(key)
         if isinstance(preset, str):

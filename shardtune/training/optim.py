@@ -19,7 +19,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from shardtune.choices import LR_SCHEDULES, OPTIMIZERS
 from shardtune.state_dict import comm, quantized
-from shardtune.state_dict.layout import layout_of, local_tensor
+from shardtune.state_dict.layout import EP_DIM, layout_of, local_tensor
 
 _MIN_QUANTIZED = 4096  # torchao (after bitsandbytes) keeps smaller tensors' state in full precision
 
@@ -55,6 +55,7 @@ def build_optimizer(
                 "set optimizer.name=adamw"
             ) from None
     if name in ("adamw8bit", "adamw4bit"):
+        _refuse_expert_parallel(trainable, name)
         return _low_bit_adamw(name)(trainable, **adam)
     if name == "sgd":
         return torch.optim.SGD(trainable, lr=lr, weight_decay=weight_decay, momentum=momentum)
@@ -72,6 +73,17 @@ def _adamw(params: list[torch.nn.Parameter], adam: dict[str, Any]) -> torch.opti
         except RuntimeError:  # no fused kernel for these dtypes in this torch
             pass
     return torch.optim.AdamW(params, **adam)
+
+
+def _refuse_expert_parallel(params: list[torch.nn.Parameter], name: str) -> None:
+    """torchao's compiled low-bit step does not take expert-parallel params (DTensors on the two-mesh
+    ``(efsdp, ep)`` placements): refused by name rather than failing inside torch.compile."""
+    for p in params:
+        if isinstance(p, DTensor) and EP_DIM in (p.device_mesh.mesh_dim_names or ()):
+            raise ValueError(
+                f"optimizer.name={name} does not run with expert_parallel > 1 yet (a param of shape "
+                f"{tuple(p.shape)} is placed {tuple(p.placements)}); set optimizer.name=adamw or expert_parallel=1"
+            )
 
 
 def _low_bit_adamw(name: str) -> type[torch.optim.Optimizer]:

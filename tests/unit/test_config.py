@@ -159,6 +159,10 @@ def test_cross_field_and_section_rules():
     problems = validate(no_source, BASE_SCHEMA)
     assert len(problems) == 2 and "set model=<preset>" in problems[0] and "set tokenizer=byte" in problems[1]
     assert validate({**no_source, "checkpoint_dir": "/models/x"}, BASE_SCHEMA) == []
+    low_bit = {**MINIMAL, "optimizer": {"name": "adamw8bit", "lr": 1e-3}, "expert_parallel": 2}
+    (problem,) = validate(low_bit, BASE_SCHEMA)
+    assert problem.startswith("optimizer.name: adamw8bit does not run with expert_parallel > 1") and "adamw" in problem
+    assert validate({**low_bit, "expert_parallel": 1}, BASE_SCHEMA) == []
     missing_teacher = "teacher_checkpoint_dir: required key is missing; set teacher_checkpoint_dir=<str>"
     assert validate({**MINIMAL, "kd_ratio": 0.5}, KD_SCHEMA) == [
         f"{missing_teacher} (HF model directory of the teacher)"
