@@ -7,6 +7,9 @@ every rank picks the same token and FSDP's per-layer all-gathers stay in step wh
 is sharded. Only the last position's logits are made. Generation stops after
 ``max_new_tokens`` or at a stop token (the tokenizer's EOS and the model's
 ``eos_token_id``/``generation_config.json``), as ``transformers``' ``generate`` does.
+
+:func:`generate_batch` completes many prompts at once (RL rollouts): rows left-padded over one KV
+cache, each rank its own prompts, every rank stepping until all ranks' rows are done.
 """
 
 from __future__ import annotations
@@ -17,27 +20,37 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardtune.data.jinja_templates import JinjaChatTemplate, default_chat_template
 from shardtune.data.tokenizer import HFTokenizer, load_tokenizer
 from shardtune.models import from_hf_config
 from shardtune.models.kv_cache import KVCache
+from shardtune.state_dict import comm
 
-__all__ = ["Generator", "generate", "load_generator", "stop_ids"]
+__all__ = ["Generator", "generate", "generate_batch", "load_generator", "sample_tokens", "stop_ids"]
+
+
+def sample_tokens(
+    logits: torch.Tensor, *, temperature: float, top_p: float, generator: torch.Generator
+) -> torch.Tensor:
+    """The next token of each row of ``logits [rows, vocab]`` (a CPU ``[rows]`` int64 tensor): argmax, or a
+    top-p sample at ``temperature`` drawn from ``generator`` (a CPU generator: the same draws on every device)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1).cpu()
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keep the smallest set reaching top_p
+        sorted_probs[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def _pick(logits: torch.Tensor, *, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """The next token from one position's logits ``[vocab]``: argmax, or a top-p sample at ``temperature``."""
-    if temperature <= 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keep the smallest set reaching top_p
-        sorted_probs[outside] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """The next token from one position's logits ``[vocab]``."""
+    return int(sample_tokens(logits[None], temperature=temperature, top_p=top_p, generator=generator)[0])
 
 
 def _last_logits(hidden: torch.Tensor, head) -> torch.Tensor:
@@ -61,12 +74,9 @@ def generate(
 
     Collective when ``model`` is sharded: call on all ranks with the same arguments; every rank
     returns the same ids."""
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    _check_options(max_new_tokens, top_p)
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token (e.g. BOS)")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     cache = KVCache()
     generator = torch.Generator().manual_seed(seed)
     was_training = model.training
@@ -81,6 +91,79 @@ def generate(
         tokens = torch.tensor([[out[-1]]], device=device)
     model.train(was_training)
     return out
+
+
+def _check_options(max_new_tokens: int, top_p: float) -> None:
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+@torch.no_grad()
+def generate_batch(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    device: torch.device | str,
+    generator: torch.Generator,
+    pad_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    stop: Sequence[int] = (),
+    group: dist.ProcessGroup | None = None,
+) -> list[list[int]]:
+    """Complete every prompt of ``prompts`` at once (left-padded rows over one KV cache); row ``i``'s new
+    ids, its stop token included when one ends it. Tokens are drawn from the CPU ``generator`` (greedy
+    with ``temperature`` 0), so its state after the call is what a resume needs to draw the same ones.
+
+    Collective over ``group`` (the default group when the process group is up): each rank may give its
+    own prompts (another count too, none included); every rank runs the same number of forwards, until
+    every rank's rows have stopped or made ``max_new_tokens``, as a sharded (FSDP2, expert-parallel)
+    model needs. Each rank returns its own prompts' completions."""
+    _check_options(max_new_tokens, top_p)
+    if any(not p for p in prompts):
+        raise ValueError("a prompt is empty: give every prompt at least one token (e.g. BOS)")
+    longest = max((len(p) for p in prompts), default=1)
+    rows = [[pad_id] * (longest - len(p)) + list(p) for p in prompts] or [[pad_id]]
+    tokens = torch.tensor(rows, device=device)
+    pad = torch.tensor([longest - len(p) for p in prompts] or [0])
+    cache = KVCache(pad=pad)
+    out: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    stops = set(stop)
+    was_training = model.training
+    model.eval()
+    for _ in range(max_new_tokens):
+        if _all_ranks_done(all(done), group=group):
+            break
+        picked = sample_tokens(
+            model(tokens, kv_cache=cache, head_loss=_last_logits),
+            temperature=temperature,
+            top_p=top_p,
+            generator=generator,
+        ).tolist()
+        for i, token in enumerate(picked[: len(prompts)]):
+            if not done[i]:
+                out[i].append(token)
+                done[i] = token in stops
+        tokens = torch.tensor(
+            [[t if i >= len(done) or not done[i] else pad_id] for i, t in enumerate(picked)], device=device
+        )
+    model.train(was_training)
+    return out
+
+
+def _all_ranks_done(done: bool, *, group: dist.ProcessGroup | None) -> bool:
+    """Whether every rank of ``group`` is done (``done`` itself without a process group).
+
+    Collective: call on all ranks of ``group``; each returns the same answer."""
+    if not dist.is_initialized():
+        return done
+    flag = torch.tensor([0 if done else 1], device=comm.comm_device(None))
+    dist.all_reduce(flag, group=group)
+    return int(flag.item()) == 0
 
 
 def stop_ids(model_dir: str | Path, tokenizer: HFTokenizer) -> list[int]:

@@ -4,6 +4,10 @@ Rule: a forward with a cache sees the new tokens at positions ``length, length +
 attends to every cached token plus the new ones causally, limited to the layer's sliding window
 exactly as in training (``q - k < window``). Keys are cached after rotary embedding, so a
 token's key never changes once computed.
+
+A batch of prompts of different lengths is left-padded (``pad[b]`` pad tokens before row ``b``'s
+first token): row ``b``'s positions then start at 0 on its first real token, and no query sees a
+pad key except a pad query its own key (a row of only masked keys would make NaNs).
 """
 
 from __future__ import annotations
@@ -17,10 +21,16 @@ __all__ = ["KVCache", "cached_attention_mask"]
 class KVCache:
     """Per-layer keys and values ``[batch, kv_heads, tokens, head_dim]``, grown as tokens arrive."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, pad: Tensor | None = None) -> None:
         self.keys: dict[int, Tensor] = {}
         self.values: dict[int, Tensor] = {}
         self.length = 0  # tokens cached (every layer holds the same count once a forward ends)
+        self.pad = pad  # [batch] left-pad tokens of each row (None: no padding)
+
+    def positions(self, new_tokens: int, device: torch.device) -> Tensor:
+        """Position ids ``[batch or 1, new]`` of the next ``new_tokens`` tokens (0 on each row's first real one)."""
+        index = torch.arange(self.length, self.length + new_tokens, device=device).unsqueeze(0)
+        return index if self.pad is None else (index - self.pad.to(device)[:, None]).clamp(min=0)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append a layer's new keys and values; returns everything cached for it, new ones included."""
@@ -36,16 +46,20 @@ class KVCache:
 
 
 def cached_attention_mask(
-    new_tokens: int, cached: int, *, device: torch.device, window: int | None = None
+    new_tokens: int, cached: int, *, device: torch.device, window: int | None = None, pad: Tensor | None = None
 ) -> Tensor | None:
-    """Boolean mask ``[1, 1, new, cached + new]`` (True = may attend) for new tokens after ``cached``
-    ones: causal, and within ``window`` when given. None when every new token may see every key."""
+    """Boolean mask ``[1 or batch, 1, new, cached + new]`` (True = may attend) for new tokens after ``cached``
+    ones: causal, within ``window`` when given, and past each row's ``pad`` left-pad keys (a pad query
+    sees its own key). None when every new token may see every key."""
     total = cached + new_tokens
-    if new_tokens == 1 and (window is None or window >= total):
+    if new_tokens == 1 and (window is None or window >= total) and pad is None:
         return None
     q = torch.arange(cached, total, device=device)[:, None]
     k = torch.arange(total, device=device)[None, :]
     allowed = k <= q
     if window is not None:
         allowed = allowed & (q - k < window)
-    return allowed[None, None]
+    if pad is None:
+        return allowed[None, None]
+    real = k[None] >= pad.to(device)[:, None, None]  # [batch, 1, total]
+    return ((allowed[None] & real) | (k == q)[None])[:, None]

@@ -257,8 +257,10 @@ class LlamaModel(nn.Module):
         new, device = tokens.shape[1], tokens.device
         window = {FULL: None, SLIDING: self.args.sliding_window}
         types = {layer.layer_type for layer in self.decoder_layers}
-        masks = {t: cached_attention_mask(new, cache.length, device=device, window=window[t]) for t in types}
-        position_ids = torch.arange(cache.length, cache.length + new, device=device).unsqueeze(0)
+        masks = {
+            t: cached_attention_mask(new, cache.length, device=device, window=window[t], pad=cache.pad) for t in types
+        }
+        position_ids = cache.positions(new, device)
         global_rope = self.rotary_emb(position_ids, h.dtype)
         rope = {FULL: global_rope, SLIDING: global_rope}
         if self.local_rotary_emb is not None and SLIDING in types:

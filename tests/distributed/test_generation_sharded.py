@@ -54,3 +54,53 @@ def test_cli_under_torchrun_prints_what_one_process_prints(tmp_path):
     )
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
     assert one.stdout and two.stdout == one.stdout  # printed once, by rank 0
+
+
+PROMPTS = {0: [[5, 6, 7, 8, 9, 10, 11], [3, 4], [12, 13, 14, 15]], 1: [[20, 21, 22]]}
+
+
+def _batched_expert_parallel(stop: list[int]) -> list[list[int]]:
+    """Each rank its own prompts (rank 1 one, which stops early) through a Qwen3-MoE split over 2 ranks by
+    expert parallelism: both ranks must run every forward (its all-to-alls) until both are done."""
+    import torch.distributed as dist
+
+    from shardtune.distributed import make_mesh, shard_model
+    from shardtune.generation import generate_batch
+    from shardtune.models import from_hf_config
+    from tests.unit.test_models_moe import hf_moe_model
+
+    hf = hf_moe_model("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[1])
+    model = from_hf_config(hf.config.to_dict())
+    model.load_state_dict(hf.state_dict(), strict=True)
+    shard_model(model, mesh=make_mesh(expert_parallel=2))
+    from tests.nccl_rules import nccl_rules
+
+    prompts = PROMPTS[dist.get_rank()]
+    with nccl_rules() as rules:
+        rules.host(model)
+        return generate_batch(
+            model,
+            prompts,
+            max_new_tokens=12,
+            device="cpu",
+            generator=torch.Generator(),
+            pad_id=0,
+            temperature=0,
+            stop=stop,
+        )
+
+
+def test_batched_generation_with_expert_parallel_equals_one_process(pool2):
+    from shardtune.generation import generate_batch
+    from shardtune.models import from_hf_config
+    from tests.unit.test_models_moe import hf_moe_model
+
+    hf = hf_moe_model("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[1])
+    model = from_hf_config(hf.config.to_dict())
+    model.load_state_dict(hf.state_dict(), strict=True)
+    options = {"max_new_tokens": 12, "device": "cpu", "pad_id": 0, "temperature": 0}
+    alone = generate_batch(model, PROMPTS[1], generator=torch.Generator(), **options)
+    stop = [alone[0][2]]  # rank 1's row ends after 3 tokens (or sooner); rank 0's rows run on
+    expected = [generate_batch(model, PROMPTS[r], generator=torch.Generator(), stop=stop, **options) for r in (0, 1)]
+    assert len(expected[1][0]) <= 3 and max(len(row) for row in expected[0]) > 3
+    assert pool2.run_ok(_batched_expert_parallel, stop, timeout=120) == expected
