@@ -49,7 +49,7 @@ __all__ = [
     "split_batch",
 ]
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # the targets of no token (padding, prompts), as in the labels
 # (queries, keys, values, keys before the first query, window) -> output: the queries are the last of the keys
 Kernel = Callable[[Tensor, Tensor, Tensor, int, int | None], Tensor]
 
