@@ -3,7 +3,9 @@
 One rule: attention is causal, optionally limited to the last ``sliding_window`` tokens; masks
 say exactly that, so a sliding window is honoured beyond its length, never ignored. Packed rows
 attend within each sample (:mod:`shardtune.models.packed_attention`): every sample runs the same
-causal attention as an unpacked sequence, with a mask no larger than the sample. Without logit
+causal attention as an unpacked sequence, with a mask no larger than the sample; rows split over a
+context-parallel group attend the same way against keys gathered from every rank
+(:mod:`shardtune.models.context_parallel`). Without logit
 soft-capping it runs through ``scaled_dot_product_attention``; with soft-capping (Gemma 2) an
 exact eager path computes ``cap * tanh(scores / cap)`` before the softmax, since SDPA cannot.
 """
@@ -18,7 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardtune.models.args import ModelArgs
+from shardtune.models.context_parallel import ContextAttention, context_attention
 from shardtune.models.families import get_family
+from shardtune.models.kv_cache import cached_attention_mask
 from shardtune.models.packed_attention import PackedSamples, packed_attention
 from shardtune.models.rope import apply_rotary_emb
 
@@ -139,16 +143,20 @@ class Attention(nn.Module):
         sin: Tensor,
         mask: Tensor | None = None,
         kv: KVUpdate | None = None,
-        packed: PackedSamples | None = None,
+        packed: PackedSamples | ContextAttention | None = None,
     ) -> Tensor:
         """Causal attention under ``mask`` (None: plain causal). ``packed``: every row holds samples
-        that attend within themselves (``mask`` is then unused). ``kv`` (generation): appends this
+        that attend within themselves (``mask`` is then unused); a :class:`ContextAttention` when the
+        rows are split over a context-parallel group (:mod:`shardtune.models.context_parallel`: this
+        rank's queries against the whole rows' keys, per sample). ``kv`` (generation): appends this
         call's keys and values to the cache and returns all of them; ``mask`` is then
         ``[new, cached + new]``, and None means every key is visible."""
         b, s, _ = x.shape
         q, k, v = self._qkv(x)
         q, k = apply_rotary_emb(q, k, cos, sin)
-        if packed is not None:
+        if isinstance(packed, ContextAttention):
+            out = context_attention(q, k, v, packed, self._attend_after)
+        elif packed is not None:
             out = packed_attention(q, k, v, packed, self._attend_one)
         else:
             if kv is not None:
@@ -159,6 +167,14 @@ class Attention(nn.Module):
     def _attend_one(self, q: Tensor, k: Tensor, v: Tensor, window: int | None) -> Tensor:
         """One causal sequence (a packed sample), its window mask the size of the sample."""
         return self._attend(q, k, v, attention_mask(q.shape[2], device=q.device, window=window), causal=True)
+
+    def _attend_after(self, q: Tensor, k: Tensor, v: Tensor, earlier: int, window: int | None) -> Tensor:
+        """Queries that are the last ``q.shape[2]`` of one causal sequence's keys, ``earlier`` keys before
+        the first of them (a context-parallel segment): the KV cache's mask, or a sample's from its start."""
+        if earlier == 0:
+            return self._attend_one(q, k, v, window)
+        mask = cached_attention_mask(q.shape[2], earlier, device=q.device, window=window)
+        return self._attend(q, k, v, mask, causal=False)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal: bool) -> Tensor:
         if self.softcap is not None:

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from shardtune.models.args import FULL, SLIDING, ModelArgs
 from shardtune.models.attention import Attention, KVUpdate, RMSNorm, attention_mask, init_linear
+from shardtune.models.context_parallel import ContextAttention, ContextShard
 from shardtune.models.families import family_of, get_family
 from shardtune.models.gpt_oss import GptOssMLP, SinkAttention
 from shardtune.models.kv_cache import KVCache, cached_attention_mask
@@ -127,7 +128,7 @@ class DecoderLayer(nn.Module):
         sin: Tensor,
         mask: Tensor | None = None,
         kv: KVUpdate | None = None,
-        packed: PackedSamples | None = None,
+        packed: PackedSamples | ContextAttention | None = None,
         routing: Routing | None = None,
     ) -> Tensor:
         if not self.sandwich:
@@ -188,6 +189,7 @@ class LlamaModel(nn.Module):
         output_hidden_states: Iterable[int] | None = None,
         kv_cache: KVCache | None = None,
         routing: Routing | None = None,
+        context: ContextShard | None = None,
     ) -> tuple[Tensor, dict[int, Tensor]]:
         """Return the final (normed) hidden state and ``{layer: output of layer}`` for requested layers.
 
@@ -199,7 +201,13 @@ class LlamaModel(nn.Module):
         one causal sequence. With ``kv_cache`` (generation) the tokens continue the cached ones
         (see ``kv_cache.py``). ``routing`` (mixture-of-experts models) records what the sparse
         layers routed, for the load-balancing loss (:class:`~shardtune.models.moe_aux.Routing`).
+
+        ``context`` (context parallel, :mod:`shardtune.models.context_parallel`): ``tokens`` and
+        ``position_ids`` are this rank's part of rows split over the shard's group, which every
+        attention layer gathers keys from (a collective on that group).
         """
+        if context is not None:
+            self._check_context(kv_cache, position_ids, sample_lengths)
         if kv_cache is not None:
             return self._forward_cached(tokens, kv_cache)
         wanted = _check_layer_ids(output_hidden_states, len(self.layers))
@@ -207,7 +215,7 @@ class LlamaModel(nn.Module):
         if self.embed_scale is not None:
             # HF rounds the scale to the activation dtype first; rounded on the CPU, it costs no device copy.
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype).item()
-        lengths = self._packed_lengths(tokens, position_ids, sample_lengths)
+        lengths = None if context is not None else self._packed_lengths(tokens, position_ids, sample_lengths)
         seq, device = tokens.shape[1], tokens.device
         if position_ids is None:
             position_ids = torch.arange(seq, device=device).unsqueeze(0)
@@ -215,17 +223,22 @@ class LlamaModel(nn.Module):
                 position_ids = sample_positions(lengths).to(device, non_blocking=True)
         types = {layer.layer_type for layer in self.decoder_layers}
         window = {FULL: None, SLIDING: self.args.sliding_window}
-        if lengths is None:
+        packed: dict[str, PackedSamples | ContextAttention | None]
+        if context is not None:
+            masks = dict.fromkeys(types)
+            packed = {t: context.layer(window[t]) for t in types}
+        elif lengths is None:
             masks = {t: attention_mask(seq, device=device, window=window[t]) for t in types}
             packed = dict.fromkeys(types)
         else:
             masks = dict.fromkeys(types)
             packed = {t: PackedSamples(lengths, window[t]) for t in types}
-        global_rope = self.rotary_emb(position_ids, h.dtype)
+        rope_len = None if context is None else context.rope_seq_len
+        global_rope = self.rotary_emb(position_ids, h.dtype, seq_len=rope_len)
         local = self.local_rotary_emb
         rope = {FULL: global_rope, SLIDING: global_rope}
         if local is not None and SLIDING in types:
-            rope[SLIDING] = local(position_ids, h.dtype)
+            rope[SLIDING] = local(position_ids, h.dtype, seq_len=rope_len)
         skipped = self._skipped_layers()
         hidden: dict[int, Tensor] = {}
         for i, layer in enumerate(self.decoder_layers):
@@ -235,6 +248,23 @@ class LlamaModel(nn.Module):
             if i in wanted:
                 hidden[i] = h
         return self.norm(h), hidden
+
+    def _check_context(
+        self, kv_cache: KVCache | None, position_ids: Tensor | None, lengths: Sequence[Sequence[int]] | None
+    ) -> None:
+        """Refuse, by name, what a context-parallel forward cannot run exactly (the same on every rank)."""
+        if self.args.moe is not None:
+            raise ValueError(
+                f"context_parallel > 1 is not supported for mixture-of-experts models ({self.args.model_type}) yet: "
+                "their load-balancing loss is over the whole row; set context_parallel=1"
+            )
+        if kv_cache is not None:
+            raise ValueError("context= and kv_cache= do not combine: generate without context parallelism")
+        if position_ids is None or lengths is not None:
+            raise ValueError(
+                "context= takes the position_ids of split_batch and no sample_lengths (the shard holds the "
+                "samples); pass the ContextBatch's position_ids"
+            )
 
     @staticmethod
     def _packed_lengths(
@@ -383,6 +413,7 @@ class LlamaForCausalLM(nn.Module):
         head_loss: HeadLoss | None = None,
         kv_cache: KVCache | None = None,
         routing: Routing | None = None,
+        context: ContextShard | None = None,
     ) -> Any:
         """``tokens`` ``[b, s]`` -> logits ``[b, s, vocab]``; packed rows give ``position_ids`` and
         ``sample_lengths`` (see :meth:`LlamaModel.forward`).
@@ -405,6 +436,9 @@ class LlamaForCausalLM(nn.Module):
         ``routing`` (mixture-of-experts models, :class:`~shardtune.models.moe_aux.Routing`): the sparse
         layers record their router logits there; ``routing.aux_loss()`` is then transformers'
         ``aux_loss`` and ``routing.add_to(loss, coef)`` adds it to a loss made from this forward.
+
+        ``context`` (context parallel): ``tokens`` and ``position_ids`` are this rank's part of a
+        :func:`~shardtune.models.context_parallel.split_batch`; the outputs are its tokens'.
         """
         h, hidden = self.model(
             tokens,
@@ -413,6 +447,7 @@ class LlamaForCausalLM(nn.Module):
             output_hidden_states=output_hidden_states,
             kv_cache=kv_cache,
             routing=routing,
+            context=context,
         )
         if head_loss is not None:
             out = head_loss(h, self.loss_head())

@@ -198,10 +198,13 @@ class RotaryEmbedding(nn.Module):
         if device is not None:
             self.inv_freq(torch.device(device))
 
-    def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``position_ids`` ``[b, s]`` (or ``[1, s]``) -> ``cos``, ``sin`` of ``[b, s, head_dim]`` in ``dtype``."""
+    def forward(self, position_ids: Tensor, dtype: torch.dtype, *, seq_len: int | None = None) -> tuple[Tensor, Tensor]:
+        """``position_ids`` ``[b, s]`` (or ``[1, s]``) -> ``cos``, ``sin`` of ``[b, s, head_dim]`` in ``dtype``.
+        ``seq_len``: the longest position + 1 that dynamic and longrope scale for (default: of ``position_ids``;
+        a context-parallel rank passes its whole rows')."""
         # Only dynamic/longrope read the longest position: a device sync, as in transformers.
-        seq_len = int(position_ids.max()) + 1 if self.seq_dependent else None
+        if self.seq_dependent and seq_len is None:
+            seq_len = int(position_ids.max()) + 1
         inv_freq = self.inv_freq(position_ids.device, seq_len)
         freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -43,6 +43,7 @@ from shardtune.models import (
     llama_from_hf_config,
     model_args_from_hf_config,
 )
+from shardtune.models.context_parallel import context_group
 from shardtune.models.tiny import create_tiny_base
 from shardtune.peft import apply_lora, init_lora_parameters, is_lora
 from shardtune.recipes import _resume
@@ -55,7 +56,14 @@ from shardtune.training.flops import flops_per_token_fn, peak_tflops
 from shardtune.training.loop import LoopSettings, LossFn, Training, run_training, steps_per_epoch
 from shardtune.training.metrics import MetricLogger
 from shardtune.training.optim import LrSchedule, build_lr_scheduler, build_optimizer, continue_schedule
-from shardtune.training.step_loss import RouterAux, label_tokens, next_token_head_loss, next_token_loss, on_device
+from shardtune.training.step_loss import (
+    RouterAux,
+    label_tokens,
+    next_token_head_loss,
+    next_token_loss,
+    on_device,
+    split_next_token_loss,
+)
 
 log = logging.getLogger("shardtune")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -74,7 +82,11 @@ def start(cfg: Config) -> Run:
     _check_parallelism(cfg, device=device, world=world)
     dtype = torch.float32 if cfg.mixed_precision else DTYPES[cfg.dtype]  # params, grads, optimizer state
     output_dir, lock = claim_output_dir(cfg, rank=rank)
-    return Run(rank=rank, world_size=world, device=device, dtype=dtype, output_dir=output_dir, lock=lock)
+    cp = getattr(cfg, "context_parallel", 1)  # a key of the full and LoRA fine-tuning recipes
+    context = context_group(cp, device=device.type) if cp > 1 else None
+    return Run(
+        rank=rank, world_size=world, device=device, dtype=dtype, output_dir=output_dir, lock=lock, context=context
+    )
 
 
 def claim_output_dir(cfg: Config, *, rank: int) -> tuple[Path, run_dir.OutputDirLock | None]:
@@ -122,6 +134,13 @@ def _check_parallelism(cfg: Config, *, device: torch.device, world: int) -> None
             f"data_parallel_replicate={cfg.data_parallel_replicate} does not divide the world size {world}; "
             "set it to a divisor (e.g. the number of nodes) or 1"
         )
+    cp = getattr(cfg, "context_parallel", 1)
+    if world % cp:
+        raise ValueError(
+            f"context_parallel={cp} does not divide the world size {world}; set it to a divisor of {world}"
+        )
+    if cp > 1 and cfg.expert_parallel > 1:
+        raise ValueError("context_parallel > 1 and expert_parallel > 1 do not combine yet; set one of them to 1")
 
 
 def _agree_on_config(cfg: Config) -> None:
@@ -248,8 +267,8 @@ def build_data(cfg: Config, run: Run, base_dir: Path):
     loader, sampler = build_dataloader(
         dataset,
         batch_size=cfg.batch_size,
-        rank=run.rank,
-        world_size=run.world_size,
+        rank=run.data_rank,  # the ranks of a context-parallel group read the same rows
+        world_size=run.data_world,
         seed=cfg.seed,
         shuffle=cfg.shuffle,
         collate_fn=lambda batch: batcher(batch, pad_id=tokenizer.pad_id),
@@ -259,7 +278,7 @@ def build_data(cfg: Config, run: Run, base_dir: Path):
         len(dataset),  # type: ignore[arg-type]  # torch's Dataset declares no __len__; ours have one
         sources=[spec.get("path", "<dataset>") for spec in _dataset_specs(cfg.dataset)],
         batch_size=cfg.batch_size,
-        world_size=run.world_size,
+        world_size=run.data_world,
         accumulation=cfg.gradient_accumulation_steps,
         packed=cfg.packed,
     )
@@ -293,6 +312,7 @@ def build_optimization(cfg: Config, model: nn.Module, n_batches: int):
     )
     total = steps_per_epoch(n_batches, loop_settings(cfg)) * cfg.epochs
     world = dist.get_world_size() if dist.is_initialized() else 1
+    world //= getattr(cfg, "context_parallel", 1)  # ranks that read different rows
     sched = build_lr_scheduler(
         opt,
         name=cfg.lr_scheduler.name,
@@ -396,7 +416,12 @@ def build_training(
 
 def next_token_loss_of(cfg: Config, run: Run, model: nn.Module) -> LossFn:
     """The full and LoRA recipes' loss as ``cfg`` sets it: next-token cross-entropy in chunks of
-    ``loss_chunk_tokens``, plus ``router_aux_loss_coef`` times the routers' load-balancing loss for MoE models."""
+    ``loss_chunk_tokens``, plus ``router_aux_loss_coef`` times the routers' load-balancing loss for MoE models;
+    with ``context_parallel`` > 1 every row split over the rank's ``cp`` group (MoE models are refused there)."""
+    if run.context is not None:
+        return split_next_token_loss(
+            model, group=run.context, device=run.device, chunk_tokens=cfg.loss_chunk_tokens, compile=cfg.compile
+        )
     return next_token_loss(
         model,
         device=run.device,

@@ -284,7 +284,17 @@ BASE_SCHEMA = Schema(
     checks=(_check_base,),
 )
 
-FULL_FINETUNE_SCHEMA = BASE_SCHEMA
+CONTEXT_PARALLEL = {
+    "context_parallel": Field(
+        int,
+        1,
+        gt=0,
+        help="split every row over groups of N ranks (each a head and a tail chunk), attention exact by gathering "
+        "keys and values; must divide the world size (dense models, full and LoRA fine-tuning)",
+    )
+}
+
+FULL_FINETUNE_SCHEMA = BASE_SCHEMA | CONTEXT_PARALLEL
 
 LORA_SECTION = Schema(
     {
@@ -301,7 +311,7 @@ LORA_SCHEMA = BASE_SCHEMA | {
     "adapter_weights_only": Field(bool, False, help="LoRA checkpoints hold only the PEFT adapter (no merged model)"),
 }
 
-LORA_FINETUNE_SCHEMA = LORA_SCHEMA
+LORA_FINETUNE_SCHEMA = LORA_SCHEMA | CONTEXT_PARALLEL
 
 KD_SCHEMA = LORA_SCHEMA | {
     "teacher_checkpoint_dir": Field(str, help="HF model directory of the teacher"),

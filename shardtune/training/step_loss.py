@@ -14,13 +14,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from shardtune.models import HeadLoss, sample_lengths
 from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
+from shardtune.models.context_parallel import IGNORE_INDEX, split_batch
 from shardtune.models.moe_aux import Routing
 
-__all__ = ["RouterAux", "label_tokens", "next_token_head_loss", "next_token_loss", "on_device", "token_mean_loss"]
+__all__ = [
+    "RouterAux",
+    "label_tokens",
+    "next_token_head_loss",
+    "next_token_loss",
+    "on_device",
+    "split_next_token_loss",
+    "token_mean_loss",
+]
 
 
 def on_device(
@@ -70,6 +80,38 @@ def next_token_loss(
         tokens, labels, packing = on_device(batch, device)
         head_loss = next_token_head_loss(labels, chunk_tokens, compile)
         return token_mean_loss(model, tokens, batch, head_loss=head_loss, aux=aux, device=device, **packing)
+
+    return loss_fn
+
+
+def split_next_token_loss(
+    model: nn.Module,
+    *,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
+    compile: bool = False,
+):
+    """``loss_fn`` for the loop with every row split over ``group`` (context parallel,
+    :mod:`shardtune.models.context_parallel`): each rank's next-token cross-entropy over its part of the
+    rows and its label tokens, so the loop's sums over ranks are the whole rows' (every rank of ``group``
+    gets the same batch). Collective on ``group`` (the model's attention layers)."""
+
+    def loss_fn(batch: dict[str, torch.Tensor]) -> Any:
+        part = split_batch(batch["tokens"], batch["labels"], group=group, position_ids=batch.get("position_ids"))
+        n_tokens = int((part.targets != IGNORE_INDEX).sum())  # the CPU targets: no device sync
+        targets = part.targets.to(device, non_blocking=True)
+
+        def head_loss(hidden: Tensor, head: Any) -> Tensor:
+            return chunked_cross_entropy(hidden, head, targets, chunk_tokens=chunk_tokens, compile=compile)
+
+        loss_sum = model(
+            part.tokens.to(device, non_blocking=True),
+            position_ids=part.position_ids.to(device, non_blocking=True),
+            context=part.shard,
+            head_loss=head_loss,
+        )
+        return loss_sum / max(n_tokens, 1), n_tokens
 
     return loss_fn
 

@@ -1,0 +1,216 @@
+"""Context parallelism: one row split over the ``cp`` ranks of a group, attention exact by all-gathering K/V.
+
+Rule: every rank of a ``cp`` group holds the same rows; each takes two of the ``2 * cp`` equal chunks of
+every row (rank ``i``: chunk ``i`` and chunk ``2 * cp - 1 - i``, so causal work is even) and runs the
+whole model on them. Rows are padded to a multiple of ``2 * cp`` first; the padding is a document of its
+own (no real token sees it), has position 0 (it changes no sequence-dependent rope) and no targets, so
+it changes no loss. Targets are shifted before the split (token ``t`` predicts label ``t + 1`` even
+across a chunk boundary), and rope sees each token's position within its sample, as without the split.
+
+In every attention layer each rank all-gathers the keys and values of the whole row (one
+``all_gather_single_autograd`` of K and V stacked, whose backward reduce-scatters their gradients) and
+puts them in row order. Its queries then attend segment by segment: a segment is a run of the rank's
+queries that lies in one document and one chunk, and it attends to that document's keys up to its last
+query (to those within the window for sliding layers) through the layer's own kernel (SDPA,
+soft-capping or attention sinks) with the mask :mod:`shardtune.models.attention` builds for queries
+that follow earlier keys. Positions, documents and segments are host data read from the CPU batch once
+per forward (:func:`split_batch`), so no layer waits for the device.
+
+Memory per rank and layer: the gathered K and V, ``2 * b * S * kv_heads * head_dim`` values (O(S *
+kv_dim), about twice that while they are put in order), kept for backward; one segment's boolean mask
+(its queries times its keys, at most ``S / (2 * cp)`` by ``S``; none for a segment that starts its
+document outside a window); activations of ``S / cp`` tokens. A ring (O(S / cp) keys) is the upgrade
+path. Exact for causal, packed (per-document), sliding-window, soft-capped and sink attention; a
+mixture-of-experts model's load-balancing loss is over the whole row and is refused by
+``LlamaModel.forward``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed._functional_collectives import all_gather_single_autograd
+from torch.distributed.device_mesh import init_device_mesh
+
+from shardtune.models.packed_attention import sample_lengths
+from shardtune.state_dict import comm
+
+__all__ = [
+    "ContextAttention",
+    "ContextBatch",
+    "ContextShard",
+    "Segment",
+    "context_attention",
+    "context_group",
+    "split_batch",
+]
+
+IGNORE_INDEX = -100  # the targets of no token (padding, prompts), as in the labels
+# (queries, keys, values, keys before the first query, window) -> output: the queries are the last of the keys
+Kernel = Callable[[Tensor, Tensor, Tensor, int, int | None], Tensor]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of a rank's queries in one document: local ``[local, local + length)`` holds row positions
+    ``[start, start + length)`` of the document that begins at row position ``doc_start``."""
+
+    local: int
+    length: int
+    start: int
+    doc_start: int
+
+
+@dataclass(frozen=True)
+class ContextShard:
+    """What a rank's attention needs of a split batch: its ``cp`` group, where each row position lies in the
+    gathered keys (``gathered_at``, ``[S]``), and per row its query segments."""
+
+    group: dist.ProcessGroup
+    gathered_at: Tensor
+    segments: tuple[tuple[Segment, ...], ...]
+    rope_seq_len: int  # the longest position of the whole rows + 1 (dynamic and longrope read it)
+
+    def layer(self, window: int | None) -> ContextAttention:
+        """The view one layer attends through: this shard and the layer's sliding window."""
+        return ContextAttention(self, window)
+
+
+@dataclass(frozen=True)
+class ContextAttention:
+    """A layer's attention over a split row: the shard and the layer's window (None: full causal)."""
+
+    shard: ContextShard
+    window: int | None = None
+
+
+@dataclass(frozen=True)
+class ContextBatch:
+    """This rank's part of a batch: ``tokens``, ``targets`` (already shifted: the label each token
+    predicts, ``-100`` for none) and rope ``position_ids``, all ``[b, S / cp]``; ``shard`` goes to the
+    model's ``context=``."""
+
+    tokens: Tensor
+    targets: Tensor
+    position_ids: Tensor
+    shard: ContextShard
+
+
+def context_group(context_parallel: int, *, device: str) -> dist.ProcessGroup:
+    """The ``cp`` group of this rank: the mesh ``(dp, cp)`` over the world, ``cp`` varying fastest (neighbouring
+    ranks, one node). FSDP2 still shards over every rank (dp x cp); the ranks of a ``cp`` group share rows.
+
+    Collective: call on all ranks (it creates process groups). Each rank returns its own ``cp`` group."""
+    world = dist.get_world_size()
+    if context_parallel < 1 or world % context_parallel:
+        raise ValueError(
+            f"context_parallel={context_parallel} must divide the world size {world}; set it to a divisor of {world}"
+        )
+    mesh = init_device_mesh(device, (world // context_parallel, context_parallel), mesh_dim_names=("dp", "cp"))
+    return mesh["cp"].get_group()
+
+
+def chunk_positions(seq: int, *, cp: int, rank: int) -> Tensor:
+    """Row positions ``[seq / cp]`` rank ``rank`` of ``cp`` holds of a row of ``seq`` (a multiple of ``2 * cp``):
+    chunk ``rank`` then chunk ``2 * cp - 1 - rank``."""
+    chunk = seq // (2 * cp)
+    head = torch.arange(rank * chunk, (rank + 1) * chunk)
+    tail = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)
+    return torch.cat([head, tail])
+
+
+def split_batch(
+    tokens: Tensor,
+    labels: Tensor,
+    *,
+    group: dist.ProcessGroup,
+    position_ids: Tensor | None = None,
+    pad_token: int = 0,
+) -> ContextBatch:
+    """This rank's part of a CPU batch (``tokens``, ``labels`` ``[b, S]`` with HF's convention: the loss
+    compares label ``t + 1`` with the prediction at ``t``; packed rows give ``position_ids``, restarting
+    at 0 for every sample) over the ranks of ``group``. Every rank of ``group`` must pass the same batch.
+    Local: no communication."""
+    if tokens.dim() != 2 or labels.shape != tokens.shape:
+        raise ValueError(
+            f"split_batch takes tokens and labels of one shape [batch, seq]; got {tuple(tokens.shape)} and "
+            f"{tuple(labels.shape)}"
+        )
+    if position_ids is not None and position_ids.shape != tokens.shape:
+        raise ValueError(f"position_ids {tuple(position_ids.shape)} must have the tokens' shape {tuple(tokens.shape)}")
+    cp, rank = group.size(), dist.get_rank(group)
+    batch, seq = tokens.shape
+    padded = -(-seq // (2 * cp)) * (2 * cp)
+    pad = padded - seq
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    positions = torch.arange(seq).expand(batch, seq) if position_ids is None else position_ids.cpu()
+    lengths = [list(row) for row in sample_lengths(positions.clone())]
+    if pad:
+        tokens = torch.cat([tokens, tokens.new_full((batch, pad), pad_token)], dim=1)
+        targets = torch.cat([targets, targets.new_full((batch, pad), IGNORE_INDEX)], dim=1)
+        positions = torch.cat([positions, positions.new_zeros((batch, pad))], dim=1)
+        for row in lengths:
+            row.append(pad)  # the padding is a document of its own
+    mine = chunk_positions(padded, cp=cp, rank=rank)
+    gathered = torch.cat([chunk_positions(padded, cp=cp, rank=r) for r in range(cp)])
+    shard = ContextShard(
+        group=group,
+        gathered_at=torch.argsort(gathered),
+        segments=tuple(_segments(row, mine) for row in lengths),
+        rope_seq_len=int(positions.max()) + 1,
+    )
+    return ContextBatch(tokens[:, mine], targets[:, mine], positions[:, mine], shard)
+
+
+def _segments(lengths: list[int], mine: Tensor) -> tuple[Segment, ...]:
+    """The runs of ``mine`` (row positions, in local order) that are consecutive and in one document."""
+    doc_starts = torch.tensor([0, *lengths]).cumsum(0)[:-1]
+    docs = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[mine]
+    breaks = ((mine[1:] != mine[:-1] + 1) | (docs[1:] != docs[:-1])).nonzero().flatten() + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*starts[1:], len(mine)]
+    return tuple(
+        Segment(local=a, length=b - a, start=int(mine[a]), doc_start=int(doc_starts[docs[a]]))
+        for a, b in zip(starts, ends, strict=True)
+    )
+
+
+def gather_keys(k: Tensor, v: Tensor, shard: ContextShard) -> tuple[Tensor, Tensor]:
+    """The keys and values ``[b, kv_heads, S, d]`` of the whole rows, in row order, from every rank's
+    ``[b, kv_heads, S / cp, d]``.
+
+    Collective: call on all ranks of ``shard.group`` (in every attention layer's forward; the backward
+    reduce-scatters the gradients). Each rank returns the same two tensors, with autograd to its own part."""
+    device = comm.comm_device(k.device)
+    local = torch.stack([k, v]).permute(3, 0, 1, 2, 4)  # [s, 2, b, h, d]: the gather concatenates dim 0
+    everyone = all_gather_single_autograd(comm.to_transfer(local, device), 0, shard.group)
+    rows = everyone.to(k.device).index_select(0, shard.gathered_at.to(k.device, non_blocking=True))
+    both = rows.permute(1, 2, 3, 0, 4)
+    return both[0], both[1]
+
+
+@torch.compiler.disable  # per-segment shapes would recompile a compiled layer for every new batch
+def context_attention(q: Tensor, k: Tensor, v: Tensor, layer: ContextAttention, kernel: Kernel) -> Tensor:
+    """The attention output ``[b, heads, S / cp, d]`` of this rank's queries ``q`` against the keys of the whole
+    rows (this rank's ``k``, ``v`` gathered with every other rank's), segment by segment through ``kernel``.
+
+    Collective: call on all ranks of the shard's group (:func:`gather_keys`). Each rank returns its queries'
+    outputs in local order."""
+    keys, values = gather_keys(k, v, layer.shard)
+    window = layer.window
+    rows = []
+    for i, segments in enumerate(layer.shard.segments):
+        outs = []
+        for seg in segments:
+            first = seg.doc_start if window is None else max(seg.doc_start, seg.start - window + 1)
+            queries = q[i : i + 1, :, seg.local : seg.local + seg.length]
+            span = slice(first, seg.start + seg.length)  # keys past the segment's last query: masked for all
+            k_seg, v_seg = keys[i : i + 1, :, span], values[i : i + 1, :, span]
+            outs.append(kernel(queries, k_seg, v_seg, seg.start - first, window))
+        rows.append(outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
