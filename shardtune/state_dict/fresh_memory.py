@@ -1,12 +1,12 @@
-"""Fresh CPU memory that a load is about to overwrite whole: faulted in once, in huge pages.
+"""Fresh CPU memory that a load is about to overwrite whole: faulted in once, before the copy.
 
 Rule: before a read fills a new buffer of at least :data:`PREFAULT_MIN_BYTES`, its pages are
 populated in one ``madvise(MADV_POPULATE_WRITE)`` instead of one 4 KiB fault at a time inside
-the kernel's copy, and its 2 MiB-aligned interior is first advised ``MADV_HUGEPAGE``, so the
-kernel backs it with transparent huge pages where it allows them (``enabled`` ``madvise`` or
-``always``): 512 times fewer faults. Page faults, not the copy, were most of a load's time
-from the page cache (BENCHMARKS.md: "One-off measurements", and the MoE checkpoint findings). Contents are never read, so
-memory that is not Linux's, or a kernel refusing either advice, only loses the speed-up.
+the kernel's copy. No transparent huge pages are asked for: with THP ``defrag`` set to
+``madvise`` (this VM's and many distributions' default) an advised region is compacted on the
+fault, which stalled loads by up to 2x and varied run to run (BENCHMARKS.md: the MoE checkpoint
+findings). Contents are never read, so memory that is not Linux's, or a kernel refusing the
+advice, only loses the speed-up.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import torch
 
 PREFAULT_MIN_BYTES = 1 << 20
 PAGE_BYTES = mmap.PAGESIZE
-HUGE_PAGE_BYTES = 2 << 20  # x86-64 and arm64 (4 KiB base pages) transparent huge pages
-_MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
 
@@ -46,17 +44,14 @@ def _inner(start: int, end: int, align: int) -> tuple[int, int]:
 
 
 def prefault(buffer: torch.Tensor) -> None:
-    """Fault in the pages of the contiguous CPU tensor ``buffer``, about to be overwritten whole
-    (huge pages where the kernel gives them); nothing for buffers under :data:`PREFAULT_MIN_BYTES`.
-    Kernels without ``MADV_POPULATE_WRITE`` get one user-space write per page instead."""
+    """Fault in the pages of the contiguous CPU tensor ``buffer``, about to be overwritten whole;
+    nothing for buffers under :data:`PREFAULT_MIN_BYTES`. Kernels without ``MADV_POPULATE_WRITE``
+    get one user-space write per page instead."""
     nbytes = buffer.numel() * buffer.element_size()
     if nbytes < PREFAULT_MIN_BYTES or buffer.device.type != "cpu" or not buffer.is_contiguous():
         return
     begin = buffer.data_ptr()
     if _madvise is not None:
-        huge_start, huge_end = _inner(begin, begin + nbytes, HUGE_PAGE_BYTES)
-        if huge_end > huge_start:
-            _madvise(huge_start, huge_end - huge_start, _MADV_HUGEPAGE)  # refused: small pages, still right
         start, end = _inner(begin, begin + nbytes, PAGE_BYTES)
         if end <= start or _madvise(start, end - start, _MADV_POPULATE_WRITE) == 0:
             return
