@@ -93,6 +93,16 @@ def _ranks(values: list[float]) -> str:
     return " / ".join(fmt_bytes(v) for v in values)
 
 
+def a2a_cell(a2a: dict[str, list[float]] | None) -> str:
+    """Per rank bytes sent, once when every rank received as much as it sent (a whole step sends each
+    row out and back, forward and backward), else sent and received."""
+    if a2a is None:
+        return "—"
+    if a2a["sent"] == a2a["received"]:
+        return _ranks(a2a["sent"])
+    return f"sent {_ranks(a2a['sent'])}; received {_ranks(a2a['received'])}"
+
+
 def _mesh(degree: int, world: int) -> str:
     return f"shard {world}" if degree == 1 else f"(efsdp {world // degree}, ep {degree})"
 
@@ -122,8 +132,8 @@ def report(
         (
             f"- Model: Qwen3-MoE, hidden {shape.hidden}, {shape.layers} layers (all sparse), {shape.experts} experts "
             f"of width {shape.expert_ffn}, top-{shape.top_k}, vocabulary {shape.vocab}: {shape.params() / 1e6:.1f} M "
-            f"params; {cfg.dtype}; full fine-tuning, activation checkpointing per layer, the recipes' AdamW; the "
-            "model, tokens and steps of the MoE training-step table"
+            f"params; {cfg.dtype}; full fine-tuning, activation checkpointing per layer, the recipes' AdamW (the "
+            "MoE training-step table's model and step)"
         ),
         (
             f"- shardtune at `expert_parallel` d: the recipes' mesh `make_mesh(expert_parallel=d)` over {world} ranks "
@@ -136,10 +146,10 @@ def report(
         "",
         (
             "| rows × tokens per rank | method | mesh | tokens/s per rank | × EP 1 | peak Δ per rank (r0 / r1 / …) "
-            "| × EP 1 (max rank) | all-to-all sent per rank per step | all-to-all received per rank "
+            "| × EP 1 (max rank) | all-to-all bytes per rank per step (sent = received) "
             "| uniform routing (by hand) | first-step loss (r0) | runs |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     agree = True
     for seq in cfg.seq_lens:
@@ -161,8 +171,7 @@ def report(
             estimate = uniform_all_to_all_bytes(shape, tokens=rows * seq, ep=degree, dtype_bytes=dtype_bytes)
             lines.append(
                 f"| {rows} × {seq} | {method} | {_mesh(degree, world)} | {s['tokens_per_s']:.0f} | {speed} "
-                f"| {_ranks(s['peaks'])} | {memory} | {'—' if a2a is None else _ranks(a2a['sent'])} "
-                f"| {'—' if a2a is None else _ranks(a2a['received'])} "
+                f"| {_ranks(s['peaks'])} | {memory} | {a2a_cell(a2a)} "
                 f"| {fmt_bytes(estimate) if method != PEER else '—'} | {s['first_loss'][0]:.5f} | {s['runs']} |"
             )
     lines += [
@@ -176,7 +185,8 @@ def report(
             "- *all-to-all bytes*: counted in each run's warm-up step by a `TorchDispatchMode` on every c10d "
             "`alltoall_base_` and functional `all_to_all_single` the rank issued (the per-expert counts, the "
             "dispatch and the combine, in the forward, the activation-checkpoint recompute and the backward), from "
-            "each op's own split sizes: bytes of rows to (from) other ranks, a rank's own block excluded "
+            "each op's own split sizes: bytes of rows to (and from) other ranks, a rank's own block excluded; "
+            "where a rank received other than it sent, both are given "
             "(`benchmarks/_comm_bytes.py`). *uniform routing*: what perfectly even routing would send, by hand "
             "(6 row transfers of tokens × top-k × (ep − 1)/ep rows per sparse layer, plus the counts). FSDP2's "
             "all-gathers and reduce-scatters are not in these columns."

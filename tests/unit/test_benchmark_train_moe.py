@@ -13,7 +13,7 @@ import transformers
 
 from benchmarks._comm_bytes import other_ranks_bytes
 from benchmarks._report import fmt_bytes
-from benchmarks._train_moe_ep import all_to_all_per_rank, parse_degrees, uniform_all_to_all_bytes
+from benchmarks._train_moe_ep import a2a_cell, all_to_all_per_rank, parse_degrees, uniform_all_to_all_bytes
 from benchmarks._train_moe_ep import report as ep_report
 from benchmarks.driver import Run
 from benchmarks.train_moe import BENCH, MoeOptions, parse, report
@@ -116,7 +116,7 @@ def test_expert_parallel_report_ratios_to_degree_1_and_losses_checked_against_bo
     section, agree = ep_report(_ep_options(), summaries, load_avg=(1.0, 1.0), dtype_bytes=4)
     assert agree
     assert "| 2 × 1024 | shardtune_ep2 | (efsdp 2, ep 2) | 80 | 0.80 |" in section
-    assert "| 0.50 | 48.0 MiB / 48.0 MiB / 48.0 MiB / 48.0 MiB |" in section  # memory ratio, then sent
+    assert "| 0.50 | 48.0 MiB / 48.0 MiB / 48.0 MiB / 48.0 MiB |" in section  # memory ratio, then bytes
     assert "| 2 × 1024 | shardtune_ep1 | shard 4 | 100 | 1.00 |" in section
     assert f"| {fmt_bytes(uniform_all_to_all_bytes(BENCH, tokens=2048, ep=2, dtype_bytes=4))} |" in section
     summaries[(1024, "shardtune_ep2")]["first_loss"] = [9.0, 9.0, 9.01, 9.0]  # rank 2 off by 1e-3
@@ -124,6 +124,12 @@ def test_expert_parallel_report_ratios_to_degree_1_and_losses_checked_against_bo
     summaries[(1024, "shardtune_ep2")] = None
     section, agree = ep_report(_ep_options(), summaries, load_avg=(1.0, 1.0), dtype_bytes=4)
     assert not agree and "| shardtune_ep2 | (efsdp 2, ep 2) | FAILED |" in section
+
+
+def test_a2a_cell_gives_received_only_where_it_differs_from_sent():
+    assert a2a_cell({"sent": [1 << 20, 2 << 20], "received": [1 << 20, 2 << 20]}) == "1.0 MiB / 2.0 MiB"
+    assert a2a_cell({"sent": [1 << 20], "received": [0]}) == "sent 1.0 MiB; received 0"
+    assert a2a_cell(None) == "—"
 
 
 def test_all_to_all_per_rank_is_the_median_of_the_runs_that_finished():
