@@ -292,9 +292,7 @@ def run(*, group: str, method: str, hf_dir: str, out_dir: str) -> dict[str, Any]
         read = int(stats.bytes_read)
         verdict = _verify(lambda: _check_shards(model, hf_dir))
     else:
-        model = _load_shardtune(
-            None if ep is None else shardtune_model(hf_dir, expert_parallel=ep), hf_dir, shared=True
-        )
+        model = _load_shardtune(shardtune_model(hf_dir, expert_parallel=ep or 1), hf_dir, shared=True)
         save = SAVE_STEPS["shardtune" if ep else method]
         stats.reset()
         before = kernel_io()
