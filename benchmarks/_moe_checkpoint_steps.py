@@ -5,7 +5,10 @@
 from shardtune's sharded meta model (built untimed: ``shard_model``'s FSDP2 setup is no checkpoint
 I/O), or, for ``from_pretrained``, from nothing (building and ``fully_shard`` are part of its step),
 and ends with a sharded model holding the checkpoint's weights; a save step starts from the same
-loaded sharded model (untimed setup) and ends with the directory written and fsynced.
+loaded sharded model (untimed setup) and ends with the directory written and fsynced. The
+``load_ep``/``save_ep`` groups run shardtune's own steps on a model whose experts are split over an
+expert-parallel mesh (method ``shardtune_ep<d>``: ``make_mesh(expert_parallel=d)``). Every step also
+records the kernel's I/O counts over it (:func:`kernel_io`), beside shardtune's own counters.
 """
 
 from __future__ import annotations
@@ -77,14 +80,32 @@ def expected_local(files: Files, name: str, param: DTensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- models
 
 
-def shardtune_model(hf_dir: str) -> nn.Module:
-    """shardtune's model of ``hf_dir`` on meta, sharded with ``shard_model`` (experts Shard(0) here)."""
+def shardtune_model(hf_dir: str, *, expert_parallel: int = 1) -> nn.Module:
+    """shardtune's model of ``hf_dir`` on meta, sharded with ``shard_model`` (experts Shard(0) here; split
+    over ``expert_parallel`` ranks first on an expert-parallel mesh)."""
     from shardtune.distributed import make_mesh, shard_model
     from shardtune.models import from_hf_config
 
     with torch.device("meta"):
         model = from_hf_config(hf_dir, dtype=DTYPE)
-    return shard_model(model, mesh=make_mesh(device="cpu"))
+    return shard_model(model, mesh=make_mesh(expert_parallel=expert_parallel, device="cpu"))
+
+
+def ep_degree(method: str) -> int:
+    """The expert-parallel degree of an ``ep`` group's method (``shardtune_ep2``: 2)."""
+    return int(method.removeprefix("shardtune_ep"))
+
+
+def kernel_io() -> dict[str, int]:
+    """The kernel's I/O counts: ``rchar`` of this thread (bytes its read syscalls returned: the step's
+    file reads run here, while the memory sampler's and gloo's threads are left out) and ``write_bytes``
+    of the process (file bytes it caused to be written, buffered or ``O_DIRECT``; not socket writes)."""
+
+    def read(path: str) -> dict[str, int]:
+        with open(path) as f:
+            return {k: int(v) for k, _, v in (line.partition(": ") for line in f.read().splitlines())}
+
+    return {"rchar": read("/proc/thread-self/io")["rchar"], "write_bytes": read("/proc/self/io")["write_bytes"]}
 
 
 def fully_shard_layers(model: nn.Module) -> nn.Module:
@@ -253,20 +274,30 @@ def _own_bytes(model: nn.Module) -> tuple[int, int]:
 
 def run(*, group: str, method: str, hf_dir: str, out_dir: str) -> dict[str, Any]:
     """Measure one step of ``group``/``method`` on this rank, verify it; return this rank's record."""
-    import transformers  # noqa: F401 - imported untimed, as shardtune's modules are
+    # every method's modules imported untimed (its step imports them lazily): no step pays an import
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import transformers  # noqa: F401
 
+    import shardtune.checkpoint  # noqa: F401
     from shardtune.state_dict import stats
 
+    ep = ep_degree(method) if group.endswith("_ep") else None
     if group.startswith("load"):
-        meta = None if method == "transformers_fsdp2" else shardtune_model(hf_dir)
+        meta = None if method == "transformers_fsdp2" else shardtune_model(hf_dir, expert_parallel=ep or 1)
+        step = LOAD_STEPS["shardtune_direct" if ep else method]
         stats.reset()
-        model, measurement = measure_step(lambda: LOAD_STEPS[method](meta, hf_dir), barrier=dist.barrier)
+        before = kernel_io()
+        model, measurement = measure_step(lambda: step(meta, hf_dir), barrier=dist.barrier)
+        after = kernel_io()
         read = int(stats.bytes_read)
         verdict = _verify(lambda: _check_shards(model, hf_dir))
     else:
-        model = _load_shardtune(None, hf_dir, shared=True)
+        model = _load_shardtune(shardtune_model(hf_dir, expert_parallel=ep or 1), hf_dir, shared=True)
+        save = SAVE_STEPS["shardtune" if ep else method]
         stats.reset()
-        _, measurement = measure_step(lambda: SAVE_STEPS[method](model, out_dir, hf_dir), barrier=dist.barrier)
+        before = kernel_io()
+        _, measurement = measure_step(lambda: save(model, out_dir, hf_dir), barrier=dist.barrier)
+        after = kernel_io()
         read = int(stats.bytes_read)
         verdict = _verify(lambda: _check_written(out_dir, hf_dir))
     own, experts = _own_bytes(model)
@@ -278,5 +309,6 @@ def run(*, group: str, method: str, hf_dir: str, out_dir: str) -> dict[str, Any]
         "own_shard_bytes": own,
         "own_expert_bytes": experts,
         "counted_bytes": counted if method.startswith("shardtune") else None,
+        "kernel_io": {k: after[k] - before[k] for k in after},
         "verify": verdict,
     }

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One prepared GPU check (at most 12.5 minutes of timeouts on one H200; not run yet): the GPU tests (MoE HF
 # checkpoint load/save among them), then the checkpoint and training-step (dense and MoE) benchmarks on
-# CUDA. Run from anywhere on a machine with a CUDA GPU and this repository:
+# CUDA; with 2 or more GPUs also the MoE step at expert parallel 1 and 2 (2 minutes more; one GPU skips it,
+# saying why). Run from anywhere on a machine with a CUDA GPU and this repository:
 #   bash benchmarks/gpu_check.sh
 # Assumes torch with CUDA is already installed (CUDA wheels cannot be fetched offline); without
 # torch it installs torch==2.13.0 from the configured index. Outputs go under $OUT when set
 # (else ./gpu_check_out): pytest's log, the benchmark's tables and raw runs, and BENCHMARKS.md
-# with the new "checkpoint-cuda", "train-cuda" and "train-moe-cuda" sections.
+# with the new "checkpoint-cuda", "train-cuda", "train-moe-cuda" (and "train-moe-ep-cuda") sections.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-$PWD/gpu_check_out}"
@@ -54,4 +55,21 @@ timeout 90 python -m benchmarks.train_moe --device cuda --world 1 --dtype bf16 -
     --bench-dir "$out/bench_train_moe" --markdown "$out/BENCHMARKS.md" 2>&1 | tee "$out/benchmark_train_moe_cuda.log" || status=1
 echo "MoE train benchmark: $((SECONDS - start)) s" | tee -a "$out/device.txt"
 rm -rf "$out/bench_train_moe"/train_moe_h*  # the HF fixture; the runs JSON stays
+
+# Expert parallel on CUDA (bf16): shardtune's MoE step at expert_parallel 1 and 2 on the same ranks (4, or 2 with
+# 2-3 GPUs), transformers the loss reference, all-to-all bytes counted; the "train-moe-ep-cuda" section. NCCL
+# takes one GPU per rank, so expert_parallel=2 needs at least 2 GPUs.
+gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+if [ "$gpus" -ge 2 ]; then
+    ep_world=$(( gpus >= 4 ? 4 : 2 ))
+    start=$SECONDS
+    timeout 120 python -m benchmarks.train_moe --device cuda --world "$ep_world" --expert-parallel 1,2 --dtype bf16 \
+        --repeats 1 --steps 3 --bench-dir "$out/bench_train_moe_ep" --markdown "$out/BENCHMARKS.md" 2>&1 \
+        | tee "$out/benchmark_train_moe_ep_cuda.log" || status=1
+    echo "MoE expert-parallel benchmark (world $ep_world): $((SECONDS - start)) s" | tee -a "$out/device.txt"
+    rm -rf "$out/bench_train_moe_ep"/train_moe_h*
+else
+    echo "MoE expert-parallel benchmark skipped: expert_parallel=2 needs one GPU per rank, at least 2; this machine has $gpus" \
+        | tee -a "$out/device.txt"
+fi
 exit $status

@@ -2,6 +2,7 @@
 
     python -m benchmarks.moe_checkpoint --repeats 3
     python -m benchmarks.moe_checkpoint --smoke        # tiny shape, 1 repeat, no BENCHMARKS.md
+    python -m benchmarks.moe_checkpoint --groups load_ep,save_ep --repeats 3   # expert parallel, 4 ranks
 
 The checkpoint is a Qwen3-MoE HF directory (``config.json`` + ``model.safetensors``, seeded random
 bf16) in transformers' default ``save_pretrained`` layout, every expert's ``gate_proj``/``up_proj``/
@@ -24,7 +25,13 @@ rotated by one each repeat):
   (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``, rank 0 puts it in a meta
   transformers model, ``save_pretrained``).
 
-The section goes between the ``moe-checkpoint`` markers of BENCHMARKS.md.
+* ``load_ep`` / ``save_ep`` (on ``--ep-world`` ranks, 4 by default): shardtune's direct load and save of
+  the per-expert files with the experts split over an expert-parallel mesh (``shardtune_ep2``) and
+  without (``shardtune_ep1``); the bytes every rank read and wrote, counted by shardtune and by the
+  kernel (:mod:`benchmarks._moe_checkpoint_ep`).
+
+The section goes between the ``moe-checkpoint`` markers of BENCHMARKS.md, the expert-parallel one
+between the ``moe-checkpoint-ep`` markers (each written only when its groups ran).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import _moe_checkpoint_ep
 from benchmarks._fixtures import write_random_safetensors
 from benchmarks._report import CONTRACT_MIN_BYTES, fmt_bytes, fmt_ranks, per_rank_median
 from benchmarks.driver import (
@@ -63,6 +71,7 @@ GROUPS = {
     "load_fused": ("shardtune_direct", "transformers_fsdp2", "dcp_hf_stack"),
     "save": ("shardtune", "shardtune_rank0", "dsd_save_pretrained"),
 }
+ALL_GROUPS = GROUPS | _moe_checkpoint_ep.GROUPS
 LOAD_PEERS = ("transformers_fsdp2", "dcp_hf_stack")
 LOAD_TARGET, SAVE_TARGET, MEMORY_SLACK = 0.5, 0.3, 1.1
 BF16 = 2
@@ -110,6 +119,9 @@ class MoeCheckpointShape(MoeShape):
     def expert_tensors(self) -> int:
         return 3 * self.experts * self.layers
 
+    def expert_bytes(self) -> int:
+        return self.expert_tensors() * self.hidden * self.expert_ffn * BF16
+
     def total_bytes(self) -> int:
         return sum(math.prod(s) for s in self.file_shapes(fused=True).values()) * BF16
 
@@ -128,6 +140,7 @@ SMOKE = MoeCheckpointShape(
 @dataclass(frozen=True, kw_only=True)
 class MoeCheckpointOptions(Options):
     shape: MoeCheckpointShape
+    ep_world: int = 4  # ranks of the expert-parallel groups
 
 
 def hf_dir(bench_dir: Path, shape: MoeCheckpointShape, *, fused: bool) -> Path:
@@ -149,7 +162,8 @@ def run_all(cfg: MoeCheckpointOptions, dirs: dict[str, Path], *, root: Path) -> 
     for repeat in range(cfg.repeats):
         for group in rotated(list(cfg.groups), repeat):
             source = dirs["fused" if group == "load_fused" else "per_expert"]
-            for method in rotated(list(GROUPS[group]), repeat):
+            world = cfg.ep_world if group in _moe_checkpoint_ep.GROUPS else cfg.world
+            for method in rotated(list(ALL_GROUPS[group]), repeat):
                 out = cfg.bench_dir / "moe_ckpt_out"
                 shutil.rmtree(out, ignore_errors=True)
                 os.sync()  # no earlier run's dirty pages are written back during this one
@@ -157,7 +171,7 @@ def run_all(cfg: MoeCheckpointOptions, dirs: dict[str, Path], *, root: Path) -> 
                 run_ = Run(group, method, repeat)
                 run_.ranks, run_.error = try_spawn(
                     "benchmarks._moe_checkpoint_steps:run",
-                    world=cfg.world,
+                    world=world,
                     kwargs={"group": group, "method": method, "hf_dir": str(source), "out_dir": str(out)},
                     timeout_s=cfg.timeout_s,
                     root=root,
@@ -305,6 +319,7 @@ def report(
     tables = {
         g: [summarize(g, m, [r for r in runs if (r.group, r.method) == (g, m)], shape) for m in GROUPS[g]]
         for g in cfg.groups
+        if g in GROUPS
     }
     met = targets(tables, shape)
     notes = [
@@ -373,16 +388,28 @@ def report(
 # --------------------------------------------------------------------------- main
 
 
+def _add_options(p) -> None:
+    p.add_argument("--ep-world", type=int, default=4, help="ranks of the load_ep/save_ep groups (expert parallel 2)")
+
+
 def parse(argv: list[str] | None) -> MoeCheckpointOptions:
     a, common = parse_run_options(
         argv,
         module="benchmarks.moe_checkpoint",
         description=__doc__.split("\n")[0],
-        groups=GROUPS,
+        groups=ALL_GROUPS,
         cold_help="posix_fadvise(DONTNEED) the checkpoint before each run",
         smoke_help="tiny shape, 1 repeat, no BENCHMARKS.md",
+        add_options=_add_options,
     )
-    return MoeCheckpointOptions(**common, shape=SMOKE if a.smoke else BENCH)
+    shape = SMOKE if a.smoke else BENCH
+    ep_groups = set(common["groups"]) & set(_moe_checkpoint_ep.GROUPS)
+    if ep_groups and (a.ep_world % 2 or shape.experts % a.ep_world):
+        raise SystemExit(
+            f"--ep-world {a.ep_world}: the {','.join(sorted(ep_groups))} groups split {shape.experts} experts over "
+            "expert_parallel=2 and the ranks; give an even --ep-world dividing the experts (e.g. 4)"
+        )
+    return MoeCheckpointOptions(**common, shape=shape, ep_world=a.ep_world)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -398,8 +425,13 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     runs = run_all(cfg, dirs, root=root)
     (cfg.bench_dir / "moe_checkpoint_runs.json").write_text(json.dumps([asdict(r) for r in runs], indent=1))
-    section, _ = report(cfg, runs, load_avg=(load_before, os.getloadavg()[0]), core=core)
-    finish(section, markdown=cfg.markdown, markers=MARKERS)
+    load_avg = (load_before, os.getloadavg()[0])
+    if set(cfg.groups) & set(GROUPS):
+        section, _ = report(cfg, runs, load_avg=load_avg, core=core)
+        finish(section, markdown=cfg.markdown, markers=MARKERS)
+    if set(cfg.groups) & set(_moe_checkpoint_ep.GROUPS):
+        section, _ = _moe_checkpoint_ep.report(cfg, runs, load_avg=load_avg, core=core)
+        finish(section, markdown=cfg.markdown, markers=_moe_checkpoint_ep.MARKERS)
     return 1 if failed(runs) else 0
 
 

@@ -49,6 +49,7 @@ import math
 import os
 import shutil
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks import _torchtune_peer
+from benchmarks._comm_bytes import counting
 from benchmarks._measure import bench_device, measure_step
 from benchmarks._step_profile import best_mm_flops_per_s, floor_seconds, phased_step, profiled
 from benchmarks._train_report import (
@@ -213,11 +215,13 @@ def _shardtune(
     *,
     dtype: torch.dtype = torch.float32,
     activation_checkpointing: bool | str = True,
+    expert_parallel: int = 1,
 ):
     """The shardtune model and its loss: ``loss(tokens) -> mean next-token loss`` (mixtures of experts:
-    plus ``router_aux_loss_coef`` times the load-balancing loss, as the recipes train them)."""
+    plus ``router_aux_loss_coef`` times the load-balancing loss, as the recipes train them; their
+    experts split over ``expert_parallel`` ranks, as the recipes' ``expert_parallel`` does)."""
     from shardtune.checkpoint.hf_load import load_hf_checkpoint
-    from shardtune.distributed import shard_model
+    from shardtune.distributed import make_mesh, shard_model
     from shardtune.models import llama_from_hf_config
     from shardtune.peft import apply_lora, init_lora_parameters
     from shardtune.training.step_loss import next_token_loss
@@ -228,7 +232,8 @@ def _shardtune(
             apply_lora(
                 model, rank=LORA_RANK, alpha=LORA_ALPHA, target_modules=list(TARGETS), quantize_base=group == "qlora"
             )
-    shard_model(model, activation_checkpointing=activation_checkpointing)
+    mesh = make_mesh(expert_parallel=expert_parallel, device=device.type)
+    shard_model(model, mesh=mesh, activation_checkpointing=activation_checkpointing)
     load_hf_checkpoint(model, hf, device=device)
     if group != "full":
         init_lora_parameters(model, device=device)
@@ -332,18 +337,21 @@ def measure_run(
     steps: int,
     floor_dtype: torch.dtype | None = None,
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    count_all_to_all: bool = False,
 ) -> dict[str, Any]:
     """A built model's run on this rank: one warm-up step, ``steps`` measured steps (``optimizer`` over
     the trainable params, torch's default AdamW unless given; seeded random tokens per rank), then with ``floor_dtype`` one step under the
     profiler (its categories, kept as ``profile``) for the step's matmul floor at the best ``torch.mm``
-    rate in that dtype; returns its record."""
+    rate in that dtype; returns its record. ``count_all_to_all``: the warm-up step's all-to-all bytes
+    (:mod:`benchmarks._comm_bytes`; untimed, the counting costs a Python call per op) go in ``all_to_all``."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer(trainable) if optimizer is not None else torch.optim.AdamW(trainable, lr=LR)
     rank = dist.get_rank()
     tokens = torch.randint(vocab, (rows, seq), generator=torch.Generator().manual_seed(1000 + rank))
     step = phased_step(loss_fn, opt, tokens.to(device=device))
     dist.barrier()
-    first_loss = float(step())  # warm-up: optimizer state exists before the measured steps
+    with counting() if count_all_to_all else nullcontext() as counted:
+        first_loss = float(step())  # warm-up: optimizer state exists before the measured steps
     losses, measurements = [], []
     for i in range(steps):
         loss, m = measure_step(step, barrier=dist.barrier, trace=i == 0)
@@ -370,6 +378,7 @@ def measure_run(
         "tokens": rows * seq,
         "trainable_params": sum(_numel(p) for p in trainable),
         "verify": "ok" if finite else f"loss not finite: {[first_loss, *losses]}",
+        "all_to_all": counted.to_json() if counted is not None else None,
     }
 
 

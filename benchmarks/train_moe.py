@@ -3,6 +3,7 @@
     python -m benchmarks.train_moe --repeats 1 --steps 2
     python -m benchmarks.train_moe --device cuda --world 1 --dtype bf16
     python -m benchmarks.train_moe --smoke        # tiny shape, short rows, no BENCHMARKS.md
+    python -m benchmarks.train_moe --expert-parallel 1,2 --repeats 3   # 4 ranks: shardtune at EP 1 and 2
 
 Both stacks start from the same HF model directory: a seeded ``Qwen3MoeForCausalLM`` saved with
 fused experts (``save_original_format=False``), full fine-tuning, activation checkpointing per
@@ -19,6 +20,11 @@ layer, AdamW (shardtune: the recipes' ``optimizer.name=adamw``), in ``--dtype``:
 The runs, the measurement and the columns are ``benchmarks.train``'s (fresh rank processes per
 run, one warm-up step whose losses must agree, timed steps); the section goes between the
 ``train-moe`` markers of BENCHMARKS.md (``train-moe-cuda`` on a GPU).
+
+``--expert-parallel 1,2`` runs shardtune's step at each expert-parallel degree instead, on the same
+ranks (``--world`` 4 unless given), with transformers as the loss reference; each run's warm-up step
+also counts the all-to-all bytes; the table (:mod:`benchmarks._train_moe_ep`) goes between the
+``train-moe-ep`` markers (``train-moe-ep-cuda`` on a GPU).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import train
+from benchmarks import _train_moe_ep, train
 from benchmarks._measure import bench_device
 from benchmarks._report import fmt_bytes
 from benchmarks._train_report import LOSS_RTOL
@@ -108,6 +114,7 @@ class MoeOptions(Options):
     device: str
     dtype: str
     shape: MoeShape
+    expert_parallel: tuple[int, ...] = ()  # degrees to compare (with 1); empty: the stacks' table
 
 
 def hf_dir(bench_dir: Path, shape: MoeShape, dtype: str) -> Path:
@@ -138,17 +145,37 @@ def _transformers(hf: str, device: torch.device, dtype: torch.dtype):
     return model, loss
 
 
-def run(*, method: str, hf: str, dtype: str, rows: int, seq: int, vocab: int, steps: int) -> dict[str, Any]:
-    """One run on this rank: build, warm-up step, ``steps`` measured steps; returns its record."""
+def run(
+    *,
+    method: str,
+    hf: str,
+    dtype: str,
+    rows: int,
+    seq: int,
+    vocab: int,
+    steps: int,
+    expert_parallel: int = 1,
+    count_all_to_all: bool = False,
+) -> dict[str, Any]:
+    """One run on this rank: build (shardtune's experts over ``expert_parallel`` ranks), warm-up step
+    (its all-to-all bytes counted with ``count_all_to_all``), ``steps`` measured steps; returns its record."""
     device = bench_device()
     torch.manual_seed(0)
     if method == "shardtune":
-        model, loss_fn = train._shardtune("full", hf, device, dtype=DTYPES[dtype])
+        model, loss_fn = train._shardtune("full", hf, device, dtype=DTYPES[dtype], expert_parallel=expert_parallel)
     else:
         model, loss_fn = _transformers(hf, device, DTYPES[dtype])
     optimizer = train.shardtune_optimizer if method == "shardtune" else None
     return train.measure_run(
-        model, loss_fn, device=device, rows=rows, seq=seq, vocab=vocab, steps=steps, optimizer=optimizer
+        model,
+        loss_fn,
+        device=device,
+        rows=rows,
+        seq=seq,
+        vocab=vocab,
+        steps=steps,
+        optimizer=optimizer,
+        count_all_to_all=count_all_to_all,
     )
 
 
@@ -230,6 +257,13 @@ def report(cfg: MoeOptions, summaries: dict[tuple[int, str], dict[str, Any] | No
 def _add_options(p: argparse.ArgumentParser) -> None:
     train.add_step_options(p, seq_lens="1024", steps=2)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="params, compute and optimizer state")
+    p.add_argument(
+        "--expert-parallel",
+        default="",
+        help="comma list of expert-parallel degrees with 1 (e.g. 1,2): shardtune at each, on the same ranks "
+        "(--world 4 unless given), the train-moe-ep table; default: the stacks' table",
+    )
+    p.set_defaults(world=None)  # 2, or 4 with --expert-parallel: chosen in parse
 
 
 def parse(argv: list[str] | None) -> MoeOptions:
@@ -242,40 +276,70 @@ def parse(argv: list[str] | None) -> MoeOptions:
         smoke_help="tiny shape, 32-token rows, 1 repeat, 1 timed step, no BENCHMARKS.md",
         add_options=_add_options,
     )
+    shape = SMOKE if a.smoke else BENCH
+    world = common["world"] or (4 if a.expert_parallel else 2)
+    degrees: tuple[int, ...] = ()
+    if a.expert_parallel:
+        try:
+            degrees = _train_moe_ep.parse_degrees(a.expert_parallel, world=world, experts=shape.experts)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     return MoeOptions(
-        **common,
+        **(common | {"world": world}),
         seq_lens=(32,) if a.smoke else tuple(int(s) for s in a.seq_lens.split(",") if s),
         tokens_per_rank=64 if a.smoke else a.tokens_per_rank,
         steps=1 if a.smoke else a.steps,
         device=a.device,
         dtype=a.dtype,
-        shape=SMOKE if a.smoke else BENCH,
+        shape=shape,
+        expert_parallel=degrees,
     )
 
 
+def _kwargs(cfg: MoeOptions, method: str, *, hf: Path, seq: int) -> dict[str, Any]:
+    """``run``'s arguments for ``method`` (``shardtune_ep<d>``: shardtune at degree d, all-to-all counted)."""
+    kwargs = {"method": method, "hf": str(hf), "dtype": cfg.dtype, "seq": seq, "steps": cfg.steps}
+    kwargs |= {"rows": train.rows_for(seq, cfg.tokens_per_rank), "vocab": cfg.shape.vocab}
+    if cfg.expert_parallel:
+        stack = _train_moe_ep.PEER if method == _train_moe_ep.PEER else "shardtune"
+        kwargs |= {"method": stack, "expert_parallel": _train_moe_ep.degree_of(method), "count_all_to_all": True}
+    return kwargs
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; exit status 1 if a run failed or the stacks' first-step losses disagree."""
+    """Run the benchmark; exit status 1 if a run failed or the first-step losses disagree."""
     cfg = parse(argv)
     cfg.bench_dir.mkdir(parents=True, exist_ok=True)
     hf = hf_dir(cfg.bench_dir, cfg.shape, cfg.dtype)
     root = snapshot_sources(cfg.bench_dir / "train_moe_sources")
+    methods = _train_moe_ep.methods(cfg.expert_parallel) if cfg.expert_parallel else train.METHODS
     load_before = os.getloadavg()[0]
     runs: list[Run] = []
     for repeat in range(cfg.repeats):
         for seq in cfg.seq_lens:
-            for method in rotated(list(train.METHODS), repeat):
-                kwargs = {"method": method, "hf": str(hf), "dtype": cfg.dtype, "seq": seq, "steps": cfg.steps}
-                kwargs |= {"rows": train.rows_for(seq, cfg.tokens_per_rank), "vocab": cfg.shape.vocab}
+            for method in rotated(list(methods), repeat):
                 run_ = Run(f"moe@{seq}", method, repeat)
+                kwargs = _kwargs(cfg, method, hf=hf, seq=seq)
                 runs.append(train.spawn_run("benchmarks.train_moe:run", run_, cfg=cfg, kwargs=kwargs, root=root))
-    (cfg.bench_dir / "train_moe_runs.json").write_text(json.dumps(runs, default=asdict, indent=1))
-    summaries = {
-        (seq, method): train.summarize([r for r in runs if (r.group, r.method) == (f"moe@{seq}", method)])
-        for seq in cfg.seq_lens
-        for method in train.METHODS
-    }
-    section, agree = report(cfg, summaries, load_avg=(load_before, os.getloadavg()[0]))
-    finish(section, markdown=cfg.markdown, markers=MARKERS[cfg.device])
+    name = "train_moe_ep_runs.json" if cfg.expert_parallel else "train_moe_runs.json"
+    (cfg.bench_dir / name).write_text(json.dumps(runs, default=asdict, indent=1))
+    summaries = {}
+    for seq in cfg.seq_lens:
+        for method in methods:
+            mine = [r for r in runs if (r.group, r.method) == (f"moe@{seq}", method)]
+            summary = train.summarize(mine)
+            if summary is not None and cfg.expert_parallel:
+                summary["all_to_all"] = _train_moe_ep.all_to_all_per_rank(mine)
+            summaries[(seq, method)] = summary
+    load_avg = (load_before, os.getloadavg()[0])
+    if cfg.expert_parallel:
+        size = DTYPES[cfg.dtype].itemsize
+        section, agree = _train_moe_ep.report(cfg, summaries, load_avg=load_avg, dtype_bytes=size)
+        markers = _train_moe_ep.MARKERS[cfg.device]
+    else:
+        section, agree = report(cfg, summaries, load_avg=load_avg)
+        markers = MARKERS[cfg.device]
+    finish(section, markdown=cfg.markdown, markers=markers)
     bad_verify = any(rk["verify"] != "ok" for r in runs for rk in r.ranks)
     return 0 if agree and not bad_verify and not any(r.error for r in runs) else 1
 
