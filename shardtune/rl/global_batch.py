@@ -18,6 +18,12 @@ update. Each rank backpropagates ``loss_sum / normalizer`` per micro-batch, with
 all-reduce per step); FSDP2 averages gradients over ranks, which makes the sum over ranks and
 micro-batches the gradient of ``sum of loss_sum / sum of units``.
 
+A mixture-of-experts policy adds its routers' load-balancing loss per micro-batch as TRL does:
+``routing.add_to(loss_sum / normalizer, router_aux_loss_coef / G)`` (:class:`~shardtune.models.
+moe_aux.Routing` of the forward, masking the rows' padding; ``G`` the rank's micro-batches of the
+step, TRL's ``gradient_accumulation_steps``), so the step adds the coefficient times the mean
+over the W·G micro-batches of their aux losses.
+
 This is TRL's ``GRPOTrainer`` update when, as TRL does, every micro-batch holds the same number of
 completions (``per_device_train_batch_size``) and a step consumes one generation batch
 (``steps_per_generation == gradient_accumulation_steps``, its default): per process TRL divides

@@ -23,6 +23,7 @@ from datasets import Dataset
 
 from shardtune.data.tokenizer import build_byte_tokenizer
 from shardtune.models import from_hf_config
+from shardtune.models.moe_aux import Routing
 from shardtune.rl import (
     PolicyLossConfig,
     RewardFunctions,
@@ -82,7 +83,28 @@ def _rollout_ids():
     return prompts, [tok.encode(p, add_bos=False) for p in prompts], [tok.encode(c, add_bos=False) for c in completions]
 
 
-def _trainer(model_dir, tmp_path, *, beta: float, num_iterations: int):
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    """A tiny Qwen3-MoE (2I != H, one dense layer) asking for its router logits, so TRL adds the aux loss."""
+    path = tmp_path_factory.mktemp("tiny_qwen3_moe")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        max_position_embeddings=64, tie_word_embeddings=False, mlp_only_layers=[1], output_router_logits=True,
+        router_aux_loss_coef=0.05,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if "gate.weight" in name else 0.2) + ("norm" in name))
+    model.save_pretrained(path)
+    build_byte_tokenizer().save_pretrained(path)
+    return path
+
+
+def _trainer(model_dir, tmp_path, *, beta: float, num_iterations: int, **model_init):
     prompts, prompt_ids, completion_ids = _rollout_ids()
 
     def rollout(batch_prompts, trainer):
@@ -99,7 +121,7 @@ def _trainer(model_dir, tmp_path, *, beta: float, num_iterations: int):
         output_dir=str(tmp_path), per_device_train_batch_size=len(prompts), num_generations=GENERATIONS,
         gradient_accumulation_steps=1, num_iterations=num_iterations, beta=beta,
         max_completion_length=MAX_COMPLETION, temperature=TEMPERATURE, use_cpu=True, report_to="none",
-        reward_weights=WEIGHTS, bf16=False, epsilon=0.2, epsilon_high=0.28, model_init_kwargs={"dtype": DTYPE},
+        reward_weights=WEIGHTS, bf16=False, epsilon=0.2, epsilon_high=0.28, model_init_kwargs={"dtype": DTYPE, **model_init},
     )  # fmt: skip
     dataset = Dataset.from_list(
         [{"prompt": f"Sum the digits: {n}\n", "answer": str(sum(map(int, n)))} for n in NUMBERS]
@@ -241,3 +263,41 @@ def test_advantages_and_reward_logs_equal_trl(model_dir, tmp_path):
         logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
         for name, value in rewards.metrics(per_func, adv.std_is_zero).items():
             assert value == logged[name], (scale, name)
+
+
+def test_moe_router_aux_loss_equals_trl(moe_dir, tmp_path):
+    """A mixture-of-experts policy adds ``router_aux_loss_coef`` times the load-balancing loss of the
+    rows' real tokens (prompt and completion), through :meth:`Routing.add_to`, as TRL does."""
+    trainer, inputs, (_, prompt_ids, completion_ids) = _trainer(
+        moe_dir, tmp_path, beta=0.0, num_iterations=2, experts_implementation="eager"
+    )
+    assert trainer.aux_loss_enabled
+    policy = _ours(trainer.model)
+    completions_ids, mask = _padded(completion_ids, build_byte_tokenizer().pad_id)
+    prompt = torch.tensor(prompt_ids)
+    tokens = torch.cat([prompt, completions_ids], dim=1)
+    attention = torch.cat([torch.ones_like(prompt), mask], dim=1)
+    head = completion_logps_head_loss(completions_ids, mask, prompt_length=prompt.shape[1], temperature=TEMPERATURE)
+    batch = trainer._generate_and_score_completions(inputs)
+    with torch.no_grad():
+        old = policy(tokens, head_loss=head)[0]
+    _perturb(trainer.model, policy)
+    trainer.model.train()
+    trainer.loss_type = "dapo"
+    want = trainer._compute_loss(trainer.model, batch)
+    want.backward()
+    routing = Routing(mask=attention)
+    current, _ = policy(tokens, head_loss=head, routing=routing)
+    out = policy_loss(current, mask, batch["advantages"], config=PolicyLossConfig(epsilon_high=0.28), old_logps=old)
+    coef = trainer.model.config.router_aux_loss_coef
+    loss = routing.add_to(out.loss_sum / step_normalizer(loss_units(mask, loss_type="dapo")), coef)
+    loss.backward()
+    assert routing.aux_loss().item() == pytest.approx(trainer._metrics["train"]["aux_loss"][-1], rel=TOL)
+    assert abs(loss.item() - want.item()) <= TOL * abs(want.item())
+    mine, theirs = _flat_grads(policy, trainer.model)
+    assert ((mine - theirs).norm() / theirs.norm()).item() < TOL
+    router = "model.layers.0.mlp.gate.weight"
+    assert (
+        _rel(dict(policy.named_parameters())[router].grad, dict(trainer.model.named_parameters())[router].grad)
+        < PER_TENSOR_TOL
+    )
