@@ -54,6 +54,10 @@ __all__ = [
 ]
 
 LOSS_TYPES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "bnpo")
+# TRL's names of what it logs from the loss: token (or sequence) means, and per-sequence extremes
+MEAN_METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+MIN_METRICS, MAX_METRICS = ("clip_ratio/low_min",), ("clip_ratio/high_max",)
+_ALL_METRICS = MEAN_METRICS + MIN_METRICS + MAX_METRICS
 IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
 
 
@@ -205,34 +209,57 @@ def _metrics(
 
 
 def reduce_metrics(parts: Sequence[PolicyMetrics], *, device: torch.device) -> dict[str, float]:
-    """Collective: call on all ranks, with the same metric names (the same loss settings) on each.
+    """Collective: call on all ranks, once per step, with the metrics of this rank's micro-batches.
 
-    Combines the micro-batches' metrics of every rank: each mean is the total sum over the total
-    count (NaN without any), each ``*_min``/``*_max`` the extreme over every sequence that has
-    tokens (NaN without any). Two all-reduces on the transfer device; every rank returns the same
-    ``{name: value}``."""
-    if not parts:
-        raise ValueError("reduce_metrics needs at least one micro-batch's metrics")
-    names = sorted(parts[0].means)
-    low_names, high_names = sorted(parts[0].mins), sorted(parts[0].maxs)
+    Every rank returns the same ``{name: value}``: each mean is the total sum over the total count
+    (a mean no rank measured, e.g. ``kl`` with ``beta: 0``, is left out), ``clip_ratio/low_min`` and
+    ``clip_ratio/high_max`` the extremes over every sequence that has tokens (NaN without any).
+    Two all-reduces of fixed size on the transfer device, whatever each rank measured; a rank
+    without micro-batches, or with a metric this function does not know, is recorded and every
+    rank raises the same :class:`ValueError` after them."""
+    problems = comm.Problems()
     target = comm.comm_device(device)
-    sums = torch.stack(
-        [torch.stack([p.means[n][i].float().to(target) for p in parts]).sum() for n in names for i in (0, 1)]
-    ) if names else torch.zeros(0, device=target)  # fmt: skip
-    # minima go through a MAX reduction negated, so one all-reduce serves both; NaN (no tokens) never wins
-    extremes = [
-        -torch.cat([p.mins[n].float().to(target) for p in parts]).nan_to_num(nan=math.inf).min() for n in low_names
-    ] + [torch.cat([p.maxs[n].float().to(target) for p in parts]).nan_to_num(nan=-math.inf).max() for n in high_names]
-    peaks = torch.stack(extremes) if extremes else torch.zeros(0, device=target)
+    sums = torch.zeros(2 * len(MEAN_METRICS) + 1, dtype=torch.float64, device=target)  # last: problem count
+    peaks = torch.full((len(MIN_METRICS) + len(MAX_METRICS),), -math.inf, dtype=torch.float64, device=target)
+    with problems.guard("GRPO metrics"):
+        if not parts:
+            raise ValueError("no micro-batch's metrics on this rank; every rank needs a share of the step")
+        for part in parts:
+            unknown = set(part.means) - set(MEAN_METRICS) | set(part.mins) - set(MIN_METRICS)
+            unknown |= set(part.maxs) - set(MAX_METRICS)
+            if unknown:
+                raise ValueError(f"unknown metrics {sorted(unknown)}; policy_loss makes {list(_ALL_METRICS)}")
+            for i, name in enumerate(MEAN_METRICS):
+                if name in part.means:
+                    total, count = part.means[name]
+                    sums[2 * i] += total.double().to(target)
+                    sums[2 * i + 1] += count.double().to(target)
+            # a minimum goes through the MAX reduction negated; NaN (a sequence without tokens) never wins
+            for i, name in enumerate(MIN_METRICS):
+                if name in part.mins:
+                    peaks[i] = torch.maximum(
+                        peaks[i], -part.mins[name].double().to(target).nan_to_num(nan=math.inf).min()
+                    )
+            for i, name in enumerate(MAX_METRICS):
+                if name in part.maxs:
+                    j = len(MIN_METRICS) + i
+                    peaks[j] = torch.maximum(
+                        peaks[j], part.maxs[name].double().to(target).nan_to_num(nan=-math.inf).max()
+                    )
+    if problems:
+        sums.zero_()
+        peaks.fill_(-math.inf)
+    sums[-1] = float(len(problems))
     if dist.is_initialized():
         dist.all_reduce(sums)
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-    totals = sums.tolist()
-    out = {n: totals[2 * i] / totals[2 * i + 1] if totals[2 * i + 1] > 0 else math.nan for i, n in enumerate(names)}
-    values = peaks.tolist()
-    for i, n in enumerate(low_names):
+    totals, values = sums.tolist(), peaks.tolist()
+    if totals[-1]:
+        comm.raise_on_every_rank(problems, header="GRPO metrics", error=ValueError)
+    out = {n: totals[2 * i] / totals[2 * i + 1] for i, n in enumerate(MEAN_METRICS) if totals[2 * i + 1] > 0}
+    for i, n in enumerate(MIN_METRICS):
         out[n] = -values[i] if math.isfinite(values[i]) else math.nan
-    for i, n in enumerate(high_names):
-        value = values[len(low_names) + i]
+    for i, n in enumerate(MAX_METRICS):
+        value = values[len(MIN_METRICS) + i]
         out[n] = value if math.isfinite(value) else math.nan
     return out

@@ -171,6 +171,19 @@ def test_a_bad_count_on_one_rank_raises_the_same_error_on_every_rank(pool2):
     assert "[rank 1] loss units: ValueError: -1 is not a count >= 0" in outcomes[0].error, outcomes[0].error
 
 
+def _no_micro_batches_on_rank_0() -> dict[str, float]:
+    mask = torch.ones(1, 3)
+    out = policy_loss(torch.zeros(1, 3), mask, torch.ones(1), config=PolicyLossConfig())
+    return reduce_metrics([] if dist.get_rank() == 0 else [out.metrics], device=torch.device("cpu"))
+
+
+def test_a_rank_without_metrics_raises_the_same_error_on_every_rank(pool2):
+    outcomes = pool2.run(_no_micro_batches_on_rank_0, timeout=60)
+    assert not any(o.ok for o in outcomes)
+    assert outcomes[0].error == outcomes[1].error
+    assert "[rank 0] GRPO metrics: ValueError: no micro-batch's metrics on this rank" in outcomes[0].error
+
+
 def test_the_normalizer_of_one_process_is_its_count():
     assert step_normalizer(12).item() == 12.0
     assert step_normalizer(0).item() == 1.0
