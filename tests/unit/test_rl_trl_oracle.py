@@ -104,7 +104,7 @@ def moe_dir(tmp_path_factory):
     return path
 
 
-def _trainer(model_dir, tmp_path, *, beta: float, num_iterations: int, **model_init):
+def _trainer(model_dir, tmp_path, *, beta: float, num_iterations: int, accumulation: int = 1, **model_init):
     prompts, prompt_ids, completion_ids = _rollout_ids()
 
     def rollout(batch_prompts, trainer):
@@ -118,8 +118,8 @@ def _trainer(model_dir, tmp_path, *, beta: float, num_iterations: int, **model_i
     from shardtune.rl import toy_rewards
 
     args = trl.GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=len(prompts), num_generations=GENERATIONS,
-        gradient_accumulation_steps=1, num_iterations=num_iterations, beta=beta,
+        output_dir=str(tmp_path), per_device_train_batch_size=len(prompts) // accumulation,
+        num_generations=GENERATIONS, gradient_accumulation_steps=accumulation, num_iterations=num_iterations, beta=beta,
         max_completion_length=MAX_COMPLETION, temperature=TEMPERATURE, use_cpu=True, report_to="none",
         reward_weights=WEIGHTS, bf16=False, epsilon=0.2, epsilon_high=0.28, model_init_kwargs={"dtype": DTYPE, **model_init},
     )  # fmt: skip
@@ -131,7 +131,7 @@ def _trainer(model_dir, tmp_path, *, beta: float, num_iterations: int, **model_i
         train_dataset=dataset, processing_class=transformers.AutoTokenizer.from_pretrained(model_dir),
         rollout_func=rollout,
     )  # fmt: skip
-    trainer.current_gradient_accumulation_steps = 1
+    trainer.current_gradient_accumulation_steps = accumulation
     inputs = [dict(row) for row in dataset for _ in range(GENERATIONS)]
     return trainer, inputs, (prompts, prompt_ids, completion_ids)
 
@@ -301,3 +301,54 @@ def test_moe_router_aux_loss_equals_trl(moe_dir, tmp_path):
         _rel(dict(policy.named_parameters())[router].grad, dict(trainer.model.named_parameters())[router].grad)
         < PER_TENSOR_TOL
     )
+
+
+def test_a_step_of_two_micro_batches_equals_trl_accumulating_them(model_dir, tmp_path):
+    """TRL with ``gradient_accumulation_steps=2`` (one generation batch per step, its default) sums the
+    gradients of two micro-batches, each normalized its own way; shardtune divides each micro-batch's
+    loss sum by the step's normalizer (:mod:`shardtune.rl.global_batch`). Same loss, same gradients."""
+    trainer, inputs, (_, prompt_ids, completion_ids) = _trainer(
+        model_dir, tmp_path, beta=0.0, num_iterations=2, accumulation=2
+    )
+    policy = _ours(trainer.model)
+    completions_ids, mask = _padded(completion_ids, build_byte_tokenizer().pad_id)
+    tokens = torch.cat([torch.tensor(prompt_ids), completions_ids], dim=1)
+    prompt_length = len(prompt_ids[0])
+    rows = [slice(0, 4), slice(4, 8)]
+    mask[rows[1], -3:] = 0  # the second micro-batch's completions are shorter: the micro-batches differ in tokens
+
+    def logps(model, r):
+        head = completion_logps_head_loss(
+            completions_ids[r], mask[r], prompt_length=prompt_length, temperature=TEMPERATURE
+        )
+        return model(tokens[r], head_loss=head)
+
+    batch = trainer._generate_and_score_completions(inputs)
+    batch["completion_mask"] = mask.clone()
+    batch["num_items_in_batch"] = mask.sum()
+    with torch.no_grad():
+        old = [logps(policy, r)[0] for r in rows]
+    _perturb(trainer.model, policy)
+    trainer.model.train()
+    micro = trl.trainer.utils.split_tensor_dict(batch, 2)
+    for loss_type in ("grpo", "dr_grpo", "dapo", "bnpo"):
+        trainer.loss_type = loss_type
+        trainer.model.zero_grad(set_to_none=True)
+        want = 0.0
+        for part in micro:
+            loss = trainer._compute_loss(trainer.model, part)
+            loss.backward()
+            want += loss.item()
+        config = PolicyLossConfig(loss_type=loss_type, epsilon_high=0.28, max_completion_length=MAX_COMPLETION)
+        policy.zero_grad(set_to_none=True)
+        normalizer = step_normalizer(sum(loss_units(mask[r], loss_type=loss_type) for r in rows))
+        got = 0.0
+        for r, old_logps in zip(rows, old, strict=True):
+            current, _ = logps(policy, r)
+            out = policy_loss(current, mask[r], batch["advantages"][r], config=config, old_logps=old_logps)
+            loss = out.loss_sum / normalizer
+            loss.backward()
+            got += loss.item()
+        assert abs(got - want) <= TOL * abs(want), loss_type
+        mine, theirs = _flat_grads(policy, trainer.model)
+        assert ((mine - theirs).norm() / theirs.norm()).item() < TOL, loss_type
