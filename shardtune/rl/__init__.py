@@ -9,7 +9,7 @@ functions) and :mod:`~shardtune.rl.toy_rewards` (rule rewards of small verifiabl
 """
 
 from shardtune.rl.advantages import SCALE_REWARDS, Advantages, group_advantages, nanstd, total_rewards
-from shardtune.rl.global_batch import loss_units, step_normalizer
+from shardtune.rl.global_batch import gather_rewards, loss_units, step_normalizer
 from shardtune.rl.logps import completion_logps_head_loss, token_logps
 from shardtune.rl.losses import (
     IMPORTANCE_SAMPLING_LEVELS,
@@ -33,6 +33,7 @@ __all__ = [
     "RewardError",
     "RewardFunctions",
     "completion_logps_head_loss",
+    "gather_rewards",
     "group_advantages",
     "load_reward_function",
     "loss_units",

@@ -1,5 +1,6 @@
-"""What one GRPO optimizer step averages over, and the collective that makes its update the same
-on any number of ranks.
+"""What one GRPO optimizer step averages over, and the collectives that make its update the same
+on any number of ranks: the step's normalizer, and the generation batch's rewards on every rank
+(advantages are computed over all of them, :mod:`shardtune.rl.advantages`).
 
 Rule: an optimizer step's loss is ``sum of loss_sum / sum of units`` over its **global batch**,
 the ordered list of micro-batches the step consumes on all ranks together (``loss_sum`` and units
@@ -42,7 +43,7 @@ from torch import Tensor
 
 from shardtune.state_dict import comm
 
-__all__ = ["loss_units", "step_normalizer"]
+__all__ = ["gather_rewards", "loss_units", "step_normalizer"]
 
 
 def loss_units(completion_mask: Tensor, *, loss_type: str) -> int:
@@ -81,3 +82,49 @@ def step_normalizer(local_units: float, *, device: torch.device | str = "cpu") -
     if bad:
         comm.raise_on_every_rank(problems, header="GRPO step normalizer", error=ValueError)
     return torch.tensor(max(total, 1.0) / comm.world_size(), dtype=torch.float32, device=device)
+
+
+def gather_rewards(local: Tensor, *, device: torch.device | str = "cpu") -> Tensor:
+    """Collective: call on all ranks, with this rank's ``[n, functions]`` rewards of the generation batch.
+
+    Every rank returns the same ``[sum of n, functions]`` fp32 CPU tensor, rank 0's rows first (ranks
+    may hold different ``n``; keep each prompt's completions on one rank, or in rank order, so its
+    group stays adjacent). Two all-gathers on the transfer device: the shapes, then the rows
+    padded to the largest ``n``. A rank whose rewards are not 2-D or not finite is recorded, and
+    every rank raises the same :class:`ValueError`; so does a function count that differs between
+    ranks (every rank sees it in the gathered shapes)."""
+    problems = comm.Problems()
+    rows = torch.zeros(0, 0, dtype=torch.float32)
+    with problems.guard("rewards"):
+        if local.ndim != 2:
+            raise ValueError(f"rewards of shape {tuple(local.shape)} are not [completions, functions]")
+        if not torch.isfinite(local).all():
+            raise ValueError("rewards hold a non-finite value; RewardFunctions.score checks each function's")
+        rows = local.detach().to("cpu", torch.float32)
+    target = comm.comm_device(device)
+    world = comm.world_size()
+    shape = torch.tensor([rows.shape[0], rows.shape[1], len(problems)], dtype=torch.int64, device=target)
+    shapes = [torch.empty_like(shape) for _ in range(world)]
+    if dist.is_initialized():
+        dist.all_gather(shapes, shape)
+    else:
+        shapes = [shape]
+    counts = [t.tolist() for t in shapes]
+    if any(bad for _, _, bad in counts):
+        comm.raise_on_every_rank(problems, header="GRPO rewards", error=ValueError)
+    functions = {f for n, f, _ in counts if n}
+    if len(functions) > 1:
+        raise ValueError(
+            f"GRPO rewards: ranks scored with different numbers of reward functions {[f for _, f, _ in counts]}; "
+            "every rank must load the same rewards"
+        )
+    width, longest = (functions.pop() if functions else 0), max(n for n, _, _ in counts)
+    padded = torch.zeros(longest, width, dtype=torch.float32, device=target)
+    if rows.shape[0]:
+        padded[: rows.shape[0]] = rows.to(target)
+    pieces = [torch.empty_like(padded) for _ in range(world)]
+    if dist.is_initialized():
+        dist.all_gather(pieces, padded)
+    else:
+        pieces = [padded]
+    return torch.cat([piece[:n].cpu() for piece, (n, _, _) in zip(pieces, counts, strict=True)])

@@ -22,6 +22,7 @@ from shardtune.models import build_model, get_model_args
 from shardtune.rl import (
     PolicyLossConfig,
     completion_logps_head_loss,
+    gather_rewards,
     loss_units,
     policy_loss,
     reduce_metrics,
@@ -184,7 +185,34 @@ def test_a_rank_without_metrics_raises_the_same_error_on_every_rank(pool2):
     assert "[rank 0] GRPO metrics: ValueError: no micro-batch's metrics on this rank" in outcomes[0].error
 
 
+def _rank_rewards(rank: int) -> torch.Tensor:
+    return torch.arange(2 * (3 + 2 * rank), dtype=torch.float32).reshape(-1, 2) + 100 * rank
+
+
+def _gather_rewards_under_nccl_rules(bad_rank: int | None) -> dict:
+    rank = dist.get_rank()
+    local = _rank_rewards(rank)
+    if rank == bad_rank:
+        local[1, 0] = math.nan
+    with nccl_rules() as rules:
+        rules.host(local)  # scored on the host
+        gathered = gather_rewards(local)
+    return {"rewards": gathered, "counts": dict(rules.counts)}
+
+
+def test_rewards_of_every_rank_gathered_in_rank_order(pool2):
+    outcomes = pool2.run_ok(_gather_rewards_under_nccl_rules, None, timeout=60)
+    want = torch.cat([_rank_rewards(0), _rank_rewards(1)])
+    for o in outcomes:
+        assert torch.equal(o["rewards"], want)
+        assert o["counts"]["all_gather"] == 2
+    failed = pool2.run(_gather_rewards_under_nccl_rules, 1, timeout=60)
+    assert not any(o.ok for o in failed) and failed[0].error == failed[1].error
+    assert "[rank 1] rewards: ValueError: rewards hold a non-finite value" in failed[0].error
+
+
 def test_the_normalizer_of_one_process_is_its_count():
     assert step_normalizer(12).item() == 12.0
     assert step_normalizer(0).item() == 1.0
     assert math.isclose(step_normalizer(2.5).item(), 2.5)
+    assert torch.equal(gather_rewards(_rank_rewards(1)), _rank_rewards(1))
