@@ -231,6 +231,10 @@ class ParamMerge:
         a, b = self.full
         return lambda block, piece: merge_block(block, piece.slices, self.adapter, a, b)
 
+    def release(self) -> None:
+        """Drop the whole A and B (after W's last file tensor), so a stream does not keep every adapter."""
+        self.full = None
+
 
 @dataclass
 class PartMerge:

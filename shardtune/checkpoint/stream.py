@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
 
 import torch
 from torch import nn
 
-from shardtune.checkpoint.hf_save import EXPERT_LAYOUTS, HFSaveOptions, hf_weight_items
+from shardtune.checkpoint.hf_save import EXPERT_LAYOUTS, HFSaveOptions, ParamMerge, PartMerge, hf_weight_items
 from shardtune.checkpoint.peft_format import adapter_items
 from shardtune.checkpoint.writer import BlockFn, WriteItem, local_block
 from shardtune.faults import fault_point
@@ -261,6 +262,7 @@ class WeightStream:
         self._started = False
         self._done = False
         self._stopped: str | None = None
+        self._uses: Counter[int] = Counter()
         self.num_buckets = 0
         self.largest_bucket_bytes = 0
 
@@ -275,10 +277,20 @@ class WeightStream:
             problems=self._problems,
         )
         buckets = _buckets(_tensors(self._items), self._bucket_bytes) if self._items else []
+        self._uses = Counter(id(m) for m in map(_param_merge, self._items) if m is not None)
         self.num_buckets = len(buckets)
         self.largest_bucket_bytes = max((sum(_aligned(t.nbytes) for t in b) for b in buckets), default=0)
         self._gen = self._run(buckets)
         return self
+
+    def _released(self, item: WriteItem) -> None:
+        """After ``item``: an experts' adapter gathered whole for its merge is dropped once the
+        last file tensor of its weight is done (the per-expert parts of one weight may span buckets)."""
+        merge = _param_merge(item)
+        if merge is not None:
+            self._uses[id(merge)] -= 1
+            if not self._uses[id(merge)]:
+                merge.release()
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -309,7 +321,7 @@ class WeightStream:
             targets = list(range(comm.world_size())) if self._to == "all" else [0]
             for k, bucket in enumerate(buckets, start=1):
                 problems = comm.Problems()
-                named = _fill(bucket, targets, problems, label=f"bucket {k}")
+                named = _fill(bucket, targets, problems, label=f"bucket {k}", done=self._released)
                 comm.raise_on_every_rank(
                     [*problems, *([self._stopped] if self._stopped else [])],
                     header=f"Streaming the model's weights failed (bucket {k} of {len(buckets)}):",
@@ -337,13 +349,25 @@ class _Pull:
         return next(self._gen)
 
 
+def _param_merge(item: WriteItem) -> ParamMerge | None:
+    transform = item.transform
+    if isinstance(transform, PartMerge):
+        return transform.merge
+    return transform if isinstance(transform, ParamMerge) else None
+
+
 def _fill(
-    bucket: list[_Tensor], targets: list[int], problems: comm.Problems, *, label: str
+    bucket: list[_Tensor],
+    targets: list[int],
+    problems: comm.Problems,
+    *,
+    label: str,
+    done: Callable[[WriteItem], None],
 ) -> list[tuple[str, torch.Tensor]]:
     """Collective: call on all ranks. One bucket: every rank computes its blocks (transformed,
     cast) into the bucket (a receiver) or a send buffer (a sender only), then one exchange.
     Returns the bucket's tensors on receiving ranks, [] elsewhere; problems are recorded, never
-    raised, so the collectives always complete."""
+    raised, so the collectives always complete. ``done(item)`` runs after each item's block."""
     me, world = comm.rank(), comm.world_size()
     device = comm.comm_device(None)
     with problems.guard(label):
@@ -372,16 +396,18 @@ def _fill(
         transform: BlockFn | None = None
         with problems.guard(item.name):
             transform = item.transform.prepare(item.layout) if item.transform is not None else None  # collective
-        if i not in filled and i not in by_item:
-            continue
-        with problems.guard(item.name):
-            block = local_block(item, transform, device=None)
-            if out is not None:
-                _item_view(out, base, item)[item.layout.piece(me).slices].copy_(block)
-            for move in by_item.get(i, ()):
-                assert send_buffer is not None
-                start = packed[move]
-                send_buffer[start : start + move.nbytes].view(item.dtype).view(move.piece.shape).copy_(block)
+        if i in filled or i in by_item:
+            with problems.guard(item.name):
+                block = local_block(item, transform, device=None)
+                if out is not None:
+                    _item_view(out, base, item)[item.layout.piece(me).slices].copy_(block)
+                for move in by_item.get(i, ()):
+                    assert send_buffer is not None
+                    start = packed[move]
+                    send_buffer[start : start + move.nbytes].view(item.dtype).view(move.piece.shape).copy_(block)
+                del block
+        del transform
+        done(item)
     sends, recvs, staged = [], [], []
     for peer, moves in route.sends.items():
         for run in _runs(moves):

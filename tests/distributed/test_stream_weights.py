@@ -126,7 +126,7 @@ def _dense(base: str, kind: str, to: str):
             with torch.no_grad():
                 ours, theirs = model(TOKENS), hf(TOKENS).logits
             receives = to == "all" or dist.get_rank() == 0
-            largest = max(p.numel() * 4 for p in hf.state_dict().values())
+            largest = max(t.nbytes for t in hf.state_dict().values())
             steps.append(
                 {
                     "logits": _rel(theirs, ours) if receives else None,
@@ -205,12 +205,15 @@ def _moe(out: str):
         model(tokens).square().mean().backward()
         opt.step()
         opt.zero_grad()
-        seen, _ = _update_from_stream(stream_weights(model, to="all", bucket_bytes=BUCKET), hf, rules)
+        stream = stream_weights(model, to="all", bucket_bytes=BUCKET)
+        seen, peak = _update_from_stream(stream, hf, rules)
+        bound = stream.largest_bucket_bytes + max(t.nbytes for t in hf.state_dict().values())
         with torch.no_grad():
             ours, theirs = model(tokens), hf(tokens).logits
         with stream_weights(model, to="rank0", bucket_bytes=BUCKET, expert_layout="per_expert") as stream:
             per_expert = {name: t.clone() for name, t in stream if ".experts." in name}
     result = {"logits": _rel(theirs, ours), "moved": _rel(before, ours), "names": seen == names}
+    result |= {"peak": peak, "bound": bound, "buckets": stream.num_buckets}
     if dist.get_rank() == 0:  # transformers writes experts per expert by default: its reverse conversion
         hf.save_pretrained(out)
         saved = {k: v for k, v in load_file(Path(out) / "model.safetensors").items() if ".experts." in k}
@@ -225,6 +228,7 @@ def test_moe_with_expert_lora_streams_fused_and_per_expert(pool2, tmp_path):
     rank0, rank1 = pool2.run_ok(_moe, str(tmp_path / "hf"), timeout=200)
     for r in (rank0, rank1):
         assert r["names"] and r["logits"] < 1e-5 and r["moved"] > 1e-3, r
+        assert r["buckets"] > 3 and 0 < r["peak"] <= r["bound"], r
     assert rank0["per_expert"] and rank0["experts"] > 8, rank0
 
 
