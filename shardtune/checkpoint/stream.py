@@ -22,14 +22,15 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
 import torch
 from torch import nn
 
-from shardtune.checkpoint.hf_save import EXPERT_LAYOUTS, HFSaveOptions, ParamMerge, PartMerge, hf_weight_items
+from shardtune.checkpoint.hf_save import HFSaveOptions, ParamMerge, PartMerge, hf_weight_items
 from shardtune.checkpoint.peft_format import adapter_items
 from shardtune.checkpoint.writer import BlockFn, WriteItem, local_block
 from shardtune.faults import fault_point
@@ -54,7 +55,7 @@ def stream_weights(
     merge_lora: bool = True,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     expert_layout: str = "fused",
-    config: dict | None = None,
+    config: Mapping[str, Any] | None = None,
 ) -> WeightStream:
     """The model's weights as HF-named full tensors, bucket by bucket: a :class:`WeightStream`.
 
@@ -74,9 +75,6 @@ def stream_weights(
     bad argument (at ``with``), an error on any rank during a bucket, or a rank leaving early.
     """
     problems = _option_problems(to=to, dtype=dtype, bucket_bytes=bucket_bytes)
-    if expert_layout not in EXPERT_LAYOUTS:
-        problems.append(f"expert_layout={expert_layout!r}: choose one of {', '.join(EXPERT_LAYOUTS)}")
-        expert_layout = "fused"
     options = HFSaveOptions(dtype=dtype, merge_adapters=merge_lora, config=config, expert_layout=expert_layout)
     items, item_problems = hf_weight_items(model, options=options)
     return WeightStream(model, items, to=to, bucket_bytes=bucket_bytes, problems=problems + item_problems)

@@ -25,10 +25,11 @@ from shardtune.checkpoint import (
     stream_adapter_weights,
     stream_weights,
 )
-from shardtune.distributed import shard_model
+from shardtune.distributed import make_mesh, shard_model
 from shardtune.faults import set_fault
-from shardtune.models import build_model
+from shardtune.models import build_model, from_hf_config
 from shardtune.peft import apply_lora, init_lora_parameters
+from shardtune.training import load_from_full_model_state_dict
 from tests.memory_probe import new_memory
 from tests.nccl_rules import nccl_rules
 
@@ -188,19 +189,32 @@ def test_adapter_stream_equals_the_peft_save_and_peft_loads_it(pool2, base, tmp_
         assert r["logits"] < 1e-5 and r["buckets"] > 1, r
 
 
-def _moe(out: str):
-    from tests.distributed.test_lora_moe_sharded import _sharded_lora
+def _moe_lora(hf, parameters: list[str]):
+    """The sharded LoRA model of ``hf``: attention adapters and ``parameters`` (experts, router)."""
+    from tests.unit.test_lora_moe import ALPHA, MODULES, RANK
+
+    with torch.device("meta"):
+        model = from_hf_config(hf.config.to_dict())
+        apply_lora(model, rank=RANK, alpha=ALPHA, target_modules=MODULES, target_parameters=parameters)
+    shard_model(model, mesh=make_mesh())
+    load_from_full_model_state_dict(model, hf.state_dict() if dist.get_rank() == 0 else {}, "cpu", strict=False)
+    model.init_buffers("cpu")
+    init_lora_parameters(model, device="cpu")
+    return model
+
+
+def _moe(name: str, changes: dict, parameters: list[str], out: str):
     from tests.unit.test_models_moe import batch, hf_moe_model
 
-    hf = hf_moe_model("qwen3_moe")
+    hf = hf_moe_model(name, **changes)
     tokens = batch()[0]
     with torch.no_grad():
         before = hf(tokens).logits
     with nccl_rules() as rules:
-        model = _sharded_lora(hf.config.to_dict(), hf.state_dict(), rules=rules)
-        init_lora_parameters(model, device="cpu")
+        rules.host(hf)
+        model = _moe_lora(hf, parameters)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        rules.host(model, hf, opt)
+        rules.host(model, opt)
         names = set(hf.state_dict())
         model(tokens).square().mean().backward()
         opt.step()
@@ -214,6 +228,7 @@ def _moe(out: str):
             per_expert = {name: t.clone() for name, t in stream if ".experts." in name}
     result = {"logits": _rel(theirs, ours), "moved": _rel(before, ours), "names": seen == names}
     result |= {"peak": peak, "bound": bound, "buckets": stream.num_buckets}
+    result["placement"] = str(model.model.layers[0].mlp.experts.gate_up_proj.placements[0])
     if dist.get_rank() == 0:  # transformers writes experts per expert by default: its reverse conversion
         hf.save_pretrained(out)
         saved = {k: v for k, v in load_file(Path(out) / "model.safetensors").items() if ".experts." in k}
@@ -224,10 +239,21 @@ def _moe(out: str):
     return result
 
 
-def test_moe_with_expert_lora_streams_fused_and_per_expert(pool2, tmp_path):
-    rank0, rank1 = pool2.run_ok(_moe, str(tmp_path / "hf"), timeout=200)
+MOE_CASES = [
+    # 8 experts on 2 ranks: Shard(0), each rank's experts contiguous; experts, router and attention adapted
+    ("qwen3_moe", {}, ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"], "S(0)"),
+    # 5 experts: Shard(1), blocks not contiguous in the tensor (the merged down_proj is staged, the
+    # unadapted gate_up_proj goes expert by expert)
+    ("mixtral", {"num_local_experts": 5}, ["mlp.experts.down_proj"], "S(1)"),
+]
+
+
+@pytest.mark.parametrize(("name", "changes", "parameters", "placement"), MOE_CASES)
+def test_moe_with_expert_lora_streams_fused_and_per_expert(pool2, tmp_path, name, changes, parameters, placement):
+    rank0, rank1 = pool2.run_ok(_moe, name, changes, parameters, str(tmp_path / "hf"), timeout=200)
     for r in (rank0, rank1):
         assert r["names"] and r["logits"] < 1e-5 and r["moved"] > 1e-3, r
+        assert r["placement"] == placement, r
         assert r["buckets"] > 3 and 0 < r["peak"] <= r["bound"], r
     assert rank0["per_expert"] and rank0["experts"] > 8, rank0
 
