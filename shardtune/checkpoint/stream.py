@@ -195,6 +195,7 @@ def _route(items: list[tuple[WriteItem, int]], targets: list[int], me: int, worl
     bucket): a receiving rank that holds a block fills it itself, the others get it from its
     owner (the lowest rank holding it)."""
     route = _Route()
+    receives = me in targets
     for i, (item, base) in enumerate(items):
         layout = item.layout
         if layout.pieces is None:  # a plain tensor: whole on every rank
@@ -205,16 +206,18 @@ def _route(items: list[tuple[WriteItem, int]], targets: list[int], me: int, worl
                 holders.setdefault(piece, set()).add(r)
             blocks = {piece: (owner, holders[piece]) for piece, owner in layout.owners().items()}
         for piece, (owner, holding) in blocks.items():
+            if receives and me in holding:
+                route.fills.append((i, piece))
+            sends_to = [q for q in targets if q not in holding] if me == owner else []
+            gets_it = receives and me not in holding
+            if not sends_to and not gets_it:
+                continue
             start = _contiguous_start(piece, item.shape, base, item.dtype.itemsize)
             move = _Move(i, piece, start, piece.numel * item.dtype.itemsize)
-            for q in targets:
-                if q in holding:
-                    if q == me:
-                        route.fills.append((i, piece))
-                elif me == owner:
-                    route.sends.setdefault(q, []).append(move)
-                elif me == q:
-                    route.recvs.setdefault(owner, []).append(move)
+            if gets_it:
+                route.recvs.setdefault(owner, []).append(move)
+            for q in sends_to:
+                route.sends.setdefault(q, []).append(move)
     return route
 
 
