@@ -6,6 +6,7 @@ A save goes ``checkpointer.py`` (what a checkpoint holds, picked at construction
 module that describes the files as a ``SavePlan`` (``hf_save.py``, ``optimizer_io.py``,
 ``peft_format.py``) -> ``plans.py`` (agree, rank 0 creates, raise on every rank) ->
 ``writer.py`` (which rank hands which block) -> a sink of ``sinks.py`` (how bytes reach files).
+``stream.py`` hands the same tensors as an HF save to a consumer in memory, bucket by bucket.
 """
 
 from shardtune.checkpoint.checkpointer import Checkpointer
@@ -17,6 +18,7 @@ from shardtune.checkpoint.peft_format import load_peft_adapter, save_peft_adapte
 from shardtune.checkpoint.sinks import DirectSink, Rank0Sink, StagedSink, sink_for
 from shardtune.checkpoint.staging_memory import StagingMemory
 from shardtune.checkpoint.state import TrainingProgress, fingerprint
+from shardtune.checkpoint.stream import WeightStream, stream_adapter_weights, stream_weights
 
 __all__ = [
     "CheckpointError",
@@ -31,6 +33,7 @@ __all__ = [
     "StagedSink",
     "StagingMemory",
     "TrainingProgress",
+    "WeightStream",
     "fingerprint",
     "load_hf_checkpoint",
     "load_peft_adapter",
@@ -38,4 +41,6 @@ __all__ = [
     "save_hf_checkpoint",
     "save_peft_adapter",
     "sink_for",
+    "stream_adapter_weights",
+    "stream_weights",
 ]

@@ -38,7 +38,14 @@ from shardtune.state_dict.keys import ModelEntry, clean_fqn, model_entries
 from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor, placement_problem
 from shardtune.state_dict.parts import Part, part_layout, read_as_parts, tiling_problem
 
-__all__ = ["EXPERT_LAYOUTS", "HFSaveOptions", "LoRAMerge", "plan_hf_checkpoint", "save_hf_checkpoint"]
+__all__ = [
+    "EXPERT_LAYOUTS",
+    "HFSaveOptions",
+    "LoRAMerge",
+    "hf_weight_items",
+    "plan_hf_checkpoint",
+    "save_hf_checkpoint",
+]
 
 # How tensors stored as several file tensors (MoE experts) are written: as they were read
 # (a model never loaded: per expert, transformers' default), per expert, or fused (as themselves).
@@ -118,18 +125,7 @@ def plan_hf_checkpoint(model: nn.Module, out_dir: str | os.PathLike, *, options:
     the tokenizer files to copy, and any problem found. Execute it with
     :func:`~shardtune.checkpoint.plans.save` (or ``prepare`` and the writer)."""
     out_dir = os.fspath(out_dir)
-    problems: list[str] = []
-    if options.expert_layout not in EXPERT_LAYOUTS:
-        problems.append(f"expert_layout={options.expert_layout!r}: choose one of {', '.join(EXPERT_LAYOUTS)}")
-    hf_config = _hf_config(model, options.config, problems)
-    items, item_problems = _plan_items(
-        model,
-        dtype=options.dtype,
-        merge_adapters=options.merge_adapters,
-        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings")),
-        expert_layout=options.expert_layout,
-    )
-    problems += item_problems
+    items, hf_config, problems = _weight_items(model, options)
     files = []
     try:
         files = plan_files(items, out_dir, max_shard_bytes=parse_size(options.max_shard_size), name=_file_name)
@@ -153,6 +149,29 @@ def plan_hf_checkpoint(model: nn.Module, out_dir: str | os.PathLike, *, options:
         if options.tokenizer_dir is None
         else [Copied(os.fspath(options.tokenizer_dir), TOKENIZER_FILES, "tokenizer_dir")],
     )
+
+
+def hf_weight_items(model: nn.Module, *, options: HFSaveOptions) -> tuple[list[WriteItem], list[str]]:
+    """The weight tensors :func:`save_hf_checkpoint` writes with ``options``, in file order (HF
+    names, written dtypes, global layouts, LoRA merges, expert parts), and the problems found;
+    local, alike on every rank. The weight stream (:mod:`~shardtune.checkpoint.stream`) sends these."""
+    items, _, problems = _weight_items(model, options)
+    return items, problems
+
+
+def _weight_items(model: nn.Module, options: HFSaveOptions) -> tuple[list[WriteItem], dict[str, Any], list[str]]:
+    problems: list[str] = []
+    if options.expert_layout not in EXPERT_LAYOUTS:
+        problems.append(f"expert_layout={options.expert_layout!r}: choose one of {', '.join(EXPERT_LAYOUTS)}")
+    hf_config = _hf_config(model, options.config, problems)
+    items, item_problems = _plan_items(
+        model,
+        dtype=options.dtype,
+        merge_adapters=options.merge_adapters,
+        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings")),
+        expert_layout=options.expert_layout,
+    )
+    return items, hf_config, problems + item_problems
 
 
 def _file_name(i: int, n: int) -> str:
@@ -211,6 +230,10 @@ class ParamMerge:
             self.full = (a, comm.full_tensor(self.lora_b.detach(), transfer_device))
         a, b = self.full
         return lambda block, piece: merge_block(block, piece.slices, self.adapter, a, b)
+
+    def release(self) -> None:
+        """Drop the whole A and B (after W's last file tensor), so a stream does not keep every adapter."""
+        self.full = None
 
 
 @dataclass

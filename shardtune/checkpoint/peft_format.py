@@ -52,16 +52,9 @@ def plan_peft_adapter(model: nn.Module, out_dir: Path, *, base_model_name_or_pat
     """The files of :func:`save_peft_adapter`, described alike on every rank (local: no
     collective, no file touched): ``adapter_model.safetensors`` (PEFT names, the adapters'
     dtypes) and ``adapter_config.json``. Execute it with :func:`~shardtune.checkpoint.plans.save`."""
+    items = adapter_items(model)  # raises when the model has no adapters
     config = lora_config_of(model)
-    if config is None:
-        raise StateDictError("the model has no LoRA adapters (model.lora_config is missing); apply_lora first")
-    world = comm.world_size()
-    named = sorted((pos, fqn, e.tensor) for e in model_entries(model) for pos, fqn in zip(e.positions, e.fqns))
-    items = [
-        WriteItem(PEFT_PREFIX + fqn, tensor, tensor.dtype, layout_of(tensor, world))
-        for _, fqn, tensor in named
-        if is_adapter_key(fqn)
-    ]
+    assert config is not None
     files = plan_files(items, str(out_dir), max_shard_bytes=1 << 62, name=lambda i, n: ADAPTER_WEIGHTS)
     peft_config = config.to_peft_config(base_model_name_or_path=base_model_name_or_path)
     return SavePlan(
@@ -74,6 +67,26 @@ def plan_peft_adapter(model: nn.Module, out_dir: Path, *, base_model_name_or_pat
         fix="call save_peft_adapter with the same model on every rank",
         small_files=[SmallFile(ADAPTER_CONFIG, json.dumps(peft_config, indent=2).encode())],
     )
+
+
+def adapter_items(model: nn.Module, *, dtype: torch.dtype | None = None) -> list[WriteItem]:
+    """The adapter tensors :func:`save_peft_adapter` writes, in file order: PEFT's names, the
+    adapters' own dtypes (floating ones cast to ``dtype`` when given), their global layouts;
+    local, alike on every rank. Raises :class:`StateDictError` when the model has no LoRA adapters."""
+    if lora_config_of(model) is None:
+        raise StateDictError("the model has no LoRA adapters (model.lora_config is missing); apply_lora first")
+    world = comm.world_size()
+    named = sorted((pos, fqn, e.tensor) for e in model_entries(model) for pos, fqn in zip(e.positions, e.fqns))
+    return [
+        WriteItem(
+            PEFT_PREFIX + fqn,
+            tensor,
+            dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype,
+            layout_of(tensor, world),
+        )
+        for _, fqn, tensor in named
+        if is_adapter_key(fqn)
+    ]
 
 
 def load_peft_adapter(

@@ -241,7 +241,7 @@ def _write_item(
         return
     if piece is not None:
         with problems.guard(item.name):
-            block = _local_block(item, transform, device=sink.block_device)
+            block = local_block(item, transform, device=sink.block_device)
             sink.write(file, block, offset + _row_offset(item, piece))
 
 
@@ -276,7 +276,7 @@ def _gather_item(
     ``out`` when given, else new memory), None elsewhere."""
     block = None
     with problems.guard(item.name):
-        block = _local_block(item, transform, device=None)  # where the shard lives: the gather moves it once
+        block = local_block(item, transform, device=None)  # where the shard lives: the gather moves it once
     if block is None:  # still take part, so no rank waits; the problem is raised everywhere later
         block = torch.zeros(item.layout.piece(comm.rank()).shape, dtype=item.dtype)
     return gather_to_rank0(
@@ -291,7 +291,7 @@ def _row_offset(item: WriteItem, piece: Piece) -> int:
     return piece.offset[0] * math.prod(item.shape[1:]) * item.dtype.itemsize
 
 
-def _local_block(item: WriteItem, transform: BlockFn | None, *, device: str | None) -> torch.Tensor:
+def local_block(item: WriteItem, transform: BlockFn | None, *, device: str | None) -> torch.Tensor:
     """This rank's block of the written tensor: dequantized, transformed, cast, moved to ``device``
     (None: where the shard lives); may be a view of the model's (or optimizer's) storage."""
     piece = item.layout.piece(comm.rank())

@@ -44,7 +44,9 @@ def merge_lora_weight(base: Tensor, lora_a: Tensor, lora_b: Tensor, *, scaling: 
     ``lora_b`` and columns of ``lora_a``. The product is taken on ``lora_b``'s device.
     """
     delta = lora_b.float() @ lora_a.to(device=lora_b.device, dtype=torch.float32)
-    return (base.float() + scaling * delta.to(base.device)).to(base.dtype)
+    # in place on the fresh product: one block-sized temporary (a stream's memory bound), same values
+    delta = delta.to(base.device).mul_(scaling).add_(base.float())
+    return delta.to(base.dtype)
 
 
 def get_merged_state_dict(

@@ -39,6 +39,7 @@ POINTS = frozenset(
         "save:manifest_written",  # rank 0, the manifest is in the staged directory, not yet renamed
         "save:after_publish",  # the checkpoint is published, save() not yet returned
         "load:mid",  # the first tensor of a model load is in hand (once per load)
+        "stream:bucket",  # a bucket of a weight stream is about to be filled (every bucket)
         "train:step",  # after every optimizer step
     }
 )
