@@ -1,6 +1,12 @@
-"""GRPO end to end on 2 CPU ranks (LoRA, beta > 0): TRL's metrics logged, a KL that is 0 while the
-adapters are still zero and positive once they trained, and a resume from a mid-run checkpoint
-that logs the uninterrupted run's next steps bit for bit, rollouts (rewards, lengths) included."""
+"""GRPO end to end on 2 CPU ranks (LoRA, beta > 0) on the digit-sum prompts: the mean reward rises,
+TRL's metrics are logged, the KL is 0 while the adapters are still zero and positive once they
+trained, and a resume from a mid-run checkpoint logs the uninterrupted run's next steps bit for bit,
+rollouts (rewards, lengths) included.
+
+The reward is shaped (the share of digits in the completion, plus half the ``<answer>`` format
+reward): a random tiny model never writes a right sum, so ``digit_sum`` alone stays 0. Measured
+with these settings before the threshold was set: the mean reward of steps 1-5 is 0.070, of
+steps 11-15 0.385 (a rise of 0.315; the test asks for 0.15)."""
 
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ import pytest
 from tests.recipes.conftest import resume_copy, run_recipe
 
 pytestmark = pytest.mark.timeout(600)
+
+STEPS = 15
 
 # A reward that a random tiny model already earns unevenly (so advantages and the loss are not 0),
 # loaded by name from a module of the user's, as a run loads any ``module:function``.
@@ -31,9 +39,9 @@ def _overrides(dirs, out: Path, *extra: str) -> list[str]:
     return [
         f"output_dir={out}",
         f"checkpoint_dir={dirs['base']}",
-        "max_steps_per_epoch=4",
-        "batch_size=2",
-        "save_every_n_steps=2",
+        f"max_steps_per_epoch={STEPS}",
+        "batch_size=4",
+        f"save_every_n_steps={STEPS - 2}",
         "keep_last_n=null",
         "optimizer.lr=0.01",
         "grpo.rewards=[rewards_for_test:digit_share,shardtune.rl.toy_rewards:answer_format]",
@@ -44,13 +52,13 @@ def _overrides(dirs, out: Path, *extra: str) -> list[str]:
     ]
 
 
-def test_grpo_logs_its_metrics_and_resumes_bitwise(tiny_dirs, tmp_path, monkeypatch):
+def test_grpo_raises_the_reward_logs_its_metrics_and_resumes_bitwise(tiny_dirs, tmp_path, monkeypatch):
     (tmp_path / "rewards_for_test.py").write_text(REWARD_MODULE)
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{__import__('os').environ.get('PYTHONPATH', '')}")
     out = tmp_path / "run"
     run_recipe("grpo_distributed", "tiny/grpo", *_overrides(tiny_dirs, out))
     rows = _rows(out)
-    assert sorted(rows) == [1, 2, 3, 4]
+    assert sorted(rows) == list(range(1, STEPS + 1))
     for row in rows.values():
         assert math.isfinite(row["loss"])
         for key in ("reward", "reward_std", "rewards/digit_share/mean", "rewards/answer_format/mean", "kl",
@@ -60,13 +68,15 @@ def test_grpo_logs_its_metrics_and_resumes_bitwise(tiny_dirs, tmp_path, monkeypa
         assert 0 < row["completion_length"] <= 8
     assert any(row["reward_std"] > 0 for row in rows.values())  # the loss has something to push
     assert rows[1]["kl"] == 0.0  # LoRA's B starts at 0: the policy is the reference
-    assert rows[4]["kl"] > 0.0
+    assert rows[STEPS]["kl"] > 0.0
+    first, last = (sum(rows[s]["reward"] for s in steps) / 5 for steps in (range(1, 6), range(STEPS - 4, STEPS + 1)))
+    assert last > first + 0.15, (first, last)
     assert rows[1]["clip_ratio/region_mean"] == 0.0  # one step per rollout: the ratio is exactly 1
 
-    resumed = resume_copy(out, "step_2", tmp_path / "resumed")
+    resumed = resume_copy(out, f"step_{STEPS - 2}", tmp_path / "resumed")
     run_recipe("grpo_distributed", "tiny/grpo", *_overrides(tiny_dirs, resumed), "resume_from_checkpoint=true")
     again = _rows(resumed)
-    assert sorted(again) == [3, 4]
-    for step in (3, 4):
+    assert sorted(again) == [STEPS - 1, STEPS]
+    for step in (STEPS - 1, STEPS):
         for key in ("loss", "reward", "rewards/digit_share/mean", "completion_length", "kl", "grad_norm"):
             assert again[step][key] == rows[step][key], (step, key)
