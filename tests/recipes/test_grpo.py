@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
+import safetensors.torch
+import torch
 
 from tests.recipes.conftest import resume_copy, run_recipe
 
@@ -54,7 +57,7 @@ def _overrides(dirs, out: Path, *extra: str) -> list[str]:
 
 def test_grpo_raises_the_reward_logs_its_metrics_and_resumes_bitwise(tiny_dirs, tmp_path, monkeypatch):
     (tmp_path / "rewards_for_test.py").write_text(REWARD_MODULE)
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{__import__('os').environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     out = tmp_path / "run"
     run_recipe("grpo_distributed", "tiny/grpo", *_overrides(tiny_dirs, out))
     rows = _rows(out)
@@ -80,3 +83,19 @@ def test_grpo_raises_the_reward_logs_its_metrics_and_resumes_bitwise(tiny_dirs, 
     for step in (STEPS - 1, STEPS):
         for key in ("loss", "reward", "rewards/digit_share/mean", "completion_length", "kl", "grad_norm"):
             assert again[step][key] == rows[step][key], (step, key)
+
+
+def test_full_weight_grpo_trains_every_weight(tiny_dirs, tmp_path, monkeypatch):
+    (tmp_path / "rewards_for_test.py").write_text(REWARD_MODULE)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    out = tmp_path / "full"
+    overrides = _overrides(tiny_dirs, out, "lora=null", "grpo.beta=0.0", "grpo.loss_type=grpo")
+    run_recipe("grpo_distributed", "tiny/grpo", *overrides, "max_steps_per_epoch=2", "batch_size=2")
+    rows = _rows(out)
+    assert sorted(rows) == [1, 2]
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows.values()), rows
+    assert "kl" not in rows[1]  # beta 0: no reference forward
+    trained = safetensors.torch.load_file(out / "epoch_1" / "model.safetensors")
+    base = safetensors.torch.load_file(tiny_dirs["base"] / "model.safetensors")
+    changed = [name for name, value in base.items() if not torch.equal(trained[name], value)]
+    assert any("mlp" in n for n in changed) and any("self_attn" in n for n in changed), changed  # no adapters
