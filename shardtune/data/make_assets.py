@@ -3,6 +3,7 @@
 * ``tiny_instruct.jsonl``: short instruction/response pairs (``instruction``, ``input``,
   ``output``) a ~3M-parameter byte-level model learns within a few hundred steps: reversing,
   upper-casing, adding digits, counting letters, next numbers, opposites, capitals.
+* ``tiny_digit_sum.jsonl``: GRPO prompts of the digit-sum task (``instruction``, ``answer``).
 * ``tiny_chat.jsonl``: short conversations (``messages`` of ``role``/``content``), some with a
   system prompt, some multi-turn.
 """
@@ -13,7 +14,7 @@ import json
 import random
 from pathlib import Path
 
-__all__ = ["generate_chat", "generate_instruct", "render_jsonl", "write_assets"]
+__all__ = ["generate_chat", "generate_digit_sum", "generate_instruct", "render_jsonl", "write_assets"]
 
 _WORDS = (
     "cat dog sun moon tree book fish bird star milk cake rain snow wind fire lamp door ship frog "
@@ -151,6 +152,17 @@ def render_jsonl(records: list[dict]) -> str:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
 
 
+def generate_digit_sum(n: int = 256, *, seed: int = 0) -> list[dict[str, str]]:
+    """Prompts of the digit-sum task for GRPO (``instruction``, ``answer``), from
+    :func:`shardtune.rl.toy_rewards.digit_sum_samples`."""
+    from shardtune.rl.toy_rewards import digit_sum_samples  # the task's one definition (imports torch)
+
+    return [
+        {"instruction": f"{s['prompt'].strip()}. Reply <answer>sum</answer>.", "answer": s["answer"]}
+        for s in digit_sum_samples(n, seed=seed)
+    ]
+
+
 def write_assets(directory: Path | None = None) -> list[Path]:
     """Write the files into ``directory`` (default: the package's ``assets``)."""
     directory = directory or Path(__file__).resolve().parent / "assets"
@@ -160,6 +172,7 @@ def write_assets(directory: Path | None = None) -> list[Path]:
         ("tiny_instruct.jsonl", generate_instruct()),
         ("tiny_chat.jsonl", generate_chat()),
         ("tiny_preference.jsonl", generate_preference()),
+        ("tiny_digit_sum.jsonl", generate_digit_sum()),
     )
     for name, records in assets:
         path = directory / name

@@ -21,6 +21,7 @@ from shardtune.recipes.schemas import (
     EARLY_EXIT_SCHEMA,
     FULL_DPO_SCHEMA,
     FULL_FINETUNE_SCHEMA,
+    GRPO_SCHEMA,
     KD_SCHEMA,
     LORA_DPO_SCHEMA,
     LORA_FINETUNE_SCHEMA,
@@ -90,6 +91,7 @@ RECIPES: dict[str, Recipe] = {
             ("tiny/lora_dpo", "llama3_2/1B_lora_dpo", "llama3_1/8B_lora_dpo"),
         ),
         Recipe("full_dpo_distributed", FULL_DPO_SCHEMA, ("tiny/full_dpo", "llama3_1/8B_full_dpo")),
+        Recipe("grpo_distributed", GRPO_SCHEMA, ("tiny/grpo",)),
     )
 }
 

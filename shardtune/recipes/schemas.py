@@ -32,6 +32,8 @@ __all__ = [
     "EARLY_EXIT_SCHEMA",
     "FULL_DPO_SCHEMA",
     "FULL_FINETUNE_SCHEMA",
+    "GRPO_SCHEMA",
+    "GRPO_SECTION",
     "EARLY_EXIT_SECTION",
     "KD_SCHEMA",
     "LAYER_DROPOUT_SECTION",
@@ -375,4 +377,68 @@ FULL_DPO_SCHEMA = BASE_SCHEMA | Schema(
         ),
     },
     checks=(_check_preference_data,),
+)
+
+
+def _check_grpo(cfg: dict[str, Any]) -> list[str]:
+    grpo, problems = cfg.get("grpo") or {}, []
+    datasets = cfg.get("dataset")
+    if any(
+        isinstance(d, dict) and d.get("format") != "instruct"
+        for d in (datasets if isinstance(datasets, list) else [datasets])
+    ):
+        problems.append(
+            "dataset: grpo_distributed reads prompts from format: instruct records; set dataset.format=instruct"
+        )
+    if cfg.get("validation_dataset") is not None:
+        problems.append("validation_dataset: grpo_distributed does not evaluate a validation set; remove it")
+    if cfg.get("packed"):
+        problems.append("packed: grpo_distributed makes its own rows from rollouts; set packed=false")
+    if grpo.get("num_iterations", 1) != 1:
+        problems.append(
+            f"grpo.num_iterations={grpo.get('num_iterations')}: several optimizer steps per rollout batch are not "
+            "implemented yet; set grpo.num_iterations=1"
+        )
+    if grpo.get("beta", 0.0) > 0 and cfg.get("lora") is None:
+        problems.append(
+            "grpo.beta > 0 needs a reference model: with LoRA it is the base (adapters off); full-weight GRPO has no "
+            "frozen reference yet: set grpo.beta=0 or add a lora section"
+        )
+    if grpo.get("scale_rewards") == "batch" and cfg.get("gradient_accumulation_steps", 1) > 1:
+        problems.append(
+            "grpo.scale_rewards=batch with gradient_accumulation_steps > 1: each micro-batch is its own generation "
+            "batch here, so the batch std would not be TRL's over the whole step; use group or none, or "
+            "gradient_accumulation_steps=1"
+        )
+    return problems
+
+
+GRPO_SECTION = Schema(
+    {
+        "rewards": Field(list, item=str, help="reward functions as 'package.module:function' (TRL's signature)"),
+        "reward_weights": Field((list, None), None, item=(float, int), help="one weight per reward (null: all 1)"),
+        "num_generations": Field(int, 4, gt=0, help="completions sampled per prompt (a group)"),
+        "max_completion_tokens": Field(int, 64, gt=0, help="a completion stops there or at a stop token (EOS)"),
+        "temperature": Field(float, 1.0, gt=0, help="sampling temperature (the log-probs divide logits by it too)"),
+        "top_p": Field(float, 1.0, gt=0, le=1, help="nucleus sampling"),
+        "loss_type": Field(str, "dapo", choices=("grpo", "dr_grpo", "dapo", "bnpo")),
+        "epsilon": Field(float, 0.2, ge=0, help="lower clip: the ratio is kept above 1 - epsilon"),
+        "epsilon_high": Field((float, None), None, help="upper clip 1 + epsilon_high (null: epsilon)"),
+        "importance_sampling_level": Field(str, "token", choices=("token", "sequence"), help="sequence: GSPO"),
+        "beta": Field(float, 0.0, ge=0, help="k3 KL weight against the reference (0: no reference forward)"),
+        "scale_rewards": Field(
+            str, "group", choices=("group", "batch", "none"), help="advantages divided by the std of"
+        ),
+        "num_iterations": Field(int, 1, gt=0, help="optimizer steps per rollout batch (only 1 so far)"),
+    }
+)
+GRPO_SCHEMA = BASE_SCHEMA | Schema(
+    {
+        "grpo": GRPO_SECTION,
+        "lora": LORA_SECTION.as_nullable(),
+        "adapter_weights_only": Field(
+            bool, False, help="LoRA checkpoints hold only the PEFT adapter (no merged model)"
+        ),
+    },
+    checks=(_check_grpo,),
 )

@@ -198,6 +198,7 @@ def test_nullable_sections_and_schema_extension(tmp_path):
         "early_exit_finetune_distributed",
         "lora_dpo_distributed",
         "full_dpo_distributed",
+        "grpo_distributed",
     }
 
 

@@ -1,0 +1,209 @@
+"""GRPO rollouts: a batch of prompts becomes scored, right-padded training rows with advantages.
+
+Rule: each rank completes its own prompts, ``num_generations`` times each (a prompt's group on
+one rank, adjacent), with :func:`shardtune.generation.generate_batch`; the rewards of every
+rank's completions are gathered (:func:`~shardtune.rl.global_batch.gather_rewards`) and the
+advantages computed over that whole generation batch, of which each rank keeps its own rows.
+A row is ``prompt + completion`` right-padded, so prompts of unequal lengths need no attention
+mask (padding follows every real token of a causal model); ``mask[:, t]`` marks the completion
+tokens among the targets ``tokens[:, t + 1]`` (the stop token included, as TRL's mask does).
+
+The sampling generator is seeded from ``(seed, step, micro-batch of the step, rank)``
+(:func:`rollout_generator`), so the draws are a function of where training stands: a run resumed
+from a checkpoint (which records the step) draws the completions the uninterrupted run drew, with
+no generator state to save.
+
+Prompts come from ``format: instruct`` datasets: the template's prompt of the record's
+``instruction`` (and ``input``); every other column of the record reaches the reward functions
+as TRL's ``**columns`` (e.g. ``answer``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from shardtune.data.datasets import load_spec_records
+from shardtune.data.templates import get_instruct_template
+from shardtune.data.tokenizer import HFTokenizer
+from shardtune.generation import generate_batch
+from shardtune.rl.advantages import group_advantages, total_rewards
+from shardtune.rl.global_batch import gather_rewards
+from shardtune.rl.logps import token_logps
+from shardtune.rl.rewards import RewardError, RewardFunctions
+from shardtune.state_dict import comm
+
+__all__ = [
+    "PromptDataset",
+    "Rollout",
+    "collate_prompts",
+    "rollout",
+    "rollout_generator",
+    "rows_logps_head_loss",
+]
+
+
+class PromptDataset(Dataset):
+    """The prompts of ``format: instruct`` records: item ``i`` is ``{"prompt_ids", "index"}``; the
+    record's text prompt and its other columns are read back by index (:meth:`prompt`, :meth:`columns`)."""
+
+    def __init__(self, specs: Sequence[Mapping[str, Any]], tokenizer: HFTokenizer, *, max_prompt_tokens: int) -> None:
+        self.prompts: list[str] = []
+        self.records: list[dict[str, Any]] = []
+        self.ids: list[list[int]] = []
+        prompt_columns: set[str] = set()
+        for spec in specs:
+            spec, records, source = load_spec_records(spec)
+            if spec["format"] != "instruct":
+                raise ValueError(
+                    f"dataset {source}: format={spec['format']!r}; grpo_distributed reads prompts from "
+                    "format: instruct records (instruction, optional input, and the columns the rewards read)"
+                )
+            template = get_instruct_template(spec["template"])
+            instruction = spec["column_map"].get("instruction", "instruction")
+            inp = spec["column_map"].get("input", "input")
+            prompt_columns |= {instruction, inp}
+            for i, record in enumerate(records):
+                if not isinstance(record.get(instruction), str):
+                    raise ValueError(f"dataset {source} record {i}: column {instruction!r} must hold the prompt text")
+                fields = {**record, "instruction": record[instruction], "input": record.get(inp) or ""}
+                text = (template.prompt if fields["input"] else template.prompt_no_input).format_map(fields)
+                ids = tokenizer.encode(text, add_bos=spec["add_bos"] is not False, add_eos=False)
+                if len(ids) > max_prompt_tokens:
+                    raise ValueError(
+                        f"dataset {source} record {i}: its prompt is {len(ids)} tokens, over max_seq_len - "
+                        f"grpo.max_completion_tokens = {max_prompt_tokens}; raise max_seq_len or shorten the prompt"
+                    )
+                self.prompts.append(text)
+                self.records.append({k: v for k, v in record.items() if k not in prompt_columns})
+                self.ids.append(ids)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"prompt_ids": self.ids[index], "index": index}
+
+    def columns(self, indices: Sequence[int]) -> dict[str, list[Any]]:
+        """The records' other columns, one value per index (a column a record lacks reads None)."""
+        names = sorted({k for i in indices for k in self.records[i]})
+        return {name: [self.records[i].get(name) for i in indices] for name in names}
+
+
+def collate_prompts(batch: Sequence[Mapping[str, Any]], *, pad_id: int) -> dict[str, Tensor]:
+    """``tokens`` (the prompts right-padded with ``pad_id``) and each prompt's dataset ``index``."""
+    longest = max(len(s["prompt_ids"]) for s in batch)
+    tokens = torch.full((len(batch), longest), pad_id, dtype=torch.long)
+    for i, sample in enumerate(batch):
+        tokens[i, : len(sample["prompt_ids"])] = torch.as_tensor(sample["prompt_ids"], dtype=torch.long)
+    lengths = torch.tensor([len(s["prompt_ids"]) for s in batch], dtype=torch.long)
+    return {"tokens": tokens, "prompt_lengths": lengths, "index": torch.tensor([s["index"] for s in batch])}
+
+
+def rollout_generator(*, seed: int, step: int, micro_batch: int, rank: int) -> torch.Generator:
+    """The CPU generator of one rank's rollout of micro-batch ``micro_batch`` of optimizer step ``step + 1``."""
+    digest = hashlib.sha256(f"grpo:{seed}:{step}:{micro_batch}:{rank}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+@dataclass
+class Rollout:
+    """One rank's rows of a generation batch and what the generation batch logs."""
+
+    tokens: Tensor  # [n, L] prompt + completion, right-padded
+    mask: Tensor  # [n, L - 1] 1 where target tokens[:, t + 1] is a completion token
+    advantages: Tensor  # [n] this rank's rows of the generation batch's advantages
+    metrics: dict[str, float]  # the generation batch's rewards and completion lengths (same on every rank)
+
+
+def rollout(
+    model: torch.nn.Module,
+    batch: Mapping[str, Tensor],
+    *,
+    dataset: PromptDataset,
+    tokenizer: HFTokenizer,
+    rewards: RewardFunctions,
+    num_generations: int,
+    max_completion_tokens: int,
+    temperature: float,
+    top_p: float,
+    scale_rewards: str,
+    stop: Sequence[int],
+    generator: torch.Generator,
+    device: torch.device,
+) -> Rollout:
+    """Collective: call on all ranks, each with its batch of prompts (the same count on every rank).
+
+    Each rank returns its own rows (``num_generations`` per prompt, prompt-major) with their
+    advantages over every rank's completions, and the same metrics. A reward function that raises
+    on one rank raises the same :class:`~shardtune.rl.rewards.RewardError` on every rank."""
+    indices = [int(i) for i in batch["index"]]
+    lengths = [int(n) for n in batch["prompt_lengths"]]
+    prompt_ids = [batch["tokens"][i, : lengths[i]].tolist() for i in range(len(indices))]
+    repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
+    completions = generate_batch(
+        model, repeated, max_new_tokens=max_completion_tokens, device=device, generator=generator,
+        pad_id=tokenizer.pad_id, temperature=temperature, top_p=top_p, stop=stop,
+    )  # fmt: skip
+    rows = [i for i in indices for _ in range(num_generations)]
+    problems = comm.Problems()
+    local = torch.zeros(len(rows), len(rewards.names))
+    with problems.guard("rewards"):
+        local = rewards.score(
+            [dataset.prompts[i] for i in rows],
+            [tokenizer.decode(c) for c in completions],
+            completion_ids=completions,
+            columns=dataset.columns(rows),
+        )
+    comm.raise_on_every_rank(problems, header="GRPO rollout", error=RewardError)
+    per_func = gather_rewards(local, device=device)
+    adv = group_advantages(
+        total_rewards(per_func, rewards.weight_tensor()), num_generations=num_generations, scale_rewards=scale_rewards
+    )
+    start = comm.rank() * len(rows)  # every rank holds batch_size prompts (the sampler drops partial batches)
+    all_lengths = [n for part in comm.all_gather_objects([len(c) for c in completions]) for n in part]
+    metrics = rewards.metrics(per_func, adv.std_is_zero)
+    metrics["completion_length"] = sum(all_lengths) / len(all_lengths)
+    metrics["completion_length_max"] = float(max(all_lengths))
+    metrics["terminated_ratio"] = sum(  # completions that ended with a stop token (TRL: not clipped)
+        n for part in comm.all_gather_objects([int(bool(c) and c[-1] in stop) for c in completions]) for n in part
+    ) / len(all_lengths)
+    tokens, mask = _rows([prompt_ids[k // num_generations] for k in range(len(rows))], completions, tokenizer.pad_id)
+    return Rollout(tokens, mask, adv.advantages[start : start + len(rows)].clone(), metrics)
+
+
+def _rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width - 1, dtype=torch.long)
+    for r, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        tokens[r, : len(p) + len(c)] = torch.as_tensor(list(p) + list(c), dtype=torch.long)
+        mask[r, len(p) - 1 : len(p) - 1 + len(c)] = 1
+    return tokens, mask
+
+
+def rows_logps_head_loss(
+    tokens: Tensor, mask: Tensor, *, chunk_tokens: int | None, temperature: float
+) -> Callable[[Tensor, Any], tuple[Tensor, Tensor]]:
+    """The model's ``head_loss`` for right-padded rows ``tokens [n, L]``: ``(log-probs, entropies)``
+    ``[n, L - 1]`` fp32 of each target ``tokens[:, t + 1]`` that ``mask`` keeps, 0 elsewhere (the
+    layout :func:`~shardtune.rl.losses.policy_loss` takes with ``mask`` as the completion mask)."""
+    keep = mask.bool()
+    targets = tokens[:, 1:][keep]
+
+    def head_loss(hidden: Tensor, head: Any) -> tuple[Tensor, Tensor]:
+        logps, entropy = token_logps(
+            hidden[:, :-1][keep.to(hidden.device)], head, targets.to(hidden.device),
+            chunk_tokens=chunk_tokens, temperature=temperature,
+        )  # fmt: skip
+        out = torch.zeros(keep.shape, dtype=torch.float32, device=hidden.device)
+        where = keep.to(hidden.device)
+        return out.masked_scatter(where, logps), out.detach().masked_scatter(where, entropy)
+
+    return head_loss
