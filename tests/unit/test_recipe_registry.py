@@ -24,6 +24,7 @@ def test_ls_lists_exactly_the_registry(capsys):
         "early_exit_finetune_distributed",
         "lora_dpo_distributed",
         "full_dpo_distributed",
+        "grpo_distributed",
     }
 
 
