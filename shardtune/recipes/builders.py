@@ -444,6 +444,7 @@ def fit(cfg: Config, run: Run, recipe: str, training: Training, *, loss_fn: Loss
         loop_settings(cfg),
         flops_per_token=flops_per_token_fn(training.model),
         peak_tflops=peak_tflops(run.device, configured=cfg.peak_tflops),
+        context_parallel=run.context_parallel,
     )
     try:
         run_training(training, loss_fn=loss_fn, logger=logger, settings=settings)
