@@ -82,7 +82,7 @@ def start(cfg: Config) -> Run:
     _check_parallelism(cfg, device=device, world=world)
     dtype = torch.float32 if cfg.mixed_precision else DTYPES[cfg.dtype]  # params, grads, optimizer state
     output_dir, lock = claim_output_dir(cfg, rank=rank)
-    cp = getattr(cfg, "context_parallel", 1)  # a key of the full and LoRA fine-tuning recipes
+    cp = getattr(cfg, "context_parallel", 1)  # a key of every recipe but early exit (which refuses > 1)
     context = context_group(cp, device=device.type) if cp > 1 else None
     return Run(
         rank=rank, world_size=world, device=device, dtype=dtype, output_dir=output_dir, lock=lock, context=context

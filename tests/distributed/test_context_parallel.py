@@ -167,6 +167,81 @@ def test_cp2_lora_and_qlora_equal_one_process(pool2, adapters, name):
     _check(results, name, [0], adapters=adapters)
 
 
+DPO = {"loss": "sigmoid", "beta": 0.1, "label_smoothing": 0.0, "simpo_gamma": 0.5, "reference_free": False}
+
+
+def _pairs() -> dict[str, torch.Tensor]:
+    """Two preference pairs (chosen rows, then rejected rows) of 27 tokens: prompts and right padding unlabeled."""
+    from tests.unit.test_models_families import VOCAB
+
+    tokens = torch.randint(0, VOCAB, (4, 27), generator=torch.Generator().manual_seed(7))
+    labels = tokens.clone()
+    for row, (prompt, end) in enumerate([(5, 27), (9, 20), (5, 24), (9, 27)]):
+        labels[row, :prompt] = -100
+        labels[row, end:] = -100
+    return {"tokens": tokens, "labels": labels}
+
+
+def _dpo_loss_fn(model: torch.nn.Module, group: dist.ProcessGroup | None):
+    from shardtune.training.dpo import adapters_disabled, dpo_loss_fn
+
+    def reference(tokens, head_loss, **forward):
+        with adapters_disabled(model):
+            return model(tokens, head_loss=head_loss, **forward)
+
+    return dpo_loss_fn(model, reference=reference, device=torch.device("cpu"), dpo=DPO, chunk_tokens=8, group=group)
+
+
+def _dpo_step(name: str) -> dict:
+    """LoRA DPO with both sequences of every pair split over the 2 ranks (FSDP2 over both): the loss, the
+    reward sums and rank 0's adapter gradients of the loss over the pairs."""
+    from tests.unit.test_models_families import hf_model
+
+    hf = hf_model(name)
+    model = from_hf_config(hf.config.to_dict()).train()
+    model.load_state_dict(hf.state_dict(), strict=True)
+    _adapt(model, "lora")
+    shard_model(model, mesh=make_mesh())
+    loss_fn = _dpo_loss_fn(model, context_group(2, device="cpu"))
+    batch = _pairs()
+    with nccl_rules() as rules:
+        rules.host(batch)
+        loss, pairs, metrics = loss_fn(batch)
+        (loss * pairs).backward()  # every rank the same loss: FSDP2's mean over ranks is the pairs' sum
+    grads = {n: p.grad.full_tensor() / pairs for n, p in model.named_parameters() if p.requires_grad}
+    return {
+        "loss": loss.item(),
+        "metrics": {k: v.item() for k, v in metrics.items()},
+        "grads": grads if dist.get_rank() == 0 else None,
+        "reduces": rules.counts["all_reduce"],
+    }
+
+
+def test_cp2_lora_dpo_equals_one_process(pool2):
+    """The loss, ``reward_*`` sums and every adapter gradient of LoRA DPO (policy and adapter-off reference) at
+    cp 2 equal one unsplit process (1e-5); the label tokens are each rank's own (their sum: the pairs')."""
+    from tests.unit.test_models_families import hf_model, ours_from_hf
+
+    name = "qwen3"
+    results = pool2.run_ok(_dpo_step, name, timeout=240)
+    model = _adapt(ours_from_hf(hf_model(name)), "lora").train()
+    loss, _, metrics = _dpo_loss_fn(model, None)(_pairs())
+    loss.backward()
+    first = results[0]
+    assert {r["loss"] for r in results} == {first["loss"]}
+    assert abs(first["loss"] - loss.item()) <= TOL * abs(loss.item())
+    assert sum(r["metrics"]["tokens"] for r in results) == metrics["tokens"].item()
+    for key in ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy"):
+        assert abs(first["metrics"][key] - metrics[key].item()) <= 1e-6, (key, first["metrics"][key], metrics[key])
+    assert abs(metrics["reward_margin"].item()) > 1e-3  # the adapters move the policy from the reference
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert first["grads"].keys() == grads.keys()
+    for key, expected in grads.items():
+        diff = ((first["grads"][key] - expected).abs().max() / expected.abs().max()).item()
+        assert diff <= TOL, f"{key}: gradient rel diff {diff:.2e}"
+    assert first["reduces"] >= 3  # policy and reference log-prob sums, and the policy's backward
+
+
 def _refused(name: str) -> str:
     from tests.unit.test_models_moe import hf_moe_model
 

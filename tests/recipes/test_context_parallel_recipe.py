@@ -52,8 +52,8 @@ def _resumed_third_step(out, base, rows: list[dict], nproc: int, cp: int, name: 
     return _rows(resumed, base, nproc, cp, "resume_from_checkpoint=true")[-1]
 
 
-def _close(a: dict, b: dict, tol: float = ACROSS_CP) -> None:
-    for key in ("loss", "grad_norm"):
+def _close(a: dict, b: dict, tol: float = ACROSS_CP, keys: tuple[str, ...] = ("loss", "grad_norm")) -> None:
+    for key in keys:
         assert abs(a[key] - b[key]) <= tol * abs(b[key]), (a["step"], key, a[key], b[key])
 
 
@@ -74,8 +74,49 @@ def test_cp2_logs_the_losses_and_norms_of_one_rank_and_resumes_at_either(tiny_di
     _close(_resumed_third_step(tmp_path / "one", base, one, 2, 2, "cp1_at_cp2"), one[2])
 
 
-def test_recipes_without_the_split_refuse_the_key(tiny_dirs, tmp_path):
-    cmd = [sys.executable, "-m", "shardtune.cli", "validate", "tiny/lora_dpo", "context_parallel=2"]
+def _dpo_rows(out, base, cp: int) -> list[dict]:
+    """Two pairs a step on 2 ranks: one each at cp 1, both on both at cp 2."""
+    overrides = [f"output_dir={out}", f"checkpoint_dir={base}", "epochs=1", "max_steps_per_epoch=3"]
+    run_recipe("lora_dpo_distributed", "tiny/lora_dpo", *overrides, "log_every_n_steps=1", f"batch_size={cp}",
+               f"context_parallel={cp}", nproc=2)  # fmt: skip
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_lora_dpo_at_cp2_logs_the_loss_and_rewards_of_one_rank(tiny_dirs, tmp_path):
+    """Both sequences of every pair split over 2 ranks: the loss and gradient norm (1e-5 relative) and every
+    ``reward_*`` (the means over the pairs) equal 2 ranks' on the same pairs without the split. A reward is
+    beta times a difference of two sums of log-probs (hundreds each), so its rounding is absolute: 2e-6
+    (measured 3e-7). At step 1 the policy is the reference (LoRA's B is 0): every margin is 0 up to rounding,
+    so which side of 0 it falls, ``reward_accuracy``, is compared from step 2."""
+    one = _dpo_rows(tmp_path / "one", tiny_dirs["base"], 1)
+    split = _dpo_rows(tmp_path / "cp2", tiny_dirs["base"], 2)
+    assert [r["step"] for r in split] == [r["step"] for r in one] == [1, 2, 3]
+    for a, b in zip(split, one, strict=True):
+        _close(a, b, 1e-5)
+        for key in ("reward_chosen", "reward_rejected", "reward_margin"):
+            assert abs(a[key] - b[key]) <= 2e-6, (a["step"], key, a[key], b[key])
+        assert a["step"] == 1 or a["reward_accuracy"] == b["reward_accuracy"], (a, b)
+    assert any(r["reward_margin"] > 1e-3 for r in one) and any(r["reward_margin"] < -1e-3 for r in one)
+
+
+def test_knowledge_distillation_at_cp2_logs_the_losses_and_norms_of_two_ranks(tiny_dirs, tmp_path):
+    """Student and teacher on the rank's part of every packed row: loss and gradient norm equal 2 ranks' on the
+    same rows without the split (the adapters start alike only at one world size, so both run on 2 ranks)."""
+
+    def rows(out, cp: int) -> list[dict]:
+        overrides = [f"output_dir={out}", f"checkpoint_dir={tiny_dirs['base']}", "epochs=1", "max_steps_per_epoch=2"]
+        run_recipe("knowledge_distillation_distributed", "tiny/kd", *overrides, f"teacher_checkpoint_dir={tiny_dirs['teacher']}",
+                   "packed=true", "log_every_n_steps=1", f"batch_size={cp}", f"context_parallel={cp}", nproc=2)  # fmt: skip
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    one, split = rows(tmp_path / "one", 1), rows(tmp_path / "cp2", 2)
+    assert [r["step"] for r in split] == [r["step"] for r in one] == [1, 2]
+    for a, b in zip(split, one, strict=True):
+        _close(a, b, 1e-5)
+
+
+def test_the_early_exit_recipe_refuses_the_key_by_name(tiny_dirs, tmp_path):
+    cmd = [sys.executable, "-m", "shardtune.cli", "validate", "tiny/early_exit", "context_parallel=2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "context_parallel" in proc.stdout + proc.stderr
+    assert "context_parallel: early_exit_finetune_distributed does not split rows" in proc.stdout + proc.stderr
