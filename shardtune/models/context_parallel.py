@@ -17,12 +17,11 @@ that follow earlier keys. Positions, documents and segments are host data read f
 per forward (:func:`split_batch`), so no layer waits for the device.
 
 Memory per rank and layer: the gathered K and V, ``2 * b * S * kv_heads * head_dim`` values (O(S *
-kv_dim), about twice that while they are put in order), kept for backward; every segment's boolean mask
-(its queries times its keys, at most ``S / (2 * cp)`` by ``S``; none for a segment that starts its
-document), which SDPA also keeps for backward (as float on CPU), so it grows as ``S**2`` (measured in
-tests/distributed/test_context_parallel_memory.py); activations of ``S / cp`` tokens. A mask-free
-lower-right causal kernel (a log-sum-exp merge of prefix and diagonal blocks) or a ring (O(S / cp) keys)
-is the upgrade path. Exact for causal, packed (per-document), sliding-window, soft-capped and sink attention; a
+kv_dim), about twice that while they are put in order), kept for backward; no mask for a full-causal
+layer (the kernel merges a segment's prefix and its causal diagonal by log-sum-exp,
+``Attention._prefix_then_causal``), a window-bounded one for a sliding layer; activations of ``S / cp``
+tokens (measured: tests/distributed/test_context_parallel_memory.py). A ring (O(S / cp) keys) is the
+upgrade path. Exact for causal, packed (per-document), sliding-window, soft-capped and sink attention; a
 mixture-of-experts model's load-balancing loss is over the whole row and is refused by
 ``LlamaModel.forward``.
 """
