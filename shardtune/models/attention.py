@@ -18,6 +18,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from shardtune.models.args import ModelArgs
 from shardtune.models.context_parallel import ContextAttention, context_attention
@@ -173,8 +174,42 @@ class Attention(nn.Module):
         the first of them (a context-parallel segment): the KV cache's mask, or a sample's from its start."""
         if earlier == 0:
             return self._attend_one(q, k, v, window)
+        # SDPA's kernel only: soft-capping and a subclass's own _attend (gpt-oss sinks) keep the mask
+        if window is None and self.softcap is None and type(self)._attend is Attention._attend:
+            return self._prefix_then_causal(q, k, v, earlier)
         mask = cached_attention_mask(q.shape[2], earlier, device=q.device, window=window)
         return self._attend(q, k, v, mask, causal=False)
+
+    def _prefix_then_causal(self, q: Tensor, k: Tensor, v: Tensor, earlier: int) -> Tensor:
+        """:meth:`_attend_after` without a mask: the queries against the ``earlier`` keys (all visible) and
+        against their own (plain causal) through SDPA's maskless kernels, merged by each part's log-sum-exp
+        (the softmax over both parts, exactly). A mask (queries x keys) would be kept for backward in every
+        layer; the log-sum-exps are recomputed in backward instead, so only O(queries) stays."""
+        gqa = self.n_kv_heads != self.n_heads
+        parts = []
+        for keys, values, causal in (
+            (k[:, :, :earlier], v[:, :, :earlier], False),
+            (k[:, :, earlier:], v[:, :, earlier:], True),
+        ):
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=causal, scale=self.scale, enable_gqa=gqa)
+            lse = checkpoint(self._logsumexp, q, keys, causal, use_reentrant=False)
+            parts.append((out, lse))
+        (out1, lse1), (out2, lse2) = parts
+        lse = torch.logaddexp(lse1, lse2)
+        merged = (lse1 - lse).exp().unsqueeze(-1) * out1.float() + (lse2 - lse).exp().unsqueeze(-1) * out2.float()
+        return merged.to(q.dtype)
+
+    def _logsumexp(self, q: Tensor, k: Tensor, causal: bool) -> Tensor:
+        """``logsumexp`` over the keys of each query's scaled scores, ``[b, heads, queries]`` in fp32
+        (``causal``: query ``i`` sees keys up to ``i``)."""
+        groups = self.n_heads // self.n_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(q, k.transpose(2, 3)).float() * self.scale
+        if causal:
+            s = q.shape[2]
+            scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+        return torch.logsumexp(scores, dim=-1)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal: bool) -> Tensor:
         if self.softcap is not None:

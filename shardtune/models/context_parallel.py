@@ -17,10 +17,11 @@ that follow earlier keys. Positions, documents and segments are host data read f
 per forward (:func:`split_batch`), so no layer waits for the device.
 
 Memory per rank and layer: the gathered K and V, ``2 * b * S * kv_heads * head_dim`` values (O(S *
-kv_dim), about twice that while they are put in order), kept for backward; one segment's boolean mask
-(its queries times its keys, at most ``S / (2 * cp)`` by ``S``; none for a segment that starts its
-document outside a window); activations of ``S / cp`` tokens. A ring (O(S / cp) keys) is the upgrade
-path. Exact for causal, packed (per-document), sliding-window, soft-capped and sink attention; a
+kv_dim), about twice that while they are put in order), kept for backward; no mask for a full-causal
+layer (the kernel merges a segment's prefix and its causal diagonal by log-sum-exp,
+``Attention._prefix_then_causal``), a window-bounded one for a sliding layer; activations of ``S / cp``
+tokens (measured: tests/distributed/test_context_parallel_memory.py). A ring (O(S / cp) keys) is the
+upgrade path. Exact for causal, packed (per-document), sliding-window, soft-capped and sink attention; a
 mixture-of-experts model's load-balancing loss is over the whole row and is refused by
 ``LlamaModel.forward``.
 """
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 from torch import Tensor
 from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import init_device_mesh
@@ -47,6 +49,7 @@ __all__ = [
     "context_attention",
     "context_group",
     "split_batch",
+    "sum_over_context",
 ]
 
 IGNORE_INDEX = -100  # the targets of no token (padding, prompts), as in the labels
@@ -214,3 +217,14 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, layer: ContextAttention, 
             outs.append(kernel(queries, k_seg, v_seg, seg.start - first, window))
         rows.append(outs[0] if len(outs) == 1 else torch.cat(outs, dim=2))
     return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+
+
+def sum_over_context(values: Tensor, shard: ContextShard) -> Tensor:
+    """The sum of ``values`` (e.g. each row's log-probability over this rank's tokens) over the ranks of
+    ``shard.group``: the whole rows'. Its backward all-reduces the gradient too, so when every rank computes
+    the same loss from the sum, each rank's part gets ``cp`` times its gradient; a loop that weighs every
+    rank's loss (``cp`` ranks counting the same rows) divides that away.
+
+    Collective: call on all ranks of ``shard.group`` (forward and backward). Each rank returns the same tensor."""
+    device = comm.comm_device(values.device)
+    return dist_nn.all_reduce(comm.to_transfer(values, device), group=shard.group).to(values.device)

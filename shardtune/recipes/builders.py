@@ -82,7 +82,7 @@ def start(cfg: Config) -> Run:
     _check_parallelism(cfg, device=device, world=world)
     dtype = torch.float32 if cfg.mixed_precision else DTYPES[cfg.dtype]  # params, grads, optimizer state
     output_dir, lock = claim_output_dir(cfg, rank=rank)
-    cp = getattr(cfg, "context_parallel", 1)  # a key of the full and LoRA fine-tuning recipes
+    cp = getattr(cfg, "context_parallel", 1)  # a key of every recipe but early exit (which refuses > 1)
     context = context_group(cp, device=device.type) if cp > 1 else None
     return Run(
         rank=rank, world_size=world, device=device, dtype=dtype, output_dir=output_dir, lock=lock, context=context
@@ -444,6 +444,7 @@ def fit(cfg: Config, run: Run, recipe: str, training: Training, *, loss_fn: Loss
         loop_settings(cfg),
         flops_per_token=flops_per_token_fn(training.model),
         peak_tflops=peak_tflops(run.device, configured=cfg.peak_tflops),
+        context_parallel=run.context_parallel,
     )
     try:
         run_training(training, loss_fn=loss_fn, logger=logger, settings=settings)

@@ -36,11 +36,12 @@ def recipe_main(cfg: Config) -> None:
     training = setup.build_training(cfg, run, model, base_dir, frozen=frozen)
     loss_fn = dpo_loss_fn(
         model,
-        reference=None if reference is None else (lambda t, head_loss: reference(t, head_loss=head_loss)),
+        reference=None if reference is None else (lambda t, head_loss, **fwd: reference(t, head_loss=head_loss, **fwd)),
         device=run.device,
         dpo=cfg.dpo,
         chunk_tokens=cfg.loss_chunk_tokens,
         router_aux_loss_coef=cfg.router_aux_loss_coef,
+        group=run.context,
     )
     setup.fit(cfg, run, NAME, training, loss_fn=loss_fn)
 

@@ -4,7 +4,9 @@ Loss = (1 - kd_ratio) * cross-entropy + kd_ratio * forward KL(teacher || student
 response tokens, made from student and teacher logits chunk by chunk (``loss_chunk_tokens``).
 Student and teacher may differ in size but share the vocabulary. A mixture-of-experts student
 adds its routers' load-balancing loss (``router_aux_loss_coef``, logged as ``aux_loss``) as its
-fine-tuning loss does; a mixture-of-experts teacher only forwards.
+fine-tuning loss does; a mixture-of-experts teacher only forwards. With ``context_parallel`` > 1
+student and teacher both run on the rank's part of every row (the same split), and the loss is
+summed over the rank's label tokens, as the fine-tuning loss is (dense models only).
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardtune.checkpoint import load_hf_checkpoint
 from shardtune.config import Config
 from shardtune.models.chunked_loss import Head, chunked_distillation_loss, frozen_head
+from shardtune.models.context_parallel import IGNORE_INDEX, split_batch
 from shardtune.recipes import builders as setup
 from shardtune.recipes._entry import main
 from shardtune.training.step_loss import RouterAux, on_device, token_mean_loss
@@ -46,6 +50,7 @@ def recipe_main(cfg: Config) -> None:
         kd_ratio=cfg.kd_ratio,
         chunk_tokens=cfg.loss_chunk_tokens,
         router_aux_loss_coef=cfg.router_aux_loss_coef,
+        group=run.context,
     )
     setup.fit(cfg, run, NAME, training, loss_fn=loss_fn)
 
@@ -58,12 +63,16 @@ def distillation_loss_fn(
     kd_ratio: float,
     chunk_tokens: int | None,
     router_aux_loss_coef: float | None = None,
+    group: dist.ProcessGroup | None = None,
 ):
     """``loss_fn`` for the loop: the distillation loss of ``model`` against the frozen ``teacher``
     per label token. A mixture-of-experts student adds ``router_aux_loss_coef`` (None: its config's)
     times its routers' load-balancing loss, as its fine-tuning loss does; a mixture-of-experts
-    teacher only forwards."""
+    teacher only forwards. ``group``: the rank's ``cp`` group, every row split over it (None: not split)."""
     aux = RouterAux.of(model, router_aux_loss_coef)
+
+    if group is not None:
+        return _split_loss_fn(model, teacher, group=group, device=device, kd_ratio=kd_ratio, chunk_tokens=chunk_tokens)
 
     def loss_fn(batch):
         tokens, labels, packing = on_device(batch, device)
@@ -84,6 +93,39 @@ def distillation_loss_fn(
             )
 
         return token_mean_loss(model, tokens, batch, head_loss=head_loss, aux=aux, device=device, **packing)
+
+    return loss_fn
+
+
+def _split_loss_fn(
+    model: nn.Module,
+    teacher: nn.Module,
+    *,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    kd_ratio: float,
+    chunk_tokens: int | None,
+):
+    """:func:`distillation_loss_fn` with every row split over ``group``: student and teacher on the rank's part.
+    Collective on ``group`` (both models' attention layers)."""
+
+    def loss_fn(batch):
+        part = split_batch(batch["tokens"], batch["labels"], group=group, position_ids=batch.get("position_ids"))
+        tokens = part.tokens.to(device, non_blocking=True)
+        targets = part.targets.to(device, non_blocking=True)
+        forward = {"position_ids": part.position_ids.to(device, non_blocking=True), "context": part.shard}
+        with torch.no_grad():
+            teacher_hidden, teacher_head = teacher(
+                tokens, **forward, head_loss=lambda hidden, _head: (hidden, _frozen_head(teacher))
+            )
+
+        def head_loss(hidden, head):
+            return chunked_distillation_loss(
+                hidden, head, teacher_hidden, teacher_head, targets, kd_ratio=kd_ratio, chunk_tokens=chunk_tokens
+            )
+
+        n_tokens = int((part.targets != IGNORE_INDEX).sum())  # the CPU targets: no device sync
+        return model(tokens, **forward, head_loss=head_loss) / max(n_tokens, 1), n_tokens
 
     return loss_fn
 

@@ -25,10 +25,10 @@ def recipe_main(cfg: Config) -> None:
     base_dir = setup.base_model_dir(cfg, run)
     model = setup.build_model(base_dir, run, cfg, lora=cfg.lora)
 
-    def reference(tokens, head_loss):
+    def reference(tokens, head_loss, **forward):
         """The reference policy: the same model with its adapters off (full DPO loads a frozen copy)."""
         with adapters_disabled(model):
-            return model(tokens, head_loss=head_loss)
+            return model(tokens, head_loss=head_loss, **forward)
 
     training = setup.build_training(cfg, run, model, base_dir)
     loss_fn = dpo_loss_fn(
@@ -38,6 +38,7 @@ def recipe_main(cfg: Config) -> None:
         dpo=cfg.dpo,
         chunk_tokens=cfg.loss_chunk_tokens,
         router_aux_loss_coef=cfg.router_aux_loss_coef,
+        group=run.context,
     )
     setup.fit(cfg, run, NAME, training, loss_fn=loss_fn)
 

@@ -292,7 +292,7 @@ CONTEXT_PARALLEL = {
         1,
         gt=0,
         help="split every row over groups of N ranks (each a head and a tail chunk), attention exact by gathering "
-        "keys and values; must divide the world size (dense models, full and LoRA fine-tuning)",
+        "keys and values; must divide the world size (dense models; full and LoRA fine-tuning, DPO, distillation)",
     )
 }
 
@@ -315,16 +315,20 @@ LORA_SCHEMA = BASE_SCHEMA | {
 
 LORA_FINETUNE_SCHEMA = LORA_SCHEMA | CONTEXT_PARALLEL
 
-KD_SCHEMA = LORA_SCHEMA | {
-    "teacher_checkpoint_dir": Field(str, help="HF model directory of the teacher"),
-    "teacher_model": Field(
-        (str, None),
-        None,
-        help="the preset that creates a missing teacher (only tiny); a model in teacher_checkpoint_dir wins, as for "
-        "model",
-    ),
-    "kd_ratio": Field(float, 0.5, ge=0, le=1),
-}
+KD_SCHEMA = (
+    LORA_SCHEMA
+    | CONTEXT_PARALLEL
+    | {
+        "teacher_checkpoint_dir": Field(str, help="HF model directory of the teacher"),
+        "teacher_model": Field(
+            (str, None),
+            None,
+            help="the preset that creates a missing teacher (only tiny); a model in teacher_checkpoint_dir wins, as for "
+            "model",
+        ),
+        "kd_ratio": Field(float, 0.5, ge=0, le=1),
+    }
+)
 
 _SCALE_TYPES = ("one", "l", "sum_l", "sqrt_l", "sum_sqrt_l", "inv_l", "sum_inv_l")
 EARLY_EXIT_SECTION = Schema(
@@ -343,7 +347,23 @@ LAYER_DROPOUT_SECTION = Schema(
     },
     nullable=True,
 )
-EARLY_EXIT_SCHEMA = BASE_SCHEMA | {"early_exit": EARLY_EXIT_SECTION, "layer_dropout": LAYER_DROPOUT_SECTION}
+
+
+def _no_context_parallel(cfg: dict[str, Any]) -> list[str]:
+    if cfg.get("context_parallel", 1) == 1:
+        return []
+    return [
+        "context_parallel: early_exit_finetune_distributed does not split rows over ranks (its per-layer losses and "
+        "layer dropout are not split yet); set context_parallel=1, or split rows with the full or LoRA fine-tuning, "
+        "DPO or distillation recipes"
+    ]
+
+
+EARLY_EXIT_SCHEMA = (
+    BASE_SCHEMA
+    | CONTEXT_PARALLEL
+    | Schema({"early_exit": EARLY_EXIT_SECTION, "layer_dropout": LAYER_DROPOUT_SECTION}, checks=(_no_context_parallel,))
+)
 
 
 def _check_preference_data(cfg: dict[str, Any]) -> list[str]:
@@ -368,15 +388,19 @@ DPO_SECTION = Schema(
         "reference_free": Field(bool, False, help="compare the policy with 0 instead of a reference (simpo always)"),
     }
 )
-LORA_DPO_SCHEMA = LORA_SCHEMA | Schema({"dpo": DPO_SECTION}, checks=(_check_preference_data,))
-FULL_DPO_SCHEMA = BASE_SCHEMA | Schema(
-    {
-        "dpo": DPO_SECTION,
-        "reference_checkpoint_dir": Field(
-            (str, None), None, help="HF model directory of the frozen reference (null: the starting checkpoint_dir)"
-        ),
-    },
-    checks=(_check_preference_data,),
+LORA_DPO_SCHEMA = LORA_SCHEMA | CONTEXT_PARALLEL | Schema({"dpo": DPO_SECTION}, checks=(_check_preference_data,))
+FULL_DPO_SCHEMA = (
+    BASE_SCHEMA
+    | CONTEXT_PARALLEL
+    | Schema(
+        {
+            "dpo": DPO_SECTION,
+            "reference_checkpoint_dir": Field(
+                (str, None), None, help="HF model directory of the frozen reference (null: the starting checkpoint_dir)"
+            ),
+        },
+        checks=(_check_preference_data,),
+    )
 )
 
 

@@ -12,6 +12,12 @@ rewards, margin, accuracy and label tokens are returned as sums for the loop to 
 A mixture-of-experts policy adds ``router_aux_loss_coef`` times the load-balancing loss of its
 concatenated forward (prompt and response tokens of both sequences, padding left out), as TRL's
 ``DPOTrainer`` does, and logs it as ``aux_loss``; the reference forward routes without it.
+
+With a ``cp`` group (``context_parallel``, :mod:`shardtune.models.context_parallel`) both sequences of
+every pair are split over it: each rank sums the log-probs of its tokens per sequence and the sums are
+added over the group (:func:`~shardtune.models.context_parallel.sum_over_context`), so every rank computes
+the whole pairs' loss and ``reward_*`` sums; every rank counts the pairs, so the loop's means stay the
+means over pairs, and its ``tokens`` are the rank's own.
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from shardtune.models.chunked_loss import chunked_cross_entropy
+from shardtune.models.context_parallel import IGNORE_INDEX, ContextShard, split_batch, sum_over_context
 from shardtune.models.linear_cross_entropy import head_for_several_losses
 from shardtune.models.preference_losses import preference_loss
 from shardtune.peft.lora import adapter_modules
@@ -61,6 +69,25 @@ def sequence_logps_head_loss(labels: Tensor, chunk_tokens: int | None) -> Callab
     return head_loss
 
 
+def split_logps_head_loss(
+    targets: Tensor, shard: ContextShard, chunk_tokens: int | None
+) -> Callable[[Tensor, Any], Tensor]:
+    """The model's ``head_loss`` on split rows (``targets``: :func:`split_batch`'s, already shifted): each
+    whole sequence's summed ``log p(label)``, ``[rows]``, the same on every rank of ``shard.group``.
+
+    Collective: call on all ranks of ``shard.group``."""
+
+    def head_loss(hidden: Tensor, head) -> Tensor:
+        row_head = head_for_several_losses(head)
+        rows = [
+            -chunked_cross_entropy(hidden[r], row_head, targets[r], chunk_tokens=chunk_tokens)
+            for r in range(hidden.shape[0])
+        ]
+        return sum_over_context(torch.stack(rows), shard)
+
+    return head_loss
+
+
 def dpo_loss_fn(
     model: nn.Module,
     *,
@@ -69,28 +96,38 @@ def dpo_loss_fn(
     dpo: Mapping[str, Any],
     chunk_tokens: int | None,
     router_aux_loss_coef: float | None = None,
+    group: dist.ProcessGroup | None = None,
 ):
-    """``loss_fn`` for the loop. ``reference(tokens, head_loss)`` runs the reference model (None, or
-    ``dpo["reference_free"]``: reference-free); ``dpo`` is the config's ``dpo`` section (loss, beta,
-    label_smoothing, simpo_gamma); ``router_aux_loss_coef`` weighs a mixture-of-experts policy's
-    load-balancing loss (None: its config's). Returns ``(mean loss over pairs, pairs, {metric sums})``."""
+    """``loss_fn`` for the loop. ``reference(tokens, head_loss, **forward)`` runs the reference model (None, or
+        ``dpo["reference_free"]``: reference-free); ``dpo`` is the config's ``dpo`` section (loss, beta,
+        label_smoothing, simpo_gamma); ``router_aux_loss_coef`` weighs a mixture-of-experts policy's
+        load-balancing loss (None: its config's); ``group``: the rank's ``cp`` group (None: rows are not split;
+    mixture-of-experts models refuse it). Returns ``(mean loss over pairs, pairs, {metric sums})``."""
     loss, beta, label_smoothing, simpo_gamma = dpo["loss"], dpo["beta"], dpo["label_smoothing"], dpo["simpo_gamma"]
     if dpo["reference_free"]:
         reference = None
     aux = RouterAux.of(model, router_aux_loss_coef)
 
     def loss_fn(batch: dict[str, Tensor]) -> tuple[Tensor, int, dict[str, Tensor]]:
-        tokens = batch["tokens"].to(device, non_blocking=True)
-        labels = batch["labels"].to(device, non_blocking=True)
-        pairs = tokens.shape[0] // 2
+        pairs = batch["tokens"].shape[0] // 2
         counts = (batch["labels"][:, 1:] != -100).sum(-1)  # CPU: no device sync
-        head_loss = sequence_logps_head_loss(labels, chunk_tokens)
+        forward: dict[str, Any] = {}
+        if group is None:
+            tokens = batch["tokens"].to(device, non_blocking=True)
+            head_loss = sequence_logps_head_loss(batch["labels"].to(device, non_blocking=True), chunk_tokens)
+            mine = int(counts.sum())
+        else:
+            part = split_batch(batch["tokens"], batch["labels"], group=group)
+            tokens = part.tokens.to(device, non_blocking=True)
+            forward = {"position_ids": part.position_ids.to(device, non_blocking=True), "context": part.shard}
+            head_loss = split_logps_head_loss(part.targets.to(device, non_blocking=True), part.shard, chunk_tokens)
+            mine = int((part.targets != IGNORE_INDEX).sum())
         routing = None if aux is None else aux.routing(batch, device)
-        policy = model(tokens, head_loss=head_loss, routing=routing)
+        policy = model(tokens, head_loss=head_loss, routing=routing, **forward)
         ref_chosen = ref_rejected = None
         if reference is not None and loss != "simpo":
             with torch.no_grad():
-                ref = reference(tokens, head_loss)
+                ref = reference(tokens, head_loss, **forward)
             ref_chosen, ref_rejected = ref[:pairs], ref[pairs:]
         out = preference_loss(
             policy[:pairs], policy[pairs:], ref_chosen, ref_rejected,
@@ -103,7 +140,7 @@ def dpo_loss_fn(
             "reward_rejected": out.rejected_rewards.sum(),
             "reward_margin": margin.sum(),
             "reward_accuracy": (margin > 0).float().sum(),
-            "tokens": torch.full((), float(counts.sum()), dtype=torch.float64, device=policy.device),
+            "tokens": torch.full((), float(mine), dtype=torch.float64, device=policy.device),
         }
         if aux is None or routing is None:
             return out.losses.mean(), pairs, metrics

@@ -13,6 +13,11 @@ included) of a sequence of length ``t``:
   no causal halving, as PaLM's and torchtitan's MFU count).
 
 For full fine-tuning this is the usual ``6 N + 12 l h q t``.
+
+With ``context_parallel`` = ``cp`` a rank runs ``1 / cp`` of every row (padded to a multiple of
+``2 * cp``, :mod:`shardtune.models.context_parallel`) whose queries see the whole row, so it counts
+``padded / cp`` tokens at sequence length ``padded`` (:func:`rank_batch_flops`): a ``cp`` group together
+counts a row once.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from torch import nn
 
 from shardtune.models.moe import Experts
 
-__all__ = ["PEAK_BF16_TFLOPS", "flops_per_token_fn", "peak_tflops"]
+__all__ = ["PEAK_BF16_TFLOPS", "flops_per_token_fn", "peak_tflops", "rank_batch_flops"]
 
 # Dense bf16 tensor-core peaks (TFLOP/s) from the vendors' data sheets, by device name fragment.
 PEAK_BF16_TFLOPS: dict[str, float] = {
@@ -62,6 +67,18 @@ def flops_per_token_fn(model: nn.Module) -> Callable[[int], float]:
     args: Any = model.args  # a ModelArgs (nn.Module.__getattr__ is typed Tensor | Module)
     attention = 12 * args.n_layers * args.n_heads * args.head_dim
     return lambda seq_len: 4.0 * weights + 2.0 * trainable + attention * seq_len
+
+
+def rank_batch_flops(
+    flops_per_token: Callable[[int], float], rows: int, seq_len: int, *, context_parallel: int = 1
+) -> float:
+    """Model FLOPs this rank spends on a batch of ``rows`` x ``seq_len`` (the host batch every rank of a
+    ``cp`` group reads): ``rows * seq_len * flops_per_token(seq_len)``, or with ``context_parallel`` > 1
+    its ``1 / cp`` of the rows padded as the split pads them (see the module doc)."""
+    if context_parallel == 1:
+        return rows * seq_len * flops_per_token(seq_len)
+    padded = -(-seq_len // (2 * context_parallel)) * (2 * context_parallel)
+    return rows * (padded // context_parallel) * flops_per_token(padded)
 
 
 def peak_tflops(device: torch.device, *, configured: float | None) -> float | None:

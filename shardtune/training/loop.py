@@ -42,6 +42,7 @@ from shardtune.faults import fault_point
 from shardtune.state_dict import comm
 from shardtune.state_dict.layout import local_tensor
 from shardtune.training.finite import FiniteGuard
+from shardtune.training.flops import rank_batch_flops
 from shardtune.training.grad_norm import clip_grad_norm, grad_norm
 from shardtune.training.metrics import MetricLogger, peak_memory_mib
 from shardtune.training.signals import StopOnSignal, TrainingStopped
@@ -62,6 +63,7 @@ class LoopSettings:
     eval_every_n_steps: int | None = None  # with an evaluator; None: at the end of each epoch
     flops_per_token: Callable[[int], float] | None = None  # seq_len -> model FLOPs per token (training/flops.py)
     peak_tflops: float | None = None  # the device's peak, for ``mfu``
+    context_parallel: int = 1  # ranks each row is split over: a rank counts its part of the rows' FLOPs
     max_nonfinite_steps: int = 0  # steps with a non-finite loss/grad norm to skip before stopping (0: stop)
 
 
@@ -146,7 +148,9 @@ def run_training(
                 window.add(loss.detach() * n_tokens, n_tokens, *extra)
                 if settings.flops_per_token is not None:
                     rows, seq_len = batch["tokens"].shape
-                    window.flops += rows * seq_len * settings.flops_per_token(seq_len)
+                    window.flops += rank_batch_flops(
+                        settings.flops_per_token, rows, seq_len, context_parallel=settings.context_parallel
+                    )
                 batches += 1
                 if (i + 1) % settings.gradient_accumulation_steps:
                     continue

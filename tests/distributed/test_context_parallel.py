@@ -2,7 +2,8 @@
 six uneven samples, split over ``cp`` ranks under FSDP2, give the loss and every gradient of the unsplit
 model in one process (fp32, 1e-5 relative), for every dense family's attention (full causal, sliding
 windows, alternating windows with soft-capping, dynamic rope); at cp 2, cp 4 and dp 2 x cp 2, and
-under full and selective activation checkpointing. The K/V
+under full and selective activation checkpointing; LoRA and QLoRA (loss and every adapter gradient) and the
+chunked loss likewise. The K/V
 all-gather obeys NCCL's rules. What cannot be split exactly is refused on every rank by name."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from shardtune.distributed import make_mesh, shard_model
 from shardtune.models import from_hf_config
 from shardtune.models.chunked_loss import chunked_cross_entropy
 from shardtune.models.context_parallel import context_group, split_batch
+from shardtune.peft import apply_lora
 from tests.nccl_rules import nccl_rules
 
 pytestmark = pytest.mark.timeout(300)
@@ -40,11 +42,29 @@ def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tokens, labels, positions
 
 
-def _reference(name: str, seeds: list[int]) -> tuple[float, dict[str, torch.Tensor]]:
-    """The global-token mean loss over every batch and its gradients, one unsplit model in one process."""
+def _adapt(model: torch.nn.Module, adapters: str | None) -> torch.nn.Module:
+    """``model`` with LoRA (``"lora"``) or QLoRA (``"qlora"``: NF4 bases) on every projection, every adapter
+    weight drawn from one seed (so the split and the reference models hold the same); None: as it is."""
+    if adapters is None:
+        return model
+    from tests.unit.test_models_families import LLAMA_TARGETS
+
+    quantize = {"quantize_base": True, "block_size": 32, "scaler_block_size": 8} if adapters == "qlora" else {}
+    apply_lora(model, rank=4, alpha=8.0, target_modules=LLAMA_TARGETS, **quantize)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+    return model
+
+
+def _reference(name: str, seeds: list[int], adapters: str | None = None) -> tuple[float, dict[str, torch.Tensor]]:
+    """The global-token mean loss over every batch and its gradients (of what trains), one unsplit model in one
+    process (full logits, no chunking)."""
     from tests.unit.test_models_families import hf_model, ours_from_hf
 
-    model = ours_from_hf(hf_model(name)).train()
+    model = _adapt(ours_from_hf(hf_model(name)), adapters).train()
     total, count = torch.zeros(()), 0
     for seed in seeds:
         tokens, labels, positions = _batch(seed)
@@ -53,17 +73,21 @@ def _reference(name: str, seeds: list[int]) -> tuple[float, dict[str, torch.Tens
         count += int((labels[:, 1:] != -100).sum())
     loss = total / count
     loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _cp_step(name: str, cp: int, checkpointing: bool | str = False) -> dict:
+def _cp_step(
+    name: str, cp: int, checkpointing: bool | str = False, adapters: str | None = None, chunk: int | None = None
+) -> dict:
     """One forward and backward with rows split over ``cp`` ranks (each ``cp`` group its own batch, seed = its
-    data-parallel index), FSDP2 over every rank; the global-token mean loss and rank 0's full gradients."""
+    data-parallel index), FSDP2 over every rank, the loss in chunks of ``chunk`` tokens (None: whole); the
+    global-token mean loss and rank 0's full gradients (of what trains)."""
     from tests.unit.test_models_families import hf_model
 
     hf = hf_model(name)
     model = from_hf_config(hf.config.to_dict()).train()
     model.load_state_dict(hf.state_dict(), strict=True)
+    _adapt(model, adapters)
     shard_model(model, mesh=make_mesh(), activation_checkpointing=checkpointing)
     group = context_group(cp, device="cpu")
     tokens, labels, positions = _batch(dist.get_rank() // cp)
@@ -74,13 +98,13 @@ def _cp_step(name: str, cp: int, checkpointing: bool | str = False) -> dict:
             part.tokens,
             position_ids=part.position_ids,
             context=part.shard,
-            head_loss=lambda hidden, head: chunked_cross_entropy(hidden, head, part.targets, chunk_tokens=None),
+            head_loss=lambda hidden, head: chunked_cross_entropy(hidden, head, part.targets, chunk_tokens=chunk),
         )
         totals = torch.stack([loss_sum.detach(), (part.targets != -100).sum().float()])
         dist.all_reduce(totals)
         (loss_sum * dist.get_world_size() / totals[1]).backward()  # FSDP2 averages the gradients over ranks
     wrapped = "._checkpoint_wrapped_module"  # activation checkpointing's wrapper, not in state_dict names
-    grads = {n.replace(wrapped, ""): p.grad.full_tensor() for n, p in model.named_parameters()}
+    grads = {n.replace(wrapped, ""): p.grad.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
     return {
         "loss": (totals[0] / totals[1]).item(),
         "grads": grads if dist.get_rank() == 0 else None,
@@ -90,12 +114,16 @@ def _cp_step(name: str, cp: int, checkpointing: bool | str = False) -> dict:
     }
 
 
-def _families(names: list[str], cp: int, checkpointing: bool | str = False) -> dict:
-    return {name: _cp_step(name, cp, checkpointing) for name in names}
+def _families(
+    names: list[str], cp: int, checkpointing: bool | str = False, adapters: str | None = None, chunk: int | None = None
+) -> dict:
+    return {name: _cp_step(name, cp, checkpointing, adapters, chunk) for name in names}
 
 
-def _check(results: list, name: str, seeds: list[int], *, layers: int = 3, gathers: int = 1) -> None:
-    loss, grads = _reference(name, seeds)
+def _check(
+    results: list, name: str, seeds: list[int], *, layers: int = 3, gathers: int = 1, adapters: str | None = None
+) -> None:
+    loss, grads = _reference(name, seeds, adapters)
     first = results[0][name]
     assert {r[name]["loss"] for r in results} == {first["loss"]}  # every rank logs the same loss
     assert abs(first["loss"] - loss) <= TOL * abs(loss), (name, first["loss"], loss)
@@ -126,8 +154,93 @@ def test_cp4_and_dp2_cp2_equal_one_process(pool4):
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_cp2_with_activation_checkpointing_equals_one_process(pool2, mode):
-    results = [o.value for o in pool2.run(_families, ["gemma2"], 2, mode, timeout=240)]
-    _check(results, "gemma2", [0], gathers=2)  # backward recomputes the gather too (not kept by selective yet)
+    results = [o.value for o in pool2.run(_families, ["gemma2", "qwen3"], 2, mode, timeout=240)]
+    for name in ("gemma2", "qwen3"):  # the eager soft-capped kernel, and SDPA's maskless prefix merge
+        _check(results, name, [0], gathers=2)  # backward recomputes the gather too (not kept by selective yet)
+
+
+@pytest.mark.parametrize(("adapters", "name"), [("lora", "gemma2"), ("qlora", "mistral")])
+def test_cp2_lora_and_qlora_equal_one_process(pool2, adapters, name):
+    """Only the adapters train; every adapter gradient (and none of the frozen, NF4 or not) equals the unsplit
+    model's, with the loss in chunks of 8 tokens (a rank's 32 tokens a row split across rows and segments)."""
+    results = pool2.run_ok(_families, [name], 2, False, adapters, 8, timeout=240)
+    assert results[0][name]["grads"] and all("lora_" in key for key in results[0][name]["grads"])
+    _check(results, name, [0], adapters=adapters)
+
+
+DPO = {"loss": "sigmoid", "beta": 0.1, "label_smoothing": 0.0, "simpo_gamma": 0.5, "reference_free": False}
+
+
+def _pairs() -> dict[str, torch.Tensor]:
+    """Two preference pairs (chosen rows, then rejected rows) of 27 tokens: prompts and right padding unlabeled."""
+    from tests.unit.test_models_families import VOCAB
+
+    tokens = torch.randint(0, VOCAB, (4, 27), generator=torch.Generator().manual_seed(7))
+    labels = tokens.clone()
+    for row, (prompt, end) in enumerate([(5, 27), (9, 20), (5, 24), (9, 27)]):
+        labels[row, :prompt] = -100
+        labels[row, end:] = -100
+    return {"tokens": tokens, "labels": labels}
+
+
+def _dpo_loss_fn(model: torch.nn.Module, group: dist.ProcessGroup | None):
+    from shardtune.training.dpo import adapters_disabled, dpo_loss_fn
+
+    def reference(tokens, head_loss, **forward):
+        with adapters_disabled(model):
+            return model(tokens, head_loss=head_loss, **forward)
+
+    return dpo_loss_fn(model, reference=reference, device=torch.device("cpu"), dpo=DPO, chunk_tokens=8, group=group)
+
+
+def _dpo_step(name: str) -> dict:
+    """LoRA DPO with both sequences of every pair split over the 2 ranks (FSDP2 over both): the loss, the
+    reward sums and rank 0's adapter gradients of the loss over the pairs."""
+    from tests.unit.test_models_families import hf_model
+
+    hf = hf_model(name)
+    model = from_hf_config(hf.config.to_dict()).train()
+    model.load_state_dict(hf.state_dict(), strict=True)
+    _adapt(model, "lora")
+    shard_model(model, mesh=make_mesh())
+    loss_fn = _dpo_loss_fn(model, context_group(2, device="cpu"))
+    batch = _pairs()
+    with nccl_rules() as rules:
+        rules.host(batch)
+        loss, pairs, metrics = loss_fn(batch)
+        (loss * pairs).backward()  # every rank the same loss: FSDP2's mean over ranks is the pairs' sum
+    grads = {n: p.grad.full_tensor() / pairs for n, p in model.named_parameters() if p.requires_grad}
+    return {
+        "loss": loss.item(),
+        "metrics": {k: v.item() for k, v in metrics.items()},
+        "grads": grads if dist.get_rank() == 0 else None,
+        "reduces": rules.counts["all_reduce"],
+    }
+
+
+def test_cp2_lora_dpo_equals_one_process(pool2):
+    """The loss, ``reward_*`` sums and every adapter gradient of LoRA DPO (policy and adapter-off reference) at
+    cp 2 equal one unsplit process (1e-5); the label tokens are each rank's own (their sum: the pairs')."""
+    from tests.unit.test_models_families import hf_model, ours_from_hf
+
+    name = "qwen3"
+    results = pool2.run_ok(_dpo_step, name, timeout=240)
+    model = _adapt(ours_from_hf(hf_model(name)), "lora").train()
+    loss, _, metrics = _dpo_loss_fn(model, None)(_pairs())
+    loss.backward()
+    first = results[0]
+    assert {r["loss"] for r in results} == {first["loss"]}
+    assert abs(first["loss"] - loss.item()) <= TOL * abs(loss.item())
+    assert sum(r["metrics"]["tokens"] for r in results) == metrics["tokens"].item()
+    for key in ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy"):
+        assert abs(first["metrics"][key] - metrics[key].item()) <= 1e-6, (key, first["metrics"][key], metrics[key])
+    assert abs(metrics["reward_margin"].item()) > 1e-3  # the adapters move the policy from the reference
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert first["grads"].keys() == grads.keys()
+    for key, expected in grads.items():
+        diff = ((first["grads"][key] - expected).abs().max() / expected.abs().max()).item()
+        assert diff <= TOL, f"{key}: gradient rel diff {diff:.2e}"
+    assert first["reduces"] >= 3  # policy and reference log-prob sums, and the policy's backward
 
 
 def _refused(name: str) -> str:

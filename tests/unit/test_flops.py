@@ -7,7 +7,7 @@ import torch
 
 from shardtune.models import build_model, get_model_args
 from shardtune.peft import apply_lora
-from shardtune.training.flops import flops_per_token_fn, peak_tflops
+from shardtune.training.flops import flops_per_token_fn, peak_tflops, rank_batch_flops
 
 
 def _hand_weights(args, *, head: bool = True) -> int:
@@ -49,3 +49,20 @@ def test_lora_base_weights_get_no_weight_gradient_flops():
 def test_peak_is_configured_or_unknown_off_gpu():
     assert peak_tflops(torch.device("cpu"), configured=None) is None
     assert peak_tflops(torch.device("cpu"), configured=123.0) == 123.0
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_counts_each_ranks_part_of_the_rows(cp):
+    """A rank of a ``cp`` group counts its ``1 / cp`` of the padded rows, whose queries see the whole row,
+    so the group together counts each row once (the loop used to count the whole batch on every rank)."""
+    args = get_model_args("tiny")
+    with torch.device("meta"):
+        model = build_model(args)
+    per_token = flops_per_token_fn(model)
+    six_n = 6 * _hand_weights(args)
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim
+    rows, seq = 3, 61  # 61 tokens: cp 2 pads to 64 (32 a rank), cp 4 to 64 (16 a rank)
+    assert rank_batch_flops(per_token, rows, seq) == rows * seq * (six_n + attention * seq)
+    mine = rank_batch_flops(per_token, rows, seq, context_parallel=cp)
+    assert mine == rows * (64 // cp) * (six_n + attention * 64)
+    assert cp * mine == rank_batch_flops(per_token, rows, 64)  # the group: the padded rows once

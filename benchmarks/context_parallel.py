@@ -1,0 +1,230 @@
+"""Benchmark of context parallel: the longest row a training step fits in a per-rank memory budget.
+
+    python -m benchmarks.context_parallel --world 2 --budget-mib 1024
+    python -m benchmarks.context_parallel --device cuda --world 8 --budget-mib 60000 --hidden 4096 ...
+    python -m benchmarks.context_parallel --smoke     # tiny shape, short rows, no BENCHMARKS.md
+
+On ``--world`` ranks, every stack trains full fine-tuning steps (activation checkpointing per layer,
+AdamW) of one seeded Llama-shaped model saved once as an HF directory:
+
+* ``shardtune cp N``: the full recipe's pieces (``shard_model`` over every rank, the recipes'
+  ``split_next_token_loss`` with ``context_parallel`` N: each ``cp`` group shares a row, ``world / N``
+  rows a step; N = 1 is plain data parallelism, each rank its own whole row);
+* ``transformers``: ``AutoModelForCausalLM`` with FSDP2 as users write it (``benchmarks.train``), each
+  rank its own whole row, cross-entropy on the full logits: the peer for a row that fits both.
+
+For each stack the row doubles from ``--start-seq`` while a step's peak memory on every rank stays in the
+budget (above the pre-step level: ``max_memory_allocated`` on CUDA, anonymous RSS on CPU); the table gives
+the longest that fit, its tokens/s (all ranks, median of ``--steps`` timed steps after one warm-up) and
+the peak per rank, then every stack at the longest row all of them fit. Each probe runs in fresh rank
+processes. The section goes between the ``context-parallel`` markers of BENCHMARKS.md
+(``context-parallel-cuda`` on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from benchmarks._measure import RankFailure, bench_device, measure_step, spawn_ranks
+from benchmarks._report import fmt_bytes
+from benchmarks.driver import REPO_ROOT, environment_lines, finish
+
+MARKERS = {
+    "cpu": ("<!-- context-parallel:begin -->", "<!-- context-parallel:end -->"),
+    "cuda": ("<!-- context-parallel-cuda:begin -->", "<!-- context-parallel-cuda:end -->"),
+}
+MIB = 1 << 20
+
+
+def hf_dir(bench_dir: Path, a: argparse.Namespace) -> Path:
+    """The seeded HF Llama directory every stack loads (saved once per shape)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = bench_dir / f"llama_h{a.hidden}_l{a.layers}_q{a.heads}_kv{a.kv_heads}_v{a.vocab}"
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            hidden_size=a.hidden,
+            num_hidden_layers=a.layers,
+            num_attention_heads=a.heads,
+            num_key_value_heads=a.kv_heads,
+            intermediate_size=4 * a.hidden,
+            vocab_size=a.vocab,
+            max_position_embeddings=1 << 20,
+        )
+        LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _shardtune(hf: str, cp: int, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.distributed import make_mesh, shard_model
+    from shardtune.models import from_hf_config
+    from shardtune.models.context_parallel import context_group
+    from shardtune.training.step_loss import next_token_loss, split_next_token_loss
+
+    reference = AutoModelForCausalLM.from_pretrained(hf)
+    model = from_hf_config(reference.config.to_dict())
+    model.load_state_dict(reference.state_dict(), strict=True)
+    del reference
+    model.to(device).train()
+    shard_model(model, mesh=make_mesh(), activation_checkpointing=True)
+    if cp > 1:
+        return model, split_next_token_loss(model, group=context_group(cp, device=device.type), device=device)
+    return model, next_token_loss(model, device=device)
+
+
+def _transformers(hf: str, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.train import fsdp2_as_users_write_it
+
+    model = AutoModelForCausalLM.from_pretrained(hf).to(device).train()
+    fsdp2_as_users_write_it(model, model.model)
+
+    def loss_fn(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        tokens = batch["tokens"].to(device)
+        logits = model(input_ids=tokens).logits
+        labels = F.pad(tokens[:, 1:], (0, 1), value=-100)
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100), tokens.shape[1] - 1
+
+    return model, loss_fn
+
+
+def probe(*, stack: str, cp: int, hf: str, seq: int, vocab: int, steps: int) -> dict[str, Any]:
+    """This rank's part of ``steps`` timed training steps on rows of ``seq`` tokens (after one warm-up)."""
+    device = bench_device()
+    model, loss_fn = _transformers(hf, device) if stack == "transformers" else _shardtune(hf, cp, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    row = dist.get_rank() // cp  # the ranks of a cp group read the same row
+    tokens = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(row))
+    batch = {"tokens": tokens, "labels": tokens.clone()}
+
+    def step() -> float:
+        loss, n_tokens = loss_fn(batch)
+        (loss * n_tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss)
+
+    step()  # warm-up: the optimizer state exists before the measured steps
+    seconds, peaks = [], []
+    for _ in range(steps):
+        _, m = measure_step(step, barrier=dist.barrier)
+        seconds.append(m.seconds)
+        peaks.append(m.cuda_peak_delta if m.cuda_peak_delta is not None else m.peak_anon_delta)
+    return {"seconds": statistics.median(seconds), "peak": max(peaks)}
+
+
+def _measure(a: argparse.Namespace, hf: Path, stack: str, cp: int, seq: int) -> dict[str, Any] | None:
+    """Tokens/s and per-rank peaks of one probe in fresh ranks; None when a rank failed (out of memory)."""
+    kwargs = {"stack": stack, "cp": cp, "hf": str(hf), "seq": seq, "vocab": a.vocab, "steps": a.steps}
+    try:
+        ranks = spawn_ranks(
+            "benchmarks.context_parallel:probe", world=a.world, kwargs=kwargs, timeout_s=a.timeout, device=a.device
+        )
+    except RankFailure as e:
+        print(f"  {stack} cp {cp} seq {seq}: failed ({str(e).splitlines()[-1][:200]})", file=sys.stderr)
+        return None
+    seconds = max(r["seconds"] for r in ranks)  # the slowest rank ends the step
+    result = {"seq": seq, "tokens_s": (a.world // cp) * seq / seconds, "peaks": [r["peak"] for r in ranks]}
+    print(f"  {stack} cp {cp} seq {seq}: {result['tokens_s']:.0f} tokens/s, peak {fmt_bytes(max(result['peaks']))}")
+    return result
+
+
+def longest(a: argparse.Namespace, hf: Path, stack: str, cp: int) -> list[dict[str, Any]]:
+    """Every probe from ``--start-seq`` doubling, up to the first over the budget (or ``--max-seq``)."""
+    probes, seq = [], a.start_seq
+    while seq <= a.max_seq:
+        result = _measure(a, hf, stack, cp, seq)
+        if result is None:
+            break
+        probes.append(result)
+        if max(result["peaks"]) > a.budget_mib * MIB:
+            break
+        seq *= 2
+    return probes
+
+
+def _row(name: str, probe_: dict[str, Any] | None) -> str:
+    if probe_ is None:
+        return f"| {name} | — | — | — |"
+    peaks = " / ".join(fmt_bytes(p) for p in probe_["peaks"])
+    return f"| {name} | {probe_['seq']} | {probe_['tokens_s']:.0f} | {peaks} |"
+
+
+def report(a: argparse.Namespace, results: dict[tuple[str, int], list[dict[str, Any]]], load: tuple[float, float]):
+    budget = a.budget_mib * MIB
+    fits = {key: [p for p in probes if max(p["peaks"]) <= budget] for key, probes in results.items()}
+    lines = [
+        f"### Context parallel: longest row in {fmt_bytes(budget)} per rank ({a.device}, {a.world} ranks)",
+        "",
+        *environment_lines(
+            " ".join(["python -m benchmarks.context_parallel", *a.argv]), load_avg=load, libraries=("transformers",)
+        ),
+        f"- Model: Llama, hidden {a.hidden}, {a.layers} layers, {a.heads} heads ({a.kv_heads} kv), vocab {a.vocab}, "
+        "fp32, full fine-tuning, activation checkpointing per layer, AdamW; one row per cp group a step",
+        "",
+        "| stack | longest row (tokens) | tokens/s (all ranks) | peak per rank |",
+        "|---|---:|---:|---|",
+    ]
+    names = {key: "transformers + FSDP2" if key[0] == "transformers" else f"shardtune cp {key[1]}" for key in results}
+    lines += [_row(names[key], probes[-1] if probes else None) for key, probes in fits.items()]
+    common = min((probes[-1]["seq"] for probes in fits.values() if probes), default=None)
+    if common is not None and all(fits.values()):
+        lines += ["", f"At {common} tokens, a row every stack fits:", "", "| stack | row | tokens/s | peak per rank |"]
+        lines += ["|---|---:|---:|---|"]
+        lines += [_row(names[key], next(p for p in probes if p["seq"] == common)) for key, probes in fits.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.context_parallel", description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--budget-mib", type=int, default=1024, help="per-rank memory a step may use above its start")
+    p.add_argument("--start-seq", type=int, default=1024)
+    p.add_argument("--max-seq", type=int, default=1 << 20)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="transformers + FSDP2")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per probe")
+    p.add_argument("--bench-dir", type=Path, default=REPO_ROOT / "bench_out")
+    p.add_argument("--markdown", type=Path, default=REPO_ROOT / "BENCHMARKS.md")
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny shape, rows of 64 to 256 tokens, a 4 MiB budget, no BENCHMARKS.md"
+    )
+    a = p.parse_args(argv)
+    a.argv = sys.argv[1:] if argv is None else argv
+    if a.smoke:
+        a.hidden, a.layers, a.heads, a.kv_heads, a.vocab = 64, 2, 4, 2, 128
+        a.start_seq, a.max_seq, a.steps, a.timeout, a.markdown = 64, 256, 1, 300.0, None
+        a.budget_mib = 4  # small enough that cp 1 stops short of cp 2
+    a.bench_dir.mkdir(parents=True, exist_ok=True)
+    hf = hf_dir(a.bench_dir, a)
+    degrees = [cp for cp in (1, 2, 4) if cp <= a.world and a.world % cp == 0]
+    load_before = os.getloadavg()[0]
+    results = {("shardtune", cp): longest(a, hf, "shardtune", cp) for cp in degrees}
+    if a.peer:
+        results["transformers", 1] = longest(a, hf, "transformers", 1)
+    section = report(a, results, (load_before, os.getloadavg()[0]))
+    finish(section, markdown=a.markdown, markers=MARKERS[a.device])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""``benchmarks.context_parallel``'s search and table, with the probes' measurements given (no ranks spawned):
+the row doubles until a probe's peak passes the budget on any rank, and the table keeps the longest that fit."""
+
+from __future__ import annotations
+
+from benchmarks import context_parallel as bench
+
+MIB = 1 << 20
+
+
+def _options(**over):
+    a = bench.argparse.Namespace(
+        start_seq=64, max_seq=1024, budget_mib=4, world=2, device="cpu", hidden=64, layers=2, heads=4, kv_heads=2,
+        vocab=128, argv=["--smoke"],
+    )  # fmt: skip
+    vars(a).update(over)
+    return a
+
+
+def test_the_row_doubles_until_a_rank_passes_the_budget(monkeypatch):
+    peaks = {64: 2, 128: 3, 256: 5, 512: 1}  # MiB; 256 passes on rank 1
+    seen = []
+
+    def measure(a, hf, stack, cp, seq):
+        seen.append(seq)
+        return {"seq": seq, "tokens_s": float(seq), "peaks": [MIB, peaks[seq] * MIB]}
+
+    monkeypatch.setattr(bench, "_measure", measure)
+    probes = bench.longest(_options(), None, "shardtune", 1)
+    assert seen == [64, 128, 256]
+    table = bench.report(_options(), {("shardtune", 1): probes, ("shardtune", 2): probes[:1]}, (0.0, 0.0))
+    assert "| shardtune cp 1 | 128 | 128 |" in table
+    assert "| shardtune cp 2 | 64 | 64 |" in table
+    assert "At 64 tokens, a row every stack fits" in table
+
+
+def test_a_failed_probe_ends_the_search(monkeypatch):
+    monkeypatch.setattr(
+        bench,
+        "_measure",
+        lambda a, hf, stack, cp, seq: None if seq > 64 else {"seq": seq, "tokens_s": 1.0, "peaks": [MIB]},
+    )
+    assert [p["seq"] for p in bench.longest(_options(), None, "transformers", 1)] == [64]
