@@ -172,11 +172,42 @@ def _load_dcp_stack(model: nn.Module | None, hf_dir: str) -> nn.Module:
     return model
 
 
+def _load_copy_floor(model: nn.Module | None, hf_dir: str) -> nn.Module:
+    """The floor of every loader that copies the file into the model's memory: ``to_empty``, then
+    each local shard populated in one ``madvise`` and filled by one ``preadv`` of its bytes. Only for
+    a single fused file with every shard ``Shard(0)`` (then each rank's piece of a tensor is one
+    contiguous byte range of the file): no parsing of layouts, no checks, no bookkeeping."""
+    from shardtune.state_dict.fresh_memory import prefault
+
+    model = model if model is not None else shardtune_model(hf_dir)
+    model.to_empty(device=CPU)
+    path = os.path.join(hf_dir, "model.safetensors")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        header_len = int.from_bytes(os.pread(fd, 8, 0), "little")
+        header = json.loads(os.pread(fd, header_len, 8))
+        for name, p in model.state_dict().items():
+            begin = header[name]["data_offsets"][0]
+            local = p.to_local()
+            if p.placements != (Shard(0),) or not local.is_contiguous():
+                raise ValueError(f"{name}: placement {p.placements}; the copy floor reads whole rows (Shard(0))")
+            if local.numel() == 0:
+                continue
+            row_bytes = local[0].nbytes if local.dim() > 1 else local.element_size()
+            prefault(local)
+            offset = 8 + header_len + begin + local_slices(p)[0].start * row_bytes
+            os.preadv(fd, [local.view(-1).view(torch.uint8).numpy()], offset)
+    finally:
+        os.close(fd)
+    return model
+
+
 LOAD_STEPS: dict[str, Callable[[nn.Module | None, str], nn.Module]] = {
     "shardtune_direct": lambda m, d: _load_shardtune(m, d, shared=True),
     "shardtune_rank0": lambda m, d: _load_shardtune(m, d, shared=False),
     "transformers_fsdp2": _load_transformers,
     "dcp_hf_stack": _load_dcp_stack,
+    "copy_floor": _load_copy_floor,
 }
 
 

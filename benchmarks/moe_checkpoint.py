@@ -18,7 +18,9 @@ rotated by one each repeat):
   (from nothing: ``AutoModelForCausalLM.from_pretrained`` on every rank, then FSDP2 ``fully_shard``
   per layer and the root, all timed), ``dcp_hf_stack`` (torchtitan's way: ``to_empty``,
   ``dcp.load`` with ``HuggingFaceStorageReader`` into the sharded params and this rank's per-expert
-  tensors, then stacking them into the fused params; with fused files nothing to stack).
+  tensors, then stacking them into the fused params; with fused files nothing to stack);
+  ``copy_floor`` (fused files only: ``to_empty``, then one ``madvise`` populate and one ``preadv`` per
+  local shard, no parsing or checks: the floor of any loader that copies the file into the model).
 * ``save``: the sharded model (loaded untimed) -> an HF directory, fsynced. ``shardtune``
   (``save_hf_checkpoint``: every rank writes its own bytes of every expert file tensor),
   ``shardtune_rank0`` (``shared_filesystem=False``) vs ``dsd_save_pretrained``
@@ -68,7 +70,7 @@ from benchmarks.train_moe import MoeShape
 MARKERS = ("<!-- moe-checkpoint:begin -->", "<!-- moe-checkpoint:end -->")
 GROUPS = {
     "load": ("shardtune_direct", "shardtune_rank0", "transformers_fsdp2", "dcp_hf_stack"),
-    "load_fused": ("shardtune_direct", "transformers_fsdp2", "dcp_hf_stack"),
+    "load_fused": ("shardtune_direct", "transformers_fsdp2", "dcp_hf_stack", "copy_floor"),
     "save": ("shardtune", "shardtune_rank0", "dsd_save_pretrained"),
 }
 ALL_GROUPS = GROUPS | _moe_checkpoint_ep.GROUPS
@@ -192,7 +194,7 @@ def bytes_read(group: str, method: str, row_ranks: list[dict[str, Any]], shape: 
         return [rk["counted_bytes"]["read"] for rk in row_ranks]
     if method == "transformers_fsdp2":
         return [shape.total_bytes()] * len(row_ranks)
-    if method == "dcp_hf_stack":
+    if method in ("dcp_hf_stack", "copy_floor"):
         return [rk["own_shard_bytes"] for rk in row_ranks]
     return [0] * len(row_ranks)
 
@@ -279,10 +281,12 @@ def targets(tables: dict[str, list[dict[str, Any]]], shape: MoeCheckpointShape) 
         if mine is None or peer is None:
             continue
         ratio = mine["seconds"] / peer["seconds"]
+        floor = _row(rows, "copy_floor")
+        below = "" if floor is None else f"; copy floor {floor['seconds']:.2f} s = {floor['seconds'] / peer['seconds']:.2f}"
         out.append(
             (
                 f"{group}: time ≤ {LOAD_TARGET} × best peer (shardtune_direct / {peer['method']})",
-                f"{mine['seconds']:.2f} s / {peer['seconds']:.2f} s = {ratio:.2f}{_per_round(mine, peer)}",
+                f"{mine['seconds']:.2f} s / {peer['seconds']:.2f} s = {ratio:.2f}{_per_round(mine, peer)}{below}",
                 ratio <= LOAD_TARGET,
             )
         )
