@@ -282,7 +282,9 @@ def targets(tables: dict[str, list[dict[str, Any]]], shape: MoeCheckpointShape) 
             continue
         ratio = mine["seconds"] / peer["seconds"]
         floor = _row(rows, "copy_floor")
-        below = "" if floor is None else f"; copy floor {floor['seconds']:.2f} s = {floor['seconds'] / peer['seconds']:.2f}"
+        below = (
+            "" if floor is None else f"; copy floor {floor['seconds']:.2f} s = {floor['seconds'] / peer['seconds']:.2f}"
+        )
         out.append(
             (
                 f"{group}: time ≤ {LOAD_TARGET} × best peer (shardtune_direct / {peer['method']})",
