@@ -13,7 +13,6 @@ quantization per expert (the router stays as it is).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import cast
@@ -28,6 +27,7 @@ from shardtune.models.families import get_family
 from shardtune.models.moe import Experts
 from shardtune.peft import nf4
 from shardtune.peft.adapters import is_adapter_key, merge_lora_weight, peft_adapter_config
+from shardtune.peft.init import kaiming_uniform_whole_
 from shardtune.peft.param_lora import (
     LoRAExperts,
     LoRARouter,
@@ -213,7 +213,7 @@ class LoRALinear(nn.Module):
         """PEFT's default init: Kaiming-uniform ``lora_A``, zero ``lora_B``."""
         if self.lora_A.weight.is_meta:
             return
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        kaiming_uniform_whole_(self.lora_A.weight)
         nn.init.zeros_(self.lora_B.weight)
 
     def base_forward(self, x: Tensor) -> Tensor:

@@ -30,7 +30,6 @@ dequantizes the gathered experts to their dtype and adds the update as above.
 
 from __future__ import annotations
 
-import math
 from typing import cast
 
 import torch
@@ -44,6 +43,7 @@ from shardtune.models.gpt_oss import GptOssExperts, GptOssRouter, biased_experts
 from shardtune.models.moe import Experts, Router, local_experts
 from shardtune.models.moe_kernels import expert_kernel
 from shardtune.peft import nf4
+from shardtune.peft.init import kaiming_uniform_whole_
 from shardtune.state_dict.layout import EP_DIM
 from shardtune.state_dict.nf4_experts import nf4_experts_shape_problem, quantize_experts
 
@@ -91,7 +91,7 @@ class ParamAdapter:
         """PEFT's default init: Kaiming-uniform ``lora_A``, zero ``lora_B``."""
         if self.lora_A.weight.is_meta:
             return
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        kaiming_uniform_whole_(self.lora_A.weight)
         nn.init.zeros_(self.lora_B.weight)
 
     def factors(

@@ -124,3 +124,34 @@ def test_sharded_expert_lora_equals_peft_saves_in_place_and_resumes(pool2, tmp_p
         assert sorted(merged) == sorted(reference)
         for key, value in reference.items():
             assert (merged[key] - value).abs().max() < 1e-6, (ours_dir, key)
+
+
+def _fresh_adapters(name: str, changes: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Every adapter factor of a fresh (seeded) LoRA model, whole: sharded when run on a pool."""
+    from shardtune.peft import get_adapter_params, init_lora_parameters
+    from tests.unit.test_models_moe import hf_moe_model
+
+    hf = hf_moe_model(name, **changes)
+    model = _sharded_lora(hf.config.to_dict(), hf.state_dict()) if dist.is_initialized() else None
+    if model is None:
+        from tests.unit.test_lora_moe import ALPHA, MODULES, PARAMETERS, RANK
+
+        model = from_hf_config(hf.config.to_dict())
+        apply_lora(model, rank=RANK, alpha=ALPHA, target_modules=MODULES, target_parameters=PARAMETERS)
+    torch.manual_seed(seed)
+    init_lora_parameters(model, device="cpu")
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in get_adapter_params(model).items()
+    }
+
+
+def test_fresh_adapters_do_not_depend_on_the_sharding(pool2):
+    """The same seed gives the same fresh adapters on 2 ranks (experts sharded on the expert dim or
+    the next) as in one unsharded process: each factor is drawn whole, each rank keeps its piece."""
+    for name, changes, _ in CASES:
+        one = _fresh_adapters(name, changes, seed=3)
+        assert any(".experts." in n for n in one) and any("lora_A" in n and v.abs().sum() > 0 for n, v in one.items())
+        for r in pool2.run_ok(_fresh_adapters, name, changes, 3, timeout=120):
+            assert r.keys() == one.keys()
+            for n, v in one.items():
+                assert torch.equal(r[n], v), f"{name} {n}: differs from the unsharded draw"
