@@ -33,10 +33,11 @@ __all__ = ["Generator", "generate", "generate_batch", "load_generator", "sample_
 
 
 def sample_tokens(
-    logits: torch.Tensor, *, temperature: float, top_p: float, generator: torch.Generator
+    logits: torch.Tensor, *, temperature: float, top_p: float, generator: torch.Generator | Sequence[torch.Generator]
 ) -> torch.Tensor:
     """The next token of each row of ``logits [rows, vocab]`` (a CPU ``[rows]`` int64 tensor): argmax, or a
-    top-p sample at ``temperature`` drawn from ``generator`` (a CPU generator: the same draws on every device)."""
+    top-p sample at ``temperature`` drawn from ``generator`` (a CPU generator: the same draws on every device),
+    or with one generator per row from row ``i``'s own (rows past the generators take the argmax)."""
     if temperature <= 0:
         return logits.argmax(dim=-1).cpu()
     probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
@@ -45,7 +46,11 @@ def sample_tokens(
         outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # keep the smallest set reaching top_p
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    # a row's draws then depend on its own generator only, not on which rows share the batch
+    drawn = [torch.multinomial(probs[i : i + 1], 1, generator=g)[0] for i, g in enumerate(generator)]
+    return torch.cat([*drawn, probs[len(drawn) :].argmax(dim=-1)])
 
 
 def _pick(logits: torch.Tensor, *, temperature: float, top_p: float, generator: torch.Generator) -> int:
@@ -107,7 +112,7 @@ def generate_batch(
     *,
     max_new_tokens: int,
     device: torch.device | str,
-    generator: torch.Generator,
+    generator: torch.Generator | Sequence[torch.Generator],
     pad_id: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
@@ -116,7 +121,8 @@ def generate_batch(
 ) -> list[list[int]]:
     """Complete every prompt of ``prompts`` at once (left-padded rows over one KV cache); row ``i``'s new
     ids, its stop token included when one ends it. Tokens are drawn from the CPU ``generator`` (greedy
-    with ``temperature`` 0), so its state after the call is what a resume needs to draw the same ones.
+    with ``temperature`` 0), so its state after the call is what a resume needs to draw the same ones;
+    with one generator per prompt, row ``i`` draws from its own only (whatever rows share the batch).
 
     Collective over ``group`` (the default group when the process group is up): each rank may give its
     own prompts (another count too, none included); every rank runs the same number of forwards, until
@@ -125,6 +131,8 @@ def generate_batch(
     _check_options(max_new_tokens, top_p)
     if any(not p for p in prompts):
         raise ValueError("a prompt is empty: give every prompt at least one token (e.g. BOS)")
+    if not isinstance(generator, torch.Generator) and len(generator) != len(prompts):
+        raise ValueError(f"{len(generator)} generators for {len(prompts)} prompts: give one per prompt, or one")
     longest = max((len(p) for p in prompts), default=1)
     rows = [[pad_id] * (longest - len(p)) + list(p) for p in prompts] or [[pad_id]]
     tokens = torch.tensor(rows, device=device)

@@ -27,6 +27,7 @@ from shardtune.checkpoint import (
     CheckpointStates,
     OutputDirError,
     TrainingProgress,
+    load_hf_checkpoint,
     run_dir,
 )
 from shardtune.config import Config
@@ -245,6 +246,16 @@ def build_model(
     )
     if cfg.enable_activation_offloading:
         offload_layer_activations(decoder_layers(model))
+    return model
+
+
+def build_frozen_model(model_dir: Path, run: Run, cfg: Config) -> LlamaForCausalLM:
+    """The model in ``model_dir``, sharded and loaded for no-grad forwards only (a DPO or GRPO
+    reference, a KD teacher): loaded again from the same directory on resume, so it is the same model."""
+    model = build_model(model_dir, run, cfg, frozen=True)
+    load_hf_checkpoint(model, model_dir, device=run.device, strict=True, cpu_offload=cfg.fsdp_cpu_offload)
+    model.init_buffers(run.device)
+    model.requires_grad_(False).eval()
     return model
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from shardtune.checkpoint import load_hf_checkpoint
 from shardtune.config import Config
 from shardtune.recipes import builders as setup
 from shardtune.recipes._entry import main
@@ -28,10 +27,7 @@ def recipe_main(cfg: Config) -> None:
     reference, frozen = None, {}
     if not cfg.dpo.reference_free and cfg.dpo.loss != "simpo":
         reference_dir = Path(cfg.reference_checkpoint_dir) if cfg.reference_checkpoint_dir else base_dir
-        reference = setup.build_model(reference_dir, run, cfg, frozen=True)
-        load_hf_checkpoint(reference, reference_dir, device=run.device, strict=True, cpu_offload=cfg.fsdp_cpu_offload)
-        reference.init_buffers(run.device)
-        reference.requires_grad_(False).eval()
+        reference = setup.build_frozen_model(reference_dir, run, cfg)
         frozen = {"reference_weights": reference_dir}
     training = setup.build_training(cfg, run, model, base_dir, frozen=frozen)
     loss_fn = dpo_loss_fn(

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardtune.checkpoint import load_hf_checkpoint
 from shardtune.config import Config
 from shardtune.models.chunked_loss import Head, chunked_distillation_loss, frozen_head
 from shardtune.models.context_parallel import IGNORE_INDEX, split_batch
@@ -37,10 +36,7 @@ def recipe_main(cfg: Config) -> None:
         cfg, run, key="teacher_checkpoint_dir", preset_key="teacher_model", seed=TEACHER_SEED
     )
     model = setup.build_model(base_dir, run, cfg, lora=cfg.lora)
-    teacher = setup.build_model(teacher_dir, run, cfg, frozen=True)
-    load_hf_checkpoint(teacher, teacher_dir, device=run.device, strict=True, cpu_offload=cfg.fsdp_cpu_offload)
-    teacher.init_buffers(run.device)
-    teacher.requires_grad_(False).eval()
+    teacher = setup.build_frozen_model(teacher_dir, run, cfg)
     training = setup.build_training(cfg, run, model, base_dir, frozen={"teacher_weights": teacher_dir})
 
     loss_fn = distillation_loss_fn(

@@ -418,22 +418,14 @@ def _check_grpo(cfg: dict[str, Any]) -> list[str]:
         problems.append("validation_dataset: grpo_distributed does not evaluate a validation set; remove it")
     if cfg.get("packed"):
         problems.append("packed: grpo_distributed makes its own rows from rollouts; set packed=false")
-    if grpo.get("num_iterations", 1) != 1:
-        problems.append(
-            f"grpo.num_iterations={grpo.get('num_iterations')}: several optimizer steps per rollout batch are not "
-            "implemented yet; set grpo.num_iterations=1"
-        )
-    if grpo.get("beta", 0.0) > 0 and cfg.get("lora") is None:
-        problems.append(
-            "grpo.beta > 0 needs a reference model: with LoRA it is the base (adapters off); full-weight GRPO has no "
-            "frozen reference yet: set grpo.beta=0 or add a lora section"
-        )
-    if grpo.get("scale_rewards") == "batch" and cfg.get("gradient_accumulation_steps", 1) > 1:
-        problems.append(
-            "grpo.scale_rewards=batch with gradient_accumulation_steps > 1: each micro-batch is its own generation "
-            "batch here, so the batch std would not be TRL's over the whole step; use group or none, or "
-            "gradient_accumulation_steps=1"
-        )
+    iterations = grpo.get("num_iterations", 1)
+    for key in ("save_every_n_steps", "max_steps_per_epoch"):
+        if isinstance(iterations, int) and iterations > 1 and isinstance(cfg.get(key), int) and cfg[key] % iterations:
+            problems.append(
+                f"{key}={cfg[key]} with grpo.num_iterations={iterations}: a checkpoint must fall between cycles of "
+                f"{iterations} steps on one generation batch (a resume cannot recompute its sampling log-probs); "
+                f"set {key} to a multiple of {iterations}"
+            )
     return problems
 
 
@@ -453,7 +445,9 @@ GRPO_SECTION = Schema(
         "scale_rewards": Field(
             str, "group", choices=("group", "batch", "none"), help="advantages divided by the std of"
         ),
-        "num_iterations": Field(int, 1, gt=0, help="optimizer steps per rollout batch (only 1 so far)"),
+        "num_iterations": Field(
+            int, 1, gt=0, help="optimizer steps per generation batch (TRL's mu); checkpoints fall between them"
+        ),
     }
 )
 GRPO_SCHEMA = BASE_SCHEMA | Schema(

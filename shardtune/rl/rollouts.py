@@ -5,13 +5,17 @@ one rank, adjacent), with :func:`shardtune.generation.generate_batch`; the rewar
 rank's completions are gathered (:func:`~shardtune.rl.global_batch.gather_rewards`) and the
 advantages computed over that whole generation batch, of which each rank keeps its own rows.
 A row is ``prompt + completion`` right-padded, so prompts of unequal lengths need no attention
-mask (padding follows every real token of a causal model); ``mask[:, t]`` marks the completion
+mask (padding follows every real token of a causal model; ``attention`` marks the real tokens for
+a router's load-balancing loss, which counts them as TRL's does); ``mask[:, t]`` marks the completion
 tokens among the targets ``tokens[:, t + 1]`` (the stop token included, as TRL's mask does).
 
-The sampling generator is seeded from ``(seed, step, micro-batch of the step, rank)``
-(:func:`rollout_generator`), so the draws are a function of where training stands: a run resumed
-from a checkpoint (which records the step) draws the completions the uninterrupted run drew, with
-no generator state to save.
+A generation batch is every micro-batch of an optimizer step (TRL's default ``steps_per_generation
+== gradient_accumulation_steps``): its advantages (``scale_rewards``) and logged rewards are over all
+of them. Each row draws from its own generator, seeded from ``(seed, step, the prompt's dataset
+index, its generation k)`` (:func:`rollout_generators`), so the draws are a function of where
+training stands and of the prompt alone: a run resumed from a checkpoint (which records the step)
+draws the completions the uninterrupted run drew, and the same global batch draws the same
+completions on any number of ranks, with no generator state to save.
 
 Prompts come from ``format: instruct`` datasets: the template's prompt of the record's
 ``instruction`` (and ``input``); every other column of the record reaches the reward functions
@@ -40,11 +44,12 @@ from shardtune.rl.rewards import RewardError, RewardFunctions
 from shardtune.state_dict import comm
 
 __all__ = [
+    "GenerationBatch",
     "PromptDataset",
     "Rollout",
     "collate_prompts",
     "rollout",
-    "rollout_generator",
+    "rollout_generators",
     "rows_logps_head_loss",
 ]
 
@@ -106,25 +111,38 @@ def collate_prompts(batch: Sequence[Mapping[str, Any]], *, pad_id: int) -> dict[
     return {"tokens": tokens, "prompt_lengths": lengths, "index": torch.tensor([s["index"] for s in batch])}
 
 
-def rollout_generator(*, seed: int, step: int, micro_batch: int, rank: int) -> torch.Generator:
-    """The CPU generator of one rank's rollout of micro-batch ``micro_batch`` of optimizer step ``step + 1``."""
-    digest = hashlib.sha256(f"grpo:{seed}:{step}:{micro_batch}:{rank}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+def rollout_generators(*, seed: int, step: int, indices: Sequence[int], num_generations: int) -> list[torch.Generator]:
+    """One CPU generator per row of a rollout made for optimizer step ``step + 1``: rows ``k`` of the
+    prompt with dataset index ``i`` (prompt-major, ``num_generations`` each) draw from ``(seed, step, i, k)``."""
+    out = []
+    for index in indices:
+        for k in range(num_generations):
+            digest = hashlib.sha256(f"grpo:{seed}:{step}:{index}:{k}".encode()).digest()
+            out.append(torch.Generator().manual_seed(int.from_bytes(digest[:8], "little")))
+    return out
 
 
 @dataclass
 class Rollout:
-    """One rank's rows of a generation batch and what the generation batch logs."""
+    """One micro-batch's rows of a generation batch on this rank."""
 
     tokens: Tensor  # [n, L] prompt + completion, right-padded
     mask: Tensor  # [n, L - 1] 1 where target tokens[:, t + 1] is a completion token
-    advantages: Tensor  # [n] this rank's rows of the generation batch's advantages
-    metrics: dict[str, float]  # the generation batch's rewards and completion lengths (same on every rank)
+    attention: Tensor  # [n, L] 1 on the real (prompt and completion) tokens
+    advantages: Tensor  # [n] these rows' advantages over the whole generation batch
+
+
+@dataclass
+class GenerationBatch:
+    """This rank's micro-batches of one generation batch and what it logs (the same on every rank)."""
+
+    micro_batches: list[Rollout]
+    metrics: dict[str, float]  # the generation batch's rewards and completion lengths
 
 
 def rollout(
     model: torch.nn.Module,
-    batch: Mapping[str, Tensor],
+    batches: Sequence[Mapping[str, Tensor]],
     *,
     dataset: PromptDataset,
     tokenizer: HFTokenizer,
@@ -135,22 +153,33 @@ def rollout(
     top_p: float,
     scale_rewards: str,
     stop: Sequence[int],
-    generator: torch.Generator,
+    seed: int,
+    step: int,
     device: torch.device,
-) -> Rollout:
-    """Collective: call on all ranks, each with its batch of prompts (the same count on every rank).
+) -> GenerationBatch:
+    """Collective: call on all ranks, each with its micro-batches of prompts (the same counts on every rank).
 
-    Each rank returns its own rows (``num_generations`` per prompt, prompt-major) with their
-    advantages over every rank's completions, and the same metrics. A reward function that raises
-    on one rank raises the same :class:`~shardtune.rl.rewards.RewardError` on every rank."""
-    indices = [int(i) for i in batch["index"]]
-    lengths = [int(n) for n in batch["prompt_lengths"]]
-    prompt_ids = [batch["tokens"][i, : lengths[i]].tolist() for i in range(len(indices))]
-    repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
-    completions = generate_batch(
-        model, repeated, max_new_tokens=max_completion_tokens, device=device, generator=generator,
-        pad_id=tokenizer.pad_id, temperature=temperature, top_p=top_p, stop=stop,
-    )  # fmt: skip
+    Each rank returns its own micro-batches' rows (``num_generations`` per prompt, prompt-major),
+    generated one micro-batch at a time (draws from :func:`rollout_generators` of ``seed``/``step``),
+    with their advantages over every rank's completions of every micro-batch, and the same metrics.
+    A reward function that raises on one rank raises the same
+    :class:`~shardtune.rl.rewards.RewardError` on every rank."""
+    indices = [int(i) for batch in batches for i in batch["index"]]
+    prompt_ids = [
+        batch["tokens"][i, : int(n)].tolist() for batch in batches for i, n in enumerate(batch["prompt_lengths"])
+    ]
+    generators = rollout_generators(seed=seed, step=step, indices=indices, num_generations=num_generations)
+    completions: list[list[int]] = []
+    parts: list[int] = []  # rows of each micro-batch
+    for batch in batches:
+        first = len(completions) // num_generations
+        mine = prompt_ids[first : first + len(batch["index"])]
+        completions += generate_batch(
+            model, [ids for ids in mine for _ in range(num_generations)], max_new_tokens=max_completion_tokens,
+            device=device, generator=generators[len(completions) : len(completions) + len(mine) * num_generations],
+            pad_id=tokenizer.pad_id, temperature=temperature, top_p=top_p, stop=stop,
+        )  # fmt: skip
+        parts.append(len(mine) * num_generations)
     rows = [i for i in indices for _ in range(num_generations)]
     problems = comm.Problems()
     local = torch.zeros(len(rows), len(rewards.names))
@@ -174,18 +203,31 @@ def rollout(
     metrics["terminated_ratio"] = sum(  # completions that ended with a stop token (TRL: not clipped)
         n for part in comm.all_gather_objects([int(bool(c) and c[-1] in stop) for c in completions]) for n in part
     ) / len(all_lengths)
-    tokens, mask = _rows([prompt_ids[k // num_generations] for k in range(len(rows))], completions, tokenizer.pad_id)
-    return Rollout(tokens, mask, adv.advantages[start : start + len(rows)].clone(), metrics)
+    micro_batches, first = [], 0
+    for n in parts:
+        tokens, mask, attention = _rows(
+            [prompt_ids[k // num_generations] for k in range(first, first + n)], completions[first : first + n],
+            tokenizer.pad_id,
+        )  # fmt: skip
+        micro_batches.append(
+            Rollout(tokens, mask, attention, adv.advantages[start + first : start + first + n].clone())
+        )
+        first += n
+    return GenerationBatch(micro_batches, metrics)
 
 
-def _rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+def _rows(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
+) -> tuple[Tensor, Tensor, Tensor]:
     width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
     tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(prompts), width - 1, dtype=torch.long)
+    attention = torch.zeros(len(prompts), width, dtype=torch.long)
     for r, (p, c) in enumerate(zip(prompts, completions, strict=True)):
         tokens[r, : len(p) + len(c)] = torch.as_tensor(list(p) + list(c), dtype=torch.long)
         mask[r, len(p) - 1 : len(p) - 1 + len(c)] = 1
-    return tokens, mask
+        attention[r, : len(p) + len(c)] = 1
+    return tokens, mask, attention
 
 
 def rows_logps_head_loss(

@@ -1,11 +1,13 @@
 """GRPO rollouts on 2 ranks of an FSDP2-sharded tiny model, under NCCL's rules, against one process.
 
-Each rank completes its own prompts (of unequal lengths) ``G`` times; the rows it returns are
-compared with what one unsharded process makes by hand: the completions ``generate_batch`` draws
-with the same seeds, the rewards of the reward function called directly, group advantages over
-both ranks' completions (mean and Bessel std by hand), right-padded rows with the completion mask,
-and the log-probs the rows' head loss gives against ``log_softmax`` of the full logits. A reward
-function that raises on one rank raises the same error on every rank.
+Each rank completes its own prompts (of unequal lengths) ``G`` times, in two micro-batches of one
+prompt; the rows it returns are compared with what one unsharded process makes by hand: the
+completions ``generate_batch`` draws for all four prompts in one batch with the same per-row seeds
+(so the draws do not depend on the rank or the rows sharing a batch), the rewards of the reward
+function called directly, group advantages over both ranks' completions (mean and Bessel std by
+hand), right-padded rows with the completion mask, and the log-probs the rows' head loss gives
+against ``log_softmax`` of the full logits. A reward function that raises on one rank raises the
+same error on every rank.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ from shardtune.generation import generate_batch
 from shardtune.models import build_model
 from shardtune.models.tiny import create_tiny_base
 from shardtune.rl.rewards import RewardFunctions
-from shardtune.rl.rollouts import PromptDataset, collate_prompts, rollout, rollout_generator, rows_logps_head_loss
+from shardtune.rl.rollouts import PromptDataset, collate_prompts, rollout, rollout_generators, rows_logps_head_loss
 from shardtune.training import load_from_full_model_state_dict
 from tests.nccl_rules import nccl_rules
 
 pytestmark = pytest.mark.timeout(240)
 
-G, PER_RANK, MAX_NEW, SEED = 3, 2, 6, 5
+G, PER_RANK, MAX_NEW, SEED, STEP = 3, 2, 6, 5, 7
 SPEC = {"path": "asset:tiny_instruct.jsonl", "format": "instruct", "template": "simple", "max_samples": 4}
 REWARD = "tests.distributed.test_rl_rollouts:length_reward"
 
@@ -48,8 +50,8 @@ def _model() -> torch.nn.Module:
     return build_model("tiny", dtype=torch.float32)
 
 
-def _batch(dataset: PromptDataset, rank: int) -> dict[str, torch.Tensor]:
-    return collate_prompts([dataset[i] for i in range(rank * PER_RANK, (rank + 1) * PER_RANK)], pad_id=0)
+def _batches(dataset: PromptDataset, rank: int) -> list[dict[str, torch.Tensor]]:
+    return [collate_prompts([dataset[i]], pad_id=0) for i in range(rank * PER_RANK, (rank + 1) * PER_RANK)]
 
 
 def _rollout_on_ranks(base: str, reward: str) -> dict:
@@ -62,16 +64,21 @@ def _rollout_on_ranks(base: str, reward: str) -> dict:
     model.init_buffers("cpu")
     rank = dist.get_rank()
     dataset = PromptDataset([SPEC], tokenizer, max_prompt_tokens=100)
-    batch = _batch(dataset, rank)
+    batches = _batches(dataset, rank)
     with nccl_rules() as rules:
-        rules.host(batch)
+        for batch in batches:
+            rules.host(batch)
         out = rollout(
-            model, batch, dataset=dataset, tokenizer=tokenizer, rewards=RewardFunctions.from_config([reward]),
+            model, batches, dataset=dataset, tokenizer=tokenizer, rewards=RewardFunctions.from_config([reward]),
             num_generations=G, max_completion_tokens=MAX_NEW, temperature=1.0, top_p=0.9, scale_rewards="group",
-            stop=[tokenizer.eos_id], generator=rollout_generator(seed=SEED, step=0, micro_batch=0, rank=rank),
-            device=torch.device("cpu"),
+            stop=[tokenizer.eos_id], seed=SEED, step=STEP, device=torch.device("cpu"),
         )  # fmt: skip
-    return {"tokens": out.tokens, "mask": out.mask, "advantages": out.advantages, "metrics": out.metrics}
+    parts = out.micro_batches
+    return {
+        "tokens": [mb.tokens for mb in parts], "mask": [mb.mask for mb in parts],
+        "attention": [mb.attention for mb in parts], "advantages": torch.cat([mb.advantages for mb in parts]),
+        "metrics": out.metrics,
+    }  # fmt: skip
 
 
 def test_rollouts_on_two_ranks_match_one_process_by_hand(pool2, tmp_path):
@@ -81,38 +88,40 @@ def test_rollouts_on_two_ranks_match_one_process_by_hand(pool2, tmp_path):
     dataset = PromptDataset([SPEC], tokenizer, max_prompt_tokens=100)
     assert len({len(ids) for ids in dataset.ids}) > 1  # prompts of unequal lengths
     model = _model().eval()
-    rewards, rows = [], []
-    for rank in range(2):
-        indices = list(range(rank * PER_RANK, (rank + 1) * PER_RANK))
-        prompts = [dataset.ids[i] for i in indices for _ in range(G)]
-        completions = generate_batch(
-            model, prompts, max_new_tokens=MAX_NEW, device="cpu", pad_id=0, temperature=1.0, top_p=0.9,
-            generator=rollout_generator(seed=SEED, step=0, micro_batch=0, rank=rank), stop=[tokenizer.eos_id],
-        )  # fmt: skip
-        outputs = [dataset.records[i]["output"] for i in indices for _ in range(G)]
-        rewards += length_reward(None, [tokenizer.decode(c) for c in completions], outputs)
-        rows.append((prompts, completions))
+    prompts = [dataset.ids[i] for i in range(2 * PER_RANK) for _ in range(G)]
+    completions = generate_batch(  # both ranks' prompts in one batch: each row draws from its own seed
+        model, prompts, max_new_tokens=MAX_NEW, device="cpu", pad_id=0, temperature=1.0, top_p=0.9,
+        generator=rollout_generators(seed=SEED, step=STEP, indices=range(2 * PER_RANK), num_generations=G),
+        stop=[tokenizer.eos_id],
+    )  # fmt: skip
+    outputs = [dataset.records[i]["output"] for i in range(2 * PER_RANK) for _ in range(G)]
+    rewards = length_reward(None, [tokenizer.decode(c) for c in completions], outputs)
     grouped = torch.tensor(rewards).view(-1, G)
     want_adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
     assert want_adv.abs().max() > 0.5  # rewards differ within groups
-    for rank, (prompts, completions) in enumerate(rows):
+    for rank in range(2):
         got = outcomes[rank]
-        width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
-        assert got["tokens"].shape == (PER_RANK * G, width)
-        for r, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-            assert got["tokens"][r, : len(p) + len(c)].tolist() == p + c
-            assert got["mask"][r].tolist() == [0] * (len(p) - 1) + [1] * len(c) + [0] * (width - len(p) - len(c))
         torch.testing.assert_close(got["advantages"], want_adv[rank * PER_RANK * G : (rank + 1) * PER_RANK * G])
-        # the rows' head loss against log_softmax of the full logits of the same rows
-        head = rows_logps_head_loss(got["tokens"], got["mask"], chunk_tokens=7, temperature=0.7)
-        logps, _ = model(got["tokens"], head_loss=head)
-        full = F.log_softmax(model(got["tokens"]).float()[:, :-1] / 0.7, -1)
-        want = full.gather(-1, got["tokens"][:, 1:].unsqueeze(-1)).squeeze(-1) * got["mask"]
-        torch.testing.assert_close(logps, want, rtol=1e-5, atol=1e-5)
+        for m in range(PER_RANK):  # micro-batch m holds prompt rank * PER_RANK + m
+            first = (rank * PER_RANK + m) * G
+            rows = list(zip(prompts[first : first + G], completions[first : first + G], strict=True))
+            tokens, mask = got["tokens"][m], got["mask"][m]
+            width = max(len(p) + len(c) for p, c in rows)
+            assert tokens.shape == (G, width)
+            for r, (p, c) in enumerate(rows):
+                assert tokens[r, : len(p) + len(c)].tolist() == p + c
+                assert mask[r].tolist() == [0] * (len(p) - 1) + [1] * len(c) + [0] * (width - len(p) - len(c))
+                assert got["attention"][m][r].tolist() == [1] * (len(p) + len(c)) + [0] * (width - len(p) - len(c))
+            # the rows' head loss against log_softmax of the full logits of the same rows
+            head = rows_logps_head_loss(tokens, mask, chunk_tokens=7, temperature=0.7)
+            logps, _ = model(tokens, head_loss=head)
+            full = F.log_softmax(model(tokens).float()[:, :-1] / 0.7, -1)
+            want = full.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1) * mask
+            torch.testing.assert_close(logps, want, rtol=1e-5, atol=1e-5)
     for o in outcomes:
         assert o["metrics"] == outcomes[0]["metrics"]
     assert outcomes[0]["metrics"]["reward"] == pytest.approx(sum(rewards) / len(rewards))
-    lengths = [len(c) for _, completions in rows for c in completions]
+    lengths = [len(c) for c in completions]
     assert outcomes[0]["metrics"]["completion_length"] == pytest.approx(sum(lengths) / len(lengths))
 
 

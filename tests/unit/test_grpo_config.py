@@ -1,5 +1,6 @@
-"""The grpo_distributed config: the bundled tiny/grpo validates, and what the recipe does not
-implement yet is refused naming the key (before any rank starts)."""
+"""The grpo_distributed config: the bundled tiny/grpo validates, what the recipe does not
+implement is refused naming the key (before any rank starts), and with ``grpo.num_iterations``
+> 1 a checkpoint must fall between cycles of that many steps."""
 
 from __future__ import annotations
 
@@ -22,12 +23,20 @@ def test_tiny_grpo_validates_with_its_defaults():
     assert load_config("tiny/grpo", [*BASE, "lora=null"], schema=SCHEMA).lora is None  # full weights
 
 
+def test_what_the_recipe_now_builds_validates():
+    for overrides in (
+        ["grpo.num_iterations=2", "save_every_n_steps=4", "max_steps_per_epoch=6"],
+        ["lora=null", "grpo.beta=0.1"],  # a frozen full-weight reference
+        ["grpo.scale_rewards=batch", "gradient_accumulation_steps=2"],  # the step is one generation batch
+    ):
+        load_config("tiny/grpo", [*BASE, *overrides], schema=SCHEMA)
+
+
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
-        (["grpo.num_iterations=2"], "grpo.num_iterations=2"),
-        (["lora=null", "grpo.beta=0.1"], "grpo.beta > 0 needs a reference model"),
-        (["grpo.scale_rewards=batch", "gradient_accumulation_steps=2"], "grpo.scale_rewards=batch"),
+        (["grpo.num_iterations=2", "save_every_n_steps=3"], "save_every_n_steps=3 with grpo.num_iterations=2"),
+        (["grpo.num_iterations=3", "max_steps_per_epoch=4"], "set max_steps_per_epoch to a multiple of 3"),
         (["packed=true"], "packed:"),
         (["grpo.loss_type=ppo"], "grpo.loss_type"),
     ],

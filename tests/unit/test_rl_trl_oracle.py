@@ -35,6 +35,7 @@ from shardtune.rl import (
     step_normalizer,
     total_rewards,
 )
+from shardtune.training.step_loss import RouterAux
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL; its warning says so
 
@@ -301,6 +302,56 @@ def test_moe_router_aux_loss_equals_trl(moe_dir, tmp_path):
         _rel(dict(policy.named_parameters())[router].grad, dict(trainer.model.named_parameters())[router].grad)
         < PER_TENSOR_TOL
     )
+
+
+def test_moe_aux_loss_over_two_micro_batches_equals_trl(moe_dir, tmp_path):
+    """With ``gradient_accumulation_steps=2`` TRL adds ``coef * aux_loss / 2`` per micro-batch, whatever
+    its completion tokens. grpo_distributed's loss function returns each micro-batch's loss sum plus
+    ``coef * aux_loss`` times a weight of ``step_normalizer / micro-batches`` in the loop's units, and
+    the loop divides the step's sum by the step's units (``step_normalizer`` on one rank): the same
+    loss and gradients (the micro-batches differ in completion tokens, so a units weighting would not)."""
+    trainer, inputs, (_, prompt_ids, completion_ids) = _trainer(
+        moe_dir, tmp_path, beta=0.0, num_iterations=2, accumulation=2, experts_implementation="eager"
+    )
+    policy = _ours(trainer.model)
+    completions_ids, mask = _padded(completion_ids, build_byte_tokenizer().pad_id)
+    prompt = torch.tensor(prompt_ids)
+    tokens = torch.cat([prompt, completions_ids], dim=1)
+    attention = torch.cat([torch.ones_like(prompt), mask], dim=1)
+    rows = [slice(0, 4), slice(4, 8)]
+    assert mask[rows[0]].sum() != mask[rows[1]].sum()
+
+    def head(r):
+        return completion_logps_head_loss(
+            completions_ids[r], mask[r], prompt_length=prompt.shape[1], temperature=TEMPERATURE
+        )
+
+    batch = trainer._generate_and_score_completions(inputs)
+    with torch.no_grad():
+        old = [policy(tokens[r], head_loss=head(r))[0] for r in rows]
+    _perturb(trainer.model, policy)
+    trainer.model.train()
+    trainer.loss_type = "dapo"
+    want = 0.0
+    for part in trl.trainer.utils.split_tensor_dict(batch, 2):
+        loss = trainer._compute_loss(trainer.model, part)
+        loss.backward()
+        want += loss.item()
+    coef = trainer.model.config.router_aux_loss_coef
+    normalizer = float(step_normalizer(sum(loss_units(mask[r], loss_type="dapo") for r in rows)))
+    got = 0.0
+    for r, old_logps in zip(rows, old, strict=True):
+        routing = Routing(mask=attention[r])
+        current, _ = policy(tokens[r], head_loss=head(r), routing=routing)
+        out = policy_loss(current, mask[r], batch["advantages"][r], config=PolicyLossConfig(epsilon_high=0.28),
+                          old_logps=old_logps)  # fmt: skip
+        loss_sum, _ = RouterAux(coef).add(out.loss_sum, routing, normalizer / len(rows))
+        loss = loss_sum / normalizer
+        loss.backward()
+        got += loss.item()
+    assert abs(got - want) <= TOL * abs(want)
+    mine, theirs = _flat_grads(policy, trainer.model)
+    assert ((mine - theirs).norm() / theirs.norm()).item() < TOL
 
 
 def test_a_step_of_two_micro_batches_equals_trl_accumulating_them(model_dir, tmp_path):
