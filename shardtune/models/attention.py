@@ -28,6 +28,8 @@ from shardtune.models.packed_attention import PackedSamples, packed_attention
 from shardtune.models.rope import apply_rotary_emb
 
 KVUpdate = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # a layer's (new k, new v) -> (all k, all v)
+# fp32 scores one block of a context-parallel segment's log-sum-exp may hold (32 MiB): bounded, not queries x keys
+LSE_BLOCK_ELEMENTS = 1 << 23
 
 __all__ = ["Attention", "RMSNorm", "attention_mask", "init_linear"]
 
@@ -184,7 +186,8 @@ class Attention(nn.Module):
         """:meth:`_attend_after` without a mask: the queries against the ``earlier`` keys (all visible) and
         against their own (plain causal) through SDPA's maskless kernels, merged by each part's log-sum-exp
         (the softmax over both parts, exactly). A mask (queries x keys) would be kept for backward in every
-        layer; the log-sum-exps are recomputed in backward instead, so only O(queries) stays."""
+        layer; the log-sum-exps are computed in blocks of queries and recomputed in backward instead, so
+        only O(queries) stays and at most :data:`LSE_BLOCK_ELEMENTS` scores exist at once."""
         gqa = self.n_kv_heads != self.n_heads
         parts = []
         for keys, values, causal in (
@@ -192,24 +195,36 @@ class Attention(nn.Module):
             (k[:, :, earlier:], v[:, :, earlier:], True),
         ):
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=causal, scale=self.scale, enable_gqa=gqa)
-            lse = checkpoint(self._logsumexp, q, keys, causal, use_reentrant=False)
-            parts.append((out, lse))
+            parts.append((out, self._logsumexp(q, keys, causal=causal)))
         (out1, lse1), (out2, lse2) = parts
         lse = torch.logaddexp(lse1, lse2)
-        merged = (lse1 - lse).exp().unsqueeze(-1) * out1.float() + (lse2 - lse).exp().unsqueeze(-1) * out2.float()
+        acc = lse.dtype
+        merged = (lse1 - lse).exp().unsqueeze(-1) * out1.to(acc) + (lse2 - lse).exp().unsqueeze(-1) * out2.to(acc)
         return merged.to(q.dtype)
 
-    def _logsumexp(self, q: Tensor, k: Tensor, causal: bool) -> Tensor:
-        """``logsumexp`` over the keys of each query's scaled scores, ``[b, heads, queries]`` in fp32
-        (``causal``: query ``i`` sees keys up to ``i``)."""
-        groups = self.n_heads // self.n_kv_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-        scores = torch.matmul(q, k.transpose(2, 3)).float() * self.scale
+    def _logsumexp(self, q: Tensor, k: Tensor, *, causal: bool) -> Tensor:
+        """``logsumexp`` over the keys of each query's scaled scores, ``[b, heads, queries]`` in fp32 or
+        wider (``causal``: query ``i`` sees keys up to ``i``), one checkpointed block of queries at a time."""
+        b, heads, queries, _ = q.shape
+        block = max(1, LSE_BLOCK_ELEMENTS // (b * heads * k.shape[2]))
+        blocks = [
+            checkpoint(self._block_logsumexp, q[:, :, start : start + block], k, start, causal, use_reentrant=False)
+            for start in range(0, queries, block)
+        ]
+        return torch.cat(blocks, dim=2)
+
+    def _block_logsumexp(self, q: Tensor, k: Tensor, start: int, causal: bool) -> Tensor:
+        """:meth:`_logsumexp` of queries ``start ...``: grouped-query heads broadcast, never repeated."""
+        b, heads, n, d = q.shape
+        if causal:  # query start + i sees keys up to start + i
+            k = k[:, :, : start + n]
+        grouped = q.reshape(b, self.n_kv_heads, heads // self.n_kv_heads, n, d)
+        acc = torch.promote_types(q.dtype, torch.float32)  # fp32 at least, as the softmax
+        scores = torch.matmul(grouped, k.unsqueeze(2).transpose(-1, -2)).to(acc) * self.scale
         if causal:
-            s = q.shape[2]
-            scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool, device=q.device).tril(), float("-inf"))
-        return torch.logsumexp(scores, dim=-1)
+            rows = torch.arange(start, start + n, device=q.device).unsqueeze(-1)
+            scores = scores.masked_fill(torch.arange(k.shape[2], device=q.device) > rows, float("-inf"))
+        return torch.logsumexp(scores, dim=-1).reshape(b, heads, n)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal: bool) -> Tensor:
         if self.softcap is not None:
