@@ -139,8 +139,6 @@ def _check_parallelism(cfg: Config, *, device: torch.device, world: int) -> None
         raise ValueError(
             f"context_parallel={cp} does not divide the world size {world}; set it to a divisor of {world}"
         )
-    if cp > 1 and cfg.expert_parallel > 1:
-        raise ValueError("context_parallel > 1 and expert_parallel > 1 do not combine yet; set one of them to 1")
 
 
 def _agree_on_config(cfg: Config) -> None:
@@ -417,10 +415,15 @@ def build_training(
 def next_token_loss_of(cfg: Config, run: Run, model: nn.Module) -> LossFn:
     """The full and LoRA recipes' loss as ``cfg`` sets it: next-token cross-entropy in chunks of
     ``loss_chunk_tokens``, plus ``router_aux_loss_coef`` times the routers' load-balancing loss for MoE models;
-    with ``context_parallel`` > 1 every row split over the rank's ``cp`` group (MoE models are refused there)."""
+    with ``context_parallel`` > 1 every row split over the rank's ``cp`` group (the aux loss the whole rows')."""
     if run.context is not None:
         return split_next_token_loss(
-            model, group=run.context, device=run.device, chunk_tokens=cfg.loss_chunk_tokens, compile=cfg.compile
+            model,
+            group=run.context,
+            device=run.device,
+            chunk_tokens=cfg.loss_chunk_tokens,
+            compile=cfg.compile,
+            router_aux_loss_coef=cfg.router_aux_loss_coef,
         )
     return next_token_loss(
         model,
