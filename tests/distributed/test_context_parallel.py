@@ -1,11 +1,11 @@
 """Context parallel (``shardtune.models.context_parallel``) on gloo ranks against one process: packed rows of
 six uneven samples, split over ``cp`` ranks under FSDP2, give the loss and every gradient of the unsplit
 model in one process (fp32, 1e-5 relative), for every dense family's attention (full causal, sliding
-windows, alternating windows with soft-capping, dynamic rope); at cp 2, cp 4 and dp 2 x cp 2, and
-under full and selective activation checkpointing; LoRA and QLoRA (loss and every adapter gradient) and the
-chunked loss likewise; mixture-of-experts models with their load-balancing loss over the whole rows. The
-K/V all-gather and the aux loss's sums obey NCCL's rules. What cannot be split exactly is refused on every
-rank by name."""
+windows, alternating windows with soft-capping, dynamic rope, Phi-3's longrope with short and long
+factors); at cp 2, cp 4 and dp 2 x cp 2, and under full and selective activation checkpointing; LoRA and
+QLoRA (loss and every adapter gradient) and the chunked loss likewise; mixture-of-experts models with their
+load-balancing loss over the whole rows. The K/V all-gather and the aux loss's sums obey NCCL's rules. What
+cannot be split exactly is refused on every rank by name."""
 
 from __future__ import annotations
 
@@ -231,12 +231,18 @@ def _dpo_loss_fn(model: torch.nn.Module, group: dist.ProcessGroup | None):
     return dpo_loss_fn(model, reference=reference, device=torch.device("cpu"), dpo=DPO, chunk_tokens=8, group=group)
 
 
+def _any_hf_model(name: str):
+    """A tiny transformers model of a dense family or of a mixture-of-experts one (``MOE_CONFIGS``)."""
+    from tests.unit.test_models_families import hf_model
+    from tests.unit.test_models_moe import MOE_CONFIGS, hf_moe_model
+
+    return hf_moe_model(name) if name in MOE_CONFIGS else hf_model(name)
+
+
 def _dpo_step(name: str) -> dict:
     """LoRA DPO with both sequences of every pair split over the 2 ranks (FSDP2 over both): the loss, the
     reward sums and rank 0's adapter gradients of the loss over the pairs."""
-    from tests.unit.test_models_families import hf_model
-
-    hf = hf_model(name)
+    hf = _any_hf_model(name)
     model = from_hf_config(hf.config.to_dict()).train()
     model.load_state_dict(hf.state_dict(), strict=True)
     _adapt(model, "lora")
@@ -250,29 +256,35 @@ def _dpo_step(name: str) -> dict:
     grads = {n: p.grad.full_tensor() / pairs for n, p in model.named_parameters() if p.requires_grad}
     return {
         "loss": loss.item(),
-        "metrics": {k: v.item() for k, v in metrics.items()},
+        "metrics": {k: v.tolist() for k, v in metrics.items()},
         "grads": grads if dist.get_rank() == 0 else None,
         "reduces": rules.counts["all_reduce"],
     }
 
 
-def test_cp2_lora_dpo_equals_one_process(pool2):
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_cp2_lora_dpo_equals_one_process(pool2, name):
     """The loss, ``reward_*`` sums and every adapter gradient of LoRA DPO (policy and adapter-off reference) at
-    cp 2 equal one unsplit process (1e-5); the label tokens are each rank's own (their sum: the pairs')."""
-    from tests.unit.test_models_families import hf_model, ours_from_hf
+    cp 2 equal one unsplit process (1e-5); the label tokens are each rank's own (their sum: the pairs'). A
+    mixture-of-experts policy's loss holds its aux loss over the whole pairs (TRL's DPOTrainer's)."""
+    from tests.unit.test_models_families import ours_from_hf
 
-    name = "qwen3"
     results = pool2.run_ok(_dpo_step, name, timeout=240)
-    model = _adapt(ours_from_hf(hf_model(name)), "lora").train()
+    model = _adapt(ours_from_hf(_any_hf_model(name)), "lora").train()
     loss, _, metrics = _dpo_loss_fn(model, None)(_pairs())
     loss.backward()
     first = results[0]
     assert {r["loss"] for r in results} == {first["loss"]}
     assert abs(first["loss"] - loss.item()) <= TOL * abs(loss.item())
     assert sum(r["metrics"]["tokens"] for r in results) == metrics["tokens"].item()
+    # a reward is beta times a difference of fp32 sums of ~100 log-probs: its rounding is absolute (MoE: 1.9e-6)
     for key in ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy"):
-        assert abs(first["metrics"][key] - metrics[key].item()) <= 1e-6, (key, first["metrics"][key], metrics[key])
+        assert abs(first["metrics"][key] - metrics[key].item()) <= 4e-6, (key, first["metrics"][key], metrics[key])
     assert abs(metrics["reward_margin"].item()) > 1e-3  # the adapters move the policy from the reference
+    if "aux_loss" in metrics:  # the whole pairs' on every rank; their tokens routed to each expert summed
+        assert abs(first["metrics"]["aux_loss"] - metrics["aux_loss"].item()) <= TOL * metrics["aux_loss"].item()
+        counts = [sum(c) for c in zip(*(r["metrics"]["tokens_per_expert"] for r in results), strict=True)]
+        assert counts == metrics["tokens_per_expert"].tolist()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert first["grads"].keys() == grads.keys()
     for key, expected in grads.items():
