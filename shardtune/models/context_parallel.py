@@ -21,9 +21,10 @@ kv_dim), about twice that while they are put in order), kept for backward; no ma
 layer (the kernel merges a segment's prefix and its causal diagonal by log-sum-exp,
 ``Attention._prefix_then_causal``), a window-bounded one for a sliding layer; activations of ``S / cp``
 tokens (measured: tests/distributed/test_context_parallel_memory.py). A ring (O(S / cp) keys) is the
-upgrade path. Exact for causal, packed (per-document), sliding-window, soft-capped and sink attention; a
-mixture-of-experts model's load-balancing loss is over the whole row and is refused by
-``LlamaModel.forward``.
+upgrade path. Exact for causal, packed (per-document), sliding-window, soft-capped and sink attention. A
+mixture-of-experts model's load-balancing loss is over the whole rows: its counts, routing probabilities and
+token counts are summed over the group (:class:`~shardtune.models.moe_aux.Routing` with ``group=``), with
+:attr:`ContextBatch.mask` keeping the split's padding out of them.
 """
 
 from __future__ import annotations
@@ -94,13 +95,15 @@ class ContextAttention:
 @dataclass(frozen=True)
 class ContextBatch:
     """This rank's part of a batch: ``tokens``, ``targets`` (already shifted: the label each token
-    predicts, ``-100`` for none) and rope ``position_ids``, all ``[b, S / cp]``; ``shard`` goes to the
-    model's ``context=``."""
+    predicts, ``-100`` for none), rope ``position_ids`` and ``mask`` (1 on the batch's real tokens, 0 on
+    its padding and the split's: what a load-balancing loss counts), all ``[b, S / cp]``; ``shard`` goes
+    to the model's ``context=``."""
 
     tokens: Tensor
     targets: Tensor
     position_ids: Tensor
     shard: ContextShard
+    mask: Tensor
 
 
 def context_group(context_parallel: int, *, device: str) -> dist.ProcessGroup:
@@ -132,19 +135,21 @@ def split_batch(
     *,
     group: dist.ProcessGroup,
     position_ids: Tensor | None = None,
+    attention_mask: Tensor | None = None,
     pad_token: int = 0,
 ) -> ContextBatch:
     """This rank's part of a CPU batch (``tokens``, ``labels`` ``[b, S]`` with HF's convention: the loss
     compares label ``t + 1`` with the prediction at ``t``; packed rows give ``position_ids``, restarting
-    at 0 for every sample) over the ranks of ``group``. Every rank of ``group`` must pass the same batch.
-    Local: no communication."""
+    at 0 for every sample; ``attention_mask``: 0 on padding, None: no padding) over the ranks of ``group``.
+    Every rank of ``group`` must pass the same batch. Local: no communication."""
     if tokens.dim() != 2 or labels.shape != tokens.shape:
         raise ValueError(
             f"split_batch takes tokens and labels of one shape [batch, seq]; got {tuple(tokens.shape)} and "
             f"{tuple(labels.shape)}"
         )
-    if position_ids is not None and position_ids.shape != tokens.shape:
-        raise ValueError(f"position_ids {tuple(position_ids.shape)} must have the tokens' shape {tuple(tokens.shape)}")
+    for name, given in (("position_ids", position_ids), ("attention_mask", attention_mask)):
+        if given is not None and given.shape != tokens.shape:
+            raise ValueError(f"{name} {tuple(given.shape)} must have the tokens' shape {tuple(tokens.shape)}")
     cp, rank = group.size(), dist.get_rank(group)
     batch, seq = tokens.shape
     padded = -(-seq // (2 * cp)) * (2 * cp)
@@ -153,7 +158,9 @@ def split_batch(
     targets[:, :-1] = labels[:, 1:]
     positions = torch.arange(seq).expand(batch, seq) if position_ids is None else position_ids.cpu()
     lengths = [list(row) for row in sample_lengths(positions.clone())]
+    mask = torch.ones_like(tokens) if attention_mask is None else attention_mask.cpu().to(tokens.dtype)
     if pad:
+        mask = torch.cat([mask, mask.new_zeros((batch, pad))], dim=1)
         tokens = torch.cat([tokens, tokens.new_full((batch, pad), pad_token)], dim=1)
         targets = torch.cat([targets, targets.new_full((batch, pad), IGNORE_INDEX)], dim=1)
         positions = torch.cat([positions, positions.new_zeros((batch, pad))], dim=1)
@@ -167,7 +174,7 @@ def split_batch(
         segments=tuple(_segments(row, mine) for row in lengths),
         rope_seq_len=int(positions.max()) + 1,
     )
-    return ContextBatch(tokens[:, mine], targets[:, mine], positions[:, mine], shard)
+    return ContextBatch(tokens[:, mine], targets[:, mine], positions[:, mine], shard, mask[:, mine])
 
 
 def _segments(lengths: list[int], mine: Tensor) -> tuple[Segment, ...]:

@@ -207,7 +207,7 @@ class LlamaModel(nn.Module):
         attention layer gathers keys from (a collective on that group).
         """
         if context is not None:
-            self._check_context(kv_cache, position_ids, sample_lengths)
+            self._check_context(context, kv_cache, position_ids, sample_lengths, routing)
         if kv_cache is not None:
             return self._forward_cached(tokens, kv_cache)
         wanted = _check_layer_ids(output_hidden_states, len(self.layers))
@@ -250,13 +250,18 @@ class LlamaModel(nn.Module):
         return self.norm(h), hidden
 
     def _check_context(
-        self, kv_cache: KVCache | None, position_ids: Tensor | None, lengths: Sequence[Sequence[int]] | None
+        self,
+        context: ContextShard,
+        kv_cache: KVCache | None,
+        position_ids: Tensor | None,
+        lengths: Sequence[Sequence[int]] | None,
+        routing: Routing | None,
     ) -> None:
         """Refuse, by name, what a context-parallel forward cannot run exactly (the same on every rank)."""
-        if self.args.moe is not None:
+        if routing is not None and routing.group is not context.group:
             raise ValueError(
-                f"context_parallel > 1 is not supported for mixture-of-experts models ({self.args.model_type}) yet: "
-                "their load-balancing loss is over the whole row; set context_parallel=1"
+                f"context= with routing= ({self.args.model_type}): the load-balancing loss is over the whole rows, "
+                "so the Routing must sum over the cp group: pass Routing(mask=part.mask, group=part.shard.group)"
             )
         if kv_cache is not None:
             raise ValueError("context= and kv_cache= do not combine: generate without context parallelism")

@@ -14,6 +14,13 @@ the forward is done) is added by an identity node on the layer's MoE output
 ``weight * aux_loss`` to the loss through a node whose backward records ``scale`` first: every
 layer's backward depends on the loss's gradient, so it always runs before them. Without
 ``add_to`` the routers get no gradient from the aux loss (it is not in the loss).
+
+Context parallel (``group=``, the rank's ``cp`` group): each rank routes its part of the rows, so
+counts, probability sums and rows are summed over the group once per forward (one all-reduce, the
+first time the loss is read) and every rank's aux loss is the whole rows'. The whole rows' loss
+weighs the sum of the ranks' weights, so ``_AddAux``'s backward sums each rank's ``scale`` over the
+group (one scalar all-reduce) and each rank's ``P`` gets that gradient: the same total as one
+process whose ``P`` is the ranks' sum.
 """
 
 from __future__ import annotations
@@ -21,7 +28,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+
+from shardtune.state_dict import comm
 
 __all__ = ["Routing"]
 
@@ -32,10 +42,14 @@ class Routing:
     ``mask`` (``[batch, seq]``, nonzero for tokens that count; transformers' ``attention_mask``)
     leaves padding out of the loss; None counts every token. ``router_logits[layer]`` is that
     layer's ``[batch * seq, E]`` router logits (detached), transformers' ``router_logits``.
+    ``group``: the ranks whose tokens make up the rows (context parallel; each rank passes the ``mask`` of
+    its part, :attr:`~shardtune.models.context_parallel.ContextBatch.mask`); the loss is then collective.
     """
 
-    def __init__(self, *, mask: Tensor | None = None) -> None:
+    def __init__(self, *, mask: Tensor | None = None, group: dist.ProcessGroup | None = None) -> None:
         self.mask = mask
+        self.group = group
+        self._reduced: tuple[Tensor, Tensor, Tensor | float] | None = None  # the group's totals, once per forward
         self.router_logits: dict[int, Tensor] = {}
         self._counts: dict[int, Tensor] = {}
         self._probs: dict[int, Tensor] = {}
@@ -70,6 +84,24 @@ class Routing:
         return prob_sums
 
     def _totals(self) -> tuple[Tensor, Tensor, Tensor | float]:
+        """Counts, probability sums and rows over every layer (and every rank of ``group``).
+
+        Collective on ``group`` the first time (the values are then kept: recomputation records the same)."""
+        if self.group is None:
+            return self._local_totals()
+        if self._reduced is None:
+            count_sum, prob_sum, rows = self._local_totals()
+            local = torch.cat(
+                [count_sum, prob_sum, torch.as_tensor(rows, dtype=torch.float32).reshape(1).to(count_sum)]
+            )
+            device = comm.comm_device(local.device)
+            totals = comm.to_transfer(local, device)
+            dist.all_reduce(totals, group=self.group)
+            count_sum, prob_sum, row_sum = totals.to(local.device).split([count_sum.numel(), prob_sum.numel(), 1])
+            self._reduced = count_sum, prob_sum, row_sum[0]
+        return self._reduced
+
+    def _local_totals(self) -> tuple[Tensor, Tensor, Tensor | float]:
         counts, probs, rows = self._counts, self._probs, self._rows
         layers = sorted(counts)
         count_sum, prob_sum, row_sum = counts[layers[0]], probs[layers[0]], rows[layers[0]]
@@ -78,7 +110,10 @@ class Routing:
         return count_sum, prob_sum, row_sum
 
     def aux_loss(self) -> Tensor:
-        """The load-balancing loss of this forward (a detached fp32 scalar; 0 without sparse layers)."""
+        """The load-balancing loss of this forward (a detached fp32 scalar; 0 without sparse layers).
+
+        Collective: with ``group``, call on all its ranks (the first read sums the group's totals); each rank
+        returns the whole rows' loss."""
         if not self._counts:
             return torch.zeros((), dtype=torch.float32)
         count_sum, prob_sum, rows = self._totals()
@@ -86,13 +121,16 @@ class Routing:
 
     def expert_counts(self) -> Tensor:
         """The tokens (the mask's) each expert of each sparse layer was routed, ``[layers * E]`` fp32
-        in layer order (empty without sparse layers)."""
+        in layer order (empty without sparse layers); with ``group`` this rank's tokens only."""
         if not self._counts:
             return torch.zeros(0, dtype=torch.float32)
         return torch.cat([self._counts[i] for i in sorted(self._counts)])
 
     def add_to(self, loss: Tensor, weight: float) -> Tensor:
-        """``loss + weight * aux_loss()``; backward through it gives the routers the aux loss's gradient."""
+        """``loss + weight * aux_loss()``; backward through it gives the routers the aux loss's gradient.
+
+        Collective: with ``group``, call on all its ranks, and run backward on all of them (it sums their
+        weights); each rank's routers get the gradient of the aux loss weighed by the group's summed weight."""
         return _AddAux.apply(loss, self.aux_loss().to(loss.device), weight, self)
 
     def probs_grad(self) -> Tensor | None:
@@ -131,6 +169,12 @@ class _AddAux(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         routing: Routing = ctx.routing
-        routing._scale = grad.detach().float() * ctx.weight
+        scale = grad.detach().float() * ctx.weight
+        if routing.group is not None:  # the whole rows' aux loss weighs every rank's weight
+            device = comm.comm_device(scale.device)
+            summed = comm.to_transfer(scale.reshape(1), device)
+            dist.all_reduce(summed, group=routing.group)
+            scale = summed.to(scale.device)[0]
+        routing._scale = scale
         routing._grad = None
         return grad, None, None, None

@@ -140,8 +140,6 @@ def _check_parallelism(cfg: Config, *, device: torch.device, world: int) -> None
         raise ValueError(
             f"context_parallel={cp} does not divide the world size {world}; set it to a divisor of {world}"
         )
-    if cp > 1 and cfg.expert_parallel > 1:
-        raise ValueError("context_parallel > 1 and expert_parallel > 1 do not combine yet; set one of them to 1")
 
 
 def _agree_on_config(cfg: Config) -> None:
@@ -428,10 +426,15 @@ def build_training(
 def next_token_loss_of(cfg: Config, run: Run, model: nn.Module) -> LossFn:
     """The full and LoRA recipes' loss as ``cfg`` sets it: next-token cross-entropy in chunks of
     ``loss_chunk_tokens``, plus ``router_aux_loss_coef`` times the routers' load-balancing loss for MoE models;
-    with ``context_parallel`` > 1 every row split over the rank's ``cp`` group (MoE models are refused there)."""
+    with ``context_parallel`` > 1 every row split over the rank's ``cp`` group (the aux loss the whole rows')."""
     if run.context is not None:
         return split_next_token_loss(
-            model, group=run.context, device=run.device, chunk_tokens=cfg.loss_chunk_tokens, compile=cfg.compile
+            model,
+            group=run.context,
+            device=run.device,
+            chunk_tokens=cfg.loss_chunk_tokens,
+            compile=cfg.compile,
+            router_aux_loss_coef=cfg.router_aux_loss_coef,
         )
     return next_token_loss(
         model,
@@ -472,15 +475,20 @@ def build_evaluator(cfg: Config, run: Run, model: nn.Module, tokenizer) -> Evalu
 
     A mixture-of-experts model's validation loss adds ``router_aux_loss_coef`` times each batch's
     load-balancing loss, as its fine-tuning ``loss`` does (and TRL's ``eval_loss``, transformers'
-    ``out.loss`` with ``output_router_logits=True``): ``val_loss`` and ``loss`` compare."""
+    ``out.loss`` with ``output_router_logits=True``): ``val_loss`` and ``loss`` compare. With
+    ``context_parallel`` > 1 every row is split over the rank's ``cp`` group, as in training."""
     if cfg.validation_dataset is None:
         return None
     dataset = build_dataset(
         _dataset_specs(cfg.validation_dataset), tokenizer, max_seq_len=cfg.max_seq_len, packed=False
     )
     aux = RouterAux.of(model, cfg.router_aux_loss_coef)
+    split = None if run.context is None else next_token_loss_of(cfg, run, model)  # the rank's part of a batch
 
     def loss_sum(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        if split is not None:
+            loss, n_tokens, *_ = split(batch)
+            return loss * n_tokens, n_tokens
         tokens, labels, packing = on_device(batch, run.device)
         head_loss = next_token_head_loss(labels, cfg.loss_chunk_tokens)
         n_tokens = label_tokens(batch["labels"])
@@ -494,6 +502,7 @@ def build_evaluator(cfg: Config, run: Run, model: nn.Module, tokenizer) -> Evalu
         batch_size=cfg.batch_size,
         collate_fn=lambda batch: collate(batch, pad_id=tokenizer.pad_id),
         loss_sum=loss_sum,
+        context_parallel=run.context_parallel,
     )
 
 

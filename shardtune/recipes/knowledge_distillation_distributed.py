@@ -6,7 +6,7 @@ Student and teacher may differ in size but share the vocabulary. A mixture-of-ex
 adds its routers' load-balancing loss (``router_aux_loss_coef``, logged as ``aux_loss``) as its
 fine-tuning loss does; a mixture-of-experts teacher only forwards. With ``context_parallel`` > 1
 student and teacher both run on the rank's part of every row (the same split), and the loss is
-summed over the rank's label tokens, as the fine-tuning loss is (dense models only).
+summed over the rank's label tokens, as the fine-tuning loss is (a student's aux loss the whole rows').
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from torch import nn
 
 from shardtune.config import Config
 from shardtune.models.chunked_loss import Head, chunked_distillation_loss, frozen_head
-from shardtune.models.context_parallel import IGNORE_INDEX, split_batch
+from shardtune.models.context_parallel import IGNORE_INDEX
 from shardtune.recipes import builders as setup
 from shardtune.recipes._entry import main
-from shardtune.training.step_loss import RouterAux, on_device, token_mean_loss
+from shardtune.training.step_loss import RouterAux, on_device, split_context_batch, token_mean_loss
 
 NAME = "knowledge_distillation_distributed"
 TEACHER_SEED = 4321  # the tiny teacher preset, when created, differs from the tiny student base
@@ -68,7 +68,9 @@ def distillation_loss_fn(
     aux = RouterAux.of(model, router_aux_loss_coef)
 
     if group is not None:
-        return _split_loss_fn(model, teacher, group=group, device=device, kd_ratio=kd_ratio, chunk_tokens=chunk_tokens)
+        return _split_loss_fn(
+            model, teacher, group=group, device=device, kd_ratio=kd_ratio, chunk_tokens=chunk_tokens, aux=aux
+        )
 
     def loss_fn(batch):
         tokens, labels, packing = on_device(batch, device)
@@ -101,12 +103,13 @@ def _split_loss_fn(
     device: torch.device,
     kd_ratio: float,
     chunk_tokens: int | None,
+    aux: RouterAux | None,
 ):
     """:func:`distillation_loss_fn` with every row split over ``group``: student and teacher on the rank's part.
-    Collective on ``group`` (both models' attention layers)."""
+    Collective on ``group`` (both models' attention layers, the student's aux loss)."""
 
     def loss_fn(batch):
-        part = split_batch(batch["tokens"], batch["labels"], group=group, position_ids=batch.get("position_ids"))
+        part = split_context_batch(batch, group)
         tokens = part.tokens.to(device, non_blocking=True)
         targets = part.targets.to(device, non_blocking=True)
         forward = {"position_ids": part.position_ids.to(device, non_blocking=True), "context": part.shard}
@@ -121,7 +124,9 @@ def _split_loss_fn(
             )
 
         n_tokens = int((part.targets != IGNORE_INDEX).sum())  # the CPU targets: no device sync
-        return model(tokens, **forward, head_loss=head_loss) / max(n_tokens, 1), n_tokens
+        return token_mean_loss(
+            model, tokens, batch, head_loss=head_loss, aux=aux, device=device, n_tokens=n_tokens, part=part, **forward
+        )
 
     return loss_fn
 

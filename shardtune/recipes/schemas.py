@@ -93,6 +93,11 @@ DATASET_SCHEMA = Schema(
 )
 
 
+def _int_over_1(cfg: dict[str, Any], key: str) -> bool:
+    value = cfg.get(key, 1)
+    return isinstance(value, int) and value > 1
+
+
 def _check_base(cfg: dict[str, Any]) -> list[str]:
     problems = []
     model, checkpoint_dir = cfg.get("model", ""), cfg.get("checkpoint_dir", "")
@@ -126,6 +131,11 @@ def _check_base(cfg: dict[str, Any]) -> list[str]:
         problems.append(
             f"optimizer.name: {name} does not run with expert_parallel > 1 yet (torchao's compiled step does not "
             "take the experts' two-mesh placements); set optimizer.name=adamw or expert_parallel=1"
+        )
+    if _int_over_1(cfg, "context_parallel") and _int_over_1(cfg, "expert_parallel"):
+        problems.append(
+            "context_parallel > 1 and expert_parallel > 1 do not combine yet (the experts' all-to-alls are not "
+            "checked with split rows); set one of them to 1"
         )
     for key in ("model", "teacher_model"):
         preset = cfg.get(key)
@@ -292,7 +302,8 @@ CONTEXT_PARALLEL = {
         1,
         gt=0,
         help="split every row over groups of N ranks (each a head and a tail chunk), attention exact by gathering "
-        "keys and values; must divide the world size (dense models; full and LoRA fine-tuning, DPO, distillation)",
+        "keys and values; must divide the world size (full and LoRA fine-tuning, DPO, distillation; a "
+        "mixture-of-experts load-balancing loss over the whole rows; not with expert_parallel > 1)",
     )
 }
 

@@ -31,11 +31,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from shardtune.models.chunked_loss import chunked_cross_entropy
-from shardtune.models.context_parallel import IGNORE_INDEX, ContextShard, split_batch, sum_over_context
+from shardtune.models.context_parallel import IGNORE_INDEX, ContextShard, sum_over_context
 from shardtune.models.linear_cross_entropy import head_for_several_losses
 from shardtune.models.preference_losses import preference_loss
 from shardtune.peft.lora import adapter_modules
-from shardtune.training.step_loss import RouterAux
+from shardtune.training.step_loss import RouterAux, split_context_batch
 
 __all__ = ["adapters_disabled", "dpo_loss_fn", "sequence_logps_head_loss"]
 
@@ -99,10 +99,10 @@ def dpo_loss_fn(
     group: dist.ProcessGroup | None = None,
 ):
     """``loss_fn`` for the loop. ``reference(tokens, head_loss, **forward)`` runs the reference model (None, or
-        ``dpo["reference_free"]``: reference-free); ``dpo`` is the config's ``dpo`` section (loss, beta,
-        label_smoothing, simpo_gamma); ``router_aux_loss_coef`` weighs a mixture-of-experts policy's
-        load-balancing loss (None: its config's); ``group``: the rank's ``cp`` group (None: rows are not split;
-    mixture-of-experts models refuse it). Returns ``(mean loss over pairs, pairs, {metric sums})``."""
+    ``dpo["reference_free"]``: reference-free); ``dpo`` is the config's ``dpo`` section (loss, beta,
+    label_smoothing, simpo_gamma); ``router_aux_loss_coef`` weighs a mixture-of-experts policy's
+    load-balancing loss (None: its config's; with ``group`` the whole pairs'); ``group``: the rank's ``cp``
+    group (None: rows are not split). Returns ``(mean loss over pairs, pairs, {metric sums})``."""
     loss, beta, label_smoothing, simpo_gamma = dpo["loss"], dpo["beta"], dpo["label_smoothing"], dpo["simpo_gamma"]
     if dpo["reference_free"]:
         reference = None
@@ -112,17 +112,18 @@ def dpo_loss_fn(
         pairs = batch["tokens"].shape[0] // 2
         counts = (batch["labels"][:, 1:] != -100).sum(-1)  # CPU: no device sync
         forward: dict[str, Any] = {}
+        part = None
         if group is None:
             tokens = batch["tokens"].to(device, non_blocking=True)
             head_loss = sequence_logps_head_loss(batch["labels"].to(device, non_blocking=True), chunk_tokens)
             mine = int(counts.sum())
         else:
-            part = split_batch(batch["tokens"], batch["labels"], group=group)
+            part = split_context_batch(batch, group)
             tokens = part.tokens.to(device, non_blocking=True)
             forward = {"position_ids": part.position_ids.to(device, non_blocking=True), "context": part.shard}
             head_loss = split_logps_head_loss(part.targets.to(device, non_blocking=True), part.shard, chunk_tokens)
             mine = int((part.targets != IGNORE_INDEX).sum())
-        routing = None if aux is None else aux.routing(batch, device)
+        routing = None if aux is None else aux.routing(batch, device, part)
         policy = model(tokens, head_loss=head_loss, routing=routing, **forward)
         ref_chosen = ref_rejected = None
         if reference is not None and loss != "simpo":

@@ -5,6 +5,11 @@ Rule: every sample counts exactly once and every rank runs the same number of fo
 fewer batches than the others runs its last forwards on a batch whose labels are all ignored,
 so FSDP's per-layer all-gathers stay in step and the padding adds nothing. The summed loss and
 token counts are all-reduced once, on the transfer device, and fetched once.
+
+With ``context_parallel`` = ``cp`` the ``cp`` ranks of a group (neighbouring ranks, as
+:func:`~shardtune.models.context_parallel.context_group` makes them) take the same samples, as
+in training; ``loss_sum`` splits each batch over the group and returns the rank's part, so the
+sums over every rank still count each token once.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class Evaluator:
         collate_fn: Callable[[list[Any]], dict[str, torch.Tensor]],
         loss_sum: SumLossFn,
         ignore_index: int = -100,
+        context_parallel: int = 1,
     ) -> None:
         if len(dataset) == 0:  # type: ignore[arg-type]
             raise ValueError("validation_dataset has no samples")
@@ -44,6 +50,7 @@ class Evaluator:
         self.collate_fn = collate_fn
         self.loss_sum = loss_sum
         self.ignore_index = ignore_index
+        self.context_parallel = context_parallel
 
     def _batches(self, rank: int, world: int) -> Iterator[dict[str, torch.Tensor]]:
         """This rank's batches, collated one at a time as the evaluation reaches them."""
@@ -63,6 +70,8 @@ class Evaluator:
         """Collective: call on all ranks. Every rank returns the same loss; the model is left in
         the train/eval mode it had."""
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        cp = self.context_parallel  # the ranks of a cp group read the same samples
+        rank, world = rank // cp, world // cp
         was_training = model.training
         model.eval()
         total: torch.Tensor | None = None

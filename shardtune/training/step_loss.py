@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from shardtune.models import HeadLoss, sample_lengths
 from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
-from shardtune.models.context_parallel import IGNORE_INDEX, split_batch
+from shardtune.models.context_parallel import IGNORE_INDEX, ContextBatch, split_batch
 from shardtune.models.moe_aux import Routing
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "next_token_head_loss",
     "next_token_loss",
     "on_device",
+    "split_context_batch",
     "split_next_token_loss",
     "token_mean_loss",
 ]
@@ -91,29 +92,49 @@ def split_next_token_loss(
     device: torch.device,
     chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
     compile: bool = False,
+    router_aux_loss_coef: float | None = None,
 ):
     """``loss_fn`` for the loop with every row split over ``group`` (context parallel,
     :mod:`shardtune.models.context_parallel`): each rank's next-token cross-entropy over its part of the
     rows and its label tokens, so the loop's sums over ranks are the whole rows' (every rank of ``group``
-    gets the same batch). Collective on ``group`` (the model's attention layers)."""
+    gets the same batch). A mixture-of-experts model adds the whole rows' load-balancing loss per label
+    token (as :func:`next_token_loss`). Collective on ``group`` (the attention layers, the aux loss)."""
+    aux = RouterAux.of(model, router_aux_loss_coef)
 
     def loss_fn(batch: dict[str, torch.Tensor]) -> Any:
-        part = split_batch(batch["tokens"], batch["labels"], group=group, position_ids=batch.get("position_ids"))
+        part = split_context_batch(batch, group)
         n_tokens = int((part.targets != IGNORE_INDEX).sum())  # the CPU targets: no device sync
         targets = part.targets.to(device, non_blocking=True)
 
         def head_loss(hidden: Tensor, head: Any) -> Tensor:
             return chunked_cross_entropy(hidden, head, targets, chunk_tokens=chunk_tokens, compile=compile)
 
-        loss_sum = model(
+        return token_mean_loss(
+            model,
             part.tokens.to(device, non_blocking=True),
+            batch,
+            head_loss=head_loss,
+            aux=aux,
+            device=device,
+            n_tokens=n_tokens,
+            part=part,
             position_ids=part.position_ids.to(device, non_blocking=True),
             context=part.shard,
-            head_loss=head_loss,
         )
-        return loss_sum / max(n_tokens, 1), n_tokens
 
     return loss_fn
+
+
+def split_context_batch(batch: dict[str, Tensor], group: dist.ProcessGroup) -> ContextBatch:
+    """This rank's part of a loader batch (tokens, labels, packed ``position_ids``, ``attention_mask``)
+    split over ``group`` (:func:`~shardtune.models.context_parallel.split_batch`). Local."""
+    return split_batch(
+        batch["tokens"],
+        batch["labels"],
+        group=group,
+        position_ids=batch.get("position_ids"),
+        attention_mask=batch.get("attention_mask"),
+    )
 
 
 def token_mean_loss(
@@ -124,15 +145,18 @@ def token_mean_loss(
     head_loss: HeadLoss,
     aux: RouterAux | None,
     device: torch.device,
+    n_tokens: int | None = None,
+    part: ContextBatch | None = None,
     **forward: Any,
 ) -> Any:
     """What ``loss_fn`` returns for a ``head_loss`` summed over label tokens: ``(its mean, label
     tokens)``, with ``aux``'s load-balancing loss added and ``{"aux_loss": ...}`` for a MoE model.
-    ``forward``: the model's other keywords (packing)."""
-    n_tokens = label_tokens(batch["labels"])
+    ``forward``: the model's other keywords (packing, or a split's ``position_ids`` and ``context``);
+    ``n_tokens``: the label tokens (None: the batch's); ``part``: ``tokens`` are this split of ``batch``."""
+    n_tokens = label_tokens(batch["labels"]) if n_tokens is None else n_tokens
     if aux is None:
         return model(tokens, **forward, head_loss=head_loss) / max(n_tokens, 1), n_tokens
-    routing = aux.routing(batch, device)
+    routing = aux.routing(batch, device, part)
     loss_sum, metrics = aux.add(model(tokens, **forward, head_loss=head_loss, routing=routing), routing, n_tokens)
     return loss_sum / max(n_tokens, 1), n_tokens, metrics
 
@@ -158,8 +182,11 @@ class RouterAux:
         return cls(moe.router_aux_loss_coef if coef is None else coef)
 
     @staticmethod
-    def routing(batch: dict[str, torch.Tensor], device: torch.device) -> Routing:
-        """A :class:`Routing` counting the batch's real tokens (its ``attention_mask``; all without one)."""
+    def routing(batch: dict[str, torch.Tensor], device: torch.device, part: ContextBatch | None = None) -> Routing:
+        """A :class:`Routing` counting the batch's real tokens (its ``attention_mask``; all without one);
+        with ``part`` (the batch split over a ``cp`` group) this rank's real tokens, summed over the group."""
+        if part is not None:
+            return Routing(mask=part.mask.to(device, non_blocking=True), group=part.shard.group)
         mask = batch.get("attention_mask")
         return Routing(mask=None if mask is None else mask.to(device, non_blocking=True))
 
@@ -167,7 +194,7 @@ class RouterAux:
         """``loss_sum`` (summed over ``units`` of the loop's weight) plus ``coef * units * aux_loss``
         (the routers get its gradient), and the metrics ``{"aux_loss": units * aux_loss,
         "tokens_per_expert": the batch's real tokens routed to each expert of each sparse layer}``
-        (1-D: the loop logs its min, max and mean)."""
+        (1-D: the loop logs its min, max and mean). Collective with a ``cp`` group's routing (:class:`Routing`)."""
         if self.coef:
             loss_sum = routing.add_to(loss_sum, self.coef * units)
         metrics = {"aux_loss": routing.aux_loss().to(loss_sum.device) * units}

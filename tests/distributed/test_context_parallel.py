@@ -1,10 +1,11 @@
 """Context parallel (``shardtune.models.context_parallel``) on gloo ranks against one process: packed rows of
 six uneven samples, split over ``cp`` ranks under FSDP2, give the loss and every gradient of the unsplit
 model in one process (fp32, 1e-5 relative), for every dense family's attention (full causal, sliding
-windows, alternating windows with soft-capping, dynamic rope); at cp 2, cp 4 and dp 2 x cp 2, and
-under full and selective activation checkpointing; LoRA and QLoRA (loss and every adapter gradient) and the
-chunked loss likewise. The K/V
-all-gather obeys NCCL's rules. What cannot be split exactly is refused on every rank by name."""
+windows, alternating windows with soft-capping, dynamic rope, Phi-3's longrope with short and long
+factors); at cp 2, cp 4 and dp 2 x cp 2, and under full and selective activation checkpointing; LoRA and
+QLoRA (loss and every adapter gradient) and the chunked loss likewise; mixture-of-experts models with their
+load-balancing loss over the whole rows. The K/V all-gather and the aux loss's sums obey NCCL's rules. What
+cannot be split exactly is refused on every rank by name."""
 
 from __future__ import annotations
 
@@ -25,19 +26,22 @@ pytestmark = pytest.mark.timeout(300)
 TOL = 1e-5
 # Two rows per batch, each six samples of uneven lengths; 61 tokens, so every cp pads its rows.
 LENGTHS = ([13, 7, 20, 3, 11, 7], [5, 17, 9, 12, 4, 14])
+# Rows whose longest sample (40, at row positions 16-55) passes phi3_longrope's original_max_position_embeddings
+# (32): long factors. At cp 2 rank 1 holds row positions 16-47, only that sample's positions 0-31.
+LONG_LENGTHS = ([3, 6, 7, 40, 5], [7, 4, 5, 40, 5])
 FAMILIES = ["llama_yarn", "llama_dynamic", "mistral", "qwen2_sliding", "qwen3", "phi3", "gemma2", "gemma3_text"]
 
 
-def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _batch(seed: int, lengths: tuple[list[int], ...] = LENGTHS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens, labels (-100 on each sample's first token and on a few others) and restarting positions."""
     from tests.unit.test_models_families import VOCAB
 
     gen = torch.Generator().manual_seed(seed)
-    seq = sum(LENGTHS[0])
-    tokens = torch.randint(0, VOCAB, (len(LENGTHS), seq), generator=gen)
+    seq = sum(lengths[0])
+    tokens = torch.randint(0, VOCAB, (len(lengths), seq), generator=gen)
     labels = tokens.clone()
     labels[torch.rand(labels.shape, generator=gen) < 0.1] = -100
-    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in LENGTHS])
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
     labels[positions == 0] = -100
     return tokens, labels, positions
 
@@ -59,7 +63,9 @@ def _adapt(model: torch.nn.Module, adapters: str | None) -> torch.nn.Module:
     return model
 
 
-def _reference(name: str, seeds: list[int], adapters: str | None = None) -> tuple[float, dict[str, torch.Tensor]]:
+def _reference(
+    name: str, seeds: list[int], adapters: str | None = None, lengths: tuple[list[int], ...] = LENGTHS
+) -> tuple[float, dict[str, torch.Tensor]]:
     """The global-token mean loss over every batch and its gradients (of what trains), one unsplit model in one
     process (full logits, no chunking)."""
     from tests.unit.test_models_families import hf_model, ours_from_hf
@@ -67,7 +73,7 @@ def _reference(name: str, seeds: list[int], adapters: str | None = None) -> tupl
     model = _adapt(ours_from_hf(hf_model(name)), adapters).train()
     total, count = torch.zeros(()), 0
     for seed in seeds:
-        tokens, labels, positions = _batch(seed)
+        tokens, labels, positions = _batch(seed, lengths)
         logits = model(tokens, position_ids=positions)
         total = total + F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum")
         count += int((labels[:, 1:] != -100).sum())
@@ -77,7 +83,12 @@ def _reference(name: str, seeds: list[int], adapters: str | None = None) -> tupl
 
 
 def _cp_step(
-    name: str, cp: int, checkpointing: bool | str = False, adapters: str | None = None, chunk: int | None = None
+    name: str,
+    cp: int,
+    checkpointing: bool | str = False,
+    adapters: str | None = None,
+    chunk: int | None = None,
+    lengths: tuple[list[int], ...] = LENGTHS,
 ) -> dict:
     """One forward and backward with rows split over ``cp`` ranks (each ``cp`` group its own batch, seed = its
     data-parallel index), FSDP2 over every rank, the loss in chunks of ``chunk`` tokens (None: whole); the
@@ -90,7 +101,7 @@ def _cp_step(
     _adapt(model, adapters)
     shard_model(model, mesh=make_mesh(), activation_checkpointing=checkpointing)
     group = context_group(cp, device="cpu")
-    tokens, labels, positions = _batch(dist.get_rank() // cp)
+    tokens, labels, positions = _batch(dist.get_rank() // cp, lengths)
     with nccl_rules() as rules:
         rules.host(tokens, labels, positions)
         part = split_batch(tokens, labels, group=group, position_ids=positions)
@@ -109,21 +120,35 @@ def _cp_step(
         "loss": (totals[0] / totals[1]).item(),
         "grads": grads if dist.get_rank() == 0 else None,
         "local": tuple(part.tokens.shape),
+        "rope_seq_len": part.shard.rope_seq_len,
+        "max_position": int(part.position_ids.max()),
         "gathers": rules.counts["funcol.all_gather_into_tensor"],
         "scatters": rules.counts["funcol.reduce_scatter_tensor"],
     }
 
 
 def _families(
-    names: list[str], cp: int, checkpointing: bool | str = False, adapters: str | None = None, chunk: int | None = None
+    names: list[str],
+    cp: int,
+    checkpointing: bool | str = False,
+    adapters: str | None = None,
+    chunk: int | None = None,
+    lengths: tuple[list[int], ...] = LENGTHS,
 ) -> dict:
-    return {name: _cp_step(name, cp, checkpointing, adapters, chunk) for name in names}
+    return {name: _cp_step(name, cp, checkpointing, adapters, chunk, lengths) for name in names}
 
 
 def _check(
-    results: list, name: str, seeds: list[int], *, layers: int = 3, gathers: int = 1, adapters: str | None = None
+    results: list,
+    name: str,
+    seeds: list[int],
+    *,
+    layers: int = 3,
+    gathers: int = 1,
+    adapters: str | None = None,
+    lengths: tuple[list[int], ...] = LENGTHS,
 ) -> None:
-    loss, grads = _reference(name, seeds, adapters)
+    loss, grads = _reference(name, seeds, adapters, lengths)
     first = results[0][name]
     assert {r[name]["loss"] for r in results} == {first["loss"]}  # every rank logs the same loss
     assert abs(first["loss"] - loss) <= TOL * abs(loss), (name, first["loss"], loss)
@@ -141,6 +166,19 @@ def test_cp2_equals_one_process_for_every_dense_family(pool2):
     for name in FAMILIES:
         _check(results, name, [0])
     assert results[0]["llama_yarn"]["local"] == (2, 32)  # 61 tokens padded to 64, half of them per rank
+
+
+def test_cp2_phi3_longrope_equals_one_process_with_short_and_long_factors(pool2):
+    """Phi-3's longrope picks its factors by the longest position of the whole rows (original max 32): rows
+    of samples up to 20 tokens take the short factors, rows with 40-token samples the long ones, also on the
+    rank whose own positions stay below 32; both equal one unsplit process."""
+    name = "phi3_longrope"
+    short = pool2.run_ok(_families, [name], 2, timeout=240)
+    long = pool2.run_ok(_families, [name], 2, False, None, None, LONG_LENGTHS, timeout=240)
+    assert short[0][name]["rope_seq_len"] == 20 and long[0][name]["rope_seq_len"] == 40
+    assert long[1][name]["max_position"] == 31  # alone, this rank would have chosen the short factors
+    _check(short, name, [0])
+    _check(long, name, [0], lengths=LONG_LENGTHS)
 
 
 def test_cp4_and_dp2_cp2_equal_one_process(pool4):
@@ -193,12 +231,18 @@ def _dpo_loss_fn(model: torch.nn.Module, group: dist.ProcessGroup | None):
     return dpo_loss_fn(model, reference=reference, device=torch.device("cpu"), dpo=DPO, chunk_tokens=8, group=group)
 
 
+def _any_hf_model(name: str):
+    """A tiny transformers model of a dense family or of a mixture-of-experts one (``MOE_CONFIGS``)."""
+    from tests.unit.test_models_families import hf_model
+    from tests.unit.test_models_moe import MOE_CONFIGS, hf_moe_model
+
+    return hf_moe_model(name) if name in MOE_CONFIGS else hf_model(name)
+
+
 def _dpo_step(name: str) -> dict:
     """LoRA DPO with both sequences of every pair split over the 2 ranks (FSDP2 over both): the loss, the
     reward sums and rank 0's adapter gradients of the loss over the pairs."""
-    from tests.unit.test_models_families import hf_model
-
-    hf = hf_model(name)
+    hf = _any_hf_model(name)
     model = from_hf_config(hf.config.to_dict()).train()
     model.load_state_dict(hf.state_dict(), strict=True)
     _adapt(model, "lora")
@@ -212,29 +256,35 @@ def _dpo_step(name: str) -> dict:
     grads = {n: p.grad.full_tensor() / pairs for n, p in model.named_parameters() if p.requires_grad}
     return {
         "loss": loss.item(),
-        "metrics": {k: v.item() for k, v in metrics.items()},
+        "metrics": {k: v.tolist() for k, v in metrics.items()},
         "grads": grads if dist.get_rank() == 0 else None,
         "reduces": rules.counts["all_reduce"],
     }
 
 
-def test_cp2_lora_dpo_equals_one_process(pool2):
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_cp2_lora_dpo_equals_one_process(pool2, name):
     """The loss, ``reward_*`` sums and every adapter gradient of LoRA DPO (policy and adapter-off reference) at
-    cp 2 equal one unsplit process (1e-5); the label tokens are each rank's own (their sum: the pairs')."""
-    from tests.unit.test_models_families import hf_model, ours_from_hf
+    cp 2 equal one unsplit process (1e-5); the label tokens are each rank's own (their sum: the pairs'). A
+    mixture-of-experts policy's loss holds its aux loss over the whole pairs (TRL's DPOTrainer's)."""
+    from tests.unit.test_models_families import ours_from_hf
 
-    name = "qwen3"
     results = pool2.run_ok(_dpo_step, name, timeout=240)
-    model = _adapt(ours_from_hf(hf_model(name)), "lora").train()
+    model = _adapt(ours_from_hf(_any_hf_model(name)), "lora").train()
     loss, _, metrics = _dpo_loss_fn(model, None)(_pairs())
     loss.backward()
     first = results[0]
     assert {r["loss"] for r in results} == {first["loss"]}
     assert abs(first["loss"] - loss.item()) <= TOL * abs(loss.item())
     assert sum(r["metrics"]["tokens"] for r in results) == metrics["tokens"].item()
+    # a reward is beta times a difference of fp32 sums of ~100 log-probs: its rounding is absolute (MoE: 1.9e-6)
     for key in ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy"):
-        assert abs(first["metrics"][key] - metrics[key].item()) <= 1e-6, (key, first["metrics"][key], metrics[key])
+        assert abs(first["metrics"][key] - metrics[key].item()) <= 4e-6, (key, first["metrics"][key], metrics[key])
     assert abs(metrics["reward_margin"].item()) > 1e-3  # the adapters move the policy from the reference
+    if "aux_loss" in metrics:  # the whole pairs' on every rank; their tokens routed to each expert summed
+        assert abs(first["metrics"]["aux_loss"] - metrics["aux_loss"].item()) <= TOL * metrics["aux_loss"].item()
+        counts = [sum(c) for c in zip(*(r["metrics"]["tokens_per_expert"] for r in results), strict=True)]
+        assert counts == metrics["tokens_per_expert"].tolist()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert first["grads"].keys() == grads.keys()
     for key, expected in grads.items():
@@ -243,7 +293,85 @@ def test_cp2_lora_dpo_equals_one_process(pool2):
     assert first["reduces"] >= 3  # policy and reference log-prob sums, and the policy's backward
 
 
-def _refused(name: str) -> str:
+MOE_PAD = 4  # the second row's last sample ends in this many padding tokens (attention_mask 0, no labels)
+
+
+def _moe_batch() -> dict[str, torch.Tensor]:
+    """The packed rows of :func:`_batch` as the loader gives them, the second row's pad tail masked."""
+    tokens, labels, positions = _batch(0)
+    mask = torch.ones_like(tokens)
+    mask[1, -MOE_PAD:] = 0
+    labels[1, -MOE_PAD:] = -100
+    return {"tokens": tokens, "labels": labels, "position_ids": positions, "attention_mask": mask}
+
+
+def _moe_reference(name: str) -> tuple[float, float, dict[str, torch.Tensor]]:
+    """One unsplit process: the token-mean cross-entropy plus ``coef`` times transformers' load-balancing loss
+    of the batch's real tokens, that aux loss and every gradient (full logits)."""
+    from shardtune.models.moe_aux import Routing
+    from tests.unit.test_models_moe import hf_moe_model, ours_from
+
+    hf = hf_moe_model(name)
+    model = ours_from(hf).train()
+    batch = _moe_batch()
+    routing = Routing(mask=batch["attention_mask"])
+    logits = model(batch["tokens"], position_ids=batch["position_ids"], routing=routing)
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
+    loss = routing.add_to(ce, hf.config.router_aux_loss_coef)
+    loss.backward()
+    return loss.item(), routing.aux_loss().item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _moe_cp_step(name: str) -> dict:
+    """The full recipes' split loss (:func:`split_next_token_loss`, aux loss in it) on 2 ranks under FSDP2,
+    weighed and scaled as the training loop does: the global loss, aux loss and rank 0's full gradients."""
+    from shardtune.training.step_loss import split_next_token_loss
+    from tests.unit.test_models_moe import hf_moe_model, ours_from
+
+    model = ours_from(hf_moe_model(name)).train()
+    shard_model(model, mesh=make_mesh())
+    loss_fn = split_next_token_loss(
+        model, group=context_group(2, device="cpu"), device=torch.device("cpu"), chunk_tokens=None
+    )
+    batch = _moe_batch()
+    with nccl_rules() as rules:
+        rules.host(batch)
+        loss, n_tokens, metrics = loss_fn(batch)
+        (loss * n_tokens).backward()
+        totals = torch.stack([loss.detach() * n_tokens, torch.tensor(float(n_tokens)), metrics["aux_loss"]])
+        dist.all_reduce(totals)
+    scale = dist.get_world_size() / totals[1].item()  # the loop's: FSDP2 averaged over ranks, the loss per token
+    grads = {n: p.grad.full_tensor() * scale for n, p in model.named_parameters()}  # full_tensor: collective
+    return {
+        "loss": (totals[0] / totals[1]).item(),
+        "aux": (totals[2] / totals[1]).item(),
+        "grads": grads if dist.get_rank() == 0 else None,
+        "reduces": rules.counts["all_reduce"],
+    }
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_cp2_moe_loss_aux_loss_and_grads_equal_one_process(pool2, name):
+    """Qwen3-MoE (a dense layer among sparse ones) and Mixtral (sliding windows), E = 8, top-2, 2I != H: the
+    loss with the load-balancing loss in it, the aux loss and every gradient (routers and experts included) at
+    cp 2 equal one unsplit process (1e-5). The aux loss counts the rows' real tokens over both ranks: the
+    split's padding (61 tokens -> 64) and the batch's pad tail are left out of it."""
+    loss, aux, grads = _moe_reference(name)
+    results = pool2.run_ok(_moe_cp_step, name, timeout=240)
+    first = results[0]
+    assert {(r["loss"], r["aux"]) for r in results} == {(first["loss"], first["aux"])}
+    assert abs(first["aux"] - aux) <= TOL * aux, (first["aux"], aux)
+    assert abs(first["loss"] - loss) <= TOL * loss, (first["loss"], loss)
+    assert first["grads"].keys() == grads.keys()
+    for key, expected in grads.items():
+        assert expected.abs().max() > 0, key
+        diff = ((first["grads"][key] - expected).abs().max() / expected.abs().max()).item()
+        assert diff <= TOL, f"{name} {key}: gradient rel diff {diff:.2e}"
+    assert first["reduces"] >= 2  # the aux loss's totals and, in backward, its weights
+
+
+def _unbound_routing(name: str) -> str:
+    from shardtune.models.moe_aux import Routing
     from tests.unit.test_models_moe import hf_moe_model
 
     hf = hf_moe_model(name, num_hidden_layers=1)
@@ -251,13 +379,13 @@ def _refused(name: str) -> str:
     tokens, labels, positions = _batch(0)
     part = split_batch(tokens % hf.config.vocab_size, labels, group=dist.group.WORLD, position_ids=positions)
     try:
-        model(part.tokens, position_ids=part.position_ids, context=part.shard)
+        model(part.tokens, position_ids=part.position_ids, context=part.shard, routing=Routing(mask=part.mask))
     except ValueError as e:
         return str(e)
     return "not refused"
 
 
-def test_mixture_of_experts_is_refused_on_every_rank(pool2):
-    messages = {o.value for o in pool2.run(_refused, "qwen3_moe", timeout=120)}
+def test_routing_not_summed_over_the_cp_group_is_refused_on_every_rank(pool2):
+    messages = {o.value for o in pool2.run(_unbound_routing, "qwen3_moe", timeout=120)}
     assert len(messages) == 1
-    assert "context_parallel > 1 is not supported for mixture-of-experts models (qwen3_moe)" in messages.pop()
+    assert "the Routing must sum over the cp group" in messages.pop()

@@ -1,9 +1,11 @@
 """``context_parallel=2`` through the full fine-tuning recipe on 2 CPU ranks (packed rows of the tiny demo
 data): both ranks read the same rows and split them, and every logged step's loss and gradient norm equal
-one rank training on the same global batch without the split (2e-6 relative). Checkpoints are ordinary: a
-step-2 checkpoint written at cp 2 continues at cp 2 bitwise, and at cp 1 (and one written at cp 1 at cp 2)
-within the 2e-6 that separates the two degrees in every step. The recipes that do not split rows refuse
-the key by name."""
+one rank training on the same global batch without the split (2e-6 relative), as does the validation loss
+(its rows split too). Checkpoints are ordinary: a step-2 checkpoint written at cp 2 continues at cp 2
+bitwise, and at cp 1 (and one written at cp 1 at cp 2) within the 2e-6 that separates the two degrees in
+every step; ``shardtune generate`` on the cp-trained checkpoint completes as transformers' greedy
+``generate`` does. dp 2 x cp 2 on 4 ranks logs dp 4's steps; the tiny MoE model at cp 2 logs one rank's
+loss and aux loss. The recipes that do not split rows refuse the key by name."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import sys
 import pytest
 
 from tests.recipes.conftest import run_recipe
+from tests.recipes.test_validation import VALIDATION
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -35,6 +38,8 @@ def _rows(out, base, nproc: int, cp: int, *extra: str) -> list[dict]:
         "packed=true",
         "log_every_n_steps=1",
         "save_every_n_steps=2",
+        "eval_every_n_steps=3",
+        *VALIDATION,
         f"context_parallel={cp}",
         *extra,
         nproc=nproc,
@@ -53,6 +58,7 @@ def _resumed_third_step(out, base, rows: list[dict], nproc: int, cp: int, name: 
 
 
 def _close(a: dict, b: dict, tol: float = ACROSS_CP, keys: tuple[str, ...] = ("loss", "grad_norm")) -> None:
+    assert a["step"] == b["step"]
     for key in keys:
         assert abs(a[key] - b[key]) <= tol * abs(b[key]), (a["step"], key, a[key], b[key])
 
@@ -68,10 +74,82 @@ def test_cp2_logs_the_losses_and_norms_of_one_rank_and_resumes_at_either(tiny_di
     assert [r["step"] for r in split] == [r["step"] for r in one] == [1, 2, 3]
     for a, b in zip(split, one, strict=True):
         _close(a, b)
+    _close(split[2], one[2], keys=("val_loss",))  # 7 validation samples, each row split over both ranks
     same = _resumed_third_step(tmp_path / "cp2", base, split, 2, 2, "cp2_at_cp2")
     assert (same["step"], same["loss"], same["grad_norm"]) == (3, split[2]["loss"], split[2]["grad_norm"])
     _close(_resumed_third_step(tmp_path / "cp2", base, split, 1, 1, "cp2_at_cp1"), split[2])
     _close(_resumed_third_step(tmp_path / "one", base, one, 2, 2, "cp1_at_cp2"), one[2])
+
+
+def _generates_as_transformers(directory) -> None:
+    """``shardtune generate`` (the CLI, one process) prints the greedy completion transformers' ``generate``
+    makes from the same files."""
+    import torch
+    import transformers
+
+    from shardtune.generation import load_generator
+
+    prompt = "Name three colors"
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardtune.cli",
+        "generate",
+        str(directory),
+        "--prompt",
+        prompt,
+        "--max_new_tokens",
+        "12",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    g = load_generator(directory)
+    ids = g.prompt_ids(prompt, chat=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
+    want = [i for i in out if i not in g.stop]
+    assert len(want) >= 6, out  # not stopped at once: the comparison sees tokens
+    assert proc.stdout == g.tokenizer.decode(want) + "\n"
+
+
+def test_dp2_cp2_logs_the_steps_of_dp4(tiny_dirs, tmp_path):
+    """The same global batch of 4 packed rows a step: one row on each of 4 ranks, or two rows on each of 2
+    cp groups, split over its 2 ranks. Loss and gradient norm of steps 1-2 agree to the 2e-6 of rounding.
+    The cp-trained checkpoint generates as transformers does (a peak lr of 1e-4: at the demo's 1e-3 the tiny
+    model predicts only EOS after a step, and every greedy comparison would be trivially equal)."""
+
+    def rows(out, cp: int) -> list[dict]:
+        overrides = [f"output_dir={out}", f"checkpoint_dir={tiny_dirs['base']}", "epochs=1", "max_steps_per_epoch=2"]
+        run_recipe("full_finetune_distributed", "tiny/full", *overrides, "packed=true", "log_every_n_steps=1",
+                   "optimizer.lr=1e-4", f"batch_size={cp}", f"context_parallel={cp}", nproc=4)  # fmt: skip
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    dp4, split = rows(tmp_path / "dp4", 1), rows(tmp_path / "dp2cp2", 2)
+    assert [r["step"] for r in split] == [r["step"] for r in dp4] == [1, 2]
+    for a, b in zip(split, dp4, strict=True):
+        _close(a, b)
+    assert split[1]["loss"] != split[0]["loss"]
+    _generates_as_transformers(tmp_path / "dp2cp2" / "epoch_1")
+
+
+def test_moe_at_cp2_logs_the_loss_and_aux_loss_of_one_rank(tmp_path):
+    """``tiny/moe_full`` (Qwen3-MoE, 8 experts, top-2) on packed rows: at cp 2 every step's loss (the aux
+    loss in it), aux loss, expert counts and gradient norm equal one rank's on the same rows."""
+
+    def rows(out, nproc: int) -> list[dict]:
+        overrides = [f"output_dir={out}", f"checkpoint_dir={tmp_path / 'base'}", "epochs=1", "max_steps_per_epoch=2"]
+        run_recipe("full_finetune_distributed", "tiny/moe_full", *overrides, "packed=true", "batch_size=2",
+                   "log_every_n_steps=1", f"context_parallel={nproc}", nproc=nproc)  # fmt: skip
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    one, split = rows(tmp_path / "one", 1), rows(tmp_path / "cp2", 2)
+    assert [r["step"] for r in split] == [r["step"] for r in one] == [1, 2]
+    for a, b in zip(split, one, strict=True):
+        assert a["aux_loss"] > 0
+        _close(a, b, 1e-5, keys=("loss", "aux_loss", "grad_norm"))
+        assert [a[f"tokens_per_expert_{s}"] for s in ("min", "max", "mean")] == [
+            b[f"tokens_per_expert_{s}"] for s in ("min", "max", "mean")
+        ]
 
 
 def _dpo_rows(out, base, cp: int) -> list[dict]:
@@ -120,3 +198,14 @@ def test_the_early_exit_recipe_refuses_the_key_by_name(tiny_dirs, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "context_parallel: early_exit_finetune_distributed does not split rows" in proc.stdout + proc.stderr
+
+
+def test_expert_parallel_with_context_parallel_is_refused_at_config_read():
+    """Every rank reads the config, so every rank refuses the combination by name before anything starts."""
+    from shardtune.config import ConfigError, load_config
+    from shardtune.recipes.registry import get_recipe
+
+    overrides = ["output_dir=/tmp/unused", "context_parallel=2", "expert_parallel=2"]
+    schema = get_recipe("full_finetune_distributed").schema
+    with pytest.raises(ConfigError, match="context_parallel > 1 and expert_parallel > 1 do not combine yet"):
+        load_config("tiny/moe_full", overrides, schema=schema)
