@@ -12,7 +12,9 @@ run as the policy with its adapters off (LoRA only). One optimizer step per roll
 
 Logged per step (each micro-batch's generation-batch value, weighted by its loss units): the
 rewards per function and in total with their std, completion lengths, TRL's clip ratios,
-entropy and (``beta`` > 0) KL. A resume is bitwise: the rollouts' sampling seeds derive from
+entropy, (``beta`` > 0) KL and ``gen_tokens_per_second`` (completion tokens per second of
+generation, per rank); ``tokens_per_second`` counts the trained completion tokens of every rank
+over the whole step, rollouts included. A resume is bitwise: the rollouts' sampling seeds derive from
 the step the checkpoint records (:func:`~shardtune.rl.rollouts.rollout_generator`).
 """
 
@@ -109,6 +111,7 @@ def recipe_main(cfg: Config) -> None:
         logged = out.metrics | reduce_metrics([loss.metrics], device=run.device)
         # a generation batch's value times its units: the loop divides the sums by the step's units
         metrics = {name: torch.tensor(value * units, dtype=torch.float64) for name, value in logged.items()}
+        metrics["tokens"] = torch.tensor(float(out.mask.sum()), dtype=torch.float64)  # -> tokens_per_second
         return loss.loss_sum / max(units, 1), units, metrics
 
     setup.fit(cfg, run, NAME, training, loss_fn=loss_fn)

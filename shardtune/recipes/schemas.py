@@ -408,11 +408,12 @@ def _check_grpo(cfg: dict[str, Any]) -> list[str]:
     grpo, problems = cfg.get("grpo") or {}, []
     datasets = cfg.get("dataset")
     if any(
-        isinstance(d, dict) and d.get("format") != "instruct"
+        isinstance(d, dict) and d.get("format") not in ("instruct", "chat")
         for d in (datasets if isinstance(datasets, list) else [datasets])
     ):
         problems.append(
-            "dataset: grpo_distributed reads prompts from format: instruct records; set dataset.format=instruct"
+            "dataset: grpo_distributed reads prompts from format: instruct or format: chat records (messages "
+            "ending with a user turn); set dataset.format=instruct or chat"
         )
     if cfg.get("validation_dataset") is not None:
         problems.append("validation_dataset: grpo_distributed does not evaluate a validation set; remove it")

@@ -13,29 +13,29 @@ The sampling generator is seeded from ``(seed, step, micro-batch of the step, ra
 from a checkpoint (which records the step) draws the completions the uninterrupted run drew, with
 no generator state to save.
 
-Prompts come from ``format: instruct`` datasets: the template's prompt of the record's
-``instruction`` (and ``input``); every other column of the record reaches the reward functions
-as TRL's ``**columns`` (e.g. ``answer``).
+Prompts come from ``format: instruct`` or ``format: chat`` datasets (:mod:`shardtune.rl.prompts`);
+every other column of the record reaches the reward functions as TRL's ``**columns`` (e.g.
+``answer``). Each rank times its generation: ``gen_tokens_per_second`` is the completion tokens a
+rank generated per second of generation, over every rank's (total tokens / total seconds).
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset
 
-from shardtune.data.datasets import load_spec_records
-from shardtune.data.templates import get_instruct_template
 from shardtune.data.tokenizer import HFTokenizer
 from shardtune.generation import generate_batch
 from shardtune.rl.advantages import group_advantages, total_rewards
 from shardtune.rl.global_batch import gather_rewards
 from shardtune.rl.logps import token_logps
+from shardtune.rl.prompts import PromptDataset
 from shardtune.rl.rewards import RewardError, RewardFunctions
 from shardtune.state_dict import comm
 
@@ -47,53 +47,6 @@ __all__ = [
     "rollout_generator",
     "rows_logps_head_loss",
 ]
-
-
-class PromptDataset(Dataset):
-    """The prompts of ``format: instruct`` records: item ``i`` is ``{"prompt_ids", "index"}``; the
-    record's text prompt and its other columns are read back by index (:meth:`prompt`, :meth:`columns`)."""
-
-    def __init__(self, specs: Sequence[Mapping[str, Any]], tokenizer: HFTokenizer, *, max_prompt_tokens: int) -> None:
-        self.prompts: list[str] = []
-        self.records: list[dict[str, Any]] = []
-        self.ids: list[list[int]] = []
-        prompt_columns: set[str] = set()
-        for spec in specs:
-            spec, records, source = load_spec_records(spec)
-            if spec["format"] != "instruct":
-                raise ValueError(
-                    f"dataset {source}: format={spec['format']!r}; grpo_distributed reads prompts from "
-                    "format: instruct records (instruction, optional input, and the columns the rewards read)"
-                )
-            template = get_instruct_template(spec["template"])
-            instruction = spec["column_map"].get("instruction", "instruction")
-            inp = spec["column_map"].get("input", "input")
-            prompt_columns |= {instruction, inp}
-            for i, record in enumerate(records):
-                if not isinstance(record.get(instruction), str):
-                    raise ValueError(f"dataset {source} record {i}: column {instruction!r} must hold the prompt text")
-                fields = {**record, "instruction": record[instruction], "input": record.get(inp) or ""}
-                text = (template.prompt if fields["input"] else template.prompt_no_input).format_map(fields)
-                ids = tokenizer.encode(text, add_bos=spec["add_bos"] is not False, add_eos=False)
-                if len(ids) > max_prompt_tokens:
-                    raise ValueError(
-                        f"dataset {source} record {i}: its prompt is {len(ids)} tokens, over max_seq_len - "
-                        f"grpo.max_completion_tokens = {max_prompt_tokens}; raise max_seq_len or shorten the prompt"
-                    )
-                self.prompts.append(text)
-                self.records.append({k: v for k, v in record.items() if k not in prompt_columns})
-                self.ids.append(ids)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return {"prompt_ids": self.ids[index], "index": index}
-
-    def columns(self, indices: Sequence[int]) -> dict[str, list[Any]]:
-        """The records' other columns, one value per index (a column a record lacks reads None)."""
-        names = sorted({k for i in indices for k in self.records[i]})
-        return {name: [self.records[i].get(name) for i in indices] for name in names}
 
 
 def collate_prompts(batch: Sequence[Mapping[str, Any]], *, pad_id: int) -> dict[str, Tensor]:
@@ -147,17 +100,19 @@ def rollout(
     lengths = [int(n) for n in batch["prompt_lengths"]]
     prompt_ids = [batch["tokens"][i, : lengths[i]].tolist() for i in range(len(indices))]
     repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
+    started = time.perf_counter()
     completions = generate_batch(
         model, repeated, max_new_tokens=max_completion_tokens, device=device, generator=generator,
         pad_id=tokenizer.pad_id, temperature=temperature, top_p=top_p, stop=stop,
     )  # fmt: skip
+    gen_seconds = time.perf_counter() - started  # the ids are host lists: the device is done
     rows = [i for i in indices for _ in range(num_generations)]
     problems = comm.Problems()
     local = torch.zeros(len(rows), len(rewards.names))
     with problems.guard("rewards"):
         local = rewards.score(
             [dataset.prompts[i] for i in rows],
-            [tokenizer.decode(c) for c in completions],
+            [dataset.completion(i, tokenizer.decode(c)) for i, c in zip(rows, completions, strict=True)],
             completion_ids=completions,
             columns=dataset.columns(rows),
         )
@@ -167,8 +122,10 @@ def rollout(
         total_rewards(per_func, rewards.weight_tensor()), num_generations=num_generations, scale_rewards=scale_rewards
     )
     start = comm.rank() * len(rows)  # every rank holds batch_size prompts (the sampler drops partial batches)
-    all_lengths = [n for part in comm.all_gather_objects([len(c) for c in completions]) for n in part]
+    gathered = comm.all_gather_objects(([len(c) for c in completions], gen_seconds))
+    all_lengths = [n for lengths, _ in gathered for n in lengths]
     metrics = rewards.metrics(per_func, adv.std_is_zero)
+    metrics["gen_tokens_per_second"] = sum(all_lengths) / max(sum(s for _, s in gathered), 1e-9)
     metrics["completion_length"] = sum(all_lengths) / len(all_lengths)
     metrics["completion_length_max"] = float(max(all_lengths))
     metrics["terminated_ratio"] = sum(  # completions that ended with a stop token (TRL: not clipped)
