@@ -94,6 +94,7 @@ def recipe_main(cfg: Config) -> None:
             model, batch, dataset=dataset, tokenizer=tokenizer, rewards=rewards, num_generations=g.num_generations,
             max_completion_tokens=g.max_completion_tokens, temperature=g.temperature, top_p=g.top_p,
             scale_rewards=g.scale_rewards, stop=stop, generator=generator, device=run.device,
+            gather_weights=g.gather_for_generation,
         )  # fmt: skip
         batch["tokens"] = out.tokens  # the loop counts the trained rows' FLOPs
         tokens = out.tokens.to(run.device)

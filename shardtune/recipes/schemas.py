@@ -446,6 +446,9 @@ GRPO_SECTION = Schema(
         "max_completion_tokens": Field(int, 64, gt=0, help="a completion stops there or at a stop token (EOS)"),
         "temperature": Field(float, 1.0, gt=0, help="sampling temperature (the log-probs divide logits by it too)"),
         "top_p": Field(float, 1.0, gt=0, le=1, help="nucleus sampling"),
+        "gather_for_generation": Field(
+            bool, True, help="rollouts gather the weights once (a rank holds the model), not once per token"
+        ),
         "loss_type": Field(str, "dapo", choices=("grpo", "dr_grpo", "dapo", "bnpo")),
         "epsilon": Field(float, 0.2, ge=0, help="lower clip: the ratio is kept above 1 - epsilon"),
         "epsilon_high": Field((float, None), None, help="upper clip 1 + epsilon_high (null: epsilon)"),

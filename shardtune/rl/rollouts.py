@@ -17,18 +17,22 @@ Prompts come from ``format: instruct`` or ``format: chat`` datasets (:mod:`shard
 every other column of the record reaches the reward functions as TRL's ``**columns`` (e.g.
 ``answer``). Each rank times its generation: ``gen_tokens_per_second`` is the completion tokens a
 rank generated per second of generation, over every rank's (total tokens / total seconds).
+Generation runs with the FSDP2 weights gathered once per rollout (:func:`gathered_for_generation`),
+not once per decode step.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 
 from shardtune.data.tokenizer import HFTokenizer
 from shardtune.generation import generate_batch
@@ -43,6 +47,7 @@ __all__ = [
     "PromptDataset",
     "Rollout",
     "collate_prompts",
+    "gathered_for_generation",
     "rollout",
     "rollout_generator",
     "rows_logps_head_loss",
@@ -90,21 +95,24 @@ def rollout(
     stop: Sequence[int],
     generator: torch.Generator,
     device: torch.device,
+    gather_weights: bool = True,
 ) -> Rollout:
     """Collective: call on all ranks, each with its batch of prompts (the same count on every rank).
 
     Each rank returns its own rows (``num_generations`` per prompt, prompt-major) with their
     advantages over every rank's completions, and the same metrics. A reward function that raises
-    on one rank raises the same :class:`~shardtune.rl.rewards.RewardError` on every rank."""
+    on one rank raises the same :class:`~shardtune.rl.rewards.RewardError` on every rank.
+    ``gather_weights``: generate with the weights gathered once (:func:`gathered_for_generation`)."""
     indices = [int(i) for i in batch["index"]]
     lengths = [int(n) for n in batch["prompt_lengths"]]
     prompt_ids = [batch["tokens"][i, : lengths[i]].tolist() for i in range(len(indices))]
     repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
     started = time.perf_counter()
-    completions = generate_batch(
-        model, repeated, max_new_tokens=max_completion_tokens, device=device, generator=generator,
-        pad_id=tokenizer.pad_id, temperature=temperature, top_p=top_p, stop=stop,
-    )  # fmt: skip
+    with gathered_for_generation(model) if gather_weights else nullcontext():
+        completions = generate_batch(
+            model, repeated, max_new_tokens=max_completion_tokens, device=device, generator=generator,
+            pad_id=tokenizer.pad_id, temperature=temperature, top_p=top_p, stop=stop,
+        )  # fmt: skip
     gen_seconds = time.perf_counter() - started  # the ids are host lists: the device is done
     rows = [i for i in indices for _ in range(num_generations)]
     problems = comm.Problems()
@@ -133,6 +141,31 @@ def rollout(
     ) / len(all_lengths)
     tokens, mask = _rows([prompt_ids[k // num_generations] for k in range(len(rows))], completions, tokenizer.pad_id)
     return Rollout(tokens, mask, adv.advantages[start : start + len(rows)].clone(), metrics)
+
+
+@contextmanager
+def gathered_for_generation(model: torch.nn.Module) -> Iterator[None]:
+    """Collective: call on all ranks. Inside, FSDP2 keeps each unit's parameters gathered after its
+    first forward; on exit every rank holds only its shards again, as before.
+
+    A decode step is a forward, and with ``reshard_after_forward`` each one all-gathers every layer
+    again: a rollout would move the whole model once per generated token. Gathered once, a rank
+    holds the whole model while it generates, as TRL's ``generate`` or a colocated vLLM does."""
+    units: list[tuple[FSDPModule, bool]] = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # FSDP2 has no public getter for a unit's reshard_after_forward, which is restored after
+            group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+            if group is not None:  # a unit with parameters
+                units.append((module, bool(group._reshard_after_forward)))
+    for unit, _ in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit, reshard in units:
+            unit.set_reshard_after_forward(reshard, recurse=False)
+            unit.reshard()
 
 
 def _rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from shardtune.data.tokenizer import HFTokenizer
 from shardtune.distributed import shard_model
@@ -71,7 +72,10 @@ def _rollout_on_ranks(base: str, reward: str) -> dict:
             stop=[tokenizer.eos_id], generator=rollout_generator(seed=SEED, step=0, micro_batch=0, rank=rank),
             device=torch.device("cpu"),
         )  # fmt: skip
-    return {"tokens": out.tokens, "mask": out.mask, "advantages": out.advantages, "metrics": out.metrics}
+    gathers = rules.counts["all_gather_into_tensor"] + rules.counts["all_gather_into_tensor_coalesced"]
+    units = sum(isinstance(m, FSDPModule) for m in model.modules())  # fully_shard units: one all-gather each
+    return {"tokens": out.tokens, "mask": out.mask, "advantages": out.advantages, "metrics": out.metrics,
+            "gathers": gathers, "units": units}  # fmt: skip
 
 
 def test_rollouts_on_two_ranks_match_one_process_by_hand(pool2, tmp_path):
@@ -111,6 +115,8 @@ def test_rollouts_on_two_ranks_match_one_process_by_hand(pool2, tmp_path):
         torch.testing.assert_close(logps, want, rtol=1e-5, atol=1e-5)
     for o in outcomes:
         assert o["metrics"] == outcomes[0]["metrics"]
+        # the weights are gathered once per rollout, not once per decode step (MAX_NEW + 1 forwards)
+        assert 0 < o["gathers"] <= o["units"], (o["gathers"], o["units"])
     assert outcomes[0]["metrics"]["reward"] == pytest.approx(sum(rewards) / len(rewards))
     lengths = [len(c) for _, completions in rows for c in completions]
     assert outcomes[0]["metrics"]["completion_length"] == pytest.approx(sum(lengths) / len(lengths))
