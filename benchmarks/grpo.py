@@ -13,9 +13,11 @@ generation batch of ``world · batch`` prompts:
   over W CPU ranks, one thread each, shardtune's batched KV-cache generation); per step from its
   ``metrics.jsonl``: ``gen_tokens_per_second`` (per rank) and the step time (the step's completion
   tokens over ``tokens_per_second``).
-* ``trl``: ``GRPOTrainer`` in one process with W threads, ``per_device_train_batch_size`` = the whole
-  generation batch, ``model.generate`` (transformers); its generate calls timed and their
-  completion tokens counted (up to and with EOS), its steps timed by a callback.
+* ``trl``: ``GRPOTrainer`` in one process with W threads (``--trl-threads``),
+  ``per_device_train_batch_size`` = the whole generation batch, ``model.generate`` (transformers);
+  its generate calls timed and their completion tokens counted (up to and with EOS), its steps
+  timed by a callback. Run it idle: on a loaded 2-core machine its 2 OpenMP threads collapse
+  (tiny: 36 tokens/s with 2 threads, 953 with 1, in the same minute), so compare ``--trl-threads 1`` too.
 * ``trl_fsdp2``: the same under ``accelerate launch --use_fsdp --fsdp_version 2 --cpu`` on W
   processes, one thread each (``--stacks shardtune,trl,trl_fsdp2``; when it does not run, the table says why).
 
@@ -318,7 +320,8 @@ def report(
     return [
         "GRPO step on CPU: shardtune's grpo_distributed (FSDP2 over "
         f"{world} gloo ranks, 1 thread each, its batched KV-cache generation) against TRL's GRPOTrainer "
-        "(`model.generate`; one process, the same global generation batch). Same model "
+        f"(`model.generate`; one process of {next(iter(works.values()))['trl_threads'] if works else world} "
+        "threads, the same global generation batch). Same model "
         "files, prompts (the digit-sum asset), rewards, sampling, LoRA rank 8 on every projection, DAPO loss, "
         "beta 0, fp32. Rollout tokens/s: completion tokens (up to and with EOS) per second of generation, "
         "per rank and times the ranks; step s: one optimizer step, rollout included; medians after the "
