@@ -20,8 +20,10 @@ weighted by their units), logged as ``aux_loss``.
 
 Logged per step (each micro-batch's generation-batch value, weighted by its loss units): the
 rewards per function and in total with their std, completion lengths, TRL's clip ratios,
-entropy and (``beta`` > 0) KL. A resume is bitwise: the rollouts' sampling seeds derive from
-the step the checkpoint records (:func:`~shardtune.rl.rollouts.rollout_generators`), and
+entropy, (``beta`` > 0) KL and ``gen_tokens_per_second`` (completion tokens per second of
+generation, per rank); ``tokens_per_second`` counts the trained completion tokens of every rank
+over the whole step, rollouts included. A resume is bitwise: the rollouts' sampling seeds derive
+from the step the checkpoint records (:func:`~shardtune.rl.rollouts.rollout_generators`), and
 checkpoints fall on cycle boundaries.
 """
 
@@ -101,7 +103,7 @@ def recipe_main(cfg: Config) -> None:
             model, step_prompts, dataset=dataset, tokenizer=tokenizer, rewards=rewards,
             num_generations=g.num_generations, max_completion_tokens=g.max_completion_tokens,
             temperature=g.temperature, top_p=g.top_p, scale_rewards=g.scale_rewards, stop=stop,
-            seed=cfg.seed, step=progress.step, device=run.device,
+            seed=cfg.seed, step=progress.step, device=run.device, gather_weights=g.gather_for_generation,
         )  # fmt: skip
         old, ref = [], []
         with torch.no_grad():  # once per generation batch, as TRL: the sampling policy's and the reference's
@@ -140,6 +142,7 @@ def recipe_main(cfg: Config) -> None:
         logged = out.metrics | reduce_metrics([loss.metrics], device=run.device)
         # a generation batch's value times its units: the loop divides the sums by the step's units
         metrics = {name: torch.tensor(value * units, dtype=torch.float64) for name, value in logged.items()}
+        metrics["tokens"] = torch.tensor(float(mb.mask.sum()), dtype=torch.float64)  # -> tokens_per_second
         loss_sum = loss.loss_sum
         if aux is not None and routing is not None:
             loss_sum, aux_metrics = aux.add(loss_sum, routing, cycle["aux_weight"])

@@ -91,7 +91,7 @@ RECIPES: dict[str, Recipe] = {
             ("tiny/lora_dpo", "llama3_2/1B_lora_dpo", "llama3_1/8B_lora_dpo"),
         ),
         Recipe("full_dpo_distributed", FULL_DPO_SCHEMA, ("tiny/full_dpo", "llama3_1/8B_full_dpo")),
-        Recipe("grpo_distributed", GRPO_SCHEMA, ("tiny/grpo",)),
+        Recipe("grpo_distributed", GRPO_SCHEMA, ("tiny/grpo", "qwen2_5/1.5B_grpo_lora", "qwen3/8B_grpo_lora")),
     )
 }
 

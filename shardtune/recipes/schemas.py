@@ -419,11 +419,12 @@ def _check_grpo(cfg: dict[str, Any]) -> list[str]:
     grpo, problems = cfg.get("grpo") or {}, []
     datasets = cfg.get("dataset")
     if any(
-        isinstance(d, dict) and d.get("format") != "instruct"
+        isinstance(d, dict) and d.get("format") not in ("instruct", "chat")
         for d in (datasets if isinstance(datasets, list) else [datasets])
     ):
         problems.append(
-            "dataset: grpo_distributed reads prompts from format: instruct records; set dataset.format=instruct"
+            "dataset: grpo_distributed reads prompts from format: instruct or format: chat records (messages "
+            "ending with a user turn); set dataset.format=instruct or chat"
         )
     if cfg.get("validation_dataset") is not None:
         problems.append("validation_dataset: grpo_distributed does not evaluate a validation set; remove it")
@@ -448,6 +449,9 @@ GRPO_SECTION = Schema(
         "max_completion_tokens": Field(int, 64, gt=0, help="a completion stops there or at a stop token (EOS)"),
         "temperature": Field(float, 1.0, gt=0, help="sampling temperature (the log-probs divide logits by it too)"),
         "top_p": Field(float, 1.0, gt=0, le=1, help="nucleus sampling"),
+        "gather_for_generation": Field(
+            bool, True, help="rollouts gather the weights once (a rank holds the model), not once per token"
+        ),
         "loss_type": Field(str, "dapo", choices=("grpo", "dr_grpo", "dapo", "bnpo")),
         "epsilon": Field(float, 0.2, ge=0, help="lower clip: the ratio is kept above 1 - epsilon"),
         "epsilon_high": Field((float, None), None, help="upper clip 1 + epsilon_high (null: epsilon)"),

@@ -17,29 +17,33 @@ training stands and of the prompt alone: a run resumed from a checkpoint (which 
 draws the completions the uninterrupted run drew, and the same global batch draws the same
 completions on any number of ranks, with no generator state to save.
 
-Prompts come from ``format: instruct`` datasets: the template's prompt of the record's
-``instruction`` (and ``input``); every other column of the record reaches the reward functions
-as TRL's ``**columns`` (e.g. ``answer``).
+Prompts come from ``format: instruct`` or ``format: chat`` datasets (:mod:`shardtune.rl.prompts`);
+every other column of the record reaches the reward functions as TRL's ``**columns`` (e.g.
+``answer``). Each rank times its generation: ``gen_tokens_per_second`` is the completion tokens a
+rank generated per second of generation, over every rank's (total tokens / total seconds).
+Generation runs with the FSDP2 weights gathered once per rollout (:func:`gathered_for_generation`),
+not once per decode step.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset
+from torch.distributed.fsdp import FSDPModule
 
-from shardtune.data.datasets import load_spec_records
-from shardtune.data.templates import get_instruct_template
 from shardtune.data.tokenizer import HFTokenizer
 from shardtune.generation import generate_batch
 from shardtune.rl.advantages import group_advantages, total_rewards
 from shardtune.rl.global_batch import gather_rewards
 from shardtune.rl.logps import token_logps
+from shardtune.rl.prompts import PromptDataset
 from shardtune.rl.rewards import RewardError, RewardFunctions
 from shardtune.state_dict import comm
 
@@ -48,57 +52,11 @@ __all__ = [
     "PromptDataset",
     "Rollout",
     "collate_prompts",
+    "gathered_for_generation",
     "rollout",
     "rollout_generators",
     "rows_logps_head_loss",
 ]
-
-
-class PromptDataset(Dataset):
-    """The prompts of ``format: instruct`` records: item ``i`` is ``{"prompt_ids", "index"}``; the
-    record's text prompt and its other columns are read back by index (:meth:`prompt`, :meth:`columns`)."""
-
-    def __init__(self, specs: Sequence[Mapping[str, Any]], tokenizer: HFTokenizer, *, max_prompt_tokens: int) -> None:
-        self.prompts: list[str] = []
-        self.records: list[dict[str, Any]] = []
-        self.ids: list[list[int]] = []
-        prompt_columns: set[str] = set()
-        for spec in specs:
-            spec, records, source = load_spec_records(spec)
-            if spec["format"] != "instruct":
-                raise ValueError(
-                    f"dataset {source}: format={spec['format']!r}; grpo_distributed reads prompts from "
-                    "format: instruct records (instruction, optional input, and the columns the rewards read)"
-                )
-            template = get_instruct_template(spec["template"])
-            instruction = spec["column_map"].get("instruction", "instruction")
-            inp = spec["column_map"].get("input", "input")
-            prompt_columns |= {instruction, inp}
-            for i, record in enumerate(records):
-                if not isinstance(record.get(instruction), str):
-                    raise ValueError(f"dataset {source} record {i}: column {instruction!r} must hold the prompt text")
-                fields = {**record, "instruction": record[instruction], "input": record.get(inp) or ""}
-                text = (template.prompt if fields["input"] else template.prompt_no_input).format_map(fields)
-                ids = tokenizer.encode(text, add_bos=spec["add_bos"] is not False, add_eos=False)
-                if len(ids) > max_prompt_tokens:
-                    raise ValueError(
-                        f"dataset {source} record {i}: its prompt is {len(ids)} tokens, over max_seq_len - "
-                        f"grpo.max_completion_tokens = {max_prompt_tokens}; raise max_seq_len or shorten the prompt"
-                    )
-                self.prompts.append(text)
-                self.records.append({k: v for k, v in record.items() if k not in prompt_columns})
-                self.ids.append(ids)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return {"prompt_ids": self.ids[index], "index": index}
-
-    def columns(self, indices: Sequence[int]) -> dict[str, list[Any]]:
-        """The records' other columns, one value per index (a column a record lacks reads None)."""
-        names = sorted({k for i in indices for k in self.records[i]})
-        return {name: [self.records[i].get(name) for i in indices] for name in names}
 
 
 def collate_prompts(batch: Sequence[Mapping[str, Any]], *, pad_id: int) -> dict[str, Tensor]:
@@ -156,6 +114,7 @@ def rollout(
     seed: int,
     step: int,
     device: torch.device,
+    gather_weights: bool = True,
 ) -> GenerationBatch:
     """Collective: call on all ranks, each with its micro-batches of prompts (the same counts on every rank).
 
@@ -163,7 +122,8 @@ def rollout(
     generated one micro-batch at a time (draws from :func:`rollout_generators` of ``seed``/``step``),
     with their advantages over every rank's completions of every micro-batch, and the same metrics.
     A reward function that raises on one rank raises the same
-    :class:`~shardtune.rl.rewards.RewardError` on every rank."""
+    :class:`~shardtune.rl.rewards.RewardError` on every rank. ``gather_weights``: generate with the
+    weights gathered once (:func:`gathered_for_generation`)."""
     indices = [int(i) for batch in batches for i in batch["index"]]
     prompt_ids = [
         batch["tokens"][i, : int(n)].tolist() for batch in batches for i, n in enumerate(batch["prompt_lengths"])
@@ -171,22 +131,25 @@ def rollout(
     generators = rollout_generators(seed=seed, step=step, indices=indices, num_generations=num_generations)
     completions: list[list[int]] = []
     parts: list[int] = []  # rows of each micro-batch
-    for batch in batches:
-        first = len(completions) // num_generations
-        mine = prompt_ids[first : first + len(batch["index"])]
-        completions += generate_batch(
-            model, [ids for ids in mine for _ in range(num_generations)], max_new_tokens=max_completion_tokens,
-            device=device, generator=generators[len(completions) : len(completions) + len(mine) * num_generations],
-            pad_id=tokenizer.pad_id, temperature=temperature, top_p=top_p, stop=stop,
-        )  # fmt: skip
-        parts.append(len(mine) * num_generations)
+    started = time.perf_counter()
+    with gathered_for_generation(model) if gather_weights else nullcontext():
+        for batch in batches:
+            first = len(completions) // num_generations
+            mine = prompt_ids[first : first + len(batch["index"])]
+            completions += generate_batch(
+                model, [ids for ids in mine for _ in range(num_generations)], max_new_tokens=max_completion_tokens,
+                device=device, generator=generators[len(completions) : len(completions) + len(mine) * num_generations],
+                pad_id=tokenizer.pad_id, temperature=temperature, top_p=top_p, stop=stop,
+            )  # fmt: skip
+            parts.append(len(mine) * num_generations)
+    gen_seconds = time.perf_counter() - started  # the ids are host lists: the device is done
     rows = [i for i in indices for _ in range(num_generations)]
     problems = comm.Problems()
     local = torch.zeros(len(rows), len(rewards.names))
     with problems.guard("rewards"):
         local = rewards.score(
             [dataset.prompts[i] for i in rows],
-            [tokenizer.decode(c) for c in completions],
+            [dataset.completion(i, tokenizer.decode(c)) for i, c in zip(rows, completions, strict=True)],
             completion_ids=completions,
             columns=dataset.columns(rows),
         )
@@ -196,8 +159,10 @@ def rollout(
         total_rewards(per_func, rewards.weight_tensor()), num_generations=num_generations, scale_rewards=scale_rewards
     )
     start = comm.rank() * len(rows)  # every rank holds batch_size prompts (the sampler drops partial batches)
-    all_lengths = [n for part in comm.all_gather_objects([len(c) for c in completions]) for n in part]
+    gathered = comm.all_gather_objects(([len(c) for c in completions], gen_seconds))
+    all_lengths = [n for lengths, _ in gathered for n in lengths]
     metrics = rewards.metrics(per_func, adv.std_is_zero)
+    metrics["gen_tokens_per_second"] = sum(all_lengths) / max(sum(s for _, s in gathered), 1e-9)
     metrics["completion_length"] = sum(all_lengths) / len(all_lengths)
     metrics["completion_length_max"] = float(max(all_lengths))
     metrics["terminated_ratio"] = sum(  # completions that ended with a stop token (TRL: not clipped)
@@ -214,6 +179,31 @@ def rollout(
         )
         first += n
     return GenerationBatch(micro_batches, metrics)
+
+
+@contextmanager
+def gathered_for_generation(model: torch.nn.Module) -> Iterator[None]:
+    """Collective: call on all ranks. Inside, FSDP2 keeps each unit's parameters gathered after its
+    first forward; on exit every rank holds only its shards again, as before.
+
+    A decode step is a forward, and with ``reshard_after_forward`` each one all-gathers every layer
+    again: a rollout would move the whole model once per generated token. Gathered once, a rank
+    holds the whole model while it generates, as TRL's ``generate`` or a colocated vLLM does."""
+    units: list[tuple[FSDPModule, bool]] = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # FSDP2 has no public getter for a unit's reshard_after_forward, which is restored after
+            group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+            if group is not None:  # a unit with parameters
+                units.append((module, bool(group._reshard_after_forward)))
+    for unit, _ in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit, reshard in units:
+            unit.set_reshard_after_forward(reshard, recurse=False)
+            unit.reshard()
 
 
 def _rows(

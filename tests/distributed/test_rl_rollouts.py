@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 from shardtune.data.tokenizer import HFTokenizer
 from shardtune.distributed import shard_model
@@ -74,10 +75,12 @@ def _rollout_on_ranks(base: str, reward: str) -> dict:
             stop=[tokenizer.eos_id], seed=SEED, step=STEP, device=torch.device("cpu"),
         )  # fmt: skip
     parts = out.micro_batches
+    gathers = rules.counts["all_gather_into_tensor"] + rules.counts["all_gather_into_tensor_coalesced"]
+    units = sum(isinstance(m, FSDPModule) for m in model.modules())  # fully_shard units: one all-gather each
     return {
         "tokens": [mb.tokens for mb in parts], "mask": [mb.mask for mb in parts],
         "attention": [mb.attention for mb in parts], "advantages": torch.cat([mb.advantages for mb in parts]),
-        "metrics": out.metrics,
+        "metrics": out.metrics, "gathers": gathers, "units": units,
     }  # fmt: skip
 
 
@@ -120,6 +123,8 @@ def test_rollouts_on_two_ranks_match_one_process_by_hand(pool2, tmp_path):
             torch.testing.assert_close(logps, want, rtol=1e-5, atol=1e-5)
     for o in outcomes:
         assert o["metrics"] == outcomes[0]["metrics"]
+        # the weights are gathered once per rollout, not once per decode step (MAX_NEW + 1 forwards)
+        assert 0 < o["gathers"] <= o["units"], (o["gathers"], o["units"])
     assert outcomes[0]["metrics"]["reward"] == pytest.approx(sum(rewards) / len(rewards))
     lengths = [len(c) for c in completions]
     assert outcomes[0]["metrics"]["completion_length"] == pytest.approx(sum(lengths) / len(lengths))

@@ -70,6 +70,8 @@ def test_grpo_raises_the_reward_logs_its_metrics_and_resumes_bitwise(tiny_dirs, 
                     "completion_length", "frac_reward_zero_std"):  # fmt: skip
             assert math.isfinite(row[key]), (key, row)
         assert 0 < row["completion_length"] <= 8
+        # a rank generates faster than it completes whole steps (rollout + training) per second
+        assert 0 < row["tokens_per_second"] / 2 < row["gen_tokens_per_second"], row
     assert any(row["reward_std"] > 0 for row in rows.values())  # the loss has something to push
     assert rows[1]["kl"] == 0.0  # LoRA's B starts at 0: the policy is the reference
     assert rows[STEPS]["kl"] > 0.0
@@ -164,3 +166,37 @@ def test_mixture_of_experts_grpo_adds_and_logs_the_routers_aux_loss(tiny_dirs, t
         assert row["tokens_per_expert_max"] >= row["tokens_per_expert_min"] >= 0, row
     assert rows[1]["reward_std"] == 0.0 and rows[1]["kl"] == 0.0, rows[1]
     assert rows[1]["loss"] == pytest.approx(0.001 * rows[1]["aux_loss"], rel=1e-6), rows[1]
+
+
+# Chat prompts reach a reward function as TRL passes conversational data.
+CHAT_REWARD_MODULE = """
+def chat_shapes(prompts, completions, **columns):
+    assert all(p[-1]["role"] == "user" for p in prompts), prompts
+    assert all(c[0]["role"] == "assistant" and isinstance(c[0]["content"], str) for c in completions), completions
+    return [sum(ch.isdigit() for ch in c[0]["content"]) / max(len(c[0]["content"]), 1) for c in completions]
+"""
+
+
+def test_grpo_on_chat_prompts_with_the_math_rewards(tiny_dirs, tmp_path, monkeypatch):
+    (tmp_path / "chat_rewards_for_test.py").write_text(CHAT_REWARD_MODULE)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    records = [
+        {"messages": [{"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i)} for i in range(8)
+    ]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "chat"
+    overrides = [
+        f"output_dir={out}", f"checkpoint_dir={tiny_dirs['base']}", "max_steps_per_epoch=2", "batch_size=2",
+        "save_every_n_steps=null", f"dataset.0.path={tmp_path / 'chat.jsonl'}", "dataset.0.format=chat",
+        "dataset.0.template=chat", "grpo.max_completion_tokens=8",
+        "grpo.rewards=[chat_rewards_for_test:chat_shapes,shardtune.rl.math_rewards:math_answer,"
+        "shardtune.rl.math_rewards:math_format]",
+        "grpo.reward_weights=[1.0,1.0,0.2]",
+    ]  # fmt: skip
+    run_recipe("grpo_distributed", "tiny/grpo", *overrides)
+    rows = _rows(out)
+    assert sorted(rows) == [1, 2]
+    for row in rows.values():
+        for key in ("loss", "rewards/chat_shapes/mean", "rewards/math_answer/mean", "rewards/math_format/mean"):
+            assert math.isfinite(row[key]), (key, row)
+        assert row["gen_tokens_per_second"] > 0

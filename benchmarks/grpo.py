@@ -1,0 +1,344 @@
+"""Benchmark of a GRPO step: shardtune's ``grpo_distributed`` against TRL's ``GRPOTrainer`` on the same work.
+
+    python -m benchmarks.grpo --shapes tiny,half --steps 4 --repeats 2     # the lead's idle run
+    python -m benchmarks.grpo --smoke                                      # tiny, 3 steps, no BENCHMARKS.md
+
+Both stacks get the same model files (an HF directory with the byte tokenizer), the same prompts
+(the digit-sum asset through the ``simple`` template), the same rewards (``digit_sum`` + 0.5
+``answer_format``), ``num_generations``, ``max_completion_tokens``, sampling (temperature 1, top-p 1),
+LoRA (rank 8 on every projection), the DAPO loss with beta 0, fp32, and one optimizer step per
+generation batch of ``world · batch`` prompts:
+
+* ``shardtune``: ``shardtune run --nproc_per_node W grpo_distributed --config tiny/grpo`` (FSDP2
+  over W CPU ranks, one thread each, shardtune's batched KV-cache generation); per step from its
+  ``metrics.jsonl``: ``gen_tokens_per_second`` (per rank) and the step time (the step's completion
+  tokens over ``tokens_per_second``).
+* ``trl``: ``GRPOTrainer`` in one process with W threads (``--trl-threads``),
+  ``per_device_train_batch_size`` = the whole generation batch, ``model.generate`` (transformers);
+  its generate calls timed and their completion tokens counted (up to and with EOS), its steps
+  timed by a callback. Run it idle: on a loaded 2-core machine its 2 OpenMP threads collapse
+  (tiny: 36 tokens/s with 2 threads, 953 with 1, in the same minute), so compare ``--trl-threads 1`` too.
+* ``trl_fsdp2``: the same under ``accelerate launch --use_fsdp --fsdp_version 2 --cpu`` on W
+  processes, one thread each (``--stacks shardtune,trl,trl_fsdp2``; when it does not run, the table says why).
+
+The first step of every run is warm-up, not counted; a value is the median over the other steps
+of every repeat. Results print as a Markdown table and, unless ``--no-markdown``/``--smoke``,
+replace the ``grpo`` section of BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.driver import REPO_ROOT, environment_lines, finish
+from benchmarks.train import Shape, hf_dir
+
+MARKERS = ("<!-- grpo:begin -->", "<!-- grpo:end -->")
+# Qwen2.5-0.5B's shape (Llama layers: no q/k/v bias; untied head), ~0.63B parameters
+HALF_B = Shape(hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864, vocab=151936)
+SHAPES = ("tiny", "half")
+METHODS = ("shardtune", "trl", "trl_fsdp2")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPT = "Q: {instruction}\nA: "  # the ``simple`` template tiny/grpo renders the asset with
+
+
+def model_dir(bench_dir: Path, shape: str) -> Path:
+    """The HF directory (weights, byte tokenizer) both stacks load, written once."""
+    from shardtune.data import save_byte_tokenizer
+
+    if shape == "tiny":
+        from shardtune.models.tiny import create_tiny_base
+
+        path = bench_dir / "grpo_tiny"
+        if not (path / "config.json").is_file():
+            create_tiny_base(path)
+        return path
+    path = hf_dir(bench_dir, HALF_B)
+    if not (path / "tokenizer.json").is_file():
+        save_byte_tokenizer(path)
+    return path
+
+
+# --------------------------------------------------------------------------- shardtune
+
+
+def run_shardtune(work: dict[str, Any], out: Path) -> dict[str, Any]:
+    """The recipe on ``work["world"]`` ranks; per-step generation tokens/s (per rank) and step seconds."""
+    shutil.rmtree(out, ignore_errors=True)
+    rows = work["world"] * work["batch"] * work["generations"]
+    cmd = [
+        sys.executable, "-m", "shardtune.cli", "run", "--nproc_per_node", str(work["world"]), "grpo_distributed",
+        "--config", "tiny/grpo", f"output_dir={out}", f"checkpoint_dir={work['model']}", "tokenizer=null",
+        f"max_steps_per_epoch={work['steps']}", f"batch_size={work['batch']}", "save_every_n_steps=null",
+        f"grpo.num_generations={work['generations']}", f"grpo.max_completion_tokens={work['completion']}",
+        f"max_seq_len={work['completion'] + 64}", f"optimizer.lr={work['lr']}", f"seed={work['seed']}",
+        "grpo.epsilon_high=0.28", "grpo.beta=0.0", "grpo.loss_type=dapo", "shuffle=false",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=work["timeout"], env=env, cwd=REPO_ROOT)
+    if proc.returncode != 0:
+        return {"error": (proc.stdout + proc.stderr).strip().splitlines()[-1][:300] if proc.stderr else "failed"}
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {
+        "gen_tokens_per_s": [m["gen_tokens_per_second"] for m in metrics],
+        "step_s": [m["completion_length"] * rows / m["tokens_per_second"] for m in metrics],
+        "completion_length": [m["completion_length"] for m in metrics],
+    }
+
+
+# --------------------------------------------------------------------------- TRL
+
+
+def trl_worker(work: dict[str, Any], out: Path) -> None:
+    """In this process (or every ``accelerate launch`` process): TRL's GRPOTrainer on the work;
+    rank 0 writes per-step generation seconds and tokens, and step seconds, to ``out``."""
+    import torch
+    import transformers
+    import trl
+    from datasets import Dataset
+    from peft import LoraConfig
+    from torch.distributed.tensor import DTensor
+
+    from shardtune.data.sources import asset_path, load_records
+    from shardtune.rl import toy_rewards
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(work["trl_threads"] if world == 1 else 1)  # the same cores: W processes of 1 thread
+    records = load_records(str(asset_path("tiny_digit_sum.jsonl")))
+    dataset = Dataset.from_list([{"prompt": PROMPT.format_map(r), "answer": r["answer"]} for r in records])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(work["model"])
+    args = trl.GRPOConfig(
+        output_dir=str(out.parent / "trl_out"), per_device_train_batch_size=work["batch"] * work["generations"] * work["world"] // world,
+        num_generations=work["generations"], max_completion_length=work["completion"], temperature=1.0, top_p=1.0,
+        loss_type="dapo", beta=0.0, epsilon=0.2, epsilon_high=0.28, learning_rate=work["lr"], lr_scheduler_type="constant",
+        weight_decay=0.0, max_steps=work["steps"], use_cpu=True, bf16=False, report_to="none", logging_steps=1,
+        save_strategy="no", seed=work["seed"], reward_weights=[1.0, 0.5], max_grad_norm=1.0, shuffle_dataset=False,
+        model_init_kwargs={"dtype": torch.float32},
+    )  # fmt: skip
+    trainer = trl.GRPOTrainer(
+        model=work["model"], reward_funcs=[toy_rewards.digit_sum, toy_rewards.answer_format], args=args,
+        train_dataset=dataset, processing_class=tokenizer,
+        peft_config=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS),
+    )  # fmt: skip
+    gen: list[tuple[float, int]] = []
+    steps: list[float] = []
+    eos = tokenizer.eos_token_id
+    generating = trainer.model
+    original = generating.generate
+
+    def timed_generate(*a: Any, **kw: Any) -> Any:
+        started = time.perf_counter()
+        ids = original(*a, **kw)
+        seconds = time.perf_counter() - started
+        prompt = (kw.get("input_ids") if "input_ids" in kw else a[0]).shape[1]
+        completion = ids[:, prompt:]
+        ended = (completion == eos).int().cumsum(1)
+        tokens = int(((ended == 0) | ((ended == 1) & (completion == eos))).sum())  # up to and with EOS
+        gen.append((seconds, tokens))
+        return ids
+
+    generating.generate = timed_generate
+
+    class StepTimer(transformers.TrainerCallback):
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            self.started = time.perf_counter()
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            steps.append(time.perf_counter() - self.started)
+
+    trainer.add_callback(StepTimer())
+    trainer.train()
+    sharded = sum(isinstance(p, DTensor) for p in trainer.model.parameters())
+    how = f"{trainer.accelerator.distributed_type}, {sharded} DTensor parameters, {torch.get_num_threads()} threads"
+    if int(os.environ.get("RANK", "0")) == 0:
+        out.write_text(json.dumps({"gen": gen, "steps": steps, "processes": world, "how": how}))
+
+
+def run_trl(work: dict[str, Any], out: Path, *, fsdp: bool) -> dict[str, Any]:
+    """``trl_worker`` in a fresh process (``fsdp``: W processes under accelerate's FSDP2)."""
+    spec = out.with_suffix(".work.json")
+    spec.write_text(json.dumps(work))
+    out.unlink(missing_ok=True)
+    worker = ["-m", "benchmarks.grpo", "--trl-worker", str(spec), "--trl-out", str(out)]
+    if fsdp:
+        launch = [
+            "--num_processes", str(work["world"]), "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--use_fsdp", "--fsdp_version", "2",
+            "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap",
+            "LlamaDecoderLayer", "--fsdp_state_dict_type", "SHARDED_STATE_DICT",
+        ]  # fmt: skip
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, *worker]  # accelerate launch
+    else:
+        cmd = [sys.executable, *worker]
+    env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env["OMP_NUM_THREADS"] = "1" if fsdp else str(work["trl_threads"])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=work["timeout"], env=env, cwd=REPO_ROOT)
+    if proc.returncode != 0 or not out.is_file():
+        tail = [line for line in (proc.stdout + proc.stderr).strip().splitlines() if "Error" in line or "error" in line]
+        return {"error": (tail[-1] if tail else f"exit {proc.returncode}")[:300]}
+    got = json.loads(out.read_text())
+    per_process = max(1, got["processes"])
+    return {
+        # per rank: one process's tokens over its seconds (a single process is the whole batch)
+        "gen_tokens_per_s": [tokens / max(seconds, 1e-9) for seconds, tokens in got["gen"]],
+        "step_s": got["steps"],
+        "processes": per_process,
+        "how": got["how"],
+    }
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.grpo", description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="tiny,half", help="comma list of tiny, half (Qwen2.5-0.5B-shaped)")
+    p.add_argument("--world", type=int, default=2, help="ranks (shardtune, trl_fsdp2); TRL's threads")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps per run; the first is warm-up")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--batch", type=int, default=2, help="prompts per rank per step (tiny); half: --half-batch")
+    p.add_argument("--half-batch", type=int, default=1)
+    p.add_argument("--generations", type=int, default=4)
+    p.add_argument("--completion", type=int, default=32, help="max_completion_tokens (tiny)")
+    p.add_argument("--half-completion", type=int, default=16)
+    p.add_argument("--trl-threads", type=int, default=None, help="threads of the one TRL process (default: --world)")
+    p.add_argument("--stacks", default="shardtune,trl", help="comma list of shardtune, trl, trl_fsdp2")
+    p.add_argument("--smoke", action="store_true", help="tiny only, 3 steps, no BENCHMARKS.md")
+    p.add_argument("--bench-dir", type=Path, default=REPO_ROOT / "bench_out")
+    p.add_argument("--markdown", type=Path, default=REPO_ROOT / "BENCHMARKS.md")
+    p.add_argument("--no-markdown", action="store_true")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    p.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--trl-out", type=Path, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.trl_worker is not None:
+        trl_worker(json.loads(a.trl_worker.read_text()), a.trl_out)
+        return
+    shapes = ["tiny"] if a.smoke else [s for s in a.shapes.split(",") if s]
+    if unknown := set(shapes) - set(SHAPES):
+        p.error(f"unknown shapes {sorted(unknown)}")
+    steps = 3 if a.smoke else a.steps
+    if steps < 2:
+        p.error("--steps must be at least 2 (the first is warm-up)")
+    methods = [m for m in a.stacks.split(",") if m]
+    if unknown := set(methods) - set(METHODS):
+        p.error(f"unknown stacks {sorted(unknown)}")
+    a.bench_dir.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()[0]
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    works: dict[str, dict[str, Any]] = {}
+    for shape in shapes:
+        half = shape == "half"
+        works[shape] = work = {
+            "model": str(model_dir(a.bench_dir, shape)), "world": a.world, "steps": steps, "seed": 0, "lr": 1e-3,
+            "batch": a.half_batch if half else a.batch, "generations": a.generations,
+            "completion": a.half_completion if half else a.completion, "timeout": a.timeout,
+            "trl_threads": a.trl_threads or a.world,
+        }  # fmt: skip
+        for repeat in range(a.repeats):
+            for method in methods[repeat % len(methods) :] + methods[: repeat % len(methods)]:
+                out = a.bench_dir / f"grpo_{shape}_{method}"
+                started = time.perf_counter()
+                if method == "shardtune":
+                    got = run_shardtune(work, out)
+                else:
+                    got = run_trl(work, out.with_suffix(".json"), fsdp=method == "trl_fsdp2")
+                results.setdefault((shape, method), []).append(got)
+                status = got.get("error") or f"{time.perf_counter() - started:.0f} s"
+                print(f"[{repeat + 1}/{a.repeats}] {shape}/{method}: {status}", file=sys.stderr)
+    command = "python -m benchmarks.grpo " + " ".join(argv if argv is not None else sys.argv[1:])
+    lines = environment_lines(command, load_avg=(load_before, os.getloadavg()[0]), libraries=("transformers", "trl"))
+    section = "\n".join([*lines, "", *report(results, works, world=a.world, trl_fsdp="trl_fsdp2" in methods)])
+    finish(section, markdown=None if (a.smoke or a.no_markdown) else a.markdown, markers=MARKERS)
+    if any("error" in r for (_, method), runs in results.items() if method != "trl_fsdp2" for r in runs):
+        raise SystemExit(1)  # TRL under FSDP2 may not run on CPU: the table's notes say why
+
+
+def _median_after_warmup(runs: list[dict[str, Any]], key: str) -> float | None:
+    values = [v for r in runs if "error" not in r for v in r[key][1:]]
+    return statistics.median(values) if values else None
+
+
+def report(
+    results: dict[tuple[str, str], list[dict[str, Any]]],
+    works: dict[str, dict[str, Any]],
+    *,
+    world: int,
+    trl_fsdp: bool,
+) -> list[str]:
+    """The Markdown table: per shape and stack, medians after the warm-up step."""
+    lines = [
+        "| shape | stack | rollout tokens/s per rank | rollout tokens/s, all ranks | step s | step vs shardtune |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    notes = []
+    for shape in works:
+        base = _median_after_warmup(results.get((shape, "shardtune"), []), "step_s")
+        for (s, method), runs in results.items():
+            if s != shape:
+                continue
+            errors = [r["error"] for r in runs if "error" in r]
+            if len(errors) == len(runs):
+                lines.append(f"| {shape} | {method} | failed | | | |")
+                notes.append(f"- {shape}/{method} did not run: `{errors[0]}`")
+                continue
+            gen = _median_after_warmup(runs, "gen_tokens_per_s")
+            step = _median_after_warmup(runs, "step_s")
+            ranks = world if method != "trl" else 1
+            if gen is None or step is None:
+                continue
+            ratio = f"{step / base:.2f}x" if base else ""
+            lines.append(f"| {shape} | {method} | {gen:.1f} | {gen * ranks:.1f} | {step:.2f} | {ratio} |")
+            how = next((r["how"] for r in runs if "how" in r), None)
+            if how is not None:
+                sharded = not how.split(", ")[1].startswith("0 ")
+                why = (
+                    ""
+                    if sharded or method == "trl"
+                    else ": accelerate does not apply FSDP on CPU, so every process holds the whole model (DDP)"
+                )
+                notes.append(f"- {shape}/{method} ran as {how}{why}")
+    describe = {
+        "tiny": "the tiny/grpo model (Llama, hidden 256, 4 layers, vocab 256, byte tokenizer)",
+        "half": f"Qwen2.5-0.5B-shaped Llama (hidden {HALF_B.hidden}, {HALF_B.layers} layers, 14/2 heads, ffn "
+        f"{HALF_B.ffn}, vocab {HALF_B.vocab}; {HALF_B.params() / 1e9:.2f}B parameters)",
+    }
+    work_lines = [
+        f"- {shape}: {describe[shape]}; per step {work['world'] * work['batch']} prompts x {work['generations']} "
+        f"generations, max_completion_tokens {work['completion']}, {work['steps']} steps per run (the first not counted)"
+        for shape, work in works.items()
+    ]
+    return [
+        "GRPO step on CPU: shardtune's grpo_distributed (FSDP2 over "
+        f"{world} gloo ranks, 1 thread each, its batched KV-cache generation) against TRL's GRPOTrainer "
+        f"(`model.generate`; one process of {next(iter(works.values()))['trl_threads'] if works else world} "
+        "threads, the same global generation batch). Same model "
+        "files, prompts (the digit-sum asset), rewards, sampling, LoRA rank 8 on every projection, DAPO loss, "
+        "beta 0, fp32. Rollout tokens/s: completion tokens (up to and with EOS) per second of generation, "
+        "per rank and times the ranks; step s: one optimizer step, rollout included; medians after the "
+        "warm-up step.",
+        "",
+        *work_lines,
+        "",
+        *lines,
+        "",
+        *notes,
+        *(
+            []
+            if trl_fsdp
+            else ["- TRL with accelerate FSDP2 on CPU was not run here (add trl_fsdp2 to --stacks to try it)."]
+        ),
+    ]
+
+
+if __name__ == "__main__":
+    main()
