@@ -174,6 +174,14 @@ def report(a: argparse.Namespace, results: dict[tuple[str, int], list[dict[str, 
         ),
         f"- Model: Llama, hidden {a.hidden}, {a.layers} layers, {a.heads} heads ({a.kv_heads} kv), vocab {a.vocab}, "
         "fp32, full fine-tuning, activation checkpointing per layer, AdamW; one row per cp group a step",
+        f"- Peak per rank: {'the allocator peak' if a.device != 'cpu' else 'anonymous RSS above the step start'}"
+        + (
+            f"; every rank of every stack runs with glibc's `MALLOC_MMAP_THRESHOLD_={a.mmap_threshold}`, so freed "
+            "blocks leave RSS (glibc's dynamic threshold keeps blocks up to 32 MiB in its heap, where RSS counts "
+            "them after they are freed)"
+            if a.mmap_threshold and a.device == "cpu"
+            else ""
+        ),
         "",
         "| stack | longest row (tokens) | tokens/s (all ranks) | peak per rank |",
         "|---|---:|---:|---|",
@@ -203,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="transformers + FSDP2")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per probe")
+    p.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=1 << 16,
+        help="glibc MALLOC_MMAP_THRESHOLD_ of every rank, every stack (bytes; 0: glibc's dynamic default)",
+    )
     p.add_argument("--bench-dir", type=Path, default=REPO_ROOT / "bench_out")
     p.add_argument("--markdown", type=Path, default=REPO_ROOT / "BENCHMARKS.md")
     p.add_argument(
@@ -215,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         a.start_seq, a.max_seq, a.steps, a.timeout, a.markdown = 64, 256, 1, 300.0, None
         a.budget_mib = 4  # small enough that cp 1 stops short of cp 2
     a.bench_dir.mkdir(parents=True, exist_ok=True)
+    if a.mmap_threshold and a.device == "cpu":
+        # a fixed threshold: freed large blocks go back to the kernel instead of staying in a heap that
+        # RSS counts (glibc raises its dynamic threshold to the largest block freed, up to 32 MiB)
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(a.mmap_threshold)
     hf = hf_dir(a.bench_dir, a)
     degrees = [cp for cp in (1, 2, 4) if cp <= a.world and a.world % cp == 0]
     load_before = os.getloadavg()[0]

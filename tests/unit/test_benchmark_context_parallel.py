@@ -11,7 +11,7 @@ MIB = 1 << 20
 def _options(**over):
     a = bench.argparse.Namespace(
         start_seq=64, max_seq=1024, budget_mib=4, world=2, device="cpu", hidden=64, layers=2, heads=4, kv_heads=2,
-        vocab=128, argv=["--smoke"],
+        vocab=128, argv=["--smoke"], mmap_threshold=1 << 16,
     )  # fmt: skip
     vars(a).update(over)
     return a
