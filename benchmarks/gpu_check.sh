@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One prepared GPU check (at most 12.5 minutes of timeouts on one H200; not run yet): the GPU tests (MoE HF
-# checkpoint load/save among them), then the checkpoint and training-step (dense and MoE) benchmarks on
-# CUDA; with 2 or more GPUs also the MoE step at expert parallel 1 and 2 (2 minutes more; one GPU skips it,
-# saying why). Run from anywhere on a machine with a CUDA GPU and this repository:
+# checkpoint load/save, context-parallel attention and a GRPO run among them), then the checkpoint and
+# training-step (dense and MoE) benchmarks on CUDA; with 2 or more GPUs also the MoE step at expert parallel
+# 1 and 2 and the context-parallel longest row (4.5 minutes more; one GPU skips them, saying why). Run from
+# anywhere on a machine with a CUDA GPU and this repository:
 #   bash benchmarks/gpu_check.sh
 # Assumes torch with CUDA is already installed (CUDA wheels cannot be fetched offline); without
 # torch it installs torch==2.13.0 from the configured index. Outputs go under $OUT when set
@@ -70,6 +71,19 @@ if [ "$gpus" -ge 2 ]; then
     rm -rf "$out/bench_train_moe_ep"/train_moe_h*
 else
     echo "MoE expert-parallel benchmark skipped: expert_parallel=2 needs one GPU per rank, at least 2; this machine has $gpus" \
+        | tee -a "$out/device.txt"
+fi
+
+# Context parallel on CUDA (bf16 SDPA kernels): the longest row a step fits in a per-rank budget at cp 1 and 2 on 2
+# GPUs, against transformers + FSDP2; the "context-parallel-cuda" section. Needs one GPU per rank, at least 2.
+if [ "$gpus" -ge 2 ]; then
+    start=$SECONDS
+    timeout 150 python -m benchmarks.context_parallel --device cuda --world 2 --budget-mib 16000 --hidden 1024 \
+        --layers 8 --heads 16 --kv-heads 8 --vocab 32000 --start-seq 8192 --max-seq 262144 --steps 2 \
+        --bench-dir "$out/bench_cp" --markdown "$out/BENCHMARKS.md" 2>&1 | tee "$out/benchmark_cp_cuda.log" || status=1
+    echo "context-parallel benchmark: $((SECONDS - start)) s" | tee -a "$out/device.txt"
+else
+    echo "context-parallel benchmark skipped: context_parallel=2 needs one GPU per rank, at least 2; this machine has $gpus" \
         | tee -a "$out/device.txt"
 fi
 exit $status

@@ -378,3 +378,63 @@ def test_batched_generation_on_cuda_equals_the_cpu():
         model.init_buffers(device)
         got[device] = generate_batch(model, prompts, device=device, generator=torch.Generator(), **options)
     assert [row[:4] for row in got["cuda"]] == [row[:4] for row in got["cpu"]], got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_context_parallel_segment_attention_on_cuda_equals_masked_sdpa(dtype):
+    """A context-parallel segment's maskless attention (SDPA's CUDA kernels for a prefix and a causal part,
+    merged by log-sum-exp; the log-sum-exps in several blocks of queries) equals SDPA with the explicit
+    mask on the GPU, forward and backward."""
+    import torch.nn.functional as F
+
+    from shardtune.models import attention
+    from shardtune.models.args import ModelArgs
+
+    heads, kv_heads, d, earlier, n = 8, 2, 64, 700, 300
+    layer = attention.Attention(
+        ModelArgs(vocab_size=8, dim=heads * d, n_layers=1, n_heads=heads, n_kv_heads=kv_heads, intermediate_size=8)
+    )
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(2, h, s, d, generator=g, device="cuda", dtype=dtype).requires_grad_()
+        for h, s in ((heads, n), (kv_heads, earlier + n), (kv_heads, earlier + n))
+    )
+    grad = torch.randn(2, heads, n, d, generator=g, device="cuda", dtype=dtype)
+    old = attention.LSE_BLOCK_ELEMENTS
+    attention.LSE_BLOCK_ELEMENTS = 2 * heads * (earlier + n) * 64  # blocks of 64 queries, the last one shorter
+    try:
+        out = layer._prefix_then_causal(q, k, v, earlier)
+        got = torch.autograd.grad(out, (q, k, v), grad)
+    finally:
+        attention.LSE_BLOCK_ELEMENTS = old
+    mask = (
+        torch.arange(earlier + n, device="cuda")[None, :] <= torch.arange(earlier, earlier + n, device="cuda")[:, None]
+    )
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=True)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-5}
+    torch.testing.assert_close(out, ref, **tol)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_tiny_grpo_recipe_rolls_out_and_trains_on_one_gpu(tiny_base, tmp_path):
+    """``grpo_distributed`` on one GPU: batched KV-cache rollouts with the weights gathered, rewards,
+    the policy loss with the k3 KL (adapters off), finite metrics and generation speed logged."""
+    out = tmp_path / "out"
+    _run(
+        "grpo_distributed",
+        "tiny/grpo",
+        f"output_dir={out}",
+        f"checkpoint_dir={tiny_base}",
+        "max_steps_per_epoch=3",
+        "batch_size=4",
+        "save_every_n_steps=null",
+        "grpo.max_completion_tokens=8",
+        "grpo.beta=0.04",
+    )
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3], rows
+    for row in rows:
+        assert all(v == v and abs(v) != float("inf") for v in row.values() if isinstance(v, float)), row
+        assert row["gen_tokens_per_second"] > 0 and row["completion_length"] > 0, row
