@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
+from shardtune.rl.rewards import completion_text
+
 __all__ = ["final_answer", "math_answer", "math_format", "parse_number", "same_answer"]
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -30,14 +32,6 @@ _HASHES = re.compile(r"####[ \t]*([^\n]*)")
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*-?\d+(?:\.\d+)?)?|-?\.\d+")
 _FRAC = re.compile(r"^(-?)\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}$")
 _SIMPLE = re.compile(r"^[+-]?(?:\d+(?:\.\d*)?|\.\d+)$")
-
-
-def _text(completion: Any) -> str:
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, Sequence) and completion and isinstance(completion[-1], dict):
-        return str(completion[-1].get("content", ""))
-    raise TypeError(f"a completion is text or a list of chat messages, got {type(completion).__name__}")
 
 
 def _last_boxed(text: str) -> str | None:
@@ -120,7 +114,7 @@ def math_answer(
         reference = _reference(want)
         if reference is None:
             raise ValueError(f"math_answer: the answer column holds {want!r}, which states no answer")
-        out.append(1.0 if same_answer(final_answer(_text(completion)), reference) else 0.0)
+        out.append(1.0 if same_answer(final_answer(completion_text(completion)), reference) else 0.0)
     return out
 
 
@@ -128,7 +122,7 @@ def math_format(prompts: Sequence[Any], completions: Sequence[Any], **_: Any) ->
     """1.0 for each completion that states its final answer in ``\\boxed{}`` or on a ``####`` line."""
     out = []
     for completion in completions:
-        text = _text(completion)
+        text = completion_text(completion)
         boxed = _last_boxed(text)
         hashes = [h for h in _HASHES.findall(text) if h.strip()]
         out.append(1.0 if (boxed is not None and boxed.strip()) or hashes else 0.0)

@@ -26,9 +26,19 @@ from torch import Tensor
 
 from shardtune.rl.advantages import nanstd, total_rewards
 
-__all__ = ["RewardError", "RewardFunctions", "load_reward_function"]
+__all__ = ["RewardError", "RewardFunctions", "completion_text", "load_reward_function"]
 
 RewardFn = Callable[..., Sequence[Any]]
+
+
+def completion_text(completion: Any) -> str:
+    """A completion's text, as a reward function gets it: a string, or TRL's conversational
+    ``[{"role": "assistant", "content": text}]`` (the last message's content)."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, Sequence) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    raise TypeError(f"a completion is text or a list of chat messages, got {type(completion).__name__}")
 
 
 class RewardError(RuntimeError):

@@ -20,22 +20,16 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from shardtune.rl.rewards import completion_text
+
 __all__ = ["answer_format", "digit_sum", "digit_sum_samples", "sorted_letters", "sorted_letters_samples"]
 
 _ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
 _EXACT = re.compile(r"\s*<answer>[^<]*</answer>\s*", re.DOTALL)
 
 
-def _text(completion: Any) -> str:
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, Sequence) and completion and isinstance(completion[-1], dict):
-        return str(completion[-1].get("content", ""))
-    raise TypeError(f"a completion is text or a list of chat messages, got {type(completion).__name__}")
-
-
 def _answer(completion: Any) -> str | None:
-    found = _ANSWER.findall(_text(completion))
+    found = _ANSWER.findall(completion_text(completion))
     return found[-1].strip() if found else None
 
 
@@ -76,7 +70,7 @@ def answer_format(prompts: Sequence[Any], completions: Sequence[Any], **_: Any) 
     """Reward of the ``<answer>...</answer>`` format."""
     out = []
     for c in completions:
-        text = _text(c)
+        text = completion_text(c)
         out.append(1.0 if _EXACT.fullmatch(text) else 0.5 if "<answer>" in text and "</answer>" in text else 0.0)
     return out
 
