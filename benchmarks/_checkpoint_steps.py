@@ -304,7 +304,8 @@ def _check_params(model: nn.Module, path: str) -> str:
         keys = set(f.keys())
         names = [name for name, _ in model.named_parameters()]
         if keys != set(names):
-            return f"keys differ: only in file {sorted(keys - set(names))[:3]}, only in model {sorted(set(names) - keys)[:3]}"
+            only_file, only_model = sorted(keys - set(names))[:3], sorted(set(names) - keys)[:3]
+            return f"keys differ: only in file {only_file}, only in model {only_model}"
         for name, p in model.named_parameters():
             if not isinstance(p, DTensor) or p.is_meta or p.device != DEVICE:
                 return f"{name}: not a materialized DTensor on {DEVICE} ({type(p).__name__}, {p.device})"

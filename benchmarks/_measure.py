@@ -273,8 +273,9 @@ def spawn_ranks(
     """Run ``target`` (``"module:function"``) once in each of ``world`` fresh processes.
 
     Each rank joins a process group on 127.0.0.1 (gloo; with ``device="cuda"`` NCCL alone, one
-    GPU per rank, which :func:`bench_device` returns) before ``target(**kwargs)`` is called; the JSON-serializable dict it returns is collected per rank. ``root`` is the
-    ranks' working directory and first import path (a source snapshot, for instance).
+    GPU per rank, which :func:`bench_device` returns) before ``target(**kwargs)`` is called; the
+    JSON-serializable dict it returns is collected per rank. ``root`` is the ranks' working
+    directory and first import path (a source snapshot, for instance).
     Raises :class:`RankFailure` with every failing rank's stderr tail if any rank fails.
     """
     with tempfile.TemporaryDirectory(prefix="shardtune-bench-") as tmp:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING, Any
 
-from benchmarks._report import fmt_bytes, fmt_ranks, per_rank_median
+from benchmarks._report import finished_row, fmt_bytes, fmt_ranks
 from benchmarks.driver import MEMORY_COLUMNS, Run, environment_lines
 
 if TYPE_CHECKING:
@@ -32,20 +32,12 @@ def _per_rank(runs: list[Run], get) -> list[float]:
 def summarize(group: str, method: str, runs: list[Run]) -> dict[str, Any]:
     """Medians over the repeats that finished: time (slowest rank), per rank peak, own bytes, bytes read
     (counted and kernel) and written (kernel)."""
-    ok = [r for r in runs if r.error is None]
-    row: dict[str, Any] = {"group": group, "method": method, "runs": len(runs), "ok": len(ok)}
-    row["errors"] = [r.error for r in runs if r.error]
-    if not ok:
-        return row
-    row["times"] = [max(rk["measurement"]["seconds"] for rk in r.ranks) for r in ok]
-    row["seconds"] = statistics.median(row["times"])
-    row["peak"] = per_rank_median(ok, "peak_anon_delta")
-    row["own"] = [rk["own_shard_bytes"] for rk in ok[0].ranks]
-    row["own_experts"] = [rk["own_expert_bytes"] for rk in ok[0].ranks]
-    row["counted_read"] = _per_rank(ok, lambda rk: rk["counted_bytes"]["read"])
-    row["rchar"] = _per_rank(ok, lambda rk: rk["kernel_io"]["rchar"])
-    row["written"] = _per_rank(ok, lambda rk: rk["kernel_io"]["write_bytes"])
-    row["verify"] = sorted({rk["verify"] for r in ok for rk in r.ranks})
+    row, ok = finished_row(group, method, runs)
+    if ok:
+        row["own_experts"] = [rk["own_expert_bytes"] for rk in ok[0].ranks]
+        row["counted_read"] = _per_rank(ok, lambda rk: rk["counted_bytes"]["read"])
+        row["rchar"] = _per_rank(ok, lambda rk: rk["kernel_io"]["rchar"])
+        row["written"] = _per_rank(ok, lambda rk: rk["kernel_io"]["write_bytes"])
     return row
 
 

@@ -44,6 +44,54 @@ def per_rank_median(runs: list[Any], key: str) -> list[float]:
     return [statistics.median(run.ranks[r]["measurement"][key] for run in runs) for r in range(world)]
 
 
+# how a baseline's tensors move between ranks -> what the report says of its bytes
+MESSAGES = {
+    "broadcast": "analytic: broadcast of every full tensor",
+    "scatter": "analytic: distribute_tensor scatter from rank 0",
+    "all_gather": "analytic: full_tensor() all-gather on every rank",
+    "none": "analytic: each rank reads its own chunks from the files; only plans (objects) are exchanged",
+    "own_writes": "analytic: each rank writes its own shards; only plans (objects) are exchanged",
+}
+
+
+def message_bytes(kind: str, size: str, world: int, *, states: int = 1) -> tuple[list[int], list[int], str]:
+    """(received per rank, sent per rank, how) when every param of ``size`` (``states`` tensors of its
+    shape each) moves by ``kind`` (:data:`MESSAGES`), ``Shard(0)`` chunks padded as torch.chunk's."""
+    recv, sent = [0] * world, [0] * world
+    for shape in SIZES[size].param_shapes().values():
+        row = math.prod(shape[1:]) * DTYPE.itemsize * states
+        chunk = math.ceil(shape[0] / world)
+        for r in range(world):
+            if kind == "broadcast":  # every full tensor to every rank
+                recv[r] += 0 if r == 0 else shape[0] * row
+                sent[r] += (world - 1) * shape[0] * row if r == 0 else 0
+            elif kind == "scatter":  # distribute_tensor(src_data_rank=0): padded chunk per rank
+                recv[r] += 0 if r == 0 else chunk * row
+                sent[r] += (world - 1) * chunk * row if r == 0 else 0
+            elif kind == "all_gather":  # DTensor.full_tensor(): padded all-gather on every rank
+                recv[r] += (world - 1) * chunk * row
+                sent[r] += (world - 1) * chunk * row
+    return recv, sent, MESSAGES[kind]
+
+
+def finished_row(group: str, method: str, runs: list[Any]) -> tuple[dict[str, Any], list[Any]]:
+    """A method's row over its ``runs``, and the runs that did not fail. The row: how many ran and
+    finished, their errors and, where any finished, each one's slowest-rank time (``times``) and their
+    median (``seconds``), the per-rank median peak RssAnon Δ (``peak``), each rank's own shard bytes
+    (``own``, from the first) and every rank's verify result."""
+    ok = [r for r in runs if r.error is None]
+    row: dict[str, Any] = {"group": group, "method": method, "runs": len(runs), "ok": len(ok)}
+    row["errors"] = [r.error for r in runs if r.error]
+    if not ok:
+        return row, ok
+    row["times"] = [max(rk["measurement"]["seconds"] for rk in r.ranks) for r in ok]
+    row["seconds"] = statistics.median(row["times"])
+    row["peak"] = per_rank_median(ok, "peak_anon_delta")
+    row["own"] = [rk["own_shard_bytes"] for rk in ok[0].ranks]
+    row["verify"] = sorted({rk["verify"] for r in ok for rk in r.ranks})
+    return row, ok
+
+
 def summarize_runs(
     group: str,
     method: str,

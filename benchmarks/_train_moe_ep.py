@@ -17,8 +17,8 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from benchmarks._report import fmt_bytes
-from benchmarks._train_report import LOSS_RTOL, losses_agree, rows_for
-from benchmarks.driver import Run, environment_lines
+from benchmarks._train_report import LOSS_RTOL, losses_agree, rows_for, section_head
+from benchmarks.driver import Run
 
 if TYPE_CHECKING:
     from benchmarks.train_moe import MoeOptions, MoeShape
@@ -118,16 +118,14 @@ def report(
     degree 1 and with transformers, on every rank). ``summaries[(seq, method)]``: ``train``'s summary plus
     ``all_to_all`` (:func:`all_to_all_per_rank`), None where every run failed."""
     shape, rtol, world = cfg.shape, LOSS_RTOL[cfg.dtype], cfg.world
-    on = "" if cfg.device == "cpu" else " on " + cfg.device.upper()
+    degrees = " vs ".join(map(str, cfg.expert_parallel))
     lines = [
-        f"## MoE training step{on}: expert parallel {' vs '.join(map(str, cfg.expert_parallel))} on {world} ranks "
-        "(`benchmarks/train_moe.py --expert-parallel`)",
-        "",
-        *environment_lines(
-            cfg.command,
+        *section_head(
+            cfg,
+            "MoE training step",
+            f"expert parallel {degrees} on {world} ranks (`benchmarks/train_moe.py --expert-parallel`)",
             load_avg=load_avg,
             libraries=("transformers",),
-            accelerator="no GPU; gloo on 127.0.0.1" if cfg.device == "cpu" else f"{cfg.device}; NCCL",
         ),
         (
             f"- Model: Qwen3-MoE, hidden {shape.hidden}, {shape.layers} layers (all sparse), {shape.experts} experts "

@@ -200,6 +200,20 @@ def targets_rows(cfg: TrainOptions, summaries: Summaries) -> list[str]:
     return out
 
 
+def section_head(
+    cfg: Any, what: str, rest: str, *, load_avg: tuple[float, float], libraries: tuple[str, ...]
+) -> list[str]:
+    """A training-step section's first lines: its title ``## {what}[ on CUDA]: {rest}``, a blank line,
+    and the environment (gloo on CPU, else the device and NCCL). ``cfg``: the script's options."""
+    on = "" if cfg.device == "cpu" else " on " + cfg.device.upper()
+    accelerator = "no GPU; gloo on 127.0.0.1" if cfg.device == "cpu" else f"{cfg.device}; NCCL"
+    return [
+        f"## {what}{on}: {rest}",
+        "",
+        *environment_lines(cfg.command, load_avg=load_avg, libraries=libraries, accelerator=accelerator),
+    ]
+
+
 def report(
     cfg: TrainOptions,
     summaries: Summaries,
@@ -213,14 +227,12 @@ def report(
     ``plots``: title -> PNG (None: matplotlib is not there); ``skipped``: method -> why it did not run."""
     skipped = skipped or {}
     lines = [
-        f"## Training step{'' if cfg.device == 'cpu' else ' on ' + cfg.device.upper()}: shardtune vs transformers + "
-        "FSDP2 and torchtune (`benchmarks/train.py`)",
-        "",
-        *environment_lines(
-            cfg.command,
+        *section_head(
+            cfg,
+            "Training step",
+            "shardtune vs transformers + FSDP2 and torchtune (`benchmarks/train.py`)",
             load_avg=load_avg,
             libraries=("transformers", "peft", "torchao"),
-            accelerator="no GPU; gloo on 127.0.0.1" if cfg.device == "cpu" else f"{cfg.device}; NCCL",
         ),
         *cfg.describe(),
         "",
@@ -248,7 +260,8 @@ def report(
         + " the leanest peer; matmul floor reached ≥ "
         + ", ".join(f"{100 * v:.0f}% ({k})" for k, v in FLOOR_TARGETS.items()),
         "",
-        "| shape | dtype | rows × tokens per rank | tokens/s ÷ fastest peer | peak Δ ÷ leanest peer | matmul floor reached |",
+        "| shape | dtype | rows × tokens per rank | tokens/s ÷ fastest peer | peak Δ ÷ leanest peer | matmul floor "
+        "reached |",
         "|---|---|---|---|---|---|",
         *targets_rows(cfg, summaries),
         "",

@@ -16,10 +16,11 @@ one each repeat):
   ``dcp.load(model.state_dict(), HuggingFaceStorageReader)``).
 * ``save``: materialized sharded model -> HF directory. ``shardtune`` (``save_hf_checkpoint``:
   every rank writes its rows, ``O_DIRECT``), ``shardtune_rank0`` (``shared_filesystem=False``:
-  rank 0 gathers each tensor into a reused ring while a thread writes the previous ones) vs ``dsd`` (``get_model_state_dict(full_state_dict, cpu_offload)``
-  + ``safetensors.torch.save_file`` on rank 0); both fsync their files. Background saves:
-  ``shardtune_async`` (``save_hf_checkpoint(..., sink=StagedSink())``) vs ``dcp_async`` (``dcp.async_save``), timed up to
-  the point training could go on; the writing half is recorded apart. ``*_2nd``: the second
+  rank 0 gathers each tensor into a reused ring while a thread writes the previous ones) vs
+  ``dsd`` (``get_model_state_dict(full_state_dict, cpu_offload)`` + ``safetensors.torch.save_file``
+  on rank 0); both fsync their files. Background saves: ``shardtune_async``
+  (``save_hf_checkpoint(..., sink=StagedSink())``) vs ``dcp_async`` (``dcp.async_save``), timed up
+  to the point training could go on; the writing half is recorded apart. ``*_2nd``: the second
   background save of a process, into the memory the first one kept (untimed setup).
 * ``resume``: model + AdamW state into a fresh meta model and fresh optimizer. ``shardtune``
   (``Checkpointer.resume()``) vs ``dsd`` (``to_empty``, ``get_state_dict``, ``dcp.load``,
@@ -35,7 +36,6 @@ too, and the results replace the ``checkpoint-cuda`` section instead.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import statistics
@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from benchmarks._checkpoint_steps import HF_WEIGHTS, STEPS, hf_storage_reader, model_args
-from benchmarks._fixtures import DTYPE, SIZES, write_random_safetensors
+from benchmarks._fixtures import SIZES, write_random_safetensors
 from benchmarks._measure import spawn_ranks
 from benchmarks._report import (
     CONTRACT_MIN_BYTES,
@@ -56,6 +56,7 @@ from benchmarks._report import (
     fmt_bytes,
     fmt_ranks,
     largest_tensor_bytes,
+    message_bytes,
     model_bytes,
     summarize_runs,
 )
@@ -269,7 +270,6 @@ def _run_round(cfg: Config, g: Group, group: str, index: int) -> list[Run]:
 
 def analytic_bytes(group: str, method: str, size: str, world: int) -> tuple[list[int], list[int], str] | None:
     """(received per rank, sent per rank, how) for the baselines, from the algorithm's messages."""
-    recv, sent = [0] * world, [0] * world
     kind = {
         ("load", "dsd_broadcast"): "broadcast",
         ("load", "torchtune_distribute"): "scatter",
@@ -279,29 +279,7 @@ def analytic_bytes(group: str, method: str, size: str, world: int) -> tuple[list
         ("load", "dcp_hf_reader"): "none",
         ("resume", "dsd"): "none",
     }.get((group, method))
-    if kind is None:
-        return None
-    for shape in SIZES[size].param_shapes().values():
-        row = math.prod(shape[1:]) * DTYPE.itemsize
-        chunk = math.ceil(shape[0] / world)
-        for r in range(world):
-            if kind == "broadcast":  # every full tensor to every rank
-                recv[r] += 0 if r == 0 else shape[0] * row
-                sent[r] += (world - 1) * shape[0] * row if r == 0 else 0
-            elif kind == "scatter":  # distribute_tensor(src_data_rank=0): padded chunk per rank
-                recv[r] += 0 if r == 0 else chunk * row
-                sent[r] += (world - 1) * chunk * row if r == 0 else 0
-            elif kind == "all_gather":  # DTensor.full_tensor(): padded all-gather on every rank
-                recv[r] += (world - 1) * chunk * row
-                sent[r] += (world - 1) * chunk * row
-    how = {
-        "broadcast": "analytic: broadcast of every full tensor",
-        "scatter": "analytic: distribute_tensor scatter from rank 0",
-        "all_gather": "analytic: full_tensor() all-gather on every rank",
-        "none": "analytic: each rank reads its own chunks from the files; only plans (objects) are exchanged",
-        "own_writes": "analytic: each rank writes its own shards; only plans (objects) are exchanged",
-    }[kind]
-    return recv, sent, how
+    return None if kind is None else message_bytes(kind, size, world)
 
 
 # --------------------------------------------------------------------------- summaries
@@ -547,56 +525,72 @@ def render_report(
         ),
         f"- shardtune: sha256 of `shardtune/{{state_dict,checkpoint}}/*.py` = `{fingerprint}`; DCP HF reader {reader}",
         (
-            f"- World {cfg.world}, {cfg.repeats} repeats, groups interleaved, methods interleaved, their order rotated by "
-            f"one each round; {_load_rounds_text(cfg)}every run in fresh processes; page cache **{cache}**"
+            f"- World {cfg.world}, {cfg.repeats} repeats, groups interleaved, methods interleaved, their order rotated "
+            f"by one each round; {_load_rounds_text(cfg)}every run in fresh processes; page cache **{cache}**"
         ),
     ]
     how = [
         "How to read it:",
         (
-            "- *median s (runs)*: per round the slowest rank's `perf_counter` time between two barriers, then the median;"
+            "- *median s (runs)*: per round the slowest rank's `perf_counter` time between two barriers, then the "
+            "median;"
             " each round's time in brackets. *× DSD*: ratio of medians to the DSD method of the same group in this run "
-            "(*× DCP-HF*: to `dcp_hf_reader`). Targets are judged on that ratio of medians; next to it, the ratio within "
+            "(*× DCP-HF*: to `dcp_hf_reader`). Targets are judged on that ratio of medians; next to it, the ratio "
+            "within "
             "each round and its median: the machine's slow and fast spells tend to hit both methods of a round, so the "
             "per-round ratio varies less than either time."
         ),
         (
             "- `load`: the timed step includes opening the files (`safetensors.torch.load_file` mmap for "
-            "`dsd_broadcast`/`torchtune_distribute`; shardtune `preadv`s each rank's rows; with `shared_filesystem=False` "
-            "rank 0 reads its own rows in place and every other rank's rows into one reused buffer, sent point to point)."
+            "`dsd_broadcast`/`torchtune_distribute`; shardtune `preadv`s each rank's rows; with "
+            "`shared_filesystem=False` "
+            "rank 0 reads its own rows in place and every other rank's rows into one reused buffer, sent point to "
+            "point)."
             " `dcp_hf_reader` times "
-            '`model.to_empty(device="cpu")` + `dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(dir))`'
-            " (the DTensors share storage with the params, so they are filled in place). DSD and torchtune load the meta"
+            '`model.to_empty(device="cpu")` + `dcp.load(model.state_dict(), '
+            "storage_reader=HuggingFaceStorageReader(dir))`"
+            " (the DTensors share storage with the params, so they are filled in place). DSD and torchtune load the "
+            "meta"
             " model directly (assign), no `to_empty`."
         ),
         (
             "- `save`: setup (untimed) fills the meta model from per-rank slices of the fixture (no collectives). "
             "shardtune `save_hf_checkpoint(model, dir)`: rank 0 writes headers/config, every rank writes its rows "
             "(the block-aligned middle of each range with `O_DIRECT` from a 16 MiB staging buffer, the unaligned edges "
-            "through the page cache) and fsyncs. `shardtune_rank0`: `save_hf_checkpoint(model, dir, shared_filesystem=False)`, "
+            "through the page cache) and fsyncs. `shardtune_rank0`: `save_hf_checkpoint(model, dir, "
+            "shared_filesystem=False)`, "
             "rank 0 receives each tensor's other rows point to point into its place in a reused ring of memory "
-            "(the largest tensor's size) while a background thread writes the tensors gathered before it. DSD: `get_model_state_dict(full_state_dict=True, cpu_offload=True)`, then rank 0 "
-            "`safetensors.torch.save_file` + `config.json`, **both fsynced (and the directory) inside the timed step**, "
-            "for parity with shardtune, which fsyncs. The output directory is deleted and `os.sync()` called before each "
+            "(the largest tensor's size) while a background thread writes the tensors gathered before it. DSD: "
+            "`get_model_state_dict(full_state_dict=True, cpu_offload=True)`, then rank 0 "
+            "`safetensors.torch.save_file` + `config.json`, **both fsynced (and the directory) inside the timed "
+            "step**, "
+            "for parity with shardtune, which fsyncs. The output directory is deleted and `os.sync()` called before "
+            "each "
             "run (untimed), so no earlier run's dirty pages are written back during it; the disk's write speed still "
-            "varies a lot on this shared VM (`dd` of 1.5 GiB with fsync: 0.3–1.8 GB/s), and both methods are bound by it. "
+            "varies a lot on this shared VM (`dd` of 1.5 GiB with fsync: 0.3–1.8 GB/s), and both methods are bound by "
+            "it. "
             "Verification: every rank reads its own rows of the written file back with `safetensors.safe_open` and "
             "compares them to its shards (keys, dtype, values). Background saves (what `async_save=true` does for "
-            "intermediate checkpoints): `shardtune_async` times `save_hf_checkpoint(model, dir, sink=StagedSink())` (skeleton written, "
-            'a CPU copy of the rank\'s rows taken), `dcp_async` times `dcp.async_save({"model": get_model_state_dict(model)})` '
+            "intermediate checkpoints): `shardtune_async` times `save_hf_checkpoint(model, dir, sink=StagedSink())` "
+            "(skeleton written, "
+            'a CPU copy of the rank\'s rows taken), `dcp_async` times `dcp.async_save({"model": '
+            "get_model_state_dict(model)})` "
             "(DCP format, its own gloo group); their writing halves (`flush()` / `future.result()`, fsynced) run "
             "right after, untimed but recorded below the table. `shardtune_async`/`dcp_async` are a process's first "
             "background save (the copy goes to fresh memory); `shardtune_async_2nd`/`dcp_async_2nd` its second, into "
             "memory kept from the first (untimed setup: a `StagingMemory`, resp. DCP's caching `DefaultStager` without "
-            "pinning, and one whole background save through it, its directory then removed), as `CheckpointOptions(async_save=True)` "
-            "does by default; their peak Δ excludes the kept copy, which is in the baseline. `dcp_async*` are verified by "
+            "pinning, and one whole background save through it, its directory then removed), as "
+            "`CheckpointOptions(async_save=True)` "
+            "does by default; their peak Δ excludes the kept copy, which is in the baseline. `dcp_async*` are verified "
+            "by "
             "`dcp.load` into zeroed shards. Their memory holds the copy by design (contract n/a)."
         ),
         (
             "- `resume`: setup once per invocation (untimed, outside the repeats): params from the fixture, one AdamW "
             "(lr 1e-3, foreach=False) step with gradients of ones, then `Checkpointer.save(step=1, epoch=1)` and "
             '`dcp.save({"model", "optim"} of get_state_dict(model, opt))` of that same state. Timed: shardtune '
-            "`Checkpointer(states=(model, optimizer), options=(output_dir, base_dir)).resume()` into a fresh meta model whose AdamW was "
+            "`Checkpointer(states=(model, optimizer), options=(output_dir, base_dir)).resume()` into a fresh meta "
+            "model whose AdamW was "
             'created on the meta params (model + optimizer + training state + RNG); DSD: `model.to_empty("cpu")`, '
             "`get_state_dict(model, opt)` (which initializes AdamW state with a zero-grad step), `dcp.load`, "
             "`set_state_dict` — all inside the timed step. Verification: every shard of params, exp_avg, exp_avg_sq "

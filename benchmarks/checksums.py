@@ -4,10 +4,11 @@
     python -m benchmarks.checksums --smoke          # tiny, 1 repeat, no BENCHMARKS.md
 
 Each repeat is one set of fresh rank processes: the model is filled from the HF fixture and
-given one AdamW step (untimed), then ``Checkpointer(..., options=CheckpointOptions(..., checksums=True/False)).save(step=1,
-epoch=1)`` (model, optimizer, training state; fsynced and published) and, into a fresh meta
-model and optimizer, ``Checkpointer(..., options=CheckpointOptions(..., checksums=True/False)).resume()`` of the checkpoint
-saved with checksums (with them it first verifies every file block, each rank a share). The two
+given one AdamW step (untimed), then
+``Checkpointer(..., options=CheckpointOptions(..., checksums=True/False)).save(step=1, epoch=1)``
+(model, optimizer, training state; fsynced and published) and, into a fresh meta model and
+optimizer, ``Checkpointer(..., options=CheckpointOptions(..., checksums=True/False)).resume()`` of
+the checkpoint saved with checksums (with them it first verifies every file block, each rank a share). The two
 variants alternate, their order rotated each repeat, after an untimed warm-up save and resume
 (a process's first one pays for fresh memory). Use an even number of repeats. Results print as a Markdown table and,
 unless ``--no-markdown``/``--smoke``, replace the ``checksums`` (or with ``--cold``
@@ -171,7 +172,8 @@ def report(
         (
             f"- Model: `{size}` = {SIZES[size]} ({fmt_bytes(model_bytes(size))} bf16) + AdamW state (bf16); "
             f"checkpoint {fmt_bytes(nbytes)}; world {world}, {len(rounds)} repeats, fresh processes each, the two "
-            "variants alternating (order rotated each repeat) after an untimed warm-up save and resume; page cache before each resume: "
+            "variants alternating (order rotated each repeat) after an untimed warm-up save and resume; page cache "
+            "before each resume: "
             f"{'cold (POSIX_FADV_DONTNEED)' if cold else 'warm (files read once, untimed)'}"
         ),
         "",
@@ -190,7 +192,8 @@ def report(
             "processes than wall time, and the checksums' full cost, the helper thread's included"
         ),
         "",
-        "| step | with checksums: median CPU s (runs) | without | with / without (medians) | per-round ratios: median |",
+        "| step | with checksums: median CPU s (runs) | without | with / without (medians) "
+        "| per-round ratios: median |",
         "|---|---|---|---|---|",
     ]
     for step in STEPS:
@@ -219,9 +222,11 @@ def report(
     lines += [
         "",
         (
-            "How to read it: *save* is `Checkpointer.save(step=1, epoch=1)` of the model (HF safetensors), AdamW state, "
+            "How to read it: *save* is `Checkpointer.save(step=1, epoch=1)` of the model (HF safetensors), AdamW "
+            "state, "
             "training state and RNG, fsynced and published; with checksums every rank checksums (CRC32C, `crc32c` "
-            "package) the memory it writes while it writes (a helper thread, overlapping the `pwrite`), and rank 0 gathers "
+            "package) the memory it writes while it writes (a helper thread, overlapping the `pwrite`), and rank 0 "
+            "gathers "
             "and combines the pieces into the manifest: no byte is read back. *resume* is `Checkpointer.resume()` into "
             "a fresh meta model and optimizer; with checksums it first reads and checksums every 64 MiB block of the "
             "checkpoint, each rank a share by bytes, before loading. Times are the slowest rank's, between barriers. "

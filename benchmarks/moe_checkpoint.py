@@ -49,7 +49,7 @@ from typing import Any
 
 from benchmarks import _moe_checkpoint_ep
 from benchmarks._fixtures import write_random_safetensors
-from benchmarks._report import CONTRACT_MIN_BYTES, fmt_bytes, fmt_ranks, per_rank_median
+from benchmarks._report import CONTRACT_MIN_BYTES, finished_row, fmt_bytes, fmt_ranks, per_rank_median
 from benchmarks.driver import (
     MEMORY_COLUMNS,
     Options,
@@ -89,7 +89,8 @@ class MoeCheckpointShape(MoeShape):
         return {**super().hf_config(), **named}
 
     def file_shapes(self, *, fused: bool) -> dict[str, tuple[int, ...]]:
-        """HF key -> shape as transformers' ``save_pretrained`` writes it (``fused``: ``save_original_format=False``)."""
+        """HF key -> shape as transformers' ``save_pretrained`` writes it (``fused``:
+        ``save_original_format=False``)."""
         h, i, e = self.hidden, self.expert_ffn, self.experts
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab, h)}
@@ -201,19 +202,11 @@ def bytes_read(group: str, method: str, row_ranks: list[dict[str, Any]], shape: 
 
 def summarize(group: str, method: str, runs: list[Run], shape: MoeCheckpointShape) -> dict[str, Any]:
     """Medians over the repeats that did not fail; time is the slowest rank of each repeat."""
-    ok = [r for r in runs if r.error is None]
-    row: dict[str, Any] = {"group": group, "method": method, "runs": len(runs), "ok": len(ok)}
-    row["errors"] = [r.error for r in runs if r.error]
-    if not ok:
-        return row
-    row["times"] = [max(rk["measurement"]["seconds"] for rk in r.ranks) for r in ok]
-    row["seconds"] = statistics.median(row["times"])
-    row["peak"] = per_rank_median(ok, "peak_anon_delta")
-    row["peak_file"] = per_rank_median(ok, "peak_file")
-    row["own"] = [rk["own_shard_bytes"] for rk in ok[0].ranks]
-    row["read"] = bytes_read(group, method, ok[0].ranks, shape)
-    row["counted"] = ok[0].ranks[0]["counted_bytes"] is not None
-    row["verify"] = sorted({rk["verify"] for r in ok for rk in r.ranks})
+    row, ok = finished_row(group, method, runs)
+    if ok:
+        row["peak_file"] = per_rank_median(ok, "peak_file")
+        row["read"] = bytes_read(group, method, ok[0].ranks, shape)
+        row["counted"] = ok[0].ranks[0]["counted_bytes"] is not None
     return row
 
 
@@ -309,7 +302,8 @@ def targets(tables: dict[str, list[dict[str, Any]]], shape: MoeCheckpointShape) 
         ratio = mine["seconds"] / dsd["seconds"]
         out.append(
             (
-                f"save: time ≤ {SAVE_TARGET} × DSD full-state gather + save_pretrained (shardtune / dsd_save_pretrained)",
+                f"save: time ≤ {SAVE_TARGET} × DSD full-state gather + save_pretrained "
+                "(shardtune / dsd_save_pretrained)",
                 f"{mine['seconds']:.2f} s / {dsd['seconds']:.2f} s = {ratio:.2f}{_per_round(mine, dsd)}",
                 ratio <= SAVE_TARGET,
             )
@@ -334,6 +328,11 @@ def report(
         for r in rs
         if r["errors"]
     ]
+    cold_or_warm = (
+        "cold (POSIX_FADV_DONTNEED before each run)"
+        if cfg.cold
+        else "warm (the file is read just before each run, untimed)"
+    )
     lines = [
         "## MoE HF checkpoint load and save (`benchmarks/moe_checkpoint.py`)",
         "",
@@ -349,7 +348,7 @@ def report(
             f"- World {cfg.world} (gloo), experts `Shard(0)` ({shape.experts // cfg.world} whole experts per rank); "
             f"{cfg.repeats} repeats, "
             "groups and methods interleaved, their order rotated by one each repeat, every run in fresh processes; "
-            f"page cache {'cold (POSIX_FADV_DONTNEED before each run)' if cfg.cold else 'warm (the file is read just before each run, untimed)'}; "
+            f"page cache {cold_or_warm}; "
             f"the output directory is removed and `os.sync()` called before each run. shardtune sources: sha256 of "
             f"`shardtune/{{state_dict,checkpoint}}/*.py` = `{core}`, copied before the first run"
         ),
@@ -377,14 +376,17 @@ def report(
         MEMORY_COLUMNS,
         "- *own shard*: this rank's parameter bytes after the step; *own + one tensor*: that plus the largest file "
         "tensor (the memory contract). `transformers_fsdp2` holds the whole model on every rank before `fully_shard`.",
-        "- *bytes read per rank*: counted by `shardtune.state_dict.stats` for shardtune (safetensors bytes it read); for "
+        "- *bytes read per rank*: counted by `shardtune.state_dict.stats` for shardtune (safetensors bytes it read); "
+        "for "
         "the peers what they ask for (their reads go through `safe_open`'s mmap, which no counter sees): "
         "`from_pretrained` the whole file on every rank, DCP each rank's own shards and own experts. *peak RssFile*: "
         "file pages mapped at the peak (the mmap readers' footprint).",
         "- Targets are judged on the ratio of the medians; the ratio within each repeat is given beside it.",
         "- *verify*: after the step (untimed) every rank's shards equal a reference cut of the file by safetensors + "
-        "`torch.cat`/`torch.stack` (load), or the written directory's keys, shapes and values equal the input's (save).",
-        "- `save` setup (untimed): `load_hf_checkpoint` of the per-expert directory, so shardtune writes per expert (the "
+        "`torch.cat`/`torch.stack` (load), or the written directory's keys, shapes and values equal the input's "
+        "(save).",
+        "- `save` setup (untimed): `load_hf_checkpoint` of the per-expert directory, so shardtune writes per expert "
+        "(the "
         "layout it read), as `save_pretrained` does by default; both fsync their files.",
         *(["", "Notes:", *(f"- {n}" for n in notes)] if notes else []),
     ]
@@ -419,7 +421,8 @@ def parse(argv: list[str] | None) -> MoeCheckpointOptions:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; exit status 1 if a run failed or a verification did not pass (a missed target is reported, not an error)."""
+    """Run the benchmark; exit status 1 if a run failed or a verification did not pass (a missed target is
+    reported, not an error)."""
     cfg = parse(argv)
     cfg.bench_dir.mkdir(parents=True, exist_ok=True)
     dirs = {

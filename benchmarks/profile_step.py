@@ -50,22 +50,12 @@ class ProfileOptions(Options):
 
 def run(*, hf: str, rows: int, seq: int, vocab: int, steps: int, mode: str) -> dict[str, Any]:
     """One run on this rank: build, warm-up, ``steps`` timed steps, one profiled step."""
-    from benchmarks.train import _shardtune, measure_run, shardtune_optimizer
+    from benchmarks.train import _shardtune, measure_run
 
     device = bench_device()
     torch.manual_seed(0)
-    model, loss_fn = _shardtune("full", hf, device, activation_checkpointing=CHECKPOINTING[mode])
-    return measure_run(
-        model,
-        loss_fn,
-        device=device,
-        rows=rows,
-        seq=seq,
-        vocab=vocab,
-        steps=steps,
-        floor_dtype=torch.float32,
-        optimizer=shardtune_optimizer,
-    )
+    built = _shardtune("full", hf, device, activation_checkpointing=CHECKPOINTING[mode])
+    return measure_run(built, device=device, rows=rows, seq=seq, vocab=vocab, steps=steps, floor_dtype=torch.float32)
 
 
 def summarize(run_: Run) -> dict[str, Any]:
@@ -94,7 +84,8 @@ def report(cfg: ProfileOptions, results: dict[tuple[str, str], dict[str, Any] | 
         *environment_lines(cfg.command, load_avg=load_avg, libraries=("transformers",)),
         "- Shapes: "
         + "; ".join(
-            f"*{name}*: Llama hidden {s.hidden}, {s.layers} layers, vocabulary {s.vocab}, {rows} × {seq} tokens per rank"
+            f"*{name}*: Llama hidden {s.hidden}, {s.layers} layers, vocabulary {s.vocab}, {rows} × {seq} "
+            "tokens per rank"
             for name, (s, rows, seq) in cfg.shapes.items()
         ),
         f"- shardtune full fine-tuning, fp32, world {cfg.world}, FSDP2 per layer + root, chunked loss, AdamW; "

@@ -20,19 +20,19 @@ Results print as Markdown tables and, unless ``--no-markdown``/``--smoke``, repl
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks._fixtures import DTYPE, SIZES, write_random_safetensors
+from benchmarks._fixtures import SIZES, write_random_safetensors
 from benchmarks._report import (
     CONTRACT_MIN_BYTES,
     GIB,
     fmt_bytes,
     fmt_ranks,
     largest_tensor_bytes,
+    message_bytes,
     model_bytes,
     summarize_runs,
 )
@@ -183,16 +183,8 @@ def run_all(
 # --------------------------------------------------------------------------- analytic bytes
 
 
-def _rows(n0: int, world: int) -> tuple[int, list[int]]:
-    """Padded chunk rows and each rank's real rows for ``Shard(0)`` (torch.chunk rule)."""
-    chunk = math.ceil(n0 / world)
-    return chunk, [max(0, min(chunk, n0 - r * chunk)) for r in range(world)]
-
-
 def analytic_bytes(group: str, method: str, size: str, world: int) -> tuple[list[int], list[int], str] | None:
     """(received per rank, sent per rank, how) for baselines, from the algorithm's messages."""
-    recv, sent = [0] * world, [0] * world
-    states = 2 if group.startswith("optim") else 1
     kind = {
         ("load", "dsd_broadcast"): "broadcast",
         ("optim_load", "dsd"): "broadcast",
@@ -200,27 +192,8 @@ def analytic_bytes(group: str, method: str, size: str, world: int) -> tuple[list
         ("gather", "dsd"): "all_gather",
         ("optim_get", "dsd"): "all_gather",
     }.get((group, method))
-    if kind is None:
-        return None
-    for shape in SIZES[size].param_shapes().values():
-        row = math.prod(shape[1:]) * DTYPE.itemsize * states
-        chunk, _ = _rows(shape[0], world)
-        for r in range(world):
-            if kind == "broadcast":  # every full tensor to every rank
-                recv[r] += 0 if r == 0 else shape[0] * row
-                sent[r] += (world - 1) * shape[0] * row if r == 0 else 0
-            elif kind == "scatter":  # distribute_tensor(src_data_rank=0): padded chunk per rank
-                recv[r] += 0 if r == 0 else chunk * row
-                sent[r] += (world - 1) * chunk * row if r == 0 else 0
-            else:  # DTensor.full_tensor(): padded all-gather on every rank
-                recv[r] += (world - 1) * chunk * row
-                sent[r] += (world - 1) * chunk * row
-    how = {
-        "broadcast": "analytic: broadcast of every full tensor",
-        "scatter": "analytic: distribute_tensor scatter from rank 0",
-        "all_gather": "analytic: full_tensor() all-gather on every rank",
-    }[kind]
-    return recv, sent, how
+    states = 2 if group.startswith("optim") else 1  # AdamW's exp_avg and exp_avg_sq
+    return None if kind is None else message_bytes(kind, size, world, states=states)
 
 
 # --------------------------------------------------------------------------- reporting
@@ -323,7 +296,8 @@ def render_report(
             "are copied before the first run and every rank imports that copy (no mid-run edits leak in)"
         ),
         (
-            f"- World {cfg.world}, {cfg.repeats} repeats, methods interleaved, their order rotated by one each repeat, {processes}; "
+            f"- World {cfg.world}, {cfg.repeats} repeats, methods interleaved, their order rotated by one each repeat, "
+            f"{processes}; "
             f"page cache **{cache}**"
         ),
         "- Files (in `--bench-dir`, default `bench_out/`): " + "; ".join(file_names),
@@ -344,13 +318,15 @@ def render_report(
         ),
         (
             "- *contract*: every rank's peak RssAnon Δ ≤ 1.1 × (bytes the step must newly hold + largest tensor) "
-            "(the memory contract of the state-dict core, docs/architecture.md): `load` into a meta model newly holds the rank's own shard; `gather`/`optim_get` newly "
+            "(the memory contract of the state-dict core, docs/architecture.md): `load` into a meta model newly holds "
+            "the rank's own shard; `gather`/`optim_get` newly "
             "hold the full state on rank 0 and nothing elsewhere; `optim_load` into an optimizer that already has "
             "state newly holds nothing. Own shard of `optim_*` = both AdamW states. A failing rank is named."
         ),
         "- *verify*: after the step (untimed) every rank's shards, or rank 0's full dict, are compared to the files.",
         (
-            "- `gather`/`optim_*` setup (untimed): the sharded model is filled from per-rank file slices (no collectives); "
+            "- `gather`/`optim_*` setup (untimed): the sharded model is filled from per-rank file slices (no "
+            "collectives); "
             "`optim_*` then runs one AdamW step (foreach=False) with gradients of ones; `optim_load` loads step 10, "
             "lr 2e-5 and random states from a file (rank 0 only, others `{}`) into that stepped optimizer."
         ),

@@ -50,7 +50,7 @@ def run(*, hf: str, group: str, methods: list[str], bucket_bytes: int) -> dict[s
 
     device = bench_device()
     torch.manual_seed(0)
-    model, _ = _shardtune(group, hf, device, dtype=torch.bfloat16, activation_checkpointing=False)
+    model = _shardtune(group, hf, device, dtype=torch.bfloat16, activation_checkpointing=False).model
     out: dict[str, Any] = {}
     for method in methods:
         stats.reset()

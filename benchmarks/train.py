@@ -52,7 +52,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -208,6 +208,15 @@ def saved_once(path: Path, build: Callable[[], nn.Module], **save: Any) -> Path:
 # --------------------------------------------------------------------------- in the ranks
 
 
+class Built(NamedTuple):
+    """A method's model on this rank, its ``loss(tokens)``, and the factory of its optimizer over the
+    trainable params (None: torch's default AdamW at :data:`LR`, as the peers' recipes build it)."""
+
+    model: nn.Module
+    loss: Callable[[torch.Tensor], torch.Tensor]
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None
+
+
 def _shardtune(
     group: str,
     hf: str,
@@ -216,10 +225,11 @@ def _shardtune(
     dtype: torch.dtype = torch.float32,
     activation_checkpointing: bool | str = True,
     expert_parallel: int = 1,
-):
-    """The shardtune model and its loss: ``loss(tokens) -> mean next-token loss`` (mixtures of experts:
+) -> Built:
+    """The shardtune model, its loss (``loss(tokens) -> mean next-token loss``; mixtures of experts:
     plus ``router_aux_loss_coef`` times the load-balancing loss, as the recipes train them; their
-    experts split over ``expert_parallel`` ranks, as the recipes' ``expert_parallel`` does)."""
+    experts split over ``expert_parallel`` ranks, as the recipes' ``expert_parallel`` does) and the
+    recipes' optimizer."""
     from shardtune.checkpoint.hf_load import load_hf_checkpoint
     from shardtune.distributed import make_mesh, shard_model
     from shardtune.models import llama_from_hf_config
@@ -239,7 +249,7 @@ def _shardtune(
         init_lora_parameters(model, device=device)
     model.init_buffers(device)
     loss_fn = next_token_loss(model, device=device)
-    return model, lambda tokens: loss_fn({"tokens": tokens, "labels": tokens})[0]
+    return Built(model, lambda tokens: loss_fn({"tokens": tokens, "labels": tokens})[0], shardtune_optimizer)
 
 
 def shardtune_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -271,7 +281,7 @@ def fsdp2_as_users_write_it(model: nn.Module, decoder: nn.Module, **options: Any
     fully_shard(model, **options)
 
 
-def _transformers(group: str, hf: str, device: torch.device, *, dtype: torch.dtype = torch.float32):
+def _transformers(group: str, hf: str, device: torch.device, *, dtype: torch.dtype = torch.float32) -> Built:
     """The transformers (+ peft) model with FSDP2 as users write it, and its full-logits loss."""
     from transformers import AutoModelForCausalLM
 
@@ -297,7 +307,7 @@ def _transformers(group: str, hf: str, device: torch.device, *, dtype: torch.dty
         labels = F.pad(tokens[:, 1:], (0, 1), value=-100)  # position t predicts token t+1
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
-    return model, loss
+    return Built(model, loss)
 
 
 def run(*, group: str, method: str, hf: str, dtype: str, rows: int, seq: int, vocab: int, steps: int) -> dict[str, Any]:
@@ -306,29 +316,17 @@ def run(*, group: str, method: str, hf: str, dtype: str, rows: int, seq: int, vo
     torch.manual_seed(0)
     torch_dtype = DTYPES[dtype]
     if method == "shardtune":
-        model, loss_fn = _shardtune(group, hf, device, dtype=torch_dtype)
+        built = _shardtune(group, hf, device, dtype=torch_dtype)
     elif method == "transformers":
-        model, loss_fn = _transformers(group, hf, device, dtype=torch_dtype)
+        built = _transformers(group, hf, device, dtype=torch_dtype)
     else:
-        model, loss_fn = _torchtune_peer.build(hf, device, dtype=torch_dtype)
+        built = Built(*_torchtune_peer.build(hf, device, dtype=torch_dtype))
     floor_dtype = torch_dtype if device.type == "cpu" else None
-    optimizer = shardtune_optimizer if method == "shardtune" else None
-    return measure_run(
-        model,
-        loss_fn,
-        device=device,
-        rows=rows,
-        seq=seq,
-        vocab=vocab,
-        steps=steps,
-        floor_dtype=floor_dtype,
-        optimizer=optimizer,
-    )
+    return measure_run(built, device=device, rows=rows, seq=seq, vocab=vocab, steps=steps, floor_dtype=floor_dtype)
 
 
 def measure_run(
-    model: nn.Module,
-    loss_fn,
+    built: Built,
     *,
     device: torch.device,
     rows: int,
@@ -336,14 +334,17 @@ def measure_run(
     vocab: int,
     steps: int,
     floor_dtype: torch.dtype | None = None,
-    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
     count_all_to_all: bool = False,
 ) -> dict[str, Any]:
-    """A built model's run on this rank: one warm-up step, ``steps`` measured steps (``optimizer`` over
-    the trainable params, torch's default AdamW unless given; seeded random tokens per rank), then with ``floor_dtype`` one step under the
-    profiler (its categories, kept as ``profile``) for the step's matmul floor at the best ``torch.mm``
-    rate in that dtype; returns its record. ``count_all_to_all``: the warm-up step's all-to-all bytes
-    (:mod:`benchmarks._comm_bytes`; untimed, the counting costs a Python call per op) go in ``all_to_all``."""
+    """A built method's run on this rank, its record.
+
+    One warm-up step, then ``steps`` measured steps (the built optimizer over the trainable params;
+    ``rows`` × ``seq`` seeded random tokens below ``vocab``, each rank its own). With ``floor_dtype``,
+    one more step under the profiler (its categories kept as ``profile``) for the step's matmul
+    floor at the best ``torch.mm`` rate in that dtype. ``count_all_to_all``: the warm-up step's
+    all-to-all bytes (:mod:`benchmarks._comm_bytes`; untimed, since counting costs a Python call
+    per op) go in ``all_to_all``."""
+    model, loss_fn, optimizer = built
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer(trainable) if optimizer is not None else torch.optim.AdamW(trainable, lr=LR)
     rank = dist.get_rank()

@@ -41,11 +41,10 @@ import torch
 from benchmarks import _train_moe_ep, train
 from benchmarks._measure import bench_device
 from benchmarks._report import fmt_bytes
-from benchmarks._train_report import LOSS_RTOL
+from benchmarks._train_report import LOSS_RTOL, section_head
 from benchmarks.driver import (
     Options,
     Run,
-    environment_lines,
     finish,
     parse_run_options,
     rotated,
@@ -132,7 +131,7 @@ def hf_dir(bench_dir: Path, shape: MoeShape, dtype: str) -> Path:
 # --------------------------------------------------------------------------- in the ranks
 
 
-def _transformers(hf: str, device: torch.device, dtype: torch.dtype):
+def _transformers(hf: str, device: torch.device, dtype: torch.dtype) -> train.Built:
     """transformers' MoE with grouped-GEMM experts and FSDP2, and its ``out.loss`` (with the aux loss)."""
     from transformers import AutoModelForCausalLM
 
@@ -142,7 +141,7 @@ def _transformers(hf: str, device: torch.device, dtype: torch.dtype):
     def loss(tokens: torch.Tensor) -> torch.Tensor:
         return model(input_ids=tokens, labels=tokens, output_router_logits=True).loss
 
-    return model, loss
+    return train.Built(model, loss)
 
 
 def run(
@@ -162,20 +161,11 @@ def run(
     device = bench_device()
     torch.manual_seed(0)
     if method == "shardtune":
-        model, loss_fn = train._shardtune("full", hf, device, dtype=DTYPES[dtype], expert_parallel=expert_parallel)
+        built = train._shardtune("full", hf, device, dtype=DTYPES[dtype], expert_parallel=expert_parallel)
     else:
-        model, loss_fn = _transformers(hf, device, DTYPES[dtype])
-    optimizer = train.shardtune_optimizer if method == "shardtune" else None
+        built = _transformers(hf, device, DTYPES[dtype])
     return train.measure_run(
-        model,
-        loss_fn,
-        device=device,
-        rows=rows,
-        seq=seq,
-        vocab=vocab,
-        steps=steps,
-        optimizer=optimizer,
-        count_all_to_all=count_all_to_all,
+        built, device=device, rows=rows, seq=seq, vocab=vocab, steps=steps, count_all_to_all=count_all_to_all
     )
 
 
@@ -186,21 +176,20 @@ def report(cfg: MoeOptions, summaries: dict[tuple[int, str], dict[str, Any] | No
     """The Markdown section and whether every case's first-step losses agree between the stacks."""
     shape, rtol = cfg.shape, LOSS_RTOL[cfg.dtype]
     lines = [
-        f"## MoE training step{'' if cfg.device == 'cpu' else ' on ' + cfg.device.upper()}: shardtune vs "
-        "transformers' MoE (`grouped_mm`) + FSDP2 (`benchmarks/train_moe.py`)",
-        "",
-        *environment_lines(
-            cfg.command,
+        *section_head(
+            cfg,
+            "MoE training step",
+            "shardtune vs transformers' MoE (`grouped_mm`) + FSDP2 (`benchmarks/train_moe.py`)",
             load_avg=load_avg,
             libraries=("transformers",),
-            accelerator="no GPU; gloo on 127.0.0.1" if cfg.device == "cpu" else f"{cfg.device}; NCCL",
         ),
         (
             f"- Model: Qwen3-MoE, hidden {shape.hidden}, {shape.layers} layers (all sparse), {shape.heads} heads "
             f"({shape.kv_heads} kv, head_dim {shape.head_dim}), {shape.experts} experts of width {shape.expert_ffn}, "
             f"top-{shape.top_k}, vocabulary {shape.vocab}: {shape.params() / 1e6:.1f} M params, "
             f"{shape.params(active=True) / 1e6:.1f} M active; {cfg.dtype}; full fine-tuning, activation checkpointing "
-            "per layer in both, AdamW (shardtune: the recipes' fused CPU AdamW; transformers: torch's default); loss: cross-entropy + 0.001 × load-balancing loss in both"
+            "per layer in both, AdamW (shardtune: the recipes' fused CPU AdamW; transformers: torch's default); loss: "
+            "cross-entropy + 0.001 × load-balancing loss in both"
         ),
         (
             '- Experts: transformers `experts_implementation="grouped_mm"`; shardtune '
