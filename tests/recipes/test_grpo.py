@@ -92,7 +92,7 @@ def _weights(directory: Path) -> dict[str, torch.Tensor]:
     return safetensors.torch.load_file(directory / "model.safetensors")
 
 
-def test_full_weight_grpo_with_two_iterations_a_frozen_reference_and_one_update_on_one_or_two_ranks(
+def test_full_weight_grpo_with_two_iterations_a_frozen_reference_and_one_update_on_1_2_or_4_ranks(
     tiny_dirs, tmp_path, monkeypatch
 ):
     """Every weight trains (no ``lora``) against a frozen reference (``beta`` > 0), two optimizer steps
@@ -100,7 +100,7 @@ def test_full_weight_grpo_with_two_iterations_a_frozen_reference_and_one_update_
     step 1's rollouts with a ratio that is no longer 1, step 3 draws new ones; the KL is 0 at step 1
     and grows; a resume from the cycle boundary at step 2 continues bitwise (the reference reloaded
     from the base gives the uninterrupted run's KL); and the same global batch on one rank (4 prompts
-    per micro-batch instead of 2) logs the same steps and ends with the same weights."""
+    per micro-batch instead of 2) and on four (1 prompt) logs the same steps and ends with the same weights."""
     (tmp_path / "rewards_for_test.py").write_text(REWARD_MODULE)
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     # dapo (the default) weighs each micro-batch's token means by its tokens: the logs are the global batch's
@@ -134,17 +134,18 @@ def test_full_weight_grpo_with_two_iterations_a_frozen_reference_and_one_update_
         for key in ("loss", "reward", "completion_length", "kl", "grad_norm", "clip_ratio/region_mean"):
             assert again[step][key] == rows[step][key], (step, key)
 
-    one = tmp_path / "one_rank"
-    run_recipe("grpo_distributed", "tiny/grpo", *_overrides(tiny_dirs, one), *common, "max_steps_per_epoch=2",
-               "batch_size=4", nproc=1)  # fmt: skip
-    single = _rows(one)
-    for step in (1, 2):
-        for key in ("reward", "completion_length", *generation):
-            assert single[step][key] == pytest.approx(rows[step][key], rel=1e-12), (step, key)
-        for key in ("loss", "grad_norm", "kl", "clip_ratio/region_mean", "entropy"):
-            assert single[step][key] == pytest.approx(rows[step][key], rel=1e-5, abs=1e-7), (step, key)
-    for name, value in _weights(one / "epoch_1").items():
-        torch.testing.assert_close(value, trained[name], rtol=1e-5, atol=1e-6, msg=name)
+    for nproc, batch_size in ((1, 4), (4, 1)):  # the same 8 prompts a step as 2 ranks x 2 prompts x 2 micro-batches
+        other = tmp_path / f"ranks_{nproc}"
+        run_recipe("grpo_distributed", "tiny/grpo", *_overrides(tiny_dirs, other), *common, "max_steps_per_epoch=2",
+                   f"batch_size={batch_size}", nproc=nproc)  # fmt: skip
+        logged = _rows(other)
+        for step in (1, 2):
+            for key in ("reward", "completion_length", *generation):
+                assert logged[step][key] == pytest.approx(rows[step][key], rel=1e-12), (nproc, step, key)
+            for key in ("loss", "grad_norm", "kl", "clip_ratio/region_mean", "entropy"):
+                assert logged[step][key] == pytest.approx(rows[step][key], rel=1e-5, abs=1e-7), (nproc, step, key)
+        for name, value in _weights(other / "epoch_1").items():
+            torch.testing.assert_close(value, trained[name], rtol=1e-5, atol=1e-6, msg=f"{nproc} ranks: {name}")
 
 
 def test_mixture_of_experts_grpo_adds_and_logs_the_routers_aux_loss(tiny_dirs, tmp_path):
