@@ -1,7 +1,7 @@
-"""Building blocks the recipes share: process group, model, data, optimizer, checkpointer.
+"""Building blocks the recipes share: model, data, optimizer, checkpointer, the loop.
 
 Each function does one setup job from the validated config; a recipe calls them top to bottom
-(:func:`start`, :func:`base_model_dir`, :func:`build_model`, :func:`build_training`) and hands
+(:func:`~shardtune.recipes.run.start`, :func:`base_model_dir`, :func:`build_model`, :func:`build_training`) and hands
 the :class:`~shardtune.training.loop.Training` it built, with its loss (made of
 :mod:`shardtune.training.step_loss`), to :func:`fit`.
 """
@@ -9,10 +9,7 @@ the :class:`~shardtune.training.loop.Training` it built, with its loss (made of
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
-import random
 import warnings
 from pathlib import Path
 
@@ -25,17 +22,15 @@ from shardtune.checkpoint import (
     Checkpointer,
     CheckpointOptions,
     CheckpointStates,
-    OutputDirError,
     TrainingProgress,
     load_hf_checkpoint,
-    run_dir,
 )
 from shardtune.config import Config
 from shardtune.data import build_dataloader, build_dataset, collate, load_tokenizer
 from shardtune.data.checks import build_training_dataset, check_one_step
 from shardtune.data.from_config import is_preference
 from shardtune.data.preference import collate_pairs
-from shardtune.distributed import decoder_layers, device_type, init_distributed, make_mesh, shard_model
+from shardtune.distributed import decoder_layers, make_mesh, shard_model
 from shardtune.model_presets import TINY_PRESETS
 from shardtune.models import (
     LlamaForCausalLM,
@@ -44,13 +39,11 @@ from shardtune.models import (
     llama_from_hf_config,
     model_args_from_hf_config,
 )
-from shardtune.models.context_parallel import context_group
 from shardtune.models.tiny import create_tiny_base
 from shardtune.peft import apply_lora, init_lora_parameters, is_lora
 from shardtune.recipes import _resume
-from shardtune.recipes.run import Run
-from shardtune.state_dict import comm
-from shardtune.state_dict.comm import agree, normalize_device
+from shardtune.recipes.run import DTYPES, Run
+from shardtune.recipes.run import start as start  # a recipe's first step: setup.start(cfg)
 from shardtune.training.activation_offload import offload_layer_activations
 from shardtune.training.evaluate import Evaluator
 from shardtune.training.flops import flops_per_token_fn, peak_tflops
@@ -67,92 +60,6 @@ from shardtune.training.step_loss import (
 )
 
 log = logging.getLogger("shardtune")
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def start(cfg: Config) -> Run:
-    """Process group (with the configured collective timeout), logging and seeds."""
-    rank, world = init_distributed(timeout_s=cfg.process_group_timeout_s)
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING, format="%(asctime)s %(name)s: %(message)s"
-    )
-    _agree_on_config(cfg)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    device = normalize_device(device_type())  # the GPU init_distributed selected, with its index
-    _check_parallelism(cfg, device=device, world=world)
-    dtype = torch.float32 if cfg.mixed_precision else DTYPES[cfg.dtype]  # params, grads, optimizer state
-    output_dir, lock = claim_output_dir(cfg, rank=rank)
-    cp = getattr(cfg, "context_parallel", 1)  # a key of every recipe but early exit (which refuses > 1)
-    context = context_group(cp, device=device.type) if cp > 1 else None
-    return Run(
-        rank=rank, world_size=world, device=device, dtype=dtype, output_dir=output_dir, lock=lock, context=context
-    )
-
-
-def claim_output_dir(cfg: Config, *, rank: int) -> tuple[Path, run_dir.OutputDirLock | None]:
-    """Collective: rank 0 locks ``output_dir`` and places this run (``output_dir_policy``); every
-    rank gets where the run writes, or raises the same :class:`~shardtune.checkpoint.errors.OutputDirError`."""
-    root, problems, lock, placed = Path(cfg.output_dir), comm.Problems(), None, None
-    if rank == 0:
-        try:
-            lock = run_dir.OutputDirLock.acquire(root)
-            resuming = bool(cfg.resume_from_checkpoint) and run_dir.has_resumable(root)
-            placed = str(run_dir.place_run(root, policy=cfg.output_dir_policy, resuming=resuming))
-        except (OutputDirError, OSError, ValueError) as exc:
-            problems.append(str(exc) if isinstance(exc, OutputDirError) else f"{root}: {exc}")
-            if lock is not None:
-                lock.release()
-                lock = None
-    comm.raise_on_every_rank(problems, header="Cannot start the run:", error=OutputDirError)
-    shared = comm.all_gather_objects(placed)[0]
-    assert shared is not None  # rank 0 placed the run, or every rank raised above
-    placed_dir = Path(shared)
-    if rank == 0 and placed_dir != root:
-        log.info(
-            "output_dir_policy=%s: %s holds another run's outputs; this run writes to %s",
-            cfg.output_dir_policy,
-            root,
-            placed_dir,
-        )
-    return placed_dir, lock
-
-
-def _check_parallelism(cfg: Config, *, device: torch.device, world: int) -> None:
-    """What only the launched job can check (the same on every rank, so every rank raises it)."""
-    if cfg.fsdp_cpu_offload and device.type == "cpu":
-        raise ValueError(
-            "fsdp_cpu_offload: true needs a GPU (FSDP2 offloads from an accelerator); on a CPU-only machine the "
-            "params already live in CPU memory: set fsdp_cpu_offload=false"
-        )
-    if cfg.enable_activation_offloading and device.type == "cpu":
-        raise ValueError(
-            "enable_activation_offloading: true moves activations from a GPU to CPU memory, but this run is on "
-            "CPU, where they already are: set enable_activation_offloading=false"
-        )
-    if world % cfg.data_parallel_replicate:
-        raise ValueError(
-            f"data_parallel_replicate={cfg.data_parallel_replicate} does not divide the world size {world}; "
-            "set it to a divisor (e.g. the number of nodes) or 1"
-        )
-    cp = getattr(cfg, "context_parallel", 1)
-    if world % cp:
-        raise ValueError(
-            f"context_parallel={cp} does not divide the world size {world}; set it to a divisor of {world}"
-        )
-
-
-def _agree_on_config(cfg: Config) -> None:
-    """Collective: every rank must run the same config (a node with other files or overrides
-    would otherwise fail much later with a cryptic shape error or a hang)."""
-    digest = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
-    agree(
-        digest,
-        what="the config differs between ranks",
-        fix="give every node the same config file and overrides",
-        header="Cannot start the run:",
-        error=ValueError,
-    )
 
 
 def base_model_dir(
@@ -272,7 +179,7 @@ def build_data(cfg: Config, run: Run, base_dir: Path):
     dataset = build_training_dataset(
         cfg, tokenizer, vocab_size=vocab_size, model=str(base_dir), report=run.is_rank_zero
     )
-    batcher = collate_pairs if is_preference(_dataset_specs(cfg.dataset)) else collate
+    batcher = collate_pairs if is_preference(dataset_specs(cfg.dataset)) else collate
     loader, sampler = build_dataloader(
         dataset,
         batch_size=cfg.batch_size,
@@ -285,7 +192,7 @@ def build_data(cfg: Config, run: Run, base_dir: Path):
     )
     check_one_step(
         len(dataset),  # type: ignore[arg-type]  # torch's Dataset declares no __len__; ours have one
-        sources=[spec.get("path", "<dataset>") for spec in _dataset_specs(cfg.dataset)],
+        sources=[spec.get("path", "<dataset>") for spec in dataset_specs(cfg.dataset)],
         batch_size=cfg.batch_size,
         world_size=run.data_world,
         accumulation=cfg.gradient_accumulation_steps,
@@ -427,22 +334,15 @@ def next_token_loss_of(cfg: Config, run: Run, model: nn.Module) -> LossFn:
     """The full and LoRA recipes' loss as ``cfg`` sets it: next-token cross-entropy in chunks of
     ``loss_chunk_tokens``, plus ``router_aux_loss_coef`` times the routers' load-balancing loss for MoE models;
     with ``context_parallel`` > 1 every row split over the rank's ``cp`` group (the aux loss the whole rows')."""
-    if run.context is not None:
-        return split_next_token_loss(
-            model,
-            group=run.context,
-            device=run.device,
-            chunk_tokens=cfg.loss_chunk_tokens,
-            compile=cfg.compile,
-            router_aux_loss_coef=cfg.router_aux_loss_coef,
-        )
-    return next_token_loss(
-        model,
-        device=run.device,
-        chunk_tokens=cfg.loss_chunk_tokens,
-        compile=cfg.compile,
-        router_aux_loss_coef=cfg.router_aux_loss_coef,
-    )
+    options = {
+        "device": run.device,
+        "chunk_tokens": cfg.loss_chunk_tokens,
+        "compile": cfg.compile,
+        "router_aux_loss_coef": cfg.router_aux_loss_coef,
+    }
+    if run.context is None:
+        return next_token_loss(model, **options)
+    return split_next_token_loss(model, group=run.context, **options)
 
 
 def fit(cfg: Config, run: Run, recipe: str, training: Training, *, loss_fn: LossFn) -> None:
@@ -479,9 +379,7 @@ def build_evaluator(cfg: Config, run: Run, model: nn.Module, tokenizer) -> Evalu
     ``context_parallel`` > 1 every row is split over the rank's ``cp`` group, as in training."""
     if cfg.validation_dataset is None:
         return None
-    dataset = build_dataset(
-        _dataset_specs(cfg.validation_dataset), tokenizer, max_seq_len=cfg.max_seq_len, packed=False
-    )
+    dataset = build_dataset(dataset_specs(cfg.validation_dataset), tokenizer, max_seq_len=cfg.max_seq_len, packed=False)
     aux = RouterAux.of(model, cfg.router_aux_loss_coef)
     split = None if run.context is None else next_token_loss_of(cfg, run, model)  # the rank's part of a batch
 
@@ -506,7 +404,8 @@ def build_evaluator(cfg: Config, run: Run, model: nn.Module, tokenizer) -> Evalu
     )
 
 
-def _dataset_specs(value) -> list[dict]:
+def dataset_specs(value) -> list[dict]:
+    """A ``dataset`` (or ``validation_dataset``) config value, one spec or a list, as a list of plain dicts."""
     items = value if isinstance(value, (list, tuple)) else [value]
     return [d.to_dict() if hasattr(d, "to_dict") else dict(d) for d in items]
 

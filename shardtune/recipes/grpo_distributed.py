@@ -72,7 +72,7 @@ def recipe_main(cfg: Config) -> None:
     aux = RouterAux.of(model, cfg.router_aux_loss_coef)
 
     tokenizer = load_tokenizer(cfg.tokenizer, checkpoint_dir=base_dir)
-    specs = setup._dataset_specs(cfg.dataset)
+    specs = setup.dataset_specs(cfg.dataset)
     dataset = PromptDataset(specs, tokenizer, max_prompt_tokens=cfg.max_seq_len - g.max_completion_tokens)
     vocab = model_args_from_hf_config(base_dir).vocab_size
     if max(max(ids) for ids in dataset.ids) >= vocab:

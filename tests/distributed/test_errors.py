@@ -139,8 +139,8 @@ def test_errors_on_world4(pool4):
 
 def _config_differs_on_one_rank():
     from shardtune.config import load_config
-    from shardtune.recipes.builders import _agree_on_config
     from shardtune.recipes.registry import get_recipe
+    from shardtune.recipes.run import _agree_on_config
 
     lr = "0.01" if dist.get_rank() == 0 else "0.02"
     cfg = load_config("tiny/full", [f"optimizer.lr={lr}"], schema=get_recipe("full_finetune_distributed").schema)

@@ -140,8 +140,11 @@ def test_full_weight_grpo_with_two_iterations_a_frozen_reference_and_one_update_
                    f"batch_size={batch_size}", nproc=nproc)  # fmt: skip
         logged = _rows(other)
         for step in (1, 2):
-            for key in ("reward", "completion_length", *generation):
-                assert logged[step][key] == pytest.approx(rows[step][key], rel=1e-12), (nproc, step, key)
+            for key in ("completion_length", "completion_length_max"):
+                assert logged[step][key] == rows[step][key], (nproc, step, key)
+            # the same rewards arrive in another rank order: fp32 sums (as TRL logs them) round differently
+            for key in generation:
+                assert logged[step][key] == pytest.approx(rows[step][key], rel=1e-6), (nproc, step, key)
             for key in ("loss", "grad_norm", "kl", "clip_ratio/region_mean", "entropy"):
                 assert logged[step][key] == pytest.approx(rows[step][key], rel=1e-5, abs=1e-7), (nproc, step, key)
         for name, value in _weights(other / "epoch_1").items():
