@@ -1,6 +1,6 @@
 """Benchmark of a GRPO step: shardtune's ``grpo_distributed`` against TRL's ``GRPOTrainer`` on the same work.
 
-    python -m benchmarks.grpo --shapes tiny,half --steps 4 --repeats 2     # the lead's idle run
+    python -m benchmarks.grpo --shapes tiny,half --steps 4 --repeats 2 --stacks shardtune,trl,trl_fsdp2  # idle
     python -m benchmarks.grpo --smoke                                      # tiny, 3 steps, no BENCHMARKS.md
 
 Both stacks get the same model files (an HF directory with the byte tokenizer), the same prompts
@@ -20,6 +20,13 @@ generation batch of ``world · batch`` prompts:
   (tiny: 36 tokens/s with 2 threads, 953 with 1, in the same minute), so compare ``--trl-threads 1`` too.
 * ``trl_fsdp2``: the same under ``accelerate launch --use_fsdp --fsdp_version 2 --cpu`` on W
   processes, one thread each (``--stacks shardtune,trl,trl_fsdp2``; when it does not run, the table says why).
+
+A second table compares the generation engines alone (``--decode-tokens``, 0 skips it): in one
+process of one thread, the same model files and ``--decode-rows`` left-padded prompts of unequal
+lengths sampled for exactly that many new tokens (no stop token) by shardtune's ``generate_batch``
+(one generator per row, as a rollout draws) and by transformers' ``generate``; prefill included,
+no FSDP, no collective. It separates what the engines cost from what the step adds around them
+(FSDP2's all-gathers over gloo, several ranks sharing one machine's memory bandwidth).
 
 The first step of every run is warm-up, not counted; a value is the median over the other steps
 of every repeat. Results print as a Markdown table and, unless ``--no-markdown``/``--smoke``,
@@ -47,6 +54,7 @@ MARKERS = ("<!-- grpo:begin -->", "<!-- grpo:end -->")
 HALF_B = Shape(hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864, vocab=151936)
 SHAPES = ("tiny", "half")
 METHODS = ("shardtune", "trl", "trl_fsdp2")
+DECODE_ENGINES = ("shardtune", "transformers")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = "Q: {instruction}\nA: "  # the ``simple`` template tiny/grpo renders the asset with
 
@@ -196,6 +204,88 @@ def run_trl(work: dict[str, Any], out: Path, *, fsdp: bool) -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------------------- decode alone
+
+
+def decode_prompts(rows: int) -> list[list[int]]:
+    """``rows`` prompts of unequal lengths (20, 23, 26, ... byte-tokenizer ids), left-padded by both engines."""
+    return [[40 + (7 * i + j) % 50 for j in range(20 + 3 * i)] for i in range(rows)]
+
+
+def measure_decode(model_path: str, *, rows: int, tokens: int, engine: str) -> float:
+    """Completion tokens per second of one engine in this process (one thread): ``rows`` prompts,
+    exactly ``tokens`` new tokens each, sampled at temperature 1."""
+    import torch
+
+    torch.set_num_threads(1)
+    prompts = decode_prompts(rows)
+    longest = max(map(len, prompts))
+    if engine == "shardtune":
+        from shardtune.generation import generate_batch, load_generator
+
+        model = load_generator(model_path).model
+        generators = [torch.Generator().manual_seed(i) for i in range(rows)]
+        started = time.perf_counter()
+        out = generate_batch(model, prompts, max_new_tokens=tokens, device="cpu", generator=generators, pad_id=0)
+        seconds = time.perf_counter() - started
+        made = sum(map(len, out))
+    else:
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+        pads = torch.tensor([longest - len(p) for p in prompts])
+        attention = (torch.arange(longest)[None] >= pads[:, None]).long()
+        torch.manual_seed(0)
+        started = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids, attention_mask=attention, max_new_tokens=tokens, min_new_tokens=tokens,
+                do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0, eos_token_id=None,
+            )  # fmt: skip
+        seconds = time.perf_counter() - started
+        made = (out.shape[1] - longest) * rows
+    if made != rows * tokens:
+        raise RuntimeError(f"{engine} made {made} tokens, not {rows} x {tokens}")
+    return made / seconds
+
+
+def run_decode(model_path: str, *, rows: int, tokens: int, engine: str, timeout: float) -> dict[str, Any]:
+    """:func:`measure_decode` in a fresh process (one thread), so each engine starts from the same state."""
+    cmd = [sys.executable, "-m", "benchmarks.grpo", "--decode-worker", json.dumps([model_path, rows, tokens, engine])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO_ROOT)
+    if proc.returncode != 0:
+        return {"error": (proc.stdout + proc.stderr).strip().splitlines()[-1][:300] if proc.stderr else "failed"}
+    return {"tokens_per_s": float(proc.stdout.strip().splitlines()[-1])}
+
+
+def decode_report(decode: dict[tuple[str, str], list[dict[str, Any]]], *, rows: int, tokens: int) -> list[str]:
+    """The engines table: per shape, median tokens/s of each engine and its ratio to transformers'."""
+    lines = [
+        f"Generation engines alone (one process, one thread; {rows} left-padded prompts of 20-{17 + 3 * rows} "
+        f"tokens, exactly {tokens} sampled tokens each, prefill included; median over repeats):",
+        "",
+        "| shape | engine | tokens/s | vs transformers |",
+        "| --- | --- | ---: | ---: |",
+    ]
+    for shape in dict.fromkeys(s for s, _ in decode):
+        medians = {}
+        for engine in DECODE_ENGINES:
+            values = [r["tokens_per_s"] for r in decode.get((shape, engine), []) if "tokens_per_s" in r]
+            medians[engine] = statistics.median(values) if values else None
+        for engine in DECODE_ENGINES:
+            value, peer = medians[engine], medians["transformers"]
+            if value is None:
+                error = next((r["error"] for r in decode.get((shape, engine), []) if "error" in r), "not run")
+                lines.append(f"| {shape} | {engine} | failed: `{error}` | |")
+                continue
+            ratio = f"{value / peer:.2f}x" if peer else ""
+            lines.append(f"| {shape} | {engine} | {value:.1f} | {ratio} |")
+    return lines
+
+
 # --------------------------------------------------------------------------- driver
 
 
@@ -209,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--half-batch", type=int, default=1)
     p.add_argument("--generations", type=int, default=4)
     p.add_argument("--completion", type=int, default=32, help="max_completion_tokens (tiny)")
-    p.add_argument("--half-completion", type=int, default=16)
+    p.add_argument("--half-completion", type=int, default=128, help="max_completion_tokens (half)")
     p.add_argument("--trl-threads", type=int, default=None, help="threads of the one TRL process (default: --world)")
     p.add_argument("--stacks", default="shardtune,trl", help="comma list of shardtune, trl, trl_fsdp2")
     p.add_argument("--smoke", action="store_true", help="tiny only, 3 steps, no BENCHMARKS.md")
@@ -217,11 +307,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--markdown", type=Path, default=REPO_ROOT / "BENCHMARKS.md")
     p.add_argument("--no-markdown", action="store_true")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    p.add_argument("--decode-tokens", type=int, default=128, help="engines table: new tokens per row (0: skip)")
+    p.add_argument("--decode-rows", type=int, default=4, help="engines table: prompts generated at once")
     p.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--decode-worker", help=argparse.SUPPRESS)
     p.add_argument("--trl-out", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.trl_worker is not None:
         trl_worker(json.loads(a.trl_worker.read_text()), a.trl_out)
+        return
+    if a.decode_worker is not None:
+        path, rows, tokens, engine = json.loads(a.decode_worker)
+        print(measure_decode(path, rows=rows, tokens=tokens, engine=engine))
         return
     shapes = ["tiny"] if a.smoke else [s for s in a.shapes.split(",") if s]
     if unknown := set(shapes) - set(SHAPES):
@@ -255,11 +352,25 @@ def main(argv: list[str] | None = None) -> None:
                 results.setdefault((shape, method), []).append(got)
                 status = got.get("error") or f"{time.perf_counter() - started:.0f} s"
                 print(f"[{repeat + 1}/{a.repeats}] {shape}/{method}: {status}", file=sys.stderr)
+    decode: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    decode_tokens = 8 if a.smoke else a.decode_tokens
+    for shape in shapes if decode_tokens > 0 else []:
+        for repeat in range(a.repeats):
+            for engine in DECODE_ENGINES[repeat % 2 :] + DECODE_ENGINES[: repeat % 2]:
+                got = run_decode(
+                    works[shape]["model"], rows=a.decode_rows, tokens=decode_tokens, engine=engine, timeout=a.timeout
+                )
+                decode.setdefault((shape, engine), []).append(got)
+                print(f"[{repeat + 1}/{a.repeats}] {shape}/decode {engine}: {got}", file=sys.stderr)
     command = "python -m benchmarks.grpo " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = environment_lines(command, load_avg=(load_before, os.getloadavg()[0]), libraries=("transformers", "trl"))
-    section = "\n".join([*lines, "", *report(results, works, world=a.world, trl_fsdp="trl_fsdp2" in methods)])
+    tables = report(results, works, world=a.world, trl_fsdp="trl_fsdp2" in methods)
+    if decode:
+        tables += ["", *decode_report(decode, rows=a.decode_rows, tokens=decode_tokens)]
+    section = "\n".join([*lines, "", *tables])
     finish(section, markdown=None if (a.smoke or a.no_markdown) else a.markdown, markers=MARKERS)
-    if any("error" in r for (_, method), runs in results.items() if method != "trl_fsdp2" for r in runs):
+    required = [r for (_, method), runs in results.items() if method != "trl_fsdp2" for r in runs]
+    if any("error" in r for r in [*required, *(r for runs in decode.values() for r in runs)]):
         raise SystemExit(1)  # TRL under FSDP2 may not run on CPU: the table's notes say why
 
 

@@ -45,3 +45,18 @@ def test_the_table_takes_medians_after_warm_up_and_names_a_stack_that_did_not_ru
     assert "- tiny/trl_fsdp2 did not run: `ValueError: FSDP needs a GPU`" in lines
     assert "- tiny/trl ran as NO, 0 DTensor" in lines
     assert any("4 prompts x 4 generations, max_completion_tokens 8" in line for line in lines)
+
+
+def test_the_engines_table_takes_medians_and_ratios_to_transformers_and_names_a_failure():
+    decode = {
+        ("half", "shardtune"): [{"tokens_per_s": 9.0}, {"tokens_per_s": 11.0}, {"tokens_per_s": 30.0}],
+        ("half", "transformers"): [{"tokens_per_s": 10.0}, {"tokens_per_s": 10.0}],
+        ("tiny", "shardtune"): [{"error": "RuntimeError: shardtune made 7 tokens, not 4 x 2"}],
+        ("tiny", "transformers"): [{"tokens_per_s": 300.0}],
+    }
+    lines = bench.decode_report(decode, rows=4, tokens=2)
+    assert "| half | shardtune | 11.0 | 1.10x |" in lines
+    assert "| half | transformers | 10.0 | 1.00x |" in lines
+    assert "| tiny | shardtune | failed: `RuntimeError: shardtune made 7 tokens, not 4 x 2` | |" in lines
+    assert "4 left-padded prompts of 20-29 tokens, exactly 2 sampled tokens each" in lines[0]
+    assert [len(p) for p in bench.decode_prompts(4)] == [20, 23, 26, 29]
