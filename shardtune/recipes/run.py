@@ -60,7 +60,10 @@ class Run:
 
 
 def start(cfg: Config) -> Run:
-    """Process group (with the configured collective timeout), logging and seeds."""
+    """Process group (with the configured collective timeout), logging and seeds.
+
+    Collective: call on all ranks with the same config; each returns its own ``Run`` (or every
+    rank raises the same error: a config that differs between ranks, an output_dir it cannot claim)."""
     rank, world = init_distributed(timeout_s=cfg.process_group_timeout_s)
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING, format="%(asctime)s %(name)s: %(message)s"
