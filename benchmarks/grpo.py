@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.driver import REPO_ROOT, environment_lines, finish
+from benchmarks.driver import REPO_ROOT, environment_lines, finish, rotated
 from benchmarks.train import Shape, hf_dir
 
 MARKERS = ("<!-- grpo:begin -->", "<!-- grpo:end -->")
@@ -76,6 +76,17 @@ def model_dir(bench_dir: Path, shape: str) -> Path:
     return path
 
 
+def _subprocess_env(**extra: str) -> dict[str, str]:
+    """This environment with the repository first on ``PYTHONPATH`` (and ``extra``), for a benchmark child."""
+    path = f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def _last_line(proc: subprocess.CompletedProcess) -> str:
+    """A failed child's last output line (its error), for the table's note."""
+    return (proc.stdout + proc.stderr).strip().splitlines()[-1][:300] if proc.stderr else "failed"
+
+
 # --------------------------------------------------------------------------- shardtune
 
 
@@ -91,10 +102,11 @@ def run_shardtune(work: dict[str, Any], out: Path) -> dict[str, Any]:
         f"max_seq_len={work['completion'] + 64}", f"optimizer.lr={work['lr']}", f"seed={work['seed']}",
         "grpo.epsilon_high=0.28", "grpo.beta=0.0", "grpo.loss_type=dapo", "shuffle=false",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=work["timeout"], env=env, cwd=REPO_ROOT)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=work["timeout"], env=_subprocess_env(), cwd=REPO_ROOT
+    )
     if proc.returncode != 0:
-        return {"error": (proc.stdout + proc.stderr).strip().splitlines()[-1][:300] if proc.stderr else "failed"}
+        return {"error": _last_line(proc)}
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {
         "gen_tokens_per_s": [m["gen_tokens_per_second"] for m in metrics],
@@ -187,8 +199,7 @@ def run_trl(work: dict[str, Any], out: Path, *, fsdp: bool) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, *worker]  # accelerate launch
     else:
         cmd = [sys.executable, *worker]
-    env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env["OMP_NUM_THREADS"] = "1" if fsdp else str(work["trl_threads"])
+    env = _subprocess_env(OMP_NUM_THREADS="1" if fsdp else str(work["trl_threads"]))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=work["timeout"], env=env, cwd=REPO_ROOT)
     if proc.returncode != 0 or not out.is_file():
         tail = [line for line in (proc.stdout + proc.stderr).strip().splitlines() if "Error" in line or "error" in line]
@@ -253,18 +264,18 @@ def measure_decode(model_path: str, *, rows: int, tokens: int, engine: str) -> f
 def run_decode(model_path: str, *, rows: int, tokens: int, engine: str, timeout: float) -> dict[str, Any]:
     """:func:`measure_decode` in a fresh process (one thread), so each engine starts from the same state."""
     cmd = [sys.executable, "-m", "benchmarks.grpo", "--decode-worker", json.dumps([model_path, rows, tokens, engine])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    env = _subprocess_env(OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO_ROOT)
     if proc.returncode != 0:
-        return {"error": (proc.stdout + proc.stderr).strip().splitlines()[-1][:300] if proc.stderr else "failed"}
+        return {"error": _last_line(proc)}
     return {"tokens_per_s": float(proc.stdout.strip().splitlines()[-1])}
 
 
 def decode_report(decode: dict[tuple[str, str], list[dict[str, Any]]], *, rows: int, tokens: int) -> list[str]:
     """The engines table: per shape, median tokens/s of each engine and its ratio to transformers'."""
+    lengths = [len(p) for p in decode_prompts(rows)]
     lines = [
-        f"Generation engines alone (one process, one thread; {rows} left-padded prompts of 20-{17 + 3 * rows} "
+        f"Generation engines alone (one process, one thread; {rows} left-padded prompts of {min(lengths)}-{max(lengths)} "
         f"tokens, exactly {tokens} sampled tokens each, prefill included; median over repeats):",
         "",
         "| shape | engine | tokens/s | vs transformers |",
@@ -342,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
             "trl_threads": a.trl_threads or a.world,
         }  # fmt: skip
         for repeat in range(a.repeats):
-            for method in methods[repeat % len(methods) :] + methods[: repeat % len(methods)]:
+            for method in rotated(methods, repeat):
                 out = a.bench_dir / f"grpo_{shape}_{method}"
                 started = time.perf_counter()
                 if method == "shardtune":
@@ -356,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     decode_tokens = 8 if a.smoke else a.decode_tokens
     for shape in shapes if decode_tokens > 0 else []:
         for repeat in range(a.repeats):
-            for engine in DECODE_ENGINES[repeat % 2 :] + DECODE_ENGINES[: repeat % 2]:
+            for engine in rotated(list(DECODE_ENGINES), repeat):
                 got = run_decode(
                     works[shape]["model"], rows=a.decode_rows, tokens=decode_tokens, engine=engine, timeout=a.timeout
                 )
