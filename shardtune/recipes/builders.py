@@ -179,7 +179,8 @@ def build_data(cfg: Config, run: Run, base_dir: Path):
     dataset = build_training_dataset(
         cfg, tokenizer, vocab_size=vocab_size, model=str(base_dir), report=run.is_rank_zero
     )
-    batcher = collate_pairs if is_preference(dataset_specs(cfg.dataset)) else collate
+    specs = dataset_specs(cfg.dataset)
+    batcher = collate_pairs if is_preference(specs) else collate
     loader, sampler = build_dataloader(
         dataset,
         batch_size=cfg.batch_size,
@@ -192,7 +193,7 @@ def build_data(cfg: Config, run: Run, base_dir: Path):
     )
     check_one_step(
         len(dataset),  # type: ignore[arg-type]  # torch's Dataset declares no __len__; ours have one
-        sources=[spec.get("path", "<dataset>") for spec in dataset_specs(cfg.dataset)],
+        sources=[spec.get("path", "<dataset>") for spec in specs],
         batch_size=cfg.batch_size,
         world_size=run.data_world,
         accumulation=cfg.gradient_accumulation_steps,
