@@ -7,7 +7,7 @@
 optimizer for ``resume``) is not timed; verification runs after the measured step.
 
 The model is ``shardtune.models.LlamaForCausalLM`` built on meta in bf16 from the
-``benchmarks._fixtures`` shape and sharded with ``shardtune.distributed.shard_model``
+``benchmarks._fixtures`` shape and sharded with ``shardtune.ranks.sharding.shard_model``
 (FSDP2 per decoder layer, then the root; 1-D mesh, ``Shard(0)``).
 """
 
@@ -100,8 +100,9 @@ def model_args(shape: LlamaShape) -> Any:
 
 def build_model(size: str) -> nn.Module:
     """shardtune ``LlamaForCausalLM`` on meta, bf16, sharded with ``shard_model`` (no memory)."""
-    from shardtune.distributed import make_mesh, shard_model
     from shardtune.models import LlamaForCausalLM
+    from shardtune.ranks.mesh import make_mesh
+    from shardtune.ranks.sharding import shard_model
 
     with torch.device("meta"):
         model = LlamaForCausalLM(model_args(SIZES[size]), dtype=DTYPE)

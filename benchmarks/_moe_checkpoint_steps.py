@@ -83,8 +83,9 @@ def expected_local(files: Files, name: str, param: DTensor) -> torch.Tensor:
 def shardtune_model(hf_dir: str, *, expert_parallel: int = 1) -> nn.Module:
     """shardtune's model of ``hf_dir`` on meta, sharded with ``shard_model`` (experts Shard(0) here; split
     over ``expert_parallel`` ranks first on an expert-parallel mesh)."""
-    from shardtune.distributed import make_mesh, shard_model
     from shardtune.models import from_hf_config
+    from shardtune.ranks.mesh import make_mesh
+    from shardtune.ranks.sharding import shard_model
 
     with torch.device("meta"):
         model = from_hf_config(hf_dir, dtype=DTYPE)

@@ -515,7 +515,7 @@ def render_report(
         (
             f"- Model: `{cfg.size}` = {shape} → {shape.num_params() / 1e9:.3f} B params, "
             f"{fmt_bytes(model_bytes(cfg.size))} bf16; `shardtune.models.LlamaForCausalLM` built on meta (bf16), "
-            f"`shardtune.distributed.shard_model` (FSDP2 per decoder layer, then the root), 1-D mesh of {cfg.world} "
+            f"`shardtune.ranks.sharding.shard_model` (FSDP2 per decoder layer, then the root), 1-D mesh of {cfg.world} "
             "ranks (Shard(0))"
         ),
         "- Sizes per group: " + ", ".join(f"{g} `{s}`" for g, s in sizes),

@@ -63,7 +63,8 @@ class _ChecksumClock:
     rank process only): what a step waits for, measured apart from the machine's noise."""
 
     def __init__(self) -> None:
-        from shardtune.checkpoint import checksums, resume_choice
+        from shardtune.checkpoint.resume import choice as resume_choice
+        from shardtune.checkpoint.safety import checksums
 
         self.seconds = 0.0
         for owner, name in (

@@ -68,9 +68,10 @@ def hf_dir(bench_dir: Path, a: argparse.Namespace) -> Path:
 def _shardtune(hf: str, cp: int, device: torch.device):
     from transformers import AutoModelForCausalLM
 
-    from shardtune.distributed import make_mesh, shard_model
     from shardtune.models import from_hf_config
     from shardtune.models.context_parallel import context_group
+    from shardtune.ranks.mesh import make_mesh
+    from shardtune.ranks.sharding import shard_model
     from shardtune.training.step_loss import next_token_loss, split_next_token_loss
 
     reference = AutoModelForCausalLM.from_pretrained(hf)

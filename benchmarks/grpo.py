@@ -232,7 +232,7 @@ def measure_decode(model_path: str, *, rows: int, tokens: int, engine: str) -> f
     prompts = decode_prompts(rows)
     longest = max(map(len, prompts))
     if engine == "shardtune":
-        from shardtune.generation import generate_batch, load_generator
+        from shardtune.inference.generation import generate_batch, load_generator
 
         model = load_generator(model_path).model
         generators = [torch.Generator().manual_seed(i) for i in range(rows)]

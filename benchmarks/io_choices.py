@@ -69,7 +69,7 @@ def _file_crc(path: str, offset: int, length: int) -> int:
 
 
 def _write(method: str, path: str, nbytes: int) -> dict[str, Any]:
-    from shardtune.checkpoint.safetensors_io import RangeWriter
+    from shardtune.checkpoint.storage.safetensors_io import RangeWriter
 
     offset, length = _share(nbytes)
     data = torch.randint(0, 256, (length,), dtype=torch.uint8, generator=torch.Generator().manual_seed(offset))
@@ -107,7 +107,7 @@ def _read_faulting(path: str, buf: torch.Tensor, offset: int) -> None:
 
 
 def _read(method: str, path: str) -> dict[str, Any]:
-    from shardtune.checkpoint.safetensors_io import SafetensorsFile
+    from shardtune.checkpoint.storage.safetensors_io import SafetensorsFile
 
     offset, length = _share(os.path.getsize(path))
     holder: list[torch.Tensor] = []

@@ -230,10 +230,11 @@ def _shardtune(
     plus ``router_aux_loss_coef`` times the load-balancing loss, as the recipes train them; their
     experts split over ``expert_parallel`` ranks, as the recipes' ``expert_parallel`` does) and the
     recipes' optimizer."""
-    from shardtune.checkpoint.hf_load import load_hf_checkpoint
-    from shardtune.distributed import make_mesh, shard_model
+    from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
     from shardtune.models import llama_from_hf_config
     from shardtune.peft import apply_lora, init_lora_parameters
+    from shardtune.ranks.mesh import make_mesh
+    from shardtune.ranks.sharding import shard_model
     from shardtune.training.step_loss import next_token_loss
 
     with torch.device("meta"):

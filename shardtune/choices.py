@@ -47,5 +47,5 @@ PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
 LAYER_DROPOUT_SCHEDULES = ("uniform", "linear", "exponential")
 
 # ``output_dir_policy``: what a fresh run does in an output_dir holding another run's outputs
-# (``shardtune.checkpoint.run_dir``).
+# (``shardtune.checkpoint.safety.run_dir``).
 OUTPUT_DIR_POLICIES = ("refuse", "new_run", "overwrite")

@@ -208,8 +208,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from shardtune.checkpoint.dcp_format import convert_dcp_to_hf
     from shardtune.checkpoint.errors import CheckpointError
+    from shardtune.checkpoint.formats.dcp_format import convert_dcp_to_hf
 
     try:
         out = convert_dcp_to_hf(args.checkpoint, args.out_dir, base_dir=args.base_dir)
@@ -224,30 +224,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """Every file of a checkpoint (or of every checkpoint in an output_dir) against its manifest."""
     import json
 
-    from shardtune.checkpoint import atomic, integrity
+    from shardtune.checkpoint import layout
+    from shardtune.checkpoint.safety import integrity
 
     path = Path(args.path)
-    if (path / atomic.MANIFEST).is_file():
+    if (path / layout.MANIFEST).is_file():
         checkpoints = [path]
     elif path.is_dir():
         checkpoints = sorted(
-            (p for p in path.iterdir() if p.is_dir() and (p / atomic.MANIFEST).is_file()), key=_checkpoint_order
+            (p for p in path.iterdir() if p.is_dir() and (p / layout.MANIFEST).is_file()), key=_checkpoint_order
         )
         checkpoints = checkpoints[-1:] if args.latest else checkpoints
     else:
         raise SystemExit(f"shardtune verify: {path} is not a directory")
     if not checkpoints:
         raise SystemExit(
-            f"shardtune verify: no checkpoint in {path} (no {atomic.MANIFEST} in it or its subdirectories)"
+            f"shardtune verify: no checkpoint in {path} (no {layout.MANIFEST} in it or its subdirectories)"
         )
     damaged = []
     for checkpoint in checkpoints:
         try:
-            manifest = json.loads((checkpoint / atomic.MANIFEST).read_text())
+            manifest = json.loads((checkpoint / layout.MANIFEST).read_text())
             verdict = integrity.verify_files(checkpoint, manifest)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            sys.stdout.write(f"DAMAGED  {checkpoint / atomic.MANIFEST}: unreadable manifest ({exc})\n")
-            damaged.append(str(checkpoint / atomic.MANIFEST))
+            sys.stdout.write(f"DAMAGED  {checkpoint / layout.MANIFEST}: unreadable manifest ({exc})\n")
+            damaged.append(str(checkpoint / layout.MANIFEST))
             continue
         for rel, size in manifest["files"].items():
             if rel in verdict.problems:
@@ -257,8 +258,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             else:
                 state = "ok" if verdict.checksummed else "size ok"
                 sys.stdout.write(f"{state:8} {checkpoint / rel} ({size} bytes)\n")
-        for problem in verdict.problems.get(atomic.MANIFEST, []):  # its checksums are unreadable
-            damaged.append(str(checkpoint / atomic.MANIFEST))
+        for problem in verdict.problems.get(layout.MANIFEST, []):  # its checksums are unreadable
+            damaged.append(str(checkpoint / layout.MANIFEST))
             sys.stdout.write(f"DAMAGED  {problem}\n")
         if not verdict.intact:
             summary = f"DAMAGED: {len(verdict.problems)} file(s)"
@@ -277,10 +278,10 @@ def _checkpoint_order(path: Path) -> tuple[int, str]:
     """Oldest first, as resume orders them: by the step the manifest records."""
     import json
 
-    from shardtune.checkpoint import atomic
+    from shardtune.checkpoint import layout
 
     try:
-        return int(json.loads((path / atomic.MANIFEST).read_text())["step"]), path.name
+        return int(json.loads((path / layout.MANIFEST).read_text())["step"]), path.name
     except (OSError, ValueError, KeyError, TypeError):
         return -1, path.name
 
@@ -306,9 +307,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Complete a prompt with an HF model directory; under torchrun every rank holds a shard and rank 0 prints."""
     import os
 
-    from shardtune.distributed import device_type, end_process, init_distributed
-    from shardtune.generation import load_generator
-    from shardtune.state_dict.comm import normalize_device
+    from shardtune.inference.generation import load_generator
+    from shardtune.ranks.comm import normalize_device
+    from shardtune.ranks.process import device_type, end_process, init_distributed
 
     sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank = init_distributed()[0] if sharded else 0

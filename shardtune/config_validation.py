@@ -18,8 +18,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
+from shardtune.ranks.errors import ShardtuneError
 
-class ConfigError(ValueError):
+
+class ConfigError(ShardtuneError, ValueError):
     """An invalid config; ``problems`` lists every problem found."""
 
     def __init__(self, problems: Sequence[str], *, source: str | None = None) -> None:

@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardtune.distributed import end_process, init_distributed, shard_model
 from shardtune.models import build_model
+from shardtune.ranks.comm import all_gather_objects
+from shardtune.ranks.process import end_process, init_distributed
+from shardtune.ranks.sharding import shard_model
 from shardtune.state_dict import stats
-from shardtune.state_dict.comm import all_gather_objects
 from shardtune.training import (
     gather_cpu_state_dict,
     get_full_optimizer_state_dict,

@@ -24,7 +24,7 @@ DTensor uses, e.g. ``full_tensor()``):
   the same, so host memory is what the test says it is: the storages of the tensors given
   to :meth:`NcclRules.host` (modules: params, buffers and grads; optimizers: their state;
   dicts/lists: their tensors, e.g. a full state dict or a loader batch) and those allocated
-  by ``shardtune.state_dict.comm.host_empty``. While the block runs,
+  by ``shardtune.ranks.comm.host_empty``. While the block runs,
   ``comm.on_transfer_device(t, device)`` says False for them, so ``comm.to_transfer``
   makes a real copy, as ``.to("cuda")`` does on a GPU.
 
@@ -208,7 +208,7 @@ def nccl_rules() -> Iterator[NcclRules]:
     """Check NCCL's rules on this rank's collectives inside the block (see the module docstring).
 
     Raises :class:`NcclRuleError` on leaving the block when a rule was broken."""
-    from shardtune.state_dict import comm
+    from shardtune.ranks import comm
 
     rules = NcclRules()
     original_batch = c10d.batch_isend_irecv

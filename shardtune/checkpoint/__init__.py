@@ -11,14 +11,14 @@ module that describes the files as a ``SavePlan`` (``hf_save.py``, ``optimizer_i
 
 from shardtune.checkpoint.checkpointer import Checkpointer
 from shardtune.checkpoint.errors import CheckpointError, FingerprintMismatchError, OutputDirError, SaveError
-from shardtune.checkpoint.hf_load import load_hf_checkpoint, open_hf_checkpoint
-from shardtune.checkpoint.hf_save import save_hf_checkpoint
+from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint, open_hf_checkpoint
+from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
+from shardtune.checkpoint.formats.peft_format import load_peft_adapter, save_peft_adapter
+from shardtune.checkpoint.formats.training_state import TrainingProgress, fingerprint
 from shardtune.checkpoint.options import CheckpointOptions, CheckpointStates
-from shardtune.checkpoint.peft_format import load_peft_adapter, save_peft_adapter
-from shardtune.checkpoint.sinks import DirectSink, Rank0Sink, StagedSink, sink_for
-from shardtune.checkpoint.staging_memory import StagingMemory
-from shardtune.checkpoint.state import TrainingProgress, fingerprint
-from shardtune.checkpoint.stream import WeightStream, stream_adapter_weights, stream_weights
+from shardtune.checkpoint.storage.sinks import DirectSink, Rank0Sink, StagedSink, sink_for
+from shardtune.checkpoint.storage.staging_memory import StagingMemory
+from shardtune.inference.stream import WeightStream, stream_adapter_weights, stream_weights
 
 __all__ = [
     "CheckpointError",

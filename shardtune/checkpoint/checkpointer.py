@@ -18,7 +18,7 @@ branch in ``save``. A save goes: ``save`` -> the strategy -> a format module des
 files (``hf_save``, ``optimizer_io``, ``peft_format``: a pure ``SavePlan``) -> ``plans.save``
 executes it (agree, create, ``writer.write_files`` hands each rank's blocks) -> a sink
 (``sinks``) writes the bytes. Which checkpoint a resume reads, and its
-verification, is :mod:`~shardtune.checkpoint.resume_choice`.
+verification, is :mod:`~shardtune.checkpoint.resume.choice`.
 
 A checkpoint ``<output_dir>/epoch_<n>`` (or ``step_<n>`` mid-epoch) holds:
 
@@ -33,13 +33,13 @@ A checkpoint ``<output_dir>/epoch_<n>`` (or ``step_<n>`` mid-epoch) holds:
 It is written under ``.tmp-<name>-<token>``, fsynced, given a manifest, and renamed: a crash
 at any moment leaves the previous checkpoint as the newest complete one. The manifest records
 each file's size and CRC32C checksums of what the save wrote (computed from the memory written,
-see :mod:`~shardtune.checkpoint.checksums`); resume checks them before using anything (see
+see :mod:`~shardtune.checkpoint.safety.checksums`); resume checks them before using anything (see
 :meth:`Checkpointer.resume`). With ``async_save``
 an intermediate checkpoint's tensors are copied to CPU memory and written by a background
 thread; it is published at the first step boundary (:meth:`Checkpointer.poll`) after every
 rank's write is done, at the latest by the next ``save``/``wait``. Each rank then leaves a
 marker in the staged directory, so a resume publishes a staged checkpoint whose writes all
-finished rather than deleting it (:mod:`~shardtune.checkpoint.atomic`). The CPU copy's memory is
+finished rather than deleting it (:mod:`~shardtune.checkpoint.safety.atomic`). The CPU copy's memory is
 kept for the next background save unless ``keep_staging_memory=False``.
 
 Lineage: every checkpoint's manifest records the ``run_id`` of the run that wrote it (a resumed
@@ -61,31 +61,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardtune.checkpoint import atomic, resume_checks, resume_choice
-from shardtune.checkpoint import checksums as crc
-from shardtune.checkpoint.dcp_format import DCP_DIR, load_dcp
+from shardtune.checkpoint import layout
 from shardtune.checkpoint.errors import SaveError, as_save_error
-from shardtune.checkpoint.hf_load import load_hf_checkpoint
-from shardtune.checkpoint.optimizer_io import load_optimizer
+from shardtune.checkpoint.formats.dcp_format import load_dcp
+from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
+from shardtune.checkpoint.formats.optimizer_io import load_optimizer
+from shardtune.checkpoint.formats.peft_format import load_peft_adapter
+from shardtune.checkpoint.formats.training_state import TrainingProgress, check_fingerprint
+from shardtune.checkpoint.layout import ADAPTER_DIR, DCP_DIR, RNG_DIR, STATE_DIR, TRAINING_STATE
 from shardtune.checkpoint.options import CheckpointOptions, CheckpointStates
-from shardtune.checkpoint.peft_format import load_peft_adapter
-from shardtune.checkpoint.pending import PendingSave, mark_when_written
-from shardtune.checkpoint.staging_memory import StagingMemory
-from shardtune.checkpoint.state import RNG_DIR, TRAINING_STATE, TrainingProgress, check_fingerprint
-from shardtune.checkpoint.strategies import (
-    ADAPTER_DIR,
-    STATE_DIR,
-    RngOnRank0,
-    RngPerRank,
-    WeightsInputs,
-    pick_weights,
-)
-from shardtune.distributed import device_type
-from shardtune.faults import fault_point
+from shardtune.checkpoint.resume import choice as resume_choice
+from shardtune.checkpoint.resume import hyperparameters as resume_checks
+from shardtune.checkpoint.safety import atomic
+from shardtune.checkpoint.safety import checksums as crc
+from shardtune.checkpoint.safety.pending import PendingSave, mark_when_written
+from shardtune.checkpoint.storage.staging_memory import StagingMemory
+from shardtune.checkpoint.strategies import RngOnRank0, RngPerRank, WeightsInputs, pick_weights
 from shardtune.models.moe import expert_layout_hint
 from shardtune.peft.lora import is_lora
-from shardtune.state_dict import comm
-from shardtune.state_dict.keys import StateDictError
+from shardtune.ranks import comm
+from shardtune.ranks.errors import StateDictError
+from shardtune.ranks.faults import fault_point
+from shardtune.ranks.process import device_type
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +170,7 @@ class Checkpointer:
         Collective. Before anything is loaded the checkpoint's files are checked against its
         manifest's sizes and the files it reads against their CRC32C checksums (LoRA: not the
         merged model beside the adapter), each rank reading a share
-        (:mod:`~shardtune.checkpoint.resume_choice`). A damaged newest checkpoint is skipped
+        (:mod:`~shardtune.checkpoint.resume.choice`). A damaged newest checkpoint is skipped
         with a warning naming the damaged files, for the next older intact one; when every
         checkpoint is damaged, or the named ``checkpoint`` is, every rank raises the same
         :class:`~shardtune.checkpoint.errors.CheckpointError` naming the files and byte ranges.
@@ -183,7 +180,7 @@ class Checkpointer:
         rank raises :class:`~shardtune.checkpoint.errors.FingerprintMismatchError` naming what
         changed); the optimizer's hyperparameters this run was built with replace the
         checkpoint's where they differ, each change logged on rank 0
-        (:mod:`~shardtune.checkpoint.resume_checks`). Without ``checkpoint``, staged background
+        (:mod:`~shardtune.checkpoint.resume.hyperparameters`). Without ``checkpoint``, staged background
         saves that every rank finished writing (a run stopped before publishing them) are
         published first; the resumed run continues the checkpoint's
         ``run_id``.
@@ -304,7 +301,9 @@ class Checkpointer:
         if epoch is not None:
             self.progress.epoch = epoch
         progress = self.progress
-        name = f"epoch_{progress.epoch}" if progress.batches_in_epoch == 0 else f"step_{progress.step}"
+        name = layout.checkpoint_name(
+            epoch=progress.epoch, step=progress.step, end_of_epoch=progress.batches_in_epoch == 0
+        )
         target = self.options.output_dir / name
         staging = self._begin(name)
         fault_point("save:begin")
@@ -385,7 +384,7 @@ class Checkpointer:
         outcome."""
         extra: dict[str, Any] = {"world_size": comm.world_size(), "run_id": run_id}
         if self.options.checksums:
-            skip = {atomic.MANIFEST, *atomic.written_markers(pending.staging)}  # markers: not part of the checkpoint
+            skip = {layout.MANIFEST, *atomic.written_markers(pending.staging)}  # markers: not part of the checkpoint
             recorded = crc.gather_checksums(
                 pending.staging, skip=skip, shared_filesystem=self.options.shared_filesystem
             )

@@ -1,14 +1,14 @@
 """The errors a checkpoint raises: one module, imported by every other, importing none of them.
 
 Rule: every failure of reading, writing or resuming a checkpoint is a :class:`CheckpointError`
-(a :class:`~shardtune.state_dict.keys.StateDictError`, so the collective entry points raise it
+(a :class:`~shardtune.ranks.errors.StateDictError`, so the collective entry points raise it
 alike on every rank); the subclasses say which step failed. The message names the file or
 option and the fix.
 """
 
 from __future__ import annotations
 
-from shardtune.state_dict.keys import StateDictError
+from shardtune.ranks.errors import ShardtuneError, StateDictError
 
 __all__ = [
     "CheckpointError",
@@ -42,9 +42,9 @@ class UnsafeFileNameError(CheckpointError, ValueError):
     """A file names another file outside its own directory (an absolute path, ``..``, ...)."""
 
 
-class FingerprintMismatchError(RuntimeError):
+class FingerprintMismatchError(ShardtuneError):
     """The checkpoint was written for another model, base weights, tokenizer or data than this run's."""
 
 
-class OutputDirError(RuntimeError):
+class OutputDirError(ShardtuneError):
     """The ``output_dir`` is in use by another run, or holds another run's outputs."""

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtune.checkpoint.hf_save import EXPERT_LAYOUTS
-from shardtune.checkpoint.state import Stateful, TrainingProgress
+from shardtune.checkpoint.formats.hf_save import EXPERT_LAYOUTS
+from shardtune.checkpoint.formats.training_state import Stateful, TrainingProgress
 
 FORMATS = ("hf", "dcp")  # of intermediate checkpoints; the final one is always HF
 
@@ -54,7 +54,7 @@ class CheckpointOptions:
     another world size. ``checksums=False`` records no checksums on save and checks none on
     resume: it exists to measure their cost (benchmarks/checksums.py). ``expert_layout`` is how
     HF checkpoints hold MoE experts (``auto``: the layout the model was loaded from; ``per_expert``;
-    ``fused``: see :func:`~shardtune.checkpoint.hf_save.save_hf_checkpoint`).
+    ``fused``: see :func:`~shardtune.checkpoint.formats.hf_save.save_hf_checkpoint`).
     """
 
     output_dir: Path

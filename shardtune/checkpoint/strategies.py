@@ -2,7 +2,7 @@
 
 Rule: a strategy is one row of the grid hf|dcp x now|background x per-rank|rank-0 files x
 full|LoRA, and it calls one public save function per format (or plans the formats' files and
-hands them to :func:`~shardtune.checkpoint.plans.save` with one sink); the
+hands them to :func:`~shardtune.checkpoint.storage.plans.save` with one sink); the
 Checkpointer's ``save`` only picks final or intermediate. A strategy is given its inputs
 explicitly (:class:`WeightsInputs`), never the Checkpointer. Every method is collective.
 """
@@ -19,19 +19,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from shardtune.checkpoint.dcp_format import DCP_DIR, save_dcp, write_model_description
 from shardtune.checkpoint.errors import CheckpointError
-from shardtune.checkpoint.hf_save import HFSaveOptions, plan_hf_checkpoint, save_hf_checkpoint
-from shardtune.checkpoint.optimizer_io import plan_optimizer, save_optimizer
-from shardtune.checkpoint.peft_format import save_peft_adapter
-from shardtune.checkpoint.plans import save
-from shardtune.checkpoint.sinks import StagedSink
-from shardtune.checkpoint.staging_memory import StagingMemory
-from shardtune.checkpoint.state import TrainingProgress, load_rng, reseed, rng_state, save_rng, set_rng_state
-from shardtune.state_dict import comm
-
-STATE_DIR = "training_state"
-ADAPTER_DIR = "adapter"
+from shardtune.checkpoint.formats.dcp_format import save_dcp, write_model_description
+from shardtune.checkpoint.formats.hf_save import HFSaveOptions, plan_hf_checkpoint, save_hf_checkpoint
+from shardtune.checkpoint.formats.optimizer_io import plan_optimizer, save_optimizer
+from shardtune.checkpoint.formats.peft_format import save_peft_adapter
+from shardtune.checkpoint.formats.training_state import (
+    TrainingProgress,
+    load_rng,
+    reseed,
+    rng_state,
+    save_rng,
+    set_rng_state,
+)
+from shardtune.checkpoint.layout import ADAPTER_DIR, DCP_DIR, STATE_DIR
+from shardtune.checkpoint.storage.plans import save
+from shardtune.checkpoint.storage.sinks import StagedSink
+from shardtune.checkpoint.storage.staging_memory import StagingMemory
+from shardtune.ranks import comm
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +75,7 @@ class Weights(Protocol):
 class HFNow:
     """HF model files (LoRA: the adapter, and the merged model unless adapter-only) and the
     optimizer's safetensors, written now: each rank its rows, or rank 0 everything without a
-    shared filesystem (the sinks :func:`~shardtune.checkpoint.sinks.sink_for` picks)."""
+    shared filesystem (the sinks :func:`~shardtune.checkpoint.storage.sinks.sink_for` picks)."""
 
     def __init__(self, inputs: WeightsInputs) -> None:
         self.inputs = inputs

@@ -14,6 +14,8 @@ import json
 import random
 from pathlib import Path
 
+from shardtune.data.toy_tasks import digit_sum_samples
+
 __all__ = ["generate_chat", "generate_digit_sum", "generate_instruct", "render_jsonl", "write_assets"]
 
 _WORDS = (
@@ -154,9 +156,7 @@ def render_jsonl(records: list[dict]) -> str:
 
 def generate_digit_sum(n: int = 256, *, seed: int = 0) -> list[dict[str, str]]:
     """Prompts of the digit-sum task for GRPO (``instruction``, ``answer``), from
-    :func:`shardtune.rl.toy_rewards.digit_sum_samples`."""
-    from shardtune.rl.toy_rewards import digit_sum_samples  # the task's one definition (imports torch)
-
+    :func:`shardtune.data.toy_tasks.digit_sum_samples`."""
     return [
         {"instruction": f"{s['prompt'].strip()}. Reply <answer>sum</answer>.", "answer": s["answer"]}
         for s in digit_sum_samples(n, seed=seed)

@@ -40,7 +40,7 @@ from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import init_device_mesh
 
 from shardtune.models.packed_attention import sample_lengths
-from shardtune.state_dict import comm
+from shardtune.ranks import comm
 
 __all__ = [
     "ContextAttention",

@@ -11,7 +11,7 @@ The load-balancing loss is :mod:`shardtune.models.moe_aux`'s.
 
 FSDP2 shards the experts on the expert dim when the shard group's size divides E, else on
 the next one (torchtitan's rule), chosen once per model: :func:`expert_shard_placement`.
-Under expert parallelism (:mod:`shardtune.expert_parallel`) the experts module holds its ep
+Under expert parallelism (:mod:`shardtune.ranks.expert_parallel`) the experts module holds its ep
 rank's E/ep experts and its ``ep_group``; the sorted rows then travel to the ranks holding
 their experts and back (:mod:`shardtune.models.moe_dispatch`).
 

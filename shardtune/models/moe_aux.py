@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from shardtune.state_dict import comm
+from shardtune.ranks import comm
 
 __all__ = ["Routing"]
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from shardtune.state_dict import comm
+from shardtune.ranks import comm
 
 __all__ = ["experts_over_ranks"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from shardtune.checkpoint.atomic import fsync_tree
+from shardtune.checkpoint.safety.atomic import fsync_tree
 from shardtune.data.tokenizer import save_byte_tokenizer
 from shardtune.model_presets import TINY_PRESETS
 from shardtune.models.hf_config import model_args_to_hf_config

@@ -16,7 +16,7 @@ registers its factors at those paths. The base parameters keep their HF names. F
 adapters with its default ``Shard(0)`` (rows of these tensors, whatever the experts' placement),
 so each rank writes whole rows of PEFT's tensors in place and no strided column is ever written.
 
-Under expert parallelism (:mod:`shardtune.expert_parallel`) the factors are replicated over ``ep``
+Under expert parallelism (:mod:`shardtune.ranks.expert_parallel`) the factors are replicated over ``ep``
 (sharded by FSDP2 over ``efsdp`` like every other param): lora_B's experts interleave its columns,
 so no ep split of PEFT's tensors is a block of rows. Each rank slices its own experts' ``A_e``,
 ``B_e`` out of the gathered factors, and marks their gradient ``Partial`` over ``ep`` (each ep rank
@@ -44,7 +44,7 @@ from shardtune.models.moe import Experts, Router, local_experts
 from shardtune.models.moe_kernels import expert_kernel
 from shardtune.peft import nf4
 from shardtune.peft.init import kaiming_uniform_whole_
-from shardtune.state_dict.layout import EP_DIM
+from shardtune.ranks.mesh import EP_DIM
 from shardtune.state_dict.nf4_experts import nf4_experts_shape_problem, quantize_experts
 
 __all__ = [

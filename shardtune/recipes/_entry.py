@@ -9,14 +9,14 @@ from typing import NoReturn
 
 from shardtune import run_errors
 from shardtune.config import Config, ConfigError
-from shardtune.distributed import end_process
+from shardtune.ranks.process import end_process
 from shardtune.recipes.registry import load_recipe_config
 from shardtune.training.signals import TrainingStopped
 
 
 def main(recipe: Callable[[Config], None], name: str, argv: list[str] | None = None) -> int:
     """Parse the config and run ``recipe``; returns 2 on a config error. After a finished run the
-    process ends here (:func:`~shardtune.distributed.end_process`), with ``128 + signal`` after a
+    process ends here (:func:`~shardtune.ranks.process.end_process`), with ``128 + signal`` after a
     run stopped by SIGTERM/SIGINT (:class:`~shardtune.training.signals.TrainingStopped`).
 
     Under ``shardtune run`` (``SHARDTUNE_ERROR_DIR`` set, no ``SHARDTUNE_DEBUG``) a failure is

@@ -12,12 +12,12 @@ import dataclasses
 from pathlib import Path
 
 from shardtune.checkpoint import TrainingProgress, fingerprint
-from shardtune.checkpoint.identity import Identity, samples_identity, weights_identity
+from shardtune.checkpoint.resume.identity import Identity, samples_identity, weights_identity
 from shardtune.config import Config
 from shardtune.data import load_tokenizer
 from shardtune.models import model_args_from_hf_config
+from shardtune.ranks.comm import Problems, agree, all_gather_objects
 from shardtune.recipes.run import Run
-from shardtune.state_dict.comm import Problems, agree, all_gather_objects
 from shardtune.training import loop
 from shardtune.training.loop import LoopSettings
 
@@ -27,9 +27,9 @@ def resume_fingerprint(
 ) -> dict[str, str]:
     """Collective. What a resume must match, by content (a moved copy of the same files matches):
     the model architecture (config.json's fields), the tokenizer as loaded, the training samples
-    (:func:`~shardtune.checkpoint.identity.samples_identity`), the weights of the ``frozen``
+    (:func:`~shardtune.checkpoint.resume.identity.samples_identity`), the weights of the ``frozen``
     models and, for LoRA, the LoRA settings and the base weights (each
-    :func:`~shardtune.checkpoint.identity.weights_identity`, read on rank 0): a LoRA resume loads
+    :func:`~shardtune.checkpoint.resume.identity.weights_identity`, read on rank 0): a LoRA resume loads
     the base again, and its adapter means something only on that base. A full fine-tune's
     checkpoint holds every weight and never reads the base, so its base weights are not part of
     it. Every rank computes the same or every rank raises."""

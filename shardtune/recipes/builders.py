@@ -25,12 +25,12 @@ from shardtune.checkpoint import (
     TrainingProgress,
     load_hf_checkpoint,
 )
+from shardtune.checkpoint.layout import CONFIG_FILE
 from shardtune.config import Config
 from shardtune.data import build_dataloader, build_dataset, collate, load_tokenizer
 from shardtune.data.checks import build_training_dataset, check_one_step
 from shardtune.data.from_config import is_preference
 from shardtune.data.preference import collate_pairs
-from shardtune.distributed import decoder_layers, make_mesh, shard_model
 from shardtune.model_presets import TINY_PRESETS
 from shardtune.models import (
     LlamaForCausalLM,
@@ -41,6 +41,8 @@ from shardtune.models import (
 )
 from shardtune.models.tiny import create_tiny_base
 from shardtune.peft import apply_lora, init_lora_parameters, is_lora
+from shardtune.ranks.mesh import make_mesh
+from shardtune.ranks.sharding import decoder_layers, shard_model
 from shardtune.recipes import _resume
 from shardtune.recipes.run import DTYPES, Run
 from shardtune.recipes.run import start as start  # a recipe's first step: setup.start(cfg)
@@ -79,7 +81,7 @@ def base_model_dir(
     if directory is None:
         directory = str(Path(cfg.output_dir).parent / f"{preset}_base")
     path = Path(directory)
-    if (path / "config.json").is_file():
+    if (path / CONFIG_FILE).is_file():
         if preset is not None and run.is_rank_zero:
             _warn_if_preset_differs(path, preset, key=key, preset_key=preset_key)
         return path

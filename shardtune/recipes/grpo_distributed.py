@@ -37,7 +37,7 @@ import torch
 from shardtune.config import Config
 from shardtune.data import build_dataloader, load_tokenizer
 from shardtune.data.checks import check_one_step
-from shardtune.generation import stop_ids
+from shardtune.inference.generation import stop_ids
 from shardtune.models import model_args_from_hf_config
 from shardtune.models.moe_aux import Routing
 from shardtune.recipes import builders as setup

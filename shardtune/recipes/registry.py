@@ -17,6 +17,7 @@ from pathlib import Path
 
 from shardtune.config import CONFIGS_DIR, Config, load_config
 from shardtune.config_validation import Schema
+from shardtune.ranks.errors import ShardtuneError
 from shardtune.recipes.schemas import (
     EARLY_EXIT_SCHEMA,
     FULL_DPO_SCHEMA,
@@ -28,7 +29,7 @@ from shardtune.recipes.schemas import (
 )
 
 
-class UnknownRecipe(ValueError):
+class UnknownRecipe(ShardtuneError, ValueError):
     """A recipe name that is not in the registry; the message lists the registry's names."""
 
 

@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardtune.checkpoint import OutputDirError, run_dir
+from shardtune.checkpoint import OutputDirError
+from shardtune.checkpoint.safety import run_dir
 from shardtune.config import Config
-from shardtune.distributed import device_type, init_distributed
 from shardtune.models.context_parallel import context_group
-from shardtune.state_dict import comm
-from shardtune.state_dict.comm import agree, normalize_device
+from shardtune.ranks import comm
+from shardtune.ranks.comm import agree, normalize_device
+from shardtune.ranks.process import device_type, init_distributed
 
 __all__ = ["Run", "claim_output_dir", "start"]
 

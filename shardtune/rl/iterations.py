@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Iterator
 from typing import Any
 
-from shardtune.checkpoint.state import TrainingProgress
+from shardtune.checkpoint.formats.training_state import TrainingProgress
 
 __all__ = ["RepeatedSteps", "check_resume"]
 

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from shardtune.state_dict import comm
+from shardtune.ranks import comm
 
 __all__ = [
     "IMPORTANCE_SAMPLING_LEVELS",

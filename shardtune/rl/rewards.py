@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from shardtune.ranks.errors import ShardtuneError
 from shardtune.rl.advantages import nanstd, total_rewards
 
 __all__ = ["RewardError", "RewardFunctions", "completion_text", "load_reward_function"]
@@ -41,7 +42,7 @@ def completion_text(completion: Any) -> str:
     raise TypeError(f"a completion is text or a list of chat messages, got {type(completion).__name__}")
 
 
-class RewardError(RuntimeError):
+class RewardError(ShardtuneError):
     """A reward function failed or returned something unusable; the message names it and the sample."""
 
 

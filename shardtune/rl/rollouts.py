@@ -1,7 +1,7 @@
 """GRPO rollouts: a batch of prompts becomes scored, right-padded training rows with advantages.
 
 Rule: each rank completes its own prompts, ``num_generations`` times each (a prompt's group on
-one rank, adjacent), with :func:`shardtune.generation.generate_batch`; the rewards of every
+one rank, adjacent), with :func:`shardtune.inference.generation.generate_batch`; the rewards of every
 rank's completions are gathered (:func:`~shardtune.rl.global_batch.gather_rewards`) and the
 advantages computed over that whole generation batch, of which each rank keeps its own rows.
 A row is ``prompt + completion`` right-padded, so prompts of unequal lengths need no attention
@@ -39,13 +39,13 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 
 from shardtune.data.tokenizer import HFTokenizer
-from shardtune.generation import generate_batch
+from shardtune.inference.generation import generate_batch
+from shardtune.ranks import comm
 from shardtune.rl.advantages import group_advantages, total_rewards
 from shardtune.rl.global_batch import gather_rewards
 from shardtune.rl.logps import token_logps
 from shardtune.rl.prompts import PromptDataset
 from shardtune.rl.rewards import RewardError, RewardFunctions
-from shardtune.state_dict import comm
 
 __all__ = [
     "GenerationBatch",

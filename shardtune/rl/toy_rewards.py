@@ -1,5 +1,5 @@
-"""Rule rewards for small verifiable tasks, and the tasks' prompts: a model learns them in a few
-steps, so a test can watch the mean reward rise.
+"""Rule rewards for small verifiable tasks (their prompts: :mod:`shardtune.data.toy_tasks`): a model
+learns them in a few steps, so a test can watch the mean reward rise.
 
 Rule: the answer is what follows the last ``<answer>`` tag in the completion, up to
 ``</answer>`` or the end; a reward is a pure function of the completion and the sample's
@@ -15,14 +15,13 @@ Completions may be text or chat messages (the last message's ``content`` is read
 
 from __future__ import annotations
 
-import random
 import re
 from collections.abc import Sequence
 from typing import Any
 
 from shardtune.rl.rewards import completion_text
 
-__all__ = ["answer_format", "digit_sum", "digit_sum_samples", "sorted_letters", "sorted_letters_samples"]
+__all__ = ["answer_format", "digit_sum", "sorted_letters"]
 
 _ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
 _EXACT = re.compile(r"\s*<answer>[^<]*</answer>\s*", re.DOTALL)
@@ -72,24 +71,4 @@ def answer_format(prompts: Sequence[Any], completions: Sequence[Any], **_: Any) 
     for c in completions:
         text = completion_text(c)
         out.append(1.0 if _EXACT.fullmatch(text) else 0.5 if "<answer>" in text and "</answer>" in text else 0.0)
-    return out
-
-
-def sorted_letters_samples(n: int, *, seed: int, letters: int = 4) -> list[dict[str, str]]:
-    """``n`` records ``{"prompt", "answer"}`` of the letter-sorting task (``letters`` random lowercase letters)."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(letters))
-        out.append({"prompt": f"Sort the letters: {word}\n", "answer": "".join(sorted(word))})
-    return out
-
-
-def digit_sum_samples(n: int, *, seed: int, digits: int = 3) -> list[dict[str, str]]:
-    """``n`` records ``{"prompt", "answer"}`` of the digit-sum task (``digits`` random digits)."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        number = "".join(rng.choice("0123456789") for _ in range(digits))
-        out.append({"prompt": f"Sum the digits: {number}\n", "answer": str(sum(int(d) for d in number))})
     return out

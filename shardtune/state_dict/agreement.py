@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from shardtune.state_dict import comm, nf4
+from shardtune.ranks import comm
+from shardtune.state_dict import nf4
 from shardtune.state_dict.keys import ModelEntry
 from shardtune.state_dict.layout import TensorLayout, layout_of, local_tensor, placement_problem
 from shardtune.state_dict.lazy import is_lazy, lazy_dtype

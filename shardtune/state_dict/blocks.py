@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardtune.state_dict import comm, nf4
+from shardtune.ranks import comm
+from shardtune.state_dict import nf4
 from shardtune.state_dict.layout import Piece, TensorLayout
 
 if TYPE_CHECKING:

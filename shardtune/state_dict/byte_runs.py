@@ -5,7 +5,7 @@ tensor is read straight into that tensor's memory, and blocks that continue each
 source are joined into one positional read with one destination buffer each (``preadv``), in
 file order, whichever tensors they go to. A load of per-expert files meets thousands of such
 blocks (each expert's gate, up and down weights, a rank's experts adjacent in the file); reading
-each on its own cost more in Python than in the kernel. The load-side twin of :class:`~shardtune.checkpoint.sinks.RunWriter`.
+each on its own cost more in Python than in the kernel. The load-side twin of :class:`~shardtune.checkpoint.storage.sinks.RunWriter`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from shardtune.state_dict import comm
+from shardtune.ranks import comm
 
 # Linux's IOV_MAX: the most buffers one preadv takes.
 MAX_VIEWS = 1024

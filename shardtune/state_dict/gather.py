@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardtune.state_dict import comm, nf4
+from shardtune.ranks import comm
+from shardtune.state_dict import nf4
 from shardtune.state_dict.agreement import SAME_MODEL, model_signature
 from shardtune.state_dict.keys import ModelEntry, is_adapter_key, model_entries, state_dict_order
 from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor

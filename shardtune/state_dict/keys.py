@@ -1,4 +1,4 @@
-"""Key handling for state dicts: clean FQNs, adapter predicates, model entries, errors.
+"""Key handling for state dicts: clean FQNs, adapter predicates, model entries.
 
 A model entry's ``parts`` say when its tensor is stored as several file tensors (the N:1
 key mapping of :mod:`~shardtune.state_dict.parts`), as its owning module declares.
@@ -15,13 +15,6 @@ from shardtune.state_dict.parts import Part, module_parts
 
 # Wrappers that insert a level into module paths but not into the checkpoint's names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-class StateDictError(RuntimeError):
-    """A state dict does not fit the model (keys, shapes, dtypes, layout), or a rank failed.
-
-    Raised with the same message on every rank by the collective entry points.
-    """
 
 
 def clean_fqn(name: str) -> str:
@@ -103,14 +96,6 @@ def _reshard_fsdp_modules(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-
-
-def format_problems(header: str, problems: list[str], *, limit: int = 20) -> str:
-    """One readable message from a list of problems, long lists shortened."""
-    lines = problems[:limit]
-    if len(problems) > limit:
-        lines.append(f"... and {len(problems) - limit} more")
-    return header + "\n  " + "\n  ".join(lines)
 
 
 def state_dict_order(entries: list[ModelEntry]) -> list[str]:

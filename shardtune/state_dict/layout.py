@@ -1,6 +1,6 @@
 """Where each rank's piece of a DTensor lies in the full tensor, and which tensor holds it locally.
 
-Expert-parallel tensors (a mesh ``(efsdp, ep)``: ``shardtune.expert_parallel``) are placed
+Expert-parallel tensors (a mesh ``(efsdp, ep)``: ``shardtune.ranks.expert_parallel``) are placed
 ``[_StridedShard(0, sf=ep), Shard(0)]`` (FSDP2 over each rank's E/ep experts) or ``[Shard(1),
 Shard(0)]``: each rank's piece is still one rectangle of the full tensor, which torch's own
 local-shape rule gives; any other ``_StridedShard`` (its rows interleaved across ranks) is refused.
@@ -23,6 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from shardtune.ranks.mesh import EP_DIM
 
 
 @dataclass(frozen=True)
@@ -76,11 +78,8 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
-EP_DIM = "ep"
-
-
 def refuse_expert_parallel(named: Iterable[tuple[str, torch.Tensor]], *, what: str, fix: str) -> None:
-    """Raise :class:`~shardtune.state_dict.keys.StateDictError` for the first DTensor of ``named`` on an
+    """Raise :class:`~shardtune.ranks.errors.StateDictError` for the first DTensor of ``named`` on an
     expert-parallel mesh: ``what`` does not support it; ``fix`` says what to set instead."""
     for name, tensor in named:
         if isinstance(tensor, DTensor) and EP_DIM in (tensor.device_mesh.mesh_dim_names or ()):
@@ -92,7 +91,7 @@ def refuse_expert_parallel(named: Iterable[tuple[str, torch.Tensor]], *, what: s
 
 def _raise_if(problem: str | None) -> None:
     if problem is not None:
-        from shardtune.state_dict.keys import StateDictError  # keys imports parts, which imports this module
+        from shardtune.ranks.errors import StateDictError
 
         raise StateDictError(problem)
 

@@ -2,7 +2,7 @@
 
 Rule: a value is lazy when it is not a ``torch.Tensor`` but satisfies :class:`LazyTensor`
 (``get_shape()`` and ``value[slices]``, as ``safetensors.safe_open(...).get_slice(name)``
-and :class:`~shardtune.checkpoint.safetensors_io.TensorSlice`). Describing one never reads
+and :class:`~shardtune.checkpoint.storage.safetensors_io.TensorSlice`). Describing one never reads
 data; ``get_dtype()``, ``read_block_into`` and ``file_range`` are optional capabilities, asked
 for only here (and ``file_range`` by :mod:`~shardtune.state_dict.byte_runs`' callers).
 """

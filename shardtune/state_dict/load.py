@@ -24,11 +24,12 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from shardtune.state_dict import comm, nf4
+from shardtune.ranks import comm
+from shardtune.ranks.faults import fault_point
+from shardtune.state_dict import nf4
 from shardtune.state_dict.agreement import RANK0, LoadItem, agree_on_plan
 from shardtune.state_dict.blocks import SendBuffer, copy_block, scatter_dense, scatter_nf4, slice_nf4
 from shardtune.state_dict.byte_runs import RangeSource, RunReader, block_range, byte_view
-from shardtune.state_dict.faults import fault_point
 from shardtune.state_dict.fresh_memory import prefault
 from shardtune.state_dict.gc_pause import collector_paused
 from shardtune.state_dict.install import fillable, install, run_load_hooks

@@ -21,12 +21,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardtune.state_dict import comm, quantized
+from shardtune.ranks import comm
+from shardtune.ranks.errors import StateDictError
+from shardtune.state_dict import quantized
 from shardtune.state_dict.agreement import EVERY_RANK, RANK0, agree_on_mode
 from shardtune.state_dict.blocks import SendBuffer, copy_block, scatter_dense
 from shardtune.state_dict.gather import gather_to_rank0
 from shardtune.state_dict.install import fillable
-from shardtune.state_dict.keys import StateDictError, model_entries
+from shardtune.state_dict.keys import model_entries
 from shardtune.state_dict.layout import TensorLayout, layout_of, local_tensor, refuse_expert_parallel
 from shardtune.state_dict.lazy import is_lazy, lazy_dtype
 from shardtune.state_dict.quantized import QuantizedState, QuantSpec

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from shardtune.state_dict import comm
+from shardtune.ranks import comm
 from shardtune.state_dict.blocks import SendBuffer, fill_block
 from shardtune.state_dict.layout import Piece, TensorLayout
 from shardtune.state_dict.parts import Part, part_piece

@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 from torch.distributed.tensor import DTensor
 
-from shardtune.state_dict import comm
+from shardtune.ranks import comm
 from shardtune.state_dict.layout import Piece, TensorLayout, local_tensor
 
 CODES, SCALE = "codes", "scale"  # the parts' names (tensor name suffixes on disk)

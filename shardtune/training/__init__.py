@@ -1,6 +1,8 @@
 """torchtune-compatible training utilities: the distributed state-dict functions and sharding."""
 
-from shardtune.distributed import init_distributed, make_mesh, shard_model
+from shardtune.ranks.mesh import make_mesh
+from shardtune.ranks.process import init_distributed
+from shardtune.ranks.sharding import shard_model
 from shardtune.state_dict import (
     StateDictError,
     gather_cpu_state_dict,

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from shardtune.state_dict import comm
+from shardtune.ranks import comm
 
 __all__ = ["Evaluator"]
 

@@ -27,7 +27,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from shardtune.state_dict import comm
+from shardtune.ranks import comm
+from shardtune.ranks.errors import ShardtuneError
 from shardtune.state_dict.layout import local_tensor
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ _HINT = (
 )
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(ShardtuneError):
     """A non-finite loss, gradient norm or parameter; the message names the step and what."""
 
 

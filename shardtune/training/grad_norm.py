@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardtune.state_dict import comm
+from shardtune.ranks import comm
 from shardtune.state_dict.layout import local_tensor
 
 __all__ = ["clip_grad_norm", "grad_norm"]

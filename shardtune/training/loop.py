@@ -37,9 +37,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from shardtune.checkpoint.checkpointer import Checkpointer
-from shardtune.checkpoint.state import TrainingProgress
-from shardtune.faults import fault_point
-from shardtune.state_dict import comm
+from shardtune.checkpoint.formats.training_state import TrainingProgress
+from shardtune.ranks import comm
+from shardtune.ranks.faults import fault_point
 from shardtune.state_dict.layout import local_tensor
 from shardtune.training.finite import FiniteGuard
 from shardtune.training.flops import rank_batch_flops

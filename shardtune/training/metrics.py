@@ -20,6 +20,8 @@ from typing import Any, TextIO
 import torch
 from tqdm import tqdm
 
+from shardtune.checkpoint.layout import METRICS_NAME
+
 log = logging.getLogger(__name__)
 
 
@@ -42,7 +44,7 @@ class MetricLogger:
         if not enabled:
             return
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        path = Path(output_dir) / "metrics.jsonl"
+        path = Path(output_dir) / METRICS_NAME
         dropped = keep_rows_up_to(path, start_step)
         if dropped:
             log.info("%s: dropped %d rows after step %d (this run trains those steps again)", path, dropped, start_step)

@@ -18,8 +18,10 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from shardtune.choices import LR_SCHEDULES, OPTIMIZERS
-from shardtune.state_dict import comm, quantized
-from shardtune.state_dict.layout import EP_DIM, layout_of, local_tensor
+from shardtune.ranks import comm
+from shardtune.ranks.mesh import EP_DIM
+from shardtune.state_dict import quantized
+from shardtune.state_dict.layout import layout_of, local_tensor
 
 _MIN_QUANTIZED = 4096  # torchao (after bitsandbytes) keeps smaller tensors' state in full precision
 

@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardtune.checkpoint import Checkpointer, CheckpointOptions, CheckpointStates, FingerprintMismatchError, atomic
-from shardtune.distributed import decoder_layers, shard_model
+from shardtune.checkpoint import Checkpointer, CheckpointOptions, CheckpointStates, FingerprintMismatchError
+from shardtune.checkpoint.safety import atomic
 from shardtune.models import llama_from_hf_config
 from shardtune.peft import apply_lora, init_lora_parameters
+from shardtune.ranks.sharding import decoder_layers, shard_model
 from shardtune.training import gather_cpu_state_dict, get_full_optimizer_state_dict
 from shardtune.training.grad_norm import clip_grad_norm
 from shardtune.training.optim import build_lr_scheduler, build_optimizer
@@ -653,7 +654,7 @@ def _dcp_async_round_trip(base: str, out: str, lora: bool):
 def test_dcp_async_intermediate_checkpoint_resumes_and_converts(pool2, base_dir, tmp_path, lora):
     import transformers
 
-    from shardtune.checkpoint.dcp_format import convert_dcp_to_hf
+    from shardtune.checkpoint.formats.dcp_format import convert_dcp_to_hf
 
     res = pool2.run_ok(_dcp_async_round_trip, base_dir, str(tmp_path / "out"), lora)
     assert all(r["same"] and r["step"] == 2 for r in res)

@@ -18,8 +18,9 @@ import crc32c
 import pytest
 import torch.distributed as dist
 
-from shardtune.checkpoint import Checkpointer, CheckpointError, CheckpointOptions, CheckpointStates, checksums
-from shardtune.checkpoint.atomic import MANIFEST
+from shardtune.checkpoint import Checkpointer, CheckpointError, CheckpointOptions, CheckpointStates
+from shardtune.checkpoint.layout import MANIFEST
+from shardtune.checkpoint.safety import checksums
 from shardtune.cli import main as cli_main
 from tests.distributed import test_checkpointer
 from tests.distributed.test_checkpointer import _setup, _start, _train

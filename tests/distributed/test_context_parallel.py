@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardtune.distributed import make_mesh, shard_model
 from shardtune.models import from_hf_config
 from shardtune.models.chunked_loss import chunked_cross_entropy
 from shardtune.models.context_parallel import context_group, split_batch
 from shardtune.peft import apply_lora
+from shardtune.ranks.mesh import make_mesh
+from shardtune.ranks.sharding import shard_model
 from tests.nccl_rules import nccl_rules
 
 pytestmark = pytest.mark.timeout(300)

@@ -154,7 +154,7 @@ def test_recipe_setup_rejects_a_rank_with_another_config(pool2):
 
 
 def _agree_case(case: str):
-    from shardtune.state_dict import comm
+    from shardtune.ranks import comm
 
     rank = dist.get_rank()
     value = {"same": "v", "differs": f"v{rank // 2}", "problem": "v"}[case]

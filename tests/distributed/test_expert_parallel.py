@@ -11,8 +11,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardtune.distributed import make_mesh, shard_model
 from shardtune.models import from_hf_config
+from shardtune.ranks.mesh import make_mesh
+from shardtune.ranks.sharding import shard_model
 from shardtune.training.grad_norm import clip_grad_norm
 from tests.nccl_rules import nccl_rules
 

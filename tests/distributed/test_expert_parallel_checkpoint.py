@@ -18,9 +18,10 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardtune.checkpoint import load_hf_checkpoint, save_hf_checkpoint
-from shardtune.checkpoint.optimizer_io import load_optimizer, save_optimizer
-from shardtune.distributed import make_mesh, shard_model
+from shardtune.checkpoint.formats.optimizer_io import load_optimizer, save_optimizer
 from shardtune.models import from_hf_config
+from shardtune.ranks.mesh import make_mesh
+from shardtune.ranks.sharding import shard_model
 from shardtune.training import gather_cpu_state_dict, load_from_full_model_state_dict
 from tests.nccl_rules import nccl_rules
 
@@ -129,7 +130,7 @@ def _round_trip(case: str, out: str) -> dict:
 def _dcp_round_trip(out: str) -> dict[str, bool]:
     """A step at expert_parallel=2, saved in the DCP format (checkpoint_format=dcp), loaded at 1, 2 and 4
     (1 and 2 for 6 experts): every param and AdamW moment equal torch's gather of the saved ones."""
-    from shardtune.checkpoint.dcp_format import load_dcp, save_dcp
+    from shardtune.checkpoint.formats.dcp_format import load_dcp, save_dcp
     from tests.unit.test_models_moe import hf_moe_model
 
     res = {}

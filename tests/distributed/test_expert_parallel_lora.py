@@ -18,10 +18,11 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import Replicate
 
 from shardtune.checkpoint import load_peft_adapter, save_peft_adapter
-from shardtune.checkpoint.optimizer_io import load_optimizer, save_optimizer
-from shardtune.distributed import make_mesh, shard_model
+from shardtune.checkpoint.formats.optimizer_io import load_optimizer, save_optimizer
 from shardtune.models import from_hf_config
 from shardtune.peft import apply_lora
+from shardtune.ranks.mesh import make_mesh
+from shardtune.ranks.sharding import shard_model
 from shardtune.training import load_from_full_model_state_dict
 from shardtune.training.grad_norm import clip_grad_norm
 from tests.nccl_rules import nccl_rules

@@ -89,8 +89,8 @@ def _round_trip(out: str, experts: int, dim: int, shared: bool):
     rank's pieces, bytes read and collective counts."""
     from torch.distributed.tensor import distribute_tensor
 
-    from shardtune.checkpoint.hf_load import load_hf_checkpoint
-    from shardtune.checkpoint.hf_save import save_hf_checkpoint
+    from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
+    from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
     from shardtune.state_dict import load_from_full_model_state_dict, stats
 
     full = _full(experts)
@@ -193,7 +193,8 @@ def _rank0_load(experts: int, dim: int, limit: int | None):
     the fused tensors and against a load in which every rank reads its own bytes."""
     from torch.distributed.tensor import distribute_tensor
 
-    from shardtune.state_dict import blocks, comm, load_from_full_model_state_dict
+    from shardtune.ranks import comm
+    from shardtune.state_dict import blocks, load_from_full_model_state_dict
 
     full = _full(experts)
     files = _per_expert(full)
@@ -260,7 +261,8 @@ def test_rank0_load_stages_at_most_one_block_per_batch(pool2):
 def _rank0_staging(experts: int, dim: int):
     """Rank-0 load of per-expert tensors held in host memory (every block staged), one block per
     batch: after each batch rank 0 stages, the room that batch needed and the staging memory held."""
-    from shardtune.state_dict import blocks, comm, load_from_full_model_state_dict
+    from shardtune.ranks import comm
+    from shardtune.state_dict import blocks, load_from_full_model_state_dict
 
     files = _per_expert(_full(experts))
     given = files if dist.get_rank() == 0 else {}

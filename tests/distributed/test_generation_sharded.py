@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from shardtune.data.tokenizer import save_byte_tokenizer
-from shardtune.generation import generate, load_generator
+from shardtune.inference.generation import generate, load_generator
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -64,9 +64,10 @@ def _batched_expert_parallel(stop: list[int]) -> list[list[int]]:
     expert parallelism: both ranks must run every forward (its all-to-alls) until both are done."""
     import torch.distributed as dist
 
-    from shardtune.distributed import make_mesh, shard_model
-    from shardtune.generation import generate_batch
+    from shardtune.inference.generation import generate_batch
     from shardtune.models import from_hf_config
+    from shardtune.ranks.mesh import make_mesh
+    from shardtune.ranks.sharding import shard_model
     from tests.unit.test_models_moe import hf_moe_model
 
     hf = hf_moe_model("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[1])
@@ -91,7 +92,7 @@ def _batched_expert_parallel(stop: list[int]) -> list[list[int]]:
 
 
 def test_batched_generation_with_expert_parallel_equals_one_process(pool2):
-    from shardtune.generation import generate_batch
+    from shardtune.inference.generation import generate_batch
     from shardtune.models import from_hf_config
     from tests.unit.test_models_moe import hf_moe_model
 

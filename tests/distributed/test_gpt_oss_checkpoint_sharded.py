@@ -15,10 +15,11 @@ import torch.distributed as dist
 import transformers
 from torch.distributed.tensor import distribute_tensor
 
-from shardtune.checkpoint.hf_load import load_hf_checkpoint
-from shardtune.checkpoint.hf_save import save_hf_checkpoint
-from shardtune.distributed import make_mesh, shard_model
+from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
+from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
 from shardtune.models import from_hf_config
+from shardtune.ranks.mesh import make_mesh
+from shardtune.ranks.sharding import shard_model
 from shardtune.state_dict import stats
 from tests.nccl_rules import nccl_rules
 from tests.unit.test_moe_checkpoint import tensors

@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from shardtune.checkpoint.hf_load import load_hf_checkpoint, open_hf_checkpoint
-from shardtune.checkpoint.hf_save import save_hf_checkpoint
-from shardtune.checkpoint.sinks import DirectSink, StagedSink
-from shardtune.checkpoint.staging_memory import StagingMemory
-from shardtune.distributed import shard_model
+from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint, open_hf_checkpoint
+from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
+from shardtune.checkpoint.storage.sinks import DirectSink, StagedSink
+from shardtune.checkpoint.storage.staging_memory import StagingMemory
 from shardtune.models import build_model
 from shardtune.peft import apply_lora
+from shardtune.ranks.sharding import shard_model
 from shardtune.state_dict import stats
 from shardtune.training import gather_cpu_state_dict, load_from_full_model_state_dict
 
@@ -110,7 +110,7 @@ def _rchar() -> int:
 @contextlib.contextmanager
 def _counting_file_writes():
     """Yields a list that receives the bytes of every block this process writes into checkpoint files."""
-    from shardtune.checkpoint.safetensors_io import RangeWriter
+    from shardtune.checkpoint.storage.safetensors_io import RangeWriter
 
     written: list[int] = []
     write = RangeWriter.write
@@ -154,7 +154,7 @@ def _load_and_save(src: str, shared: bool, dtype_name: str, out: str, max_shard_
 
 def _save_direct_and_buffered(src: str, out_direct: str, out_buffered: str) -> int:
     """Load, then save twice (O_DIRECT and page cache); returns bytes this rank wrote with O_DIRECT."""
-    from shardtune.checkpoint import safetensors_io
+    from shardtune.checkpoint.storage import safetensors_io
 
     model = shard_model(build_model(src, device="meta"))
     load_hf_checkpoint(model, src, device="cpu")
@@ -472,7 +472,7 @@ def test_single_process_without_process_group(ckpts, tmp_path, caplog):
     assert keys.missing_keys == [] and all(torch.equal(model.state_dict()[k], v) for k, v in ckpts["sd"].items())
     model.init_buffers("cpu")
     assert (model(TOKENS).detach() - ckpts["logits"]).abs().max() <= 1e-4
-    with caplog.at_level(logging.INFO, logger="shardtune.checkpoint.hf_load"):
+    with caplog.at_level(logging.INFO, logger="shardtune.checkpoint.formats.hf_load"):
         files = save_hf_checkpoint(model, tmp_path / "out", max_shard_size="1MB", dtype=torch.float16)
     assert any("Saved HF checkpoint" in r.message and "GB/s" in r.message for r in caplog.records)
     assert files[-1] == "model.safetensors.index.json"

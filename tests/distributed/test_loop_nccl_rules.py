@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from shardtune.data import collate
 from shardtune.data.sampler import build_dataloader
-from shardtune.distributed import shard_model
 from shardtune.models import build_model, get_model_args
+from shardtune.ranks.sharding import shard_model
 from shardtune.recipes import builders
 from shardtune.training import load_from_full_model_state_dict, step_loss
 from shardtune.training.loop import LoopSettings, Training, run_training

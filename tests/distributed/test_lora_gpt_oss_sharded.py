@@ -14,9 +14,10 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import Shard
 
 from shardtune.checkpoint import load_peft_adapter, save_hf_checkpoint, save_peft_adapter
-from shardtune.distributed import make_mesh, shard_model
 from shardtune.models import from_hf_config
 from shardtune.peft import apply_lora
+from shardtune.ranks.mesh import make_mesh
+from shardtune.ranks.sharding import shard_model
 from shardtune.training import load_from_full_model_state_dict
 from tests.nccl_rules import nccl_rules
 

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torchao.optim.subclass_4bit import OptimState4bit
 from torchao.optim.subclass_8bit import OptimState8bit
 
-from shardtune.checkpoint.optimizer_io import load_optimizer, save_optimizer
+from shardtune.checkpoint.formats.optimizer_io import load_optimizer, save_optimizer
 from shardtune.state_dict import StateDictError
 from shardtune.training import (
     gather_cpu_state_dict,

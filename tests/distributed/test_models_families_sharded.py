@@ -9,9 +9,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from shardtune.distributed import make_mesh, shard_model
 from shardtune.models import from_hf_config
 from shardtune.peft import apply_lora, init_lora_parameters
+from shardtune.ranks.mesh import make_mesh
+from shardtune.ranks.sharding import shard_model
 from shardtune.training import load_from_full_model_state_dict
 
 pytestmark = pytest.mark.timeout(240)

@@ -10,9 +10,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from shardtune.distributed import make_mesh, shard_model
 from shardtune.models import ModelArgs, build_model
 from shardtune.peft import apply_lora
+from shardtune.ranks.mesh import make_mesh
+from shardtune.ranks.sharding import shard_model
 from shardtune.training import gather_cpu_state_dict, load_from_full_model_state_dict
 
 pytestmark = pytest.mark.timeout(240)

@@ -18,11 +18,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
 
-from shardtune.checkpoint.hf_load import load_hf_checkpoint
-from shardtune.checkpoint.hf_save import save_hf_checkpoint
-from shardtune.checkpoint.optimizer_io import load_optimizer, save_optimizer
-from shardtune.distributed import make_mesh, shard_model
+from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
+from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
+from shardtune.checkpoint.formats.optimizer_io import load_optimizer, save_optimizer
 from shardtune.models import from_hf_config
+from shardtune.ranks.mesh import make_mesh
+from shardtune.ranks.sharding import shard_model
 from shardtune.state_dict import stats
 from shardtune.training import gather_cpu_state_dict
 from tests.nccl_rules import nccl_rules

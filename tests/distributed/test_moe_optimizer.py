@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from shardtune.checkpoint import writer
-from shardtune.checkpoint.optimizer_io import load_optimizer, save_optimizer
-from shardtune.distributed import make_mesh, shard_model
+from shardtune.checkpoint.formats.optimizer_io import load_optimizer, save_optimizer
+from shardtune.checkpoint.storage import writer
 from shardtune.models import from_hf_config
+from shardtune.ranks.mesh import make_mesh
+from shardtune.ranks.sharding import shard_model
 from shardtune.state_dict import StateDictError, load_from_full_model_state_dict
 from shardtune.training import gather_cpu_state_dict, get_full_optimizer_state_dict
 from shardtune.training.optim import build_optimizer

@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-from shardtune.distributed import make_mesh, shard_model
 from shardtune.models import from_hf_config, moe_kernels
 from shardtune.models.moe import SparseMoeBlock
+from shardtune.ranks.mesh import make_mesh
+from shardtune.ranks.sharding import shard_model
 from shardtune.state_dict import load_from_full_model_state_dict
 from shardtune.training import gather_cpu_state_dict
 

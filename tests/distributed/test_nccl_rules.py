@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
-from shardtune.state_dict import comm
+from shardtune.ranks import comm
 from shardtune.training import (
     gather_cpu_state_dict,
     get_full_optimizer_state_dict,
@@ -269,10 +269,10 @@ def hf_dir(tmp_path_factory):
 def _qlora_rank0_save_then_load(src: str, out: str):
     """Save a QLoRA model merged via rank 0, then load the result via rank 0 into a plain model
     and gather it; every model registered as host memory, as if CPU-offloaded."""
-    from shardtune.checkpoint.hf_load import load_hf_checkpoint
-    from shardtune.checkpoint.hf_save import save_hf_checkpoint
-    from shardtune.distributed import shard_model
+    from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
+    from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
     from shardtune.models import build_model
+    from shardtune.ranks.sharding import shard_model
     from tests.distributed.test_hf_io import _lora_model
 
     model, adapters = _lora_model(src, quantize=True)
@@ -316,7 +316,7 @@ def _optimizer_files_round_trip(out: str):
     a single-process optimizer trained the same way."""
     from pathlib import Path
 
-    from shardtune.checkpoint.optimizer_io import load_optimizer, save_optimizer
+    from shardtune.checkpoint.formats.optimizer_io import load_optimizer, save_optimizer
 
     sd = toy.full_state_dict(seed=23)
     model = toy.build_sharded(meta=True)

@@ -26,11 +26,12 @@ from torch.distributed.tensor import Shard
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
 from shardtune.checkpoint import load_peft_adapter, save_hf_checkpoint, save_peft_adapter
-from shardtune.checkpoint.hf_load import load_hf_checkpoint
-from shardtune.checkpoint.optimizer_io import load_optimizer, save_optimizer
-from shardtune.distributed import make_mesh, shard_model
+from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
+from shardtune.checkpoint.formats.optimizer_io import load_optimizer, save_optimizer
 from shardtune.models import from_hf_config
 from shardtune.peft import apply_lora
+from shardtune.ranks.mesh import make_mesh
+from shardtune.ranks.sharding import shard_model
 from shardtune.training import gather_cpu_state_dict
 from tests.nccl_rules import nccl_rules
 

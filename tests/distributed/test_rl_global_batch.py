@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardtune.distributed import shard_model
 from shardtune.models import build_model, get_model_args
+from shardtune.ranks.sharding import shard_model
 from shardtune.rl import (
     PolicyLossConfig,
     completion_logps_head_loss,

@@ -25,10 +25,11 @@ from shardtune.checkpoint import (
     stream_adapter_weights,
     stream_weights,
 )
-from shardtune.distributed import make_mesh, shard_model
-from shardtune.faults import set_fault
 from shardtune.models import build_model, from_hf_config
 from shardtune.peft import apply_lora, init_lora_parameters
+from shardtune.ranks.faults import set_fault
+from shardtune.ranks.mesh import make_mesh
+from shardtune.ranks.sharding import shard_model
 from shardtune.training import load_from_full_model_state_dict
 from tests.memory_probe import new_memory
 from tests.nccl_rules import nccl_rules

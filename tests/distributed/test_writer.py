@@ -37,8 +37,8 @@ def _write_with_each_sink(out: str) -> dict[str, list[str]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from shardtune.checkpoint.sinks import DirectSink, Rank0Sink, StagedSink
-    from shardtune.checkpoint.writer import WriteItem, create_files, plan_files, write_files
+    from shardtune.checkpoint.storage.sinks import DirectSink, Rank0Sink, StagedSink
+    from shardtune.checkpoint.storage.writer import WriteItem, create_files, plan_files, write_files
     from shardtune.state_dict.layout import layout_of
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

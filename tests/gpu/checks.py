@@ -164,8 +164,9 @@ def staging_size(kind: str, base_dir: str, out_dir: str) -> dict:
     64-byte aligned; the caching host allocator grows by at most that, in at most one
     allocation, and the second save allocates nothing."""
     from shardtune.checkpoint import Checkpointer, CheckpointOptions, CheckpointStates
-    from shardtune.distributed import make_mesh, shard_model
     from shardtune.models import llama_from_hf_config
+    from shardtune.ranks.mesh import make_mesh
+    from shardtune.ranks.sharding import shard_model
     from shardtune.training.optim import build_lr_scheduler, build_optimizer
 
     device = current_device(kind)
@@ -228,9 +229,10 @@ def background_poll_and_cuda_rng(kind: str, base_dir: str, out_dir: str) -> dict
     import safetensors
 
     from shardtune.checkpoint import Checkpointer, CheckpointOptions, CheckpointStates
-    from shardtune.checkpoint.state import load_rng, set_rng_state
-    from shardtune.distributed import make_mesh, shard_model
+    from shardtune.checkpoint.formats.training_state import load_rng, set_rng_state
     from shardtune.models import llama_from_hf_config
+    from shardtune.ranks.mesh import make_mesh
+    from shardtune.ranks.sharding import shard_model
     from shardtune.training.optim import build_optimizer
 
     device = current_device(kind)
@@ -368,8 +370,9 @@ def moe_hf_round_trip(kind: str, hf_dir: str, out_dir: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from shardtune.checkpoint import load_hf_checkpoint, save_hf_checkpoint
-    from shardtune.distributed import make_mesh, shard_model
     from shardtune.models import from_hf_config
+    from shardtune.ranks.mesh import make_mesh
+    from shardtune.ranks.sharding import shard_model
     from shardtune.state_dict import stats
 
     device, rank = current_device(kind), dist.get_rank()
@@ -417,10 +420,11 @@ def qlora_moe_first_step(kind: str, hf_dir: str, peft_dir: str, reference_expert
     dequantized ``gate_up_proj`` lies from ``reference_experts`` (torchao's NF4 of each expert, on the CPU).
     The caller compares the loss with transformers + peft's over those NF4 experts (fp32, CPU)."""
     from shardtune.checkpoint import load_peft_adapter
-    from shardtune.checkpoint.hf_load import load_hf_checkpoint
-    from shardtune.distributed import make_mesh, shard_model
+    from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
     from shardtune.models import from_hf_config
     from shardtune.peft import apply_lora
+    from shardtune.ranks.mesh import make_mesh
+    from shardtune.ranks.sharding import shard_model
     from tests.distributed.test_qlora_moe_sharded import ALPHA, PARAMETERS, RANK
     from tests.unit.test_models_moe import _loss, batch
 

@@ -364,7 +364,7 @@ def test_batched_generation_on_cuda_equals_the_cpu():
     """``generate_batch`` with the model and KV cache on the GPU (left-padded rows of a tiny Qwen3-MoE, its
     grouped-GEMM experts, fp32): the greedy completions' first tokens equal the same call on the CPU (later
     ones may part where the GPU's rounding flips a near-tie)."""
-    from shardtune.generation import generate_batch
+    from shardtune.inference.generation import generate_batch
     from shardtune.models import from_hf_config
     from tests.unit.test_models_moe import hf_moe_model
 

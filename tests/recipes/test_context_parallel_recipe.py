@@ -87,7 +87,7 @@ def _generates_as_transformers(directory) -> None:
     import torch
     import transformers
 
-    from shardtune.generation import load_generator
+    from shardtune.inference.generation import load_generator
 
     prompt = "Name three colors"
     cmd = [

@@ -21,11 +21,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardtune.checkpoint import Checkpointer, CheckpointOptions, CheckpointStates, SaveError, atomic, strategies
-from shardtune.distributed import shard_model
-from shardtune.faults import set_fault
+from shardtune.checkpoint import Checkpointer, CheckpointOptions, CheckpointStates, SaveError, layout, strategies
+from shardtune.checkpoint.safety import atomic
 from shardtune.models import llama_from_hf_config
 from shardtune.peft import apply_lora, init_lora_parameters
+from shardtune.ranks.faults import set_fault
+from shardtune.ranks.sharding import shard_model
 from shardtune.training.optim import build_optimizer
 from tests.reliability.conftest import RECIPES, overrides
 from tests.reliability.launch import _env, _Running, free_port
@@ -55,7 +56,7 @@ def _fresh(ck: Checkpointer) -> None:
 
 
 def _manifest(path: Path) -> dict:
-    return json.loads((path / atomic.MANIFEST).read_text())
+    return json.loads((path / layout.MANIFEST).read_text())
 
 
 def _published_at_a_step_boundary(base: str, out: str) -> dict:

@@ -7,14 +7,7 @@ import sys
 
 import pytest
 
-from shardtune.faults import (
-    POINTS,
-    FaultSpec,
-    InjectedFault,
-    fault_point,
-    parse_fault,
-    set_fault,
-)
+from shardtune.ranks.faults import POINTS, FaultSpec, InjectedFault, fault_point, parse_fault, set_fault
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -65,7 +58,7 @@ def test_raises_on_the_nth_occurrence_of_its_point_on_its_rank_only():
 
 
 def test_kill_from_the_environment():
-    code = "from shardtune.faults import fault_point\nfault_point('train:step')\nfault_point('train:step')\nprint('survived')"
+    code = "from shardtune.ranks.faults import fault_point\nfault_point('train:step')\nfault_point('train:step')\nprint('survived')"
     env_run = subprocess.run(
         [sys.executable, "-c", code],
         env={"SHARDTUNE_FAULT": "train:step:0:kill:2", "PATH": ""},

@@ -37,8 +37,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from shardtune.checkpoint.errors import CheckpointError
-from shardtune.checkpoint.hf_load import open_hf_checkpoint
-from shardtune.checkpoint.safetensors_io import DTYPES
+from shardtune.checkpoint.formats.hf_load import open_hf_checkpoint
+from shardtune.checkpoint.storage.safetensors_io import DTYPES
 from shardtune.config import (
     ConfigError,
     apply_overrides,
@@ -46,8 +46,8 @@ from shardtune.config import (
     load_yaml,
     resolve_config_path,
 )
+from shardtune.ranks.errors import StateDictError
 from shardtune.recipes.registry import get_recipe
-from shardtune.state_dict.keys import StateDictError
 from shardtune.training import (
     get_full_optimizer_state_dict,
     load_from_full_model_state_dict,
@@ -457,8 +457,8 @@ class _Planted:
 
 
 def _load_planted(directory: str, what: str) -> None:
-    from shardtune.checkpoint.dcp_format import load_dcp
-    from shardtune.checkpoint.state import TrainingProgress
+    from shardtune.checkpoint.formats.dcp_format import load_dcp
+    from shardtune.checkpoint.formats.training_state import TrainingProgress
     from shardtune.checkpoint.strategies import RngOnRank0, RngPerRank
 
     root = Path(directory)
@@ -476,7 +476,7 @@ def _plant_in_dcp_value(root: Path, marker: Path) -> None:
     """A real DCP save of a Linear and its AdamW state whose lr entry points at a planted pickle."""
     import io
 
-    from shardtune.checkpoint.dcp_format import save_dcp
+    from shardtune.checkpoint.formats.dcp_format import save_dcp
 
     model = nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters())
@@ -499,7 +499,7 @@ def test_planted_pickles_are_refused_on_every_rank_and_run_nothing(pool2, tmp_pa
     """A ``__reduce__`` planted in DCP's ``.metadata`` (read by every rank), in a value of a DCP
     shard, or in rank 1's old-style RNG file (read by rank 1, or by rank 0 for all): every rank
     raises the same CheckpointError naming the file or value, and the payload never runs."""
-    from shardtune.checkpoint.state import save_rng
+    from shardtune.checkpoint.formats.training_state import save_rng
 
     marker = tmp_path / "PWNED"
     planted = tmp_path / ("rng/rank_1.pt" if what.startswith("rng") else "dcp/.metadata")

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.checkpoint import atomic
+from shardtune.checkpoint import layout
+from shardtune.checkpoint.safety import atomic
 from tests.reliability.conftest import PG_TIMEOUT_S, RECIPES, STEPS, overrides
 from tests.reliability.launch import metrics_rows, run_cli
 
@@ -69,7 +70,7 @@ def _published(out: Path) -> dict[str, dict[str, str]]:
 
 
 def _leftovers(out: Path) -> list[str]:
-    return sorted(p.name for p in out.iterdir() if p.name.startswith(atomic.STAGING_PREFIX))
+    return sorted(p.name for p in out.iterdir() if p.name.startswith(layout.STAGING_PREFIX))
 
 
 def _latest_step(out: Path) -> int:

@@ -22,19 +22,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardtune.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    CheckpointOptions,
-    CheckpointStates,
-    atomic,
-    checksums,
-    strategies,
-)
-from shardtune.distributed import shard_model
-from shardtune.faults import set_fault
+from shardtune.checkpoint import Checkpointer, CheckpointError, CheckpointOptions, CheckpointStates, layout, strategies
+from shardtune.checkpoint.safety import atomic, checksums
 from shardtune.models import llama_from_hf_config
 from shardtune.peft import apply_lora, init_lora_parameters
+from shardtune.ranks.faults import set_fault
+from shardtune.ranks.sharding import shard_model
 from shardtune.training.optim import build_optimizer
 from tests.reliability.conftest import PG_TIMEOUT_S, RECIPES, overrides
 from tests.reliability.launch import run_bare_ranks
@@ -226,7 +219,7 @@ def test_rank0_adapter_write_failure_raises_the_same_error_everywhere(pool2, tin
 
 def _assert_nothing_published_then_recovered(pool2, tiny_base: Path, out: Path) -> None:
     assert atomic.latest_complete(out) is None
-    assert not [p.name for p in out.iterdir() if not p.name.startswith(atomic.STAGING_PREFIX)]
+    assert not [p.name for p in out.iterdir() if not p.name.startswith(layout.STAGING_PREFIX)]
     # No rank is stuck: the next save on the same ranks succeeds and clears the leftover.
     assert pool2.run_ok(_save_cleanly, str(tiny_base), str(out), timeout=POOL_TIMEOUT_S) == [str(out / "step_1")] * 2
     assert [p.name for p in out.iterdir()] == ["step_1"]

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardtune.activation_checkpointing import checkpointed
 from shardtune.models import ModelArgs, build_model
+from shardtune.ranks.activation_checkpointing import checkpointed
 
 ARGS = ModelArgs(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=160)
 

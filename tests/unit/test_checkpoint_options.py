@@ -11,7 +11,7 @@ from torch import nn
 from shardtune.checkpoint import Checkpointer, CheckpointOptions, CheckpointStates, TrainingProgress
 from tests.unit.test_cli_startup import ROOT, _imports, assert_no_cycle_from
 
-_CHECKPOINT_MODULES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "shardtune/checkpoint").glob("*.py"))
+_CHECKPOINT_MODULES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "shardtune/checkpoint").rglob("*.py"))
 
 
 def test_options_are_frozen_and_checked_when_built(tmp_path):

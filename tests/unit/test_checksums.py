@@ -10,8 +10,8 @@ import crc32c
 import pytest
 import torch
 
-from shardtune.checkpoint import checksums
-from shardtune.checkpoint.safetensors_io import RangeWriter
+from shardtune.checkpoint.safety import checksums
+from shardtune.checkpoint.storage.safetensors_io import RangeWriter
 
 BLOCK = 64 << 10
 

@@ -10,7 +10,7 @@ from torch import nn
 from shardtune.checkpoint import CheckpointOptions, CheckpointStates
 from shardtune.checkpoint import checkpointer as checkpointer_module
 from shardtune.checkpoint.checkpointer import Checkpointer
-from shardtune.state_dict.comm import normalize_device
+from shardtune.ranks.comm import normalize_device
 
 
 def test_normalize_device_gives_cuda_the_current_index(monkeypatch):

@@ -8,7 +8,7 @@ import transformers
 
 from shardtune.cli import main
 from shardtune.data.tokenizer import save_byte_tokenizer
-from shardtune.generation import generate, generate_batch, load_generator
+from shardtune.inference.generation import generate, generate_batch, load_generator
 
 PROMPT = "Hello there, how are you doing on this fine day?"
 SMALL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,

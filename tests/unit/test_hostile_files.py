@@ -21,12 +21,13 @@ import safetensors.torch
 import torch
 
 from shardtune import cli
-from shardtune.checkpoint import atomic, dcp_format, integrity
-from shardtune.checkpoint.dcp_format import load_dcp, save_dcp
 from shardtune.checkpoint.errors import CheckpointError, UnsafeFileNameError
-from shardtune.checkpoint.file_names import inside
-from shardtune.checkpoint.hf_load import open_hf_checkpoint
-from shardtune.checkpoint.state import TrainingProgress
+from shardtune.checkpoint.formats import dcp_format
+from shardtune.checkpoint.formats.dcp_format import load_dcp, save_dcp
+from shardtune.checkpoint.formats.hf_load import open_hf_checkpoint
+from shardtune.checkpoint.formats.training_state import TrainingProgress
+from shardtune.checkpoint.safety import atomic, integrity
+from shardtune.checkpoint.safety.file_names import inside
 from shardtune.checkpoint.strategies import RngOnRank0, RngPerRank
 from shardtune.config import ConfigError, load_config, load_yaml
 from shardtune.data import jinja_budget

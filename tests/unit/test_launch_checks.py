@@ -9,8 +9,8 @@ import socket
 import pytest
 import torch
 
-from shardtune import distributed
-from shardtune.launch_checks import LaunchError, check_launch
+from shardtune.ranks import process
+from shardtune.ranks.launch_checks import LaunchError, check_launch
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "node0"}
 NCCL = "cpu:gloo,cuda:nccl"
@@ -98,7 +98,7 @@ def test_no_loopback_warning_when_it_cannot_matter(hostname_on):
 
 
 def test_init_distributed_refuses_before_creating_a_group(monkeypatch):
-    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(process.dist, "is_initialized", lambda: False)
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SLURM_PROCID", "1")
@@ -107,24 +107,24 @@ def test_init_distributed_refuses_before_creating_a_group(monkeypatch):
     def must_not_run(**kwargs):
         raise AssertionError("init_process_group called")
 
-    monkeypatch.setattr(distributed.dist, "init_process_group", must_not_run)
+    monkeypatch.setattr(process.dist, "init_process_group", must_not_run)
     with pytest.raises(LaunchError, match="srun"):
-        distributed.init_distributed()
-    assert "RANK" not in distributed.os.environ  # no defaults filled in for a refused launch
+        process.init_distributed()
+    assert "RANK" not in process.os.environ  # no defaults filled in for a refused launch
 
 
 def test_init_distributed_binds_the_group_to_the_local_gpu_on_cuda(monkeypatch):
     """Eager NCCL init: ``device_id`` is LOCAL_RANK's GPU (checked without a GPU: the calls are recorded)."""
     calls = {}
-    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(distributed, "device_type", lambda: "cuda")
+    monkeypatch.setattr(process.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(process, "device_type", lambda: "cuda")
     monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: calls.setdefault("index", index))
-    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kwargs: calls.setdefault("init", kwargs))
-    monkeypatch.setattr(distributed.dist, "get_rank", lambda: 3)
-    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 8)
+    monkeypatch.setattr(process.dist, "init_process_group", lambda **kwargs: calls.setdefault("init", kwargs))
+    monkeypatch.setattr(process.dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(process.dist, "get_world_size", lambda: 8)
     for name, value in {**TORCHRUN, "WORLD_SIZE": "8", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)
-    assert distributed.init_distributed(timeout_s=30) == (3, 8)
+    assert process.init_distributed(timeout_s=30) == (3, 8)
     assert calls["index"] == 3
     assert calls["init"]["device_id"] == torch.device("cuda", 3)
     assert calls["init"]["backend"] == NCCL and calls["init"]["timeout"].total_seconds() == 30

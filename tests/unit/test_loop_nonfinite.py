@@ -81,7 +81,7 @@ def _loss_fn(model: nn.Module, *, nan_batches: tuple[int, ...] = ()):
 
 
 def _train(model, batches, *, nan_batches=(), log_every=1, save_every=1, clip=1.0, max_skipped=0):
-    from shardtune.checkpoint.state import TrainingProgress
+    from shardtune.checkpoint.formats.training_state import TrainingProgress
 
     for i, batch in enumerate(batches):
         batch["index"] = torch.tensor(i)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from shardtune.checkpoint import save_hf_checkpoint, save_peft_adapter
-from shardtune.checkpoint.peft_format import load_peft_adapter
+from shardtune.checkpoint.formats.peft_format import load_peft_adapter
 from shardtune.peft import apply_lora, get_adapter_state_dict, get_merged_state_dict, merge_lora
 from shardtune.peft.adapters import PEFT_PREFIX
 from shardtune.training.dpo import adapters_disabled

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from shardtune.generation import generate
+from shardtune.inference.generation import generate
 from shardtune.models import LlamaForCausalLM, from_hf_config, model_args_from_hf_config, model_args_to_hf_config
 from shardtune.models.gpt_oss import grouped_biased_experts, looped_biased_experts
 from shardtune.models.registry import build_model, get_model_args

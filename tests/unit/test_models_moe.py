@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import transformers
 from torch.distributed.tensor import DTensor, Shard
 
-from shardtune.generation import generate
+from shardtune.inference.generation import generate
 from shardtune.models import LlamaForCausalLM, from_hf_config, model_args_from_hf_config, model_args_to_hf_config
 from shardtune.models.moe import expert_shard_placement
 from shardtune.models.moe_aux import Routing

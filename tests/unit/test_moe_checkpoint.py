@@ -18,8 +18,8 @@ import transformers
 from safetensors import safe_open
 
 from shardtune.checkpoint import CheckpointError, CheckpointOptions
-from shardtune.checkpoint.hf_load import _expected_reads, load_hf_checkpoint, open_hf_checkpoint
-from shardtune.checkpoint.hf_save import save_hf_checkpoint
+from shardtune.checkpoint.formats.hf_load import _expected_reads, load_hf_checkpoint, open_hf_checkpoint
+from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
 from shardtune.models import from_hf_config
 from shardtune.state_dict import StateDictError, load_from_full_model_state_dict
 from shardtune.state_dict.keys import model_entries
@@ -111,7 +111,7 @@ def test_a_per_expert_load_reads_adjacent_expert_tensors_in_one_call(tmp_path, m
     """The load's twin of the save below: the 48 expert file tensors lie in transformers' file as in the
     fused tensors, so they are read in one preadv per fused tensor (one each before), and the model
     still equals transformers' own load of the files."""
-    from shardtune.checkpoint import safetensors_io
+    from shardtune.checkpoint.storage import safetensors_io
 
     hf, dirs = hf_dirs("qwen3_moe", tmp_path)
     want = tensors(dirs["per_expert"])
@@ -129,7 +129,7 @@ def test_a_per_expert_load_reads_adjacent_expert_tensors_in_one_call(tmp_path, m
 def test_a_per_expert_save_writes_adjacent_expert_tensors_as_one_range(tmp_path, monkeypatch):
     """Experts stored per expert lie in the file as in the fused tensor, so the save joins them: a
     few writes for all 48 expert file tensors (one each before), and still transformers' files."""
-    from shardtune.checkpoint.safetensors_io import RangeWriter
+    from shardtune.checkpoint.storage.safetensors_io import RangeWriter
 
     hf, dirs = hf_dirs("qwen3_moe", tmp_path)
     ours = from_hf_config(dirs["per_expert"])

@@ -16,8 +16,8 @@ import torch
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from shardtune.checkpoint import CheckpointError
-from shardtune.checkpoint.hf_load import load_hf_checkpoint, open_hf_checkpoint
-from shardtune.checkpoint.mxfp4 import dequantizing
+from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint, open_hf_checkpoint
+from shardtune.checkpoint.formats.mxfp4 import dequantizing
 from shardtune.models import from_hf_config
 
 # H = 96 (3 blocks), I = 64 (2 blocks), 2I = 128 != H

@@ -6,7 +6,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shardtune.checkpoint.safetensors_io import SafetensorsFile
+from shardtune.checkpoint.storage.safetensors_io import SafetensorsFile
 from shardtune.state_dict.layout import Piece, TensorLayout
 from shardtune.state_dict.lazy import BlockReader, is_lazy, lazy_dtype
 from shardtune.state_dict.parts import part_block, part_layout, stacked_parts, tiling_problem
@@ -89,8 +89,8 @@ def _mixtral():
 def test_a_module_renames_its_file_tensors_and_a_single_process_round_trip_keeps_them(tmp_path):
     from safetensors.torch import load_file
 
-    from shardtune.checkpoint.hf_load import load_hf_checkpoint
-    from shardtune.checkpoint.hf_save import save_hf_checkpoint
+    from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
+    from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
 
     model = _mixtral()
     experts = model.layers[0].mlp.experts

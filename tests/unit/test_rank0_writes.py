@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardtune.checkpoint.rank0_writes import BackgroundWrites, ByteRing
-from shardtune.state_dict import comm
+from shardtune.checkpoint.storage.rank0_writes import BackgroundWrites, ByteRing
+from shardtune.ranks import comm
 
 
 def _span(t: torch.Tensor, ring: ByteRing) -> tuple[int, int]:

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from shardtune.checkpoint import FingerprintMismatchError
-from shardtune.checkpoint.resume_checks import apply_configured, configured
-from shardtune.checkpoint.state import check_fingerprint
+from shardtune.checkpoint.formats.training_state import check_fingerprint
+from shardtune.checkpoint.resume.hyperparameters import apply_configured, configured
 from shardtune.data import build_dataset, load_tokenizer
 from shardtune.models.tiny import create_tiny_base
 from shardtune.recipes import _resume, builders

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardtune.checkpoint.state import TrainingProgress
+from shardtune.checkpoint.formats.training_state import TrainingProgress
 from shardtune.rl.iterations import RepeatedSteps, check_resume
 
 

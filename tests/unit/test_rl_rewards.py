@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 
+from shardtune.data.toy_tasks import digit_sum_samples, sorted_letters_samples
 from shardtune.rl import RewardError, RewardFunctions, load_reward_function
-from shardtune.rl.toy_rewards import answer_format, digit_sum, digit_sum_samples, sorted_letters, sorted_letters_samples
+from shardtune.rl.toy_rewards import answer_format, digit_sum, sorted_letters
 
 THIS = __name__
 

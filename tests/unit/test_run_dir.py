@@ -18,15 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.checkpoint import atomic, run_dir
+from shardtune.checkpoint import layout
 from shardtune.checkpoint.errors import OutputDirError
+from shardtune.checkpoint.safety import atomic, run_dir
 
 pytestmark = pytest.mark.timeout(60)
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from shardtune.checkpoint.run_dir import OutputDirLock
+from shardtune.checkpoint.safety.run_dir import OutputDirLock
 lock = OutputDirLock.acquire(Path(sys.argv[1]))
 print("locked", flush=True)
 time.sleep(60)
@@ -49,17 +50,17 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holders_lock_is_ta
         holder.kill()  # SIGKILL: the kernel drops its flock, its body stays behind
         holder.wait()
 
-    body = json.loads((out / run_dir.LOCK_NAME).read_text())
+    body = json.loads((out / layout.LOCK_NAME).read_text())
     assert body["pid"] == holder.pid  # the dead run's body, as it wrote it
-    with caplog.at_level(logging.WARNING, logger="shardtune.checkpoint.run_dir"):
+    with caplog.at_level(logging.WARNING, logger="shardtune.checkpoint.safety.run_dir"):
         lock = run_dir.OutputDirLock.acquire(out)
     warned = caplog.text
     assert f"pid {holder.pid}" in warned and "that process is gone" in warned, warned
-    assert json.loads((out / run_dir.LOCK_NAME).read_text())["pid"] == os.getpid()
+    assert json.loads((out / layout.LOCK_NAME).read_text())["pid"] == os.getpid()
     lock.release()
-    assert (out / run_dir.LOCK_NAME).read_text() == ""  # a clean end leaves nothing to take over
+    assert (out / layout.LOCK_NAME).read_text() == ""  # a clean end leaves nothing to take over
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="shardtune.checkpoint.run_dir"):
+    with caplog.at_level(logging.WARNING, logger="shardtune.checkpoint.safety.run_dir"):
         run_dir.OutputDirLock.acquire(out).release()
     assert "taking over" not in caplog.text
 
@@ -72,7 +73,7 @@ def _checkpoint(out: Path, name: str, *, step: int, run_id: str | None) -> Path:
     manifest = {"format_version": 1, "step": step, "epoch": 0, "files": {"weights.bin": step}}
     if run_id is not None:
         manifest["run_id"] = run_id
-    (path / atomic.MANIFEST).write_text(json.dumps(manifest))
+    (path / layout.MANIFEST).write_text(json.dumps(manifest))
     return path
 
 
@@ -95,7 +96,7 @@ def test_a_fresh_run_in_a_used_output_dir_is_refused_or_placed_as_the_policy_say
     assert run_dir.place_run(out, policy="new_run", resuming=False) == out / "run_3"
     assert run_dir.place_run(tmp_path / "empty", policy="refuse", resuming=False) == tmp_path / "empty"
 
-    with caplog.at_level(logging.WARNING, logger="shardtune.checkpoint.run_dir"):
+    with caplog.at_level(logging.WARNING, logger="shardtune.checkpoint.safety.run_dir"):
         assert run_dir.place_run(out, policy="overwrite", resuming=False) == out
     assert "epoch_1" in caplog.text and "metrics.jsonl" in caplog.text
     assert sorted(p.name for p in out.iterdir()) == ["run_2"]
@@ -139,7 +140,7 @@ def test_a_staged_save_every_rank_finished_is_kept_for_the_resume_and_a_partial_
 def test_lock_body_names_host_pid_and_start_time(tmp_path):
     start = time.time()
     lock = run_dir.OutputDirLock.acquire(tmp_path)
-    body = json.loads((tmp_path / run_dir.LOCK_NAME).read_text())
+    body = json.loads((tmp_path / layout.LOCK_NAME).read_text())
     lock.release()
     assert body["host"] == socket.gethostname() and body["pid"] == os.getpid() and body["started"] >= start - 1
 

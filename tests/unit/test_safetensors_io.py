@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from shardtune.checkpoint import safetensors_io
-from shardtune.checkpoint.safetensors_io import (
+from shardtune.checkpoint.storage import safetensors_io
+from shardtune.checkpoint.storage.safetensors_io import (
     CheckpointError,
     RangeWriter,
     SafetensorsFile,

@@ -7,10 +7,10 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from shardtune.checkpoint.hf_save import HFSaveOptions, plan_hf_checkpoint
-from shardtune.checkpoint.optimizer_io import plan_optimizer
-from shardtune.checkpoint.plans import save
-from shardtune.checkpoint.sinks import DirectSink
+from shardtune.checkpoint.formats.hf_save import HFSaveOptions, plan_hf_checkpoint
+from shardtune.checkpoint.formats.optimizer_io import plan_optimizer
+from shardtune.checkpoint.storage.plans import save
+from shardtune.checkpoint.storage.sinks import DirectSink
 
 
 def _model():

@@ -8,8 +8,8 @@ import itertools
 
 import torch
 
-from shardtune.checkpoint.stream import _contiguous_start, _Move, _route, _runs
-from shardtune.checkpoint.writer import WriteItem
+from shardtune.checkpoint.storage.writer import WriteItem
+from shardtune.inference.stream import _contiguous_start, _Move, _route, _runs
 from shardtune.state_dict.layout import Piece, TensorLayout
 
 

@@ -1,0 +1,117 @@
+"""PEFT adapter checkpoints: ``adapter_model.safetensors`` + ``adapter_config.json``.
+
+Rule: the layout ``peft.PeftModel.from_pretrained(base, dir)`` loads unchanged (PEFT's
+``base_model.model.`` names, the adapters' own dtypes); the weights go through the sharded
+writer and a sink like every other safetensors file (:mod:`~shardtune.checkpoint.storage.writer`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from shardtune.checkpoint.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from shardtune.checkpoint.storage.plans import SavePlan, SmallFile, save
+from shardtune.checkpoint.storage.sinks import resolve_sink
+from shardtune.checkpoint.storage.writer import Sink, WriteItem, plan_files
+from shardtune.peft import from_peft_adapter_state_dict
+from shardtune.peft.adapters import PEFT_PREFIX, is_adapter_key
+from shardtune.peft.lora import lora_config_of
+from shardtune.ranks import comm
+from shardtune.ranks.errors import StateDictError
+from shardtune.state_dict import load_from_full_model_state_dict
+from shardtune.state_dict.keys import model_entries
+from shardtune.state_dict.layout import layout_of
+
+
+def save_peft_adapter(
+    model: nn.Module,
+    out_dir: Path,
+    *,
+    base_model_name_or_path: str | None = None,
+    shared_filesystem: bool = True,
+    sink: Sink | None = None,
+) -> None:
+    """Write the model's LoRA adapters in PEFT format to ``out_dir``.
+
+    Collective: call on all ranks. The adapter weights go through ``sink`` as model weights do
+    (by default, with ``shared_filesystem`` each rank writes its own rows; without it rank 0
+    writes everything); rank 0 writes ``adapter_config.json``. Raises on every rank when the
+    model has no LoRA adapters, and :class:`CheckpointError` with the same message on every
+    rank when a write fails.
+    """
+    sink = resolve_sink(sink, shared_filesystem=shared_filesystem)
+    save([plan_peft_adapter(model, out_dir, base_model_name_or_path=base_model_name_or_path)], sink=sink)
+
+
+def plan_peft_adapter(model: nn.Module, out_dir: Path, *, base_model_name_or_path: str | None = None) -> SavePlan:
+    """The files of :func:`save_peft_adapter`, described alike on every rank (local: no
+    collective, no file touched): ``adapter_model.safetensors`` (PEFT names, the adapters'
+    dtypes) and ``adapter_config.json``. Execute it with :func:`~shardtune.checkpoint.storage.plans.save`."""
+    items = adapter_items(model)  # raises when the model has no adapters
+    config = lora_config_of(model)
+    assert config is not None
+    files = plan_files(items, str(out_dir), max_shard_bytes=1 << 62, name=lambda i, n: ADAPTER_WEIGHTS)
+    peft_config = config.to_peft_config(base_model_name_or_path=base_model_name_or_path)
+    return SavePlan(
+        directory=str(out_dir),
+        files=files,
+        header=f"Cannot save the PEFT adapter to {out_dir}:",
+        create_header=f"Writing the PEFT adapter to {out_dir} failed:",
+        write_header=f"Writing the PEFT adapter to {out_dir} failed:",
+        what="the adapters differ between ranks",
+        fix="call save_peft_adapter with the same model on every rank",
+        small_files=[SmallFile(ADAPTER_CONFIG, json.dumps(peft_config, indent=2).encode())],
+    )
+
+
+def adapter_items(model: nn.Module, *, dtype: torch.dtype | None = None) -> list[WriteItem]:
+    """The adapter tensors :func:`save_peft_adapter` writes, in file order: PEFT's names, the
+    adapters' own dtypes (floating ones cast to ``dtype`` when given), their global layouts;
+    local, alike on every rank. Raises :class:`StateDictError` when the model has no LoRA adapters."""
+    if lora_config_of(model) is None:
+        raise StateDictError("the model has no LoRA adapters (model.lora_config is missing); apply_lora first")
+    world = comm.world_size()
+    named = sorted((pos, fqn, e.tensor) for e in model_entries(model) for pos, fqn in zip(e.positions, e.fqns))
+    return [
+        WriteItem(
+            PEFT_PREFIX + fqn,
+            tensor,
+            dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype,
+            layout_of(tensor, world),
+        )
+        for _, fqn, tensor in named
+        if is_adapter_key(fqn)
+    ]
+
+
+def load_peft_adapter(
+    model: nn.Module,
+    adapter_dir: Path,
+    *,
+    device: torch.device | str,
+    strict: bool = True,
+    shared_filesystem: bool = True,
+    cpu_offload: bool = False,
+) -> None:
+    """Load PEFT-format adapters into a (sharded) LoRA model.
+
+    Collective: call on all ranks; every rank reads the (small) adapter file, or only rank 0
+    without ``shared_filesystem`` (it then sends each rank its piece). With ``strict``, every
+    adapter of the model must be in the file and the file must hold nothing else. With
+    ``cpu_offload`` (a model sharded with it) the adapters' shards stay on CPU.
+    """
+    path = Path(adapter_dir) / ADAPTER_WEIGHTS
+    reads = shared_filesystem or comm.rank() == 0
+    adapters = from_peft_adapter_state_dict(load_file(str(path))) if reads and path.is_file() else {}
+    keys = load_from_full_model_state_dict(model, adapters, device, cpu_offload=cpu_offload)
+    missing = [k for k in keys.missing_keys if "lora" in k]
+    if strict and (missing or keys.unexpected_keys):
+        raise StateDictError(
+            f"{path}: adapters missing from the file {missing[:10]}, unexpected {keys.unexpected_keys[:10]}; "
+            "load adapters trained with the same LoRA targets and rank."
+        )
