@@ -25,6 +25,7 @@ from shardtune.checkpoint import (
     TrainingProgress,
     load_hf_checkpoint,
 )
+from shardtune.checkpoint.tiny_base import create_tiny_base
 from shardtune.config import Config
 from shardtune.data import build_dataloader, build_dataset, collate, load_tokenizer
 from shardtune.data.checks import build_training_dataset, check_one_step
@@ -39,7 +40,6 @@ from shardtune.models import (
     llama_from_hf_config,
     model_args_from_hf_config,
 )
-from shardtune.models.tiny import create_tiny_base
 from shardtune.peft import apply_lora, init_lora_parameters, is_lora
 from shardtune.recipes import _resume
 from shardtune.recipes.run import DTYPES, Run

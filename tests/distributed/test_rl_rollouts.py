@@ -18,11 +18,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
+from shardtune.checkpoint.tiny_base import create_tiny_base
 from shardtune.data.tokenizer import HFTokenizer
 from shardtune.distributed import shard_model
 from shardtune.generation import generate_batch
 from shardtune.models import build_model
-from shardtune.models.tiny import create_tiny_base
 from shardtune.rl.rewards import RewardFunctions
 from shardtune.rl.rollouts import PromptDataset, collate_prompts, rollout, rollout_generators, rows_logps_head_loss
 from shardtune.training import load_from_full_model_state_dict

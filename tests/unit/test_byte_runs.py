@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from shardtune.checkpoint import safetensors_io
 from shardtune.checkpoint.hf_load import load_hf_checkpoint
 from shardtune.checkpoint.safetensors_io import SafetensorsFile
-from shardtune.models.tiny import create_tiny_base
+from shardtune.checkpoint.tiny_base import create_tiny_base
 from shardtune.state_dict import comm
 from shardtune.state_dict.byte_runs import RunReader, block_range, byte_view
 

@@ -14,8 +14,8 @@ import torch
 from shardtune.checkpoint import FingerprintMismatchError
 from shardtune.checkpoint.resume_checks import apply_configured, configured
 from shardtune.checkpoint.state import check_fingerprint
+from shardtune.checkpoint.tiny_base import create_tiny_base
 from shardtune.data import build_dataset, load_tokenizer
-from shardtune.models.tiny import create_tiny_base
 from shardtune.recipes import _resume, builders
 from shardtune.training.optim import build_lr_scheduler, build_optimizer, continue_schedule
 
