@@ -64,7 +64,7 @@ def model_dir(bench_dir: Path, shape: str) -> Path:
     from shardtune.data import save_byte_tokenizer
 
     if shape == "tiny":
-        from shardtune.models.tiny import create_tiny_base
+        from shardtune.checkpoint.formats.tiny_base import create_tiny_base
 
         path = bench_dir / "grpo_tiny"
         if not (path / "config.json").is_file():

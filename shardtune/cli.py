@@ -335,7 +335,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny_base(args: argparse.Namespace) -> int:
-    from shardtune.models.tiny import create_tiny_base
+    from shardtune.checkpoint.formats.tiny_base import create_tiny_base
 
     path = Path(args.dir)
     if (path / "config.json").exists():

@@ -41,6 +41,7 @@ from shardtune.data.templates import (
     get_instruct_template,
 )
 from shardtune.data.tokenizer import HFTokenizer
+from shardtune.dataset_schema import DATASET_SCHEMA
 
 __all__ = [
     "CROSS_ENTROPY_IGNORE_IDX",
@@ -341,8 +342,6 @@ def _plain(value: Any) -> Any:
 def load_spec_records(spec: Mapping[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
     """A dataset entry validated against ``DATASET_SCHEMA`` (defaults filled), its records (at most
     ``max_samples``) and its name for messages; an empty dataset raises naming it."""
-    from shardtune.recipes.schemas import DATASET_SCHEMA
-
     source = str(spec.get("path", "<dataset>"))
     spec = validated(_plain(spec), DATASET_SCHEMA, source=f"dataset {source}")
     records = load_records(spec["path"], split=spec["split"], subset=spec["subset"])

@@ -11,12 +11,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils.data import Dataset
 
 from shardtune.checkpoint import (
     Checkpointer,
@@ -25,12 +28,14 @@ from shardtune.checkpoint import (
     TrainingProgress,
     load_hf_checkpoint,
 )
+from shardtune.checkpoint.formats.tiny_base import create_tiny_base
 from shardtune.checkpoint.layout import CONFIG_FILE
 from shardtune.config import Config
 from shardtune.data import build_dataloader, build_dataset, collate, load_tokenizer
 from shardtune.data.checks import build_training_dataset, check_one_step
 from shardtune.data.from_config import is_preference
 from shardtune.data.preference import collate_pairs
+from shardtune.data.tokenizer import HFTokenizer
 from shardtune.model_presets import TINY_PRESETS
 from shardtune.models import (
     LlamaForCausalLM,
@@ -39,7 +44,6 @@ from shardtune.models import (
     llama_from_hf_config,
     model_args_from_hf_config,
 )
-from shardtune.models.tiny import create_tiny_base
 from shardtune.peft import apply_lora, init_lora_parameters, is_lora
 from shardtune.ranks.mesh import make_mesh
 from shardtune.ranks.sharding import decoder_layers, shard_model
@@ -49,7 +53,7 @@ from shardtune.recipes.run import start as start  # a recipe's first step: setup
 from shardtune.training.activation_offload import offload_layer_activations
 from shardtune.training.evaluate import Evaluator
 from shardtune.training.flops import flops_per_token_fn, peak_tflops
-from shardtune.training.loop import LoopSettings, LossFn, Training, run_training, steps_per_epoch
+from shardtune.training.loop import LoopSettings, LossFn, PrepareStep, Training, run_training, steps_per_epoch
 from shardtune.training.metrics import MetricLogger
 from shardtune.training.optim import LrSchedule, build_lr_scheduler, build_optimizer, continue_schedule
 from shardtune.training.step_loss import (
@@ -181,8 +185,16 @@ def build_data(cfg: Config, run: Run, base_dir: Path):
     dataset = build_training_dataset(
         cfg, tokenizer, vocab_size=vocab_size, model=str(base_dir), report=run.is_rank_zero
     )
-    specs = dataset_specs(cfg.dataset)
-    batcher = collate_pairs if is_preference(specs) else collate
+    batcher = collate_pairs if is_preference(dataset_specs(cfg.dataset)) else collate
+    loader, sampler = build_loader(
+        cfg, run, dataset, collate_fn=lambda batch: batcher(batch, pad_id=tokenizer.pad_id), packed=cfg.packed
+    )
+    return tokenizer, loader, sampler
+
+
+def build_loader(cfg: Config, run: Run, dataset: Dataset, *, collate_fn: Callable, packed: bool = False):
+    """The loader of ``dataset`` (``cfg.dataset``'s samples, in whatever form a recipe made them) and
+    its resumable sampler for this rank, after checking that the data fills one optimizer step."""
     loader, sampler = build_dataloader(
         dataset,
         batch_size=cfg.batch_size,
@@ -190,18 +202,18 @@ def build_data(cfg: Config, run: Run, base_dir: Path):
         world_size=run.data_world,
         seed=cfg.seed,
         shuffle=cfg.shuffle,
-        collate_fn=lambda batch: batcher(batch, pad_id=tokenizer.pad_id),
+        collate_fn=collate_fn,
         pin_memory=run.device.type == "cuda",  # so on_device's copies can overlap compute
     )
     check_one_step(
         len(dataset),  # type: ignore[arg-type]  # torch's Dataset declares no __len__; ours have one
-        sources=[spec.get("path", "<dataset>") for spec in specs],
+        sources=[spec.get("path", "<dataset>") for spec in dataset_specs(cfg.dataset)],
         batch_size=cfg.batch_size,
         world_size=run.data_world,
         accumulation=cfg.gradient_accumulation_steps,
-        packed=cfg.packed,
+        packed=packed,
     )
-    return tokenizer, loader, sampler
+    return loader, sampler
 
 
 def loop_settings(cfg: Config) -> LoopSettings:
@@ -309,12 +321,20 @@ def load_weights(cfg: Config, run: Run, model: LlamaForCausalLM, checkpointer: C
 
 
 def build_training(
-    cfg: Config, run: Run, model: LlamaForCausalLM, base_dir: Path, *, frozen: dict[str, Path] | None = None
+    cfg: Config,
+    run: Run,
+    model: LlamaForCausalLM,
+    base_dir: Path,
+    *,
+    frozen: dict[str, Path] | None = None,
+    data: tuple[HFTokenizer, Any, Any] | None = None,
 ) -> Training:
     """Everything the loop trains ``model`` with but the loss: data, optimizer and lr schedule,
     the Checkpointer (``frozen`` as :func:`build_checkpointer` takes it), the weights loaded
-    (resumed, or the base's) and the validation evaluator."""
-    tokenizer, loader, sampler = build_data(cfg, run, base_dir)
+    (resumed, or the base's) and the validation evaluator. ``data``: ``(tokenizer, loader,
+    sampler)`` of a recipe that reads ``cfg.dataset`` its own way (e.g. with :func:`build_loader`);
+    None: :func:`build_data`'s."""
+    tokenizer, loader, sampler = build_data(cfg, run, base_dir) if data is None else data
     optimizer, lr_scheduler = build_optimization(cfg, model, len(loader))
     checkpointer = build_checkpointer(
         cfg,
@@ -348,8 +368,12 @@ def next_token_loss_of(cfg: Config, run: Run, model: nn.Module) -> LossFn:
     return split_next_token_loss(model, group=run.context, **options)
 
 
-def fit(cfg: Config, run: Run, recipe: str, training: Training, *, loss_fn: LossFn) -> None:
-    """The shared loop over ``training`` (metrics to ``<output_dir>/metrics.jsonl``), then the closing message."""
+def fit(
+    cfg: Config, run: Run, recipe: str, training: Training, *, loss_fn: LossFn, prepare: PrepareStep | None = None
+) -> None:
+    """The shared loop over ``training`` (metrics to ``<output_dir>/metrics.jsonl``; ``prepare``: the
+    phase before each step's micro-batches, as :func:`~shardtune.training.loop.run_training` takes it),
+    then the closing message."""
     checkpointer = training.checkpointer
     logger = MetricLogger(
         checkpointer.options.output_dir,
@@ -364,7 +388,7 @@ def fit(cfg: Config, run: Run, recipe: str, training: Training, *, loss_fn: Loss
         context_parallel=run.context_parallel,
     )
     try:
-        run_training(training, loss_fn=loss_fn, logger=logger, settings=settings)
+        run_training(training, loss_fn=loss_fn, logger=logger, settings=settings, prepare=prepare)
     except BaseException:
         logger.close()  # the rows logged so far reach every sink: a failed rank ends without atexit hooks
         if run.lock is not None:  # a signal stop published its pending checkpoint; a failure ends this run too

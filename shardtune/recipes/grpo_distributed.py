@@ -7,7 +7,9 @@ shardtune's KV-cache generation (:mod:`shardtune.rl.rollouts`, each row seeded b
 draws do not depend on the rank count), the reward functions score them, the advantages are
 computed over every rank's completions, and the policy loss (:mod:`shardtune.rl.losses`: ``dapo``
 by default, ``grpo``, ``dr_grpo``, ``bnpo``) weighs each micro-batch by its loss units, which the
-shared loop sums over micro-batches and ranks (:mod:`shardtune.rl.global_batch`).
+shared loop sums over micro-batches and ranks (:mod:`shardtune.rl.global_batch`). Generation,
+rewards and advantages run in the loop's phase before each step's micro-batches, and the loss
+function computes only a micro-batch's policy loss (:mod:`shardtune.rl.step`).
 
 ``grpo.num_iterations`` (μ) > 1 trains each generation batch for μ optimizer steps
 (:mod:`shardtune.rl.iterations`) with the clipped ratio against the sampling policy's log-probs,
@@ -30,25 +32,18 @@ checkpoints fall on cycle boundaries.
 from __future__ import annotations
 
 import sys
-from typing import Any
-
-import torch
 
 from shardtune.config import Config
-from shardtune.data import build_dataloader, load_tokenizer
-from shardtune.data.checks import check_one_step
+from shardtune.data import load_tokenizer
 from shardtune.inference.generation import stop_ids
 from shardtune.models import model_args_from_hf_config
-from shardtune.models.moe_aux import Routing
 from shardtune.recipes import builders as setup
 from shardtune.recipes._entry import main
-from shardtune.rl.global_batch import loss_units, step_normalizer
 from shardtune.rl.iterations import RepeatedSteps, check_resume
-from shardtune.rl.losses import PolicyLossConfig, policy_loss, reduce_metrics
+from shardtune.rl.losses import PolicyLossConfig
 from shardtune.rl.rewards import RewardFunctions
-from shardtune.rl.rollouts import PromptDataset, Rollout, collate_prompts, rollout, rows_logps_head_loss
-from shardtune.training.dpo import adapters_disabled
-from shardtune.training.loop import Training
+from shardtune.rl.rollouts import PromptDataset, collate_prompts
+from shardtune.rl.step import RolloutPhase, RolloutSettings, policy_loss_fn
 from shardtune.training.step_loss import RouterAux
 
 NAME = "grpo_distributed"
@@ -72,84 +67,34 @@ def recipe_main(cfg: Config) -> None:
     aux = RouterAux.of(model, cfg.router_aux_loss_coef)
 
     tokenizer = load_tokenizer(cfg.tokenizer, checkpoint_dir=base_dir)
-    specs = setup.dataset_specs(cfg.dataset)
-    dataset = PromptDataset(specs, tokenizer, max_prompt_tokens=cfg.max_seq_len - g.max_completion_tokens)
+    dataset = PromptDataset(
+        setup.dataset_specs(cfg.dataset), tokenizer, max_prompt_tokens=cfg.max_seq_len - g.max_completion_tokens
+    )
     vocab = model_args_from_hf_config(base_dir).vocab_size
     if max(max(ids) for ids in dataset.ids) >= vocab:
         raise ValueError(f"the tokenizer makes ids over the model's vocab_size {vocab}: set tokenizer to the model's")
-    prompts, sampler = build_dataloader(
-        dataset, batch_size=cfg.batch_size, rank=run.rank, world_size=run.world_size, seed=cfg.seed,
-        shuffle=cfg.shuffle, collate_fn=lambda batch: collate_prompts(batch, pad_id=tokenizer.pad_id),
+    prompts, sampler = setup.build_loader(
+        cfg, run, dataset, collate_fn=lambda batch: collate_prompts(batch, pad_id=tokenizer.pad_id)
+    )
+    loader = RepeatedSteps(prompts, accumulation=cfg.gradient_accumulation_steps, iterations=g.num_iterations)
+    training = setup.build_training(
+        cfg, run, model, base_dir, frozen={"reference_weights": base_dir} if reference else {},
+        data=(tokenizer, loader, sampler),
     )  # fmt: skip
-    check_one_step(
-        len(dataset), sources=[str(s.get("path")) for s in specs], batch_size=cfg.batch_size,
-        world_size=run.world_size, accumulation=cfg.gradient_accumulation_steps, packed=False,
+    check_resume(
+        training.checkpointer.progress, accumulation=cfg.gradient_accumulation_steps, iterations=g.num_iterations
+    )
+    settings = RolloutSettings(
+        num_generations=g.num_generations, max_completion_tokens=g.max_completion_tokens,
+        temperature=g.temperature, top_p=g.top_p, scale_rewards=g.scale_rewards, stop=stop_ids(base_dir, tokenizer),
+        seed=cfg.seed, gather_weights=g.gather_for_generation,
     )  # fmt: skip
-    accumulation = cfg.gradient_accumulation_steps
-    loader = RepeatedSteps(prompts, accumulation=accumulation, iterations=g.num_iterations)
-    optimizer, lr_scheduler = setup.build_optimization(cfg, model, len(loader))
-    checkpointer = setup.build_checkpointer(
-        cfg, run, model, optimizer, lr_scheduler, base_dir, sampler=sampler, loader=loader,
-        adapter_weights_only=cfg.adapter_weights_only, frozen={"reference_weights": base_dir} if reference else {},
+    rollouts = RolloutPhase(
+        model, reference=reference, dataset=dataset, tokenizer=tokenizer, rewards=rewards, settings=settings,
+        config=config, iterations=g.num_iterations, aux=aux, chunk_tokens=cfg.loss_chunk_tokens, device=run.device,
     )  # fmt: skip
-    progress = setup.load_weights(cfg, run, model, checkpointer)
-    check_resume(progress, accumulation=accumulation, iterations=g.num_iterations)
-    training = Training(model, loader, sampler, optimizer, lr_scheduler, checkpointer)
-    stop = stop_ids(base_dir, tokenizer)
-    cycle: dict[str, Any] = {}  # the generation batch the steps of this cycle replay
-
-    def generate(step_prompts: list[dict[str, torch.Tensor]]) -> None:
-        out = rollout(
-            model, step_prompts, dataset=dataset, tokenizer=tokenizer, rewards=rewards,
-            num_generations=g.num_generations, max_completion_tokens=g.max_completion_tokens,
-            temperature=g.temperature, top_p=g.top_p, scale_rewards=g.scale_rewards, stop=stop,
-            seed=cfg.seed, step=progress.step, device=run.device, gather_weights=g.gather_for_generation,
-        )  # fmt: skip
-        old, ref = [], []
-        with torch.no_grad():  # once per generation batch, as TRL: the sampling policy's and the reference's
-            for mb in out.micro_batches:
-                tokens, head = mb.tokens.to(run.device), _head(mb)
-                old.append(model(tokens, head_loss=head)[0] if g.num_iterations > 1 else None)
-                if reference is not None:
-                    ref.append(reference(tokens, head_loss=head)[0])
-                elif g.beta > 0:
-                    with adapters_disabled(model):
-                        ref.append(model(tokens, head_loss=head)[0])
-                else:
-                    ref.append(None)
-        units = [loss_units(mb.mask, loss_type=g.loss_type) for mb in out.micro_batches]
-        # TRL adds coef * aux_loss / accumulation per micro-batch on each rank: in the loop's units, that
-        # weight times the step's units over the world size, which only a collective knows
-        aux_weight = float(step_normalizer(sum(units), device=run.device)) / accumulation if aux else 0.0
-        cycle.update(out=out, old=old, ref=ref, units=units, aux_weight=aux_weight)
-
-    def _head(mb: Rollout):
-        return rows_logps_head_loss(mb.tokens, mb.mask, chunk_tokens=cfg.loss_chunk_tokens, temperature=g.temperature)
-
-    def loss_fn(batch: dict[str, Any]):
-        i = batch["micro_batch"]
-        if batch["iteration"] == 0 and i == 0:
-            generate(batch["prompts"])
-        out, units = cycle["out"], cycle["units"][i]
-        mb = out.micro_batches[i]
-        batch["tokens"] = mb.tokens  # the loop counts the trained rows' FLOPs
-        routing = None if aux is None else Routing(mask=mb.attention.to(run.device))
-        logps, entropies = model(mb.tokens.to(run.device), head_loss=_head(mb), routing=routing)
-        loss = policy_loss(
-            logps, mb.mask.to(run.device), mb.advantages.to(run.device), config=config,
-            old_logps=cycle["old"][i], ref_logps=cycle["ref"][i], entropies=entropies,
-        )  # fmt: skip
-        logged = out.metrics | reduce_metrics([loss.metrics], device=run.device)
-        # a generation batch's value times its units: the loop divides the sums by the step's units
-        metrics = {name: torch.tensor(value * units, dtype=torch.float64) for name, value in logged.items()}
-        metrics["tokens"] = torch.tensor(float(mb.mask.sum()), dtype=torch.float64)  # -> tokens_per_second
-        loss_sum = loss.loss_sum
-        if aux is not None and routing is not None:
-            loss_sum, aux_metrics = aux.add(loss_sum, routing, cycle["aux_weight"])
-            metrics |= aux_metrics
-        return loss_sum / max(units, 1), units, metrics
-
-    setup.fit(cfg, run, NAME, training, loss_fn=loss_fn)
+    loss_fn = policy_loss_fn(model, config=config, aux=aux, device=run.device)
+    setup.fit(cfg, run, NAME, training, loss_fn=loss_fn, prepare=rollouts)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 Rule: a **cycle** is ``num_iterations`` optimizer steps on one generation batch. The loader yields
 each step's ``gradient_accumulation_steps`` prompt batches ``num_iterations`` times
 (:class:`RepeatedSteps`, as TRL's ``RepeatSampler`` repeats them), each tagged with its micro-batch
-and iteration; the recipe generates the rollouts of the whole step, and the sampling policy's
-log-probs (TRL's ``old_per_token_logps``), at iteration 0 and replays them at the others, so
+and iteration; the loop's phase before each step (:class:`~shardtune.rl.step.RolloutPhase`)
+generates the rollouts of the whole step, and the sampling policy's log-probs (TRL's
+``old_per_token_logps``), at iteration 0 and returns them again at the others, so
 steps ``k·μ .. k·μ+μ-1`` train on the rollouts of step ``k·μ`` with the clipped ratio against it.
 
 A cycle never spans a checkpoint: mid-epoch saves fall on cycle boundaries (the config checks

@@ -22,15 +22,29 @@ logs (loss, tokens, grad norm) comes back in one :func:`_fetch`, only on steps t
 A non-finite loss or gradient norm stops the run (:mod:`shardtune.training.finite`): it is
 flagged on the device each step, read in that fetch and before every save (one copy more per
 save), and no checkpoint of such a state is saved.
+
+A step has two phases. The loop takes the step's ``gradient_accumulation_steps`` batches from
+the loader (a trailing partial step is never taken). First, a recipe's optional ``prepare``
+(:class:`PrepareStep`) runs once, before any of them trains, as ``prepare(batches, step=step)``
+with ``step`` the optimizer steps already taken (``progress.step``): it returns the step's
+micro-batches, in order, at least one, each a dict the loss function takes, with ``tokens``
+``[rows, seq_len]`` the rows the FLOPs count. It runs on every rank at the same point (it may be
+collective and may read the device), in train mode; what it computes carries no gradient (its
+forwards run under ``torch.no_grad``), and its time counts in the step's ``tokens_per_second``.
+Then ``loss_fn`` runs on each micro-batch as above; ``batches_in_epoch`` counts loader batches.
+Without ``prepare`` the micro-batches are the loader's batches. GRPO generates, scores and
+computes the advantages in it (:mod:`shardtune.rl.step`), so its loss function computes only a
+micro-batch's policy loss.
 """
 
 from __future__ import annotations
 
+import itertools
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,9 +61,15 @@ from shardtune.training.grad_norm import clip_grad_norm, grad_norm
 from shardtune.training.metrics import MetricLogger, peak_memory_mib
 from shardtune.training.signals import StopOnSignal, TrainingStopped
 
-LossFn = Callable[
-    [dict[str, torch.Tensor]], tuple[torch.Tensor, int] | tuple[torch.Tensor, int, dict[str, torch.Tensor]]
-]
+Batch = dict[str, Any]  # a loader batch (CPU tensors) or a micro-batch a PrepareStep made
+LossFn = Callable[[Batch], tuple[torch.Tensor, int] | tuple[torch.Tensor, int, dict[str, torch.Tensor]]]
+
+
+class PrepareStep(Protocol):
+    """The phase before a step's micro-batches (see the module docstring): the step's loader
+    batches and the optimizer steps already taken -> the micro-batches the loss function takes."""
+
+    def __call__(self, batches: list[Batch], *, step: int) -> Sequence[Batch]: ...
 
 
 @dataclass(frozen=True)
@@ -106,7 +126,12 @@ class Training:
 
 
 def run_training(
-    training: Training, *, loss_fn: LossFn, logger: MetricLogger, settings: LoopSettings
+    training: Training,
+    *,
+    loss_fn: LossFn,
+    logger: MetricLogger,
+    settings: LoopSettings,
+    prepare: PrepareStep | None = None,
 ) -> TrainingProgress:
     """Train from ``training.checkpointer.progress`` to the last epoch; returns that progress, advanced.
 
@@ -117,7 +142,8 @@ def run_training(
     row of every ``eval_every_n_steps``-th step (or of each epoch's last step) is logged with
     ``val_loss``. A background save is published at the first step boundary after every rank
     wrote it; SIGTERM/SIGINT while one is pending finish and publish it, then raise
-    :class:`~shardtune.training.signals.TrainingStopped`.
+    :class:`~shardtune.training.signals.TrainingStopped`. ``prepare``: the phase run before each
+    step's micro-batches (the module docstring's contract).
     """
     model, loader, sampler, evaluate = training.model, training.loader, training.sampler, training.evaluate
     optimizer, lr_scheduler, checkpointer = training.optimizer, training.lr_scheduler, training.checkpointer
@@ -142,18 +168,18 @@ def run_training(
             batches = done_in_epoch * settings.gradient_accumulation_steps
             window = _Window()
             model.train()
-            for i, batch in enumerate(loader):
-                loss, n_tokens, *extra = loss_fn(batch)
-                (loss * n_tokens).backward()
-                window.add(loss.detach() * n_tokens, n_tokens, *extra)
-                if settings.flops_per_token is not None:
-                    rows, seq_len = batch["tokens"].shape
-                    window.flops += rank_batch_flops(
-                        settings.flops_per_token, rows, seq_len, context_parallel=settings.context_parallel
-                    )
-                batches += 1
-                if (i + 1) % settings.gradient_accumulation_steps:
-                    continue
+            for step_batches in _steps(loader, settings.gradient_accumulation_steps):
+                micro_batches = step_batches if prepare is None else prepare(step_batches, step=step)
+                for batch in micro_batches:
+                    loss, n_tokens, *extra = loss_fn(batch)
+                    (loss * n_tokens).backward()
+                    window.add(loss.detach() * n_tokens, n_tokens, *extra)
+                    if settings.flops_per_token is not None:
+                        rows, seq_len = batch["tokens"].shape
+                        window.flops += rank_batch_flops(
+                            settings.flops_per_token, rows, seq_len, context_parallel=settings.context_parallel
+                        )
+                batches += len(step_batches)
                 window.reduce()
                 _scale_grads(model, window.global_tokens)
                 norm = _step(model, optimizer, lr_scheduler, settings, guard=guard, step=step + 1, window=window)
@@ -190,6 +216,13 @@ def run_training(
             checkpointer.save(final=epoch + 1 == settings.epochs)
         checkpointer.wait()
         return progress
+
+
+def _steps(loader: Iterable[Batch], accumulation: int) -> Iterator[list[Batch]]:
+    """The loader's batches, ``accumulation`` at a time: one optimizer step's (a partial last one is not taken)."""
+    batches = iter(loader)
+    while len(step := list(itertools.islice(batches, accumulation))) == accumulation:
+        yield step
 
 
 def _advance(progress: TrainingProgress, *, step: int, epoch: int, batches_in_epoch: int) -> None:

@@ -18,10 +18,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
+from shardtune.checkpoint.formats.tiny_base import create_tiny_base
 from shardtune.data.tokenizer import HFTokenizer
 from shardtune.inference.generation import generate_batch
 from shardtune.models import build_model
-from shardtune.models.tiny import create_tiny_base
 from shardtune.ranks.sharding import shard_model
 from shardtune.rl.rewards import RewardFunctions
 from shardtune.rl.rollouts import PromptDataset, collate_prompts, rollout, rollout_generators, rows_logps_head_loss

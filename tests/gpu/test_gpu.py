@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardtune.models.tiny import create_tiny_base
+from shardtune.checkpoint.formats.tiny_base import create_tiny_base
 from tests.distributed.pool import RankPool
 from tests.gpu import checks
 from tests.recipes.conftest import losses, resume_copy

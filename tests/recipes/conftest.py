@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.models.tiny import create_tiny_base
+from shardtune.checkpoint.formats.tiny_base import create_tiny_base
 
 TEACHER_SEED = 4321
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shardtune.checkpoint.formats.tiny_base import create_tiny_base
 from shardtune.config import Config
-from shardtune.models.tiny import create_tiny_base
 from shardtune.recipes import builders as setup
 
 pytestmark = pytest.mark.timeout(120)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shardtune.models.tiny import create_tiny_base
+from shardtune.checkpoint.formats.tiny_base import create_tiny_base
 from tests.reliability.launch import Proc, run_cli
 
 RECIPES = {"lora": ("lora_finetune_distributed", "tiny/lora"), "full": ("full_finetune_distributed", "tiny/full")}

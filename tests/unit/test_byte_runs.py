@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import save_file
 
 from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
+from shardtune.checkpoint.formats.tiny_base import create_tiny_base
 from shardtune.checkpoint.storage import safetensors_io
 from shardtune.checkpoint.storage.safetensors_io import SafetensorsFile
-from shardtune.models.tiny import create_tiny_base
 from shardtune.ranks import comm
 from shardtune.state_dict.byte_runs import RunReader, block_range, byte_view
 

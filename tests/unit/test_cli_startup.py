@@ -161,6 +161,7 @@ _CONFIG_MODULES = (
     "shardtune/config.py",
     "shardtune/config_validation.py",
     "shardtune/choices.py",
+    "shardtune/dataset_schema.py",
     "shardtune/model_presets.py",
     "shardtune/recipes/registry.py",
     "shardtune/recipes/schemas.py",

@@ -285,8 +285,8 @@ def test_template_errors_name_the_file_and_the_fix(tmp_path):
 
 def test_hf_checkpoints_keep_a_chat_template_file(tmp_path):
     from shardtune.checkpoint import save_hf_checkpoint
+    from shardtune.checkpoint.formats.tiny_base import create_tiny_base
     from shardtune.models import llama_from_hf_config
-    from shardtune.models.tiny import create_tiny_base
 
     create_tiny_base(tmp_path / "base")
     (tmp_path / "base" / "chat_template.jinja").write_text(CHATML_GENERATION)

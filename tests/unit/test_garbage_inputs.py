@@ -17,12 +17,12 @@ from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken
 
 from shardtune.checkpoint import load_hf_checkpoint
+from shardtune.checkpoint.formats.tiny_base import create_tiny_base
 from shardtune.config import load_config
 from shardtune.data import PackedDataset, build_byte_tokenizer, build_dataloader, build_dataset, load_records
 from shardtune.data.checks import build_training_dataset, check_one_step
 from shardtune.data.tokenizer import HFTokenizer
 from shardtune.models import llama_from_hf_config, model_args_from_hf_config
-from shardtune.models.tiny import create_tiny_base
 from shardtune.recipes import builders
 from shardtune.recipes.schemas import LORA_SCHEMA
 from shardtune.training.loop import LoopSettings, steps_per_epoch

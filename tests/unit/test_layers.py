@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "shardtune.ranks.errors",
             "shardtune.json_files",
             "shardtune.choices",
+            "shardtune.dataset_schema",
             "shardtune.model_presets",
             "shardtune.config_validation",
             "shardtune.config",

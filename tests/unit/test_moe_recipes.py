@@ -182,10 +182,10 @@ def test_validation_loss_of_a_moe_model_adds_the_aux_loss_as_transformers_out_lo
     import transformers
     from safetensors.torch import load_file
 
+    from shardtune.checkpoint.formats.tiny_base import create_tiny_base
     from shardtune.config import load_config
     from shardtune.data import build_dataset, load_tokenizer
     from shardtune.models import from_hf_config
-    from shardtune.models.tiny import create_tiny_base
     from shardtune.recipes.builders import build_evaluator
     from shardtune.recipes.registry import get_recipe
     from shardtune.recipes.run import Run

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from shardtune.checkpoint import FingerprintMismatchError
+from shardtune.checkpoint.formats.tiny_base import create_tiny_base
 from shardtune.checkpoint.formats.training_state import check_fingerprint
 from shardtune.checkpoint.resume.hyperparameters import apply_configured, configured
 from shardtune.data import build_dataset, load_tokenizer
-from shardtune.models.tiny import create_tiny_base
 from shardtune.recipes import _resume, builders
 from shardtune.training.optim import build_lr_scheduler, build_optimizer, continue_schedule
 

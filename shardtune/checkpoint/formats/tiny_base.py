@@ -1,4 +1,5 @@
-"""The tiny demo base models (``tiny``, ``tiny_moe``, ``tiny_gpt_oss``) as HF model directories (config.json, safetensors, tokenizer)."""
+"""The tiny demo base models (``tiny``, ``tiny_moe``, ``tiny_gpt_oss``) written as HF model directories
+(config.json, safetensors, tokenizer), crash-safe as a checkpoint is (:mod:`shardtune.checkpoint.safety.atomic`)."""
 
 from __future__ import annotations
 
