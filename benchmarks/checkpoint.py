@@ -35,7 +35,6 @@ too, and the results replace the ``checkpoint-cuda`` section instead.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -47,8 +46,24 @@ from typing import Any
 
 import torch
 
-from benchmarks._checkpoint_steps import HF_WEIGHTS, STEPS, hf_storage_reader, model_args
-from benchmarks._fixtures import SIZES, write_random_safetensors
+from benchmarks._checkpoint_steps import STEPS, hf_storage_reader
+from benchmarks._driver import (
+    MEMORY_COLUMNS,
+    Options,
+    Run,
+    environment_lines,
+    failed,
+    files_under,
+    finish,
+    parse_run_options,
+    progress,
+    rotated,
+    set_page_cache,
+    sources_fingerprint,
+    try_spawn,
+    write_runs,
+)
+from benchmarks._fixtures import HF_WEIGHTS, SIZES, hf_checkpoint_dir
 from benchmarks._measure import spawn_ranks
 from benchmarks._report import (
     CONTRACT_MIN_BYTES,
@@ -59,21 +74,6 @@ from benchmarks._report import (
     message_bytes,
     model_bytes,
     summarize_runs,
-)
-from benchmarks.driver import (
-    MEMORY_COLUMNS,
-    Options,
-    Run,
-    environment_lines,
-    failed,
-    finish,
-    parse_run_options,
-    progress,
-    rotated,
-    set_page_cache,
-    sources_fingerprint,
-    try_spawn,
-    write_runs,
 )
 
 MARKERS = {
@@ -145,22 +145,6 @@ def resume_size(size: str) -> str:
     return size if 4 * model_bytes(size) + (2 << 30) <= RESUME_MEMORY_LIMIT else "250m"
 
 
-def hf_dir(bench_dir: Path, size: str) -> Path:
-    """Write (or reuse) the HF checkpoint directory fixture: config.json + model.safetensors."""
-    from shardtune.models import model_args_to_hf_config
-
-    path = bench_dir / f"hf_{size}"
-    write_random_safetensors(path / HF_WEIGHTS, SIZES[size].param_shapes(), metadata={"format": "pt"})
-    config = json.dumps(model_args_to_hf_config(model_args(SIZES[size])), indent=2, sort_keys=True)
-    if not (path / "config.json").is_file() or (path / "config.json").read_text() != config:
-        (path / "config.json").write_text(config)
-    return path
-
-
-def files_under(path: Path) -> list[Path]:
-    return sorted(p for p in path.rglob("*") if p.is_file())
-
-
 def shardtune_fingerprint() -> str:
     """Short sha256 of the shardtune sources the benchmark exercises, to detect edits mid-run."""
     return sources_fingerprint(("state_dict", "checkpoint"))
@@ -176,7 +160,7 @@ def prepare(cfg: Config) -> tuple[dict[str, Group], list[str]]:
                 f"resume runs at {size}: at {cfg.size} params + grads + 2 AdamW states would need "
                 f"~{(4 * model_bytes(cfg.size) + (2 << 30)) / GIB:.0f} GiB > {RESUME_MEMORY_LIMIT / GIB:.0f} GiB"
             )
-        hf = hf_dir(cfg.bench_dir, size)
+        hf = hf_checkpoint_dir(cfg.bench_dir, size)
         paths = {"hf_dir": str(hf)}
         reads: dict[str, list[Path]] = {}
         if group == "load":

@@ -25,19 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks._fixtures import SIZES, write_random_safetensors
-from benchmarks._report import (
-    CONTRACT_MIN_BYTES,
-    GIB,
-    fmt_bytes,
-    fmt_ranks,
-    largest_tensor_bytes,
-    message_bytes,
-    model_bytes,
-    summarize_runs,
-)
-from benchmarks._state_dict_steps import STEPS
-from benchmarks.driver import (
+from benchmarks._driver import (
     MEMORY_COLUMNS,
     Options,
     Run,
@@ -53,6 +41,18 @@ from benchmarks.driver import (
     try_spawn,
     write_runs,
 )
+from benchmarks._fixtures import SIZES, write_random_safetensors
+from benchmarks._report import (
+    CONTRACT_MIN_BYTES,
+    GIB,
+    fmt_bytes,
+    fmt_ranks,
+    largest_tensor_bytes,
+    message_bytes,
+    model_bytes,
+    summarize_runs,
+)
+from benchmarks._state_dict_steps import STEPS
 
 MARKERS = ("<!-- state_dict:begin -->", "<!-- state_dict:end -->")
 SHARDTUNE_API = (
