@@ -39,19 +39,19 @@ from torch.distributed.tensor import DTensor
 
 from benchmarks._fixtures import (
     DTYPE,
+    HF_WEIGHTS,
     SIZES,
-    LlamaShape,
     load_dsd_broadcast,
     load_torchtune,
     local_bytes,
     local_slices,
     materialize_from_file,
+    model_args,
 )
 from benchmarks._measure import bench_device, measure_step
 
 CPU = torch.device("cpu")
 DEVICE = bench_device()  # where the model lives: CPU, or this rank's GPU under --device cuda
-HF_WEIGHTS = "model.safetensors"
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 OPTIM_SEP = "::"  # shardtune's optimizer.safetensors keys: f"{fqn}::{state key}"
 RESUME_EPOCH_DIR = "epoch_1"  # what Checkpointer.save(step=1, epoch=1) publishes
@@ -82,20 +82,6 @@ class Ctx:
 
 
 # --------------------------------------------------------------------------- model
-
-
-def model_args(shape: LlamaShape) -> Any:
-    """``shardtune.models.ModelArgs`` of a fixture shape (untied ``lm_head``, as the fixtures)."""
-    from shardtune.models import ModelArgs
-
-    return ModelArgs(
-        vocab_size=shape.vocab,
-        dim=shape.dim,
-        n_layers=shape.layers,
-        n_heads=shape.heads,
-        n_kv_heads=shape.kv_heads,
-        intermediate_size=shape.ffn,
-    )
 
 
 def build_model(size: str) -> nn.Module:

@@ -3,7 +3,9 @@
 The model is a bare ``nn.Module`` tree whose ``state_dict()`` keys equal Hugging Face
 ``LlamaForCausalLM`` keys (no forward: the benchmarks only move state). Fixture files are
 safetensors written tensor by tensor (never the whole model in memory), with seeded
-random bf16 values, and reused when an existing file has the expected header.
+random bf16 values, and reused when an existing file has the expected header;
+:func:`hf_checkpoint_dir` is such a file with its ``config.json``, the HF directory the checkpoint
+benchmarks (``checkpoint``, ``checksums``) load.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,6 +74,7 @@ SIZES: dict[str, LlamaShape] = {
 }
 
 DTYPE = torch.bfloat16
+HF_WEIGHTS = "model.safetensors"  # the one weights file of a fixture HF directory
 
 
 # --------------------------------------------------------------------------- model
@@ -213,6 +217,32 @@ def read_metadata(path: Path) -> dict[str, str]:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         return json.loads(f.read(n)).get("__metadata__", {})
+
+
+def model_args(shape: LlamaShape) -> Any:
+    """``shardtune.models.ModelArgs`` of a fixture shape (untied ``lm_head``, as the fixtures)."""
+    from shardtune.models import ModelArgs
+
+    return ModelArgs(
+        vocab_size=shape.vocab,
+        dim=shape.dim,
+        n_layers=shape.layers,
+        n_heads=shape.heads,
+        n_kv_heads=shape.kv_heads,
+        intermediate_size=shape.ffn,
+    )
+
+
+def hf_checkpoint_dir(bench_dir: Path, size: str) -> Path:
+    """Write (or reuse) the HF checkpoint directory of ``SIZES[size]``: ``config.json`` + :data:`HF_WEIGHTS`."""
+    from shardtune.models import model_args_to_hf_config
+
+    path = bench_dir / f"hf_{size}"
+    write_random_safetensors(path / HF_WEIGHTS, SIZES[size].param_shapes(), metadata={"format": "pt"})
+    config = json.dumps(model_args_to_hf_config(model_args(SIZES[size])), indent=2, sort_keys=True)
+    if not (path / "config.json").is_file() or (path / "config.json").read_text() != config:
+        (path / "config.json").write_text(config)
+    return path
 
 
 def local_slices(param: torch.Tensor) -> tuple[slice, ...]:

@@ -10,7 +10,7 @@ Three jobs, reusable by any benchmark in this package:
   (torchrun-like environment, gloo on 127.0.0.1 or NCCL on GPUs, a free port) and returns what each
   rank returned, and :func:`drop_page_cache` evicts a file for cold-cache runs.
 
-What to run, in which order, and where the results go is :mod:`benchmarks.driver`'s job.
+What to run, in which order, and where the results go is :mod:`benchmarks._driver`'s job.
 
 Run as ``python -m benchmarks._measure SPEC RANK``: that is the per-rank entry point
 used by :func:`spawn_ranks`; it is not meant to be called by hand.

@@ -12,13 +12,12 @@ experts shows it without trusting shardtune's bookkeeping. Ratios are to ``shard
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from benchmarks._driver import MEMORY_COLUMNS, Run, environment_lines
+from benchmarks._hf_models import MoeCheckpointShape
+from benchmarks._moe_checkpoint_report import MoeCheckpointOptions
 from benchmarks._report import finished_row, fmt_bytes, fmt_ranks
-from benchmarks.driver import MEMORY_COLUMNS, Run, environment_lines
-
-if TYPE_CHECKING:
-    from benchmarks.moe_checkpoint import MoeCheckpointOptions, MoeCheckpointShape
 
 GROUPS = {"load_ep": ("shardtune_ep1", "shardtune_ep2"), "save_ep": ("shardtune_ep1", "shardtune_ep2")}
 MARKERS = ("<!-- moe-checkpoint-ep:begin -->", "<!-- moe-checkpoint-ep:end -->")

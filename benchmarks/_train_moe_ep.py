@@ -14,14 +14,12 @@ ranks; :func:`uniform_all_to_all_bytes` is what perfectly even routing would sen
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from benchmarks._driver import Run
+from benchmarks._hf_models import MoeShape
 from benchmarks._report import fmt_bytes
-from benchmarks._train_report import LOSS_RTOL, losses_agree, rows_for, section_head
-from benchmarks.driver import Run
-
-if TYPE_CHECKING:
-    from benchmarks.train_moe import MoeOptions, MoeShape
+from benchmarks._train_report import LOSS_RTOL, MoeOptions, losses_agree, rows_for, section_head
 
 PEER = "transformers"
 MARKERS = {

@@ -1,9 +1,10 @@
-"""The training-step benchmark's cases and tables: every row against the best peer, then issue 25's targets.
+"""The training-step benchmarks' options, cases and tables: every row against the best peer, then issue 25's targets.
 
 Rule: a table is made from the runs' records alone (no processes, no models), and every ratio compares
 a row with the best *peer* of its case (every method but shardtune): tokens/s with the fastest peer's,
 peak memory with the leanest peer's, so a target met is met against each peer.
 
+The options are the dense benchmark's (:class:`TrainOptions`) and the MoE one's (:class:`MoeOptions`).
 A case is (shape, dtype, kind of fine-tuning, tokens a row); its summaries are keyed
 ``(shape, dtype, group, seq, method)``. A key that is absent is a case an interrupted benchmark did
 not reach (*not run*); a key whose summary is None is a run that failed.
@@ -11,16 +12,17 @@ not reach (*not run*); a key whose summary is None is a run that failed.
 
 from __future__ import annotations
 
+import itertools
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from benchmarks._driver import REPO_ROOT, Options, Run, environment_lines
+from benchmarks._hf_models import MoeShape, Shape
 from benchmarks._report import fmt_bytes
-from benchmarks.driver import REPO_ROOT, Run, environment_lines
+from benchmarks._train_step import LORA_ALPHA, LORA_RANK, TARGETS
 from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS
-
-if TYPE_CHECKING:
-    from benchmarks.train import TrainOptions
 
 METHODS = ("shardtune", "transformers")  # every case; torchtune joins the full fine-tuning cases (methods_for)
 TORCHTUNE = "torchtune"
@@ -47,6 +49,70 @@ def methods_for(group: str, *, torchtune: bool) -> tuple[str, ...]:
 def case_label(shape: str, dtype: str, group: str, seq: int) -> str:
     """A case's :class:`Run` group: ``shape/dtype/group@seq``."""
     return f"{shape}/{dtype}/{group}@{seq}"
+
+
+# --------------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainOptions(Options):
+    """``python -m benchmarks.train``'s options (:func:`benchmarks.train.parse`)."""
+
+    seq_lens: tuple[int, ...]
+    steps: int
+    device: str
+    shapes: dict[str, tuple[Shape, int, int]]  # name -> model, rows, tokens a row (SHAPES)
+    dtypes: tuple[str, ...] = ("fp32",)
+    tokens_per_rank: int | None = None  # None: each shape's rows × tokens a row
+    from_runs: tuple[Path, ...] = ()
+
+    def tokens_for(self, shape: str) -> int:
+        """Tokens per rank a step for ``shape``."""
+        _, rows, seq = self.shapes[shape]
+        return self.tokens_per_rank or rows * seq
+
+    def cases(self) -> list[tuple[str, str, int, str]]:
+        """Every (shape, dtype, tokens a row, kind) to run, in the order they run and are reported."""
+        return list(itertools.product(self.shapes, self.dtypes, self.seq_lens, self.groups))
+
+    def describe(self) -> list[str]:
+        """The report's lines on what ran: the models, the dtypes, the runs."""
+        shapes = "; ".join(
+            f"*{name}*: hidden {s.hidden}, {s.layers} layers, {s.heads} heads ({s.kv_heads} kv), intermediate "
+            f"{s.ffn}, vocabulary {s.vocab}, untied head: {s.params() / 1e6:.1f} M params, "
+            f"{rows_for(seq, self.tokens_for(name))} × {seq} tokens per rank at {seq} tokens a row"
+            for name, (s, _, seq) in self.shapes.items()
+        )
+        return [
+            f"- Models (Llama): {shapes}",
+            (
+                f"- {', '.join(self.dtypes)}: each method builds or loads its model in the row's dtype (parameters, "
+                "gradients, AdamW state and compute; no mixed-precision policy; each loss upcasts its logits to "
+                "fp32); activation checkpointing per layer in every method; AdamW (shardtune: the recipes' "
+                "`optimizer.name=adamw`, fused on CPU; the peers: torch's default, as their recipes build it); "
+                f"LoRA rank {LORA_RANK}, alpha "
+                f"{LORA_ALPHA:g} on " + ", ".join(TARGETS) + "; QLoRA bases NF4 (torchao, block 64, scaler block 256)"
+            ),
+            (
+                f"- World {self.world}; per run fresh processes, 1 untimed warm-up step then {self.steps} timed steps"
+                + (", then 1 profiled step (the matmul floor)" if self.device == "cpu" else "")
+                + f"; up to {self.repeats} repeats (per row: runs that finished / runs), the methods of a case back "
+                "to back, their order rotating between repeats"
+            ),
+        ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeOptions(Options):
+    """``python -m benchmarks.train_moe``'s options (:func:`benchmarks.train_moe.parse`)."""
+
+    seq_lens: tuple[int, ...]
+    tokens_per_rank: int
+    steps: int
+    device: str
+    dtype: str
+    shape: MoeShape
+    expert_parallel: tuple[int, ...] = ()  # degrees to compare (with 1); empty: the stacks' table
 
 
 # --------------------------------------------------------------------------- summaries

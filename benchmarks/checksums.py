@@ -28,12 +28,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks._checkpoint_steps import HF_WEIGHTS, adamw, build_model
-from benchmarks._fixtures import SIZES, materialize_from_file
+from benchmarks._checkpoint_steps import adamw, build_model
+from benchmarks._driver import Options, environment_lines, files_under, finish, parse_run_options, rotated
+from benchmarks._fixtures import HF_WEIGHTS, SIZES, hf_checkpoint_dir, materialize_from_file
 from benchmarks._measure import drop_page_cache, spawn_ranks, warm_page_cache
 from benchmarks._report import fmt_bytes, model_bytes
-from benchmarks.checkpoint import hf_dir
-from benchmarks.driver import Options, environment_lines, finish, parse_run_options, rotated
 
 MARKERS = {  # BENCHMARKS.md keeps a warm and a cold (--cold) section
     False: ("<!-- checksums:begin -->", "<!-- checksums:end -->"),
@@ -52,10 +51,6 @@ def _timed(fn) -> tuple[float, float]:
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     dist.barrier()
     return seconds, cpu
-
-
-def _files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file())
 
 
 class _ChecksumClock:
@@ -124,7 +119,7 @@ def run_round(*, size: str, hf: str, out_root: str, order: list[str], cold: bool
     steps = {}
     for variant in ["warmup", *order]:
         if rank == 0:
-            for path in _files(saved):
+            for path in files_under(saved):
                 (drop_page_cache if cold else warm_page_cache)(path)
         fresh = build_model(size)
         fresh_opt = adamw(fresh)
@@ -142,7 +137,7 @@ def run_round(*, size: str, hf: str, out_root: str, order: list[str], cold: bool
         del fresh, fresh_opt, ck, resume  # the next resume must not find this model still held
     seconds = {k: v for k, v in seconds.items() if "warmup" not in k}
     verify = "ok" if set(steps.values()) == {1} else f"resume returned steps {steps}, expected 1"
-    checksummed = sum(p.stat().st_size for p in _files(saved)) if rank == 0 else None
+    checksummed = sum(p.stat().st_size for p in files_under(saved)) if rank == 0 else None
     return {"rank": rank, "seconds": seconds, "verify": verify, "checkpoint_bytes": checksummed}
 
 
@@ -257,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     cfg = Options(**common)
     cfg.bench_dir.mkdir(parents=True, exist_ok=True)
-    hf = hf_dir(cfg.bench_dir, cfg.size)
+    hf = hf_checkpoint_dir(cfg.bench_dir, cfg.size)
     out_root = cfg.bench_dir / f"checksums_{cfg.size}"
     load_before = os.getloadavg()[0]
     rounds = []

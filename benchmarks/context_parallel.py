@@ -10,7 +10,7 @@ AdamW) of one seeded Llama-shaped model saved once as an HF directory:
 * ``shardtune cp N``: the full recipe's pieces (``shard_model`` over every rank, the recipes'
   ``split_next_token_loss`` with ``context_parallel`` N: each ``cp`` group shares a row, ``world / N``
   rows a step; N = 1 is plain data parallelism, each rank its own whole row);
-* ``transformers``: ``AutoModelForCausalLM`` with FSDP2 as users write it (``benchmarks.train``), each
+* ``transformers``: ``AutoModelForCausalLM`` with FSDP2 as users write it (``benchmarks._train_step``), each
   rank its own whole row, cross-entropy on the full logits: the peer for a row that fits both.
 
 For each stack the row doubles from ``--start-seq`` while a step's peak memory on every rank stays in the
@@ -34,9 +34,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from benchmarks._driver import REPO_ROOT, environment_lines, finish
+from benchmarks._hf_models import saved_once
 from benchmarks._measure import RankFailure, bench_device, measure_step, spawn_ranks
 from benchmarks._report import fmt_bytes
-from benchmarks.driver import REPO_ROOT, environment_lines, finish
+from benchmarks._train_step import fsdp2_as_users_write_it
 
 MARKERS = {
     "cpu": ("<!-- context-parallel:begin -->", "<!-- context-parallel:end -->"),
@@ -50,19 +52,16 @@ def hf_dir(bench_dir: Path, a: argparse.Namespace) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = bench_dir / f"llama_h{a.hidden}_l{a.layers}_q{a.heads}_kv{a.kv_heads}_v{a.vocab}"
-    if not (path / "config.json").exists():
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            hidden_size=a.hidden,
-            num_hidden_layers=a.layers,
-            num_attention_heads=a.heads,
-            num_key_value_heads=a.kv_heads,
-            intermediate_size=4 * a.hidden,
-            vocab_size=a.vocab,
-            max_position_embeddings=1 << 20,
-        )
-        LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    config = LlamaConfig(
+        hidden_size=a.hidden,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        intermediate_size=4 * a.hidden,
+        vocab_size=a.vocab,
+        max_position_embeddings=1 << 20,
+    )
+    return saved_once(path, lambda: LlamaForCausalLM(config))
 
 
 def _shardtune(hf: str, cp: int, device: torch.device):
@@ -87,8 +86,6 @@ def _shardtune(hf: str, cp: int, device: torch.device):
 
 def _transformers(hf: str, device: torch.device):
     from transformers import AutoModelForCausalLM
-
-    from benchmarks.train import fsdp2_as_users_write_it
 
     model = AutoModelForCausalLM.from_pretrained(hf).to(device).train()
     fsdp2_as_users_write_it(model, model.model)

@@ -46,12 +46,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.driver import REPO_ROOT, environment_lines, finish, rotated
-from benchmarks.train import Shape, hf_dir
+from benchmarks._driver import REPO_ROOT, environment_lines, finish, rotated
+from benchmarks._hf_models import HALF_B, llama_dir
 
 MARKERS = ("<!-- grpo:begin -->", "<!-- grpo:end -->")
-# Qwen2.5-0.5B's shape (Llama layers: no q/k/v bias; untied head), ~0.63B parameters
-HALF_B = Shape(hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864, vocab=151936)
 SHAPES = ("tiny", "half")
 METHODS = ("shardtune", "trl", "trl_fsdp2")
 DECODE_ENGINES = ("shardtune", "transformers")
@@ -70,7 +68,7 @@ def model_dir(bench_dir: Path, shape: str) -> Path:
         if not (path / "config.json").is_file():
             create_tiny_base(path)
         return path
-    path = hf_dir(bench_dir, HALF_B)
+    path = llama_dir(bench_dir, HALF_B)
     if not (path / "tokenizer.json").is_file():
         save_byte_tokenizer(path)
     return path

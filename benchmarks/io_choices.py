@@ -30,10 +30,7 @@ import torch
 import torch.distributed as dist
 from crc32c import crc32c
 
-from benchmarks._fixtures import SIZES, write_random_safetensors
-from benchmarks._measure import measure_step
-from benchmarks._report import fmt_bytes, model_bytes
-from benchmarks.driver import (
+from benchmarks._driver import (
     Options,
     Run,
     environment_lines,
@@ -46,6 +43,9 @@ from benchmarks.driver import (
     try_spawn,
     write_runs,
 )
+from benchmarks._fixtures import SIZES, write_random_safetensors
+from benchmarks._measure import measure_step
+from benchmarks._report import fmt_bytes, model_bytes
 
 MARKERS = ("<!-- io_choices:begin -->", "<!-- io_choices:end -->")
 STEPS = {"write": ("direct", "buffered"), "read": ("prefault", "fault")}

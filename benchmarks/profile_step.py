@@ -6,9 +6,9 @@
 Two shapes (the issue's): *head-dominated* (hidden 256, 4 layers, 128k vocabulary, 2 × 1024
 tokens per rank) and *body-dominated* (hidden 1024, 12 layers, 32k vocabulary, 1 × 1024), each
 with activation checkpointing off, ``true`` (full recompute) and ``selective``. Each run is fresh
-rank processes building the model as :mod:`benchmarks.train` does (``shard_model``, the chunked
-loss, AdamW), one warm-up step, ``--steps`` timed steps (:func:`benchmarks._measure.measure_step`:
-tokens/s and peak memory), then one step under ``torch.profiler`` whose events are summed by
+rank processes building the model as :mod:`benchmarks.train` does (:mod:`benchmarks._train_step`:
+``shard_model``, the chunked loss, AdamW), one warm-up step, ``--steps`` timed steps
+(:func:`benchmarks._measure.measure_step`: tokens/s and peak memory), then one step under ``torch.profiler`` whose events are summed by
 category (:func:`categorize`): GEMM, attention, other ops (norms, rope, activations, losses'
 elementwise work), copies and casts, FSDP collectives and their copies, optimizer, and the rest of
 the phase's wall time (Python, hooks, autograd engine). Recompute under checkpointing is the
@@ -30,16 +30,17 @@ from typing import Any
 
 import torch
 
+from benchmarks._driver import Options, Run, environment_lines, finish, parse_run_options, progress, try_spawn
+from benchmarks._hf_models import TINY, Shape, llama_dir
 from benchmarks._measure import bench_device
 from benchmarks._report import fmt_bytes
 from benchmarks._step_profile import CATEGORIES, PHASES, floor_seconds
-from benchmarks.driver import Options, Run, environment_lines, finish, parse_run_options, progress, try_spawn
-from benchmarks.train import SHAPES, Shape, hf_dir
+from benchmarks._train_step import SHAPES, build_shardtune, measure_run
 
 MARKERS = ("<!-- profile-step:begin -->", "<!-- profile-step:end -->")
 MODES = ("none", "full", "selective")
 CHECKPOINTING: dict[str, bool | str] = {"none": False, "full": True, "selective": "selective"}
-SMOKE = {"smoke": (Shape(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=512), 1, 64)}
+SMOKE = {"smoke": (TINY, 1, 64)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,11 +51,9 @@ class ProfileOptions(Options):
 
 def run(*, hf: str, rows: int, seq: int, vocab: int, steps: int, mode: str) -> dict[str, Any]:
     """One run on this rank: build, warm-up, ``steps`` timed steps, one profiled step."""
-    from benchmarks.train import _shardtune, measure_run
-
     device = bench_device()
     torch.manual_seed(0)
-    built = _shardtune("full", hf, device, activation_checkpointing=CHECKPOINTING[mode])
+    built = build_shardtune("full", hf, device, activation_checkpointing=CHECKPOINTING[mode])
     return measure_run(built, device=device, rows=rows, seq=seq, vocab=vocab, steps=steps, floor_dtype=torch.float32)
 
 
@@ -152,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     results: dict[tuple[str, str], dict[str, Any] | None] = {}
     for name, (shape, rows, seq) in cfg.shapes.items():
-        hf = hf_dir(cfg.bench_dir, shape)
+        hf = llama_dir(cfg.bench_dir, shape)
         for mode in cfg.groups:
             kwargs = {"hf": str(hf), "rows": rows, "seq": seq, "vocab": shape.vocab, "steps": cfg.steps, "mode": mode}
             run_ = Run(f"{name}/{mode}", "shardtune", 0)

@@ -25,19 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks._fixtures import SIZES, write_random_safetensors
-from benchmarks._report import (
-    CONTRACT_MIN_BYTES,
-    GIB,
-    fmt_bytes,
-    fmt_ranks,
-    largest_tensor_bytes,
-    message_bytes,
-    model_bytes,
-    summarize_runs,
-)
-from benchmarks._state_dict_steps import STEPS
-from benchmarks.driver import (
+from benchmarks._driver import (
     MEMORY_COLUMNS,
     Options,
     Run,
@@ -53,6 +41,18 @@ from benchmarks.driver import (
     try_spawn,
     write_runs,
 )
+from benchmarks._fixtures import SIZES, write_random_safetensors
+from benchmarks._report import (
+    CONTRACT_MIN_BYTES,
+    GIB,
+    fmt_bytes,
+    fmt_ranks,
+    largest_tensor_bytes,
+    message_bytes,
+    model_bytes,
+    summarize_runs,
+)
+from benchmarks._state_dict_steps import STEPS
 
 MARKERS = ("<!-- state_dict:begin -->", "<!-- state_dict:end -->")
 SHARDTUNE_API = (
@@ -292,7 +292,7 @@ def render_report(
             f"1-D mesh of {cfg.world} ranks (Shard(0))"
         ),
         (
-            f"- shardtune core: sha256 of `shardtune/state_dict/*.py` = `{core}`; `shardtune/` and `benchmarks/` "
+            f"- shardtune core: sha256 of `shardtune/{{ranks,state_dict}}/**/*.py` = `{core}`; `shardtune/` and `benchmarks/` "
             "are copied before the first run and every rank imports that copy (no mid-run edits leak in)"
         ),
         (
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     files, notes = prepare_files(cfg)
     pairs, skipped = plan(cfg, shardtune_status())
     issues = [*notes, *skipped]
-    core = sources_fingerprint(("state_dict",))
+    core = sources_fingerprint(("ranks", "state_dict"))
     snapshot = snapshot_sources(cfg.bench_dir / "src_snapshot")
     load_before = os.getloadavg()[0]
     runs = run_all(cfg, pairs, files, root=snapshot)

@@ -31,26 +31,24 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from benchmarks._driver import REPO_ROOT, Run, environment_lines, finish, progress, rotated, try_spawn
+from benchmarks._hf_models import HALF_B, TINY, Shape, llama_dir
 from benchmarks._measure import bench_device, measure_step
 from benchmarks._report import fmt_bytes, fmt_ranks
-from benchmarks.driver import REPO_ROOT, Run, environment_lines, finish, progress, rotated, try_spawn
-from benchmarks.train import Shape, hf_dir
+from benchmarks._train_step import build_shardtune
 
 MARKERS = ("<!-- stream-weights:begin -->", "<!-- stream-weights:end -->")
-# Qwen2.5-0.5B's shape (untied head: ~0.63B parameters, 1.26 GB in bf16)
-HALF_B = Shape(hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864, vocab=151936)
-SMOKE = Shape(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=512)
+SMOKE = TINY
 METHODS = {"full": ("full_tensor", "stream_all", "stream_rank0"), "lora": ("stream_all", "stream_rank0")}
 
 
 def run(*, hf: str, group: str, methods: list[str], bucket_bytes: int) -> dict[str, Any]:
     """On this rank: load the model once, then measure each of ``methods`` once, in order."""
-    from benchmarks.train import _shardtune
     from shardtune.state_dict import stats
 
     device = bench_device()
     torch.manual_seed(0)
-    model = _shardtune(group, hf, device, dtype=torch.bfloat16, activation_checkpointing=False).model
+    model = build_shardtune(group, hf, device, dtype=torch.bfloat16, activation_checkpointing=False).model
     out: dict[str, Any] = {}
     for method in methods:
         stats.reset()
@@ -114,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     shape, repeats = (SMOKE, 1) if a.smoke else (HALF_B, a.repeats)
     bucket_bytes = (64 << 10) if a.smoke else a.bucket_mb << 20
     a.bench_dir.mkdir(parents=True, exist_ok=True)
-    hf = str(hf_dir(a.bench_dir, shape))
+    hf = str(llama_dir(a.bench_dir, shape))
     load_before = os.getloadavg()[0]
     runs: list[Run] = []
     for repeat in range(repeats):

@@ -4,8 +4,8 @@
     python -m benchmarks.train --repeats 2      # the head-dominated shape, fp32, every kind, 1024 and 4096 tokens
     python -m benchmarks.train --smoke          # tiny model, short rows, 1 repeat, no BENCHMARKS.md
 
-Shapes (``--shape``, :data:`SHAPES`, shared with ``benchmarks.profile_step``): *head*-dominated
-(hidden 256, 4 layers, 128256-token vocabulary, 2 × 1024 tokens per rank) and *body*-dominated
+Shapes (``--shape``, :data:`benchmarks._train_step.SHAPES`, shared with ``benchmarks.profile_step``):
+*head*-dominated (hidden 256, 4 layers, 128256-token vocabulary, 2 × 1024 tokens per rank) and *body*-dominated
 (hidden 1024, 12 layers, 32000-token vocabulary, 1 × 1024 tokens per rank); each a seeded
 ``LlamaForCausalLM`` (untied head, fp32) written once with ``save_pretrained``, which every method
 loads. ``--dtypes``: fp32 and bf16 rows; in bf16 every method builds or loads its model in bf16, so
@@ -45,14 +45,10 @@ import argparse
 import dataclasses
 import itertools
 import json
-import math
 import os
-import shutil
-from collections.abc import Callable
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,12 +56,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks import _torchtune_peer
-from benchmarks._comm_bytes import counting
-from benchmarks._measure import bench_device, measure_step
-from benchmarks._step_profile import best_mm_flops_per_s, floor_seconds, phased_step, profiled
+from benchmarks._driver import (
+    Run,
+    finish,
+    parse_run_options,
+    rotated,
+    snapshot_sources,
+    spawn_run,
+)
+from benchmarks._hf_models import Shape, llama_dir
+from benchmarks._measure import bench_device
 from benchmarks._train_report import (
     METHODS,
     TORCHTUNE,
+    TrainOptions,
     case_label,
     methods_for,
     plot,
@@ -73,15 +77,17 @@ from benchmarks._train_report import (
     rows_for,
     summarize,
 )
-from benchmarks.driver import (
-    Options,
-    Run,
-    finish,
-    parse_run_options,
-    progress,
-    rotated,
-    snapshot_sources,
-    try_spawn,
+from benchmarks._train_step import (
+    DTYPES,
+    LORA_ALPHA,
+    LORA_RANK,
+    SHAPES,
+    TARGETS,
+    Built,
+    add_step_options,
+    build_shardtune,
+    fsdp2_as_users_write_it,
+    measure_run,
 )
 
 MARKERS = {
@@ -89,175 +95,15 @@ MARKERS = {
     "cuda": ("<!-- train-cuda:begin -->", "<!-- train-cuda:end -->"),
 }
 GROUPS = ("full", "lora", "qlora")
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LORA_RANK, LORA_ALPHA = 8, 16.0
-LR = 1e-5
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PLOTS = Path("benchmarks") / "plots"  # next to the Markdown file the report goes to
 
 
-@dataclass(frozen=True, kw_only=True)
-class Shape:
-    """The Llama model both stacks train."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-
-    def hf_config(self) -> dict[str, Any]:
-        return {
-            "hidden_size": self.hidden,
-            "num_hidden_layers": self.layers,
-            "num_attention_heads": self.heads,
-            "num_key_value_heads": self.kv_heads,
-            "intermediate_size": self.ffn,
-            "vocab_size": self.vocab,
-            "max_position_embeddings": 8192,
-            "tie_word_embeddings": False,
-        }
-
-    def params(self) -> int:
-        head_dim = self.hidden // self.heads
-        attn = 2 * self.hidden * self.heads * head_dim + 2 * self.hidden * self.kv_heads * head_dim
-        layer = attn + 3 * self.hidden * self.ffn + 2 * self.hidden
-        return self.layers * layer + 2 * self.vocab * self.hidden + self.hidden
-
-
-BENCH = Shape(hidden=256, layers=4, heads=4, kv_heads=2, ffn=1024, vocab=128256)
-# name -> (model, rows, tokens a row per rank): the issue's head- and body-dominated steps
-SHAPES: dict[str, tuple[Shape, int, int]] = {
-    "head": (BENCH, 2, 1024),
-    "body": (Shape(hidden=1024, layers=12, heads=16, kv_heads=8, ffn=2816, vocab=32000), 1, 1024),
-}
 # every LoRA target's NF4 scalers split evenly over 2 ranks (elements a multiple of 2 * 64 * 256)
 SMOKE = Shape(hidden=256, layers=1, heads=4, kv_heads=4, ffn=256, vocab=512)
 SMOKE_SHAPES = {"smoke": (SMOKE, 2, 32)}
 
 
-@dataclass(frozen=True, kw_only=True)
-class TrainOptions(Options):
-    seq_lens: tuple[int, ...]
-    steps: int
-    device: str
-    shapes: dict[str, tuple[Shape, int, int]]  # name -> model, rows, tokens a row (SHAPES)
-    dtypes: tuple[str, ...] = ("fp32",)
-    tokens_per_rank: int | None = None  # None: each shape's rows × tokens a row
-    from_runs: tuple[Path, ...] = ()
-
-    def tokens_for(self, shape: str) -> int:
-        """Tokens per rank a step for ``shape``."""
-        _, rows, seq = self.shapes[shape]
-        return self.tokens_per_rank or rows * seq
-
-    def cases(self) -> list[tuple[str, str, int, str]]:
-        """Every (shape, dtype, tokens a row, kind) to run, in the order they run and are reported."""
-        return list(itertools.product(self.shapes, self.dtypes, self.seq_lens, self.groups))
-
-    def describe(self) -> list[str]:
-        """The report's lines on what ran: the models, the dtypes, the runs."""
-        shapes = "; ".join(
-            f"*{name}*: hidden {s.hidden}, {s.layers} layers, {s.heads} heads ({s.kv_heads} kv), intermediate "
-            f"{s.ffn}, vocabulary {s.vocab}, untied head: {s.params() / 1e6:.1f} M params, "
-            f"{rows_for(seq, self.tokens_for(name))} × {seq} tokens per rank at {seq} tokens a row"
-            for name, (s, _, seq) in self.shapes.items()
-        )
-        return [
-            f"- Models (Llama): {shapes}",
-            (
-                f"- {', '.join(self.dtypes)}: each method builds or loads its model in the row's dtype (parameters, "
-                "gradients, AdamW state and compute; no mixed-precision policy; each loss upcasts its logits to "
-                "fp32); activation checkpointing per layer in every method; AdamW (shardtune: the recipes' "
-                "`optimizer.name=adamw`, fused on CPU; the peers: torch's default, as their recipes build it); "
-                f"LoRA rank {LORA_RANK}, alpha "
-                f"{LORA_ALPHA:g} on " + ", ".join(TARGETS) + "; QLoRA bases NF4 (torchao, block 64, scaler block 256)"
-            ),
-            (
-                f"- World {self.world}; per run fresh processes, 1 untimed warm-up step then {self.steps} timed steps"
-                + (", then 1 profiled step (the matmul floor)" if self.device == "cpu" else "")
-                + f"; up to {self.repeats} repeats (per row: runs that finished / runs), the methods of a case back "
-                "to back, their order rotating between repeats"
-            ),
-        ]
-
-
-def hf_dir(bench_dir: Path, shape: Shape) -> Path:
-    """The seeded HF model directory both stacks load (written once, reused)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = bench_dir / f"train_llama_h{shape.hidden}_l{shape.layers}_v{shape.vocab}"
-    return saved_once(path, lambda: LlamaForCausalLM(LlamaConfig(**shape.hf_config())), safe_serialization=True)
-
-
-def saved_once(path: Path, build: Callable[[], nn.Module], **save: Any) -> Path:
-    """``build()``'s model (seed 0) written with ``save_pretrained(**save)`` to ``path``, unless it is there."""
-    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
-        return path
-    torch.manual_seed(0)
-    model = build()
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, **save)
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
-    return path
-
-
 # --------------------------------------------------------------------------- in the ranks
-
-
-class Built(NamedTuple):
-    """A method's model on this rank, its ``loss(tokens)``, and the factory of its optimizer over the
-    trainable params (None: torch's default AdamW at :data:`LR`, as the peers' recipes build it)."""
-
-    model: nn.Module
-    loss: Callable[[torch.Tensor], torch.Tensor]
-    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None
-
-
-def _shardtune(
-    group: str,
-    hf: str,
-    device: torch.device,
-    *,
-    dtype: torch.dtype = torch.float32,
-    activation_checkpointing: bool | str = True,
-    expert_parallel: int = 1,
-) -> Built:
-    """The shardtune model, its loss (``loss(tokens) -> mean next-token loss``; mixtures of experts:
-    plus ``router_aux_loss_coef`` times the load-balancing loss, as the recipes train them; their
-    experts split over ``expert_parallel`` ranks, as the recipes' ``expert_parallel`` does) and the
-    recipes' optimizer."""
-    from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
-    from shardtune.models import llama_from_hf_config
-    from shardtune.peft import apply_lora, init_lora_parameters
-    from shardtune.ranks.mesh import make_mesh
-    from shardtune.ranks.sharding import shard_model
-    from shardtune.training.step_loss import next_token_loss
-
-    with torch.device("meta"):
-        model = llama_from_hf_config(hf, dtype=dtype)
-        if group != "full":
-            apply_lora(
-                model, rank=LORA_RANK, alpha=LORA_ALPHA, target_modules=list(TARGETS), quantize_base=group == "qlora"
-            )
-    mesh = make_mesh(expert_parallel=expert_parallel, device=device.type)
-    shard_model(model, mesh=mesh, activation_checkpointing=activation_checkpointing)
-    load_hf_checkpoint(model, hf, device=device)
-    if group != "full":
-        init_lora_parameters(model, device=device)
-    model.init_buffers(device)
-    loss_fn = next_token_loss(model, device=device)
-    return Built(model, lambda tokens: loss_fn({"tokens": tokens, "labels": tokens})[0], shardtune_optimizer)
-
-
-def shardtune_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """The recipes' ``optimizer.name=adamw`` (``build_optimizer``: fused on CPU), at the benchmark's lr."""
-    from shardtune.training.optim import build_optimizer
-
-    return build_optimizer(params, name="adamw", lr=LR)
 
 
 def _quantize_lora_bases(model: nn.Module) -> None:
@@ -269,17 +115,6 @@ def _quantize_lora_bases(model: nn.Module) -> None:
         if isinstance(module, LoraLayer):
             base = module.get_base_layer()
             base.weight = nn.Parameter(to_nf4(base.weight.detach(), 64, 256), requires_grad=False)
-
-
-def fsdp2_as_users_write_it(model: nn.Module, decoder: nn.Module, **options: Any) -> None:
-    """``checkpoint_wrapper`` and ``fully_shard`` on each of ``decoder``'s layers, then ``fully_shard`` on the root."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.fsdp import fully_shard
-
-    for i, layer in enumerate(decoder.layers):
-        decoder.layers[i] = checkpoint_wrapper(layer)
-        fully_shard(decoder.layers[i], **options)
-    fully_shard(model, **options)
 
 
 def _transformers(group: str, hf: str, device: torch.device, *, dtype: torch.dtype = torch.float32) -> Built:
@@ -317,7 +152,7 @@ def run(*, group: str, method: str, hf: str, dtype: str, rows: int, seq: int, vo
     torch.manual_seed(0)
     torch_dtype = DTYPES[dtype]
     if method == "shardtune":
-        built = _shardtune(group, hf, device, dtype=torch_dtype)
+        built = build_shardtune(group, hf, device, dtype=torch_dtype)
     elif method == "transformers":
         built = _transformers(group, hf, device, dtype=torch_dtype)
     else:
@@ -326,86 +161,7 @@ def run(*, group: str, method: str, hf: str, dtype: str, rows: int, seq: int, vo
     return measure_run(built, device=device, rows=rows, seq=seq, vocab=vocab, steps=steps, floor_dtype=floor_dtype)
 
 
-def measure_run(
-    built: Built,
-    *,
-    device: torch.device,
-    rows: int,
-    seq: int,
-    vocab: int,
-    steps: int,
-    floor_dtype: torch.dtype | None = None,
-    count_all_to_all: bool = False,
-) -> dict[str, Any]:
-    """A built method's run on this rank, its record.
-
-    One warm-up step, then ``steps`` measured steps (the built optimizer over the trainable params;
-    ``rows`` × ``seq`` seeded random tokens below ``vocab``, each rank its own). With ``floor_dtype``,
-    one more step under the profiler (its categories kept as ``profile``) for the step's matmul
-    floor at the best ``torch.mm`` rate in that dtype. ``count_all_to_all``: the warm-up step's
-    all-to-all bytes (:mod:`benchmarks._comm_bytes`; untimed, since counting costs a Python call
-    per op) go in ``all_to_all``."""
-    model, loss_fn, optimizer = built
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = optimizer(trainable) if optimizer is not None else torch.optim.AdamW(trainable, lr=LR)
-    rank = dist.get_rank()
-    tokens = torch.randint(vocab, (rows, seq), generator=torch.Generator().manual_seed(1000 + rank))
-    step = phased_step(loss_fn, opt, tokens.to(device=device))
-    dist.barrier()
-    with counting() if count_all_to_all else nullcontext() as counted:
-        first_loss = float(step())  # warm-up: optimizer state exists before the measured steps
-    losses, measurements = [], []
-    for i in range(steps):
-        loss, m = measure_step(step, barrier=dist.barrier, trace=i == 0)
-        losses.append(float(loss))
-        measurements.append(m.to_json())
-    floor = gemm_flops = mm_rate = profile = None
-    if floor_dtype is not None:
-        dist.barrier()
-        profile = profiled(step)
-        dist.barrier()
-        gemm_flops, mm_rate = profile["gemm_flops"], best_mm_flops_per_s(dtype=floor_dtype)
-        floor = floor_seconds(profile, mm_rate=mm_rate)
-    finite = all(math.isfinite(x) for x in [first_loss, *losses])
-    return {
-        "rank": rank,
-        "first_loss": first_loss,
-        "losses": losses,
-        "steps": measurements,
-        "measurement": measurements[0],
-        "floor_s": floor,
-        "profile": profile,
-        "gemm_flops": gemm_flops,
-        "mm_rate": mm_rate,
-        "tokens": rows * seq,
-        "trainable_params": sum(_numel(p) for p in trainable),
-        "verify": "ok" if finite else f"loss not finite: {[first_loss, *losses]}",
-        "all_to_all": counted.to_json() if counted is not None else None,
-    }
-
-
-def _numel(p: torch.Tensor) -> int:
-    local = p.to_local() if hasattr(p, "to_local") else p
-    return local.numel()
-
-
 # --------------------------------------------------------------------------- main
-
-
-def add_step_options(
-    p: argparse.ArgumentParser, *, seq_lens: str, steps: int, tokens_per_rank: int | None = 2048
-) -> None:
-    """The options of a training-step benchmark: rows, tokens, timed steps, device."""
-    p.add_argument("--seq-lens", default=seq_lens, help="comma list of tokens per row")
-    p.add_argument(
-        "--tokens-per-rank",
-        type=int,
-        default=tokens_per_rank,
-        help="tokens per rank a step (at least one row)"
-        + ("; default: the shape's" if tokens_per_rank is None else ""),
-    )
-    p.add_argument("--steps", type=int, default=steps, help="timed steps per run, after one untimed warm-up step")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per rank, NCCL")
 
 
 def _add_options(p: argparse.ArgumentParser) -> None:
@@ -457,7 +213,7 @@ def parse(argv: list[str] | None) -> TrainOptions:
 def measure(cfg: TrainOptions, runs_path: Path, *, torchtune: bool) -> tuple[list[Run], tuple[float, float]]:
     """Every run, written to ``runs_path`` after each (an interrupted benchmark can still be
     reported with ``--from-runs``), and the load average before and after."""
-    dirs = {name: hf_dir(cfg.bench_dir, shape) for name, (shape, _, _) in cfg.shapes.items()}
+    dirs = {name: llama_dir(cfg.bench_dir, shape) for name, (shape, _, _) in cfg.shapes.items()}
     root = snapshot_sources(cfg.bench_dir / "train_sources")
     load_before = os.getloadavg()[0]
     runs: list[Run] = []
@@ -472,16 +228,6 @@ def measure(cfg: TrainOptions, runs_path: Path, *, torchtune: bool) -> tuple[lis
             )
             _save(runs_path, {"command": cfg.command, "load_avg": [load_before, os.getloadavg()[0]]}, runs)
     return runs, (load_before, os.getloadavg()[0])
-
-
-def spawn_run(target: str, run_: Run, *, cfg: Any, kwargs: dict[str, Any], root: Path) -> Run:
-    """``run_`` with the ranks' records of ``target(**kwargs)`` in fresh processes (or the failure), its line printed;
-    ``cfg``: a step benchmark's options (world, repeats, timeout, device)."""
-    run_.ranks, run_.error = try_spawn(
-        target, world=cfg.world, kwargs=kwargs, timeout_s=cfg.timeout_s, device=cfg.device, root=root
-    )
-    progress(run_, total=cfg.repeats)
-    return run_
 
 
 def _save(path: Path, header: dict[str, Any], runs: list[Run]) -> None:

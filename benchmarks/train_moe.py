@@ -32,88 +32,44 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks import _train_moe_ep, train
-from benchmarks._measure import bench_device
-from benchmarks._report import fmt_bytes
-from benchmarks._train_report import LOSS_RTOL, section_head
-from benchmarks.driver import (
-    Options,
+from benchmarks import _train_moe_ep
+from benchmarks._driver import (
     Run,
     finish,
     parse_run_options,
     rotated,
     snapshot_sources,
+    spawn_run,
+)
+from benchmarks._hf_models import MoeShape, saved_once
+from benchmarks._measure import bench_device
+from benchmarks._report import fmt_bytes
+from benchmarks._train_report import LOSS_RTOL, METHODS, MoeOptions, losses_agree, rows_for, section_head, summarize
+from benchmarks._train_step import (
+    DTYPES,
+    Built,
+    add_step_options,
+    build_shardtune,
+    fsdp2_as_users_write_it,
+    measure_run,
 )
 
 MARKERS = {
     "cpu": ("<!-- train-moe:begin -->", "<!-- train-moe:end -->"),
     "cuda": ("<!-- train-moe-cuda:begin -->", "<!-- train-moe-cuda:end -->"),
 }
-DTYPES = train.DTYPES
-
-
-@dataclass(frozen=True, kw_only=True)
-class MoeShape:
-    """The Qwen3-MoE model both stacks train: every layer sparse, ``top_k`` of ``experts`` experts."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    experts: int
-    top_k: int
-    expert_ffn: int
-    vocab: int
-
-    def hf_config(self) -> dict[str, Any]:
-        return {
-            "hidden_size": self.hidden,
-            "num_hidden_layers": self.layers,
-            "num_attention_heads": self.heads,
-            "num_key_value_heads": self.kv_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": 4 * self.expert_ffn,  # unused: no dense layers
-            "moe_intermediate_size": self.expert_ffn,
-            "num_experts": self.experts,
-            "num_experts_per_tok": self.top_k,
-            "norm_topk_prob": True,
-            "router_aux_loss_coef": 0.001,
-            "vocab_size": self.vocab,
-            "max_position_embeddings": 8192,
-            "tie_word_embeddings": False,
-        }
-
-    def params(self, *, active: bool = False) -> int:
-        """Weights of the model; ``active``: with only ``top_k`` experts per layer (what a token runs through)."""
-        attn = 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_heads * self.head_dim
-        experts = (self.top_k if active else self.experts) * 3 * self.hidden * self.expert_ffn
-        norms = 2 * self.hidden + 2 * self.head_dim
-        layer = attn + self.hidden * self.experts + experts + norms
-        return self.layers * layer + 2 * self.vocab * self.hidden + self.hidden
 
 
 BENCH = MoeShape(
     hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, experts=16, top_k=2, expert_ffn=384, vocab=8192
 )
 SMOKE = MoeShape(hidden=64, layers=1, heads=4, kv_heads=2, head_dim=16, experts=4, top_k=2, expert_ffn=48, vocab=256)
-
-
-@dataclass(frozen=True, kw_only=True)
-class MoeOptions(Options):
-    seq_lens: tuple[int, ...]
-    tokens_per_rank: int
-    steps: int
-    device: str
-    dtype: str
-    shape: MoeShape
-    expert_parallel: tuple[int, ...] = ()  # degrees to compare (with 1); empty: the stacks' table
 
 
 def hf_dir(bench_dir: Path, shape: MoeShape, dtype: str) -> Path:
@@ -125,23 +81,23 @@ def hf_dir(bench_dir: Path, shape: MoeShape, dtype: str) -> Path:
     def build() -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(Qwen3MoeConfig(**shape.hf_config()), dtype=DTYPES[dtype])
 
-    return train.saved_once(path, build, save_original_format=False)
+    return saved_once(path, build, save_original_format=False)
 
 
 # --------------------------------------------------------------------------- in the ranks
 
 
-def _transformers(hf: str, device: torch.device, dtype: torch.dtype) -> train.Built:
+def _transformers(hf: str, device: torch.device, dtype: torch.dtype) -> Built:
     """transformers' MoE with grouped-GEMM experts and FSDP2, and its ``out.loss`` (with the aux loss)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=dtype, experts_implementation="grouped_mm").to(device)
-    train.fsdp2_as_users_write_it(model, model.model)
+    fsdp2_as_users_write_it(model, model.model)
 
     def loss(tokens: torch.Tensor) -> torch.Tensor:
         return model(input_ids=tokens, labels=tokens, output_router_logits=True).loss
 
-    return train.Built(model, loss)
+    return Built(model, loss)
 
 
 def run(
@@ -161,10 +117,10 @@ def run(
     device = bench_device()
     torch.manual_seed(0)
     if method == "shardtune":
-        built = train._shardtune("full", hf, device, dtype=DTYPES[dtype], expert_parallel=expert_parallel)
+        built = build_shardtune("full", hf, device, dtype=DTYPES[dtype], expert_parallel=expert_parallel)
     else:
         built = _transformers(hf, device, DTYPES[dtype])
-    return train.measure_run(
+    return measure_run(
         built, device=device, rows=rows, seq=seq, vocab=vocab, steps=steps, count_all_to_all=count_all_to_all
     )
 
@@ -212,7 +168,7 @@ def report(cfg: MoeOptions, summaries: dict[tuple[int, str], dict[str, Any] | No
     ]
     agree = True
     for seq in cfg.seq_lens:
-        rows = train.rows_for(seq, cfg.tokens_per_rank)
+        rows = rows_for(seq, cfg.tokens_per_rank)
         st, tf = summaries.get((seq, "shardtune")), summaries.get((seq, "transformers"))
         if st is None or tf is None:
             lines.append(
@@ -220,7 +176,7 @@ def report(cfg: MoeOptions, summaries: dict[tuple[int, str], dict[str, Any] | No
             )
             agree = False
             continue
-        close = all(abs(x - y) <= rtol * abs(y) for x, y in zip(st["first_loss"], tf["first_loss"], strict=True))
+        close = losses_agree(st, tf, rtol=rtol)
         agree &= close
         lines.append(
             f"| {rows} × {seq} | {st['tokens_per_s']:.0f} | {tf['tokens_per_s']:.0f} "
@@ -244,7 +200,7 @@ def report(cfg: MoeOptions, summaries: dict[tuple[int, str], dict[str, Any] | No
 
 
 def _add_options(p: argparse.ArgumentParser) -> None:
-    train.add_step_options(p, seq_lens="1024", steps=2)
+    add_step_options(p, seq_lens="1024", steps=2)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="params, compute and optimizer state")
     p.add_argument(
         "--expert-parallel",
@@ -288,7 +244,7 @@ def parse(argv: list[str] | None) -> MoeOptions:
 def _kwargs(cfg: MoeOptions, method: str, *, hf: Path, seq: int) -> dict[str, Any]:
     """``run``'s arguments for ``method`` (``shardtune_ep<d>``: shardtune at degree d, all-to-all counted)."""
     kwargs = {"method": method, "hf": str(hf), "dtype": cfg.dtype, "seq": seq, "steps": cfg.steps}
-    kwargs |= {"rows": train.rows_for(seq, cfg.tokens_per_rank), "vocab": cfg.shape.vocab}
+    kwargs |= {"rows": rows_for(seq, cfg.tokens_per_rank), "vocab": cfg.shape.vocab}
     if cfg.expert_parallel:
         stack = _train_moe_ep.PEER if method == _train_moe_ep.PEER else "shardtune"
         kwargs |= {"method": stack, "expert_parallel": _train_moe_ep.degree_of(method), "count_all_to_all": True}
@@ -301,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.bench_dir.mkdir(parents=True, exist_ok=True)
     hf = hf_dir(cfg.bench_dir, cfg.shape, cfg.dtype)
     root = snapshot_sources(cfg.bench_dir / "train_moe_sources")
-    methods = _train_moe_ep.methods(cfg.expert_parallel) if cfg.expert_parallel else train.METHODS
+    methods = _train_moe_ep.methods(cfg.expert_parallel) if cfg.expert_parallel else METHODS
     load_before = os.getloadavg()[0]
     runs: list[Run] = []
     for repeat in range(cfg.repeats):
@@ -309,14 +265,14 @@ def main(argv: list[str] | None = None) -> int:
             for method in rotated(list(methods), repeat):
                 run_ = Run(f"moe@{seq}", method, repeat)
                 kwargs = _kwargs(cfg, method, hf=hf, seq=seq)
-                runs.append(train.spawn_run("benchmarks.train_moe:run", run_, cfg=cfg, kwargs=kwargs, root=root))
+                runs.append(spawn_run("benchmarks.train_moe:run", run_, cfg=cfg, kwargs=kwargs, root=root))
     name = "train_moe_ep_runs.json" if cfg.expert_parallel else "train_moe_runs.json"
     (cfg.bench_dir / name).write_text(json.dumps(runs, default=asdict, indent=1))
     summaries = {}
     for seq in cfg.seq_lens:
         for method in methods:
             mine = [r for r in runs if (r.group, r.method) == (f"moe@{seq}", method)]
-            summary = train.summarize(mine)
+            summary = summarize(mine)
             if summary is not None and cfg.expert_parallel:
                 summary["all_to_all"] = _train_moe_ep.all_to_all_per_rank(mine)
             summaries[(seq, method)] = summary

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.driver import Options, parse_run_options, rotated, write_markdown_section
+from benchmarks._driver import Options, parse_run_options, rotated, write_markdown_section
 
 BEGIN, END = "<!-- x:begin -->", "<!-- x:end -->"
 

@@ -13,9 +13,10 @@ import torch
 import transformers
 from safetensors import safe_open
 
+from benchmarks._driver import Run
 from benchmarks._moe_checkpoint_ep import report as ep_report
-from benchmarks.driver import Run
-from benchmarks.moe_checkpoint import GROUPS, SMOKE, MoeCheckpointOptions, parse, report
+from benchmarks._moe_checkpoint_report import GROUPS, MoeCheckpointOptions, report
+from benchmarks.moe_checkpoint import SMOKE, parse
 
 
 def test_fixture_files_are_transformers_save_in_both_layouts(tmp_path):

@@ -3,7 +3,7 @@ of the slowest rank's time, each rank's median peak and bytes sent, and what a r
 
 from __future__ import annotations
 
-from benchmarks.driver import Run
+from benchmarks._driver import Run
 from benchmarks.stream_weights import SMOKE, report
 
 

@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks._driver import Run
 from benchmarks._measure import measure_step
-from benchmarks.driver import Run
-from benchmarks.train import SHAPES, TrainOptions, merge_saved_runs, report, rows_for, summarize
+from benchmarks._train_report import TrainOptions, report, rows_for, summarize
+from benchmarks._train_step import SHAPES
+from benchmarks.train import merge_saved_runs
 
 MIB = 1 << 20
 

@@ -12,11 +12,12 @@ import torch
 import transformers
 
 from benchmarks._comm_bytes import other_ranks_bytes
+from benchmarks._driver import Run
 from benchmarks._report import fmt_bytes
 from benchmarks._train_moe_ep import a2a_cell, all_to_all_per_rank, parse_degrees, uniform_all_to_all_bytes
 from benchmarks._train_moe_ep import report as ep_report
-from benchmarks.driver import Run
-from benchmarks.train_moe import BENCH, MoeOptions, parse, report
+from benchmarks._train_report import MoeOptions
+from benchmarks.train_moe import BENCH, parse, report
 
 
 def test_parameter_counts_are_transformers_and_active_counts_top_k_experts():

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import _torchtune_peer
-from benchmarks.driver import Run
-from benchmarks.train import SMOKE, parse, report, rows_for, summarize
+from benchmarks._driver import Run
+from benchmarks._train_report import report, rows_for, summarize
+from benchmarks.train import SMOKE, parse
 
 MIB = 1 << 20
 

@@ -1,8 +1,7 @@
 """The driver every benchmark script shares: its command line, its runs, its BENCHMARKS.md section.
 
-A benchmark script (``state_dict``, ``checkpoint``, ``checksums``, ``io_choices``) says *what* it measures:
-its steps (run inside rank processes) and its tables. This module does the rest, the same
-way for all of them:
+A benchmark script (``python -m benchmarks.<name>``) says *what* it measures: its steps (run inside
+rank processes) and its tables. This module does the rest, the same way for all of them:
 
 * command line: :func:`parse_run_options` (size, world, repeats, groups, cold or warm page
   cache, ``--smoke``, where the section goes) fills the common fields of a script's
@@ -11,9 +10,10 @@ way for all of them:
   :func:`sources_fingerprint` hashes them, so edits made while a long benchmark runs can
   neither mix code versions nor go unnoticed;
 * runs: :func:`rotated` orders the methods of each repeat, :func:`set_page_cache` makes the
-  files a run reads cold or warm, :func:`try_spawn` runs one step in fresh rank processes
-  (:func:`benchmarks._measure.spawn_ranks`) and returns a failure as text rather than
-  raising, :func:`progress` prints one line per :class:`Run`;
+  files a run reads (:func:`files_under` a directory) cold or warm, :func:`try_spawn` runs one
+  step in fresh rank processes (:func:`benchmarks._measure.spawn_ranks`) and returns a failure
+  as text rather than raising, :func:`progress` prints one line per :class:`Run`, and
+  :func:`spawn_run` does both for a training-step benchmark's :class:`Run`;
 * report: :func:`environment_lines` (command, date, versions, machine), :data:`MEMORY_COLUMNS`
   (how the memory columns are measured), :func:`write_runs` (raw records to JSON),
   :func:`finish` (the section printed and written between its markers) and :func:`failed`
@@ -128,11 +128,12 @@ def snapshot_sources(dest: Path, *, packages: tuple[str, ...] = ("shardtune", "b
 
 
 def sources_fingerprint(subdirs: tuple[str, ...], *, root: Path = REPO_ROOT) -> str:
-    """Short sha256 of ``shardtune/<subdir>/*.py`` under ``root``, for each of ``subdirs``."""
+    """Short sha256 of ``shardtune/<subdir>/**/*.py`` under ``root``, for each of ``subdirs``."""
     digest = hashlib.sha256()
     for sub in subdirs:
-        for path in sorted((root / "shardtune" / sub).glob("*.py")):
-            digest.update(f"{sub}/{path.name}".encode() + b"\0" + path.read_bytes())
+        base = root / "shardtune" / sub
+        for path in sorted(base.rglob("*.py")):
+            digest.update(f"{sub}/{path.relative_to(base).as_posix()}".encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:12]
 
 
@@ -169,6 +170,11 @@ def set_page_cache(paths: Iterable[Path | str], *, cold: bool) -> None:
             warm_page_cache(path)
 
 
+def files_under(path: Path) -> list[Path]:
+    """Every file below ``path``, sorted: what a run that reads the directory reads."""
+    return sorted(p for p in path.rglob("*") if p.is_file())
+
+
 def try_spawn(
     target: str,
     *,
@@ -197,6 +203,16 @@ def one_line(run: Run) -> str:
 def progress(run: Run, *, total: int) -> None:
     """One line on stderr per finished run: ``[round/total] group/method: ...``."""
     print(f"[{run.repeat + 1}/{total}] {run.group}/{run.method}: " + one_line(run), file=sys.stderr)
+
+
+def spawn_run(target: str, run_: Run, *, cfg: Any, kwargs: dict[str, Any], root: Path) -> Run:
+    """``run_`` with the ranks' records of ``target(**kwargs)`` in fresh processes (or the failure), its line printed;
+    ``cfg``: a step benchmark's options (world, repeats, timeout, device)."""
+    run_.ranks, run_.error = try_spawn(
+        target, world=cfg.world, kwargs=kwargs, timeout_s=cfg.timeout_s, device=cfg.device, root=root
+    )
+    progress(run_, total=cfg.repeats)
+    return run_
 
 
 def failed(runs: list[Run], *, ignore: Callable[[str], bool] = lambda error: False) -> bool:
