@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from benchmarks._report import fmt_bytes
 from benchmarks.driver import REPO_ROOT, Run, environment_lines
-from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS
+from shardtune.losses.chunked import DEFAULT_CHUNK_TOKENS
 
 if TYPE_CHECKING:
     from benchmarks.train import TrainOptions

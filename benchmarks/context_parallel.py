@@ -8,7 +8,7 @@ On ``--world`` ranks, every stack trains full fine-tuning steps (activation chec
 AdamW) of one seeded Llama-shaped model saved once as an HF directory:
 
 * ``shardtune cp N``: the full recipe's pieces (``shard_model`` over every rank, the recipes'
-  ``split_next_token_loss`` with ``context_parallel`` N: each ``cp`` group shares a row, ``world / N``
+  ``next_token_loss`` with ``context_parallel`` N: each ``cp`` group shares a row, ``world / N``
   rows a step; N = 1 is plain data parallelism, each rank its own whole row);
 * ``transformers``: ``AutoModelForCausalLM`` with FSDP2 as users write it (``benchmarks.train``), each
   rank its own whole row, cross-entropy on the full logits: the peer for a row that fits both.
@@ -69,9 +69,9 @@ def _shardtune(hf: str, cp: int, device: torch.device):
     from transformers import AutoModelForCausalLM
 
     from shardtune.distributed import make_mesh, shard_model
+    from shardtune.losses.next_token import next_token_loss
     from shardtune.models import from_hf_config
     from shardtune.models.context_parallel import context_group
-    from shardtune.training.step_loss import next_token_loss, split_next_token_loss
 
     reference = AutoModelForCausalLM.from_pretrained(hf)
     model = from_hf_config(reference.config.to_dict())
@@ -80,7 +80,7 @@ def _shardtune(hf: str, cp: int, device: torch.device):
     model.to(device).train()
     shard_model(model, mesh=make_mesh(), activation_checkpointing=True)
     if cp > 1:
-        return model, split_next_token_loss(model, group=context_group(cp, device=device.type), device=device)
+        return model, next_token_loss(model, group=context_group(cp, device=device.type), device=device)
     return model, next_token_loss(model, device=device)
 
 

@@ -232,9 +232,9 @@ def _shardtune(
     recipes' optimizer."""
     from shardtune.checkpoint.hf_load import load_hf_checkpoint
     from shardtune.distributed import make_mesh, shard_model
+    from shardtune.losses.next_token import next_token_loss
     from shardtune.models import llama_from_hf_config
     from shardtune.peft import apply_lora, init_lora_parameters
-    from shardtune.training.step_loss import next_token_loss
 
     with torch.device("meta"):
         model = llama_from_hf_config(hf, dtype=dtype)

@@ -38,8 +38,10 @@ from shardtune.config import Config
 from shardtune.data import build_dataloader, load_tokenizer
 from shardtune.data.checks import check_one_step
 from shardtune.generation import stop_ids
+from shardtune.losses.step import RouterAux
 from shardtune.models import model_args_from_hf_config
 from shardtune.models.moe_aux import Routing
+from shardtune.peft import adapters_disabled
 from shardtune.recipes import builders as setup
 from shardtune.recipes._entry import main
 from shardtune.rl.global_batch import loss_units, step_normalizer
@@ -47,9 +49,7 @@ from shardtune.rl.iterations import RepeatedSteps, check_resume
 from shardtune.rl.losses import PolicyLossConfig, policy_loss, reduce_metrics
 from shardtune.rl.rewards import RewardFunctions
 from shardtune.rl.rollouts import PromptDataset, Rollout, collate_prompts, rollout, rows_logps_head_loss
-from shardtune.training.dpo import adapters_disabled
 from shardtune.training.loop import Training
-from shardtune.training.step_loss import RouterAux
 
 NAME = "grpo_distributed"
 

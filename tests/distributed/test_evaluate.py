@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from shardtune.data import collate
 from shardtune.distributed import shard_model
+from shardtune.losses.chunked import chunked_cross_entropy
 from shardtune.models import build_model, get_model_args
-from shardtune.models.chunked_loss import chunked_cross_entropy
 from shardtune.state_dict import load_from_full_model_state_dict
 from shardtune.training.evaluate import Evaluator
 
