@@ -89,9 +89,10 @@ def validation_loss_of(
     """The validation loss of a batch: ``(next-token cross-entropy summed over its label tokens, those
     tokens)``, a MoE model's ``router_aux_loss_coef`` times its load-balancing loss per token added (as in
     its fine-tuning ``loss``), each row split over the rank's ``cp`` group as in training."""
-    shared = _shared(cfg, run)
-    kind = next_token(model, chunk_tokens=shared.pop("chunk_tokens"))
-    summed = summed_loss(kind, model, **shared)
+    kind = next_token(model, chunk_tokens=cfg.loss_chunk_tokens)
+    summed = summed_loss(
+        kind, model, device=run.device, group=run.context, router_aux_loss_coef=cfg.router_aux_loss_coef
+    )
 
     def loss_sum(batch: dict[str, Tensor]) -> tuple[Tensor, int]:
         out = summed(batch)
