@@ -79,9 +79,8 @@ def _shardtune(hf: str, cp: int, device: torch.device):
     del reference
     model.to(device).train()
     shard_model(model, mesh=make_mesh(), activation_checkpointing=True)
-    if cp > 1:
-        return model, next_token_loss(model, group=context_group(cp, device=device.type), device=device)
-    return model, next_token_loss(model, device=device)
+    group = context_group(cp, device=device.type) if cp > 1 else None
+    return model, next_token_loss(model, group=group, device=device)
 
 
 def _transformers(hf: str, device: torch.device):
