@@ -22,7 +22,7 @@ from benchmarks._driver import REPO_ROOT, Options, Run, environment_lines
 from benchmarks._hf_models import MoeShape, Shape
 from benchmarks._report import fmt_bytes
 from benchmarks._train_step import LORA_ALPHA, LORA_RANK, TARGETS
-from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS
+from shardtune.losses.chunked import DEFAULT_CHUNK_TOKENS
 
 METHODS = ("shardtune", "transformers")  # every case; torchtune joins the full fine-tuning cases (methods_for)
 TORCHTUNE = "torchtune"

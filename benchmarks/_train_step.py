@@ -63,11 +63,11 @@ def build_shardtune(
     experts split over ``expert_parallel`` ranks, as the recipes' ``expert_parallel`` does) and the
     recipes' optimizer."""
     from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
+    from shardtune.losses.next_token import next_token_loss
     from shardtune.models import llama_from_hf_config
     from shardtune.peft import apply_lora, init_lora_parameters
     from shardtune.ranks.mesh import make_mesh
     from shardtune.ranks.sharding import shard_model
-    from shardtune.training.step_loss import next_token_loss
 
     with torch.device("meta"):
         model = llama_from_hf_config(hf, dtype=dtype)

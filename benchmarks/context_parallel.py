@@ -8,7 +8,7 @@ On ``--world`` ranks, every stack trains full fine-tuning steps (activation chec
 AdamW) of one seeded Llama-shaped model saved once as an HF directory:
 
 * ``shardtune cp N``: the full recipe's pieces (``shard_model`` over every rank, the recipes'
-  ``split_next_token_loss`` with ``context_parallel`` N: each ``cp`` group shares a row, ``world / N``
+  ``next_token_loss`` with ``context_parallel`` N: each ``cp`` group shares a row, ``world / N``
   rows a step; N = 1 is plain data parallelism, each rank its own whole row);
 * ``transformers``: ``AutoModelForCausalLM`` with FSDP2 as users write it (``benchmarks._train_step``), each
   rank its own whole row, cross-entropy on the full logits: the peer for a row that fits both.
@@ -67,11 +67,11 @@ def hf_dir(bench_dir: Path, a: argparse.Namespace) -> Path:
 def _shardtune(hf: str, cp: int, device: torch.device):
     from transformers import AutoModelForCausalLM
 
+    from shardtune.losses.next_token import next_token_loss
     from shardtune.models import from_hf_config
     from shardtune.models.context_parallel import context_group
     from shardtune.ranks.mesh import make_mesh
     from shardtune.ranks.sharding import shard_model
-    from shardtune.training.step_loss import next_token_loss, split_next_token_loss
 
     reference = AutoModelForCausalLM.from_pretrained(hf)
     model = from_hf_config(reference.config.to_dict())
@@ -79,9 +79,8 @@ def _shardtune(hf: str, cp: int, device: torch.device):
     del reference
     model.to(device).train()
     shard_model(model, mesh=make_mesh(), activation_checkpointing=True)
-    if cp > 1:
-        return model, split_next_token_loss(model, group=context_group(cp, device=device.type), device=device)
-    return model, next_token_loss(model, device=device)
+    group = context_group(cp, device=device.type) if cp > 1 else None
+    return model, next_token_loss(model, group=group, device=device)
 
 
 def _transformers(hf: str, device: torch.device):

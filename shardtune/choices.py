@@ -40,7 +40,7 @@ LORA_TARGET_PARAMETERS = (
 # ``dtype``: the compute dtype of the recipes (``shardtune.recipes.builders`` maps each to a torch dtype).
 DTYPES = ("bf16", "fp32")
 
-# ``dpo.loss``: computed by ``shardtune.models.preference_losses``.
+# ``dpo.loss``: computed by ``shardtune.losses.preference``.
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
 
 # ``layer_dropout.schedule``: how the skip probability grows with depth (``shardtune.models.layer_dropout``).

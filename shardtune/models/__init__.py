@@ -1,4 +1,4 @@
-"""Decoder models of the supported HF families with HF-identical ``state_dict`` keys, presets, builders, losses."""
+"""Decoder models of the supported HF families with HF-identical ``state_dict`` keys, presets, builders."""
 
 from shardtune.models.args import ModelArgs
 from shardtune.models.families import FAMILIES, Family, get_family, supported_model_types
@@ -13,12 +13,6 @@ from shardtune.models.llama import (
     LlamaForCausalLM,
     LlamaModel,
     RMSNorm,
-)
-from shardtune.models.losses import (
-    cross_entropy_loss,
-    early_exit_loss,
-    early_exit_loss_scales,
-    forward_kl_loss,
 )
 from shardtune.models.moe_args import MoeArgs
 from shardtune.models.moe_aux import Routing
@@ -50,10 +44,6 @@ __all__ = [
     "Routing",
     "build_model",
     "compute_inv_freq",
-    "cross_entropy_loss",
-    "early_exit_loss",
-    "early_exit_loss_scales",
-    "forward_kl_loss",
     "from_hf_config",
     "get_family",
     "get_model_args",

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shardtune.losses.linear_cross_entropy import LinearHead, head_for_several_losses, softcap
 from shardtune.models.args import FULL, SLIDING, ModelArgs
 from shardtune.models.attention import Attention, KVUpdate, RMSNorm, attention_mask, init_linear
 from shardtune.models.context_parallel import ContextAttention, ContextShard
@@ -29,7 +30,6 @@ from shardtune.models.families import family_of, get_family
 from shardtune.models.gpt_oss import GptOssMLP, SinkAttention
 from shardtune.models.kv_cache import KVCache, cached_attention_mask
 from shardtune.models.layer_dropout import LayerDropoutSchedule, layer_dropout_probs
-from shardtune.models.linear_cross_entropy import LinearHead, head_for_several_losses, softcap
 from shardtune.models.moe import SparseMoeBlock
 from shardtune.models.moe_aux import Routing
 from shardtune.models.packed_attention import (
@@ -430,7 +430,7 @@ class LlamaForCausalLM(nn.Module):
 
         ``head_loss(hidden, head)`` replaces the logits: it gets the final hidden states and the
         output head (a function hidden -> logits) and returns what forward returns, e.g. a
-        chunked loss (:mod:`shardtune.models.chunked_loss`) that never makes full logits. With
+        chunked loss (:mod:`shardtune.losses.chunked`) that never makes full logits. With
         ``output_hidden_states`` each chosen layer's output goes through it too, with the head
         ``norm + lm_head``: ``(head_loss(final), {i: head_loss(layer i)})``. It runs inside this
         forward, so FSDP2 has the head's parameters gathered in forward and backward.

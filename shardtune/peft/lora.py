@@ -13,7 +13,8 @@ quantization per expert (the router stays as it is).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -43,6 +44,7 @@ __all__ = [
     "LoRAConfig",
     "LoRALinear",
     "adapter_modules",
+    "adapters_disabled",
     "apply_lora",
     "build_lora_model",
     "get_adapter_params",
@@ -258,6 +260,21 @@ def adapter_modules(model: nn.Module) -> list[LoRALinear | LoRAExperts | LoRARou
     """Every module with a ``disabled`` switch for its adapters: ``LoRALinear``s and adapted MoE modules."""
     linears: list[LoRALinear | LoRAExperts | LoRARouter] = [m for m in model.modules() if isinstance(m, LoRALinear)]
     return linears + [m for _, m in adapted_modules(model)]
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The model as its base: every LoRA adapter switched off inside the block (a LoRA DPO or GRPO reference)."""
+    lora = adapter_modules(model)
+    if not lora:
+        raise ValueError("adapters_disabled: the model has no LoRA adapters (a LoRA DPO reference needs them)")
+    for module in lora:
+        module.disabled = True
+    try:
+        yield
+    finally:
+        for module in lora:
+            module.disabled = False
 
 
 def is_lora(model: nn.Module) -> bool:

@@ -2,8 +2,8 @@
 
 Each function does one setup job from the validated config; a recipe calls them top to bottom
 (:func:`~shardtune.recipes.run.start`, :func:`base_model_dir`, :func:`build_model`, :func:`build_training`) and hands
-the :class:`~shardtune.training.loop.Training` it built, with its loss (made of
-:mod:`shardtune.training.step_loss`), to :func:`fit`.
+the :class:`~shardtune.training.loop.Training` it built, with its loss (built from the config by
+:mod:`shardtune.losses.from_config`), to :func:`fit`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from shardtune.data.checks import build_training_dataset, check_one_step
 from shardtune.data.from_config import is_preference
 from shardtune.data.preference import collate_pairs
 from shardtune.data.tokenizer import HFTokenizer
+from shardtune.losses.from_config import validation_loss_of
 from shardtune.model_presets import TINY_PRESETS
 from shardtune.models import (
     LlamaForCausalLM,
@@ -56,14 +57,6 @@ from shardtune.training.flops import flops_per_token_fn, peak_tflops
 from shardtune.training.loop import LoopSettings, LossFn, PrepareStep, Training, run_training, steps_per_epoch
 from shardtune.training.metrics import MetricLogger
 from shardtune.training.optim import LrSchedule, build_lr_scheduler, build_optimizer, continue_schedule
-from shardtune.training.step_loss import (
-    RouterAux,
-    label_tokens,
-    next_token_head_loss,
-    next_token_loss,
-    on_device,
-    split_next_token_loss,
-)
 
 log = logging.getLogger("shardtune")
 
@@ -353,21 +346,6 @@ def build_training(
     return Training(model, loader, sampler, optimizer, lr_scheduler, checkpointer, evaluate=evaluate)
 
 
-def next_token_loss_of(cfg: Config, run: Run, model: nn.Module) -> LossFn:
-    """The full and LoRA recipes' loss as ``cfg`` sets it: next-token cross-entropy in chunks of
-    ``loss_chunk_tokens``, plus ``router_aux_loss_coef`` times the routers' load-balancing loss for MoE models;
-    with ``context_parallel`` > 1 every row split over the rank's ``cp`` group (the aux loss the whole rows')."""
-    options = {
-        "device": run.device,
-        "chunk_tokens": cfg.loss_chunk_tokens,
-        "compile": cfg.compile,
-        "router_aux_loss_coef": cfg.router_aux_loss_coef,
-    }
-    if run.context is None:
-        return next_token_loss(model, **options)
-    return split_next_token_loss(model, group=run.context, **options)
-
-
 def fit(
     cfg: Config, run: Run, recipe: str, training: Training, *, loss_fn: LossFn, prepare: PrepareStep | None = None
 ) -> None:
@@ -407,26 +385,11 @@ def build_evaluator(cfg: Config, run: Run, model: nn.Module, tokenizer) -> Evalu
     if cfg.validation_dataset is None:
         return None
     dataset = build_dataset(dataset_specs(cfg.validation_dataset), tokenizer, max_seq_len=cfg.max_seq_len, packed=False)
-    aux = RouterAux.of(model, cfg.router_aux_loss_coef)
-    split = None if run.context is None else next_token_loss_of(cfg, run, model)  # the rank's part of a batch
-
-    def loss_sum(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        if split is not None:
-            loss, n_tokens, *_ = split(batch)
-            return loss * n_tokens, n_tokens
-        tokens, labels, packing = on_device(batch, run.device)
-        head_loss = next_token_head_loss(labels, cfg.loss_chunk_tokens)
-        n_tokens = label_tokens(batch["labels"])
-        if aux is None:
-            return model(tokens, **packing, head_loss=head_loss), n_tokens
-        routing = aux.routing(batch, run.device)
-        return aux.add(model(tokens, **packing, head_loss=head_loss, routing=routing), routing, n_tokens)[0], n_tokens
-
     return Evaluator(
         dataset,
         batch_size=cfg.batch_size,
         collate_fn=lambda batch: collate(batch, pad_id=tokenizer.pad_id),
-        loss_sum=loss_sum,
+        loss_sum=validation_loss_of(cfg, run, model),
         context_parallel=run.context_parallel,
     )
 

@@ -4,23 +4,21 @@ Every step adds to the final-layer loss a weighted loss of the shared norm + lm_
 to intermediate layers. The curriculum picks which of ``early_exit.layers`` count at a step:
 ``none`` all of them, ``rotational`` one at a time in turn, ``gradual`` more as training goes.
 A mixture-of-experts model adds its routers' load-balancing loss (``router_aux_loss_coef``, logged
-as ``aux_loss``) over the sparse layers that ran.
+as ``aux_loss``) over the sparse layers that ran. With ``context_parallel`` > 1 every row is split over
+the rank's ``cp`` group and each exit's loss summed over the rank's label tokens, as the fine-tuning loss
+is (layer dropout draws the same layers on every rank). The loss: :mod:`shardtune.losses.early_exit`.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-
-import torch
 
 from shardtune.config import Config
-from shardtune.models import LlamaForCausalLM, early_exit_loss_scales
+from shardtune.losses.from_config import early_exit_loss_of
 from shardtune.models.layer_dropout import parse_layer_range
 from shardtune.recipes import builders as setup
 from shardtune.recipes._entry import main
 from shardtune.training.loop import steps_per_epoch
-from shardtune.training.step_loss import RouterAux, label_tokens, next_token_head_loss, on_device
 
 NAME = "early_exit_finetune_distributed"
 
@@ -59,57 +57,15 @@ def recipe_main(cfg: Config) -> None:
     n_batches = len(training.loader)  # type: ignore[arg-type]  # a DataLoader
     total_steps = steps_per_epoch(n_batches, setup.loop_settings(cfg)) * cfg.epochs
 
-    loss_fn = early_exit_loss_fn(
+    loss_fn = early_exit_loss_of(
+        cfg,
+        run,
         model,
-        device=run.device,
         exits=lambda: active_layers(
             candidates, cfg.early_exit.curriculum, training.lr_scheduler.last_epoch, total_steps
         ),
-        scale_type=cfg.early_exit.scale_type,
-        scale=cfg.early_exit.scale,
-        chunk_tokens=cfg.loss_chunk_tokens,
-        compile=cfg.compile,
-        router_aux_loss_coef=cfg.router_aux_loss_coef,
     )
     setup.fit(cfg, run, NAME, training, loss_fn=loss_fn)
-
-
-def early_exit_loss_fn(
-    model: LlamaForCausalLM,
-    *,
-    device: torch.device,
-    exits: Callable[[], list[int]],
-    scale_type: str,
-    scale: float,
-    chunk_tokens: int | None,
-    compile: bool = False,
-    router_aux_loss_coef: float | None = None,
-):
-    """``loss_fn`` for the loop: the final layer's cross-entropy plus the early exits' (``exits()``,
-    the layers that count at this step) weighted by ``early_exit_loss_scales``, per label token.
-    A mixture-of-experts model adds ``router_aux_loss_coef`` (None: its config's) times the
-    load-balancing loss of the sparse layers that ran (layer dropout skips a layer's router too)."""
-    aux = RouterAux.of(model, router_aux_loss_coef)
-    n_layers = len(model.model.layers)
-
-    def loss_fn(batch):
-        tokens, labels, packing = on_device(batch, device)
-        n_tokens = label_tokens(batch["labels"])
-        head_loss = next_token_head_loss(labels, chunk_tokens, compile)
-        routing = None if aux is None else aux.routing(batch, device)
-        loss_sum, by_layer = model(
-            tokens, **packing, output_hidden_states=exits(), head_loss=head_loss, routing=routing
-        )
-        if by_layer:
-            ids = sorted(by_layer)
-            scales = early_exit_loss_scales(ids, n_layers, scale_type=scale_type, e_scale=scale)
-            loss_sum = loss_sum + sum(s * by_layer[i] for s, i in zip(scales.tolist(), ids, strict=True))
-        if aux is None or routing is None:
-            return loss_sum / max(n_tokens, 1), n_tokens
-        loss_sum, metrics = aux.add(loss_sum, routing, n_tokens)
-        return loss_sum / max(n_tokens, 1), n_tokens, metrics
-
-    return loss_fn
 
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 from shardtune.config import Config
+from shardtune.losses.from_config import dpo_loss_of
 from shardtune.recipes import builders as setup
 from shardtune.recipes._entry import main
-from shardtune.training.dpo import dpo_loss_fn
 
 NAME = "full_dpo_distributed"
 
@@ -30,14 +30,11 @@ def recipe_main(cfg: Config) -> None:
         reference = setup.build_frozen_model(reference_dir, run, cfg)
         frozen = {"reference_weights": reference_dir}
     training = setup.build_training(cfg, run, model, base_dir, frozen=frozen)
-    loss_fn = dpo_loss_fn(
+    loss_fn = dpo_loss_of(
+        cfg,
+        run,
         model,
         reference=None if reference is None else (lambda t, head_loss, **fwd: reference(t, head_loss=head_loss, **fwd)),
-        device=run.device,
-        dpo=cfg.dpo,
-        chunk_tokens=cfg.loss_chunk_tokens,
-        router_aux_loss_coef=cfg.router_aux_loss_coef,
-        group=run.context,
     )
     setup.fit(cfg, run, NAME, training, loss_fn=loss_fn)
 

@@ -36,6 +36,7 @@ import sys
 from shardtune.config import Config
 from shardtune.data import load_tokenizer
 from shardtune.inference.generation import stop_ids
+from shardtune.losses.step import RouterAux
 from shardtune.models import model_args_from_hf_config
 from shardtune.recipes import builders as setup
 from shardtune.recipes._entry import main
@@ -44,7 +45,6 @@ from shardtune.rl.losses import PolicyLossConfig
 from shardtune.rl.rewards import RewardFunctions
 from shardtune.rl.rollouts import PromptDataset, collate_prompts
 from shardtune.rl.step import RolloutPhase, RolloutSettings, policy_loss_fn
-from shardtune.training.step_loss import RouterAux
 
 NAME = "grpo_distributed"
 

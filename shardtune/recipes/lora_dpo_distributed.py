@@ -12,9 +12,10 @@ from __future__ import annotations
 import sys
 
 from shardtune.config import Config
+from shardtune.losses.from_config import dpo_loss_of
+from shardtune.peft import adapters_disabled
 from shardtune.recipes import builders as setup
 from shardtune.recipes._entry import main
-from shardtune.training.dpo import adapters_disabled, dpo_loss_fn
 
 NAME = "lora_dpo_distributed"
 
@@ -31,16 +32,7 @@ def recipe_main(cfg: Config) -> None:
             return model(tokens, head_loss=head_loss, **forward)
 
     training = setup.build_training(cfg, run, model, base_dir)
-    loss_fn = dpo_loss_fn(
-        model,
-        reference=reference,
-        device=run.device,
-        dpo=cfg.dpo,
-        chunk_tokens=cfg.loss_chunk_tokens,
-        router_aux_loss_coef=cfg.router_aux_loss_coef,
-        group=run.context,
-    )
-    setup.fit(cfg, run, NAME, training, loss_fn=loss_fn)
+    setup.fit(cfg, run, NAME, training, loss_fn=dpo_loss_of(cfg, run, model, reference=reference))
 
 
 if __name__ == "__main__":

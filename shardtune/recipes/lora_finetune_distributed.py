@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 from shardtune.config import Config
+from shardtune.losses.from_config import next_token_loss_of
 from shardtune.recipes import builders as setup
 from shardtune.recipes._entry import main
 
@@ -21,7 +22,7 @@ def recipe_main(cfg: Config) -> None:
     base_dir = setup.base_model_dir(cfg, run)
     model = setup.build_model(base_dir, run, cfg, lora=cfg.lora)
     training = setup.build_training(cfg, run, model, base_dir)
-    setup.fit(cfg, run, NAME, training, loss_fn=setup.next_token_loss_of(cfg, run, model))
+    setup.fit(cfg, run, NAME, training, loss_fn=next_token_loss_of(cfg, run, model))
 
 
 if __name__ == "__main__":

@@ -185,7 +185,7 @@ BASE_SCHEMA = Schema(
             gt=0,
             help="tokens per chunk of the output projection + loss (no full-vocabulary logits); null: unchunked",
         ),
-        # read by every recipe's loss (training/step_loss.RouterAux) and the validation loss
+        # read by every recipe's loss (losses/step.RouterAux) and the validation loss
         "router_aux_loss_coef": Field(
             (float, None),
             None,
@@ -254,7 +254,7 @@ CONTEXT_PARALLEL = {
         1,
         gt=0,
         help="split every row over groups of N ranks (each a head and a tail chunk), attention exact by gathering "
-        "keys and values; must divide the world size (full and LoRA fine-tuning, DPO, distillation; a "
+        "keys and values; must divide the world size (full and LoRA fine-tuning, DPO, distillation, early exit; a "
         "mixture-of-experts load-balancing loss over the whole rows; not with expert_parallel > 1)",
     )
 }
@@ -311,21 +311,8 @@ LAYER_DROPOUT_SECTION = Schema(
     nullable=True,
 )
 
-
-def _no_context_parallel(cfg: dict[str, Any]) -> list[str]:
-    if cfg.get("context_parallel", 1) == 1:
-        return []
-    return [
-        "context_parallel: early_exit_finetune_distributed does not split rows over ranks (its per-layer losses and "
-        "layer dropout are not split yet); set context_parallel=1, or split rows with the full or LoRA fine-tuning, "
-        "DPO or distillation recipes"
-    ]
-
-
 EARLY_EXIT_SCHEMA = (
-    BASE_SCHEMA
-    | CONTEXT_PARALLEL
-    | Schema({"early_exit": EARLY_EXIT_SECTION, "layer_dropout": LAYER_DROPOUT_SECTION}, checks=(_no_context_parallel,))
+    BASE_SCHEMA | CONTEXT_PARALLEL | Schema({"early_exit": EARLY_EXIT_SECTION, "layer_dropout": LAYER_DROPOUT_SECTION})
 )
 
 

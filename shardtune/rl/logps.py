@@ -9,9 +9,9 @@ completion mask keeps are projected (TRL's compact path), and padded positions r
 (TRL's ``GRPOConfig.temperature``, the sampling temperature).
 
 Each chunk runs inside a non-reentrant activation checkpoint, as the recomputing path of
-:mod:`shardtune.models.chunked_loss`: the forward keeps the chunk's ``[n]`` log-probs (and, for
+:mod:`shardtune.losses.chunked`: the forward keeps the chunk's ``[n]`` log-probs (and, for
 the logs, entropies without gradient), the backward makes the chunk's logits again and frees
-them before the next chunk. The fused path of :mod:`shardtune.models.linear_cross_entropy`
+them before the next chunk. The fused path of :mod:`shardtune.losses.linear_cross_entropy`
 does not fit: it makes gradients in the forward from a scalar loss, while GRPO's gradient per
 token (clipping, sequence-level ratios, normalizers across ranks) is known only once every
 token's log-prob is. TRL's own chunked head recomputes its tiles in backward the same way.
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from shardtune.models.chunked_loss import DEFAULT_CHUNK_TOKENS
+from shardtune.losses.chunked import DEFAULT_CHUNK_TOKENS
 
 __all__ = ["completion_logps_head_loss", "token_logps"]
 

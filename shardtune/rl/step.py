@@ -26,15 +26,15 @@ import torch
 from torch import Tensor, nn
 
 from shardtune.data.tokenizer import HFTokenizer
+from shardtune.losses.step import RouterAux
 from shardtune.models.moe_aux import Routing
+from shardtune.peft import adapters_disabled
 from shardtune.rl.global_batch import loss_units, step_normalizer
 from shardtune.rl.losses import PolicyLossConfig, policy_loss, reduce_metrics
 from shardtune.rl.prompts import PromptDataset
 from shardtune.rl.rewards import RewardFunctions
 from shardtune.rl.rollouts import Rollout, rollout, rows_logps_head_loss
-from shardtune.training.dpo import adapters_disabled
 from shardtune.training.loop import LossFn
-from shardtune.training.step_loss import RouterAux
 
 __all__ = ["RolloutPhase", "RolloutSettings", "policy_loss_fn"]
 

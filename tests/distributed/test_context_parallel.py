@@ -3,8 +3,8 @@ six uneven samples, split over ``cp`` ranks under FSDP2, give the loss and every
 model in one process (fp32, 1e-5 relative), for every dense family's attention (full causal, sliding
 windows, alternating windows with soft-capping, dynamic rope, Phi-3's longrope with short and long
 factors); at cp 2, cp 4 and dp 2 x cp 2, and under full and selective activation checkpointing; LoRA and
-QLoRA (loss and every adapter gradient) and the chunked loss likewise; mixture-of-experts models with their
-load-balancing loss over the whole rows. The K/V all-gather and the aux loss's sums obey NCCL's rules. What
+QLoRA (loss and every adapter gradient) and the chunked loss likewise; LoRA DPO and the early-exit loss;
+mixture-of-experts models with their load-balancing loss over the whole rows. The K/V all-gather and the aux loss's sums obey NCCL's rules. What
 cannot be split exactly is refused on every rank by name."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from shardtune.losses.chunked import chunked_cross_entropy
 from shardtune.models import from_hf_config
-from shardtune.models.chunked_loss import chunked_cross_entropy
 from shardtune.models.context_parallel import context_group, split_batch
 from shardtune.peft import apply_lora
 from shardtune.ranks.mesh import make_mesh
@@ -223,7 +223,8 @@ def _pairs() -> dict[str, torch.Tensor]:
 
 
 def _dpo_loss_fn(model: torch.nn.Module, group: dist.ProcessGroup | None):
-    from shardtune.training.dpo import adapters_disabled, dpo_loss_fn
+    from shardtune.losses.dpo import dpo_loss_fn
+    from shardtune.peft import adapters_disabled
 
     def reference(tokens, head_loss, **forward):
         with adapters_disabled(model):
@@ -294,6 +295,78 @@ def test_cp2_lora_dpo_equals_one_process(pool2, name):
     assert first["reduces"] >= 3  # policy and reference log-prob sums, and the policy's backward
 
 
+EXITS = [0, 1]  # of 3 layers: "sum_l" weighs them 1 and 1 + 2, times scale 0.5 for both (neither is the last)
+EXIT_WEIGHTS = [1 / 4, 3 / 4]
+
+
+def _early_exit_batch() -> dict[str, torch.Tensor]:
+    tokens, labels, positions = _batch(0)
+    return {"tokens": tokens, "labels": labels, "position_ids": positions}
+
+
+def _early_exit_reference(name: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """One unsplit process, full logits: the final layer's summed cross-entropy plus each exit's (its hidden
+    state through the final norm and ``lm_head``) weighted by hand, per label token, and every gradient."""
+    from tests.unit.test_models_families import hf_model, ours_from_hf
+
+    model = ours_from_hf(hf_model(name)).train()
+    batch = _early_exit_batch()
+    logits, hidden = model(batch["tokens"], position_ids=batch["position_ids"], output_hidden_states=EXITS)
+    labels = batch["labels"][:, 1:].flatten()
+
+    def ce_sum(out: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out[:, :-1].flatten(0, 1), labels, ignore_index=-100, reduction="sum")
+
+    total = ce_sum(logits)
+    for layer, weight in zip(EXITS, EXIT_WEIGHTS, strict=True):
+        total = total + weight * ce_sum(model.lm_head(model.model.norm(hidden[layer])))
+    loss = total / int((labels != -100).sum())
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _early_exit_cp_step(name: str) -> dict:
+    """The early-exit recipe's loss with every row split over 2 ranks (FSDP2 over both), in chunks of 8 tokens,
+    weighed and scaled as the training loop does: the global loss and rank 0's full gradients."""
+    from shardtune.losses.early_exit import early_exit_loss_fn
+    from tests.unit.test_models_families import hf_model
+
+    hf = hf_model(name)
+    model = from_hf_config(hf.config.to_dict()).train()
+    model.load_state_dict(hf.state_dict(), strict=True)
+    shard_model(model, mesh=make_mesh())
+    loss_fn = early_exit_loss_fn(
+        model, device=torch.device("cpu"), exits=lambda: EXITS, scale_type="sum_l", scale=0.5, chunk_tokens=8,
+        group=context_group(2, device="cpu"),
+    )  # fmt: skip
+    batch = _early_exit_batch()
+    with nccl_rules() as rules:
+        rules.host(batch)
+        loss, n_tokens = loss_fn(batch)
+        (loss * n_tokens).backward()
+        totals = torch.stack([loss.detach() * n_tokens, torch.tensor(float(n_tokens))])
+        dist.all_reduce(totals)
+    scale = dist.get_world_size() / totals[1].item()  # the loop's: FSDP2 averaged over ranks, the loss per token
+    grads = {n: p.grad.full_tensor() * scale for n, p in model.named_parameters()}  # full_tensor: collective
+    return {"loss": (totals[0] / totals[1]).item(), "grads": grads if dist.get_rank() == 0 else None}
+
+
+def test_cp2_early_exit_loss_and_grads_equal_one_process(pool2):
+    """The early-exit loss (the final layer's and two exits' cross-entropies, weighted) of packed rows split
+    over 2 ranks: the loss and every gradient equal one unsplit process with full logits (1e-5)."""
+    name = "qwen3"
+    loss, grads = _early_exit_reference(name)
+    results = pool2.run_ok(_early_exit_cp_step, name, timeout=240)
+    first = results[0]
+    assert {r["loss"] for r in results} == {first["loss"]}
+    assert abs(first["loss"] - loss) <= TOL * loss, (first["loss"], loss)
+    assert first["grads"].keys() == grads.keys()
+    for key, expected in grads.items():
+        assert expected.abs().max() > 0, key
+        diff = ((first["grads"][key] - expected).abs().max() / expected.abs().max()).item()
+        assert diff <= TOL, f"{key}: gradient rel diff {diff:.2e}"
+
+
 MOE_PAD = 4  # the second row's last sample ends in this many padding tokens (attention_mask 0, no labels)
 
 
@@ -324,14 +397,14 @@ def _moe_reference(name: str) -> tuple[float, float, dict[str, torch.Tensor]]:
 
 
 def _moe_cp_step(name: str) -> dict:
-    """The full recipes' split loss (:func:`split_next_token_loss`, aux loss in it) on 2 ranks under FSDP2,
+    """The full recipes' split loss (:func:`next_token_loss` with ``group``, aux loss in it) on 2 ranks under FSDP2,
     weighed and scaled as the training loop does: the global loss, aux loss and rank 0's full gradients."""
-    from shardtune.training.step_loss import split_next_token_loss
+    from shardtune.losses.next_token import next_token_loss
     from tests.unit.test_models_moe import hf_moe_model, ours_from
 
     model = ours_from(hf_moe_model(name)).train()
     shard_model(model, mesh=make_mesh())
-    loss_fn = split_next_token_loss(
+    loss_fn = next_token_loss(
         model, group=context_group(2, device="cpu"), device=torch.device("cpu"), chunk_tokens=None
     )
     batch = _moe_batch()

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardtune.losses.chunked import chunked_cross_entropy
 from shardtune.models import from_hf_config
-from shardtune.models.chunked_loss import chunked_cross_entropy
 from shardtune.models.context_parallel import context_group, split_batch
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,8 +8,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardtune.data import collate
+from shardtune.losses.chunked import chunked_cross_entropy
 from shardtune.models import build_model, get_model_args
-from shardtune.models.chunked_loss import chunked_cross_entropy
 from shardtune.ranks.sharding import shard_model
 from shardtune.state_dict import load_from_full_model_state_dict
 from shardtune.training.evaluate import Evaluator

@@ -10,10 +10,11 @@ import torch.nn.functional as F
 
 from shardtune.data import collate
 from shardtune.data.sampler import build_dataloader
+from shardtune.losses.next_token import next_token_loss
 from shardtune.models import build_model, get_model_args
 from shardtune.ranks.sharding import shard_model
 from shardtune.recipes import builders
-from shardtune.training import load_from_full_model_state_dict, step_loss
+from shardtune.training import load_from_full_model_state_dict
 from shardtune.training.loop import LoopSettings, Training, run_training
 from tests.nccl_rules import nccl_rules
 from tests.unit.checkpointer_stubs import NoCheckpoints
@@ -90,7 +91,7 @@ def _one_step_under_nccl_rules():
                 lr_scheduler=sched,
                 checkpointer=NoCheckpoints(),
             ),
-            loss_fn=step_loss.next_token_loss(model, device=run.device),
+            loss_fn=next_token_loss(model, device=run.device),
             logger=rows,
             settings=settings,
         )

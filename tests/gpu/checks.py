@@ -284,9 +284,9 @@ def moe_grouped_vs_loop(kind: str, dtype_name: str) -> dict:
     import copy
     import warnings
 
+    from shardtune.losses.next_token import next_token_loss
     from shardtune.models import build_model, get_model_args
     from shardtune.models.moe_kernels import expert_kernel
-    from shardtune.training.step_loss import next_token_loss
 
     device, dtype = current_device(kind), DTYPES[dtype_name]
     args = get_model_args("tiny_moe")

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 
 from shardtune.config import Config
+from shardtune.losses.next_token import next_token_loss
 from shardtune.recipes import builders as setup
 from shardtune.recipes._entry import main
 from shardtune.training.loop import run_training
 from shardtune.training.metrics import MetricLogger
-from shardtune.training.step_loss import next_token_loss
 
 NAME = "lora_finetune_distributed"
 WARMUP = 3

@@ -193,11 +193,21 @@ def test_knowledge_distillation_at_cp2_logs_the_losses_and_norms_of_two_ranks(ti
         _close(a, b, 1e-5)
 
 
-def test_the_early_exit_recipe_refuses_the_key_by_name(tiny_dirs, tmp_path):
-    cmd = [sys.executable, "-m", "shardtune.cli", "validate", "tiny/early_exit", "context_parallel=2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert "context_parallel: early_exit_finetune_distributed does not split rows" in proc.stdout + proc.stderr
+def test_early_exit_at_cp2_logs_the_losses_and_norms_of_one_rank(tiny_dirs, tmp_path):
+    """Every exit's loss over the rank's part of every packed row (the rotational curriculum: another exit each
+    step; layer dropout on, its draws alike on every rank): loss and gradient norm equal one rank's on the same
+    rows without the split."""
+
+    def rows(out, nproc: int) -> list[dict]:
+        overrides = [f"output_dir={out}", f"checkpoint_dir={tiny_dirs['base']}", "epochs=1", "max_steps_per_epoch=3"]
+        run_recipe("early_exit_finetune_distributed", "tiny/early_exit", *overrides, "packed=true", "batch_size=2",
+                   "log_every_n_steps=1", f"context_parallel={nproc}", nproc=nproc)  # fmt: skip
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    one, split = rows(tmp_path / "one", 1), rows(tmp_path / "cp2", 2)
+    assert [r["step"] for r in split] == [r["step"] for r in one] == [1, 2, 3]
+    for a, b in zip(split, one, strict=True):
+        _close(a, b, 1e-5)
 
 
 def test_expert_parallel_with_context_parallel_is_refused_at_config_read():

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardtune.models.chunked_loss import LinearHead, chunked_cross_entropy, chunked_distillation_loss
-from shardtune.models.linear_cross_entropy import head_for_several_losses
+from shardtune.losses.chunked import LinearHead, chunked_cross_entropy, chunked_distillation_loss
+from shardtune.losses.linear_cross_entropy import head_for_several_losses
 
 TOKENS, DIM, VOCAB = 2 * 37, 16, 300
 
@@ -313,7 +313,7 @@ def test_linear_head_normalized_in_row_blocks_on_cpu_equals_full_logits(monkeypa
     """On the CPU each chunk's softmax is made in blocks of rows (here 3 rows, and a shorter last block
     per chunk; ignored rows fall inside blocks): loss and gradients still
     equal the full-logits computation, for cross-entropy and distillation."""
-    from shardtune.models import linear_cross_entropy
+    from shardtune.losses import linear_cross_entropy
 
     monkeypatch.setattr(linear_cross_entropy, "_CPU_BLOCK_BYTES", 3 * VOCAB * 4)
     hidden, weight, bias, labels = _linear_head_inputs()

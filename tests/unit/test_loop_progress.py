@@ -11,9 +11,10 @@ from torch import nn
 
 from shardtune.checkpoint import Checkpointer, CheckpointOptions, CheckpointStates, TrainingProgress
 from shardtune.data.sampler import build_dataloader
+from shardtune.losses.next_token import next_token_loss
 from shardtune.models import build_model
 from shardtune.recipes import builders
-from shardtune.training import loop, step_loss
+from shardtune.training import loop
 from tests.unit.checkpointer_stubs import RecordingCheckpointer
 from tests.unit.test_loop_syncs import _data as _token_data
 
@@ -109,7 +110,7 @@ def test_the_checkpoints_record_the_steps_and_epochs_the_loop_trained(tmp_path):
     rows = _Rows()
     loop.run_training(
         loop.Training(model=model, loader=loader, sampler=sampler, optimizer=opt, lr_scheduler=sched, checkpointer=ck),
-        loss_fn=step_loss.next_token_loss(model, device=run.device),
+        loss_fn=next_token_loss(model, device=run.device),
         logger=rows,
         settings=loop.LoopSettings(epochs=2, max_steps_per_epoch=1),
     )

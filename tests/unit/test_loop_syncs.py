@@ -22,9 +22,11 @@ import shardtune
 from shardtune.data import collate
 from shardtune.data.packing import PackedDataset
 from shardtune.data.sampler import build_dataloader
+from shardtune.losses import rows
+from shardtune.losses.next_token import next_token_loss
 from shardtune.models import build_model, get_model_args
 from shardtune.recipes import builders
-from shardtune.training import loop, step_loss
+from shardtune.training import loop
 from tests.unit.checkpointer_stubs import NoCheckpoints
 
 PACKAGE = Path(shardtune.__file__).parent
@@ -73,8 +75,8 @@ def test_one_fetch_per_logged_step_and_no_other_sync(monkeypatch, log_every, pac
     cut_positions: list[torch.Tensor] = []
     fetches: list[int] = []
     conversions: list[tuple[str, str]] = []
-    original_iter, original_fetch, original_label_tokens = type(loader).__iter__, loop._fetch, step_loss.label_tokens
-    original_sample_lengths = step_loss.sample_lengths
+    original_iter, original_fetch, original_label_tokens = type(loader).__iter__, loop._fetch, rows.label_tokens
+    original_sample_lengths = rows.sample_lengths
 
     def iterate(self):
         for batch in original_iter(self):
@@ -108,8 +110,8 @@ def test_one_fetch_per_logged_step_and_no_other_sync(monkeypatch, log_every, pac
         return wrapper
 
     monkeypatch.setattr(type(loader), "__iter__", iterate)
-    monkeypatch.setattr(step_loss, "label_tokens", label_tokens)
-    monkeypatch.setattr(step_loss, "sample_lengths", sample_lengths)
+    monkeypatch.setattr(rows, "label_tokens", label_tokens)
+    monkeypatch.setattr(rows, "sample_lengths", sample_lengths)
     monkeypatch.setattr(loop, "_fetch", fetch)
     for name in CONVERSIONS:
         monkeypatch.setattr(torch.Tensor, name, counting(name))
@@ -130,7 +132,7 @@ def test_one_fetch_per_logged_step_and_no_other_sync(monkeypatch, log_every, pac
             lr_scheduler=sched,
             checkpointer=NoCheckpoints(),
         ),
-        loss_fn=step_loss.next_token_loss(model, device=run.device),
+        loss_fn=next_token_loss(model, device=run.device),
         logger=logger,
         settings=settings,
     )
@@ -141,7 +143,7 @@ def test_one_fetch_per_logged_step_and_no_other_sync(monkeypatch, log_every, pac
     assert fetches == [5] * logged
     allowed = {
         ("training/loop.py", "_fetch"),
-        ("training/step_loss.py", "label_tokens"),
+        ("losses/rows.py", "label_tokens"),
         ("training/finite.py", "_read"),
     }
     assert conversions.count(("training/finite.py", "_read")) == 1  # before the one save, at the end of the epoch

@@ -19,9 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from shardtune.checkpoint import save_hf_checkpoint, save_peft_adapter
 from shardtune.checkpoint.formats.peft_format import load_peft_adapter
-from shardtune.peft import apply_lora, get_adapter_state_dict, get_merged_state_dict, merge_lora
+from shardtune.peft import adapters_disabled, apply_lora, get_adapter_state_dict, get_merged_state_dict, merge_lora
 from shardtune.peft.adapters import PEFT_PREFIX
-from shardtune.training.dpo import adapters_disabled
 from tests.unit.test_lora import _hf as dense_hf
 from tests.unit.test_lora import _ours as dense_ours
 from tests.unit.test_models_moe import batch, hf_moe_model, ours_from

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from shardtune.config import load_config
+from shardtune.losses.next_token import next_token_loss
 from shardtune.models import build_model
 from shardtune.recipes import builders
 from shardtune.recipes.registry import get_recipe
-from shardtune.training import loop, step_loss
+from shardtune.training import loop
 from tests.unit.checkpointer_stubs import NoCheckpoints
 from tests.unit.test_loop_syncs import _data, _Rows
 
@@ -41,7 +42,7 @@ def test_lr_zero_validates_and_leaves_the_weights_unchanged(lr):
             lr_scheduler=lr_scheduler,
             checkpointer=NoCheckpoints(),
         ),
-        loss_fn=step_loss.next_token_loss(model, device=run.device),
+        loss_fn=next_token_loss(model, device=run.device),
         logger=logger,
         settings=builders.loop_settings(cfg),
     )

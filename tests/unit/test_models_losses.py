@@ -6,14 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardtune.models import (
-    LlamaForCausalLM,
-    ModelArgs,
-    cross_entropy_loss,
-    early_exit_loss,
-    early_exit_loss_scales,
-    forward_kl_loss,
-)
+from shardtune.losses.early_exit import early_exit_loss, early_exit_loss_scales
+from shardtune.losses.logits import cross_entropy_loss, forward_kl_loss
+from shardtune.models import LlamaForCausalLM, ModelArgs
 
 V = 11
 

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 import transformers
 
 from shardtune.config import ConfigError, load_config
+from shardtune.losses.next_token import next_token_loss
 from shardtune.models import get_model_args, model_args_to_hf_config
 from shardtune.models.registry import build_model
 from shardtune.recipes.registry import get_recipe
-from shardtune.training.step_loss import next_token_loss
 from tests.unit.test_models_moe import batch, hf_moe_model, ours_from
 
 # From Qwen/Qwen3-30B-A3B and mistralai/Mixtral-8x7B-v0.1 config.json (the keys that shape the model).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from shardtune.training import step_loss
+from shardtune.losses.next_token import next_token_loss
 from tests.unit.test_loop_scaling import _one_step
 from tests.unit.test_models_moe import batch, hf_moe_model, ours_from
 
@@ -36,7 +36,7 @@ def test_step_logs_tokens_per_expert_min_max_mean():
     hf = hf_moe_model("qwen3_moe")
     model, batches = ours_from(hf), _batches()
     expected = _expected(hf, batches)
-    loss_fn = step_loss.next_token_loss(model, device=torch.device("cpu"))
+    loss_fn = next_token_loss(model, device=torch.device("cpu"))
     rows = _one_step(model, batches, loss_fn=loss_fn, accumulate=len(batches))
     row = rows.rows[0]
     assert expected.min() < expected.max()  # the tiny router is unbalanced: min and max differ

@@ -18,10 +18,10 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 from shardtune.data import collate
 from shardtune.data.packing import PackedDataset
 from shardtune.data.preference import collate_pairs
-from shardtune.recipes.early_exit_finetune_distributed import early_exit_loss_fn
-from shardtune.recipes.knowledge_distillation_distributed import distillation_loss_fn
-from shardtune.training.dpo import dpo_loss_fn
-from shardtune.training.step_loss import next_token_loss
+from shardtune.losses.distillation import distillation_loss_fn
+from shardtune.losses.dpo import dpo_loss_fn
+from shardtune.losses.early_exit import early_exit_loss_fn
+from shardtune.losses.next_token import next_token_loss
 from tests.unit.test_models_moe import batch, hf_moe_model, ours_from
 
 CPU = torch.device("cpu")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shardtune.models.preference_losses import preference_loss, sequence_logps
+from shardtune.losses.preference import preference_loss, sequence_logps
 
 
 def _logsig(x: float) -> float:

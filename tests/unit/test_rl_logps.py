@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardtune.models.linear_cross_entropy import LinearHead
+from shardtune.losses.linear_cross_entropy import LinearHead
 from shardtune.rl import PolicyLossConfig, completion_logps_head_loss, group_advantages, policy_loss, token_logps
 
 

@@ -22,6 +22,7 @@ import trl  # the test extra pins it
 from datasets import Dataset
 
 from shardtune.data.tokenizer import build_byte_tokenizer
+from shardtune.losses.step import RouterAux
 from shardtune.models import from_hf_config
 from shardtune.models.moe_aux import Routing
 from shardtune.rl import (
@@ -35,7 +36,6 @@ from shardtune.rl import (
     step_normalizer,
     total_rewards,
 )
-from shardtune.training.step_loss import RouterAux
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL; its warning says so
 

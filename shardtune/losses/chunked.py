@@ -2,9 +2,9 @@
 
 Rule: no ``[tokens, vocab]`` tensor (nor its gradient) exists at once. Two ways get there:
 
-* a plain linear head (:class:`~shardtune.models.linear_cross_entropy.LinearHead`, what the
+* a plain linear head (:class:`~shardtune.losses.linear_cross_entropy.LinearHead`, what the
   models hand to ``head_loss``) that backward will need goes through
-  :mod:`~shardtune.models.linear_cross_entropy`, which makes each chunk's logits (and the
+  :mod:`~shardtune.losses.linear_cross_entropy`, which makes each chunk's logits (and the
   teacher's, for KD) once and their gradients in the forward: the full-logits arithmetic, chunked;
 * any other head (a function ``hidden [n, d] -> logits [n, vocab]``: LoRA on ``lm_head``; a
   trainable head under several losses in one forward, see ``head_for_several_losses``)
@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from shardtune.models.linear_cross_entropy import LinearHead, linear_cross_entropy, linear_distillation_loss
-from shardtune.models.linear_cross_entropy import softcap as capped
+from shardtune.losses.linear_cross_entropy import LinearHead, linear_cross_entropy, linear_distillation_loss
+from shardtune.losses.linear_cross_entropy import softcap as capped
 
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",

@@ -13,7 +13,7 @@ makes each chunk's teacher logits there too, once, without gradient.
 
 Only a plain linear head (with Gemma's final soft-capping) fits: :class:`LinearHead` names its
 tensors. Any other head (LoRA on ``lm_head``, a quantized head) goes through the recomputing
-path of :mod:`shardtune.models.chunked_loss`. The stored gradients are for one backward:
+path of :mod:`shardtune.losses.chunked`. The stored gradients are for one backward:
 a second backward through the same loss (``retain_graph=True``) raises.
 """
 
