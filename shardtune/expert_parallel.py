@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from shardtune.models.moe import Experts
+from shardtune.models.blocks.experts import Experts
 from shardtune.state_dict.layout import EP_DIM
 
 __all__ = ["dense_mesh", "distribute_experts", "ep_degree", "expert_mesh", "experts_fsdp_mesh", "mark_expert_unit"]

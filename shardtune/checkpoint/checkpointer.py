@@ -82,7 +82,7 @@ from shardtune.checkpoint.strategies import (
 )
 from shardtune.distributed import device_type
 from shardtune.faults import fault_point
-from shardtune.models.moe import expert_layout_hint
+from shardtune.models.blocks.experts import expert_layout_hint
 from shardtune.peft.lora import is_lora
 from shardtune.state_dict import comm
 from shardtune.state_dict.keys import StateDictError

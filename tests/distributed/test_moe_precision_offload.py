@@ -17,7 +17,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from shardtune.distributed import make_mesh, shard_model
 from shardtune.models import from_hf_config, moe_kernels
-from shardtune.models.moe import SparseMoeBlock
+from shardtune.models.blocks.moe import SparseMoeBlock
 from shardtune.state_dict import load_from_full_model_state_dict
 from shardtune.training import gather_cpu_state_dict
 
