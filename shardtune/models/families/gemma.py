@@ -57,7 +57,8 @@ def _gemma3_read(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return _gemma_read(cfg, 6, (None, None))
 
 
-_SOFTCAPPING = frozenset({"attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "hidden_act"})
+# the ModelArgs fields Gemma configs have keys for: soft-capping, the attention scalar, the activation
+_GEMMA_FIELDS = frozenset({"attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "hidden_act"})
 _GEMMA: dict[str, Any] = {
     "act_key": "hidden_activation",
     "default_act": "gelu_pytorch_tanh",
@@ -70,7 +71,7 @@ GEMMA2 = Family(
     _gemma2_read,
     lambda a: _gemma_write(a, "gemma2"),
     blocks=Blocks(norm_offset=True, sandwich_norm=True, scale_embeddings=True),
-    config_fields=_SOFTCAPPING,
+    config_fields=_GEMMA_FIELDS,
     **_GEMMA,
 )
 GEMMA3_TEXT = Family(
@@ -79,7 +80,7 @@ GEMMA3_TEXT = Family(
     _gemma3_read,
     lambda a: _gemma_write(a, "gemma3_text"),
     blocks=Blocks(attention=AttentionSpec(qk_norm=True), norm_offset=True, sandwich_norm=True, scale_embeddings=True),
-    config_fields=_SOFTCAPPING | {"rope_local_theta"},
+    config_fields=_GEMMA_FIELDS | {"rope_local_theta"},
     default_theta=1_000_000.0,
     default_local_theta=10_000.0,
     **_GEMMA,
