@@ -77,7 +77,7 @@ from shardtune.checkpoint.safety import checksums as crc
 from shardtune.checkpoint.safety.pending import PendingSave, mark_when_written
 from shardtune.checkpoint.storage.staging_memory import StagingMemory
 from shardtune.checkpoint.strategies import RngOnRank0, RngPerRank, WeightsInputs, pick_weights
-from shardtune.models.moe import expert_layout_hint
+from shardtune.models.blocks.experts import expert_layout_hint
 from shardtune.peft.lora import is_lora
 from shardtune.ranks import comm
 from shardtune.ranks.errors import StateDictError

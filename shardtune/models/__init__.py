@@ -26,22 +26,27 @@ from shardtune.models.registry import (
     register_model_args,
 )
 from shardtune.models.rope import RotaryEmbedding, compute_inv_freq
+from shardtune.models.spec import AttentionSpec, Blocks, MlpSpec, SparseSpec
 
 __all__ = [
     "FAMILIES",
     "MLP",
     "Attention",
+    "AttentionSpec",
+    "Blocks",
     "DecoderForCausalLM",
     "DecoderLayer",
     "Family",
     "HeadLoss",
     "LlamaForCausalLM",
     "LlamaModel",
+    "MlpSpec",
     "ModelArgs",
     "MoeArgs",
     "RMSNorm",
     "RotaryEmbedding",
     "Routing",
+    "SparseSpec",
     "build_model",
     "compute_inv_freq",
     "from_hf_config",

@@ -1,6 +1,6 @@
 """Model hyper-parameters: the architecture of a decoder, validated, as plain data.
 
-Rule: ``ModelArgs`` knows its own fields only; the per-family specs (``families.py``) read it,
+Rule: ``ModelArgs`` knows its own fields only; the per-family specs (``families/``) read it,
 and converting it to and from Hugging Face ``config.json`` is ``hf_config.py``. So this module
 imports no other module of ``shardtune.models``, and nothing here imports ``transformers``.
 """
@@ -25,7 +25,7 @@ _LAYER_TYPES = (FULL, SLIDING)
 
 @dataclass
 class ModelArgs:
-    """Architecture of a decoder of one supported HF family (``model_type``, see ``families.py``,
+    """Architecture of a decoder of one supported HF family (``model_type``, see ``families/``,
     which also reports an unsupported one when the model is built or its config converted).
 
     ``attention_bias`` adds biases to q/k/v; ``o_proj_bias`` to o_proj. HF Llama's

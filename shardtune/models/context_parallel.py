@@ -12,7 +12,7 @@ In every attention layer each rank all-gathers the keys and values of the whole 
 puts them in row order. Its queries then attend segment by segment: a segment is a run of the rank's
 queries that lies in one document and one chunk, and it attends to that document's keys up to its last
 query (to those within the window for sliding layers) through the layer's own kernel (SDPA,
-soft-capping or attention sinks) with the mask :mod:`shardtune.models.attention` builds for queries
+soft-capping or attention sinks) with the mask :mod:`shardtune.models.blocks.attention` builds for queries
 that follow earlier keys. Positions, documents and segments are host data read from the CPU batch once
 per forward (:func:`split_batch`), so no layer waits for the device.
 

@@ -1,7 +1,7 @@
 """``ModelArgs`` to and from Hugging Face ``config.json`` dicts, for every supported family.
 
 Rule: the keys every family shares (sizes, heads, eps, rope, tied embeddings) are read and
-written here once; a family's own keys are its ``Family.read``/``write`` (``families.py``).
+written here once; a family's own keys are its ``Family.read``/``write`` (``families/``).
 Both rope styles HF has used are read: the published Llama 3.x style (top-level
 ``rope_theta`` plus a ``rope_scaling`` dict) and the transformers >= 5 style (one
 ``rope_parameters`` dict). Nothing here imports ``transformers``.
@@ -20,6 +20,7 @@ import torch
 from shardtune.json_files import read_json
 from shardtune.models.args import FULL, SLIDING, ModelArgs
 from shardtune.models.families import Family, family_of, get_family, supported_model_types
+from shardtune.models.spec import OPTIONAL_FIELDS
 
 __all__ = ["load_hf_config", "model_args_from_hf_config", "model_args_to_hf_config"]
 
@@ -208,19 +209,9 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
 def _check_family_features(args: ModelArgs) -> None:
     """Raise when ``args`` uses a feature the family's HF config cannot say (it would load differently)."""
     family = family_of(args)
-    unsupported = []
-    if not family.gemma_norm:
-        unsupported += [
-            k
-            for k in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")
-            if getattr(args, k) is not None
-        ]
-        if args.hidden_act != "silu":
-            unsupported.append("hidden_act")
-    if family.model_type != "gemma3_text" and args.rope_local_theta is not None:
-        unsupported.append("rope_local_theta")
-    if family.model_type != "phi3" and args.partial_rotary_factor != 1.0:
-        unsupported.append("partial_rotary_factor")
+    unsupported = [
+        k for k, unused in OPTIONAL_FIELDS.items() if k not in family.config_fields and getattr(args, k) != unused
+    ]
     if unsupported:
         raise ValueError(
             f"model_type {args.model_type!r} has no config.json keys for ModelArgs {unsupported}; "
@@ -233,11 +224,11 @@ def _local_theta(args: ModelArgs) -> float:
     return args.rope_theta if args.rope_local_theta is None else args.rope_local_theta
 
 
-def _rope_entries(args: ModelArgs, rope_style: str) -> dict[str, Any]:
+def _rope_entries(args: ModelArgs, family: Family, rope_style: str) -> dict[str, Any]:
     scaling = dict(args.rope_scaling) if args.rope_scaling else None
     if rope_style == "legacy":
         out: dict[str, Any] = {"rope_theta": args.rope_theta, "rope_scaling": scaling}
-        if args.model_type == "gemma3_text":
+        if family.local_rope:
             out["rope_local_base_freq"] = _local_theta(args)
         return out
     if rope_style != "rope_parameters":
@@ -245,7 +236,7 @@ def _rope_entries(args: ModelArgs, rope_style: str) -> dict[str, Any]:
     params: dict[str, Any] = {"rope_type": "default", **(scaling or {}), "rope_theta": args.rope_theta}
     if args.partial_rotary_factor != 1.0:
         params["partial_rotary_factor"] = args.partial_rotary_factor
-    if args.model_type == "gemma3_text":
+    if family.local_rope:
         local = {"rope_type": "default", "rope_theta": _local_theta(args)}
         return {"rope_parameters": {FULL: params, SLIDING: local}}
     return {"rope_parameters": params}
@@ -283,7 +274,7 @@ def model_args_to_hf_config(
         use_cache=True,
     )
     cfg[family.act_key] = args.hidden_act
-    cfg.update(_rope_entries(args, rope_style))
+    cfg.update(_rope_entries(args, family, rope_style))
     if dtype is not None:
         # transformers 4 reads torch_dtype, 5 writes dtype (and still reads torch_dtype).
         cfg["torch_dtype"] = cfg["dtype"] = _dtype_name(dtype)

@@ -2,10 +2,11 @@
 
 Structure (and therefore FQNs) mirrors transformers: ``model.embed_tokens``,
 ``model.layers[i].{self_attn,mlp,input_layernorm,post_attention_layernorm}``, ``model.norm``,
-``lm_head``, plus what the family's spec (``families.py``) switches on: fused ``qkv_proj``/
-``gate_up_proj`` (Phi-3), ``q_norm``/``k_norm`` (Qwen3, Gemma 3), ``pre_feedforward_layernorm``/
-``post_feedforward_layernorm`` (Gemma 2/3). Decoder layers sit in ``model.model.layers`` (an
-``nn.ModuleList``) so FSDP2's ``fully_shard`` can be applied per layer, then to the root.
+``lm_head``. Each layer's ``self_attn`` and ``mlp`` are the blocks its family's spec names for it
+(``spec.Blocks``, built through ``blocks/kinds.py``); the spec's norm options add
+``pre_feedforward_layernorm``/``post_feedforward_layernorm`` (Gemma 2/3). No code here asks which
+family it runs. Decoder layers sit in ``model.model.layers`` (an ``nn.ModuleList``) so FSDP2's
+``fully_shard`` can be applied per layer, then to the root.
 
 Attention is causal only (no padding mask): right-padded batches are fine because padded
 positions come after every real token and are masked out of the loss. Packed rows attend within
@@ -19,18 +20,18 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardtune.losses.linear_cross_entropy import LinearHead, head_for_several_losses, softcap
 from shardtune.models.args import FULL, SLIDING, ModelArgs
-from shardtune.models.attention import Attention, KVUpdate, RMSNorm, attention_mask, init_linear
+from shardtune.models.blocks.attention import Attention, KVUpdate, attention_mask
+from shardtune.models.blocks.kinds import Block, build_attention, build_feed_forward
+from shardtune.models.blocks.mlp import MLP
+from shardtune.models.blocks.norm import RMSNorm, init_linear
 from shardtune.models.context_parallel import ContextAttention, ContextShard
 from shardtune.models.families import family_of, get_family
-from shardtune.models.gpt_oss import GptOssMLP, SinkAttention
 from shardtune.models.kv_cache import KVCache, cached_attention_mask
 from shardtune.models.layer_dropout import LayerDropoutSchedule, layer_dropout_probs
-from shardtune.models.moe import SparseMoeBlock
 from shardtune.models.moe_aux import Routing
 from shardtune.models.packed_attention import (
     PackedSamples,
@@ -57,59 +58,25 @@ __all__ = [
 HeadLoss = Callable[[Tensor, Callable[[Tensor], Tensor]], Any]  # (hidden, head) -> what forward returns
 
 
-class MLP(nn.Module):
-    """Gated MLP: ``down(act(gate(x)) * up(x))`` with SiLU (SwiGLU) or tanh-GELU (GeGLU); gate and up
-    are one fused ``gate_up_proj`` (gate first) for Phi-3."""
-
-    def __init__(self, args: ModelArgs, *, device=None, dtype=None) -> None:
-        super().__init__()
-        kw = {"device": device, "dtype": dtype, "bias": args.mlp_bias}
-        self.fused = get_family(args.model_type).fused_gate_up
-        if self.fused:
-            self.gate_up_proj = nn.Linear(args.dim, 2 * args.intermediate_size, **kw)
-        else:
-            self.gate_proj = nn.Linear(args.dim, args.intermediate_size, **kw)
-            self.up_proj = nn.Linear(args.dim, args.intermediate_size, **kw)
-        self.down_proj = nn.Linear(args.intermediate_size, args.dim, **kw)
-        self.gelu = args.hidden_act == "gelu_pytorch_tanh"
-
-    def init_weights(self, std: float) -> None:
-        projs = (self.gate_up_proj,) if self.fused else (self.gate_proj, self.up_proj)
-        for proj in (*projs, self.down_proj):
-            init_linear(proj, std)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.fused:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(act * up)
-
-
-# the layers a family replaces (gpt-oss: attention sinks, biased clamped-SwiGLU experts)
-_ATTENTION: dict[str, type[Attention]] = {"gpt_oss": SinkAttention}
-_SPARSE: dict[str, type[SparseMoeBlock]] = {"gpt_oss": GptOssMLP}
-
-
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: attention and MLP, each with a residual. With the family's
-    sandwich norms (Gemma 2/3) each branch output is normed too before its residual add."""
+    """Pre-norm transformer block: attention and feed-forward, each with a residual, built from the
+    blocks the family's spec names for this layer (``Blocks.attention_of``/``mlp_of``). With sandwich
+    norms (Gemma 2/3) each branch output is normed too before its residual add."""
 
     def __init__(self, args: ModelArgs, *, layer_type: str = FULL, layer_idx: int = 0, device=None, dtype=None) -> None:
         super().__init__()
         self.layer_type = layer_type
-        family = get_family(args.model_type)
-        norm = {"eps": args.norm_eps, "offset": family.gemma_norm, "device": device, "dtype": dtype}
-        self.self_attn = _ATTENTION.get(args.model_type, Attention)(args, device=device, dtype=dtype)
-        self.mlp: MLP | SparseMoeBlock
-        if args.moe is not None and args.moe.is_sparse(layer_idx):
-            self.mlp = _SPARSE.get(args.model_type, SparseMoeBlock)(args, layer_idx, device=device, dtype=dtype)
-        else:
-            self.mlp = MLP(args, device=device, dtype=dtype)
+        blocks = get_family(args.model_type).blocks
+        norm = {"eps": args.norm_eps, "offset": blocks.norm_offset, "device": device, "dtype": dtype}
+        attention = blocks.attention_of(layer_type)
+        self.self_attn: Block = build_attention(
+            args, attention, norm_offset=blocks.norm_offset, device=device, dtype=dtype
+        )
+        mlp = blocks.mlp_of(args.moe, layer_idx)
+        self.mlp: Block = build_feed_forward(args, mlp, layer_idx=layer_idx, device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(args.dim, **norm)
         self.post_attention_layernorm = RMSNorm(args.dim, **norm)
-        self.sandwich = family.sandwich_norm
+        self.sandwich = blocks.sandwich_norm
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(args.dim, **norm)
             self.post_feedforward_layernorm = RMSNorm(args.dim, **norm)
@@ -131,15 +98,12 @@ class DecoderLayer(nn.Module):
         packed: PackedSamples | ContextAttention | None = None,
         routing: Routing | None = None,
     ) -> Tensor:
+        """A sparse layer records its routing in ``routing`` (see ``moe_aux.py``)."""
         if not self.sandwich:
             h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, packed)
-            return h + self._feed_forward(self.post_attention_layernorm(h), routing)
+            return h + self.mlp(self.post_attention_layernorm(h), routing)
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, packed))
-        return h + self.post_feedforward_layernorm(self._feed_forward(self.pre_feedforward_layernorm(h), routing))
-
-    def _feed_forward(self, x: Tensor, routing: Routing | None) -> Tensor:
-        """The MLP; a sparse layer records its routing in ``routing`` (see ``moe_aux.py``)."""
-        return self.mlp(x, routing) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(x)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h), routing))
 
 
 class LlamaModel(nn.Module):
@@ -148,13 +112,13 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, *, device=None, dtype=None) -> None:
         super().__init__()
         self.args = args
-        family = family_of(args)
+        blocks = family_of(args).blocks
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(args, layer_type=t, layer_idx=i, device=device, dtype=dtype)
             for i, t in enumerate(args.layer_types or ())
         )
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps, offset=family.gemma_norm, device=device, dtype=dtype)
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps, offset=blocks.norm_offset, device=device, dtype=dtype)
         rope: dict[str, Any] = {"max_position_embeddings": args.max_seq_len}
         self.rotary_emb = RotaryEmbedding(
             args.rotary_dim, theta=args.rope_theta, rope_scaling=args.rope_scaling, **rope
@@ -163,7 +127,7 @@ class LlamaModel(nn.Module):
         self.local_rotary_emb = None
         if args.rope_local_theta is not None:
             self.local_rotary_emb = RotaryEmbedding(args.rotary_dim, theta=args.rope_local_theta, **rope)
-        self.embed_scale = args.dim**0.5 if family.gemma_norm else None
+        self.embed_scale = args.dim**0.5 if blocks.scale_embeddings else None
         self.layer_dropout_probs: list[float] | None = None
         self.layer_dropout_generator: torch.Generator | None = None
 

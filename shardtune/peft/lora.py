@@ -24,8 +24,8 @@ from torch import Tensor, nn
 
 from shardtune.choices import LORA_TARGET_PARAMETERS, LORA_TARGETS
 from shardtune.models.args import ModelArgs
+from shardtune.models.blocks.experts import Experts
 from shardtune.models.families import get_family
-from shardtune.models.moe import Experts
 from shardtune.peft import nf4
 from shardtune.peft.adapters import is_adapter_key, merge_lora_weight, peft_adapter_config
 from shardtune.peft.init import kaiming_uniform_whole_

@@ -39,8 +39,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial
 
 from shardtune.choices import LORA_TARGET_PARAMETERS
-from shardtune.models.gpt_oss import GptOssExperts, GptOssRouter, biased_experts
-from shardtune.models.moe import Experts, Router, local_experts
+from shardtune.models.blocks.biased_experts import GptOssExperts, biased_experts
+from shardtune.models.blocks.experts import Experts, local_experts
+from shardtune.models.blocks.routers import GptOssRouter, Router
 from shardtune.models.moe_kernels import expert_kernel
 from shardtune.peft import nf4
 from shardtune.peft.init import kaiming_uniform_whole_
@@ -171,7 +172,7 @@ class _Adapted:
 
 
 class LoRAExperts(Experts, _Adapted):
-    """:class:`~shardtune.models.moe.Experts` with LoRA on ``gate_up_proj`` and/or ``down_proj``."""
+    """:class:`~shardtune.models.blocks.experts.Experts` with LoRA on ``gate_up_proj`` and/or ``down_proj``."""
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         kernel = expert_kernel(x.device, x.dtype)
@@ -179,14 +180,14 @@ class LoRAExperts(Experts, _Adapted):
 
 
 class LoRARouter(Router, _Adapted):
-    """:class:`~shardtune.models.moe.Router` with LoRA on its ``weight``."""
+    """:class:`~shardtune.models.blocks.routers.Router` with LoRA on its ``weight``."""
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.adapted("weight"))
 
 
 class LoRAGptOssExperts(GptOssExperts, LoRAExperts):
-    """gpt-oss's :class:`~shardtune.models.gpt_oss.GptOssExperts` with LoRA on its expert weights (PEFT's
+    """gpt-oss's :class:`~shardtune.models.blocks.biased_experts.GptOssExperts` with LoRA on its expert weights (PEFT's
     transposed layout); the biases stay as they are."""
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from shardtune.models.moe import Experts
+from shardtune.models.blocks.experts import Experts
 from shardtune.ranks.mesh import EP_DIM
 
 __all__ = ["distribute_experts", "mark_expert_unit"]

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from shardtune.models.moe import Experts, expert_shard_placement
+from shardtune.models.blocks.experts import Experts, expert_shard_placement
 from shardtune.ranks import expert_parallel as ep
 from shardtune.ranks import mesh as meshes
 from shardtune.ranks.activation_checkpointing import checkpointed
@@ -46,7 +46,7 @@ def _check_nf4_experts(
 ) -> None:
     """Refuse NF4 experts FSDP2 cannot hold: each rank must hold whole experts (``Shard(0)``; the
     experts' second dim would cut their NF4 blocks), and they are not offloaded to the CPU.
-    ``placement``: the experts' placement as :func:`~shardtune.models.moe.expert_shard_placement`
+    ``placement``: the experts' placement as :func:`~shardtune.models.blocks.experts.expert_shard_placement`
     chose it for ``shard_ranks`` ranks (the one place that decides it)."""
     for name, p in model.named_parameters():
         chosen = placement(p) if placement is not None else None

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtune.models.moe import Experts
+from shardtune.models.blocks.experts import Experts
 
 __all__ = ["PEAK_BF16_TFLOPS", "flops_per_token_fn", "peak_tflops", "rank_batch_flops"]
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from shardtune.models import from_hf_config, moe_kernels
-from shardtune.models.moe import SparseMoeBlock
+from shardtune.models.blocks.moe import SparseMoeBlock
 from shardtune.ranks.mesh import make_mesh
 from shardtune.ranks.sharding import shard_model
 from shardtune.state_dict import load_from_full_model_state_dict

@@ -387,8 +387,8 @@ def test_context_parallel_segment_attention_on_cuda_equals_masked_sdpa(dtype):
     mask on the GPU, forward and backward."""
     import torch.nn.functional as F
 
-    from shardtune.models import attention
     from shardtune.models.args import ModelArgs
+    from shardtune.models.blocks import attention
 
     heads, kv_heads, d, earlier, n = 8, 2, 64, 700, 300
     layer = attention.Attention(

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardtune.models import attention
 from shardtune.models.args import ModelArgs
-from shardtune.models.attention import Attention
+from shardtune.models.blocks import attention
+from shardtune.models.blocks.attention import Attention
 
 
 @pytest.mark.parametrize("block_elements", [1 << 23, 5 * 4 * 96])  # one block; blocks of 5 queries (last 2)

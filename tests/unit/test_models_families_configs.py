@@ -200,7 +200,7 @@ def test_full_size_meta_builds_have_transformers_shapes(name):
 
 
 def test_window_longer_than_the_row_is_plain_causal():
-    from shardtune.models.attention import attention_mask
+    from shardtune.models.blocks.attention import attention_mask
 
     assert attention_mask(8, device=torch.device("cpu"), window=8) is None
     mask = attention_mask(8, device=torch.device("cpu"), window=7)

@@ -18,7 +18,7 @@ import transformers
 from shardtune.checkpoint.formats.tiny_base import create_tiny_base
 from shardtune.inference.generation import generate
 from shardtune.models import LlamaForCausalLM, from_hf_config, model_args_from_hf_config, model_args_to_hf_config
-from shardtune.models.gpt_oss import grouped_biased_experts, looped_biased_experts
+from shardtune.models.blocks.biased_experts import grouped_biased_experts, looped_biased_experts
 from shardtune.models.registry import build_model, get_model_args
 from tests.unit.test_models_moe import COMMON, TOL, _rel, batch, check_equals_transformers
 

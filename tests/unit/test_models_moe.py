@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardtune.inference.generation import generate
 from shardtune.models import LlamaForCausalLM, from_hf_config, model_args_from_hf_config, model_args_to_hf_config
-from shardtune.models.moe import expert_shard_placement
+from shardtune.models.blocks.experts import expert_shard_placement
 from shardtune.models.moe_aux import Routing
 from shardtune.models.moe_kernels import grouped_experts, looped_experts
 from shardtune.training.flops import flops_per_token_fn

@@ -1,6 +1,6 @@
-"""Self-attention for every supported family, and the masks it uses.
+"""Grouped-query self-attention (block kind ``"attention"``), and the masks it uses.
 
-One rule: attention is causal, optionally limited to the last ``sliding_window`` tokens; masks
+Rule: attention is causal, optionally limited to the last ``sliding_window`` tokens; masks
 say exactly that, so a sliding window is honoured beyond its length, never ignored. Packed rows
 attend within each sample (:mod:`shardtune.models.packed_attention`): every sample runs the same
 causal attention as an unpacked sequence, with a mask no larger than the sample; rows split over a
@@ -13,7 +13,7 @@ exact eager path computes ``cap * tanh(scores / cap)`` before the softmax, since
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,57 +21,18 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from shardtune.models.args import ModelArgs
+from shardtune.models.blocks.norm import RMSNorm, init_linear
 from shardtune.models.context_parallel import ContextAttention, context_attention
-from shardtune.models.families import get_family
 from shardtune.models.kv_cache import cached_attention_mask
 from shardtune.models.packed_attention import PackedSamples, packed_attention
 from shardtune.models.rope import apply_rotary_emb
+from shardtune.models.spec import AttentionSpec
 
 KVUpdate = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # a layer's (new k, new v) -> (all k, all v)
 # fp32 scores one block of a context-parallel segment's log-sum-exp may hold (32 MiB): bounded, not queries x keys
 LSE_BLOCK_ELEMENTS = 1 << 23
 
-__all__ = ["Attention", "RMSNorm", "attention_mask", "init_linear"]
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32. Llama order: cast back, then scale by ``w``. Gemma order
-    (``offset=True``): scale by ``1 + w`` in fp32, then cast; its weights start at zero."""
-
-    def __init__(self, dim: int, *, eps: float = 1e-6, offset: bool = False, device=None, dtype=None) -> None:
-        super().__init__()
-        self.eps = eps
-        self.offset = offset
-        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        if not self.weight.is_meta:
-            nn.init.zeros_(self.weight) if self.offset else nn.init.ones_(self.weight)
-
-    def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (h * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * h.to(dtype)
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}"
-
-
-def init_linear(linear: nn.Module, std: float) -> None:
-    """Normal(0, std) weight and zero bias; works for ``nn.Linear`` and ``LoRALinear`` bases."""
-    weight = cast(Tensor, linear.weight)  # nn.Module.__getattr__ is typed Tensor | Module
-    if weight.is_meta:
-        return
-    if type(weight).__name__ == "NF4Tensor" or not weight.is_floating_point():
-        raise ValueError("init_weights cannot re-initialize a quantized (NF4) base weight; initialize before QLoRA")
-    nn.init.normal_(weight, mean=0.0, std=std)
-    bias = getattr(linear, "bias", None)
-    if bias is not None:
-        nn.init.zeros_(bias)
+__all__ = ["Attention", "KVUpdate", "attention_mask"]
 
 
 def attention_mask(seq_len: int, *, device: torch.device, window: int | None = None) -> Tensor | None:
@@ -86,12 +47,19 @@ def attention_mask(seq_len: int, *, device: torch.device, window: int | None = N
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with the family's projections (separate or fused ``qkv_proj``),
-    optional per-head q/k RMSNorm, custom scale and logit soft-capping."""
+    """Grouped-query self-attention with the spec's projections (separate or fused ``qkv_proj``),
+    optional per-head q/k RMSNorm (``norm_offset``: Gemma's), custom scale and logit soft-capping."""
 
-    def __init__(self, args: ModelArgs, *, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        *,
+        spec: AttentionSpec | None = None,
+        norm_offset: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
-        family = get_family(args.model_type)
         n_kv_heads, head_dim = args.n_kv_heads, args.head_dim
         assert n_kv_heads is not None and head_dim is not None  # ModelArgs.__post_init__ fills both
         self.n_heads = args.n_heads
@@ -101,7 +69,8 @@ class Attention(nn.Module):
         self.softcap = args.attn_logit_softcapping
         kw = {"device": device, "dtype": dtype}
         q_out, kv_out = args.n_heads * head_dim, n_kv_heads * head_dim
-        self.fused = family.fused_qkv
+        spec = spec or AttentionSpec()  # Llama's
+        self.fused = spec.fused_qkv
         if self.fused:  # HF Phi-3 registers o_proj first: keep its state_dict order
             self.o_proj = nn.Linear(q_out, args.dim, bias=args.o_proj_bias, **kw)
             self.qkv_proj = nn.Linear(args.dim, q_out + 2 * kv_out, bias=args.attention_bias, **kw)
@@ -112,8 +81,8 @@ class Attention(nn.Module):
             self.o_proj = nn.Linear(q_out, args.dim, bias=args.o_proj_bias, **kw)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
-        if family.qk_norm:
-            norm_kw: dict[str, Any] = {"eps": args.norm_eps, "offset": family.gemma_norm, **kw}
+        if spec.qk_norm:
+            norm_kw: dict[str, Any] = {"eps": args.norm_eps, "offset": norm_offset, **kw}
             self.q_norm = RMSNorm(head_dim, **norm_kw)
             self.k_norm = RMSNorm(head_dim, **norm_kw)
 

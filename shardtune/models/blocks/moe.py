@@ -1,0 +1,79 @@
+"""The sparse mixture-of-experts block (kind ``"sparse_moe"``): a router and experts, tokens sorted by expert.
+
+Rule: a sparse layer's ``mlp`` holds any router kind (``routers.py``) under the family's name for it
+(``gate``, gpt-oss's ``router``) and any experts kind (``experts.py``, ``biased_experts.py``) as
+``experts``, registered in transformers' order (the ``state_dict`` order). Its forward is the same for
+every kind: the router's logits and top-k choice, tokens sorted by expert once and run through the
+experts (across the expert-parallel group when the experts have one, :mod:`shardtune.models.moe_dispatch`),
+each output weighted, put back in its token's order and the k summed, with no atomic adds (deterministic
+on GPU). The router logits go to the load-balancing loss (:mod:`shardtune.models.moe_aux`).
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from torch import Tensor, nn
+
+from shardtune.models.blocks.experts import Experts
+from shardtune.models.blocks.routers import Router
+from shardtune.models.moe_aux import Routing
+from shardtune.models.moe_dispatch import experts_over_ranks
+
+__all__ = ["SparseMoeBlock"]
+
+
+class SparseMoeBlock(nn.Module):
+    """Router plus experts of sparse layer ``layer_idx``: each token's output is the routing-weighted
+    sum of its top-k experts' outputs. Under expert parallelism (the experts' ``ep_group`` set) its
+    forward and backward are collective over that group: every rank of it runs each layer alike."""
+
+    experts: Experts
+
+    def __init__(
+        self, router: Router, experts: Experts, *, layer_idx: int, router_name: str = "gate", router_first: bool = False
+    ) -> None:
+        super().__init__()
+        self.layer_idx, self.top_k, self.router_name = layer_idx, router.top_k, router_name
+        if router_first:
+            setattr(self, router_name, router)
+            self.experts = experts
+        else:
+            self.experts = experts
+            setattr(self, router_name, router)
+
+    @property
+    def router_module(self) -> Router:
+        """The router, under whichever name the family gives it."""
+        return cast(Router, getattr(self, self.router_name))
+
+    def init_weights(self, std: float) -> None:
+        self.router_module.init_weights(std)
+        self.experts.init_weights(std)
+
+    def route(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Router logits ``[T, E]``, top-k weights and expert indices ``[T, k]``, as transformers computes them."""
+        router = self.router_module
+        logits = router(flat)
+        weights, indices = router.select(logits)
+        return logits, weights, indices
+
+    def forward(self, x: Tensor, routing: Routing | None = None) -> Tensor:
+        b, s, dim = x.shape
+        flat = x.reshape(-1, dim)
+        logits, weights, indices = self.route(flat)
+        chosen = indices.reshape(-1)  # [T * k], token-major
+        order = torch.argsort(chosen, stable=True)
+        counts = torch.zeros(self.experts.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, chosen, torch.ones_like(chosen))  # no bincount: its size would need a host sync
+        rows = flat[order // self.top_k]
+        if self.experts.ep_group is None:
+            y = self.experts(rows, counts)
+        else:
+            y = experts_over_ranks(self.experts, rows, counts, group=self.experts.ep_group)
+        y = (y * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
+        out = y[torch.argsort(order)].view(-1, self.top_k, dim).sum(dim=1)
+        if routing is not None:
+            out = routing.attach(out, routing.record(self.layer_idx, logits, self.top_k))
+        return out.view(b, s, dim)

@@ -1,0 +1,116 @@
+"""Routers of sparse layers: a token's logits over the experts, and the rule that picks its top k.
+
+Rule: a router kind is a module holding its weights whose ``forward`` gives the logits ``[T, E]``
+(what the load-balancing loss sees, :mod:`shardtune.models.moe_aux`) and whose :meth:`~Router.select`
+turns them into the top-k weights and expert indices ``[T, k]``, exactly as transformers computes them:
+
+- ``"softmax_topk"`` (:class:`Router`, ``weight [E, H]``, Qwen3-MoE, Mixtral): softmax in fp32, top-k,
+  optionally renormalized (``norm_topk_prob``), the weights cast to the logits' dtype unless
+  ``fp32_scores`` (Mixtral);
+- ``"topk_softmax"`` (:class:`GptOssRouter`, plus ``bias [E]``, gpt-oss): the top-k of the logits,
+  softmaxed over those k in their dtype.
+
+LoRA on a router (``shardtune.peft.param_lora``) subclasses these and changes only ``forward``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from shardtune.state_dict.layout import Piece
+from shardtune.state_dict.parts import Part
+
+if TYPE_CHECKING:
+    from shardtune.models.args import ModelArgs
+    from shardtune.models.spec import ExpertNames, SparseSpec
+
+__all__ = ["GptOssRouter", "Router"]
+
+
+class Router(nn.Module):
+    """``weight [E, H]``: router logits of each token; transformers' ``*TopKRouter``, softmax then top-k."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        *,
+        top_k: int,
+        norm_topk_prob: bool = False,
+        fp32_scores: bool = False,
+        names: ExpertNames | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob, self.fp32_scores = top_k, norm_topk_prob, fp32_scores
+        self.names = names
+        self.weight = nn.Parameter(torch.empty(num_experts, dim, device=device, dtype=dtype))
+
+    @classmethod
+    def from_args(cls, args: ModelArgs, spec: SparseSpec, *, device=None, dtype=None) -> Router:
+        """The router of ``args.moe``'s experts, with the family's file names."""
+        moe = args.moe
+        assert moe is not None  # built only for models with experts
+        return cls(
+            moe.num_experts,
+            args.dim,
+            top_k=moe.top_k,
+            norm_topk_prob=moe.norm_topk_prob,
+            fp32_scores=moe.fp32_scores,
+            names=spec.file_names,
+            device=device,
+            dtype=dtype,
+        )
+
+    def init_weights(self, std: float) -> None:
+        """transformers' init: every parameter normal(0, std), in registration order."""
+        for p in self.parameters(recurse=False):
+            if not p.is_meta:
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
+
+    def select(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """Top-k weights and expert indices ``[T, k]`` of the logits ``[T, E]``."""
+        weights, indices = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights if self.fp32_scores else weights.to(logits.dtype), indices
+
+    def file_parts(self, prefix: str, name: str, shape: tuple[int, ...]) -> list[Part] | None:
+        """Per-expert files of a family whose block is renamed on disk (Mixtral's
+        ``block_sparse_moe.gate.weight``) hold the router whole under that name; None otherwise."""
+        if self.names is None or self.names.block == "mlp" or name != "weight":
+            return None
+        whole = Piece(shape=shape, offset=(0,) * len(shape))
+        return [Part(f"{self.names.block_prefix(prefix)}.{name}", whole)]
+
+
+class GptOssRouter(Router):
+    """``weight [E, H]`` and ``bias [E]``: the router logits ``x @ weight.T + bias``; the top-k of them,
+    softmaxed (transformers' ``GptOssTopKRouter``)."""
+
+    def __init__(self, num_experts: int, dim: int, *, top_k: int, device=None, dtype=None) -> None:
+        super().__init__(num_experts, dim, top_k=top_k, device=device, dtype=dtype)
+        self.bias = nn.Parameter(torch.empty(num_experts, device=device, dtype=dtype))
+
+    @classmethod
+    def from_args(cls, args: ModelArgs, spec: SparseSpec, *, device=None, dtype=None) -> GptOssRouter:
+        """The router of ``args.moe``'s experts (its file keys are its runtime keys)."""
+        moe = args.moe
+        assert moe is not None  # built only for models with experts
+        return cls(moe.num_experts, args.dim, top_k=moe.top_k, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def select(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """Softmax over the top-k logits (in their dtype) and their indices ``[T, k]``."""
+        top, indices = torch.topk(logits, self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=top.dtype), indices

@@ -1,0 +1,59 @@
+"""The supported families: one spec per HF ``model_type`` (``spec.py``), each in its own module here.
+
+Rule: a family's module holds everything about it, as data: its blocks, its HF key names, and how its own
+config.json keys read into and write from ``ModelArgs`` (keys every family shares: ``hf_config.py``;
+helpers two families share: ``config_rules.py``). The decoder builds any of them alike. Adding a family
+= its module plus one entry in :data:`FAMILIES`.
+"""
+
+from __future__ import annotations
+
+from shardtune.models.args import ModelArgs
+from shardtune.models.families.gemma import GEMMA2, GEMMA3_TEXT
+from shardtune.models.families.gpt_oss import GPT_OSS
+from shardtune.models.families.llama import LLAMA
+from shardtune.models.families.mistral import MISTRAL
+from shardtune.models.families.mixtral import MIXTRAL
+from shardtune.models.families.phi3 import PHI3
+from shardtune.models.families.qwen import QWEN2, QWEN3
+from shardtune.models.families.qwen3_moe import QWEN3_MOE
+from shardtune.models.spec import Family
+
+__all__ = ["FAMILIES", "Family", "family_of", "get_family", "supported_model_types"]
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3_TEXT, QWEN3_MOE, MIXTRAL, GPT_OSS)
+}
+
+
+def supported_model_types() -> list[str]:
+    """HF ``model_type`` values shardtune builds."""
+    return list(FAMILIES)
+
+
+def family_of(args: ModelArgs) -> Family:
+    """The spec of ``args.model_type``, checked against ``args``: experts (``args.moe``) exactly
+    for mixture-of-experts families. ``ValueError`` naming the model type otherwise."""
+    family = get_family(args.model_type)
+    if family.moe != (args.moe is not None):
+        raise ValueError(
+            f"ModelArgs.moe must be set exactly for mixture-of-experts model types; model_type "
+            f"{args.model_type!r} {'needs' if args.moe is None else 'has no'} experts"
+        )
+    clamped = family.blocks.sparse is not None and family.blocks.sparse.clamped_swiglu
+    if args.moe is not None and clamped != (args.moe.swiglu_limit is not None):
+        raise ValueError(
+            "MoeArgs.swiglu_limit must be set exactly for model types with clamped-SwiGLU experts (gpt_oss); "
+            f"model_type {args.model_type!r} " + ("needs it" if clamped else "has none: leave swiglu_limit None")
+        )
+    return family
+
+
+def get_family(model_type: str) -> Family:
+    """The spec for ``model_type``; a ``ValueError`` listing the supported ones otherwise."""
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; supported model types: {supported_model_types()}"
+        ) from None

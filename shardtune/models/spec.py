@@ -1,0 +1,155 @@
+"""A model family as plain data: the blocks of its decoder layers, its HF file keys and its config fields.
+
+Rule: a :class:`Family` says everything that differs between families, and only as data; the shared
+decoder (``llama.py``) builds every layer from the family's :class:`Blocks` through the registry of
+block kinds (``blocks/kinds.py``) and never asks which family it runs. A block kind is a name in that
+registry; a spec's other fields are the options of its block. No torch here: config conversion and
+the CLI read specs without building a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shardtune.models.args import ModelArgs
+    from shardtune.models.moe_args import MoeArgs
+
+__all__ = ["AttentionSpec", "Blocks", "ExpertNames", "Family", "MlpSpec", "SparseSpec"]
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """A layer's ``self_attn``: ``kind`` (``"attention"``: grouped-query attention through SDPA, exact
+    eager with logit soft-capping; ``"sink_attention"``: plus gpt-oss's per-head sink logits), one fused
+    ``qkv_proj`` (Phi-3) and a per-head RMSNorm of q and k (Qwen3, Gemma 3)."""
+
+    kind: str = "attention"
+    fused_qkv: bool = False
+    qk_norm: bool = False
+
+
+@dataclass(frozen=True)
+class MlpSpec:
+    """A dense layer's ``mlp``: ``kind`` ``"gated_mlp"`` (``down(act(gate(x)) * up(x))``), with gate and
+    up fused into one ``gate_up_proj`` (Phi-3)."""
+
+    kind: str = "gated_mlp"
+    fused_gate_up: bool = False
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """A family's names in transformers' per-expert files: the sparse block's (its runtime ``mlp``)
+    and each expert's gate, up and down weights."""
+
+    block: str
+    gate: str
+    up: str
+    down: str
+
+    def block_prefix(self, prefix: str) -> str:
+        """``prefix`` (a runtime ``...layers.N.mlp.<child>`` FQN) with the block's file name."""
+        head, sep, child = prefix.rpartition(".mlp.")
+        return f"{head}.{self.block}.{child}" if sep else prefix
+
+
+@dataclass(frozen=True)
+class SparseSpec:
+    """A sparse layer's ``mlp``: a block ``kind`` (``"sparse_moe"``: top-k routed experts) made of a
+    ``router`` kind (``"softmax_topk"``: softmax, then top-k; ``"topk_softmax"``: top-k of biased logits,
+    then their softmax) and an ``experts`` kind (``"gated"``: fused ``[E, 2I, H]`` SwiGLU/GeGLU experts;
+    ``"clamped_swiglu"``: gpt-oss's transposed, biased, clamped ones).
+
+    HF names: the router's attribute (``router_name``), whether transformers registers it before the
+    experts (``router_first``: the ``state_dict`` order), the per-expert file keys of transformers'
+    default save (``file_names``; None: the fused runtime keys only). ``clamped_swiglu``: the experts
+    read ``MoeArgs.swiglu_limit``, which must then be set (and otherwise not)."""
+
+    kind: str = "sparse_moe"
+    router: str = "softmax_topk"
+    experts: str = "gated"
+    router_name: str = "gate"
+    router_first: bool = False
+    file_names: ExpertNames | None = None
+    clamped_swiglu: bool = False
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Which blocks build each decoder layer and how they are normed.
+
+    ``attention`` builds every layer's ``self_attn`` unless ``attention_by_type`` names its layer type
+    (``ModelArgs.layer_types``); ``mlp`` builds the dense layers, ``sparse`` the layers that route to
+    experts (``MoeArgs.is_sparse``; a family has experts exactly when ``sparse`` is set). ``norm_offset``:
+    Gemma's ``(1 + w)`` RMSNorm weights; ``sandwich_norm``: each branch's output is normed before its
+    residual add too (Gemma 2/3); ``scale_embeddings``: embeddings times ``sqrt(dim)`` (Gemma)."""
+
+    attention: AttentionSpec = AttentionSpec()
+    attention_by_type: Mapping[str, AttentionSpec] = field(default_factory=dict)
+    mlp: MlpSpec = MlpSpec()
+    sparse: SparseSpec | None = None
+    norm_offset: bool = False
+    sandwich_norm: bool = False
+    scale_embeddings: bool = False
+
+    def attention_of(self, layer_type: str) -> AttentionSpec:
+        """The attention of layers of ``layer_type``."""
+        return self.attention_by_type.get(layer_type, self.attention)
+
+    def mlp_of(self, moe: MoeArgs | None, layer_idx: int) -> MlpSpec | SparseSpec:
+        """The feed-forward block of layer ``layer_idx`` (``moe``: the model's experts, if any)."""
+        if self.sparse is not None and moe is not None and moe.is_sparse(layer_idx):
+            return self.sparse
+        return self.mlp
+
+
+# ModelArgs fields that only some families' config.json can say, with the value meaning "not used"
+OPTIONAL_FIELDS: dict[str, Any] = {
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "query_pre_attn_scalar": None,
+    "hidden_act": "silu",
+    "rope_local_theta": None,
+    "partial_rotary_factor": 1.0,
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """Structure and config conversion of one HF model family.
+
+    ``blocks``: its decoder layers (:class:`Blocks`). ``read(cfg)`` returns the family-specific
+    ``ModelArgs`` keyword arguments; ``write(args)`` returns the family-specific config.json entries
+    (raising when ``args`` uses a feature the family's HF class cannot express). ``config_fields``: the
+    :data:`OPTIONAL_FIELDS` its config.json has keys for (any other must keep its unused value).
+    ``lora_aliases`` maps Llama projection names to the fused module that holds them (Phi-3), so
+    generic LoRA targets still apply; ``rope_type_aliases`` maps old rope type names of its configs.
+    """
+
+    model_type: str
+    architecture: str
+    read: Callable[[Mapping[str, Any]], dict[str, Any]]
+    write: Callable[[ModelArgs], dict[str, Any]]
+    blocks: Blocks = Blocks()
+    config_fields: frozenset[str] = frozenset()
+    act_key: str = "hidden_act"
+    default_act: str = "silu"
+    default_tie: bool = False
+    lora_aliases: dict[str, str] = field(default_factory=dict)
+    rope_type_aliases: dict[str, str] = field(default_factory=dict)
+    default_theta: float = 10000.0
+    default_eps: float = 1e-6
+    default_local_theta: float | None = None  # sliding layers' own rope base (Gemma 3)
+
+    @property
+    def moe(self) -> bool:
+        """Whether sparse layers route to experts (``ModelArgs.moe`` is then required)."""
+        return self.blocks.sparse is not None
+
+    @property
+    def local_rope(self) -> bool:
+        """Whether sliding layers rotate with their own base (``rope_local_theta``, written per layer type)."""
+        return self.default_local_theta is not None
