@@ -223,8 +223,8 @@ class Checkpointer:
             self.states.lr_scheduler.load_state_dict(progress.lr_scheduler)
         if regrouped and comm.rank() == 0:
             log.warning(
-                "%s. A checkpoint of one param group comes from a run that decayed every param; "
-                "optimizer.decay_norms_and_biases=true keeps doing so (one group, as the checkpoint's)",
+                "%s. A checkpoint of one param group comes from a run that decayed every param, biases and norm "
+                "weights included; resume with optimizer.decay_norms_and_biases=true to keep doing so (one group)",
                 "; ".join(regrouped),
             )
         changes = resume_checks.apply_configured(self.states.optimizer, self.states.lr_scheduler, built)

@@ -204,7 +204,8 @@ def load_from_full_optimizer_state_dict(
         problems += comm.disagreement(
             descs, what="the optimizer full_sd differs between ranks", fix="every rank must pass the same one."
         )
-    hypers, notes = [], []
+    hypers: list[dict[str, Any]] = []
+    notes: list[str] = []
     if reference is not None and not problems:
         hypers, notes, mismatch = regroup(reference["groups"], reference["group_params"], groups)
         problems += mismatch or _check(reference, params)
@@ -253,7 +254,7 @@ def regroup(
     notes, problems)``. Groups holding the same params: the saved ones, no note. The same params
     split otherwise (a one-group checkpoint, two groups now): each group takes the saved group
     of its first param (an empty one: the saved group of its index, else the first) and a note
-    says how many params changed groups; the caller then puts back its own hyperparameters
+    says how many params are in a group of another index than in the state dict; the caller then puts back its own hyperparameters
     (:mod:`shardtune.checkpoint.resume.hyperparameters`). Other params: a problem."""
     if [set(f) for f in saved_fqns] == [set(f) for f in fqns]:
         return list(saved), [], []
@@ -277,12 +278,12 @@ def regroup(
             ],
         )
     picks = [held[group[0]] if group else (i if i < len(saved) else 0) for i, group in enumerate(fqns)]
-    moved = sorted(fqn for i, group in enumerate(fqns) for fqn in group if held[fqn] != picks[i])
+    moved = sorted(fqn for i, group in enumerate(fqns) for fqn in group if held[fqn] != i)
     note = (
         f"the optimizer state has {len(saved)} param group(s) of {[len(f) for f in saved_fqns]} params, this "
         f"optimizer {len(fqns)} of {[len(f) for f in fqns]}: each param's state is loaded by its name; "
-        f"{len(moved)} params are in another group than in the checkpoint (e.g. {moved[:3]}) and take "
-        "their new group's hyperparameters"
+        f"{len(moved)} params are in another param group than in the checkpoint (e.g. {moved[:3]}), with that "
+        "group's hyperparameters"
     )
     return [copy.deepcopy(saved[i]) for i in picks], [note], []
 

@@ -55,7 +55,7 @@ _OPTIONS = StateDictOptions(ignore_frozen_params=True)
 # dcp.load already fails on any trainable key the checkpoint lacks; frozen params are loaded
 # from the base model, so setting the state must not ask for them.
 _LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
-_GROUP_KEY = re.compile(r"optim\.param_groups\.(\d+)\.")
+_GROUP_KEY = re.compile(r"optim\.param_groups\.(\d+)\.(\w+)$")
 # What find_class is asked for when torch 2.13 unpickles the .metadata of a model + AdamW state
 # dict (tests/unit/test_hostile_files.py lists it from a real save); each only builds plain data.
 _METADATA_CLASSES = {
@@ -187,10 +187,10 @@ def load_dcp(
     state = _state(model, opt)
     ours = [list(g["params"]) for g in state["optim"]["param_groups"]] if opt is not None else []
     if opt is not None and metadata is not None:
-        saved = _saved_group_count(metadata)
-        if saved and saved != len(ours):  # read the checkpoint's groups as they are, regrouped below
-            groups = state["optim"]["param_groups"]
-            state["optim"]["param_groups"] = [dict(groups[min(i, len(groups) - 1)]) for i in range(saved)]
+        saved = _saved_group_keys(metadata)
+        if saved and [sorted(k for k in g if k != "params") for g in state["optim"]["param_groups"]] != saved:
+            # read the checkpoint's groups as they are (values filled in by the load), regrouped below
+            state["optim"]["param_groups"] = [dict.fromkeys([*keys, "params"]) for keys in saved]
     try:
         dcp.load(state, storage_reader=_RestrictedReader(path), planner=_WeightsOnlyPlanner(path))
     except CheckpointException as exc:  # DCP gathers every rank's failure and raises it on every rank
@@ -207,10 +207,14 @@ def load_dcp(
     return notes
 
 
-def _saved_group_count(metadata: Metadata) -> int:
-    """How many optimizer param groups the checkpoint holds (its ``optim.param_groups.<i>.*`` keys)."""
-    found = {int(m.group(1)) for key in metadata.state_dict_metadata if (m := _GROUP_KEY.match(key))}
-    return max(found) + 1 if found else 0
+def _saved_group_keys(metadata: Metadata) -> list[list[str]]:
+    """The hyperparameter names of each optimizer param group the checkpoint holds (from its
+    ``optim.param_groups.<i>.<name>`` keys)."""
+    found: dict[int, list[str]] = {}
+    for key in metadata.state_dict_metadata:
+        if (m := _GROUP_KEY.match(key)) and m.group(2) != "params":
+            found.setdefault(int(m.group(1)), []).append(m.group(2))
+    return [sorted(found.get(i, [])) for i in range(max(found) + 1)] if found else []
 
 
 def write_model_description(model: nn.Module, directory: Path, base_dir: Path | None) -> None:
