@@ -232,8 +232,8 @@ def build_lr_scheduler(
     samples_per_step: int | None = None,
     length: str = "",
 ) -> LrSchedule:
-    """Linear warmup for ``warmup_steps``, then cosine / linear decay to ``min_lr_ratio`` or constant
-    (see :class:`ScheduleSpec`); ``samples_per_step`` (the global batch) and ``length`` are for resumes."""
+    """Linear warmup from 0 for ``warmup_steps``, then cosine / linear decay to ``min_lr_ratio`` or
+    constant: transformers' ``get_scheduler`` step for step (see :meth:`ScheduleSpec.factor`); ``samples_per_step`` (the global batch) and ``length`` are for resumes."""
     if name not in LR_SCHEDULES:
         raise ValueError(f"lr_scheduler.name={name!r} is not supported; choose one of {LR_SCHEDULES}")
     spec = ScheduleSpec(name, warmup_steps, max(total_steps, 1), min_lr_ratio, samples_per_step, length)
