@@ -253,30 +253,15 @@ def regroup(
     groups hold ``saved_fqns`` with ``saved`` hyperparameters: ``(hyperparameters per group,
     notes, problems)``. Groups holding the same params: the saved ones, no note. The same params
     split otherwise (a one-group checkpoint, two groups now): each group takes the saved group
-    of its first param (an empty one: the saved group of its index, else the first) and a note
-    says how many params are in a group of another index than in the state dict; the caller then puts back its own hyperparameters
-    (:mod:`shardtune.checkpoint.resume.hyperparameters`). Other params: a problem."""
+    of its first param (an empty one: the saved group of its index, else the first), and a note
+    says how many params are in a group of another index than in the state dict; the caller
+    then puts back its own hyperparameters (:mod:`shardtune.checkpoint.resume.hyperparameters`).
+    Other params: a problem."""
     if [set(f) for f in saved_fqns] == [set(f) for f in fqns]:
         return list(saved), [], []
     held = {fqn: i for i, group in enumerate(saved_fqns) for fqn in group}
-    ours = {fqn for group in fqns for fqn in group}
-    if set(held) != ours or not saved:
-        if len(saved_fqns) != len(fqns):
-            return (
-                [],
-                [],
-                [f"the optimizer full_sd has {len(saved_fqns)} param groups but the optimizer has {len(fqns)}."],
-            )
-        return (
-            [],
-            [],
-            [
-                f"param group {i}: params only in the checkpoint {sorted(set(a) - set(b))[:5]}, only in the "
-                f"optimizer {sorted(set(b) - set(a))[:5]}; build the optimizer over the same params."
-                for i, (a, b) in enumerate(zip(saved_fqns, fqns))
-                if set(a) != set(b)
-            ],
-        )
+    if set(held) != {fqn for group in fqns for fqn in group} or not saved:
+        return [], [], _group_mismatch(saved_fqns, fqns)
     picks = [held[group[0]] if group else (i if i < len(saved) else 0) for i, group in enumerate(fqns)]
     moved = sorted(fqn for i, group in enumerate(fqns) for fqn in group if held[fqn] != i)
     note = (
@@ -286,6 +271,17 @@ def regroup(
         "group's hyperparameters"
     )
     return [copy.deepcopy(saved[i]) for i in picks], [note], []
+
+
+def _group_mismatch(saved_fqns: list[list[str]], fqns: list[list[str]]) -> list[str]:
+    if len(saved_fqns) != len(fqns):
+        return [f"the optimizer full_sd has {len(saved_fqns)} param groups but the optimizer has {len(fqns)}."]
+    return [
+        f"param group {i}: params only in the checkpoint {sorted(set(a) - set(b))[:5]}, only in the "
+        f"optimizer {sorted(set(b) - set(a))[:5]}; build the optimizer over the same params."
+        for i, (a, b) in enumerate(zip(saved_fqns, fqns))
+        if set(a) != set(b)
+    ]
 
 
 def _fqn_keyed(full_sd: Mapping[str, Any], groups: list[list[str]]) -> dict | str:

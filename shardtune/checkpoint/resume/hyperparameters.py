@@ -38,7 +38,8 @@ def apply_configured(
 ) -> list[str]:
     """Put back this run's hyperparameters ``built`` (from :func:`configured`) where the loaded
     state differs; returns one ``"<key>: <checkpoint's> (checkpoint) -> <this run's> (config)"``
-    line per change (``<key> (param group <i>): ...`` when not every group changed alike). The same on every rank (every rank runs the same config)."""
+    line per change (``<key> (param group <i>): ...`` when not every group changed alike). The
+    same on every rank (every rank runs the same config)."""
     if optimizer is None:
         return []
     changes: list[list[str]] = []  # per group: "<key>: <checkpoint's> -> <this run's>"
