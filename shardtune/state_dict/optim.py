@@ -254,7 +254,8 @@ def regroup(
     notes, problems)``. Groups holding the same params: the saved ones, no note. The same params
     split otherwise (a one-group checkpoint, two groups now): each group takes the saved group
     of its first param (an empty one: the saved group of its index, else the first), and a note
-    says how many params are in a group of another index than in the state dict; the caller
+    says how many params are in a group of another index than in the state dict (none when no
+    param is, e.g. LoRA adapters in group 0 and an empty group 1); the caller
     then puts back its own hyperparameters (:mod:`shardtune.checkpoint.resume.hyperparameters`).
     Other params: a problem."""
     if [set(f) for f in saved_fqns] == [set(f) for f in fqns]:
@@ -270,7 +271,7 @@ def regroup(
         f"{len(moved)} params are in another param group than in the checkpoint (e.g. {moved[:3]}), with that "
         "group's hyperparameters"
     )
-    return [copy.deepcopy(saved[i]) for i in picks], [note], []
+    return [copy.deepcopy(saved[i]) for i in picks], [note] if moved else [], []
 
 
 def _group_mismatch(saved_fqns: list[list[str]], fqns: list[list[str]]) -> list[str]:

@@ -16,6 +16,7 @@ import transformers
 from shardtune.checkpoint.formats.dcp_format import load_dcp, save_dcp
 from shardtune.checkpoint.formats.optimizer_io import load_optimizer, save_optimizer
 from shardtune.checkpoint.resume.hyperparameters import apply_configured, configured
+from shardtune.state_dict.optim import regroup
 from shardtune.training.optim import build_lr_scheduler, build_optimizer
 from shardtune.training.weight_decay import no_decay_names
 from tests.unit.test_models_families import hf_model, ours_from_hf
@@ -155,3 +156,17 @@ def test_a_one_group_schedule_state_resumes_on_two_groups():
     one.optimizer.step()
     one.step()
     assert [g["lr"] for g in two.optimizer.param_groups] == [one.optimizer.param_groups[0]["lr"]] * 2
+
+
+def test_regroup_by_hand():
+    """One group into LoRA's two (the second empty): nothing moves, no note; two into one: the
+    norm moves and is named; other params: refused naming them."""
+    hypers, notes, problems = regroup([{"weight_decay": 0.1}], [["a", "b"]], [["b", "a"], []])
+    assert hypers == [{"weight_decay": 0.1}] * 2 and notes == [] and problems == []
+    hypers, notes, problems = regroup(
+        [{"weight_decay": 0.1}, {"weight_decay": 0.0}], [["a"], ["norm"]], [["a", "norm"]]
+    )
+    assert hypers == [{"weight_decay": 0.1}] and problems == []
+    assert len(notes) == 1 and "1 params are in another param group" in notes[0] and "'norm'" in notes[0]
+    _, notes, problems = regroup([{"weight_decay": 0.1}], [["a", "b"]], [["a"], ["c"]])
+    assert notes == [] and problems == ["the optimizer full_sd has 1 param groups but the optimizer has 2."]
