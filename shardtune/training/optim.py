@@ -42,7 +42,8 @@ def build_optimizer(
     momentum: float = 0.0,
     eps: float = 1e-8,
 ) -> torch.optim.Optimizer:
-    """The ``name`` optimizer (one of :data:`OPTIMIZERS`) over the trainable params of ``model`` (frozen ones are left out).
+    """The ``name`` optimizer (one of :data:`OPTIMIZERS`) over the trainable params of ``model``
+    (frozen ones are left out).
 
     Two param groups (:func:`~shardtune.training.weight_decay.decay_groups`): the params
     ``weight_decay`` applies to, then every bias and norm weight with ``weight_decay`` 0, as
@@ -78,8 +79,8 @@ def build_optimizer(
 def _adamw(
     groups: list[dict[str, Any]], params: list[torch.nn.Parameter], adam: dict[str, Any]
 ) -> torch.optim.Optimizer:
-    """``torch.optim.AdamW`` over ``groups``, fused when every param (its local shard) lives on the CPU and torch has
-    a fused CPU kernel for them: torch's CPU default is its per-parameter loop, several passes over
+    """``torch.optim.AdamW`` over ``groups``, fused when every param (its local shard) lives on the
+    CPU and torch has a fused CPU kernel for them: torch's CPU default is its per-parameter loop, several passes over
     each tensor with Python between them, where the fused kernel makes one (body-shaped shards of
     70M values: 1.09 s a step against 0.17 s). Updates equal the loop's to rounding."""
     if all(local_tensor(p).device.type == "cpu" for p in params):
@@ -160,7 +161,7 @@ class ScheduleSpec:
             return 1.0
         if self.name == "cosine":
             progress = min(1.0, float(position - warmup) / float(max(1, total - warmup)))
-            decay = 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress))
+            decay = 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress))  # transformers' num_cycles=0.5
         else:
             decay = max(0.0, float(total - position) / float(max(1, total - warmup)))
         return decay * (1 - self.min_lr_ratio) + self.min_lr_ratio
