@@ -42,11 +42,11 @@ SHAPES: dict[str, tuple[Shape, int, int]] = {
 
 class Built(NamedTuple):
     """A method's model on this rank, its ``loss(tokens)``, and the factory of its optimizer over the
-    trainable params (None: torch's default AdamW at :data:`LR`, as the peers' recipes build it)."""
+    model's trainable params (None: torch's default AdamW at :data:`LR`, as the peers' recipes build it)."""
 
     model: nn.Module
     loss: Callable[[torch.Tensor], torch.Tensor]
-    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None
 
 
 def build_shardtune(
@@ -85,11 +85,11 @@ def build_shardtune(
     return Built(model, lambda tokens: loss_fn({"tokens": tokens, "labels": tokens})[0], shardtune_optimizer)
 
 
-def shardtune_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def shardtune_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     """The recipes' ``optimizer.name=adamw`` (``build_optimizer``: fused on CPU), at the benchmark's lr."""
     from shardtune.training.optim import build_optimizer
 
-    return build_optimizer(params, name="adamw", lr=LR)
+    return build_optimizer(model, name="adamw", lr=LR)
 
 
 def fsdp2_as_users_write_it(model: nn.Module, decoder: nn.Module, **options: Any) -> None:
@@ -124,7 +124,7 @@ def measure_run(
     per op) go in ``all_to_all``."""
     model, loss_fn, optimizer = built
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = optimizer(trainable) if optimizer is not None else torch.optim.AdamW(trainable, lr=LR)
+    opt = optimizer(model) if optimizer is not None else torch.optim.AdamW(trainable, lr=LR)
     rank = dist.get_rank()
     tokens = torch.randint(vocab, (rows, seq), generator=torch.Generator().manual_seed(1000 + rank))
     step = phased_step(loss_fn, opt, tokens.to(device=device))

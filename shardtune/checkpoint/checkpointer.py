@@ -180,7 +180,9 @@ class Checkpointer:
         rank raises :class:`~shardtune.checkpoint.errors.FingerprintMismatchError` naming what
         changed); the optimizer's hyperparameters this run was built with replace the
         checkpoint's where they differ, each change logged on rank 0
-        (:mod:`~shardtune.checkpoint.resume.hyperparameters`). Without ``checkpoint``, staged background
+        (:mod:`~shardtune.checkpoint.resume.hyperparameters`); optimizer state whose param groups split
+        the params otherwise (one group, before biases and norm weights had their own) is loaded
+        by FQN into this optimizer's groups, with a warning. Without ``checkpoint``, staged background
         saves that every rank finished writing (a run stopped before publishing them) are
         published first; the resumed run continues the checkpoint's
         ``run_id``.
@@ -204,12 +206,13 @@ class Checkpointer:
         built = resume_checks.configured(self.states.optimizer)  # loading restores the checkpoint's
         if self.is_lora:
             self.load_base()
+        regrouped: list[str] = []
         if has_dcp_shards:
-            load_dcp(self.states.model, self.states.optimizer, path / DCP_DIR, device=self.device)
+            regrouped = load_dcp(self.states.model, self.states.optimizer, path / DCP_DIR, device=self.device)
         else:
             self._load_weights(path)
             if self.states.optimizer is not None:
-                load_optimizer(
+                regrouped = load_optimizer(
                     self.states.model,
                     self.states.optimizer,
                     path / STATE_DIR,
@@ -218,6 +221,12 @@ class Checkpointer:
                 )
         if self.states.lr_scheduler is not None and progress.lr_scheduler:
             self.states.lr_scheduler.load_state_dict(progress.lr_scheduler)
+        if regrouped and comm.rank() == 0:
+            log.warning(
+                "%s. A checkpoint of one param group comes from a run that decayed every param, biases and norm "
+                "weights included; resume with optimizer.decay_norms_and_biases=true to keep doing so (one group)",
+                "; ".join(regrouped),
+            )
         changes = resume_checks.apply_configured(self.states.optimizer, self.states.lr_scheduler, built)
         if changes and comm.rank() == 0:
             log.warning("resuming with this run's hyperparameters where they differ:\n  %s", "\n  ".join(changes))

@@ -226,10 +226,11 @@ def build_optimization(cfg: Config, model: nn.Module, n_batches: int):
     """Optimizer over trainable params and the lr schedule sized for the whole run, in optimizer
     steps of this run's global batch (what a resume on another global batch adapts it from)."""
     opt = build_optimizer(
-        model.parameters(),
+        model,
         name=cfg.optimizer.name,
         lr=cfg.optimizer.lr,
         weight_decay=cfg.optimizer.weight_decay,
+        decay_norms_and_biases=cfg.optimizer.decay_norms_and_biases,
         betas=tuple(cfg.optimizer.betas),
         momentum=cfg.optimizer.momentum,
         eps=cfg.optimizer.eps,

@@ -130,6 +130,12 @@ BASE_SCHEMA = Schema(
                 "name": Field(str, "adamw", choices=OPTIMIZERS),
                 "lr": Field(float, ge=0),  # 0: an evaluation or sanity run, weights left unchanged
                 "weight_decay": Field(float, 0.0, ge=0),
+                "decay_norms_and_biases": Field(
+                    bool,
+                    False,
+                    help="false: weight_decay skips every bias and norm weight (transformers' Trainer); "
+                    "true: it decays every param (torchtune's behaviour, one param group)",
+                ),
                 "betas": Field(list, [0.9, 0.999], item=float, length=2),
                 "eps": Field(float, 1e-8, gt=0),
                 "momentum": Field(float, 0.0, ge=0),

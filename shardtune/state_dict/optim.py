@@ -5,7 +5,9 @@ Full format (rank 0 only, ``{}`` elsewhere)::
     {"state": {fqn: {"step": t, "exp_avg": T, ...}},
      "param_groups": [{"lr": ..., ..., "params": [fqn, ...]}]}
 
-Params follow ``opt.param_groups`` order. State tensors shaped like their param are sharded
+Params follow ``opt.param_groups`` order. A state dict whose groups split the same params
+otherwise (e.g. one group, written before the optimizer had two) loads by FQN into this
+optimizer's groups (:func:`regroup`). State tensors shaped like their param are sharded
 like it; other tensors (scalars such as ``step``) are small and travel with the metadata.
 torchao's quantized states (AdamW8bit/4bit) are full ``OptimState8bit``/``OptimState4bit``
 tensors in the full format and move as their codes and scales (:mod:`~.quantized`), exactly.
@@ -174,7 +176,7 @@ def load_from_full_optimizer_state_dict(
     opt: torch.optim.Optimizer,
     full_sd: Mapping[str, Any],
     device: torch.device | str,
-) -> None:
+) -> list[str]:
     """Load a full optimizer state dict into a (sharded) optimizer.
 
     Collective: call on all ranks. ``full_sd`` is FQN keyed (as returned by
@@ -184,7 +186,9 @@ def load_from_full_optimizer_state_dict(
     rank's block). A torchao quantized state (a full ``OptimState8bit``/``OptimState4bit``, or a
     :class:`~.quantized.QuantizedState` of lazy slices) becomes each rank's slice of its codes
     and scales; a sharding that would cut a quantization block between ranks is a problem.
-    Problems raise :class:`StateDictError` on every rank before data moves.
+    Problems raise :class:`StateDictError` on every rank before data moves. Groups that hold
+    the optimizer's params split otherwise are mapped by FQN (:func:`regroup`); returns the
+    note saying so (``[]`` when the groups match), the same on every rank.
     """
     _refuse_low_bit_expert_parallel(model, opt)
     device = comm.normalize_device(device)
@@ -200,11 +204,14 @@ def load_from_full_optimizer_state_dict(
         problems += comm.disagreement(
             descs, what="the optimizer full_sd differs between ranks", fix="every rank must pass the same one."
         )
+    hypers: list[dict[str, Any]] = []
+    notes: list[str] = []
     if reference is not None and not problems:
-        problems += _check(reference, groups, params)
+        hypers, notes, mismatch = regroup(reference["groups"], reference["group_params"], groups)
+        problems += mismatch or _check(reference, params)
     comm.raise_on_every_rank(problems, header="Cannot load the full optimizer state dict:")
     if reference is None:
-        return
+        return []
 
     errors = comm.Problems()
     transfer_device = comm.comm_device(device)
@@ -212,7 +219,7 @@ def load_from_full_optimizer_state_dict(
     native_state: dict[int, dict[str, Any]] = {}
     native_groups = []
     index = 0
-    for fqns, saved in zip(groups, reference["groups"]):
+    for fqns, saved in zip(groups, hypers):
         ids = []
         for fqn in fqns:
             if fqn in reference["state"]:
@@ -236,6 +243,46 @@ def load_from_full_optimizer_state_dict(
         native_groups.append({**saved, "params": ids})
     comm.raise_on_every_rank(errors, header="Loading the full optimizer state dict failed:")
     opt.load_state_dict({"state": native_state, "param_groups": native_groups})
+    return notes
+
+
+def regroup(
+    saved: list[dict[str, Any]], saved_fqns: list[list[str]], fqns: list[list[str]]
+) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """The hyperparameters for an optimizer whose groups hold ``fqns``, from a state dict whose
+    groups hold ``saved_fqns`` with ``saved`` hyperparameters: ``(hyperparameters per group,
+    notes, problems)``. Groups holding the same params: the saved ones, no note. The same params
+    split otherwise (a one-group checkpoint, two groups now): each group takes the saved group
+    of its first param (an empty one: the saved group of its index, else the first), and a note
+    says how many params are in a group of another index than in the state dict (none when no
+    param is, e.g. LoRA adapters in group 0 and an empty group 1); the caller
+    then puts back its own hyperparameters (:mod:`shardtune.checkpoint.resume.hyperparameters`).
+    Other params: a problem."""
+    if [set(f) for f in saved_fqns] == [set(f) for f in fqns]:
+        return list(saved), [], []
+    held = {fqn: i for i, group in enumerate(saved_fqns) for fqn in group}
+    if set(held) != {fqn for group in fqns for fqn in group} or not saved:
+        return [], [], _group_mismatch(saved_fqns, fqns)
+    picks = [held[group[0]] if group else (i if i < len(saved) else 0) for i, group in enumerate(fqns)]
+    moved = sorted(fqn for i, group in enumerate(fqns) for fqn in group if held[fqn] != i)
+    note = (
+        f"the optimizer state has {len(saved)} param group(s) of {[len(f) for f in saved_fqns]} params, this "
+        f"optimizer {len(fqns)} of {[len(f) for f in fqns]}: each param's state is loaded by its name; "
+        f"{len(moved)} params are in another param group than in the checkpoint (e.g. {moved[:3]}), with that "
+        "group's hyperparameters"
+    )
+    return [copy.deepcopy(saved[i]) for i in picks], [note] if moved else [], []
+
+
+def _group_mismatch(saved_fqns: list[list[str]], fqns: list[list[str]]) -> list[str]:
+    if len(saved_fqns) != len(fqns):
+        return [f"the optimizer full_sd has {len(saved_fqns)} param groups but the optimizer has {len(fqns)}."]
+    return [
+        f"param group {i}: params only in the checkpoint {sorted(set(a) - set(b))[:5]}, only in the "
+        f"optimizer {sorted(set(b) - set(a))[:5]}; build the optimizer over the same params."
+        for i, (a, b) in enumerate(zip(saved_fqns, fqns))
+        if set(a) != set(b)
+    ]
 
 
 def _fqn_keyed(full_sd: Mapping[str, Any], groups: list[list[str]]) -> dict | str:
@@ -243,11 +290,11 @@ def _fqn_keyed(full_sd: Mapping[str, Any], groups: list[list[str]]) -> dict | st
     if "state" not in full_sd or "param_groups" not in full_sd:
         return f"the optimizer full_sd needs 'state' and 'param_groups' keys; got {sorted(full_sd)[:5]}."
     saved_groups = full_sd["param_groups"]
-    if len(saved_groups) != len(groups):
-        return f"the optimizer full_sd has {len(saved_groups)} param groups but the optimizer has {len(groups)}."
     ids = [pid for g in saved_groups for pid in g["params"]]
     if not ids or not isinstance(ids[0], int):
         return {"state": full_sd["state"], "param_groups": saved_groups}
+    if len(saved_groups) != len(groups):  # torch's int keys are positions: they need the same groups
+        return f"the optimizer full_sd has {len(saved_groups)} param groups but the optimizer has {len(groups)}."
     mapping: dict[Any, str] = {}
     for i, (saved, fqns) in enumerate(zip(saved_groups, groups)):
         if len(saved["params"]) != len(fqns):
@@ -290,14 +337,8 @@ def _describe(full_sd: dict) -> dict:
     }
 
 
-def _check(desc: dict, groups: list[list[str]], params: dict[str, torch.Tensor]) -> list[str]:
+def _check(desc: dict, params: dict[str, torch.Tensor]) -> list[str]:
     problems = []
-    for i, (saved, fqns) in enumerate(zip(desc["group_params"], groups)):
-        if set(saved) != set(fqns):
-            problems.append(
-                f"param group {i}: params only in the checkpoint {sorted(set(saved) - set(fqns))[:5]}, only in the "
-                f"optimizer {sorted(set(fqns) - set(saved))[:5]}; build the optimizer over the same params."
-            )
     for fqn, param_state in desc["state"].items():
         if fqn not in params:
             problems.append(f"{fqn}: has optimizer state but is not a parameter of this optimizer.")

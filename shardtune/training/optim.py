@@ -3,17 +3,21 @@
 Rule: the ``optimizer.name`` and ``lr_scheduler.name`` values are :data:`shardtune.choices.OPTIMIZERS`
 and :data:`~shardtune.choices.LR_SCHEDULES` (the config schema offers the same lists). The low-bit
 AdamWs (torchao) quantize a state tensor on every rank or on none, so a
-checkpoint stores each state one way (see :mod:`shardtune.state_dict.quantized`).
+checkpoint stores each state one way (see :mod:`shardtune.state_dict.quantized`). Every
+optimizer gets transformers' ``Trainer`` param groups (:mod:`~shardtune.training.weight_decay`),
+and every schedule is transformers' ``get_scheduler`` of the same name, step for step
+(:meth:`ScheduleSpec.factor`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -22,35 +26,43 @@ from shardtune.ranks import comm
 from shardtune.ranks.mesh import EP_DIM
 from shardtune.state_dict import quantized
 from shardtune.state_dict.layout import layout_of, local_tensor
+from shardtune.training.weight_decay import decay_groups
 
 _MIN_QUANTIZED = 4096  # torchao (after bitsandbytes) keeps smaller tensors' state in full precision
 
 
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter],
+    model: nn.Module,
     *,
     name: str = "adamw",
     lr: float,
     weight_decay: float = 0.0,
+    decay_norms_and_biases: bool = False,
     betas: tuple[float, float] = (0.9, 0.999),
     momentum: float = 0.0,
     eps: float = 1e-8,
 ) -> torch.optim.Optimizer:
-    """The ``name`` optimizer (one of :data:`OPTIMIZERS`) over the trainable ``params`` (frozen ones are left out).
+    """The ``name`` optimizer (one of :data:`OPTIMIZERS`) over the trainable params of ``model``
+    (frozen ones are left out).
 
-    ``adamw`` is ``torch.optim.AdamW`` with torch's default implementation, except on the CPU
-    (:func:`_adamw`: fused there); ``adamw_fused`` is ``torch.optim.AdamW(fused=True)`` (CUDA, and CPU in recent torch);
-    ``adamw8bit``/``adamw4bit`` are torchao's block-wise quantized AdamW (state in 8 or 4 bits).
+    Two param groups (:func:`~shardtune.training.weight_decay.decay_groups`): the params
+    ``weight_decay`` applies to, then every bias and norm weight with ``weight_decay`` 0, as
+    transformers' ``Trainer`` groups them; ``decay_norms_and_biases`` makes one group that decays
+    every param (torchtune's behaviour). ``adamw`` is ``torch.optim.AdamW`` with torch's default
+    implementation, except on the CPU (:func:`_adamw`: fused there); ``adamw_fused`` is
+    ``torch.optim.AdamW(fused=True)`` (CUDA, and CPU in recent torch); ``adamw8bit``/``adamw4bit``
+    are torchao's block-wise quantized AdamW (state in 8 or 4 bits).
     """
-    trainable = [p for p in params if p.requires_grad]
+    groups = decay_groups(model, weight_decay=weight_decay, decay_all=decay_norms_and_biases)
+    trainable = [p for group in groups for p in group["params"]]
     if not trainable:
         raise ValueError("no trainable parameters: check the LoRA target_modules or which params are frozen")
     adam: dict[str, Any] = {"lr": lr, "weight_decay": weight_decay, "betas": tuple(betas), "eps": eps}
     if name == "adamw":
-        return _adamw(trainable, adam)
+        return _adamw(groups, trainable, adam)
     if name == "adamw_fused":
         try:
-            return torch.optim.AdamW(trainable, **adam, fused=True)
+            return torch.optim.AdamW(groups, **adam, fused=True)
         except RuntimeError as exc:
             raise ValueError(
                 f"optimizer.name=adamw_fused: this torch has no fused AdamW for these params ({exc}); "
@@ -58,23 +70,25 @@ def build_optimizer(
             ) from None
     if name in ("adamw8bit", "adamw4bit"):
         _refuse_expert_parallel(trainable, name)
-        return _low_bit_adamw(name)(trainable, **adam)
+        return _low_bit_adamw(name)(groups, **adam)
     if name == "sgd":
-        return torch.optim.SGD(trainable, lr=lr, weight_decay=weight_decay, momentum=momentum)
+        return torch.optim.SGD(groups, lr=lr, weight_decay=weight_decay, momentum=momentum)
     raise ValueError(f"optimizer.name={name!r} is not supported; choose one of {OPTIMIZERS}")
 
 
-def _adamw(params: list[torch.nn.Parameter], adam: dict[str, Any]) -> torch.optim.Optimizer:
-    """``torch.optim.AdamW``, fused when every param (its local shard) lives on the CPU and torch has
-    a fused CPU kernel for them: torch's CPU default is its per-parameter loop, several passes over
+def _adamw(
+    groups: list[dict[str, Any]], params: list[torch.nn.Parameter], adam: dict[str, Any]
+) -> torch.optim.Optimizer:
+    """``torch.optim.AdamW`` over ``groups``, fused when every param (its local shard) lives on the
+    CPU and torch has a fused CPU kernel for them: torch's CPU default is its per-parameter loop, several passes over
     each tensor with Python between them, where the fused kernel makes one (body-shaped shards of
     70M values: 1.09 s a step against 0.17 s). Updates equal the loop's to rounding."""
     if all(local_tensor(p).device.type == "cpu" for p in params):
         try:
-            return torch.optim.AdamW(params, **adam, fused=True)
+            return torch.optim.AdamW(groups, **adam, fused=True)
         except RuntimeError:  # no fused kernel for these dtypes in this torch
             pass
-    return torch.optim.AdamW(params, **adam)
+    return torch.optim.AdamW(groups, **adam)
 
 
 def _refuse_expert_parallel(params: list[torch.nn.Parameter], name: str) -> None:
@@ -120,7 +134,7 @@ def _low_bit_adamw(name: str) -> type[torch.optim.Optimizer]:
 
 @dataclass(frozen=True)
 class ScheduleSpec:
-    """An lr schedule in optimizer steps: linear warmup for ``warmup_steps``, then ``name``
+    """An lr schedule in optimizer steps: linear warmup from 0 for ``warmup_steps``, then ``name``
     (cosine / linear decay to ``min_lr_ratio``, or constant) until ``total_steps``.
     ``samples_per_step`` is the global batch the steps are counted in (rows per optimizer
     step: batch_size x ranks x gradient_accumulation_steps; None: not known); ``length`` names
@@ -134,14 +148,23 @@ class ScheduleSpec:
     length: str = ""  # the settings total_steps follows, in words (e.g. "epochs=2")
 
     def factor(self, position: float) -> float:
-        """The lr multiplier ``position`` steps into the schedule."""
-        if position < self.warmup_steps:
-            return (position + 1) / (self.warmup_steps + 1)
+        """The lr multiplier ``position`` scheduler steps into the schedule: optimizer step k
+        (1-based) runs at position k - 1. transformers' ``get_scheduler`` lambdas, term for term
+        (W warmup, T total steps): ``position / W`` during the warmup (step 1 at 0), then 1
+        (``constant``, transformers' ``constant_with_warmup``), ``(T - position) / (T - W)``
+        (``linear``) or ``0.5 * (1 + cos(pi * (position - W) / (T - W)))`` (``cosine``), each
+        decay scaled onto [``min_lr_ratio``, 1] (``cosine_with_min_lr``'s ``min_lr_rate``)."""
+        warmup, total = self.warmup_steps, self.total_steps
+        if position < warmup:
+            return float(position) / float(max(1, warmup))
         if self.name == "constant":
             return 1.0
-        progress = min(1.0, (position - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
-        decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if self.name == "cosine" else 1.0 - progress
-        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay
+        if self.name == "cosine":
+            progress = min(1.0, float(position - warmup) / float(max(1, total - warmup)))
+            decay = 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress))  # transformers' num_cycles=0.5
+        else:
+            decay = max(0.0, float(total - position) / float(max(1, total - warmup)))
+        return decay * (1 - self.min_lr_ratio) + self.min_lr_ratio
 
 
 @dataclass(frozen=True)
@@ -187,6 +210,15 @@ class LrSchedule(LambdaLR):
         state = dict(state_dict)
         spec, anchor = state.pop("schedule", None), state.pop("anchor", None)
         state["lr_lambdas"] = [None] * len(self.lr_lambdas)  # ours is a method of this object
+        groups = len(self.optimizer.param_groups)
+        for key in ("base_lrs", "_last_lr"):  # a checkpoint of another group count (one group: every param decayed)
+            if isinstance(state.get(key), list) and len(state[key]) != groups:
+                if len(set(state[key])) != 1:
+                    raise ValueError(
+                        f"the lr scheduler state has {len(state[key])} param groups with different lrs "
+                        f"{state[key]}; this optimizer has {groups}: resume with the checkpoint's optimizer settings"
+                    )
+                state[key] = state[key][:1] * groups
         super().load_state_dict(state)
         self.resumed = (ScheduleSpec(**spec) if spec else None, Anchor(**anchor) if anchor else Anchor())
 
@@ -201,8 +233,8 @@ def build_lr_scheduler(
     samples_per_step: int | None = None,
     length: str = "",
 ) -> LrSchedule:
-    """Linear warmup for ``warmup_steps``, then cosine / linear decay to ``min_lr_ratio`` or constant
-    (see :class:`ScheduleSpec`); ``samples_per_step`` (the global batch) and ``length`` are for resumes."""
+    """Linear warmup from 0 for ``warmup_steps``, then cosine / linear decay to ``min_lr_ratio`` or
+    constant: transformers' ``get_scheduler`` step for step (see :meth:`ScheduleSpec.factor`); ``samples_per_step`` (the global batch) and ``length`` are for resumes."""
     if name not in LR_SCHEDULES:
         raise ValueError(f"lr_scheduler.name={name!r} is not supported; choose one of {LR_SCHEDULES}")
     spec = ScheduleSpec(name, warmup_steps, max(total_steps, 1), min_lr_ratio, samples_per_step, length)

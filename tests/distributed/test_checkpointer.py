@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 from pathlib import Path
@@ -56,7 +55,7 @@ def _setup(
         if lora:
             apply_lora(model, **LORA)
     shard_model(model, cpu_offload=options.get("cpu_offload", False))
-    opt = build_optimizer(model.parameters(), lr=1e-2, weight_decay=0.01)
+    opt = build_optimizer(model, lr=1e-2, weight_decay=0.01)
     sched = build_lr_scheduler(opt, name="cosine", warmup_steps=1, total_steps=10)
     ck = Checkpointer(
         states=CheckpointStates(model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler),
@@ -703,15 +702,23 @@ def _offload_train_save_resume(base: str, out: str):
 
 
 def _reference_losses(base: str, steps: range, *, world: int) -> tuple[list[float], list[float]]:
-    """Single process, transformers, no FSDP: the same global batches, torch's AdamW and clipping,
-    the cosine schedule of ``_setup`` written out (1 warmup step, 10 total); losses and pre-clip norms."""
+    """Single process, transformers, no FSDP: the same global batches, torch's AdamW over the param
+    groups of transformers' Trainer (biases and norm weights not decayed) and clipping,
+    transformers' cosine schedule as ``_setup``'s (1 warmup step, 10 total); losses and pre-clip norms."""
     import transformers
 
     model = transformers.LlamaForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": 0.01},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=1e-2)
+    sched = transformers.get_scheduler("cosine", opt, num_warmup_steps=1, num_training_steps=10)
     losses, norms = [], []
     for step in steps:
-        opt.param_groups[0]["lr"] = 1e-2 * (0.5 if step == 0 else 0.5 * (1 + math.cos(math.pi * (step - 1) / 9)))
+        assert sched.last_epoch == step
         tokens = _batch(step, world=world)
         logits = model(tokens).logits
         # the mean of the per-rank means FSDP averages (equal row counts per rank)
@@ -719,6 +726,7 @@ def _reference_losses(base: str, steps: range, *, world: int) -> tuple[list[floa
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         opt.step()
+        sched.step()
         opt.zero_grad()
         losses.append(loss.item())
     return losses, norms

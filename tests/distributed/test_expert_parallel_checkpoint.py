@@ -168,7 +168,7 @@ def _low_bit_refused() -> dict[str, str]:
     shard_model(model, mesh=make_mesh(expert_parallel=2))
     raised = {}
     for what, call in (
-        ("build", lambda: build_optimizer(model.parameters(), name="adamw8bit", lr=1e-3)),
+        ("build", lambda: build_optimizer(model, name="adamw8bit", lr=1e-3)),
         ("state", lambda: get_full_optimizer_state_dict(model, AdamW8bit(model.parameters()), dist.get_rank() == 0)),
     ):
         try:

@@ -37,7 +37,7 @@ SUBCLASS = {"adamw8bit": OptimState8bit, "adamw4bit": OptimState4bit}
 
 
 def _opt(model: nn.Module, name: str) -> torch.optim.Optimizer:
-    return build_optimizer(model.parameters(), name=name, lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1)
+    return build_optimizer(model, name=name, lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1)
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
@@ -131,7 +131,7 @@ def _misaligned() -> str:
     torch.manual_seed(0)
     model = nn.Linear(128, 66, bias=False)
     fully_shard(model)
-    opt = build_optimizer(model.parameters(), name="adamw8bit", lr=1e-2)
+    opt = build_optimizer(model, name="adamw8bit", lr=1e-2)
     codes = torch.randint(0, 255, (66, 128), dtype=torch.uint8)
     state = OptimState8bit(codes, torch.rand(33), OptimState8bit.zeros((256,)).qmap, True)
     full = {
@@ -249,7 +249,7 @@ def _kinds_of_uneven_param() -> list[str]:
     """(31, 256) on 2 ranks: rows 16 + 15, i.e. 4096 + 3840 values; torchao alone would quantize rank 0's only."""
     model = nn.Linear(256, 31, bias=False)
     fully_shard(model)
-    opt = build_optimizer(model.parameters(), name="adamw8bit", lr=1e-2)
+    opt = build_optimizer(model, name="adamw8bit", lr=1e-2)
     return [type(opt._new_buffer(model.weight, signed)._local_tensor).__name__ for signed in (True, False)]
 
 
@@ -258,10 +258,10 @@ def test_a_state_is_quantized_on_every_rank_or_on_none(pool2):
 
 
 def test_optimizer_names():
-    param = nn.Parameter(torch.ones(3))
-    assert build_optimizer([param], name="adamw_fused", lr=1e-2).defaults["fused"] is True
+    model = nn.Linear(3, 1)
+    assert build_optimizer(model, name="adamw_fused", lr=1e-2).defaults["fused"] is True
     with pytest.raises(ValueError, match="optimizer.name='adam8bit' is not supported"):
-        build_optimizer([param], name="adam8bit", lr=1e-2)
+        build_optimizer(model, name="adam8bit", lr=1e-2)
 
 
 def _load_4bit(in_dir: Path) -> dict:

@@ -170,6 +170,11 @@ def _expert_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if ".experts." in n}
 
 
+def _holding(params: dict[str, torch.nn.Parameter]) -> torch.nn.Module:
+    """A module holding just ``params`` (experts: no bias or norm, all decayed), to build an optimizer over them."""
+    return torch.nn.ParameterDict({n.replace(".", "_"): p for n, p in params.items()})
+
+
 def _low_bit_steps(opt: torch.optim.Optimizer, params: dict, grads: list[dict]) -> None:
     """Steps with the given full gradients (placed by torch), in eager mode: torchao compiles
     its step per shape, which costs minutes here and computes the same values."""
@@ -194,7 +199,7 @@ def _straddling_blocks(out: str) -> dict:
     module = torch.nn.Module()
     module.w = torch.nn.Parameter(torch.zeros(8, 4, 640))
     fully_shard(module, shard_placement_fn=lambda p: Shard(1))
-    ours = build_optimizer(module.parameters(), name="adamw8bit", lr=1e-2)
+    ours = build_optimizer(module, name="adamw8bit", lr=1e-2)
     theirs = torchao.optim.AdamW8bit(module.parameters(), lr=1e-2)
     theirs.state[module.w] = {"step": torch.tensor(1.0), "exp_avg": theirs._new_buffer(module.w, True)}
     errors = []
@@ -220,7 +225,7 @@ def _low_bit_run(config: dict, weights: dict, experts: dict, grads: list, resume
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(_placed(experts[name][n], p))
-        opt = build_optimizer(params.values(), name=name, **HYPER)
+        opt = build_optimizer(_holding(params), name=name, **HYPER)
         with nccl_rules() as rules:
             rules.host(model, opt)
             if resume:

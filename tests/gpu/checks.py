@@ -173,7 +173,7 @@ def staging_size(kind: str, base_dir: str, out_dir: str) -> dict:
     with torch.device("meta"):
         model = llama_from_hf_config(base_dir)
     shard_model(model, mesh=make_mesh(device=kind))
-    opt = build_optimizer(model.parameters(), lr=1e-3, weight_decay=0.0)
+    opt = build_optimizer(model, lr=1e-3, weight_decay=0.0)
     sched = build_lr_scheduler(opt, name="cosine", warmup_steps=1, total_steps=10)
     ck = Checkpointer(
         states=CheckpointStates(model=model, optimizer=opt, lr_scheduler=sched),
@@ -239,7 +239,7 @@ def background_poll_and_cuda_rng(kind: str, base_dir: str, out_dir: str) -> dict
     with torch.device("meta"):
         model = llama_from_hf_config(base_dir)
     shard_model(model, mesh=make_mesh(device=kind))
-    opt = build_optimizer(model.parameters(), lr=1e-3, weight_decay=0.0)
+    opt = build_optimizer(model, lr=1e-3, weight_decay=0.0)
     ck = Checkpointer(
         states=CheckpointStates(model=model, optimizer=opt),
         options=CheckpointOptions(output_dir=out_dir, base_dir=base_dir, seed=0, device=device, async_save=True),

@@ -22,9 +22,9 @@ def _rows(output_dir):
 
 
 def _cosine(position: float, *, total: int) -> float:
-    """The bundled schedule by hand: linear warmup, then cosine to 0."""
+    """The bundled schedule by hand: linear warmup from 0 (transformers'), then cosine to 0."""
     if position < WARMUP:
-        return (position + 1) / (WARMUP + 1)
+        return position / WARMUP
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (position - WARMUP) / (total - WARMUP))))
 
 

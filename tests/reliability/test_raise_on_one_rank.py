@@ -45,7 +45,7 @@ def _build(base: str, out: str, **options) -> Checkpointer:
         model = llama_from_hf_config(base)
         apply_lora(model, rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
     shard_model(model)
-    opt = build_optimizer(model.parameters(), lr=1e-2)
+    opt = build_optimizer(model, lr=1e-2)
     return Checkpointer(
         states=CheckpointStates(model=model, optimizer=opt),
         options=CheckpointOptions(output_dir=out, base_dir=base, seed=0, **options),

@@ -17,7 +17,16 @@ from shardtune.training import loop
 from tests.unit.checkpointer_stubs import NoCheckpoints
 from tests.unit.test_loop_syncs import _data, _Rows
 
-ONE_LOGGED_STEP = ["epochs=1", "max_steps_per_epoch=1", "gradient_accumulation_steps=1", "log_every_n_steps=1"]
+# A constant lr without warmup: a warmup's first step runs at lr 0 (transformers' schedules), and a
+# one-step decay logs the lr after its last step, 0, whatever optimizer.lr is.
+ONE_LOGGED_STEP = [
+    "epochs=1",
+    "max_steps_per_epoch=1",
+    "gradient_accumulation_steps=1",
+    "log_every_n_steps=1",
+    "lr_scheduler.name=constant",
+    "lr_scheduler.warmup_steps=0",
+]
 
 
 @pytest.mark.parametrize("lr", [0.0, 1e-3])

@@ -16,7 +16,8 @@ def test_adamw_on_cpu_is_fused_and_steps_like_the_default_loop():
     reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
     frozen = torch.nn.Parameter(torch.randn(4), requires_grad=False)
     hyper = {"lr": 1e-2, "betas": (0.8, 0.95), "weight_decay": 0.1, "eps": 1e-8}
-    opt = build_optimizer([*params, frozen], **hyper)
+    names = ("w0", "w1", "w2", "frozen")  # no bias or norm: all decayed, in param group 0
+    opt = build_optimizer(torch.nn.ParameterDict(dict(zip(names, [*params, frozen], strict=True))), **hyper)
     ref = torch.optim.AdamW(reference, **hyper)
     assert opt.defaults["fused"] is True and ref.defaults["fused"] is None
     assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in params]

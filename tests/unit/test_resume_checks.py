@@ -105,7 +105,7 @@ def _trained(lr: float, steps: int):
     """Optimizer and schedule after ``steps`` steps, their states as a checkpoint holds them (JSON)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
-    opt = build_optimizer(model.parameters(), lr=lr, weight_decay=0.0)
+    opt = build_optimizer(model, lr=lr, weight_decay=0.0, decay_norms_and_biases=True)  # one group
     sched = build_lr_scheduler(opt, name="cosine", warmup_steps=2, total_steps=10, samples_per_step=8)
     for _ in range(steps):
         model(torch.randn(2, 4)).sum().backward()
@@ -116,7 +116,7 @@ def _trained(lr: float, steps: int):
 
 
 def _resumed(model, opt_state, sched_state, **hyper):
-    opt = build_optimizer(model.parameters(), **{"lr": 1e-3, "weight_decay": 0.0, **hyper})
+    opt = build_optimizer(model, **{"lr": 1e-3, "weight_decay": 0.0, "decay_norms_and_biases": True, **hyper})
     sched = build_lr_scheduler(opt, name="cosine", warmup_steps=2, total_steps=10, samples_per_step=8)
     built = configured(opt)
     state = {**opt_state, "state": {int(k): _tensors(v) for k, v in opt_state["state"].items()}}
@@ -130,9 +130,9 @@ def _tensors(state: dict) -> dict:
 
 
 def _cosine(step: int, *, warmup: int = 2, total: int = 10) -> float:
-    """The schedule by hand: linear warmup, then cosine to 0."""
+    """The schedule by hand: linear warmup from 0 (transformers'), then cosine to 0."""
     if step < warmup:
-        return (step + 1) / (warmup + 1)
+        return step / warmup
     return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
 
 

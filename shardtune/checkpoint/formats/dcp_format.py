@@ -19,6 +19,7 @@ import io
 import json
 import os
 import pickle
+import re
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -45,6 +46,7 @@ from shardtune.peft.lora import lora_config_of
 from shardtune.ranks import comm
 from shardtune.ranks.errors import format_problems
 from shardtune.state_dict.install import materialize_meta
+from shardtune.state_dict.optim import hyperparameters, regroup
 
 if TYPE_CHECKING:
     from shardtune.models.args import ModelArgs
@@ -53,6 +55,7 @@ _OPTIONS = StateDictOptions(ignore_frozen_params=True)
 # dcp.load already fails on any trainable key the checkpoint lacks; frozen params are loaded
 # from the base model, so setting the state must not ask for them.
 _LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+_GROUP_KEY = re.compile(r"optim\.param_groups\.(\d+)\.(\w+)$")
 # What find_class is asked for when torch 2.13 unpickles the .metadata of a model + AdamW state
 # dict (tests/unit/test_hostile_files.py lists it from a real save); each only builds plain data.
 _METADATA_CLASSES = {
@@ -165,17 +168,29 @@ def save_dcp(
     return None
 
 
-def load_dcp(model: nn.Module, opt: torch.optim.Optimizer | None, path: Path, *, device: torch.device | str) -> None:
+def load_dcp(
+    model: nn.Module, opt: torch.optim.Optimizer | None, path: Path, *, device: torch.device | str
+) -> list[str]:
     """Load a checkpoint written by :func:`save_dcp` (any world size). Collective.
 
     Params still on the meta device get storage first; frozen params must already be loaded.
+    Optimizer state whose param groups split the params otherwise (a one-group checkpoint)
+    loads by FQN into this optimizer's groups; returns that note on every rank (``[]`` if none),
+    as :func:`~shardtune.state_dict.optim.regroup` words it.
     """
     problems = comm.Problems()
+    metadata = None
     with problems.guard("DCP checkpoint"):
-        read_dcp_metadata(path / DCP_METADATA_FILE)  # every rank reads it; refuse it on every rank alike
+        metadata = read_dcp_metadata(path / DCP_METADATA_FILE)  # every rank reads it; refuse it on every rank alike
     comm.raise_on_every_rank(problems, header=f"Cannot load {path}:", error=CheckpointError)
     materialize_meta(model, device)
     state = _state(model, opt)
+    ours = [list(g["params"]) for g in state["optim"]["param_groups"]] if opt is not None else []
+    if opt is not None and metadata is not None:
+        saved = _saved_group_keys(metadata)
+        if saved and [sorted(k for k in g if k != "params") for g in state["optim"]["param_groups"]] != saved:
+            # read the checkpoint's groups as they are (values filled in by the load), regrouped below
+            state["optim"]["param_groups"] = [dict.fromkeys([*keys, "params"]) for keys in saved]
     try:
         dcp.load(state, storage_reader=_RestrictedReader(path), planner=_WeightsOnlyPlanner(path))
     except CheckpointException as exc:  # DCP gathers every rank's failure and raises it on every rank
@@ -183,10 +198,23 @@ def load_dcp(model: nn.Module, opt: torch.optim.Optimizer | None, path: Path, *,
         raise CheckpointError(format_problems(f"Cannot load {path}:", lines)) from None
     if opt is None:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={}, options=_LOAD_OPTIONS)
-    else:
-        set_state_dict(
-            model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_LOAD_OPTIONS
-        )
+        return []
+    loaded = state["optim"]["param_groups"]
+    hypers, notes, mismatch = regroup([hyperparameters(g) for g in loaded], [list(g["params"]) for g in loaded], ours)
+    comm.raise_on_every_rank(mismatch, header=f"Cannot load {path}:", error=CheckpointError)  # alike on every rank
+    state["optim"]["param_groups"] = [{**h, "params": fqns} for h, fqns in zip(hypers, ours)]
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_LOAD_OPTIONS)
+    return notes
+
+
+def _saved_group_keys(metadata: Metadata) -> list[list[str]]:
+    """The hyperparameter names of each optimizer param group the checkpoint holds (from its
+    ``optim.param_groups.<i>.<name>`` keys)."""
+    found: dict[int, list[str]] = {}
+    for key in metadata.state_dict_metadata:
+        if (m := _GROUP_KEY.match(key)) and m.group(2) != "params":
+            found.setdefault(int(m.group(1)), []).append(m.group(2))
+    return [sorted(found.get(i, [])) for i in range(max(found) + 1)] if found else []
 
 
 def write_model_description(model: nn.Module, directory: Path, base_dir: Path | None) -> None:

@@ -145,13 +145,14 @@ def load_optimizer(
     *,
     device: torch.device | str,
     shared_filesystem: bool = True,
-) -> None:
+) -> list[str]:
     """Load optimizer state written by :func:`save_optimizer`, on any number of ranks.
 
     Collective: call on all ranks. With ``shared_filesystem`` every rank reads the files (only
     its own rows of the tensors, straight from the file); without it only rank 0 reads and
     sends each rank its rows. A missing or corrupt file raises :class:`CheckpointError`
-    naming it on every rank.
+    naming it on every rank. Returns, on every rank, the note of params loaded into another
+    param group than the files' (:func:`~shardtune.state_dict.optim.regroup`; ``[]`` if none).
     """
     reads = shared_filesystem or comm.rank() == 0
     tensors, meta, problems = None, None, []
@@ -174,7 +175,7 @@ def load_optimizer(
         full_sd = (
             _full_state(meta, tensors, opt) if reads and meta is not None and tensors is not None else {}
         )  # {} elsewhere: the core's rank-0 mode
-        load_from_full_optimizer_state_dict(model, opt, full_sd, device)
+        return load_from_full_optimizer_state_dict(model, opt, full_sd, device)
     finally:
         if tensors is not None:
             tensors.close()

@@ -38,25 +38,38 @@ def apply_configured(
 ) -> list[str]:
     """Put back this run's hyperparameters ``built`` (from :func:`configured`) where the loaded
     state differs; returns one ``"<key>: <checkpoint's> (checkpoint) -> <this run's> (config)"``
-    line per change. The same on every rank (every rank runs the same config)."""
+    line per change (``<key> (param group <i>): ...`` when not every group changed alike). The
+    same on every rank (every rank runs the same config)."""
     if optimizer is None:
         return []
-    changes = []
+    changes: list[list[str]] = []  # per group: "<key>: <checkpoint's> -> <this run's>"
     groups = optimizer.param_groups
     for i, (group, want) in enumerate(zip(groups, built, strict=True)):
-        where = f" (param group {i})" if len(groups) > 1 else ""
+        changes.append([])
         for key, value in want.items():
             if key in ("lr", "initial_lr") or _same(group.get(key), value):
                 continue
-            changes.append(
-                f"{CONFIG_KEYS.get(key, f'optimizer {key}')}{where}: {_show(group.get(key))} -> {_show(value)}"
-            )
+            changes[i].append(f"{CONFIG_KEYS.get(key, f'optimizer {key}')}: {_show(group.get(key))} -> {_show(value)}")
             group[key] = value
         old, new = _base_lr(group, scheduler, i), float(want.get("initial_lr", want["lr"]))
         if old != new:
-            changes.append(f"optimizer.lr{where}: {old:g} -> {new:g}")
+            changes[i].append(f"optimizer.lr: {old:g} -> {new:g}")
             _set_base_lr(group, scheduler, i, old=old, new=new)
-    return [line.replace(" -> ", " (checkpoint) -> ", 1) + " (config)" for line in changes]
+    return [line.replace(" -> ", " (checkpoint) -> ", 1) + " (config)" for line in _per_group(changes)]
+
+
+def _per_group(changes: list[list[str]]) -> list[str]:
+    """One line for a change every group shares, else one per group naming it."""
+    lines = []
+    for i, group in enumerate(changes):
+        for line in group:
+            if all(line in other for other in changes):
+                if i == 0:
+                    lines.append(line)
+            else:
+                key, rest = line.split(": ", 1)
+                lines.append(f"{key} (param group {i}): {rest}")
+    return lines
 
 
 def _base_lr(group: dict[str, Any], scheduler: Any | None, index: int) -> float:
