@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,7 +55,11 @@ def _worker(rank: int, world: int, port: int | None, backend: str, inbox, outbox
     torch.set_num_threads(1)
     if port is None:
         _serve(inbox, outbox, rank)
-        return
+        # As a recipe's process ends (shardtune.distributed.end_process): without interpreter finalization,
+        # which can wait on (or abort in) the threads the runs left, such as gloo's.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     options = {}
     if backend == "nccl":  # one GPU per rank, communicator built eagerly
         torch.cuda.set_device(rank)
