@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tests.distributed.pool import RankPool
+from tests.recipe_pool import RecipePool
 
 # The marker every test of a slow folder gets (see tests/README.md); tests/gpu marks itself.
 _FOLDER_MARKERS = {
@@ -49,5 +50,13 @@ def pool2():
 @pytest.fixture(scope="session")
 def pool4():
     pool = RankPool(4)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def recipe_pool():
+    """Whole recipes in-process on persistent ranks, for runs whose outputs a test compares (tests/recipe_pool.py)."""
+    pool = RecipePool()
     yield pool
     pool.close()

@@ -3,6 +3,8 @@
 Spawning and importing torch costs seconds per process; a pool pays it once per world size.
 ``pool.run(fn, *args)`` runs ``fn(*args)`` on every rank and returns each rank's outcome.
 A run that exceeds its timeout kills the pool (the next test gets a fresh one) and fails.
+With ``init_group=False`` the processes start no process group: each task makes its own
+(``tests/recipe_pool.py``), and reads its place with :func:`worker_rank`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,12 +36,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, backend: str, inbox, outbox) -> None:
+_PLACE: tuple[int, int] | None = None  # (rank, world) of this worker process
+
+
+def worker_rank() -> tuple[int, int]:
+    """(rank, world size) of the pool process this runs in."""
+    assert _PLACE is not None, "not in a RankPool worker"
+    return _PLACE
+
+
+def _worker(rank: int, world: int, port: int | None, backend: str, inbox, outbox) -> None:
+    global _PLACE
+    _PLACE = (rank, world)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if port is None:
+        _serve(inbox, outbox, rank)
+        # As a recipe's process ends (shardtune.distributed.end_process): without interpreter finalization,
+        # which can wait on (or abort in) the threads the runs left, such as gloo's.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     options = {}
     if backend == "nccl":  # one GPU per rank, communicator built eagerly
         torch.cuda.set_device(rank)
@@ -51,6 +72,11 @@ def _worker(rank: int, world: int, port: int, backend: str, inbox, outbox) -> No
         timeout=timedelta(seconds=60),
         **options,
     )
+    _serve(inbox, outbox, rank)
+    dist.destroy_process_group()
+
+
+def _serve(inbox, outbox, rank: int) -> None:
     while True:
         task = inbox.get()
         if task is None:
@@ -60,18 +86,18 @@ def _worker(rank: int, world: int, port: int, backend: str, inbox, outbox) -> No
             outbox.put(Outcome(rank, True, fn(*args)))
         except BaseException as exc:  # noqa: BLE001 - reported to the test
             outbox.put(Outcome(rank, False, None, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-    dist.destroy_process_group()
 
 
 class RankPool:
-    def __init__(self, world: int, *, backend: str = "gloo") -> None:
+    def __init__(self, world: int, *, backend: str = "gloo", init_group: bool = True) -> None:
         self.world = world
         self.backend = backend
+        self.init_group = init_group
         self._start()
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        port = free_port()
+        port = free_port() if self.init_group else None
         self.inboxes = [ctx.Queue() for _ in range(self.world)]
         self.outbox = ctx.Queue()
         self.procs = [
@@ -94,9 +120,10 @@ class RankPool:
                 outcomes[out.rank] = out
         except queue.Empty:
             self.restart()
+            failed = "".join(f"\nrank {o.rank} raised:\n{o.trace}" for o in outcomes.values() if not o.ok)
             raise TimeoutError(
                 f"{fn.__name__} did not finish on ranks {sorted(set(range(self.world)) - set(outcomes))} "
-                f"within {timeout}s (hang); finished: {sorted(outcomes)}"
+                f"within {timeout}s (hang); finished: {sorted(outcomes)}{failed}"
             ) from None
         return [outcomes[r] for r in range(self.world)]
 

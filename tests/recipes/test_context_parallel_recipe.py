@@ -5,7 +5,8 @@ one rank training on the same global batch without the split (2e-6 relative), as
 bitwise, and at cp 1 (and one written at cp 1 at cp 2) within the 2e-6 that separates the two degrees in
 every step; ``shardtune generate`` on the cp-trained checkpoint completes as transformers' greedy
 ``generate`` does. dp 2 x cp 2 on 4 ranks logs dp 4's steps; the tiny MoE model at cp 2 logs one rank's
-loss and aux loss. The recipes that do not split rows refuse the key by name."""
+loss and aux loss. The recipes that do not split rows refuse the key by name. The runs a test compares
+run in-process (``recipe_pool``); every resume is a ``shardtune run`` job of its own."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ pytestmark = pytest.mark.timeout(600)
 ACROSS_CP = 2e-6
 
 
-def _rows(out, base, nproc: int, cp: int, *extra: str) -> list[dict]:
-    run_recipe(
+def _rows(out, base, nproc: int, cp: int, *extra: str, pool=None) -> list[dict]:
+    """The run's metrics rows; in-process on ``pool`` when given, else through ``shardtune run``."""
+    (run_recipe if pool is None else pool.run)(
         "full_finetune_distributed",
         "tiny/full",
         f"output_dir={out}",
@@ -63,14 +65,14 @@ def _close(a: dict, b: dict, tol: float = ACROSS_CP, keys: tuple[str, ...] = ("l
         assert abs(a[key] - b[key]) <= tol * abs(b[key]), (a["step"], key, a[key], b[key])
 
 
-def test_cp2_logs_the_losses_and_norms_of_one_rank_and_resumes_at_either(tiny_dirs, tmp_path):
+def test_cp2_logs_the_losses_and_norms_of_one_rank_and_resumes_at_either(tiny_dirs, tmp_path, recipe_pool):
     """Same global batch at both degrees (cp 2 on 2 ranks reads what 1 rank reads). Across degrees a step is
     not bitwise: the loss and token sums add two ranks' partials, attention runs per segment of each rank's
     chunks (other softmax blocks), FSDP2 reduce-scatters over 2 ranks, so the floats round differently; the
     resumed step is then as close to the uninterrupted one as any step of the two degrees are (2e-6)."""
     base = tiny_dirs["base"]
-    one = _rows(tmp_path / "one", base, 1, 1)
-    split = _rows(tmp_path / "cp2", base, 2, 2)
+    one = _rows(tmp_path / "one", base, 1, 1, pool=recipe_pool)
+    split = _rows(tmp_path / "cp2", base, 2, 2, pool=recipe_pool)
     assert [r["step"] for r in split] == [r["step"] for r in one] == [1, 2, 3]
     for a, b in zip(split, one, strict=True):
         _close(a, b)
@@ -112,7 +114,7 @@ def _generates_as_transformers(directory) -> None:
     assert proc.stdout == g.tokenizer.decode(want) + "\n"
 
 
-def test_dp2_cp2_logs_the_steps_of_dp4(tiny_dirs, tmp_path):
+def test_dp2_cp2_logs_the_steps_of_dp4(tiny_dirs, tmp_path, recipe_pool):
     """The same global batch of 4 packed rows a step: one row on each of 4 ranks, or two rows on each of 2
     cp groups, split over its 2 ranks. Loss and gradient norm of steps 1-2 agree to the 2e-6 of rounding.
     The cp-trained checkpoint generates as transformers does (a peak lr of 1e-4: at the demo's 1e-3 the tiny
@@ -120,8 +122,8 @@ def test_dp2_cp2_logs_the_steps_of_dp4(tiny_dirs, tmp_path):
 
     def rows(out, cp: int) -> list[dict]:
         overrides = [f"output_dir={out}", f"checkpoint_dir={tiny_dirs['base']}", "epochs=1", "max_steps_per_epoch=2"]
-        run_recipe("full_finetune_distributed", "tiny/full", *overrides, "packed=true", "log_every_n_steps=1",
-                   "optimizer.lr=1e-4", f"batch_size={cp}", f"context_parallel={cp}", nproc=4)  # fmt: skip
+        recipe_pool.run("full_finetune_distributed", "tiny/full", *overrides, "packed=true", "log_every_n_steps=1",
+                        "optimizer.lr=1e-4", f"batch_size={cp}", f"context_parallel={cp}", nproc=4)  # fmt: skip
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
     dp4, split = rows(tmp_path / "dp4", 1), rows(tmp_path / "dp2cp2", 2)
@@ -132,14 +134,14 @@ def test_dp2_cp2_logs_the_steps_of_dp4(tiny_dirs, tmp_path):
     _generates_as_transformers(tmp_path / "dp2cp2" / "epoch_1")
 
 
-def test_moe_at_cp2_logs_the_loss_and_aux_loss_of_one_rank(tmp_path):
+def test_moe_at_cp2_logs_the_loss_and_aux_loss_of_one_rank(tmp_path, recipe_pool):
     """``tiny/moe_full`` (Qwen3-MoE, 8 experts, top-2) on packed rows: at cp 2 every step's loss (the aux
     loss in it), aux loss, expert counts and gradient norm equal one rank's on the same rows."""
 
     def rows(out, nproc: int) -> list[dict]:
         overrides = [f"output_dir={out}", f"checkpoint_dir={tmp_path / 'base'}", "epochs=1", "max_steps_per_epoch=2"]
-        run_recipe("full_finetune_distributed", "tiny/moe_full", *overrides, "packed=true", "batch_size=2",
-                   "log_every_n_steps=1", f"context_parallel={nproc}", nproc=nproc)  # fmt: skip
+        recipe_pool.run("full_finetune_distributed", "tiny/moe_full", *overrides, "packed=true", "batch_size=2",
+                        "log_every_n_steps=1", f"context_parallel={nproc}", nproc=nproc)  # fmt: skip
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
     one, split = rows(tmp_path / "one", 1), rows(tmp_path / "cp2", 2)
@@ -152,22 +154,22 @@ def test_moe_at_cp2_logs_the_loss_and_aux_loss_of_one_rank(tmp_path):
         ]
 
 
-def _dpo_rows(out, base, cp: int) -> list[dict]:
+def _dpo_rows(pool, out, base, cp: int) -> list[dict]:
     """Two pairs a step on 2 ranks: one each at cp 1, both on both at cp 2."""
     overrides = [f"output_dir={out}", f"checkpoint_dir={base}", "epochs=1", "max_steps_per_epoch=3"]
-    run_recipe("lora_dpo_distributed", "tiny/lora_dpo", *overrides, "log_every_n_steps=1", f"batch_size={cp}",
-               f"context_parallel={cp}", nproc=2)  # fmt: skip
+    pool.run("lora_dpo_distributed", "tiny/lora_dpo", *overrides, "log_every_n_steps=1", f"batch_size={cp}",
+             f"context_parallel={cp}", nproc=2)  # fmt: skip
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_lora_dpo_at_cp2_logs_the_loss_and_rewards_of_one_rank(tiny_dirs, tmp_path):
+def test_lora_dpo_at_cp2_logs_the_loss_and_rewards_of_one_rank(tiny_dirs, tmp_path, recipe_pool):
     """Both sequences of every pair split over 2 ranks: the loss and gradient norm (1e-5 relative) and every
     ``reward_*`` (the means over the pairs) equal 2 ranks' on the same pairs without the split. A reward is
     beta times a difference of two sums of log-probs (hundreds each), so its rounding is absolute: 2e-6
     (measured 3e-7). At step 1 the policy is the reference (LoRA's B is 0): every margin is 0 up to rounding,
     so which side of 0 it falls, ``reward_accuracy``, is compared from step 2."""
-    one = _dpo_rows(tmp_path / "one", tiny_dirs["base"], 1)
-    split = _dpo_rows(tmp_path / "cp2", tiny_dirs["base"], 2)
+    one = _dpo_rows(recipe_pool, tmp_path / "one", tiny_dirs["base"], 1)
+    split = _dpo_rows(recipe_pool, tmp_path / "cp2", tiny_dirs["base"], 2)
     assert [r["step"] for r in split] == [r["step"] for r in one] == [1, 2, 3]
     for a, b in zip(split, one, strict=True):
         _close(a, b, 1e-5)
@@ -177,14 +179,14 @@ def test_lora_dpo_at_cp2_logs_the_loss_and_rewards_of_one_rank(tiny_dirs, tmp_pa
     assert any(r["reward_margin"] > 1e-3 for r in one) and any(r["reward_margin"] < -1e-3 for r in one)
 
 
-def test_knowledge_distillation_at_cp2_logs_the_losses_and_norms_of_two_ranks(tiny_dirs, tmp_path):
+def test_knowledge_distillation_at_cp2_logs_the_losses_and_norms_of_two_ranks(tiny_dirs, tmp_path, recipe_pool):
     """Student and teacher on the rank's part of every packed row: loss and gradient norm equal 2 ranks' on the
     same rows without the split (the adapters start alike only at one world size, so both run on 2 ranks)."""
 
     def rows(out, cp: int) -> list[dict]:
         overrides = [f"output_dir={out}", f"checkpoint_dir={tiny_dirs['base']}", "epochs=1", "max_steps_per_epoch=2"]
-        run_recipe("knowledge_distillation_distributed", "tiny/kd", *overrides, f"teacher_checkpoint_dir={tiny_dirs['teacher']}",
-                   "packed=true", "log_every_n_steps=1", f"batch_size={cp}", f"context_parallel={cp}", nproc=2)  # fmt: skip
+        recipe_pool.run("knowledge_distillation_distributed", "tiny/kd", *overrides, f"teacher_checkpoint_dir={tiny_dirs['teacher']}",
+                        "packed=true", "log_every_n_steps=1", f"batch_size={cp}", f"context_parallel={cp}", nproc=2)  # fmt: skip
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
     one, split = rows(tmp_path / "one", 1), rows(tmp_path / "cp2", 2)

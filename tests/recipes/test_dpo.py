@@ -1,6 +1,7 @@
 """LoRA and full DPO end to end on 2 CPU ranks: first-step losses against an independent
 computation from transformers log-probs on the same global batch (every loss variant), a
-margin that training raises, exact resume, and outputs that transformers/peft load."""
+margin that training raises, exact resume, and outputs that transformers/peft load. The runs a test
+compares run in-process (``recipe_pool``); every resume is a ``shardtune run`` job of its own."""
 
 from __future__ import annotations
 
@@ -79,11 +80,11 @@ def _hand_loss(kind: str, beta: float, pc, pr, rc, rr, nc, nr, gamma: float = 0.
         ("full", "sigmoid", ("reference_checkpoint_dir={teacher}",)),  # a reference unlike the policy
     ],
 )
-def test_first_step_loss_equals_an_independent_computation(tiny_dirs, tmp_path, case, kind, extra):
+def test_first_step_loss_equals_an_independent_computation(tiny_dirs, tmp_path, recipe_pool, case, kind, extra):
     recipe, config = CASES[case]
     extra = [e.format(teacher=tiny_dirs["teacher"]) for e in extra]
     out = tmp_path / "run"
-    run_recipe(recipe, config, *_overrides(tiny_dirs, out, f"dpo.loss={kind}", *extra, steps=1))
+    recipe_pool.run(recipe, config, *_overrides(tiny_dirs, out, f"dpo.loss={kind}", *extra, steps=1))
     beta = 2.0 if kind == "simpo" else 0.1
     policy = transformers.AutoModelForCausalLM.from_pretrained(tiny_dirs["base"], dtype=torch.float32).eval()
     ref_dir = tiny_dirs["teacher"] if any("reference_checkpoint_dir" in e for e in extra) else tiny_dirs["base"]
@@ -101,10 +102,10 @@ def test_first_step_loss_equals_an_independent_computation(tiny_dirs, tmp_path, 
     assert losses(out)[1] == pytest.approx(want, rel=1e-5)
 
 
-def test_lora_dpo_raises_the_margin_resumes_exactly_and_loads_in_peft(tiny_dirs, tmp_path):
+def test_lora_dpo_raises_the_margin_resumes_exactly_and_loads_in_peft(tiny_dirs, tmp_path, recipe_pool):
     recipe, config = CASES["lora"]
     out = tmp_path / "run"
-    run_recipe(recipe, config, *_overrides(tiny_dirs, out, "optimizer.lr=0.003", epochs=2, steps=4))
+    recipe_pool.run(recipe, config, *_overrides(tiny_dirs, out, "optimizer.lr=0.003", epochs=2, steps=4))
     resumed = resume_copy(out, "epoch_1", tmp_path / "resumed")
     run_recipe(
         recipe,
@@ -129,10 +130,10 @@ def test_lora_dpo_raises_the_margin_resumes_exactly_and_loads_in_peft(tiny_dirs,
         assert torch.allclose(merged(x).logits, trained(input_ids=x).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_full_dpo_resumes_exactly_with_the_same_reference(tiny_dirs, tmp_path):
+def test_full_dpo_resumes_exactly_with_the_same_reference(tiny_dirs, tmp_path, recipe_pool):
     recipe, config = CASES["full"]
     out = tmp_path / "run"
-    run_recipe(recipe, config, *_overrides(tiny_dirs, out, epochs=2, steps=2))
+    recipe_pool.run(recipe, config, *_overrides(tiny_dirs, out, epochs=2, steps=2))
     resumed = resume_copy(out, "epoch_1", tmp_path / "resumed")
     run_recipe(recipe, config, *_overrides(tiny_dirs, resumed, epochs=2, steps=2), "resume_from_checkpoint=true")
     full, again = losses(out), losses(resumed)

@@ -9,14 +9,14 @@ import torch
 import transformers
 
 from shardtune.data import save_byte_tokenizer
-from tests.recipes.conftest import losses, run_recipe
+from tests.recipes.conftest import losses
 from tests.unit.test_models_families import hf_config, randomize_
 
 pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.mark.parametrize("name", ["phi3", "gemma2"])
-def test_lora_recipe_on_a_save_pretrained_dir(tmp_path, name):
+def test_lora_recipe_on_a_save_pretrained_dir(tmp_path, recipe_pool, name):
     config = hf_config(name)
     config.vocab_size, config.pad_token_id, config.bos_token_id, config.eos_token_id = 256, 0, 1, 2
     torch.manual_seed(0)
@@ -24,7 +24,7 @@ def test_lora_recipe_on_a_save_pretrained_dir(tmp_path, name):
     base.save_pretrained(tmp_path / "base")
     save_byte_tokenizer(tmp_path / "base")
     out = tmp_path / "run"
-    run_recipe(
+    recipe_pool.run(
         "lora_finetune_distributed",
         "tiny/lora",
         f"checkpoint_dir={tmp_path / 'base'}",

@@ -7,7 +7,8 @@ The reward is shaped (the share of digits in the completion, plus half the ``<an
 reward): a random tiny model never writes a right sum, so ``digit_sum`` alone stays 0. Measured
 with these settings (each completion seeded by its prompt) before the threshold was set: the mean
 reward of steps 1-5 is 0.052, of steps 11-15 0.160, rising almost every step (a rise of 0.109; the
-test asks for 0.06)."""
+test asks for 0.06). The runs a test compares run in-process (``recipe_pool``); every resume is a
+``shardtune run`` job of its own."""
 
 from __future__ import annotations
 
@@ -56,11 +57,11 @@ def _overrides(dirs, out: Path, *extra: str) -> list[str]:
     ]
 
 
-def test_grpo_raises_the_reward_logs_its_metrics_and_resumes_bitwise(tiny_dirs, tmp_path, monkeypatch):
+def test_grpo_raises_the_reward_logs_its_metrics_and_resumes_bitwise(tiny_dirs, tmp_path, monkeypatch, recipe_pool):
     (tmp_path / "rewards_for_test.py").write_text(REWARD_MODULE)
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     out = tmp_path / "run"
-    run_recipe("grpo_distributed", "tiny/grpo", *_overrides(tiny_dirs, out))
+    recipe_pool.run("grpo_distributed", "tiny/grpo", *_overrides(tiny_dirs, out), extra_path=tmp_path)
     rows = _rows(out)
     assert sorted(rows) == list(range(1, STEPS + 1))
     for row in rows.values():
@@ -93,7 +94,7 @@ def _weights(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def test_full_weight_grpo_with_two_iterations_a_frozen_reference_and_one_update_on_1_2_or_4_ranks(
-    tiny_dirs, tmp_path, monkeypatch
+    tiny_dirs, tmp_path, monkeypatch, recipe_pool
 ):
     """Every weight trains (no ``lora``) against a frozen reference (``beta`` > 0), two optimizer steps
     per generation batch (``num_iterations=2``, TRL's μ), two micro-batches per step: step 2 replays
@@ -110,8 +111,8 @@ def test_full_weight_grpo_with_two_iterations_a_frozen_reference_and_one_update_
         "optimizer.name=sgd", "optimizer.lr=0.5",
     ]  # fmt: skip
     out = tmp_path / "full"
-    run_recipe("grpo_distributed", "tiny/grpo", *_overrides(tiny_dirs, out), *common, "max_steps_per_epoch=4",
-               "batch_size=2")  # fmt: skip
+    recipe_pool.run("grpo_distributed", "tiny/grpo", *_overrides(tiny_dirs, out), *common, "max_steps_per_epoch=4",
+                    "batch_size=2", extra_path=tmp_path)  # fmt: skip
     rows = _rows(out)
     assert sorted(rows) == [1, 2, 3, 4]
     generation = ("reward", "reward_std", "rewards/digit_share/mean", "completion_length", "completion_length_max")
@@ -136,8 +137,8 @@ def test_full_weight_grpo_with_two_iterations_a_frozen_reference_and_one_update_
 
     for nproc, batch_size in ((1, 4), (4, 1)):  # the same 8 prompts a step as 2 ranks x 2 prompts x 2 micro-batches
         other = tmp_path / f"ranks_{nproc}"
-        run_recipe("grpo_distributed", "tiny/grpo", *_overrides(tiny_dirs, other), *common, "max_steps_per_epoch=2",
-                   f"batch_size={batch_size}", nproc=nproc)  # fmt: skip
+        recipe_pool.run("grpo_distributed", "tiny/grpo", *_overrides(tiny_dirs, other), *common,
+                        "max_steps_per_epoch=2", f"batch_size={batch_size}", nproc=nproc, extra_path=tmp_path)  # fmt: skip
         logged = _rows(other)
         for step in (1, 2):
             for key in ("completion_length", "completion_length_max"):
@@ -151,7 +152,7 @@ def test_full_weight_grpo_with_two_iterations_a_frozen_reference_and_one_update_
             torch.testing.assert_close(value, trained[name], rtol=1e-5, atol=1e-6, msg=f"{nproc} ranks: {name}")
 
 
-def test_mixture_of_experts_grpo_adds_and_logs_the_routers_aux_loss(tiny_dirs, tmp_path):
+def test_mixture_of_experts_grpo_adds_and_logs_the_routers_aux_loss(tiny_dirs, tmp_path, recipe_pool):
     """A tiny Qwen3-MoE policy (two micro-batches on each of 2 ranks) earns no format reward at step 1, so
     its advantages are 0 and the KL against the frozen reference is 0: the step's loss is then
     ``router_aux_loss_coef`` (the config's 0.001) times the mean ``aux_loss`` alone, as TRL adds it, and
@@ -160,8 +161,8 @@ def test_mixture_of_experts_grpo_adds_and_logs_the_routers_aux_loss(tiny_dirs, t
     overrides = _overrides(tiny_dirs, out, "lora=null", "max_steps_per_epoch=2", "batch_size=2",
                            "gradient_accumulation_steps=2", "save_every_n_steps=null")  # fmt: skip
     overrides[1] = f"checkpoint_dir={tmp_path / 'tiny_moe_base'}"
-    run_recipe("grpo_distributed", "tiny/grpo", *overrides, "model=tiny_moe",
-               "grpo.rewards=[shardtune.rl.toy_rewards:answer_format]", "grpo.reward_weights=null")  # fmt: skip
+    recipe_pool.run("grpo_distributed", "tiny/grpo", *overrides, "model=tiny_moe",
+                    "grpo.rewards=[shardtune.rl.toy_rewards:answer_format]", "grpo.reward_weights=null")  # fmt: skip
     rows = _rows(out)
     assert sorted(rows) == [1, 2]
     for row in rows.values():
@@ -181,9 +182,8 @@ def chat_shapes(prompts, completions, **columns):
 """
 
 
-def test_grpo_on_chat_prompts_with_the_math_rewards(tiny_dirs, tmp_path, monkeypatch):
+def test_grpo_on_chat_prompts_with_the_math_rewards(tiny_dirs, tmp_path, recipe_pool):
     (tmp_path / "chat_rewards_for_test.py").write_text(CHAT_REWARD_MODULE)
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     records = [
         {"messages": [{"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i)} for i in range(8)
     ]
@@ -197,7 +197,7 @@ def test_grpo_on_chat_prompts_with_the_math_rewards(tiny_dirs, tmp_path, monkeyp
         "shardtune.rl.math_rewards:math_format]",
         "grpo.reward_weights=[1.0,1.0,0.2]",
     ]  # fmt: skip
-    run_recipe("grpo_distributed", "tiny/grpo", *overrides)
+    recipe_pool.run("grpo_distributed", "tiny/grpo", *overrides, extra_path=tmp_path)
     rows = _rows(out)
     assert sorted(rows) == [1, 2]
     for row in rows.values():

@@ -8,17 +8,14 @@ measured: step 1's grad norms differ by 1e-7 relative, the rollouts' rewards not
 Full weights with ``beta`` > 0, so the frozen reference is built at the same expert-parallel degree
 too; two optimizer steps per generation batch (``num_iterations=2``), so the sampling policy's
 log-probs are a forward of their own and step 2 replays step 1's rollouts with a ratio that is no
-longer 1; SGD, so step 2 shows step 1's update as it is."""
+longer 1; SGD, so step 2 shows step 1's update as it is. Both runs run in-process (``recipe_pool``)."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-
-from tests.recipes.conftest import run_recipe
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -29,8 +26,8 @@ def digit_share(prompts, completions, **columns):
 """
 
 
-def _rows(base: Path, out: Path, degree: int) -> dict[int, dict]:
-    run_recipe(
+def _rows(pool, base: Path, out: Path, degree: int) -> dict[int, dict]:
+    pool.run(
         "grpo_distributed", "tiny/grpo",
         f"output_dir={out}", f"checkpoint_dir={base}", "model=tiny_moe", "lora=null",
         "max_steps_per_epoch=2", "batch_size=1", "gradient_accumulation_steps=2", "save_every_n_steps=null",
@@ -38,16 +35,15 @@ def _rows(base: Path, out: Path, degree: int) -> dict[int, dict]:
         "grpo.num_iterations=2",
         "grpo.rewards=[rewards_for_test:digit_share,shardtune.rl.toy_rewards:answer_format]",
         "grpo.reward_weights=[1.0,0.5]", f"expert_parallel={degree}",
-        nproc=4, timeout=400,
+        nproc=4, timeout=400, extra_path=out.parent,  # where rewards_for_test.py is
     )  # fmt: skip
     return {row["step"]: row for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_grpo_at_expert_parallel_2_logs_the_step_of_expert_parallel_1(tmp_path, monkeypatch):
+def test_grpo_at_expert_parallel_2_logs_the_step_of_expert_parallel_1(tmp_path, recipe_pool):
     (tmp_path / "rewards_for_test.py").write_text(REWARD_MODULE)
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     base = tmp_path / "tiny_moe_base"
-    one, two = (_rows(base, tmp_path / f"ep{degree}", degree) for degree in (1, 2))
+    one, two = (_rows(recipe_pool, base, tmp_path / f"ep{degree}", degree) for degree in (1, 2))
     assert sorted(one) == sorted(two) == [1, 2]
     assert one[1]["reward_std"] > 0, one[1]  # the advantages are not all 0: the policy loss has a gradient
     assert one[1]["grad_norm"] > 0, one[1]

@@ -13,19 +13,18 @@ import torch
 import transformers
 
 from shardtune.data.preference import collate_pairs
-from tests.recipes.conftest import run_recipe
 from tests.recipes.test_dpo import BATCH, _pairs
 from tests.recipes.test_moe_recipe import COEF, _moe_base
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_moe_lora_dpo_first_step_adds_the_policy_aux_loss_as_trl(tiny_dirs, tmp_path):
+def test_moe_lora_dpo_first_step_adds_the_policy_aux_loss_as_trl(tiny_dirs, tmp_path, recipe_pool):
     base = _moe_base(tiny_dirs["base"], tmp_path / "moe_base")
     out = tmp_path / "run"
     overrides = [f"output_dir={out}", f"checkpoint_dir={base}", "model=null", "epochs=1", "max_steps_per_epoch=1"]
     targets = "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"
-    run_recipe(
+    recipe_pool.run(
         "lora_dpo_distributed", "tiny/lora_dpo", *overrides, f"batch_size={BATCH}", "log_every_n_steps=1", targets
     )
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])

@@ -2,7 +2,7 @@
 on 2 CPU ranks (8 experts: sharded on the expert dim): the first step's loss equals transformers' (fresh
 adapters leave the base unchanged), and the saved adapter, in PEFT's format for target parameters, loads in
 ``peft.PeftModel.from_pretrained`` with the logits of the saved merged model, which the expert adapters
-changed."""
+changed. The run runs in-process (``recipe_pool``)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ from tests.recipes.test_moe_recipe import _first_step_checked
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_moe_expert_lora_recipe_first_step_and_adapter_loads_in_peft(tiny_dirs, tmp_path):
+def test_moe_expert_lora_recipe_first_step_and_adapter_loads_in_peft(tiny_dirs, tmp_path, recipe_pool):
     import peft
     import transformers
 
     targets = "lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj,mlp.gate.weight]"
     modules = "lora.target_modules=[q_proj,v_proj]"
-    base, final = _first_step_checked("lora_finetune_distributed", "tiny/lora", tiny_dirs, tmp_path, modules, targets)
+    recipe = ("lora_finetune_distributed", "tiny/lora")
+    base, final = _first_step_checked(recipe_pool, *recipe, tiny_dirs, tmp_path, modules, targets)
     config = json.loads((final / "adapter" / "adapter_config.json").read_text())
     assert sorted(config["target_parameters"]) == sorted(targets.split("=")[1].strip("[]").split(","))
     load = {"experts_implementation": "eager"}

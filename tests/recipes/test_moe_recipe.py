@@ -3,7 +3,8 @@
 transformers' ``out.loss`` (cross-entropy plus ``router_aux_loss_coef`` times the load-balancing loss
 of the real tokens) on the same global batch, ``aux_loss`` is logged, the saved model loads in
 transformers with the trained weights, the LoRA adapter (attention) in peft with the merged model's
-logits. A per-expert base (transformers' default save) trains and is saved per expert."""
+logits. A per-expert base (transformers' default save) trains and is saved per expert. The runs run
+in-process (``recipe_pool``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from tests.recipes.conftest import run_recipe
 from tests.recipes.test_recipes import _first_global_batch
 
 pytestmark = pytest.mark.timeout(600)
@@ -75,23 +75,25 @@ def _reference_first_step(base: Path, config: str) -> tuple[float, float]:
     return loss_sum / tokens, aux_sum / tokens
 
 
-def _first_step_checked(recipe: str, config: str, tiny_dirs, tmp_path: Path, *extra: str) -> tuple[Path, Path]:
-    """Run ``recipe`` 2 steps on a fresh MoE base; check step 1's loss and aux_loss; returns (base, epoch_1)."""
+def _first_step_checked(pool, recipe: str, config: str, tiny_dirs, tmp_path: Path, *extra: str) -> tuple[Path, Path]:
+    """Run ``recipe`` 2 steps on ``pool`` on a fresh MoE base; check step 1's loss and aux_loss; returns
+    (base, epoch_1)."""
     base = _moe_base(tiny_dirs["base"], tmp_path / "moe_base")
     out = tmp_path / "run"
     overrides = [f"output_dir={out}", f"checkpoint_dir={base}", "model=null", "epochs=1", "max_steps_per_epoch=2"]
-    run_recipe(recipe, config, *overrides, "batch_size=4", "log_every_n_steps=1", *extra)
+    pool.run(recipe, config, *overrides, "batch_size=4", "log_every_n_steps=1", *extra)
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     loss, aux = _reference_first_step(base, config)  # LoRA: fresh adapters, the base's loss
     assert abs(first["loss"] - loss) < 1e-4 * loss and abs(first["aux_loss"] - aux) < 1e-4 * aux, (first, loss)
     return base, out / "epoch_1"
 
 
-def test_moe_full_finetune_first_step_equals_transformers_and_saves_fused(tiny_dirs, tmp_path):
+def test_moe_full_finetune_first_step_equals_transformers_and_saves_fused(tiny_dirs, tmp_path, recipe_pool):
     import transformers
 
     checkpointing = "enable_activation_checkpointing=true"
-    _, final = _first_step_checked("full_finetune_distributed", "tiny/full", tiny_dirs, tmp_path, checkpointing)
+    recipe = ("full_finetune_distributed", "tiny/full")
+    _, final = _first_step_checked(recipe_pool, *recipe, tiny_dirs, tmp_path, checkpointing)
     saved = load_file(final / "model.safetensors")
     assert saved["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 48, 64)
     trained, info = transformers.AutoModelForCausalLM.from_pretrained(
@@ -102,12 +104,14 @@ def test_moe_full_finetune_first_step_equals_transformers_and_saves_fused(tiny_d
         assert torch.equal(p, saved[name]), name
 
 
-def test_moe_lora_first_step_equals_transformers_and_adapter_loads_in_peft(tiny_dirs, tmp_path):
+def test_moe_lora_first_step_equals_transformers_and_adapter_loads_in_peft(tiny_dirs, tmp_path, recipe_pool):
     import peft
     import transformers
 
     targets = "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"
-    base, final = _first_step_checked("lora_finetune_distributed", "tiny/lora", tiny_dirs, tmp_path, targets)
+    base, final = _first_step_checked(
+        recipe_pool, "lora_finetune_distributed", "tiny/lora", tiny_dirs, tmp_path, targets
+    )
     tokens = torch.arange(3, 40).reshape(1, -1)
     load = {"experts_implementation": "eager"}
     merged = transformers.AutoModelForCausalLM.from_pretrained(final, **load).eval()
@@ -120,7 +124,7 @@ def test_moe_lora_first_step_equals_transformers_and_adapter_loads_in_peft(tiny_
     assert (got - plain).abs().max() > 1e-3  # the adapters changed the model
 
 
-def test_per_expert_base_trains_and_saves_per_expert_covered_by_checksums(tiny_dirs, tmp_path):
+def test_per_expert_base_trains_and_saves_per_expert_covered_by_checksums(tiny_dirs, tmp_path, recipe_pool):
     """transformers' default (per-expert) save as the base: the run writes that layout back, exactly as
     transformers' ``save_pretrained`` of the trained weights; ``shardtune verify`` finds a flipped expert byte."""
     import transformers
@@ -131,7 +135,7 @@ def test_per_expert_base_trains_and_saves_per_expert_covered_by_checksums(tiny_d
     base = _moe_base(tiny_dirs["base"], tmp_path / "per_expert", fused=False)
     out = tmp_path / "run"
     overrides = [f"output_dir={out}", f"checkpoint_dir={base}", "model=null", "epochs=1", "max_steps_per_epoch=1"]
-    run_recipe("full_finetune_distributed", "tiny/full", *overrides, "batch_size=4")
+    recipe_pool.run("full_finetune_distributed", "tiny/full", *overrides, "batch_size=4")
     final = out / "epoch_1"
     trained = transformers.AutoModelForCausalLM.from_pretrained(final, dtype="auto", experts_implementation="eager")
     trained.save_pretrained(tmp_path / "resaved")  # transformers' per-expert layout of the same weights

@@ -1,6 +1,7 @@
 """The parallelism and precision config keys, end to end on CPU ranks: HSDP
 (``data_parallel_replicate``) with ``reshard_after_forward=false``, ``mixed_precision`` and the
-refusal of ``fsdp_cpu_offload`` without a GPU. (CPU offload itself runs in tests/gpu.)"""
+refusal of ``fsdp_cpu_offload`` without a GPU. (CPU offload itself runs in tests/gpu.) The runs a test
+compares run in-process (``recipe_pool``); a resume, a refusal and the compiled run are ``shardtune run`` jobs."""
 
 from __future__ import annotations
 
@@ -36,16 +37,16 @@ def _overrides(dirs, out, *extra: str, batch: int = 4) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_dirs, tmp_path_factory):
+def plain(tiny_dirs, tmp_path_factory, recipe_pool):
     out = tmp_path_factory.mktemp("plain") / "run"
-    run_recipe(RECIPE, CONFIG, *_overrides(tiny_dirs, out))
+    recipe_pool.run(RECIPE, CONFIG, *_overrides(tiny_dirs, out))
     return out
 
 
-def test_hsdp_without_reshard_on_four_ranks_trains_like_fsdp_on_two(plain, tiny_dirs, tmp_path):
+def test_hsdp_without_reshard_on_four_ranks_trains_like_fsdp_on_two(plain, tiny_dirs, tmp_path, recipe_pool):
     out = tmp_path / "hsdp"
     # same global batch: 4 ranks x 2 samples = 2 ranks x 4 samples
-    run_recipe(
+    recipe_pool.run(
         RECIPE,
         CONFIG,
         *_overrides(tiny_dirs, out, "data_parallel_replicate=2", "reshard_after_forward=false", batch=2),
@@ -56,11 +57,11 @@ def test_hsdp_without_reshard_on_four_ranks_trains_like_fsdp_on_two(plain, tiny_
     assert [got[s] for s in got] == pytest.approx([want[s] for s in got], rel=1e-5)
 
 
-def test_mixed_precision_computes_in_bf16_and_keeps_fp32_masters(plain, tiny_dirs, tmp_path):
+def test_mixed_precision_computes_in_bf16_and_keeps_fp32_masters(plain, tiny_dirs, tmp_path, recipe_pool):
     import transformers
 
     out = tmp_path / "mixed"
-    run_recipe(RECIPE, CONFIG, *_overrides(tiny_dirs, out, "dtype=bf16", "mixed_precision=true"))
+    recipe_pool.run(RECIPE, CONFIG, *_overrides(tiny_dirs, out, "dtype=bf16", "mixed_precision=true"))
     # first step against transformers computing in bf16 from the same weights
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dirs["base"], torch_dtype=torch.bfloat16).eval()
     total, tokens = 0.0, 0

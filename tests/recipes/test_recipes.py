@@ -1,6 +1,7 @@
 """Every recipe end to end on 2 CPU ranks: first-step loss against an independent single-process
 reference (transformers), exact resume at epoch and mid-epoch, resume on 4 ranks, and outputs
-that transformers/peft load."""
+that transformers/peft load. The runs a test compares run in-process (``recipe_pool``); every
+resume is a job of its own through ``shardtune run``, a fresh process that has only the checkpoint."""
 
 from __future__ import annotations
 
@@ -49,12 +50,12 @@ def _overrides(
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_dirs, tmp_path_factory) -> dict[str, Path]:
+def runs(tiny_dirs, tmp_path_factory, recipe_pool) -> dict[str, Path]:
     """One uninterrupted 2-epoch run per case (checkpoints at step 2, epoch 1, step 4, epoch 2)."""
     out = {}
     for case, (recipe, config) in CASES.items():
         out[case] = tmp_path_factory.mktemp(case) / "run"
-        run_recipe(recipe, config, *_overrides(tiny_dirs, case, out[case]))
+        recipe_pool.run(recipe, config, *_overrides(tiny_dirs, case, out[case]))
     return out
 
 
@@ -145,10 +146,10 @@ def _reference_first_loss(case: str, dirs, *, packed: bool = False) -> float:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_first_step_loss_equals_transformers_reference(runs, tiny_dirs, tmp_path, case):
+def test_first_step_loss_equals_transformers_reference(runs, tiny_dirs, tmp_path, recipe_pool, case):
     if case == "early_exit":  # a run without layer dropout, whose skips the reference cannot replay
         recipe, config = CASES[case]
-        run_recipe(
+        recipe_pool.run(
             recipe,
             config,
             *_overrides(tiny_dirs, case, tmp_path / "run", epochs=1, steps=1),
@@ -161,22 +162,24 @@ def test_first_step_loss_equals_transformers_reference(runs, tiny_dirs, tmp_path
     assert math.isclose(logged, expected, rel_tol=1e-5), (logged, expected)
 
 
-def test_qlora_on_one_rank_first_step_loss_equals_transformers_reference(tiny_dirs, tmp_path):
+def test_qlora_on_one_rank_first_step_loss_equals_transformers_reference(tiny_dirs, tmp_path, recipe_pool):
     """One rank (a single GPU): FSDP2 skips its all-gather there, so the NF4 base must still be whole."""
     recipe, config = CASES["qlora"]
-    run_recipe(
+    recipe_pool.run(
         recipe, config, *_overrides(tiny_dirs, "qlora", tmp_path / "run", batch=2 * BATCH, epochs=1, steps=1), nproc=1
     )
     assert math.isclose(losses(tmp_path / "run")[1], _reference_first_loss("qlora", tiny_dirs), rel_tol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["full", "kd", "early_exit"])
-def test_packed_first_step_loss_equals_transformers_on_each_sample_alone(tiny_dirs, tmp_path, case):
+def test_packed_first_step_loss_equals_transformers_on_each_sample_alone(tiny_dirs, tmp_path, recipe_pool, case):
     """packed=true: each packed sample's loss is what transformers gives that sample by itself
     (positions restart per sample, attention stays inside it)."""
     recipe, config = CASES[case]
     extra = ["layer_dropout.max_prob=0.0"] if case == "early_exit" else []
-    run_recipe(recipe, config, *_overrides(tiny_dirs, case, tmp_path / "run", epochs=1, steps=1), "packed=true", *extra)
+    recipe_pool.run(
+        recipe, config, *_overrides(tiny_dirs, case, tmp_path / "run", epochs=1, steps=1), "packed=true", *extra
+    )
     expected = _reference_first_loss(case, tiny_dirs, packed=True)
     assert math.isclose(losses(tmp_path / "run")[1], expected, rel_tol=1e-5), (losses(tmp_path / "run")[1], expected)
 
@@ -304,13 +307,13 @@ def test_cli_reports_bad_config_with_suggestions(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_async_dcp_intermediate_checkpoints_resume_exactly(runs, tiny_dirs, tmp_path):
+def test_async_dcp_intermediate_checkpoints_resume_exactly(runs, tiny_dirs, tmp_path, recipe_pool):
     """checkpoint_format=dcp + async_save: intermediate saves are DCP shards written in the
     background; resuming from one continues with the uninterrupted run's losses; the final
     checkpoint is HF format."""
     recipe, config = CASES["lora"]
     first = tmp_path / "first"
-    run_recipe(recipe, config, *_overrides(tiny_dirs, "lora", first), "checkpoint_format=dcp", "async_save=true")
+    recipe_pool.run(recipe, config, *_overrides(tiny_dirs, "lora", first), "checkpoint_format=dcp", "async_save=true")
     assert (first / "step_2" / "dcp").is_dir() and not (first / "step_2" / "adapter").exists()
     assert (first / "epoch_2" / "adapter" / "adapter_model.safetensors").is_file()
     assert losses(first) == losses(runs["lora"])  # the format does not change training
@@ -327,12 +330,12 @@ def test_async_dcp_intermediate_checkpoints_resume_exactly(runs, tiny_dirs, tmp_
     assert sorted(again) == [3, 4, 5, 6] and all(again[s] == losses(first)[s] for s in again)
 
 
-def test_node_local_checkpoints_train_and_resume_like_shared_ones(runs, tiny_dirs, tmp_path):
+def test_node_local_checkpoints_train_and_resume_like_shared_ones(runs, tiny_dirs, tmp_path, recipe_pool):
     """shared_filesystem=false (rank 0 does all checkpoint file I/O): the same losses as the
     default run, and a mid-epoch resume continues them exactly."""
     recipe, config = CASES["full"]
     first = tmp_path / "first"
-    run_recipe(recipe, config, *_overrides(tiny_dirs, "full", first), "shared_filesystem=false")
+    recipe_pool.run(recipe, config, *_overrides(tiny_dirs, "full", first), "shared_filesystem=false")
     assert losses(first) == losses(runs["full"])
     assert (first / "step_2" / "training_state" / "rng" / "rank_1.safetensors").is_file()
     resumed = resume_copy(first, "step_2", tmp_path / "resumed")
@@ -348,14 +351,14 @@ def test_node_local_checkpoints_train_and_resume_like_shared_ones(runs, tiny_dir
     _assert_same_final_weights(first / "epoch_2", resumed / "epoch_2")
 
 
-def test_bf16_qlora_with_activation_checkpointing_trains_and_exports_bf16(tiny_dirs, tmp_path):
+def test_bf16_qlora_with_activation_checkpointing_trains_and_exports_bf16(tiny_dirs, tmp_path, recipe_pool):
     import json
 
     import transformers
 
     recipe, config = CASES["qlora"]
     out = tmp_path / "bf16"
-    run_recipe(
+    recipe_pool.run(
         recipe,
         config,
         *_overrides(tiny_dirs, "qlora", out, epochs=1, steps=3),

@@ -1,5 +1,6 @@
 """A resume on another world size with a new lr and a moved base: the new lr applies, the lr
-schedule continues without a jump and ends at 0, and the moved copy of the base is accepted."""
+schedule continues without a jump and ends at 0, and the moved copy of the base is accepted. The first run
+runs in-process (``recipe_pool``), the resume through ``shardtune run``, whose log the test reads."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _cosine(position: float, *, total: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (position - WARMUP) / (total - WARMUP))))
 
 
-def test_resume_on_one_rank_with_a_new_lr_and_a_moved_base(tiny_dirs, tmp_path):
+def test_resume_on_one_rank_with_a_new_lr_and_a_moved_base(tiny_dirs, tmp_path, recipe_pool):
     data = tmp_path / "data.jsonl"
     data.write_text(
         "".join(json.dumps({"instruction": f"say {i}", "output": f"{i} " * 3}) + "\n" for i in range(RECORDS))
@@ -43,7 +44,7 @@ def test_resume_on_one_rank_with_a_new_lr_and_a_moved_base(tiny_dirs, tmp_path):
         f"lr_scheduler.warmup_steps={WARMUP}",
     ]
     first = tmp_path / "first"
-    run_recipe(RECIPE, CONFIG, f"output_dir={first}", f"checkpoint_dir={tiny_dirs['base']}", *common)
+    recipe_pool.run(RECIPE, CONFIG, f"output_dir={first}", f"checkpoint_dir={tiny_dirs['base']}", *common)
     before = _rows(first)
     assert sorted(before) == list(range(1, 13))  # 6 steps per epoch on 2 ranks: the schedule has 12
 

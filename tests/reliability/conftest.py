@@ -8,6 +8,8 @@ import pytest
 
 from shardtune.checkpoint.formats.tiny_base import create_tiny_base
 from tests.reliability.launch import Proc, run_cli
+from shardtune.models.tiny import create_tiny_base
+from tests.recipe_pool import RecipePool
 
 RECIPES = {"lora": ("lora_finetune_distributed", "tiny/lora"), "full": ("full_finetune_distributed", "tiny/full")}
 STEPS = 8  # optimizer steps of every run below (one epoch, a checkpoint after every step)
@@ -36,23 +38,24 @@ def tiny_base(tmp_path_factory) -> Path:
 
 
 class References:
-    """Uninterrupted 2-rank runs with :func:`overrides`, made on first use and shared."""
+    """Uninterrupted 2-rank runs with :func:`overrides`, made on first use and shared. They run in-process
+    (``recipe_pool``): what a test checks is the faulty run, through the CLI, against their outputs."""
 
-    def __init__(self, base: Path, root: Path) -> None:
+    def __init__(self, base: Path, root: Path, pool: RecipePool) -> None:
         self.base = base
         self.root = root
+        self.pool = pool
         self.runs: dict[str, Path] = {}
 
     def output_dir(self, case: str) -> Path:
         if case not in self.runs:
             recipe, config = RECIPES[case]
             out = self.root / f"reference_{case}"
-            proc: Proc = run_cli(recipe, config, overrides(self.base, out))
-            assert proc.returncode == 0, proc.tail()
+            self.pool.run(recipe, config, *overrides(self.base, out))
             self.runs[case] = out
         return self.runs[case]
 
 
 @pytest.fixture(scope="session")
-def references(tiny_base, tmp_path_factory) -> References:
-    return References(tiny_base, tmp_path_factory.mktemp("reliability_references"))
+def references(tiny_base, tmp_path_factory, recipe_pool) -> References:
+    return References(tiny_base, tmp_path_factory.mktemp("reliability_references"), recipe_pool)
