@@ -55,7 +55,7 @@ def _worker(rank: int, world: int, port: int | None, backend: str, inbox, outbox
     torch.set_num_threads(1)
     if port is None:
         _serve(inbox, outbox, rank)
-        # As a recipe's process ends (shardtune.distributed.end_process): without interpreter finalization,
+        # As a recipe's process ends (shardtune.ranks.sharding.end_process): without interpreter finalization,
         # which can wait on (or abort in) the threads the runs left, such as gloo's.
         sys.stdout.flush()
         sys.stderr.flush()

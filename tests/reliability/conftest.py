@@ -7,8 +7,6 @@ from pathlib import Path
 import pytest
 
 from shardtune.checkpoint.formats.tiny_base import create_tiny_base
-from tests.reliability.launch import Proc, run_cli
-from shardtune.models.tiny import create_tiny_base
 from tests.recipe_pool import RecipePool
 
 RECIPES = {"lora": ("lora_finetune_distributed", "tiny/lora"), "full": ("full_finetune_distributed", "tiny/full")}
