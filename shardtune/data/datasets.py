@@ -51,6 +51,7 @@ __all__ = [
     "load_spec_records",
     "messages_problem",
     "model_chat_template",
+    "tokenize_joint",
     "tokenize_segments",
     "tokenize_whole",
     "truncate",
@@ -79,6 +80,42 @@ def tokenize_segments(
         tokens += ids
         labels += ids if segment.trained or train_on_input else [CROSS_ENTROPY_IGNORE_IDX] * len(ids)
     return truncate({"tokens": tokens, "labels": labels}, max_seq_len)
+
+
+def tokenize_joint(
+    segments: Sequence[Segment],
+    tokenizer: HFTokenizer,
+    *,
+    add_bos: bool,
+    train_on_input: bool,
+    max_seq_len: int | None,
+) -> Sample:
+    """TRL's ``SFTTrainer`` rule for prompt-completion data, truncated to ``max_seq_len`` (None: not cut).
+
+    The text of every segment is tokenized in one piece (the EOS segment, last, adds the EOS id),
+    so BPE merges may cross the prompt/completion boundary. The prompt is the text before the first
+    trained segment, tokenized alone too; the completion starts where the two token sequences first
+    differ (TRL's ``common_prefix_length``), so a token merged across the boundary is trained.
+    ``train_on_input``: every token but a leading BOS.
+    """
+    if any(segment.eos for segment in segments[:-1]):
+        raise ValueError("tokenize: joint needs the EOS, if any, at the end of the sample (an instruct template)")
+    bos = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
+    eos = [tokenizer.eos_id] if segments and segments[-1].eos else []
+    first_trained = next((i for i, s in enumerate(segments) if s.trained), len(segments))
+    prompt = bos + tokenizer.encode("".join(s.text for s in segments[:first_trained]), add_bos=False)
+    tokens = bos + tokenizer.encode("".join(s.text for s in segments if not s.eos), add_bos=False) + eos
+    start = len(bos) if train_on_input else _common_prefix_length(prompt, tokens)
+    labels = [CROSS_ENTROPY_IGNORE_IDX] * start + tokens[start:]
+    return truncate({"tokens": tokens, "labels": labels}, max_seq_len)
+
+
+def _common_prefix_length(ids: Sequence[int], other: Sequence[int]) -> int:
+    """Number of leading ids ``ids`` and ``other`` share."""
+    n = 0
+    while n < min(len(ids), len(other)) and ids[n] == other[n]:
+        n += 1
+    return n
 
 
 def tokenize_whole(
@@ -117,9 +154,10 @@ def truncate(sample: Sample, max_seq_len: int | None) -> Sample:
 
 class SFTDataset(Dataset):
     """Records rendered into segments by ``render`` and tokenized on access: each segment on its
-    own (``tokenize_segments``), or, with ``whole_text``, their joined text in one piece
-    (``tokenize_whole``; ``add_bos`` is then ignored, the text carries its own BOS). ``source`` names
-    the dataset in messages; ``untruncated`` gives a sample before the cut to ``max_seq_len``."""
+    own (``tokenize_segments``), with ``joint`` as TRL does (``tokenize_joint``), or, with
+    ``whole_text``, their joined text in one piece (``tokenize_whole``; ``add_bos`` is then ignored,
+    the text carries its own BOS). ``source`` names the dataset in messages; ``untruncated`` gives a
+    sample before the cut to ``max_seq_len``."""
 
     def __init__(
         self,
@@ -131,6 +169,7 @@ class SFTDataset(Dataset):
         add_bos: bool = True,
         train_on_input: bool = False,
         whole_text: bool = False,
+        joint: bool = False,
         source: str = "<dataset>",
     ) -> None:
         if max_seq_len <= 0:
@@ -142,6 +181,7 @@ class SFTDataset(Dataset):
         self.add_bos = add_bos
         self.train_on_input = train_on_input
         self.whole_text = whole_text
+        self.joint = joint
         self.source = source
 
     def __len__(self) -> int:
@@ -155,7 +195,8 @@ class SFTDataset(Dataset):
         segments = self.render(self.records[index])
         if self.whole_text:
             return tokenize_whole(segments, self.tokenizer, train_on_input=self.train_on_input, max_seq_len=None)
-        return tokenize_segments(
+        tokenize = tokenize_joint if self.joint else tokenize_segments
+        return tokenize(
             segments, self.tokenizer, add_bos=self.add_bos, train_on_input=self.train_on_input, max_seq_len=None
         )
 
@@ -368,5 +409,6 @@ def build_sft_dataset(spec: Mapping[str, Any], tokenizer: HFTokenizer, *, max_se
         add_bos=spec["add_bos"] is not False,
         train_on_input=spec["train_on_input"],
         whole_text=model_template is not None,
+        joint=spec["tokenize"] == "joint",
         source=source,
     )
