@@ -12,6 +12,11 @@ the response is trained. Samples longer than ``max_seq_len`` are cut at ``max_se
 leaves a sample with no trained label, which adds nothing to a token-mean loss; ``checks``
 counts such samples and refuses data that trains nothing).
 
+The prompt and the response are tokenized each on their own (``tokenize: segments``, the prompt's
+tokens are those the model is given at inference), or, with ``tokenize: joint`` (instruct data),
+as TRL's ``SFTTrainer`` tokenizes prompt-completion data: in one piece, the response starting where
+the joint and the prompt-alone ids first differ (``tokenize_joint``).
+
 Chat data rendered by the model's own Jinja chat template (``template: auto``, the default when
 the tokenizer has one; see ``jinja_templates``) is laid out by the template alone: the rendered
 text is tokenized in one piece (the ids equal ``transformers``' ``apply_chat_template``), the

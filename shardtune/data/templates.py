@@ -1,7 +1,8 @@
 """Prompt templates: records -> text segments marked "prompt" (masked) or "response" (trained).
 
 A template renders one record into ``Segment``s. Each segment is tokenized on its own and the
-token ids are concatenated, so the loss mask falls exactly on segment boundaries.
+token ids are concatenated, so the loss mask falls exactly on segment boundaries (``tokenize:
+joint`` tokenizes an instruct sample's text in one piece instead, as TRL does; see ``datasets``).
 
 Instruction templates (``format: instruct``) take the record's columns; the ``instruction``,
 ``input`` and ``output`` roles are looked up through the dataset's ``column_map``:
