@@ -82,7 +82,7 @@ def _trl_run(
     from trl import SFTConfig, SFTTrainer
 
     class Recorded(SFTTrainer):
-        micro: list[float] = []
+        micro: list[float]  # each micro-batch's loss: its label sum over the step's label count
 
         def training_step(self, *args, **kwargs):
             loss = super().training_step(*args, **kwargs)
