@@ -31,6 +31,8 @@ def _check_dataset(ds: dict[str, Any]) -> list[str]:
             problems.append(f"column_map.{key}: not a column of format {ds['format']!r}; map one of {list(roles)}")
         elif not isinstance(column, str):
             problems.append(f"column_map.{key}: expected the column name (str), got {column!r}")
+    if ds.get("tokenize", "segments") != "segments" and ds.get("format") != "preference":
+        problems.append("tokenize: whole applies to format: preference (string pairs); remove it")
     if ds.get("format") == "instruct" and isinstance(ds.get("template"), dict):
         problems.append("template: instruct datasets take a template name or format string, not a mapping")
     return problems
@@ -59,6 +61,14 @@ DATASET_SCHEMA = Schema(
         "add_bos": Field((bool, None), None, help="null: true, except with the model's chat template (it places BOS)"),
         "add_eos": Field((bool, None), None, help="null: true, except with the model's chat template (it places EOS)"),
         "max_samples": Field((int, None), None, gt=0),
+        "tokenize": Field(
+            str,
+            "segments",
+            choices=("segments", "whole"),
+            help="preference string pairs: segments tokenizes the prompt on its own (as at inference) then the "
+            "response; whole tokenizes prompt+response in one piece, the response starting where the prompt's own "
+            "tokens stop matching (TRL's DPOTrainer)",
+        ),
     },
     checks=(_check_dataset,),
 )

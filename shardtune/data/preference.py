@@ -5,7 +5,11 @@ the response is trained: every label inside the prompt is masked. A record's ``p
 ``chosen`` and ``rejected`` columns (renamed with ``column_map``) are either
 
 * strings: ``[BOS] prompt response [EOS]``, the prompt and the response tokenized separately
-  (as SFT's segments), or
+  (as SFT's segments: the prompt's tokens are those the model is given at inference), or, with
+  ``tokenize: whole``, ``prompt + response`` tokenized in one piece as TRL's ``DPOTrainer`` does: the
+  response starts at the first token where the prompt's own tokens and the whole text's differ (the
+  earlier of the two sequences of the pair), so a BPE merge across the boundary (``"A: " + "the"`` ->
+  ``"A:", " the"``) is kept and trained; or
 * chat ``messages`` lists: the conversation ``prompt + chosen`` (``prompt`` may also be a
   string, one user turn, or absent, when ``chosen`` and ``rejected`` hold whole conversations
   and their shared leading messages are the prompt) rendered by the dataset's chat template
@@ -65,6 +69,9 @@ class PreferenceDataset(Dataset):
         """Pair ``index`` before the cut to ``max_seq_len``."""
         record = self.records[index]
         prompt, chosen, rejected = (record.get(self.columns[k]) for k in ("prompt", "chosen", "rejected"))
+        if self.sft.spec["tokenize"] == "whole" and isinstance(chosen, str):  # checked: a string pair and prompt
+            assert isinstance(prompt, str) and isinstance(rejected, str)  # for the type checker
+            return self.sft.whole_text_pair(prompt, chosen, rejected)
         return {
             "chosen": self.sft.pair_sample(prompt, chosen, rejected, which="chosen", index=index),
             "rejected": self.sft.pair_sample(prompt, chosen, rejected, which="rejected", index=index),
@@ -113,6 +120,22 @@ class _PairTokenizer:
         labels = [CROSS_ENTROPY_IGNORE_IDX] * n + full["labels"][n:]
         return {"tokens": full["tokens"], "labels": labels}
 
+    def whole_text_pair(self, prompt: str, chosen: str, rejected: str) -> dict[str, Sample]:
+        """A string pair tokenized as TRL's ``DPOTrainer`` does (``tokenize: whole``), not cut to ``max_seq_len``."""
+        tok = self.tokenizer
+        bos = [tok.bos_id] if self.spec["add_bos"] is not False and tok.bos_id is not None else []
+        head = bos + tok.encode(prompt, add_bos=False)
+        sides = {}
+        for side, response in (("chosen", chosen), ("rejected", rejected)):
+            ids = bos + tok.encode(prompt + response, add_bos=False)
+            if not response.endswith(tok.eos_token):  # TRL appends the EOS text unless it is there already
+                ids.append(tok.eos_id)
+            sides[side] = ids
+        n = min(_common_prefix(head, ids) for ids in sides.values())
+        return {
+            side: {"tokens": ids, "labels": [CROSS_ENTROPY_IGNORE_IDX] * n + ids[n:]} for side, ids in sides.items()
+        }
+
     def _text_sample(self, prompt: Any, response: str) -> Sample:
         segments = [
             Segment(prompt or "", trained=False),
@@ -123,6 +146,14 @@ class _PairTokenizer:
             segments, self.tokenizer, add_bos=self.spec["add_bos"] is not False, train_on_input=False,
             max_seq_len=None,
         )  # fmt: skip
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _check_pairs(records: Sequence[Mapping[str, Any]], columns: dict[str, str], source: str, *, any_role: bool) -> None:
