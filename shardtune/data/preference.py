@@ -13,8 +13,9 @@ the response is trained: every label inside the prompt is masked. A record's ``p
 * chat ``messages`` lists: the conversation ``prompt + chosen`` (``prompt`` may also be a
   string, one user turn, or absent, when ``chosen`` and ``rejected`` hold whole conversations
   and their shared leading messages are the prompt) rendered by the dataset's chat template
-  (the tokenizer's own, or a built-in one), as SFT renders chat data; the rendered prompt must
-  be a prefix of the rendered conversation.
+  (the tokenizer's own, or a built-in one), as SFT renders chat data; the response starts after
+  the prompt rendered with the model template's generation prompt (as at inference, and as TRL
+  splits), else after the prompt rendered alone, whichever is a prefix of the rendered conversation.
 
 A pair is ``{"chosen": {"tokens", "labels"}, "rejected": {"tokens", "labels"}}``; labels are
 unshifted, as everywhere in shardtune. :func:`collate_pairs` stacks a batch of pairs as the
@@ -83,8 +84,6 @@ class _PairTokenizer:
 
     def __init__(self, spec: Mapping[str, Any], tokenizer: HFTokenizer, *, max_seq_len: int, source: str) -> None:
         self.spec, self.tokenizer, self.max_seq_len, self.source = spec, tokenizer, max_seq_len, source
-        self.template = None
-        self._chat: SFTDataset | None = None
 
     def _chat_dataset(self, conversations: list[list[dict]]) -> SFTDataset:
         template = model_chat_template({**self.spec, "add_bos": None, "add_eos": None}, self.tokenizer, self.source)
@@ -110,8 +109,8 @@ class _PairTokenizer:
             prompt, response = list(chosen[:shared]), list(response[shared:])
         data = self._chat_dataset([list(prompt) + list(response), list(prompt)])
         full, head = data.untruncated(0), data.untruncated(1)
-        n = len(head["tokens"])
-        if full["tokens"][:n] != head["tokens"]:
+        n = self._prompt_end(prompt, full["tokens"], head["tokens"])
+        if n is None:
             raise ValueError(
                 f"{self.source} record {index}: the rendered prompt is not a prefix of the rendered conversation "
                 "(the chat template renders the prompt's turns differently once a response follows); "
@@ -119,6 +118,18 @@ class _PairTokenizer:
             )
         labels = [CROSS_ENTROPY_IGNORE_IDX] * n + full["labels"][n:]
         return {"tokens": full["tokens"], "labels": labels}
+
+    def _prompt_end(self, prompt: list[dict], full: list[int], head: list[int]) -> int | None:
+        """Where the response starts in ``full``: after the prompt rendered with the generation prompt by the
+        model's template (as at inference, and as TRL splits), else after the prompt rendered alone; None
+        when neither is a prefix of ``full``. (Phi-3 ends a conversation rendered without a generation prompt
+        with EOS, so only the first is a prefix there.)"""
+        template = model_chat_template({**self.spec, "add_bos": None, "add_eos": None}, self.tokenizer, self.source)
+        if template is not None:
+            generation = self.tokenizer.encode_with_offsets(template.render(prompt, add_generation_prompt=True))[0]
+            if full[: len(generation)] == generation:
+                return len(generation)
+        return len(head) if full[: len(head)] == head else None
 
     def whole_text_pair(self, prompt: str, chosen: str, rejected: str) -> dict[str, Sample]:
         """A string pair tokenized as TRL's ``DPOTrainer`` does (``tokenize: whole``), not cut to ``max_seq_len``."""

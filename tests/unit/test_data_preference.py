@@ -137,10 +137,11 @@ def test_tokenize_whole_is_refused_outside_preference_data(tmp_path):
         build_dataset({"path": path, "tokenize": "whole"}, build_byte_tokenizer(), max_seq_len=64)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5", "llama3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2_5", "llama3", "mistral", "phi3"])
 def test_chat_pairs_equal_trl_for_one_assistant_turn(tmp_path, family):
     """The model's template renders prompt + response in one piece (TRL's ids); the prompt ends where TRL's
-    (rendered with the generation prompt) ends, so the same tokens are trained."""
+    (rendered with the generation prompt) ends, so the same tokens are trained. Phi-3 renders a prompt alone
+    (no generation prompt) with a final EOS, so only the prompt with the generation prompt is a prefix."""
     from tests.unit.test_data_chat_templates import TEMPLATES
 
     directory = _tokenizer_dir(tmp_path / "tok", family, template=TEMPLATES[family])
