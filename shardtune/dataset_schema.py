@@ -31,8 +31,11 @@ def _check_dataset(ds: dict[str, Any]) -> list[str]:
             problems.append(f"column_map.{key}: not a column of format {ds['format']!r}; map one of {list(roles)}")
         elif not isinstance(column, str):
             problems.append(f"column_map.{key}: expected the column name (str), got {column!r}")
-    if ds.get("tokenize") == "joint" and ds.get("format", "instruct") != "instruct":
-        problems.append("tokenize: joint applies to format: instruct only; remove it or set tokenize: segments")
+    if ds.get("tokenize") == "joint" and ds.get("format", "instruct") == "chat":
+        problems.append(
+            "tokenize: joint applies to format: instruct and preference (string pairs); chat data in the model's "
+            "template is tokenized whole already: remove it or set tokenize: segments"
+        )
     if ds.get("format") == "instruct" and isinstance(ds.get("template"), dict):
         problems.append("template: instruct datasets take a template name or format string, not a mapping")
     return problems
@@ -62,9 +65,10 @@ DATASET_SCHEMA = Schema(
             str,
             "segments",
             choices=("segments", "joint"),
-            help="instruct: segments tokenizes the prompt and the response each on its own (the prompt's tokens "
-            "are those of inference); joint tokenizes their joined text, the response starting where it and the "
-            "prompt alone differ (TRL's SFTTrainer on prompt-completion data)",
+            help="instruct and preference string pairs: segments tokenizes the prompt and the response each on its "
+            "own (the prompt's tokens are those of inference); joint tokenizes their joined text, the response "
+            "starting where it and the prompt alone differ (TRL's SFTTrainer on prompt-completion data, its "
+            "DPOTrainer on string pairs)",
         ),
         "add_bos": Field((bool, None), None, help="null: true, except with the model's chat template (it places BOS)"),
         "add_eos": Field((bool, None), None, help="null: true, except with the model's chat template (it places EOS)"),

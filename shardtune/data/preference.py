@@ -5,12 +5,17 @@ the response is trained: every label inside the prompt is masked. A record's ``p
 ``chosen`` and ``rejected`` columns (renamed with ``column_map``) are either
 
 * strings: ``[BOS] prompt response [EOS]``, the prompt and the response tokenized separately
-  (as SFT's segments), or
+  (as SFT's segments: the prompt's tokens are those the model is given at inference), or, with
+  ``tokenize: joint``, ``prompt + response`` tokenized in one piece as TRL's ``DPOTrainer`` does: the
+  response starts at the first token where the prompt's own tokens and the whole text's differ (the
+  earlier of the two sequences of the pair), so a BPE merge across the boundary (``"A: " + "the"`` ->
+  ``"A:", " the"``) is kept and trained; or
 * chat ``messages`` lists: the conversation ``prompt + chosen`` (``prompt`` may also be a
   string, one user turn, or absent, when ``chosen`` and ``rejected`` hold whole conversations
   and their shared leading messages are the prompt) rendered by the dataset's chat template
-  (the tokenizer's own, or a built-in one), as SFT renders chat data; the rendered prompt must
-  be a prefix of the rendered conversation.
+  (the tokenizer's own, or a built-in one), as SFT renders chat data; the response starts after
+  the prompt rendered with the model template's generation prompt (as at inference, and as TRL
+  splits), else after the prompt rendered alone, whichever is a prefix of the rendered conversation.
 
 A pair is ``{"chosen": {"tokens", "labels"}, "rejected": {"tokens", "labels"}}``; labels are
 unshifted, as everywhere in shardtune. :func:`collate_pairs` stacks a batch of pairs as the
@@ -65,6 +70,9 @@ class PreferenceDataset(Dataset):
         """Pair ``index`` before the cut to ``max_seq_len``."""
         record = self.records[index]
         prompt, chosen, rejected = (record.get(self.columns[k]) for k in ("prompt", "chosen", "rejected"))
+        if self.sft.spec["tokenize"] == "joint" and isinstance(chosen, str):  # checked: a string pair and prompt
+            assert isinstance(prompt, str) and isinstance(rejected, str)  # for the type checker
+            return self.sft.whole_text_pair(prompt, chosen, rejected)
         return {
             "chosen": self.sft.pair_sample(prompt, chosen, rejected, which="chosen", index=index),
             "rejected": self.sft.pair_sample(prompt, chosen, rejected, which="rejected", index=index),
@@ -76,8 +84,6 @@ class _PairTokenizer:
 
     def __init__(self, spec: Mapping[str, Any], tokenizer: HFTokenizer, *, max_seq_len: int, source: str) -> None:
         self.spec, self.tokenizer, self.max_seq_len, self.source = spec, tokenizer, max_seq_len, source
-        self.template = None
-        self._chat: SFTDataset | None = None
 
     def _chat_dataset(self, conversations: list[list[dict]]) -> SFTDataset:
         template = model_chat_template({**self.spec, "add_bos": None, "add_eos": None}, self.tokenizer, self.source)
@@ -103,8 +109,8 @@ class _PairTokenizer:
             prompt, response = list(chosen[:shared]), list(response[shared:])
         data = self._chat_dataset([list(prompt) + list(response), list(prompt)])
         full, head = data.untruncated(0), data.untruncated(1)
-        n = len(head["tokens"])
-        if full["tokens"][:n] != head["tokens"]:
+        n = self._prompt_end(prompt, full["tokens"], head["tokens"])
+        if n is None:
             raise ValueError(
                 f"{self.source} record {index}: the rendered prompt is not a prefix of the rendered conversation "
                 "(the chat template renders the prompt's turns differently once a response follows); "
@@ -112,6 +118,34 @@ class _PairTokenizer:
             )
         labels = [CROSS_ENTROPY_IGNORE_IDX] * n + full["labels"][n:]
         return {"tokens": full["tokens"], "labels": labels}
+
+    def _prompt_end(self, prompt: list[dict], full: list[int], head: list[int]) -> int | None:
+        """Where the response starts in ``full``: after the prompt rendered with the generation prompt by the
+        model's template (as at inference, and as TRL splits), else after the prompt rendered alone; None
+        when neither is a prefix of ``full``. (Phi-3 ends a conversation rendered without a generation prompt
+        with EOS, so only the first is a prefix there.)"""
+        template = model_chat_template({**self.spec, "add_bos": None, "add_eos": None}, self.tokenizer, self.source)
+        if template is not None:
+            generation = self.tokenizer.encode_with_offsets(template.render(prompt, add_generation_prompt=True))[0]
+            if full[: len(generation)] == generation:
+                return len(generation)
+        return len(head) if full[: len(head)] == head else None
+
+    def whole_text_pair(self, prompt: str, chosen: str, rejected: str) -> dict[str, Sample]:
+        """A string pair tokenized as TRL's ``DPOTrainer`` does (``tokenize: joint``), not cut to ``max_seq_len``."""
+        tok = self.tokenizer
+        bos = [tok.bos_id] if self.spec["add_bos"] is not False and tok.bos_id is not None else []
+        head = bos + tok.encode(prompt, add_bos=False)
+        sides = {}
+        for side, response in (("chosen", chosen), ("rejected", rejected)):
+            ids = bos + tok.encode(prompt + response, add_bos=False)
+            if not response.endswith(tok.eos_token):  # TRL appends the EOS text unless it is there already
+                ids.append(tok.eos_id)
+            sides[side] = ids
+        n = min(_common_prefix(head, ids) for ids in sides.values())
+        return {
+            side: {"tokens": ids, "labels": [CROSS_ENTROPY_IGNORE_IDX] * n + ids[n:]} for side, ids in sides.items()
+        }
 
     def _text_sample(self, prompt: Any, response: str) -> Sample:
         segments = [
@@ -123,6 +157,14 @@ class _PairTokenizer:
             segments, self.tokenizer, add_bos=self.spec["add_bos"] is not False, train_on_input=False,
             max_seq_len=None,
         )  # fmt: skip
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _check_pairs(records: Sequence[Mapping[str, Any]], columns: dict[str, str], source: str, *, any_role: bool) -> None:

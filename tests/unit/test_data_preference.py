@@ -77,3 +77,89 @@ def test_inspect_data_shows_both_sequences_of_a_pair(capsys, tmp_path):
         n = next(i for i, label in enumerate(chosen["labels"]) if label != -100)
         assert chosen["input_ids"][:n] == rejected["input_ids"][:n]  # the shared, masked prompt
         assert chosen["text"] != rejected["text"]
+
+
+def _trl_pairs(hf, records):
+    """TRL's own tokenization of preference records (``DPOTrainer._prepare_dataset``): per record the ids and
+    completion mask of the chosen and the rejected sequence, as its collator lays them out."""
+    import types
+
+    import datasets
+    from trl import DPOConfig
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    args = DPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to=[], max_length=None)
+    prepared = DPOTrainer._prepare_dataset(
+        types.SimpleNamespace(_tokenizer=hf), datasets.Dataset.from_list(records), hf, args, "train"
+    )
+    out = []
+    for row in prepared:
+        prompt = row["prompt_ids"]
+        out.append(
+            {s: (prompt + row[f"{s}_ids"], [-100] * len(prompt) + row[f"{s}_ids"]) for s in ("chosen", "rejected")}
+        )
+    return out
+
+
+# The trained BPE tokenizer merges " the", " 2", " jumps": a prompt ending in a space merges into the response.
+BOUNDARY_PAIRS = [
+    {"prompt": "Q: What is 2 + 2?\nA: ", "chosen": "the quick brown fox", "rejected": " jumps over"},
+    {"prompt": "Q: hi", "chosen": " there, how are you?", "rejected": "Fine, thanks."},
+    {"prompt": "Say: ", "chosen": "2<|eot_id|>", "rejected": "again"},
+]
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral"])
+def test_whole_text_pairs_equal_trl_and_segments_keep_the_prompt_as_at_inference(tmp_path, family):
+    from tests.unit.test_data_chat_templates import TEMPLATES
+
+    directory = _tokenizer_dir(tmp_path / "tok", family, template=TEMPLATES[family])
+    hf = transformers.AutoTokenizer.from_pretrained(directory)
+    tok = HFTokenizer.from_dir(directory)
+    path = _write(tmp_path / "p.jsonl", BOUNDARY_PAIRS)
+    whole = build_dataset({"path": path, "format": "preference", "tokenize": "joint"}, tok, max_seq_len=256)
+    segments = build_dataset({"path": path, "format": "preference"}, tok, max_seq_len=256)
+    crossed = 0
+    for i, (record, want) in enumerate(zip(BOUNDARY_PAIRS, _trl_pairs(hf, BOUNDARY_PAIRS), strict=True)):
+        prompt = hf(record["prompt"])["input_ids"]  # what the model is given at inference
+        for side in ("chosen", "rejected"):
+            got = whole[i][side]
+            assert (got["tokens"], got["labels"]) == want[side], (i, side)
+            apart = segments[i][side]
+            assert apart["tokens"][: len(prompt)] == prompt and set(apart["labels"][: len(prompt)]) == {-100}
+            crossed += apart["tokens"] != got["tokens"]
+    assert crossed >= 2  # the merges did cross the boundary, so the two ways differ on this data
+
+
+def test_tokenize_joint_is_refused_for_chat_data(tmp_path):
+    path = _write(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "a"}]}])
+    with pytest.raises(ValueError, match="tokenize: joint applies to format: instruct and preference"):
+        build_dataset({"path": path, "format": "chat", "tokenize": "joint"}, build_byte_tokenizer(), max_seq_len=64)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5", "llama3", "mistral", "phi3"])
+def test_chat_pairs_equal_trl_for_one_assistant_turn(tmp_path, family):
+    """The model's template renders prompt + response in one piece (TRL's ids); the prompt ends where TRL's
+    (rendered with the generation prompt) ends, so the same tokens are trained. Phi-3 renders a prompt alone
+    (no generation prompt) with a final EOS, so only the prompt with the generation prompt is a prefix."""
+    from tests.unit.test_data_chat_templates import TEMPLATES
+
+    directory = _tokenizer_dir(tmp_path / "tok", family, template=TEMPLATES[family])
+    hf = transformers.AutoTokenizer.from_pretrained(directory)
+    tok = HFTokenizer.from_dir(directory)
+    records = [
+        {
+            "prompt": [{"role": "user", "content": "Hi there, how are you?"}],
+            "chosen": [{"role": "assistant", "content": "Fine, thanks."}],
+            "rejected": [{"role": "assistant", "content": "No."}],
+        },
+        {
+            "prompt": [{"role": "user", "content": "the quick brown fox"}],
+            "chosen": [{"role": "assistant", "content": " jumps over the lazy dog"}],
+            "rejected": [{"role": "assistant", "content": "2 + 2"}],
+        },
+    ]
+    data = build_dataset({"path": _write(tmp_path / "p.jsonl", records), "format": "preference"}, tok, max_seq_len=256)
+    for i, want in enumerate(_trl_pairs(hf, records)):
+        for side in ("chosen", "rejected"):
+            assert (data[i][side]["tokens"], data[i][side]["labels"]) == want[side], (i, side)
