@@ -251,19 +251,18 @@ def regroup(
 ) -> tuple[list[dict[str, Any]], list[str], list[str]]:
     """The hyperparameters for an optimizer whose groups hold ``fqns``, from a state dict whose
     groups hold ``saved_fqns`` with ``saved`` hyperparameters: ``(hyperparameters per group,
-    notes, problems)``. Groups holding the same params: the saved ones, no note. The same params
-    split otherwise (a one-group checkpoint, two groups now): each group takes the saved group
-    of its first param (an empty one: the saved group of its index, else the first), and a note
+    notes, problems)``. Groups holding the same params: the saved ones, no note. A one-group state
+    (written before param groups existed) holding the same params: each group takes it, and a note
     says how many params are in a group of another index than in the state dict (none when no
     param is, e.g. LoRA adapters in group 0 and an empty group 1); the caller
     then puts back its own hyperparameters (:mod:`shardtune.checkpoint.resume.hyperparameters`).
-    Other params: a problem."""
+    Other params, or several groups split otherwise (``optimizer.decay_norms_and_biases`` changed
+    since the save, or a damaged state): a problem, never a silent regrouping."""
     if [set(f) for f in saved_fqns] == [set(f) for f in fqns]:
         return list(saved), [], []
     held = {fqn: i for i, group in enumerate(saved_fqns) for fqn in group}
-    if set(held) != {fqn for group in fqns for fqn in group} or not saved:
+    if set(held) != {fqn for group in fqns for fqn in group} or len(saved) != 1:
         return [], [], _group_mismatch(saved_fqns, fqns)
-    picks = [held[group[0]] if group else (i if i < len(saved) else 0) for i, group in enumerate(fqns)]
     moved = sorted(fqn for i, group in enumerate(fqns) for fqn in group if held[fqn] != i)
     note = (
         f"the optimizer state has {len(saved)} param group(s) of {[len(f) for f in saved_fqns]} params, this "
@@ -271,12 +270,16 @@ def regroup(
         f"{len(moved)} params are in another param group than in the checkpoint (e.g. {moved[:3]}), with that "
         "group's hyperparameters"
     )
-    return [copy.deepcopy(saved[i]) for i in picks], [note] if moved else [], []
+    return [copy.deepcopy(saved[0]) for _ in fqns], [note] if moved else [], []
 
 
 def _group_mismatch(saved_fqns: list[list[str]], fqns: list[list[str]]) -> list[str]:
     if len(saved_fqns) != len(fqns):
-        return [f"the optimizer full_sd has {len(saved_fqns)} param groups but the optimizer has {len(fqns)}."]
+        return [
+            f"the optimizer full_sd has {len(saved_fqns)} param groups but the optimizer has {len(fqns)}; a "
+            "checkpoint keeps the groups it was written with: resume with the optimizer.decay_norms_and_biases "
+            "it was written with."
+        ]
     return [
         f"param group {i}: params only in the checkpoint {sorted(set(a) - set(b))[:5]}, only in the "
         f"optimizer {sorted(set(b) - set(a))[:5]}; build the optimizer over the same params."

@@ -159,14 +159,17 @@ def test_a_one_group_schedule_state_resumes_on_two_groups():
 
 
 def test_regroup_by_hand():
-    """One group into LoRA's two (the second empty): nothing moves, no note; two into one: the
-    norm moves and is named; other params: refused naming them."""
+    """One group into LoRA's two (the second empty): nothing moves, no note; one into two: the
+    norm moves and is named; two into one (decay_norms_and_biases changed since the save) and
+    other params: refused naming the groups and the fix."""
     hypers, notes, problems = regroup([{"weight_decay": 0.1}], [["a", "b"]], [["b", "a"], []])
     assert hypers == [{"weight_decay": 0.1}] * 2 and notes == [] and problems == []
-    hypers, notes, problems = regroup(
-        [{"weight_decay": 0.1}, {"weight_decay": 0.0}], [["a"], ["norm"]], [["a", "norm"]]
-    )
-    assert hypers == [{"weight_decay": 0.1}] and problems == []
+    hypers, notes, problems = regroup([{"weight_decay": 0.1}], [["a", "norm"]], [["a"], ["norm"]])
+    assert hypers == [{"weight_decay": 0.1}] * 2 and problems == []
     assert len(notes) == 1 and "1 params are in another param group" in notes[0] and "'norm'" in notes[0]
+    _, notes, problems = regroup([{"weight_decay": 0.1}, {"weight_decay": 0.0}], [["a"], ["norm"]], [["a", "norm"]])
+    assert notes == [] and len(problems) == 1
+    assert "2 param groups but the optimizer has 1" in problems[0] and "decay_norms_and_biases" in problems[0]
     _, notes, problems = regroup([{"weight_decay": 0.1}], [["a", "b"]], [["a"], ["c"]])
-    assert notes == [] and problems == ["the optimizer full_sd has 1 param groups but the optimizer has 2."]
+    assert notes == [] and len(problems) == 1
+    assert problems[0].startswith("the optimizer full_sd has 1 param groups but the optimizer has 2")
