@@ -11,7 +11,16 @@ from shardtune.training.signals import StopOnSignal, TrainingStopped
 pytestmark = pytest.mark.timeout(30)
 
 
-def test_a_signal_is_recorded_while_a_save_is_pending_and_acts_as_before_otherwise():
+@pytest.fixture
+def python_sigint_handler():
+    """Python's own SIGINT handler during the test, whatever an earlier test of this process left
+    installed (in the whole suite SIGINT has been found ignored); the one found is put back after."""
+    found = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, found)
+
+
+def test_a_signal_is_recorded_while_a_save_is_pending_and_acts_as_before_otherwise(python_sigint_handler):
     pending = [True]
     before = signal.getsignal(signal.SIGINT)
     with StopOnSignal(pending=lambda: pending[0]) as stop:
