@@ -14,7 +14,7 @@ OPTIMIZERS = ("adamw", "adamw_fused", "adamw8bit", "adamw4bit", "sgd")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 
 # ``lora.target_modules``: PEFT's module names for every family (``qkv_proj``/``gate_up_proj`` are Phi-3's
-# fused projections); applied by ``shardtune.peft.lora``.
+# fused projections, ``in_proj_*``/``out_proj`` Qwen3.5's linear-attention ones); applied by ``shardtune.peft.lora``.
 LORA_TARGETS = (
     "q_proj",
     "k_proj",
@@ -25,6 +25,11 @@ LORA_TARGETS = (
     "up_proj",
     "gate_up_proj",
     "down_proj",
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_a",
+    "in_proj_b",
+    "out_proj",
     "lm_head",
 )
 

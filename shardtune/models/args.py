@@ -12,15 +12,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardtune.models.linear_attention_args import LinearAttentionArgs
 from shardtune.models.moe_args import MoeArgs
 
-__all__ = ["FULL", "SLIDING", "ModelArgs"]
+__all__ = ["FULL", "LINEAR", "SLIDING", "ModelArgs"]
 
-FULL, SLIDING = "full_attention", "sliding_attention"  # the layer types of ``ModelArgs.layer_types``
+# the layer types of ``ModelArgs.layer_types``
+FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _YARN_OPTIONAL = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
-_LAYER_TYPES = (FULL, SLIDING)
+_LAYER_TYPES = (FULL, SLIDING, LINEAR)
 
 
 @dataclass
@@ -31,9 +33,10 @@ class ModelArgs:
     ``attention_bias`` adds biases to q/k/v; ``o_proj_bias`` to o_proj. HF Llama's
     ``attention_bias=True`` means both; Qwen2 means q/k/v only. ``rope_scaling`` is None or
     an HF rope dict of type ``linear``, ``llama3``, ``dynamic``, ``yarn`` or ``longrope``.
-    ``layer_types`` (one ``"full_attention"``/``"sliding_attention"`` per layer; default: all
-    sliding when ``sliding_window`` is set) says which layers see only the last
-    ``sliding_window`` tokens; sliding layers use ``rope_local_theta`` when set (Gemma 3).
+    ``layer_types`` (one ``"full_attention"``/``"sliding_attention"``/``"linear_attention"`` per layer;
+    default: all sliding when ``sliding_window`` is set) says which layers see only the last
+    ``sliding_window`` tokens, and which are linear attention (``linear_attention``: their geometry);
+    sliding layers use ``rope_local_theta`` when set (Gemma 3).
     ``query_pre_attn_scalar`` replaces ``head_dim`` in the ``1/sqrt`` attention scale.
     """
 
@@ -62,6 +65,7 @@ class ModelArgs:
     partial_rotary_factor: float = 1.0
     rope_local_theta: float | None = None
     moe: MoeArgs | None = None  # the experts of a mixture-of-experts family (qwen3_moe, mixtral)
+    linear_attention: LinearAttentionArgs | None = None  # the Gated DeltaNet layers of a hybrid (qwen3_5_text)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     """Free-form metadata (e.g. token ids) carried into ``model_args_to_hf_config``."""
 
@@ -102,6 +106,12 @@ class ModelArgs:
             )
         if SLIDING in self.layer_types and self.sliding_window is None:
             raise ValueError("ModelArgs.layer_types has sliding_attention layers but sliding_window is None")
+        self.linear_attention = LinearAttentionArgs.of(self.linear_attention)
+        if (LINEAR in self.layer_types) != (self.linear_attention is not None):
+            raise ValueError(
+                "ModelArgs.linear_attention (the Gated DeltaNet geometry) must be set exactly when layer_types has "
+                f"{LINEAR!r} layers; got layer_types={self.layer_types} and linear_attention={self.linear_attention}"
+            )
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling, self.max_seq_len)
         self.extra = dict(self.extra)  # own copy: presets hand out copies via replace()
 

@@ -2,7 +2,8 @@
 
 Structure (and therefore FQNs) mirrors transformers: ``model.embed_tokens``,
 ``model.layers[i].{self_attn,mlp,input_layernorm,post_attention_layernorm}``, ``model.norm``,
-``lm_head``. Each layer's ``self_attn`` and ``mlp`` are the blocks its family's spec names for it
+``lm_head``. Each layer's token mixer (``self_attn``, or the name its spec gives it: Qwen3.5's
+``linear_attn``) and ``mlp`` are the blocks its family's spec names for it
 (``spec.Blocks``, built through ``blocks/kinds.py``); the spec's norm options add
 ``pre_feedforward_layernorm``/``post_feedforward_layernorm`` (Gemma 2/3). No code here asks which
 family it runs. Decoder layers sit in ``model.model.layers`` (an ``nn.ModuleList``) so FSDP2's
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from shardtune.losses.linear_cross_entropy import LinearHead, head_for_several_losses, softcap
-from shardtune.models.args import FULL, SLIDING, ModelArgs
+from shardtune.models.args import FULL, LINEAR, SLIDING, ModelArgs
 from shardtune.models.blocks.attention import Attention, KVUpdate, attention_mask
 from shardtune.models.blocks.kinds import Block, build_attention, build_feed_forward
 from shardtune.models.blocks.mlp import MLP
@@ -69,9 +70,9 @@ class DecoderLayer(nn.Module):
         blocks = get_family(args.model_type).blocks
         norm = {"eps": args.norm_eps, "offset": blocks.norm_offset, "device": device, "dtype": dtype}
         attention = blocks.attention_of(layer_type)
-        self.self_attn: Block = build_attention(
-            args, attention, norm_offset=blocks.norm_offset, device=device, dtype=dtype
-        )
+        self.mixer_name = attention.module_name
+        mixer = build_attention(args, attention, norm_offset=blocks.norm_offset, device=device, dtype=dtype)
+        self.add_module(self.mixer_name, cast(nn.Module, mixer))
         mlp = blocks.mlp_of(args.moe, layer_idx)
         self.mlp: Block = build_feed_forward(args, mlp, layer_idx=layer_idx, device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(args.dim, **norm)
@@ -81,8 +82,13 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(args.dim, **norm)
             self.post_feedforward_layernorm = RMSNorm(args.dim, **norm)
 
+    @property
+    def mixer(self) -> Block:
+        """The layer's token mixer (``self_attn``, or ``linear_attn``: the module its spec names)."""
+        return cast(Block, getattr(self, self.mixer_name))
+
     def init_weights(self, std: float) -> None:
-        self.self_attn.init_weights(std)
+        self.mixer.init_weights(std)
         self.mlp.init_weights(std)
         for module in self.children():
             if isinstance(module, RMSNorm):
@@ -100,9 +106,9 @@ class DecoderLayer(nn.Module):
     ) -> Tensor:
         """A sparse layer records its routing in ``routing`` (see ``moe_aux.py``)."""
         if not self.sandwich:
-            h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, packed)
+            h = x + self.mixer(self.input_layernorm(x), cos, sin, mask, kv, packed)
             return h + self.mlp(self.post_attention_layernorm(h), routing)
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, packed))
+        h = x + self.post_attention_layernorm(self.mixer(self.input_layernorm(x), cos, sin, mask, kv, packed))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h), routing))
 
 
@@ -186,7 +192,7 @@ class LlamaModel(nn.Module):
             if lengths is not None:
                 position_ids = sample_positions(lengths).to(device, non_blocking=True)
         types = {layer.layer_type for layer in self.decoder_layers}
-        window = {FULL: None, SLIDING: self.args.sliding_window}
+        window = {FULL: None, SLIDING: self.args.sliding_window, LINEAR: None}
         packed: dict[str, PackedSamples | ContextAttention | None]
         if context is not None:
             masks = dict.fromkeys(types)
@@ -200,7 +206,7 @@ class LlamaModel(nn.Module):
         rope_len = None if context is None else context.rope_seq_len
         global_rope = self.rotary_emb(position_ids, h.dtype, seq_len=rope_len)
         local = self.local_rotary_emb
-        rope = {FULL: global_rope, SLIDING: global_rope}
+        rope = {FULL: global_rope, SLIDING: global_rope, LINEAR: global_rope}
         if local is not None and SLIDING in types:
             rope[SLIDING] = local(position_ids, h.dtype, seq_len=rope_len)
         skipped = self._skipped_layers()
@@ -254,14 +260,14 @@ class LlamaModel(nn.Module):
         if self.embed_scale is not None:
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype).item()
         new, device = tokens.shape[1], tokens.device
-        window = {FULL: None, SLIDING: self.args.sliding_window}
+        window = {FULL: None, SLIDING: self.args.sliding_window, LINEAR: None}
         types = {layer.layer_type for layer in self.decoder_layers}
         masks = {
             t: cached_attention_mask(new, cache.length, device=device, window=window[t], pad=cache.pad) for t in types
         }
         position_ids = cache.positions(new, device)
         global_rope = self.rotary_emb(position_ids, h.dtype)
-        rope = {FULL: global_rope, SLIDING: global_rope}
+        rope = {FULL: global_rope, SLIDING: global_rope, LINEAR: global_rope}
         if self.local_rotary_emb is not None and SLIDING in types:
             rope[SLIDING] = self.local_rotary_emb(position_ids, h.dtype)
         for i, layer in enumerate(self.decoder_layers):

@@ -22,13 +22,17 @@ __all__ = ["AttentionSpec", "Blocks", "ExpertNames", "Family", "MlpSpec", "Spars
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """A layer's ``self_attn``: ``kind`` (``"attention"``: grouped-query attention through SDPA, exact
-    eager with logit soft-capping; ``"sink_attention"``: plus gpt-oss's per-head sink logits), one fused
-    ``qkv_proj`` (Phi-3) and a per-head RMSNorm of q and k (Qwen3, Gemma 3)."""
+    """A layer's token mixer, the module named ``module_name`` (``self_attn``; Qwen3.5's linear layers:
+    ``linear_attn``): ``kind`` (``"attention"``: grouped-query attention through SDPA, exact eager with
+    logit soft-capping; ``"sink_attention"``: plus gpt-oss's per-head sink logits; ``"gated_delta_net"``:
+    Qwen3.5's linear attention), one fused ``qkv_proj`` (Phi-3), a per-head RMSNorm of q and k (Qwen3,
+    Gemma 3) and a sigmoid output gate made by ``q_proj`` (``output_gate``: Qwen3.5)."""
 
     kind: str = "attention"
     fused_qkv: bool = False
     qk_norm: bool = False
+    output_gate: bool = False
+    module_name: str = "self_attn"
 
 
 @dataclass(frozen=True)

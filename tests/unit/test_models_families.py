@@ -86,6 +86,17 @@ FAMILY_CONFIGS = {
             }
         },
     ),
+    "qwen3_5_text": (
+        transformers.Qwen3_5TextConfig,
+        {
+            "head_dim": 16,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 8,
+        },
+    ),
     "llama_dynamic": (
         transformers.LlamaConfig,
         {"max_position_embeddings": 16, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
@@ -233,15 +244,18 @@ def test_unsupported_model_type_lists_the_supported_ones():
         from_hf_config({**COMMON, "model_type": "falcon"})
     assert set(supported_model_types()) == {
         *("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"),
-        *("qwen3_moe", "mixtral", "gpt_oss"),
+        *("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_text"),
     }
 
 
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LINEAR_ATTENTION_TARGETS = ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]
 PEFT_TARGETS = {
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    "qwen3_5_text": LLAMA_TARGETS + LINEAR_ATTENTION_TARGETS,
 }
-LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-LORA_FAMILIES = ["mistral", "qwen2_tied", "qwen3", "phi3", "gemma2", "gemma3_text"]
+OUR_TARGETS = {"qwen3_5_text": LLAMA_TARGETS + LINEAR_ATTENTION_TARGETS}  # else Llama's names, resolved per family
+LORA_FAMILIES = ["mistral", "qwen2_tied", "qwen3", "phi3", "gemma2", "gemma3_text", "qwen3_5_text"]
 
 
 @pytest.mark.parametrize("name", LORA_FAMILIES)
@@ -256,7 +270,7 @@ def test_lora_merge_equals_peft_merge_and_unload(name):
             if "lora_B" in n:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
     # Generic (Llama) names resolve to the family's fused modules.
-    ours = apply_lora(ours_from_hf(hf), rank=4, alpha=8, target_modules=LLAMA_TARGETS)
+    ours = apply_lora(ours_from_hf(hf), rank=4, alpha=8, target_modules=OUR_TARGETS.get(name, LLAMA_TARGETS))
     assert ours.lora_config.target_modules == sorted(targets, key=ours.lora_config.target_modules.index)
     missing, unexpected = ours.load_state_dict(
         from_peft_adapter_state_dict(peft.get_peft_model_state_dict(pm)), strict=False
@@ -281,10 +295,10 @@ def test_qlora_forward_runs_and_matches_its_dequantized_merge(name):
         ours_from_hf(hf),
         rank=4,
         alpha=8,
-        target_modules=LLAMA_TARGETS,
+        target_modules=OUR_TARGETS.get(name, LLAMA_TARGETS),
         quantize_base=True,
-        block_size=32,
-        scaler_block_size=32,
+        block_size=16 if name == "qwen3_5_text" else 32,  # its in_proj_a/b are [4, 64] here
+        scaler_block_size=16 if name == "qwen3_5_text" else 32,
     )
     # Reference: transformers with the dequantized NF4 weights (fresh adapters are the identity).
     hf_nf4 = copy.deepcopy(hf)

@@ -48,7 +48,9 @@ def attention_mask(seq_len: int, *, device: torch.device, window: int | None = N
 
 class Attention(nn.Module):
     """Grouped-query self-attention with the spec's projections (separate or fused ``qkv_proj``),
-    optional per-head q/k RMSNorm (``norm_offset``: Gemma's), custom scale and logit soft-capping."""
+    optional per-head q/k RMSNorm (``norm_offset``: Gemma's), custom scale and logit soft-capping, and an
+    optional output gate (Qwen3.5: ``q_proj`` also makes a gate per head, interleaved with its query, and
+    the attention output is multiplied by its sigmoid before ``o_proj``)."""
 
     def __init__(
         self,
@@ -71,11 +73,15 @@ class Attention(nn.Module):
         q_out, kv_out = args.n_heads * head_dim, n_kv_heads * head_dim
         spec = spec or AttentionSpec()  # Llama's
         self.fused = spec.fused_qkv
+        self.output_gate = spec.output_gate
+        if self.output_gate and self.fused:
+            raise ValueError("an attention spec has output_gate and fused_qkv; no family has both")
+        q_proj_out = 2 * q_out if self.output_gate else q_out
         if self.fused:  # HF Phi-3 registers o_proj first: keep its state_dict order
             self.o_proj = nn.Linear(q_out, args.dim, bias=args.o_proj_bias, **kw)
             self.qkv_proj = nn.Linear(args.dim, q_out + 2 * kv_out, bias=args.attention_bias, **kw)
         else:
-            self.q_proj = nn.Linear(args.dim, q_out, bias=args.attention_bias, **kw)
+            self.q_proj = nn.Linear(args.dim, q_proj_out, bias=args.attention_bias, **kw)
             self.k_proj = nn.Linear(args.dim, kv_out, bias=args.attention_bias, **kw)
             self.v_proj = nn.Linear(args.dim, kv_out, bias=args.attention_bias, **kw)
             self.o_proj = nn.Linear(q_out, args.dim, bias=args.o_proj_bias, **kw)
@@ -94,19 +100,24 @@ class Attention(nn.Module):
             if norm is not None:
                 norm.reset_parameters()
 
-    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Queries, keys and values ``[b, heads, s, d]``, and the output gate ``[b, s, heads * d]`` (or None)."""
         b, s, _ = x.shape
+        gate = None
         if self.fused:
             q_out, kv_out = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
             q, k, v = self.qkv_proj(x).split([q_out, kv_out, kv_out], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(b, s, self.n_heads, self.head_dim)
+        if self.output_gate:
+            q, gate = q.view(b, s, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(b, s, -1)
+        q = q.reshape(b, s, self.n_heads, self.head_dim)
         k = k.view(b, s, self.n_kv_heads, self.head_dim)
         v = v.view(b, s, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # set together
             q, k = self.q_norm(q), self.k_norm(k)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gate
 
     def forward(
         self,
@@ -124,7 +135,7 @@ class Attention(nn.Module):
         call's keys and values to the cache and returns all of them; ``mask`` is then
         ``[new, cached + new]``, and None means every key is visible."""
         b, s, _ = x.shape
-        q, k, v = self._qkv(x)
+        q, k, v, gate = self._qkv(x)
         q, k = apply_rotary_emb(q, k, cos, sin)
         if isinstance(packed, ContextAttention):
             out = context_attention(q, k, v, packed, self._attend_after)
@@ -134,7 +145,8 @@ class Attention(nn.Module):
             if kv is not None:
                 k, v = kv(k, v)
             out = self._attend(q, k, v, mask, causal=kv is None)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        out = out.transpose(1, 2).reshape(b, s, -1)
+        return self.o_proj(out if gate is None else out * gate.sigmoid())
 
     def _attend_one(self, q: Tensor, k: Tensor, v: Tensor, window: int | None) -> Tensor:
         """One causal sequence (a packed sample), its window mask the size of the sample."""

@@ -18,6 +18,7 @@ from shardtune.models.args import ModelArgs
 from shardtune.models.blocks.attention import Attention
 from shardtune.models.blocks.biased_experts import GptOssExperts
 from shardtune.models.blocks.experts import Experts
+from shardtune.models.blocks.gated_delta_net import GatedDeltaNet
 from shardtune.models.blocks.mlp import MLP
 from shardtune.models.blocks.moe import SparseMoeBlock
 from shardtune.models.blocks.routers import GptOssRouter, Router
@@ -63,7 +64,11 @@ def _sparse_moe(args: ModelArgs, *, spec: SparseSpec, layer_idx: int, device: An
     )
 
 
-ATTENTION: dict[str, AttentionKind] = {"attention": Attention, "sink_attention": SinkAttention}
+ATTENTION: dict[str, AttentionKind] = {
+    "attention": Attention,
+    "sink_attention": SinkAttention,
+    "gated_delta_net": GatedDeltaNet,
+}
 FEED_FORWARD: dict[str, FeedForwardKind] = {"gated_mlp": MLP, "sparse_moe": _sparse_moe}
 ROUTERS: dict[str, type[Router]] = {"softmax_topk": Router, "topk_softmax": GptOssRouter}
 EXPERTS: dict[str, type[Experts]] = {"gated": Experts, "clamped_swiglu": GptOssExperts}
