@@ -16,7 +16,6 @@ each sample (``packed_attention.py``), never through an ``s x s`` mask.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
@@ -272,7 +271,7 @@ class LlamaModel(nn.Module):
             rope[SLIDING] = self.local_rotary_emb(position_ids, h.dtype)
         for i, layer in enumerate(self.decoder_layers):
             cos, sin = rope[layer.layer_type]
-            h = layer(h, cos, sin, masks[layer.layer_type], functools.partial(cache.update, i))
+            h = layer(h, cos, sin, masks[layer.layer_type], cache.layer(i))
         cache.advance(new)
         return self.norm(h), {}
 

@@ -19,6 +19,15 @@ FAMILIES = {
     "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=8),  # the prompt is longer
     "gemma2": lambda: transformers.Gemma2Config(**SMALL, head_dim=16, sliding_window=8),
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=16),
+    "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(
+        **SMALL,
+        head_dim=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=8,
+    ),  # fmt: skip
 }
 
 
@@ -94,11 +103,11 @@ def test_cli_prints_the_greedy_completion(tmp_path, capsys):
     assert capsys.readouterr().out == g.tokenizer.decode(want) + "\n"
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "qwen3_5_text"])
 def test_batched_greedy_equals_transformers_left_padded_generate(tmp_path, family):
     """Prompts of different lengths completed at once (left-padded over one KV cache; Mistral's and Gemma 2's
-    sliding windows, Gemma's soft-capping) equal transformers' greedy ``generate`` on the same padded batch,
-    rows stopping at their own EOS."""
+    sliding windows, Gemma's soft-capping, Qwen3.5's recurrent states kept free of the padding) equal
+    transformers' greedy ``generate`` on the same padded batch, rows stopping at their own EOS."""
     reference = _model_dir(tmp_path, family)
     g = load_generator(tmp_path)
     prompts = [g.prompt_ids(text, chat=False) for text in (PROMPT, "Hi", "Tell me a story about a cat.")]

@@ -17,6 +17,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5
 
 from shardtune.models import from_hf_config, model_args_from_hf_config
 from shardtune.models.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from shardtune.models.kv_cache import KVCache
 
 VOCAB = 97
 CONFIG = {
@@ -212,3 +213,23 @@ def test_bad_hybrid_configs_are_refused_naming_the_key(change, match):
     cfg = {k: v for k, v in cfg.items() if v is not None}
     with pytest.raises(ValueError, match=match):
         model_args_from_hf_config(cfg)
+
+
+def test_the_generation_cache_goes_on_exactly_and_keeps_left_padding_out():
+    """Prefill of a left-padded batch, a one-token step (recurrent form) and a two-token step (chunked form
+    from the cached state) give each row's logits of its whole sequence run at once in transformers."""
+    hf = hf_model(seed=7).eval()
+    ours = from_hf_config(hf.config.to_dict()).eval()
+    ours.load_state_dict(hf.state_dict())
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen) for n in (9, 3, 6)]
+    pads = [9 - len(p) for p in prompts]
+    padded = torch.stack([torch.cat([torch.zeros(pad, dtype=torch.long), p]) for pad, p in zip(pads, prompts)])
+    steps = [torch.randint(3, VOCAB, (3, n), generator=gen) for n in (1, 2)]
+    cache = KVCache(pad=torch.tensor(pads))
+    with torch.no_grad():
+        outs = [ours(padded, kv_cache=cache)] + [ours(step, kv_cache=cache) for step in steps]
+        for i, (pad, prompt) in enumerate(zip(pads, prompts, strict=True)):
+            want = hf(torch.cat([prompt, *(step[i] for step in steps)])[None]).logits[0]
+            got = torch.cat([outs[0][i, pad:], outs[1][i], outs[2][i]])
+            assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-4, i

@@ -4,13 +4,15 @@ Rule: numerics as transformers' ``Qwen3_5GatedDeltaNet`` on its PyTorch path: pr
 convolution with SiLU over queries, keys and values, L2-normed queries and keys, the gated delta rule
 (:mod:`shardtune.models.gated_delta_rule`, in fp32) and a gated RMSNorm before ``out_proj``. A packed row runs
 the convolution and the rule on every sample alone, so neither the convolution's window nor the recurrent
-state crosses a sample boundary (as :mod:`shardtune.models.packed_attention` does for attention). Parameter
+state crosses a sample boundary (as :mod:`shardtune.models.packed_attention` does for attention). Generation
+keeps the convolution's last inputs and the rule's state in the layer's cache (``LayerCache.state``) and
+goes on from them, equal to running the whole sequence; left-pad tokens are zeroed before the projections,
+as transformers does, which leaves both states as if the row started at its first real token. Parameter
 names and registration order are transformers', so ``state_dict`` keys and order equal its checkpoints'.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -20,7 +22,8 @@ from torch import Tensor, nn
 from shardtune.models.args import ModelArgs
 from shardtune.models.blocks.norm import init_linear
 from shardtune.models.context_parallel import ContextAttention
-from shardtune.models.gated_delta_rule import chunk_gated_delta_rule
+from shardtune.models.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from shardtune.models.kv_cache import LayerCache
 from shardtune.models.packed_attention import PackedSamples
 from shardtune.models.spec import AttentionSpec
 
@@ -101,44 +104,70 @@ class GatedDeltaNet(nn.Module):
         packed: PackedSamples | ContextAttention | None = None,
     ) -> Tensor:
         """``x`` ``[b, s, dim]`` -> ``[b, s, dim]``. Positions, masks and rotary tables do not apply; ``packed``
-        rows run every sample alone. A context-parallel shard or a KV cache is refused by name."""
+        rows run every sample alone; ``kv`` (generation: a :class:`LayerCache`) continues the cached states.
+        A context-parallel shard is refused by name."""
         if isinstance(packed, ContextAttention):
             raise NotImplementedError(
                 "context parallel does not cover linear_attention (Gated DeltaNet) layers yet; "
                 "train this model with parallel.context=1"
             )
-        if kv is not None:
-            raise NotImplementedError(
-                "KV-cache generation does not cover linear_attention (Gated DeltaNet) layers; generate without a "
-                "cache (or with transformers)"
-            )
         b, s, _ = x.shape
         geo = self.geo
+        if isinstance(kv, LayerCache) and (real := kv.pad_mask(s, x.device)) is not None:
+            x = x * real[..., None].to(x.dtype)
         qkv = self.in_proj_qkv(x)
         # transformers: beta in the activations' dtype, the log decay in fp32
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        lengths = packed.lengths if isinstance(packed, PackedSamples) else ((s,),) * b
-        core = _per_sample(self._mix, lengths, qkv, g, beta)
+        if isinstance(kv, LayerCache):
+            core = self._continue(kv, qkv, g, beta)
+        elif kv is not None:
+            raise TypeError(f"a linear_attention layer takes a LayerCache as kv, got {type(kv).__name__}")
+        else:
+            lengths = packed.lengths if isinstance(packed, PackedSamples) else ((s,),) * b
+            core = _per_sample(self._mix, lengths, qkv, g, beta)
         z = self.in_proj_z(x).reshape(b, s, geo.num_value_heads, geo.value_head_dim)
         return self.out_proj(self.norm(core, z).reshape(b, s, geo.value_dim))
 
     def _mix(self, qkv: Tensor, g: Tensor, beta: Tensor) -> Tensor:
-        """One causal sequence's ``[1, n, conv_dim]`` projections -> its rule outputs ``[1, n, heads, dv]``."""
-        geo = self.geo
-        n = qkv.shape[1]
-        weight = self.conv1d.weight
-        conv = F.conv1d(qkv.transpose(1, 2).to(weight.dtype), weight, padding=weight.shape[-1] - 1, groups=geo.conv_dim)
-        mixed = F.silu(conv[..., :n]).to(qkv.dtype).transpose(1, 2)
+        """Causal sequences' ``[b, n, conv_dim]`` projections -> their rule outputs ``[b, n, heads, dv]``."""
+        window = qkv.new_zeros(qkv.shape[0], self.conv1d.weight.shape[-1] - 1, qkv.shape[-1])
+        out, _ = self._rule(*self._conv(window, qkv), g, beta, None)
+        return out
+
+    def _continue(self, cache: LayerCache, qkv: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+        """Generation: go on from the cached convolution inputs and rule state, and cache the new ones."""
+        if cache.state is None:
+            window = qkv.new_zeros(qkv.shape[0], self.conv1d.weight.shape[-1] - 1, qkv.shape[-1])
+            state = None
+        else:
+            window, state = cache.state
+        (q, k, v), window = self._conv(window, qkv), torch.cat([window, qkv], dim=1)[:, -window.shape[1] :]
+        out, state = self._rule(q, k, v, g, beta, state)
+        cache.state = (window, state)
+        return out
+
+    def _conv(self, window: Tensor, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The causal depthwise convolution with SiLU over ``qkv`` ``[b, n, conv_dim]`` after the ``window``
+        ``[b, kernel - 1, conv_dim]`` of inputs before it (zeros at a sequence's start); queries and keys
+        L2-normed per head and repeated to the value heads (``[b, n, heads, d]``), values ``[b, n, heads, dv]``."""
+        geo, weight = self.geo, self.conv1d.weight
+        b, n, _ = qkv.shape
+        inputs = torch.cat([window, qkv], dim=1).transpose(1, 2).to(weight.dtype)
+        mixed = F.silu(F.conv1d(inputs, weight, groups=geo.conv_dim)).to(qkv.dtype).transpose(1, 2)
         q, k, v = mixed.split([geo.key_dim, geo.key_dim, geo.value_dim], dim=-1)
         groups = geo.num_value_heads // geo.num_key_heads
         q, k = (
-            _l2norm(t.reshape(1, n, geo.num_key_heads, geo.key_head_dim)).repeat_interleave(groups, dim=2)
+            _l2norm(t.reshape(b, n, geo.num_key_heads, geo.key_head_dim)).repeat_interleave(groups, dim=2)
             for t in (q, k)
         )
-        v = v.reshape(1, n, geo.num_value_heads, geo.value_head_dim)
-        out, _ = chunk_gated_delta_rule(q / math.sqrt(geo.key_head_dim), k, v, g, beta)
-        return out
+        return q * geo.key_head_dim**-0.5, k, v.reshape(b, n, geo.num_value_heads, geo.value_head_dim)
+
+    @staticmethod
+    def _rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
+        """One token: the recurrent form (no chunk padding); more: the chunked one."""
+        rule = recurrent_gated_delta_rule if q.shape[1] == 1 else chunk_gated_delta_rule
+        return rule(q, k, v, g, beta, state=state)
 
 
 @torch.compiler.disable  # per-sample shapes would recompile a compiled layer for every new packing
