@@ -211,10 +211,48 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "extra": {"eos_token_id": 200002, "pad_token_id": 199999},
     },
+    # A tiny Qwen3.5 hybrid (byte-level vocab) for the demo and CI: three Gated DeltaNet layers, then one gated
+    # full-attention layer (transformers' default pattern), value head dim 24 != key head dim 32.
+    "tiny_qwen3_5": {
+        "model_type": "qwen3_5_text",
+        "vocab_size": 256,
+        "dim": 128,
+        "n_layers": 4,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "head_dim": 32,
+        "intermediate_size": 256,
+        "norm_eps": 1e-6,
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+        "max_seq_len": 2048,
+        "tie_word_embeddings": True,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "linear_attention": {"num_key_heads": 2, "num_value_heads": 4, "key_head_dim": 32, "value_head_dim": 24},
+    },
+    # Qwen/Qwen3.5-9B's text model (its model card: 8 x (3 Gated DeltaNet + 1 gated attention) layers, 32/16
+    # linear V/QK heads of 128, 16/4 attention heads of 256, rotary dims 64, FFN 12288, 262,144 tokens).
+    "qwen3_5_9b": {
+        "model_type": "qwen3_5_text",
+        "vocab_size": 248320,
+        "dim": 4096,
+        "n_layers": 32,
+        "n_heads": 16,
+        "n_kv_heads": 4,
+        "head_dim": 256,
+        "intermediate_size": 12288,
+        "norm_eps": 1e-6,
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+        "max_seq_len": 262144,
+        "tie_word_embeddings": False,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8,
+        "linear_attention": {"num_key_heads": 16, "num_value_heads": 32, "key_head_dim": 128, "value_head_dim": 128},
+    },
 }
 
 # The presets ``create_tiny_base`` writes (and so a recipe's ``model`` key can create when checkpoint_dir is empty).
-TINY_PRESETS = ("tiny", "tiny_moe", "tiny_gpt_oss")
+TINY_PRESETS = ("tiny", "tiny_moe", "tiny_gpt_oss", "tiny_qwen3_5")
 
 
 def preset_names() -> list[str]:

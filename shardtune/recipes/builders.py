@@ -136,6 +136,11 @@ def build_model(
                 target_parameters=list(lora.target_parameters),
                 quantize_base=lora.quantize_base,
             )
+    if model.args.linear_attention is not None and getattr(cfg, "context_parallel", 1) > 1:
+        raise ValueError(
+            f"context_parallel={cfg.context_parallel}: the linear_attention (Gated DeltaNet) layers of "
+            f"model_type {model.args.model_type!r} do not run context parallel yet; set context_parallel=1"
+        )
     # a frozen dense model (a KD teacher, a DPO reference) beside an expert-parallel MoE model has no experts to split
     ep = 1 if frozen and model.args.moe is None else cfg.expert_parallel
     shard_model(

@@ -18,6 +18,7 @@ from shardtune.training import load_from_full_model_state_dict
 pytestmark = pytest.mark.timeout(240)
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LINEAR_ATTENTION_TARGETS = ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]
 
 
 def _rel(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -60,13 +61,15 @@ def _sharded_vs_single_process(name: str, qlora: bool):
     return {"diff": _rel(got, expected), "unexpected": keys.unexpected_keys, "type": shard_type}
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen2_tied", "qwen2_sliding", "qwen3", "gemma2", "phi3", "gemma3_text"])
+@pytest.mark.parametrize(
+    "name", ["mistral", "qwen2_tied", "qwen2_sliding", "qwen3", "gemma2", "phi3", "gemma3_text", "qwen3_5_text"]
+)
 def test_sharded_forward_equals_transformers(pool2, name):
     res = pool2.run_ok(_sharded_vs_single_process, name, False)
     assert all(r["diff"] <= 1e-4 and r["unexpected"] == [] for r in res), res
 
 
-@pytest.mark.parametrize("name", ["gemma2", "phi3"])
+@pytest.mark.parametrize("name", ["gemma2", "phi3", "qwen3_5_text"])
 def test_sharded_qlora_equals_single_process(pool2, name):
     res = pool2.run_ok(_sharded_vs_single_process, name, True)
     assert all(r["diff"] <= 1e-4 and r["type"] == "NF4Tensor" for r in res), res
@@ -81,7 +84,8 @@ def _sharded_lora_backward(name: str):
     from tests.unit.test_models_families import hf_model, tokens
 
     hf = hf_model(name)
-    lora = {"rank": 4, "alpha": 8, "target_modules": TARGETS}
+    targets = TARGETS + (LINEAR_ATTENTION_TARGETS if name == "qwen3_5_text" else [])
+    lora = {"rank": 4, "alpha": 8, "target_modules": targets}
     reference = apply_lora(from_hf_config(hf.config.to_dict()), **lora)
     reference.load_state_dict(hf.state_dict(), strict=False)
     gen = torch.Generator().manual_seed(5)
@@ -109,7 +113,50 @@ def _sharded_lora_backward(name: str):
     return {"loss": abs(loss.item() - ref_loss.item()), "grad": worst, "names": sorted(grads) == sorted(ref_grads)}
 
 
-@pytest.mark.parametrize("name", ["gemma2", "phi3"])
+@pytest.mark.parametrize("name", ["gemma2", "phi3", "qwen3_5_text"])
 def test_sharded_lora_backward_with_checkpointing_equals_single_process(pool2, name):
     res = pool2.run_ok(_sharded_lora_backward, name)
     assert all(r["loss"] < 1e-5 and r["grad"] < 1e-4 and r["names"] for r in res), res
+
+
+def _sharded_full_backward(name: str, checkpointing: str):
+    """Every parameter's gradient of a sharded full fine-tune (packed rows, activation checkpointing)
+    against transformers run unsharded on each sample alone."""
+    from tests.unit.test_models_families import hf_model, tokens
+
+    hf = hf_model(name)
+    with torch.device("meta"):
+        model = from_hf_config(hf.config.to_dict())
+    shard_model(model, mesh=make_mesh(replicate=1), activation_checkpointing=checkpointing)
+    load_from_full_model_state_dict(model, hf.state_dict() if dist.get_rank() == 0 else {}, "cpu", strict=True)
+    model.init_buffers("cpu")
+    samples = [tokens(batch=1, seq=n, seed=20 + i) for i, n in enumerate((25, 15))]
+    row = torch.cat(samples, dim=1)
+    positions = torch.cat([torch.arange(s.shape[1]) for s in samples]).unsqueeze(0)
+    loss = _loss_packed(model(row, position_ids=positions, sample_lengths=[[25, 15]]), samples)
+    ref_loss = _loss_packed(torch.cat([hf(s).logits for s in samples], dim=1), samples)
+    loss.backward()
+    ref_loss.backward()
+    ref = dict(hf.named_parameters())
+    worst = 0.0
+    for n, p in model.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        want = ref[n.replace("_checkpoint_wrapped_module.", "")].grad
+        worst = max(worst, ((grad - want).abs().max() / want.abs().max()).item())
+    return {"loss": abs(loss.item() - ref_loss.item()), "grad": worst}
+
+
+def _loss_packed(logits: torch.Tensor, samples: list[torch.Tensor]) -> torch.Tensor:
+    """Next-token loss within each sample of a packed row (no target across a boundary)."""
+    losses, start = [], 0
+    for s in samples:
+        n = s.shape[1]
+        losses.append(F.cross_entropy(logits[0, start : start + n - 1].float(), s[0, 1:], reduction="sum"))
+        start += n
+    return sum(losses) / sum(s.shape[1] - 1 for s in samples)
+
+
+@pytest.mark.parametrize("checkpointing", ["full", "selective"])
+def test_sharded_full_backward_of_a_packed_hybrid_equals_transformers(pool2, checkpointing):
+    res = pool2.run_ok(_sharded_full_backward, "qwen3_5_text", checkpointing)
+    assert all(r["loss"] < 1e-5 and r["grad"] < 1e-4 for r in res), res

@@ -15,9 +15,10 @@ import torch.nn.functional as F
 import transformers
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5
 
-from shardtune.models import from_hf_config, model_args_from_hf_config
+from shardtune.models import from_hf_config, get_model_args, model_args_from_hf_config, model_args_to_hf_config
 from shardtune.models.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from shardtune.models.kv_cache import KVCache
+from shardtune.models.registry import build_model
 
 VOCAB = 97
 CONFIG = {
@@ -233,3 +234,38 @@ def test_the_generation_cache_goes_on_exactly_and_keeps_left_padding_out():
             want = hf(torch.cat([prompt, *(step[i] for step in steps)])[None]).logits[0]
             got = torch.cat([outs[0][i, pad:], outs[1][i], outs[2][i]])
             assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-4, i
+
+
+# From the Qwen/Qwen3.5-9B model card (the keys that shape its text model).
+PUBLISHED_9B = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "intermediate_size": 12288,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "vocab_size": 248320,
+    "max_position_embeddings": 262144,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8,
+}
+
+
+@pytest.mark.parametrize("rope_style", ["legacy", "rope_parameters"])
+def test_the_9b_preset_has_the_published_shape_and_transformers_parameters(rope_style):
+    args = get_model_args("qwen3_5_9b")
+    config = transformers.AutoConfig.for_model(**model_args_to_hf_config(args, rope_style=rope_style))
+    for key, value in PUBLISHED_9B.items():
+        assert getattr(config, key) == value, key
+    assert config.rope_parameters["partial_rotary_factor"] == 0.25  # 64 rotary dims of 256
+    assert config.rope_parameters["rope_theta"] == 1e7
+    with torch.device("meta"):
+        reference = transformers.AutoModelForCausalLM.from_config(config)
+        ours = build_model(args, device="meta")
+    assert [(k, v.shape) for k, v in ours.state_dict().items()] == [
+        (k, v.shape) for k, v in reference.state_dict().items()
+    ]
+    assert 8.9e9 < sum(p.numel() for p in ours.parameters()) < 9.0e9

@@ -35,6 +35,8 @@ def create_tiny_base(directory: str | os.PathLike, *, seed: int = TINY_SEED, pre
     torch.manual_seed(seed)
     model = build_model(args, dtype=torch.float32)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if args.tie_word_embeddings:  # one tensor on disk, as transformers writes a tied head
+        state.pop("lm_head.weight")
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(model_args_to_hf_config(args, dtype=torch.float32), indent=2))
     save_byte_tokenizer(tmp)
