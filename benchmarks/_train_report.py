@@ -266,6 +266,39 @@ def targets_rows(cfg: TrainOptions, summaries: Summaries) -> list[str]:
     return out
 
 
+def two_stack_table(cfg: Any, summaries: dict[tuple[int, str], dict[str, Any] | None], *, rtol: float):
+    """The table of a shardtune vs transformers benchmark (one row per ``cfg.seq_lens``; ``summaries`` by
+    ``(seq, method)``) and whether every row's first-step losses agree within ``rtol``."""
+    lines = [
+        "",
+        (
+            "| rows × tokens per rank | shardtune tokens/s per rank | transformers tokens/s | speed ratio "
+            "| shardtune peak Δ (per rank) | transformers peak Δ | memory ratio (max rank) | process peak ratio "
+            "| first-step loss shardtune / transformers (r0) | repeats |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    agree = True
+    for seq in cfg.seq_lens:
+        rows = rows_for(seq, cfg.tokens_per_rank)
+        st, tf = summaries.get((seq, "shardtune")), summaries.get((seq, "transformers"))
+        if st is None or tf is None:
+            lines.append(
+                f"| {rows} × {seq} | {'FAILED' if st is None else 'ok'} | {'FAILED' if tf is None else 'ok'} |"
+            )
+            agree = False
+            continue
+        agree &= losses_agree(st, tf, rtol=rtol)
+        lines.append(
+            f"| {rows} × {seq} | {st['tokens_per_s']:.0f} | {tf['tokens_per_s']:.0f} "
+            f"| {st['tokens_per_s'] / tf['tokens_per_s']:.2f} | {' / '.join(fmt_bytes(p) for p in st['peaks'])} "
+            f"| {' / '.join(fmt_bytes(p) for p in tf['peaks'])} | {max(st['peaks']) / max(tf['peaks']):.2f} "
+            f"| {max(st['totals']) / max(tf['totals']):.2f} | {st['first_loss'][0]:.5f} / {tf['first_loss'][0]:.5f} "
+            f"| {st['runs']} / {tf['runs']} |"
+        )
+    return lines, agree
+
+
 def section_head(
     cfg: Any, what: str, rest: str, *, load_avg: tuple[float, float], libraries: tuple[str, ...]
 ) -> list[str]:

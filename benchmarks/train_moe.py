@@ -49,8 +49,7 @@ from benchmarks._driver import (
 )
 from benchmarks._hf_models import MoeShape, saved_once
 from benchmarks._measure import bench_device
-from benchmarks._report import fmt_bytes
-from benchmarks._train_report import LOSS_RTOL, METHODS, MoeOptions, losses_agree, rows_for, section_head, summarize
+from benchmarks._train_report import LOSS_RTOL, METHODS, MoeOptions, rows_for, section_head, summarize, two_stack_table
 from benchmarks._train_step import (
     DTYPES,
     Built,
@@ -158,33 +157,9 @@ def report(cfg: MoeOptions, summaries: dict[tuple[int, str], dict[str, Any] | No
             f"{cfg.repeats} repeat(s), the two methods back to back, their order alternating; "
             f"{cfg.tokens_per_rank} tokens per rank a step where a row is shorter, else one row"
         ),
-        "",
-        (
-            "| rows × tokens per rank | shardtune tokens/s per rank | transformers tokens/s | speed ratio "
-            "| shardtune peak Δ (per rank) | transformers peak Δ | memory ratio (max rank) | process peak ratio "
-            "| first-step loss shardtune / transformers (r0) | repeats |"
-        ),
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    agree = True
-    for seq in cfg.seq_lens:
-        rows = rows_for(seq, cfg.tokens_per_rank)
-        st, tf = summaries.get((seq, "shardtune")), summaries.get((seq, "transformers"))
-        if st is None or tf is None:
-            lines.append(
-                f"| {rows} × {seq} | {'FAILED' if st is None else 'ok'} | {'FAILED' if tf is None else 'ok'} |"
-            )
-            agree = False
-            continue
-        close = losses_agree(st, tf, rtol=rtol)
-        agree &= close
-        lines.append(
-            f"| {rows} × {seq} | {st['tokens_per_s']:.0f} | {tf['tokens_per_s']:.0f} "
-            f"| {st['tokens_per_s'] / tf['tokens_per_s']:.2f} | {' / '.join(fmt_bytes(p) for p in st['peaks'])} "
-            f"| {' / '.join(fmt_bytes(p) for p in tf['peaks'])} | {max(st['peaks']) / max(tf['peaks']):.2f} "
-            f"| {max(st['totals']) / max(tf['totals']):.2f} | {st['first_loss'][0]:.5f} / {tf['first_loss'][0]:.5f} "
-            f"| {st['runs']} / {tf['runs']} |"
-        )
+    table, agree = two_stack_table(cfg, summaries, rtol=rtol)
+    lines += table
     lines += [
         "",
         (

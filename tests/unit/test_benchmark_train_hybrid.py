@@ -1,0 +1,37 @@
+"""The 2026-family training benchmark's bookkeeping (no processes): its options, the shapes both stacks
+build, and its report's ratios and loss agreement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from benchmarks.train_hybrid import FAMILIES, parse, report
+from shardtune.models import from_hf_config
+
+
+@pytest.mark.parametrize("smoke", [False, True])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_shape_builds_in_both_stacks_with_the_same_parameters(family, smoke):
+    cfg = parse(["--family", family, *(["--smoke"] if smoke else [])])
+    config = getattr(transformers, FAMILIES[family][0])(**cfg.config)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+        ours = from_hf_config(config.to_dict())
+    assert [(k, v.shape) for k, v in ours.state_dict().items()] == [(k, v.shape) for k, v in hf.state_dict().items()]
+
+
+def _summary(loss: float, speed: float) -> dict:
+    return {"tokens_per_s": speed, "peaks": [100, 120], "totals": [1000, 1100], "first_loss": [loss], "runs": "1/1"}
+
+
+def test_report_rows_ratios_and_loss_agreement():
+    cfg = parse(["--no-markdown"])
+    summaries = {(1024, "shardtune"): _summary(9.0, 130.0), (1024, "transformers"): _summary(9.0, 100.0)}
+    section, agree = report(cfg, summaries, load_avg=(1.0, 1.0))
+    assert agree and "| 2 × 1024 | 130 | 100 | 1.30 |" in section and "Qwen3_5TextConfig" in section
+    summaries[(1024, "transformers")] = _summary(9.01, 100.0)  # 1e-3 apart: beyond fp32's 1e-4
+    assert not report(cfg, summaries, load_avg=(1.0, 1.0))[1]
+    failed = report(cfg, {(1024, "shardtune"): None, (1024, "transformers"): None}, load_avg=(1, 1))
+    assert not failed[1] and "FAILED" in failed[0]
