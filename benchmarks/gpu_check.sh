@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# One prepared GPU check (at most 12.5 minutes of timeouts on one H200; not run yet): the GPU tests (MoE HF
-# checkpoint load/save, context-parallel attention and a GRPO run among them), then the checkpoint and
-# training-step (dense and MoE) benchmarks on CUDA; with 2 or more GPUs also the MoE step at expert parallel
+# One prepared GPU check (at most 13.5 minutes of timeouts on one H200; not run yet): the GPU tests (MoE HF
+# checkpoint load/save, context-parallel attention, the Qwen3.5 hybrid and a GRPO run among them), then the
+# checkpoint and training-step (dense, MoE and Qwen3.5 hybrid) benchmarks on CUDA; with 2 or more GPUs also the MoE step at expert parallel
 # 1 and 2 and the context-parallel longest row (4.5 minutes more; one GPU skips them, saying why). Run from
 # anywhere on a machine with a CUDA GPU and this repository:
 #   bash benchmarks/gpu_check.sh
 # Assumes torch with CUDA is already installed (CUDA wheels cannot be fetched offline); without
 # torch it installs torch==2.13.0 from the configured index. Outputs go under $OUT when set
 # (else ./gpu_check_out): pytest's log, the benchmark's tables and raw runs, and BENCHMARKS.md
-# with the new "checkpoint-cuda", "train-cuda", "train-moe-cuda" (and "train-moe-ep-cuda") sections.
+# with the new "checkpoint-cuda", "train-cuda", "train-moe-cuda", "train-hybrid-cuda" (and "train-moe-ep-cuda")
+# sections.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-$PWD/gpu_check_out}"
@@ -56,6 +57,14 @@ timeout 90 python -m benchmarks.train_moe --device cuda --world 1 --dtype bf16 -
     --bench-dir "$out/bench_train_moe" --markdown "$out/BENCHMARKS.md" 2>&1 | tee "$out/benchmark_train_moe_cuda.log" || status=1
 echo "MoE train benchmark: $((SECONDS - start)) s" | tee -a "$out/device.txt"
 rm -rf "$out/bench_train_moe"/train_moe_h*  # the HF fixture; the runs JSON stays
+
+# The Qwen3.5 hybrid's training step on CUDA (world 1, bf16): shardtune (flash-linear-attention's kernel when
+# installed, else its PyTorch rule) against transformers + FSDP2; the "train-hybrid-cuda" section.
+start=$SECONDS
+timeout 60 python -m benchmarks.train_hybrid --device cuda --world 1 --dtype bf16 --repeats 1 --steps 3 \
+    --bench-dir "$out/bench_train_hybrid" --markdown "$out/BENCHMARKS.md" 2>&1 | tee "$out/benchmark_train_hybrid_cuda.log" || status=1
+echo "hybrid train benchmark: $((SECONDS - start)) s" | tee -a "$out/device.txt"
+rm -rf "$out/bench_train_hybrid"/train_hybrid_*/  # the HF fixture; the runs JSON stays
 
 # Expert parallel on CUDA (bf16): shardtune's MoE step at expert_parallel 1 and 2 on the same ranks (4, or 2 with
 # 2-3 GPUs), transformers the loss reference, all-to-all bytes counted; the "train-moe-ep-cuda" section. NCCL

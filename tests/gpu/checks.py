@@ -449,3 +449,28 @@ def qlora_moe_first_step(kind: str, hf_dir: str, peft_dir: str, reference_expert
         "where": local.device.type,
         "experts_diff": ((dequantized - reference_experts).abs().max() / reference_experts.abs().max()).item(),
     }
+
+
+def qwen3_5_packed_on(device: str = "cuda") -> dict:
+    """Loss and gradients of a packed row through a tiny Qwen3.5 hybrid on ``device`` against transformers on the
+    CPU (each sample alone): the relative loss difference and the largest relative gradient difference."""
+    import torch.nn.functional as F
+
+    from shardtune.models import from_hf_config
+    from tests.unit.test_qwen3_5 import hf_model, packed_case, packed_loss
+
+    lengths, samples, targets = packed_case()
+    hf = hf_model(seed=4)
+    ours = from_hf_config(hf.config.to_dict())
+    ours.load_state_dict(hf.state_dict())
+    ours.to(device)
+    loss = packed_loss(ours, lengths, [s.to(device) for s in samples], [t.to(device) for t in targets])
+    ref = sum(F.cross_entropy(hf(s).logits[0], t, reduction="sum") for s, t in zip(samples, targets, strict=True))
+    loss.backward()
+    ref.backward()
+    hf_params = dict(hf.named_parameters())
+    grad = max(
+        ((p.grad.cpu() - hf_params[n].grad).abs().max() / hf_params[n].grad.abs().max()).item()
+        for n, p in ours.named_parameters()
+    )
+    return {"loss": abs(loss.item() - ref.item()) / abs(ref.item()), "grad": grad}

@@ -177,6 +177,20 @@ def test_moe_grouped_gemm_experts_equal_the_fp32_loop_without_host_syncs(dtype):
     assert found["syncs"] == [], found["syncs"]
 
 
+@pytest.mark.parametrize("kernel", ["torch", "fla"])
+def test_qwen3_5_hybrid_on_cuda_equals_transformers_on_the_cpu(kernel, monkeypatch):
+    """A packed row through the Qwen3.5 hybrid on CUDA (the Gated DeltaNet rule in PyTorch, or
+    flash-linear-attention's Triton kernel when installed) against transformers' model on the CPU:
+    loss and every gradient, fp32."""
+    from shardtune.models.gated_delta_kernels import KERNEL_ENV, fla_rule
+
+    if kernel == "fla" and fla_rule() is None:
+        pytest.skip("flash-linear-attention is not installed (pip install flash-linear-attention)")
+    monkeypatch.setenv(KERNEL_ENV, "torch" if kernel == "torch" else "auto")
+    found = checks.qwen3_5_packed_on("cuda")
+    assert found["loss"] <= 1e-4 and found["grad"] <= 2e-3, found
+
+
 def _check_moe_hf_round_trip(res: list[dict], layout: str) -> None:
     found = res[0]
     assert found["same_keys"] and found["differ"] == [], found

@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from shardtune.models.args import ModelArgs
 from shardtune.models.blocks.norm import init_linear
 from shardtune.models.context_parallel import ContextAttention
-from shardtune.models.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from shardtune.models.gated_delta_kernels import chunk_rule
+from shardtune.models.gated_delta_rule import recurrent_gated_delta_rule
 from shardtune.models.kv_cache import LayerCache
 from shardtune.models.packed_attention import PackedSamples
 from shardtune.models.spec import AttentionSpec
@@ -165,8 +166,9 @@ class GatedDeltaNet(nn.Module):
 
     @staticmethod
     def _rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
-        """One token: the recurrent form (no chunk padding); more: the chunked one."""
-        rule = recurrent_gated_delta_rule if q.shape[1] == 1 else chunk_gated_delta_rule
+        """One token: the recurrent form (no chunk padding); more: the chunked one (the Triton kernel on CUDA
+        when flash-linear-attention is installed, :mod:`shardtune.models.gated_delta_kernels`)."""
+        rule = recurrent_gated_delta_rule if q.shape[1] == 1 else chunk_rule(q)
         return rule(q, k, v, g, beta, state=state)
 
 
