@@ -44,13 +44,24 @@ def test_tiny_qwen3_5_lora_trains_packed_rows_and_its_outputs_load_in_transforme
     assert (got - plain).abs().max() > 1e-3
 
 
+TEACHER = ["teacher_model=tiny_qwen3_5"]  # its own seed's base in teacher_checkpoint_dir
+
+
 @pytest.mark.parametrize(
-    ("recipe", "config"), [("lora_dpo_distributed", "tiny/lora_dpo"), ("grpo_distributed", "tiny/grpo")]
+    ("recipe", "config", "extra"),
+    [
+        ("lora_dpo_distributed", "tiny/lora_dpo", []),
+        ("grpo_distributed", "tiny/grpo", []),
+        ("knowledge_distillation_distributed", "tiny/kd", TEACHER),
+    ],
 )
-def test_dpo_and_grpo_train_a_qwen3_5_hybrid(tmp_path, recipe, config):
-    """Preference and RL recipes run on the hybrid (GRPO's rollouts go through the recurrent generation cache)."""
+def test_dpo_grpo_and_distillation_train_a_qwen3_5_hybrid(tmp_path, recipe, config, extra):
+    """Preference, RL and distillation recipes run on the hybrid (GRPO's rollouts go through the recurrent
+    generation cache; the KD teacher is a hybrid too)."""
     out = tmp_path / "run"
-    overrides = [f"output_dir={out}", f"checkpoint_dir={tmp_path / 'base'}", "model=tiny_qwen3_5"]
+    overrides = [f"output_dir={out}", f"checkpoint_dir={tmp_path / 'base'}", "model=tiny_qwen3_5", *extra]
+    if extra:
+        overrides.append(f"teacher_checkpoint_dir={tmp_path / 'teacher'}")
     run_recipe(recipe, config, *overrides, "epochs=1", "max_steps_per_epoch=2", "log_every_n_steps=1")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows), rows
