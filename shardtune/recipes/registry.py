@@ -58,6 +58,7 @@ RECIPES: dict[str, Recipe] = {
                 "llama3_2/3B_full",
                 "llama3_1/8B_full",
                 "qwen3_moe/30B_A3B_full",
+                "qwen3_5/27B_full",
             ),
         ),
         Recipe(
@@ -82,6 +83,8 @@ RECIPES: dict[str, Recipe] = {
                 "mixtral/8x7B_qlora",
                 "gpt_oss/20B_lora",
                 "tiny/gpt_oss_lora",
+                "qwen3_5/9B_lora",
+                "tiny/qwen3_5_lora",
             ),
         ),
         Recipe("knowledge_distillation_distributed", KD_SCHEMA, ("tiny/kd", "llama3_2/8B_to_1B_KD_lora")),
