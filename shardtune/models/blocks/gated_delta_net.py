@@ -110,7 +110,7 @@ class GatedDeltaNet(nn.Module):
         if isinstance(packed, ContextAttention):
             raise NotImplementedError(
                 "context parallel does not cover linear_attention (Gated DeltaNet) layers yet; "
-                "train this model with parallel.context=1"
+                "set context_parallel=1"
             )
         b, s, _ = x.shape
         geo = self.geo
