@@ -2,8 +2,9 @@
 
 Rule: the checkpoint's ``text_config`` is read as the text family's config (the outer ``tie_word_embeddings``,
 which the multimodal class ties by, winning), and the whole ``config.json`` is kept on ``ModelArgs.multimodal``;
-it is written back unchanged but for the ``text_config`` keys shardtune writes (``rope_parameters`` merged
-into the source's, so keys only the other towers read, such as Qwen3.5's ``mrope_section``, stay). Which
+it is written back unchanged but for the values of the ``text_config`` keys it has that shardtune writes
+(``rope_parameters`` merged into the source's, so keys only the other towers read, such as Qwen3.5's
+``mrope_section``, stay; a key the source leaves to transformers' default stays absent). Which
 file tensors are the text model's and which are carried is the spec's (:func:`spec_of`).
 """
 
@@ -56,13 +57,13 @@ def text_config(cfg: Mapping[str, Any], source: str) -> dict[str, Any] | None:
 
 
 def wrap_text_config(args: ModelArgs, text: dict[str, Any]) -> dict[str, Any]:
-    """``args.multimodal`` with ``text`` (the text config shardtune writes, ``rope_parameters`` style) as its
-    ``text_config``: the source's keys kept, the written ones replacing them."""
+    """``args.multimodal`` with its ``text_config``'s values replaced by those of ``text`` (the text config
+    shardtune writes, ``rope_parameters`` style) for the keys both have."""
     assert args.multimodal is not None
     source = dict(args.multimodal)
     nested = dict(source.get("text_config") or {})
     rope = {**(nested.get("rope_parameters") or {}), **(text.get("rope_parameters") or {})}
-    nested.update({k: v for k, v in text.items() if k != "architectures"})
+    nested.update({k: v for k, v in text.items() if k in nested})
     nested["rope_parameters"] = rope
     return {**source, "text_config": nested, "tie_word_embeddings": args.tie_word_embeddings}
 

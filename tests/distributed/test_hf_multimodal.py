@@ -39,11 +39,12 @@ PROCESSOR = {"preprocessor_config.json": '{"patch_size": 14}', "chat_template.js
 TEXT = "model.language_model."
 
 
-def _hf_multimodal():
+def hf_multimodal(*, vocab_size: int = 128):
+    """A tiny random ``Qwen3_5ForConditionalGeneration`` (text tower and a one-block vision tower)."""
     from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     text = dict(
-        vocab_size=128,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
@@ -74,7 +75,7 @@ def _hf_multimodal():
     return model
 
 
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+def safetensors_tensors(directory: Path) -> dict[str, torch.Tensor]:
     out = {}
     for path in sorted(directory.glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
@@ -87,7 +88,7 @@ def src(tmp_path_factory) -> dict:
     """A sharded multimodal checkpoint as the hub has them: transformers' files, multi-token-prediction
     tensors (bf16, which transformers does not load) in a shard of their own, tokenizer and processor files."""
     root = tmp_path_factory.mktemp("qwen3_5")
-    model, path = _hf_multimodal(), root / "mm"
+    model, path = hf_multimodal(), root / "mm"
     model.save_pretrained(path, max_shard_size="100KB")
     mtp = {"mtp.fc.weight": torch.randn(64, 128).bfloat16(), "mtp.norm.weight": torch.randn(64).bfloat16()}
     save_file(mtp, str(path / "model-mtp.safetensors"))
@@ -96,7 +97,7 @@ def src(tmp_path_factory) -> dict:
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     for name, text in {**PROCESSOR, "tokenizer_config.json": '{"model_max_length": 64}'}.items():
         (path / name).write_text(text)
-    return {"dir": path, "tensors": _tensors(path), "config": json.loads((path / "config.json").read_text())}
+    return {"dir": path, "tensors": safetensors_tensors(path), "config": json.loads((path / "config.json").read_text())}
 
 
 def _logits(model, **kwargs) -> torch.Tensor:
@@ -202,7 +203,7 @@ def test_full_finetune_writes_back_the_multimodal_checkpoint(pool2, src, tmp_pat
 
     res = pool2.run_ok(_train_save_resume, str(src["dir"]), str(tmp_path / "out"), mode)
     out = Path(res[0]["path"])
-    saved, source = _tensors(out), src["tensors"]
+    saved, source = safetensors_tensors(out), src["tensors"]
     # the same tensors under the same names; every other tower's bytes as in the source, the text ones trained
     assert sorted(saved) == sorted(source)
     carried = [k for k in source if not k.startswith((TEXT, "lm_head."))]
@@ -250,8 +251,8 @@ def test_lora_adapter_has_peft_names_of_the_multimodal_model(pool2, src, tmp_pat
     res = pool2.run_ok(_lora_save_and_load_back, str(src["dir"]), str(adapter), str(merged))
     # the names peft writes for Qwen3_5ForConditionalGeneration with the same targets
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0)
-    peft.get_peft_model(_hf_multimodal(), config).save_pretrained(tmp_path / "peft")
-    assert sorted(_tensors(adapter)) == sorted(_tensors(tmp_path / "peft"))
+    peft.get_peft_model(hf_multimodal(), config).save_pretrained(tmp_path / "peft")
+    assert sorted(safetensors_tensors(adapter)) == sorted(safetensors_tensors(tmp_path / "peft"))
     # peft loads it on top of the multimodal base; shardtune loads it back; the merged save loads too
     base = Qwen3_5ForConditionalGeneration.from_pretrained(src["dir"]).eval()
     with_adapter = peft.PeftModel.from_pretrained(base, adapter).eval()

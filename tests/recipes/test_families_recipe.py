@@ -46,3 +46,34 @@ def test_lora_recipe_on_a_save_pretrained_dir(tmp_path, recipe_pool, name):
         expected = with_adapter(input_ids=x).logits
         assert (merged(x).logits - expected).abs().max() <= 1e-4 * expected.abs().max()
         assert (expected - base_logits).abs().max() > 1e-4  # training changed the adapters
+
+
+def test_full_recipe_writes_back_a_multimodal_qwen3_5_dir(tmp_path, recipe_pool):
+    from transformers.models.qwen3_5 import Qwen3_5ForConditionalGeneration
+
+    from tests.distributed.test_hf_multimodal import hf_multimodal, safetensors_tensors
+
+    base = tmp_path / "base"
+    hf_multimodal(vocab_size=256).save_pretrained(base)
+    save_byte_tokenizer(base)
+    out = tmp_path / "run"
+    recipe_pool.run(
+        "full_finetune_distributed",
+        "tiny/full",
+        f"checkpoint_dir={base}",
+        "model=null",
+        f"output_dir={out}",
+        "epochs=1",
+        "max_steps_per_epoch=2",
+        "batch_size=2",
+        "log_every_n_steps=1",
+        nproc=2,
+    )
+    assert sorted(losses(out)) == [1, 2]
+    source, saved = safetensors_tensors(base), safetensors_tensors(out / "epoch_1")
+    assert sorted(saved) == sorted(source)
+    assert all(torch.equal(saved[k], v) for k, v in source.items() if k.startswith("model.visual."))
+    assert not torch.equal(saved["model.language_model.norm.weight"], source["model.language_model.norm.weight"])
+    trained = Qwen3_5ForConditionalGeneration.from_pretrained(out / "epoch_1")
+    assert torch.equal(trained.model.language_model.norm.weight, saved["model.language_model.norm.weight"])
+    assert (out / "epoch_1" / "tokenizer.json").is_file()
