@@ -97,7 +97,15 @@ def src(tmp_path_factory) -> dict:
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     for name, text in {**PROCESSOR, "tokenizer_config.json": '{"model_max_length": 64}'}.items():
         (path / name).write_text(text)
-    return {"dir": path, "tensors": safetensors_tensors(path), "config": json.loads((path / "config.json").read_text())}
+    config_only = root / "config_only"  # what the other nodes hold with node-local disks
+    config_only.mkdir()
+    shutil.copy(path / "config.json", config_only)
+    return {
+        "config_only": config_only,
+        "dir": path,
+        "tensors": safetensors_tensors(path),
+        "config": json.loads((path / "config.json").read_text()),
+    }
 
 
 def _logits(model, **kwargs) -> torch.Tensor:
@@ -129,9 +137,12 @@ def _setup(base: str, out: str, mode: str):
     return model, opt, ck
 
 
-def _train_save_resume(base: str, out: str, mode: str):
+def _train_save_resume(base: str, config_only: str, out: str, mode: str):
     """One full fine-tuning step from the multimodal base, an HF save (``mode``: each rank its rows now,
-    rank 0 everything, or staged and written in the background), a resume from it."""
+    rank 0 everything with the weights on its disk alone, or staged and written in the background), a
+    resume from it."""
+    if mode == "rank0" and dist.get_rank() > 0:
+        base = config_only
     model, opt, ck = _setup(base, out, mode)
     assert ck.resume() is None
     ck.load_base()
@@ -201,7 +212,7 @@ def test_full_finetune_writes_back_the_multimodal_checkpoint(pool2, src, tmp_pat
     import transformers
     from transformers.models.qwen3_5 import Qwen3_5ForConditionalGeneration
 
-    res = pool2.run_ok(_train_save_resume, str(src["dir"]), str(tmp_path / "out"), mode)
+    res = pool2.run_ok(_train_save_resume, str(src["dir"]), str(src["config_only"]), str(tmp_path / "out"), mode)
     out = Path(res[0]["path"])
     saved, source = safetensors_tensors(out), src["tensors"]
     # the same tensors under the same names; every other tower's bytes as in the source, the text ones trained

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from shardtune.checkpoint.errors import CheckpointError
-from shardtune.checkpoint.formats.carried import carried_items
+from shardtune.checkpoint.formats.carried import CarriedSource, agree_on_carried, carried_items, read_carried
 from shardtune.checkpoint.formats.hf_load import hf_file_prefixes, log_done, model_args, progress_bar
 from shardtune.checkpoint.layout import (
     CONFIG_FILE,
@@ -120,7 +120,9 @@ def save_hf_checkpoint(
         expert_layout=expert_layout,
         source_dir=source_dir,
     )
-    plan = plan_hf_checkpoint(model, out_dir, options=options)
+    # the towers a multimodal model carries: their headers read by rank 0 alone when only it writes
+    carried = agree_on_carried(model_args(model), source_dir, every_rank_reads=not sink.gathers_sharded)
+    plan = plan_hf_checkpoint(model, out_dir, options=options, carried=carried)
     files = plan.files
     total = sum(item.nbytes for file in files for item in file.items)
     with progress_bar(total, desc="save") as bar:
@@ -143,15 +145,21 @@ class HFSaveOptions:
     source_dir: str | os.PathLike | None = None
 
 
-def plan_hf_checkpoint(model: nn.Module, out_dir: str | os.PathLike, *, options: HFSaveOptions) -> SavePlan:
+def plan_hf_checkpoint(
+    model: nn.Module, out_dir: str | os.PathLike, *, options: HFSaveOptions, carried: CarriedSource | None = None
+) -> SavePlan:
     """The files of :func:`save_hf_checkpoint`, described alike on every rank from the model
-    alone (local: no collective, no file touched): the weight files, ``config.json``, the index,
-    the tokenizer files to copy, and any problem found. Execute it with
-    :func:`~shardtune.checkpoint.storage.plans.save` (or ``prepare`` and the writer)."""
+    alone (local: no collective, no file touched but the headers of ``options.source_dir``): the
+    weight files, ``config.json``, the index, the tokenizer files to copy, and any problem found.
+    ``carried``: the source tensors of a multimodal model, when read already (else each rank reads
+    the headers). Execute it with :func:`~shardtune.checkpoint.storage.plans.save` (or ``prepare``
+    and the writer)."""
     out_dir = os.fspath(out_dir)
     items, hf_config, problems = _weight_items(model, options)
-    carried, carry_problems = carried_items(model_args(model), options.source_dir, world=comm.world_size())
-    items, problems = items + carried, problems + carry_problems
+    if carried is None:
+        carried = read_carried(model_args(model), options.source_dir)
+    carried_writes, carry_problems = carried_items(carried, world=comm.world_size())
+    items, problems = items + carried_writes, problems + carry_problems
     files = []
     try:
         files = plan_files(items, out_dir, max_shard_bytes=parse_size(options.max_shard_size), name=weight_file_name)
