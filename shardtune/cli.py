@@ -390,7 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     convert = sub.add_parser("convert", help="turn a DCP checkpoint (checkpoint_format=dcp) into an HF model directory")
     convert.add_argument("checkpoint", help="a checkpoint directory holding dcp/ (e.g. <output_dir>/step_100)")
     convert.add_argument("out_dir")
-    convert.add_argument("--base-dir", help="the HF base model (LoRA checkpoints; default: the one recorded at save)")
+    convert.add_argument(
+        "--base-dir",
+        help="the HF base model (LoRA checkpoints, default: the one recorded at save; multimodal ones: their other towers)",
+    )
     convert.set_defaults(fn=cmd_convert)
     verify = sub.add_parser("verify", help="check a checkpoint's files against its manifest (sizes and checksums)")
     verify.add_argument("path", help="a checkpoint (e.g. <output_dir>/step_100), or an output_dir: all its checkpoints")

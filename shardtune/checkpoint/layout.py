@@ -57,6 +57,13 @@ TOKENIZER_FILES = (
     "generation_config.json",
     "tokenizer.model",
 )
+# a multimodal model's processors (images, video), kept beside its tokenizer files
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.json",
+)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 

@@ -47,7 +47,7 @@ class WeightsInputs:
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
     lora: bool  # the model has LoRA adapters: the PEFT adapter is written too
-    base_dir: Path | None  # named in the adapter's config; its tokenizer files are copied
+    base_dir: Path | None  # named in the adapter's config; its tokenizer files (and other towers) are copied
     max_shard_size: int | str
     adapter_weights_only: bool
     shared_filesystem: bool
@@ -91,6 +91,7 @@ class HFNow:
                 tokenizer_dir=inputs.base_dir,
                 shared_filesystem=shared,
                 expert_layout=inputs.expert_layout,
+                source_dir=inputs.base_dir,
             )
         if inputs.optimizer is not None:
             save_optimizer(inputs.model, inputs.optimizer, staging / STATE_DIR, shared_filesystem=shared)
@@ -115,6 +116,7 @@ class HFInBackground:
                 merge_adapters=True,
                 tokenizer_dir=inputs.base_dir,
                 expert_layout=inputs.expert_layout,
+                source_dir=inputs.base_dir,
             )
             plans.append(plan_hf_checkpoint(inputs.model, staging, options=options))
         if inputs.optimizer is not None:

@@ -68,6 +68,8 @@ class ModelArgs:
     linear_attention: LinearAttentionArgs | None = None  # the Gated DeltaNet layers of a hybrid (qwen3_5_text)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     """Free-form metadata (e.g. token ids) carried into ``model_args_to_hf_config``."""
+    multimodal: dict[str, Any] | None = field(default=None, compare=False)
+    """The ``config.json`` of the multimodal checkpoint this model is the text tower of (None: a text model)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "intermediate_size", "max_seq_len"):

@@ -20,6 +20,8 @@ import torch
 from shardtune.json_files import read_json
 from shardtune.models.args import FULL, SLIDING, ModelArgs
 from shardtune.models.families import Family, family_of, get_family, supported_model_types
+from shardtune.models.multimodal import text_config as multimodal_text_config
+from shardtune.models.multimodal import wrap_text_config
 from shardtune.models.spec import OPTIONAL_FIELDS
 
 __all__ = ["load_hf_config", "model_args_from_hf_config", "model_args_to_hf_config"]
@@ -167,6 +169,9 @@ def model_args_from_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> 
     """``ModelArgs`` from an HF ``config.json`` (dict, file or model directory) of a supported family."""
     cfg = load_hf_config(config)
     source = "HF config dict" if isinstance(config, Mapping) else str(_config_path(config))
+    multimodal, text = None, multimodal_text_config(cfg, source)
+    if text is not None:  # a multimodal checkpoint: its text tower is the model
+        multimodal, cfg, source = cfg, text, f"{source} (text_config)"
     _check_config_types(cfg, source)
     family = get_family(cfg["model_type"])
     act = cfg.get(family.act_key) or cfg.get("hidden_act") or family.default_act
@@ -196,6 +201,7 @@ def model_args_from_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> 
         "model_type": family.model_type,
         "hidden_act": act,
         "extra": extra,
+        "multimodal": multimodal,
         **_rope_from_hf(cfg, family),
     }
     kwargs.update(family.read(cfg))
@@ -253,8 +259,15 @@ def model_args_to_hf_config(
 
     ``rope_style="legacy"`` writes ``rope_theta``/``rope_scaling`` (readable by transformers 4
     and 5); ``"rope_parameters"`` writes the transformers >= 5 form. ``extra`` entries are
-    merged last (e.g. ``bos_token_id``).
+    merged last (e.g. ``bos_token_id``). The text tower of a multimodal checkpoint
+    (``args.multimodal``) gives that checkpoint's config with this one as its ``text_config``.
     """
+    if args.multimodal is not None:
+        text = model_args_to_hf_config(args.replace(multimodal=None), rope_style="rope_parameters")
+        wrapped = wrap_text_config(args, text)
+        if dtype is not None:
+            wrapped["torch_dtype"] = wrapped["dtype"] = _dtype_name(dtype)
+        return {**wrapped, **(extra or {})}
     family = get_family(args.model_type)
     _check_family_features(args)
     cfg: dict[str, Any] = {"architectures": [family.architecture], "model_type": family.model_type}

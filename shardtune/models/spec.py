@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from shardtune.models.args import ModelArgs
     from shardtune.models.moe_args import MoeArgs
 
-__all__ = ["AttentionSpec", "Blocks", "ExpertNames", "Family", "MlpSpec", "SparseSpec"]
+__all__ = ["AttentionSpec", "Blocks", "ExpertNames", "Family", "MlpSpec", "Multimodal", "SparseSpec"]
 
 
 @dataclass(frozen=True)
@@ -157,3 +157,25 @@ class Family:
     def local_rope(self) -> bool:
         """Whether sliding layers rotate with their own base (``rope_local_theta``, written per layer type)."""
         return self.default_local_theta is not None
+
+
+@dataclass(frozen=True)
+class Multimodal:
+    """A multimodal HF checkpoint whose text tower is a family's decoder (trained) and whose other
+    towers are carried through unchanged.
+
+    ``model_type``/``architecture``: the checkpoint's (``config.json``); its ``text_config`` is a
+    ``text_model_type`` config. ``file_prefixes``: (model name prefix, file name prefix) pairs, e.g.
+    ``("model.", "model.language_model.")``: the text model's tensor ``model.norm.weight`` is
+    ``model.language_model.norm.weight`` in the files (names under no listed prefix are unchanged:
+    ``lm_head.weight``). ``text_prefixes``: the file names of the text model's tensors start with one
+    of these; every other tensor of the files is carried. ``towers``: a config key naming a tower ->
+    the prefix its tensors have in the files (a config naming a tower whose tensors are absent is refused).
+    """
+
+    model_type: str
+    architecture: str
+    text_model_type: str
+    file_prefixes: tuple[tuple[str, str], ...]
+    text_prefixes: tuple[str, ...]
+    towers: Mapping[str, str] = field(default_factory=dict)

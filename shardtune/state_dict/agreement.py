@@ -156,8 +156,8 @@ def _match(entries: list[ModelEntry], desc: dict, mode: str, *, strict: bool) ->
     item: LoadItem | None
     problem: str | None
     for entry in entries:
-        known.update(entry.fqns)
-        key = next((fqn for fqn in entry.fqns if fqn in desc), None)
+        known.update(entry.keys)
+        key = next((k for k in entry.keys if k in desc), None)
         if entry.parts is not None:
             known.update(p.name for p in entry.parts)
         if key is not None and entry.parts is not None and any(p.name in desc for p in entry.parts):
@@ -169,7 +169,7 @@ def _match(entries: list[ModelEntry], desc: dict, mode: str, *, strict: bool) ->
         else:
             item, problem = _match_key(entry, key, desc[key], world)
         if item is None and problem is None:
-            missing.extend(entry.fqns)
+            missing.extend(entry.keys)
         elif problem is not None:
             problems.append(problem)
         elif item is not None:
@@ -264,7 +264,7 @@ def _number_kind_problems(entries: list[ModelEntry], full_sd: Mapping[str, Any])
     integer one: casting would silently turn bytes into wrong numbers (a corrupt header, say)."""
     problems = []
     for entry in entries:
-        key = next((fqn for fqn in entry.fqns if fqn in full_sd), None)
+        key = next((k for k in entry.keys if k in full_sd), None)
         keys = [key] if key is not None else [p.name for p in entry.parts or () if p.name in full_sd]
         want = number_kind(entry.tensor.dtype)
         odd = [(k, have) for k in keys if (have := number_kind(full_sd[k])) is not None and have != want]

@@ -64,9 +64,17 @@ def gather_cpu_state_dict(
 def _adapter_entries(entries: list[ModelEntry]) -> list[ModelEntry]:
     kept = []
     for entry in entries:
-        names = [(n, p) for n, p in zip(entry.names, entry.positions) if is_adapter_key(n[0])]
+        names = [(n, p, k) for n, p, k in zip(entry.names, entry.positions, entry.keys) if is_adapter_key(n[0])]
         if names:
-            kept.append(ModelEntry(entry.tensor, entry.is_buffer, [n for n, _ in names], [p for _, p in names]))
+            kept.append(
+                ModelEntry(
+                    entry.tensor,
+                    entry.is_buffer,
+                    [n for n, _, _ in names],
+                    [p for _, p, _ in names],
+                    keys=[k for _, _, k in names],
+                )
+            )
     return kept
 
 

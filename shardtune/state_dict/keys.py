@@ -1,12 +1,15 @@
 """Key handling for state dicts: clean FQNs, adapter predicates, model entries.
 
 A model entry's ``parts`` say when its tensor is stored as several file tensors (the N:1
-key mapping of :mod:`~shardtune.state_dict.parts`), as its owning module declares.
+key mapping of :mod:`~shardtune.state_dict.parts`), as its owning module declares; its ``keys``
+are its names in the files. Both go through the same file-name prefixes (:func:`file_key`: the
+text model of a multimodal checkpoint stores ``model.*`` as ``model.language_model.*``), given by
+the format that reads or writes the files; without them a file key is the model's name.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -42,6 +45,7 @@ class ModelEntry:
     names: list[tuple[str, nn.Module, str]] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # index of each name in state_dict() order
     parts: tuple[Part, ...] | None = None  # stored as these file tensors (None: as itself, under its names)
+    keys: list[str] = field(default_factory=list)  # each name's file key (file prefixes applied)
 
     @property
     def fqn(self) -> str:
@@ -52,8 +56,20 @@ class ModelEntry:
         return [name[0] for name in self.names]
 
 
-def model_entries(model: nn.Module) -> list[ModelEntry]:
-    """The model's state-dict tensors in ``model.state_dict()`` order, aliases grouped.
+FilePrefixes = tuple[tuple[str, str], ...]  # (model name prefix, file name prefix) pairs
+
+
+def file_key(name: str, prefixes: FilePrefixes) -> str:
+    """``name`` as the files spell it: its first matching model prefix replaced by its file prefix."""
+    for model_prefix, file_prefix in prefixes:
+        if name.startswith(model_prefix):
+            return file_prefix + name[len(model_prefix) :]
+    return name
+
+
+def model_entries(model: nn.Module, *, file_prefixes: FilePrefixes = ()) -> list[ModelEntry]:
+    """The model's state-dict tensors in ``model.state_dict()`` order, aliases grouped, with their
+    file keys and parts named through ``file_prefixes``.
 
     Persistent buffers are included, non-persistent ones are not, as in ``state_dict()``.
     FSDP2 modules are resharded first so their registered parameters are the sharded DTensors.
@@ -67,16 +83,16 @@ def model_entries(model: nn.Module) -> list[ModelEntry]:
             fqn = clean_fqn(f"{prefix}.{name}" if prefix else name)
             entry = by_id.get(id(tensor))
             if entry is None:
-                entry = ModelEntry(
-                    tensor=tensor,
-                    is_buffer=is_buffer,
-                    parts=module_parts(module, clean_fqn(prefix), name, tuple(tensor.shape)),
-                )
+                parts = module_parts(module, clean_fqn(prefix), name, tuple(tensor.shape))
+                if parts is not None and file_prefixes:
+                    parts = tuple(replace(p, name=file_key(p.name, file_prefixes)) for p in parts)
+                entry = ModelEntry(tensor=tensor, is_buffer=is_buffer, parts=parts)
                 by_id[id(tensor)] = entry
                 entries.append(entry)
             if fqn not in entry.fqns:
                 entry.names.append((fqn, module, name))
                 entry.positions.append(position)
+                entry.keys.append(file_key(fqn, file_prefixes))
             position += 1
     return entries
 

@@ -283,5 +283,5 @@ def convert_dcp_to_hf(
         load_hf_checkpoint(model, base, device="cpu")
     load_dcp(model, None, checkpoint_dir / DCP_DIR, device="cpu")
     tokenizer_dir = base if base is not None and (Path(base) / "tokenizer.json").is_file() else checkpoint_dir
-    save_hf_checkpoint(model, out_dir, merge_adapters=True, tokenizer_dir=tokenizer_dir)
+    save_hf_checkpoint(model, out_dir, merge_adapters=True, tokenizer_dir=tokenizer_dir, source_dir=base)
     return Path(out_dir)

@@ -4,8 +4,11 @@ Rule: no rank reads more than its own rows. :func:`open_hf_checkpoint` validates
 directory (single ``model.safetensors`` or an index plus shards) and maps each tensor name to
 a lazy slice; given to ``load_from_full_model_state_dict`` on every rank, each rank reads only
 its own rows, and no weights cross the network. :func:`load_hf_checkpoint` does that, or with
-``shared_filesystem=False`` lets rank 0 read and scatter. Saving is
-:mod:`~shardtune.checkpoint.formats.hf_save`.
+``shared_filesystem=False`` lets rank 0 read and scatter. The text tower of a multimodal
+checkpoint (``ModelArgs.multimodal``) reads its tensors under their file names
+(``model.language_model.*``: :func:`hf_file_prefixes`); the other towers' tensors are left in the
+files (saves carry them through), and a tower the config names but the files lack is refused.
+Saving is :mod:`~shardtune.checkpoint.formats.hf_save`.
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ from shardtune.checkpoint.formats import mxfp4
 from shardtune.checkpoint.layout import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES
 from shardtune.checkpoint.safety.file_names import inside
 from shardtune.checkpoint.storage.safetensors_io import SafetensorsFile, TensorSlice
+from shardtune.models.args import ModelArgs
+from shardtune.models.multimodal import carried_keys, file_prefixes, tower_problems
 from shardtune.ranks import comm
 from shardtune.ranks.errors import format_problems
 from shardtune.state_dict.gc_pause import collector_paused
-from shardtune.state_dict.keys import ModelEntry, model_entries
+from shardtune.state_dict.keys import FilePrefixes, ModelEntry, model_entries
 from shardtune.state_dict.layout import local_tensor
 from shardtune.state_dict.load import load_entries
 
@@ -78,6 +83,11 @@ class HFCheckpoint(Mapping[str, TensorSlice]):
     @property
     def total_bytes(self) -> int:
         return sum(self.files[f].entries[k].nbytes for k, f in self.weight_map.items())
+
+    def without(self, keys: list[str]) -> HFCheckpoint:
+        """The same files, their tensors ``keys`` left out (closing either closes both)."""
+        dropped = set(keys)
+        return HFCheckpoint(self.model_dir, self.files, {k: f for k, f in self.weight_map.items() if k not in dropped})
 
     def set_read_callback(self, callback) -> None:
         """Call ``callback(nbytes)`` after every read (progress bars)."""
@@ -209,15 +219,19 @@ def _load(
     start = time.perf_counter()
     checkpoint, problems = None, []
     state: Mapping = {}
+    args = model_args(model)
     if shared_filesystem or comm.rank() == 0:
         try:
             checkpoint = open_hf_checkpoint(model_dir)
+            if args is not None:  # the text tower of a multimodal checkpoint: the other towers stay in the files
+                problems += tower_problems(args, list(checkpoint), model_dir)
+                checkpoint = checkpoint.without(carried_keys(args, list(checkpoint)))
             state = mxfp4.dequantizing(checkpoint)  # gpt-oss MXFP4 experts, dequantized per piece as read
         except CheckpointError as exc:
             problems.append(str(exc))
     try:
         comm.raise_on_every_rank(problems, header="Cannot load the HF checkpoint:", error=CheckpointError)
-        entries = model_entries(model)
+        entries = model_entries(model, file_prefixes=hf_file_prefixes(model))
         total = _expected_reads(entries, checkpoint, shared_filesystem) if checkpoint is not None else 0
         with progress_bar(total, desc="load") as bar:
             if checkpoint is not None:
@@ -230,6 +244,19 @@ def _load(
         log_done("Loaded", model_dir, checkpoint.total_bytes if checkpoint is not None else 0, start)
         _warn_unused(model_dir, result.unexpected_keys)
     return result
+
+
+def model_args(model: nn.Module) -> ModelArgs | None:
+    """The architecture of a shardtune decoder (None for another module)."""
+    args = getattr(model, "args", None)
+    return args if isinstance(args, ModelArgs) else None
+
+
+def hf_file_prefixes(model: nn.Module) -> FilePrefixes:
+    """How ``model``'s tensor names are spelled in its HF files: (model prefix, file prefix) pairs,
+    e.g. ``model.`` -> ``model.language_model.`` for the text tower of a multimodal checkpoint."""
+    args = model_args(model)
+    return () if args is None else file_prefixes(args)
 
 
 # Buffers older transformers versions saved though no model reads them (RoPE is recomputed from the config).
@@ -255,7 +282,7 @@ def _expected_reads(entries: list[ModelEntry], checkpoint: HFCheckpoint, shared_
         return checkpoint.total_bytes
     total = 0
     for entry in entries:
-        key = next((fqn for fqn in entry.fqns if fqn in checkpoint), None)
+        key = next((k for k in entry.keys if k in checkpoint), None)
         if key is None and entry.parts is not None:
             key = next((p.name for p in entry.parts if p.name in checkpoint), None)
         if key is None:

@@ -8,7 +8,9 @@ opens no file); a tensor whose module declares file parts is written as those fi
 ``expert_layout`` says (by default the form it was read in).
 :func:`~shardtune.checkpoint.storage.plans.save` executes it: rank 0 writes the small
 files and the weight files' headers, the weights' bytes go through a sink
-(:mod:`~shardtune.checkpoint.storage.sinks`): no rank gathers the model.
+(:mod:`~shardtune.checkpoint.storage.sinks`): no rank gathers the model. The text tower of a
+multimodal checkpoint is written under its file names (``model.language_model.*``), its other
+towers copied from ``source_dir`` (:mod:`~shardtune.checkpoint.formats.carried`).
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ import torch
 from torch import nn
 
 from shardtune.checkpoint.errors import CheckpointError
-from shardtune.checkpoint.formats.hf_load import log_done, progress_bar
+from shardtune.checkpoint.formats.carried import CarriedSource, agree_on_carried, carried_items, read_carried
+from shardtune.checkpoint.formats.hf_load import hf_file_prefixes, log_done, model_args, progress_bar
 from shardtune.checkpoint.layout import (
     CONFIG_FILE,
     INDEX_FILE,
+    PROCESSOR_FILES,
     TOKENIZER_FILES,
     is_weight_file_name,
     weight_file_name,
@@ -82,6 +86,7 @@ def save_hf_checkpoint(
     shared_filesystem: bool = True,
     sink: Sink | None = None,
     expert_layout: str = "auto",
+    source_dir: str | os.PathLike | None = None,
 ) -> list[str]:
     """Write ``model`` as an HF checkpoint directory loadable by ``AutoModelForCausalLM.from_pretrained``.
 
@@ -94,7 +99,9 @@ def save_hf_checkpoint(
     and written by its ``flush()`` (the model may change in between). Writes ``config.json``
     (from ``config`` or ``model.args``, with the saved dtype), ``model.safetensors`` or
     HF-named shards of at most ``max_shard_size`` plus ``model.safetensors.index.json``, and
-    the tokenizer files found in ``tokenizer_dir``. Floating tensors are cast to ``dtype`` when
+    the tokenizer and processor files found in ``tokenizer_dir``. The text tower of a multimodal
+    checkpoint is written as that checkpoint, its other towers copied byte for byte from
+    ``source_dir`` (the checkpoint it was loaded from), each rank its share. Floating tensors are cast to ``dtype`` when
     given; NF4 bases are dequantized; with ``merge_adapters`` each LoRA linear is written as
     ``W + scaling * B @ A`` and its adapters are left out. A tied ``lm_head.weight`` is left
     out when the config says ``tie_word_embeddings``. Returns, on every rank, the names of the
@@ -111,8 +118,11 @@ def save_hf_checkpoint(
         config=config,
         tokenizer_dir=tokenizer_dir,
         expert_layout=expert_layout,
+        source_dir=source_dir,
     )
-    plan = plan_hf_checkpoint(model, out_dir, options=options)
+    # the towers a multimodal model carries: their headers read by rank 0 alone when only it writes
+    carried = agree_on_carried(model_args(model), source_dir, every_rank_reads=not sink.gathers_sharded)
+    plan = plan_hf_checkpoint(model, out_dir, options=options, carried=carried)
     files = plan.files
     total = sum(item.nbytes for file in files for item in file.items)
     with progress_bar(total, desc="save") as bar:
@@ -132,15 +142,24 @@ class HFSaveOptions:
     config: Mapping[str, Any] | None = None
     tokenizer_dir: str | os.PathLike | None = None
     expert_layout: str = "auto"
+    source_dir: str | os.PathLike | None = None
 
 
-def plan_hf_checkpoint(model: nn.Module, out_dir: str | os.PathLike, *, options: HFSaveOptions) -> SavePlan:
+def plan_hf_checkpoint(
+    model: nn.Module, out_dir: str | os.PathLike, *, options: HFSaveOptions, carried: CarriedSource | None = None
+) -> SavePlan:
     """The files of :func:`save_hf_checkpoint`, described alike on every rank from the model
-    alone (local: no collective, no file touched): the weight files, ``config.json``, the index,
-    the tokenizer files to copy, and any problem found. Execute it with
-    :func:`~shardtune.checkpoint.storage.plans.save` (or ``prepare`` and the writer)."""
+    alone (local: no collective, no file touched but the headers of ``options.source_dir``): the
+    weight files, ``config.json``, the index, the tokenizer files to copy, and any problem found.
+    ``carried``: the source tensors of a multimodal model, when read already (else each rank reads
+    the headers). Execute it with :func:`~shardtune.checkpoint.storage.plans.save` (or ``prepare``
+    and the writer)."""
     out_dir = os.fspath(out_dir)
     items, hf_config, problems = _weight_items(model, options)
+    if carried is None:
+        carried = read_carried(model_args(model), options.source_dir)
+    carried_writes, carry_problems = carried_items(carried, world=comm.world_size())
+    items, problems = items + carried_writes, problems + carry_problems
     files = []
     try:
         files = plan_files(items, out_dir, max_shard_bytes=parse_size(options.max_shard_size), name=weight_file_name)
@@ -162,7 +181,7 @@ def plan_hf_checkpoint(model: nn.Module, out_dir: str | os.PathLike, *, options:
         small_files=_small_files(files, _with_dtype(hf_config, _saved_dtype(items)), problems),
         copied=[]
         if options.tokenizer_dir is None
-        else [Copied(os.fspath(options.tokenizer_dir), TOKENIZER_FILES, "tokenizer_dir")],
+        else [Copied(os.fspath(options.tokenizer_dir), TOKENIZER_FILES + PROCESSOR_FILES, "tokenizer_dir")],
     )
 
 
@@ -286,13 +305,13 @@ def _plan_items(
     expert_layout: str = "auto",
 ) -> tuple[list[WriteItem], list[str]]:
     """The tensors to write, in ``state_dict()`` order, and any problems found (not raised)."""
-    entries = model_entries(model)
+    entries = model_entries(model, file_prefixes=hf_file_prefixes(model))
     by_fqn = {fqn: e for e in entries for fqn in e.fqns}
     merges, skipped, problems = _lora_merges(model, by_fqn) if merge_adapters else ({}, set(), [])
-    named = sorted((pos, fqn, e) for e in entries for pos, fqn in zip(e.positions, e.fqns))
+    named = sorted((pos, fqn, key, e) for e in entries for pos, fqn, key in zip(e.positions, e.fqns, e.keys))
     items: list[WriteItem] = []
     world = comm.world_size()
-    for _, fqn, entry in named:
+    for _, fqn, key, entry in named:
         if fqn in skipped or (tie_word_embeddings and _is_tied_head(fqn, entry)):
             continue
         if fqn in merges and len(entry.fqns) > 1:
@@ -318,7 +337,7 @@ def _plan_items(
         if parts is not None and fqn != entry.fqn:
             continue  # the file tensors are named after the first name only
         if parts is None:
-            items += whole_items(fqn, entry.tensor, out_dtype, layout, merges.get(fqn))
+            items += whole_items(key, entry.tensor, out_dtype, layout, merges.get(fqn))
             continue
         merge = merges.get(fqn)
         problem = tiling_problem(fqn, layout.shape, parts) or (

@@ -3,6 +3,8 @@
 Rule: the layout ``peft.PeftModel.from_pretrained(base, dir)`` loads unchanged (PEFT's
 ``base_model.model.`` names, the adapters' own dtypes); the weights go through the sharded
 writer and a sink like every other safetensors file (:mod:`~shardtune.checkpoint.storage.writer`).
+Names follow the HF files' (the text tower of a multimodal checkpoint:
+``base_model.model.model.language_model.*``, as peft names them on the multimodal model).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from shardtune.checkpoint.formats.hf_load import hf_file_prefixes
 from shardtune.checkpoint.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from shardtune.checkpoint.storage.plans import SavePlan, SmallFile, save
 from shardtune.checkpoint.storage.sinks import resolve_sink
@@ -23,9 +26,9 @@ from shardtune.peft.adapters import PEFT_PREFIX, is_adapter_key
 from shardtune.peft.lora import lora_config_of
 from shardtune.ranks import comm
 from shardtune.ranks.errors import StateDictError
-from shardtune.state_dict import load_from_full_model_state_dict
 from shardtune.state_dict.keys import model_entries
 from shardtune.state_dict.layout import layout_of
+from shardtune.state_dict.load import load_entries
 
 
 def save_peft_adapter(
@@ -76,15 +79,16 @@ def adapter_items(model: nn.Module, *, dtype: torch.dtype | None = None) -> list
     if lora_config_of(model) is None:
         raise StateDictError("the model has no LoRA adapters (model.lora_config is missing); apply_lora first")
     world = comm.world_size()
-    named = sorted((pos, fqn, e.tensor) for e in model_entries(model) for pos, fqn in zip(e.positions, e.fqns))
+    entries = model_entries(model, file_prefixes=hf_file_prefixes(model))
+    named = sorted((pos, fqn, key, e.tensor) for e in entries for pos, fqn, key in zip(e.positions, e.fqns, e.keys))
     return [
         WriteItem(
-            PEFT_PREFIX + fqn,
+            PEFT_PREFIX + key,
             tensor,
             dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype,
             layout_of(tensor, world),
         )
-        for _, fqn, tensor in named
+        for _, fqn, key, tensor in named
         if is_adapter_key(fqn)
     ]
 
@@ -108,7 +112,8 @@ def load_peft_adapter(
     path = Path(adapter_dir) / ADAPTER_WEIGHTS
     reads = shared_filesystem or comm.rank() == 0
     adapters = from_peft_adapter_state_dict(load_file(str(path))) if reads and path.is_file() else {}
-    keys = load_from_full_model_state_dict(model, adapters, device, cpu_offload=cpu_offload)
+    entries = model_entries(model, file_prefixes=hf_file_prefixes(model))
+    keys = load_entries(entries, adapters, device, cpu_offload=cpu_offload)
     missing = [k for k in keys.missing_keys if "lora" in k]
     if strict and (missing or keys.unexpected_keys):
         raise StateDictError(

@@ -206,9 +206,10 @@ class SafetensorsFile:
     ``on_read(nbytes)``, when set, is called after every read (progress reporting).
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, entries: dict[str, HeaderEntry] | None = None) -> None:
+        """``entries``: the header's tensors when already read (by another rank: the header is not read again)."""
         self.path = os.fspath(path)
-        self.entries = read_header(self.path)
+        self.entries = read_header(self.path) if entries is None else entries
         self.on_read: Callable[[int], None] | None = None
         self._fd: int | None = None
 

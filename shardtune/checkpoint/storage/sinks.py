@@ -24,7 +24,6 @@ from shardtune.checkpoint.storage.staging_memory import StagingMemory, aligned
 from shardtune.checkpoint.storage.writer import FilePlan, Sink, WriteItem
 from shardtune.ranks import comm
 from shardtune.ranks.faults import fault_point
-from shardtune.state_dict.layout import local_tensor
 
 
 class FileWriter:
@@ -154,7 +153,7 @@ class StagedSink:
         self.blocks: list[tuple[FilePlan, torch.Tensor, int]] = []
 
     def begin(self, blocks: list[tuple[WriteItem, int]], problems: comm.Problems) -> None:
-        on_accelerator = any(local_tensor(item.tensor).device.type != "cpu" for item, _ in blocks)
+        on_accelerator = any(item.device.type != "cpu" for item, _ in blocks)
         self.memory.reserve(sum(aligned(nbytes) for _, nbytes in blocks), pinned=on_accelerator)
 
     def buffer(self, item: WriteItem) -> torch.Tensor | None:

@@ -7,7 +7,9 @@ one file tensor, each at its byte offset ``within`` it) grouped into :class:`Fil
 every rank computes alike from shapes alone; rank 0 creates the files (:func:`create_files`).
 This module decides *which rank hands which block* (:func:`write_files`): the owner of a
 whole-rows shard hands its rows, rank 0 hands unsharded tensors and gathered ones (blocks
-that are not whole rows, or every sharded tensor when the sink gathers). The sink
+that are not whole rows, or every sharded tensor when the sink gathers). A tensor of other files
+copied through (a lazy source, e.g. a multimodal checkpoint's vision tower) is read by the ranks
+its layout gives blocks to, each its own rows, or by rank 0 whole when the sink gathers. The sink
 (:mod:`~shardtune.checkpoint.storage.sinks`) decides *how the bytes reach the files*. No rank holds
 more of the model than its own shards plus one gathered tensor.
 """
@@ -29,6 +31,7 @@ from shardtune.ranks import comm
 from shardtune.state_dict import nf4
 from shardtune.state_dict.gather import gather_to_rank0
 from shardtune.state_dict.layout import Piece, TensorLayout, local_tensor
+from shardtune.state_dict.lazy import LazyTensor
 from shardtune.state_dict.parts import Part, part_block, part_layout, stacked_parts
 
 BlockFn = Callable[[torch.Tensor, Piece], torch.Tensor]
@@ -48,7 +51,9 @@ class WriteItem:
     """One tensor of a safetensors file and where its data comes from."""
 
     name: str
-    tensor: torch.Tensor  # the source: a DTensor (this rank's shard is read) or a plain tensor
+    # the source: a DTensor (this rank's shard is read), a plain tensor, or a lazy tensor of other files
+    # (its blocks are read from there, in its own dtype)
+    tensor: torch.Tensor | LazyTensor
     dtype: torch.dtype  # written dtype
     layout: TensorLayout
     transform: BlockTransform | None = None
@@ -67,6 +72,11 @@ class WriteItem:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's blocks of the source are (a lazy source's are read into CPU memory)."""
+        return local_tensor(self.tensor).device if isinstance(self.tensor, torch.Tensor) else torch.device("cpu")
 
 
 @dataclass
@@ -242,7 +252,7 @@ def _write_item(
         return
     if piece is not None:
         with problems.guard(item.name):
-            block = local_block(item, transform, device=sink.block_device)
+            block = local_block(item, transform, device=sink.block_device, piece=piece)
             sink.write(file, block, offset + _row_offset(item, piece))
 
 
@@ -252,6 +262,8 @@ def _route(item: WriteItem, sink: Sink, me: int) -> tuple[str, Piece | None]:
     (None when it hands nothing)."""
     layout = item.layout
     whole = Piece(shape=layout.shape, offset=(0,) * len(layout.shape))
+    if sink.gathers_sharded and not isinstance(item.tensor, torch.Tensor):
+        return "whole", whole if me == 0 else None  # other files, which only rank 0 may see: it copies them whole
     owners = layout.owners() if layout.is_sharded else {}
     if (layout.is_sharded and sink.gathers_sharded) or not all(p.is_row_range(layout.shape) for p in owners):
         return "gather", whole if me == 0 else None
@@ -292,9 +304,15 @@ def _row_offset(item: WriteItem, piece: Piece) -> int:
     return piece.offset[0] * math.prod(item.shape[1:]) * item.dtype.itemsize
 
 
-def local_block(item: WriteItem, transform: BlockFn | None, *, device: str | None) -> torch.Tensor:
+def local_block(
+    item: WriteItem, transform: BlockFn | None, *, device: str | None, piece: Piece | None = None
+) -> torch.Tensor:
     """This rank's block of the written tensor: dequantized, transformed, cast, moved to ``device``
-    (None: where the shard lives); may be a view of the model's (or optimizer's) storage."""
+    (None: where the shard lives); may be a view of the model's (or optimizer's) storage. A lazy
+    source's block ``piece`` (default: this rank's piece) is read from its files."""
+    if not isinstance(item.tensor, torch.Tensor):
+        block = item.tensor[(piece or item.layout.piece(comm.rank())).slices]
+        return block if device is None else block.to(device=device)
     piece = item.layout.piece(comm.rank())
     local = nf4.dequantize(local_tensor(item.tensor)).detach()
     if item.part is not None and item.source is not None:

@@ -16,16 +16,19 @@ from shardtune.models.families.mistral import MISTRAL
 from shardtune.models.families.mixtral import MIXTRAL
 from shardtune.models.families.phi3 import PHI3
 from shardtune.models.families.qwen import QWEN2, QWEN3
-from shardtune.models.families.qwen3_5 import QWEN3_5_TEXT
+from shardtune.models.families.qwen3_5 import QWEN3_5, QWEN3_5_TEXT
 from shardtune.models.families.qwen3_moe import QWEN3_MOE
-from shardtune.models.spec import Family
+from shardtune.models.spec import Family, Multimodal
 
-__all__ = ["FAMILIES", "Family", "family_of", "get_family", "supported_model_types"]
+__all__ = ["FAMILIES", "MULTIMODAL", "Family", "Multimodal", "family_of", "get_family", "supported_model_types"]
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3_TEXT, QWEN3_MOE, MIXTRAL, GPT_OSS, QWEN3_5_TEXT)
 }
+
+# Multimodal checkpoints whose text tower is one of FAMILIES, by their own model_type.
+MULTIMODAL: dict[str, Multimodal] = {m.model_type: m for m in (QWEN3_5,)}
 
 
 def supported_model_types() -> list[str]:

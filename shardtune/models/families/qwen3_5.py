@@ -14,9 +14,9 @@ from typing import Any
 from shardtune.models.args import FULL, LINEAR, ModelArgs
 from shardtune.models.families.config_rules import require
 from shardtune.models.linear_attention_args import LinearAttentionArgs
-from shardtune.models.spec import AttentionSpec, Blocks, Family
+from shardtune.models.spec import AttentionSpec, Blocks, Family, Multimodal
 
-__all__ = ["QWEN3_5_TEXT"]
+__all__ = ["QWEN3_5", "QWEN3_5_TEXT"]
 
 _LINEAR_KEYS = {  # LinearAttentionArgs field -> (config.json key, transformers' default)
     "num_key_heads": ("linear_num_key_heads", 16),
@@ -104,4 +104,15 @@ QWEN3_5_TEXT = Family(
         norm_offset=True,
     ),
     config_fields=frozenset({"partial_rotary_factor"}),
+)
+
+# The hub checkpoints (Qwen3_5ForConditionalGeneration): the text decoder under model.language_model, the
+# vision tower under model.visual; multi-token-prediction tensors (mtp.*) are carried too.
+QWEN3_5 = Multimodal(
+    "qwen3_5",
+    "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_text",
+    file_prefixes=(("model.", "model.language_model."),),
+    text_prefixes=("model.language_model.", "lm_head."),
+    towers={"vision_config": "model.visual."},
 )
