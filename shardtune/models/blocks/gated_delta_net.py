@@ -109,8 +109,7 @@ class GatedDeltaNet(nn.Module):
         A context-parallel shard is refused by name."""
         if isinstance(packed, ContextAttention):
             raise NotImplementedError(
-                "context parallel does not cover linear_attention (Gated DeltaNet) layers yet; "
-                "set context_parallel=1"
+                "context parallel does not cover linear_attention (Gated DeltaNet) layers yet; set context_parallel=1"
             )
         b, s, _ = x.shape
         geo = self.geo
