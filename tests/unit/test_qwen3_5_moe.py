@@ -1,0 +1,132 @@
+"""Qwen3.5-MoE text (``qwen3_5_moe_text``) beyond the MoE matrices it is in (``test_models_moe.py``,
+``test_moe_checkpoint.py``, ``test_lora_moe.py``): LoRA on its shared expert and linear-attention projections
+with the experts adapted, against peft; its shared expert and gate matter; the shared expert as spec data
+(other names, ungated); refused input.
+
+References: transformers' ``Qwen3_5MoeForCausalLM`` (tiny random models), peft 0.21, and for the ungated
+spec the block's own routed output plus the shared MLP computed by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardtune.models import LlamaForCausalLM, from_hf_config, model_args_from_hf_config, model_args_to_hf_config
+from shardtune.models.blocks.kinds import build_feed_forward
+from shardtune.models.families import get_family
+from shardtune.models.spec import SharedExpertSpec
+from shardtune.peft import merge_lora
+from shardtune.state_dict import StateDictError, load_from_full_model_state_dict
+from tests.unit.test_lora_moe import _ours, _peft, lora_grad_errors
+from tests.unit.test_models_moe import _rel, batch, hf_moe_model, moe_config, ours_from
+from tests.unit.test_moe_checkpoint import hf_dirs, tensors
+
+NAME = "qwen3_5_moe_text"
+LINEAR_ATTENTION = ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]
+SHARED = ["gate_proj", "up_proj", "down_proj", "shared_expert_gate"]  # the shared expert's linears and its gate
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def test_lora_on_the_shared_expert_linear_attention_and_experts_equals_peft():
+    hf = hf_moe_model(NAME)
+    modules = ["q_proj", "o_proj", *LINEAR_ATTENTION, *SHARED]
+    pm = _peft(hf, EXPERTS, modules=modules)
+    ours = _ours(hf, pm, EXPERTS, modules=modules)
+    wrapped = {n.removesuffix(".lora_A.weight").rsplit(".", 1)[-1] for n, _ in ours.named_parameters()}
+    assert {*LINEAR_ATTENTION, *SHARED, "q_proj", "o_proj"} <= wrapped
+    tokens, mask, _ = batch()
+    real = mask.bool()
+    expected = pm(tokens, attention_mask=mask).logits
+    got = ours(tokens)
+    assert _rel(got[real], expected[real]) < 1e-5
+    expected[real].square().sum().backward()
+    got[real].square().sum().backward()
+    errors = lora_grad_errors(ours, pm)
+    assert all(error < 1e-4 for error in errors.values()), errors
+    with torch.no_grad():
+        merged = merge_lora(ours).state_dict()
+    reference = pm.merge_and_unload().state_dict()
+    assert list(merged) == list(reference)
+    for key, value in reference.items():
+        assert (merged[key] - value).abs().max() < 1e-6, key
+
+
+def test_the_shared_expert_and_its_gate_change_the_logits():
+    """The parity of the MoE matrices is not vacuous: a gate of 0.5 everywhere, or no shared expert, differs."""
+    ours = ours_from(hf_moe_model(NAME)).eval()
+    tokens = batch()[0]
+    mlp = ours.model.layers[0].mlp
+    with torch.no_grad():
+        base = ours(tokens)
+        mlp.shared_expert_gate.weight.zero_()
+        half = ours(tokens)
+        mlp.shared_expert.down_proj.weight.zero_()
+        without = ours(tokens)
+    assert _rel(half, base) > 1e-3 and _rel(without, half) > 1e-3
+
+
+def test_an_ungated_shared_expert_under_other_names_adds_its_mlp_output():
+    """DeepSeek-V3/GLM-4.5 style (``shared_experts``, no gate) as spec data: keys under the spec's names, and the
+    block's output is the routed experts' plus the shared MLP's ``down(silu(gate(x)) * up(x))``."""
+    args = model_args_from_hf_config(moe_config(NAME).to_dict())
+    sparse = get_family(NAME).blocks.sparse
+    assert sparse is not None
+    torch.manual_seed(0)
+    spec = dataclasses.replace(sparse, shared=SharedExpertSpec("shared_experts", gate_name=None))
+    block = build_feed_forward(args, spec, layer_idx=0)
+    block.init_weights(0.1)
+    shared_keys = [k for k in block.state_dict() if "shared" in k]
+    assert shared_keys == [f"shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")]
+    x = torch.randn(2, 5, args.dim)
+    mlp, flat = block.shared_experts, x.reshape(-1, args.dim)
+    with torch.no_grad():
+        by_hand = F.silu(F.linear(flat, mlp.gate_proj.weight)) * F.linear(flat, mlp.up_proj.weight)
+        by_hand = F.linear(by_hand, mlp.down_proj.weight).view_as(x)
+        out = block(x)
+        block.shared_names = (None, None)  # the routed experts alone
+        routed = block(x)
+    assert by_hand.abs().max() > 1e-2
+    torch.testing.assert_close(out, routed + by_hand, atol=1e-6, rtol=1e-6)
+
+
+def test_a_dir_mixing_expert_layouts_is_refused_naming_the_tensors(tmp_path):
+    _, dirs = hf_dirs(NAME, tmp_path)
+    fused, per_expert = tensors(dirs["fused"]), tensors(dirs["per_expert"])
+    mixed = {k: v for k, v in fused.items() if ".layers.2." not in k}
+    mixed |= {k: v for k, v in per_expert.items() if ".layers.2." in k}
+    with torch.device("meta"):
+        ours = from_hf_config(dirs["fused"])
+    with pytest.raises(StateDictError, match=r"mixes layouts: \['model\.layers\.0\.mlp\.experts\.gate_up_proj'"):
+        load_from_full_model_state_dict(ours, mixed, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"layer_types": ["linear_attention", "full_attention"]}, "layer_types must list num_hidden_layers=3"),
+        ({"shared_expert_intermediate_size": None}, r"lacks required keys \['shared_expert_intermediate_size'\]"),
+        ({"num_experts_per_tok": 7}, r"top_k \(7\) exceeds num_experts \(6\)"),
+    ],
+)
+def test_bad_configs_are_refused_naming_the_key(change, match):
+    cfg = {**moe_config(NAME).to_dict(), **change}
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    with pytest.raises(ValueError, match=match):
+        model_args_from_hf_config(cfg)
+
+
+def test_experts_the_config_cannot_express_are_refused():
+    args = model_args_from_hf_config(moe_config(NAME).to_dict())
+    assert args.intermediate_size == args.moe.shared_expert_intermediate_size == 40
+    for change in ({"norm_topk_prob": False}, {"mlp_only_layers": (1,)}, {"shared_expert_intermediate_size": 8}):
+        with pytest.raises(ValueError, match="shared_expert_intermediate_size=ModelArgs.intermediate_size"):
+            model_args_to_hf_config(args.replace(moe=dataclasses.replace(args.moe, **change)))
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size must be set exactly .* needs it"):
+        LlamaForCausalLM(args.replace(moe=dataclasses.replace(args.moe, shared_expert_intermediate_size=None)))
+    qwen3_moe = model_args_from_hf_config(moe_config("qwen3_moe").to_dict())
+    with pytest.raises(ValueError, match="model_type 'qwen3_moe' has none"):
+        LlamaForCausalLM(qwen3_moe.replace(moe=dataclasses.replace(qwen3_moe.moe, shared_expert_intermediate_size=8)))
