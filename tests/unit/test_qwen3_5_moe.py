@@ -1,10 +1,11 @@
 """Qwen3.5-MoE text (``qwen3_5_moe_text``) beyond the MoE matrices it is in (``test_models_moe.py``,
 ``test_moe_checkpoint.py``, ``test_lora_moe.py``): LoRA on its shared expert and linear-attention projections
 with the experts adapted, against peft; its shared expert and gate matter; the shared expert as spec data
-(other names, ungated); refused input.
+(other names, ungated); refused input; the Qwen3.5-MoE preset.
 
 References: transformers' ``Qwen3_5MoeForCausalLM`` (tiny random models), peft 0.21, and for the ungated
-spec the block's own routed output plus the shared MLP computed by hand.
+spec the block's own routed output plus the shared MLP computed by hand; for the preset transformers' config
+defaults and meta-device models.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 from shardtune.models import LlamaForCausalLM, from_hf_config, model_args_from_hf_config, model_args_to_hf_config
 from shardtune.models.blocks.kinds import build_feed_forward
 from shardtune.models.families import get_family
+from shardtune.models.registry import build_model, get_model_args
 from shardtune.models.spec import SharedExpertSpec
 from shardtune.peft import merge_lora
 from shardtune.state_dict import StateDictError, load_from_full_model_state_dict
@@ -130,3 +133,33 @@ def test_experts_the_config_cannot_express_are_refused():
     qwen3_moe = model_args_from_hf_config(moe_config("qwen3_moe").to_dict())
     with pytest.raises(ValueError, match="model_type 'qwen3_moe' has none"):
         LlamaForCausalLM(qwen3_moe.replace(moe=dataclasses.replace(qwen3_moe.moe, shared_expert_intermediate_size=8)))
+
+
+# The preset's source: transformers' config defaults, which its docstring calls the Qwen3.5-35B-A3B shape.
+DEFAULT_SHAPES = {"qwen3_5_moe_35b_a3b": (transformers.Qwen3_5MoeTextConfig, 35)}
+SHAPE_KEYS = [
+    *("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"),
+    *("layer_types", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "rope_parameters"),
+    *("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"),
+    "linear_conv_kernel_dim",
+]
+MOE_KEYS = [
+    *("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"),
+    "router_aux_loss_coef",
+]
+
+
+@pytest.mark.parametrize("preset", sorted(DEFAULT_SHAPES))
+def test_presets_are_transformers_default_shapes_with_its_parameter_count(preset):
+    cls, billions = DEFAULT_SHAPES[preset]
+    args = get_model_args(preset)
+    config, default = transformers.AutoConfig.for_model(**model_args_to_hf_config(args)), cls()
+    assert type(config) is cls
+    for key in SHAPE_KEYS + MOE_KEYS:
+        assert getattr(config, key) == getattr(default, key), key
+    with torch.device("meta"):
+        reference = transformers.AutoModelForCausalLM.from_config(config)
+    ours = build_model(args, device="meta")
+    shapes = [(k, v.shape) for k, v in ours.state_dict().items()]
+    assert shapes == [(k, v.shape) for k, v in reference.state_dict().items()]
+    assert round(sum(p.numel() for p in reference.parameters()) / 1e9) == billions
