@@ -187,7 +187,7 @@ def model_args_from_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> 
     missing = [
         k
         for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", family.size_key)
-        if k not in cfg
+        if cfg.get(k) is None  # a nullable size key (shared_expert_intermediate_size) may be null
     ]
     if missing:
         raise ValueError(
