@@ -229,7 +229,7 @@ def test_expert_placement_is_the_expert_dim_when_the_shard_group_divides_it():
     )
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen3_5_moe_text"])
 def test_greedy_generation_with_the_kv_cache_equals_transformers(name):
     hf = hf_moe_model(name).eval()
     ours = ours_from(hf).eval()
