@@ -1,7 +1,8 @@
 """Qwen3.5-MoE text (``qwen3_5_moe_text``) beyond the MoE matrices it is in (``test_models_moe.py``,
 ``test_moe_checkpoint.py``, ``test_lora_moe.py``): LoRA on its shared expert and linear-attention projections
 with the experts adapted, against peft; its shared expert and gate matter; the shared expert as spec data
-(other names, ungated); refused input; the Qwen3.5-MoE preset.
+(other names, ungated); refused input; the Qwen3.5-MoE preset; multimodal (hub) checkpoints in both expert
+layouts.
 
 References: transformers' ``Qwen3_5MoeForCausalLM`` (tiny random models), peft 0.21, and for the ungated
 spec the block's own routed output plus the shared MLP computed by hand; for the preset transformers' config
@@ -11,12 +12,15 @@ defaults and meta-device models.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
 
+from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
+from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
 from shardtune.models import LlamaForCausalLM, from_hf_config, model_args_from_hf_config, model_args_to_hf_config
 from shardtune.models.blocks.kinds import build_feed_forward
 from shardtune.models.families import get_family
@@ -162,3 +166,44 @@ def test_presets_are_transformers_default_shapes_with_its_parameter_count(preset
     shapes = [(k, v.shape) for k, v in ours.state_dict().items()]
     assert shapes == [(k, v.shape) for k, v in reference.state_dict().items()]
     assert round(sum(p.numel() for p in reference.parameters()) / 1e9) == billions
+
+
+def hf_multimodal() -> transformers.PreTrainedModel:
+    """A tiny random ``Qwen3_5MoeForConditionalGeneration`` (the hub checkpoints' class): the text tower as in
+    the MoE matrices, a one-block vision tower."""
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    text = moe_config(NAME, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]).to_dict()
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+    vision |= {"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    torch.manual_seed(0)
+    model = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text, vision_config=vision)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize("per_expert", [True, False])
+def test_a_multimodal_checkpoint_trains_its_text_tower_and_saves_back_the_same_files(tmp_path, per_expert):
+    """Both expert layouts of a ``Qwen3_5MoeForConditionalGeneration`` directory load as this family with
+    transformers' logits, and save back (the layout read, the vision tower carried) to its very tensors."""
+    hf = hf_multimodal()
+    hf.save_pretrained(tmp_path / "hf", save_original_format=per_expert)
+    files = tensors(tmp_path / "hf")
+    assert any(".visual." in k for k in files)
+    assert any(k.endswith(".mlp.experts.0.up_proj.weight") for k in files) == per_expert
+    with torch.device("meta"):
+        ours = from_hf_config(tmp_path / "hf")
+    assert ours.args.model_type == NAME
+    load_hf_checkpoint(ours, tmp_path / "hf", device="cpu", strict=True)
+    ours.init_buffers("cpu")
+    tokens = batch()[0]
+    with torch.no_grad():
+        assert _rel(ours(tokens), hf(input_ids=tokens).logits) < 1e-5
+    save_hf_checkpoint(ours, tmp_path / "out", source_dir=tmp_path / "hf")
+    saved = tensors(tmp_path / "out")
+    assert sorted(saved) == sorted(files) and all(torch.equal(saved[k], v) for k, v in files.items())
+    assert json.loads((tmp_path / "out/config.json").read_text())["architectures"] == [
+        "Qwen3_5MoeForConditionalGeneration"
+    ]

@@ -17,7 +17,7 @@ from shardtune.models.families.mixtral import MIXTRAL
 from shardtune.models.families.phi3 import PHI3
 from shardtune.models.families.qwen import QWEN2, QWEN3
 from shardtune.models.families.qwen3_5 import QWEN3_5, QWEN3_5_TEXT
-from shardtune.models.families.qwen3_5_moe import QWEN3_5_MOE_TEXT
+from shardtune.models.families.qwen3_5_moe import QWEN3_5_MOE, QWEN3_5_MOE_TEXT
 from shardtune.models.families.qwen3_moe import QWEN3_MOE
 from shardtune.models.spec import Family, Multimodal
 
@@ -32,7 +32,7 @@ FAMILIES: dict[str, Family] = {
 }
 
 # Multimodal checkpoints whose text tower is one of FAMILIES, by their own model_type.
-MULTIMODAL: dict[str, Multimodal] = {m.model_type: m for m in (QWEN3_5,)}
+MULTIMODAL: dict[str, Multimodal] = {m.model_type: m for m in (QWEN3_5, QWEN3_5_MOE)}
 
 
 def supported_model_types() -> list[str]:

@@ -4,6 +4,8 @@ output is scaled by ``sigmoid(shared_expert_gate(x))``.
 
 Its config.json has no dense ``intermediate_size``: ``ModelArgs.intermediate_size`` is the shared expert's
 ``shared_expert_intermediate_size`` (``Family.size_key``), equal to ``MoeArgs.shared_expert_intermediate_size``.
+Hub checkpoints are multimodal (``qwen3_5_moe``, ``Qwen3_5MoeForConditionalGeneration``): Qwen3.5's layout
+(``QWEN3_5``) around this text tower.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from typing import Any
 
 from shardtune.models.args import ModelArgs
 from shardtune.models.families.config_rules import moe_entries, read_experts
-from shardtune.models.families.qwen3_5 import QWEN3_5_TEXT
+from shardtune.models.families.qwen3_5 import QWEN3_5, QWEN3_5_TEXT
 from shardtune.models.spec import ExpertNames, Family, SharedExpertSpec, SparseSpec
 
-__all__ = ["QWEN3_5_MOE_TEXT"]
+__all__ = ["QWEN3_5_MOE", "QWEN3_5_MOE_TEXT"]
 
 _SHARED_KEY = "shared_expert_intermediate_size"
 
@@ -73,4 +75,12 @@ QWEN3_5_MOE_TEXT = Family(
     blocks=dataclasses.replace(QWEN3_5_TEXT.blocks, sparse=_SPARSE),
     config_fields=QWEN3_5_TEXT.config_fields,
     size_key=_SHARED_KEY,
+)
+
+# The hub checkpoints (Qwen3_5MoeForConditionalGeneration): Qwen3.5's multimodal layout around this text tower.
+QWEN3_5_MOE = dataclasses.replace(
+    QWEN3_5,
+    model_type="qwen3_5_moe",
+    architecture="Qwen3_5MoeForConditionalGeneration",
+    text_model_type="qwen3_5_moe_text",
 )
