@@ -1,4 +1,5 @@
-"""Mixture-of-experts hyper-parameters of a decoder (Qwen3-MoE, Mixtral, gpt-oss, Qwen3.5-MoE), read from and written to config.json.
+"""Mixture-of-experts hyper-parameters of a decoder (Qwen3-MoE, Mixtral, gpt-oss, Qwen3.5-MoE), read from and
+written to config.json.
 
 Rule: one ``MoeArgs`` describes every sparse layer of a model; which layers are sparse follows
 transformers exactly (``mlp_only_layers`` and ``decoder_sparse_step``). Plain data: no torch.

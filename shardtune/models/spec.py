@@ -154,8 +154,9 @@ class Family:
     (raising when ``args`` uses a feature the family's HF class cannot express). ``config_fields``: the
     :data:`OPTIONAL_FIELDS` its config.json has keys for (any other must keep its unused value).
     ``size_key``: the config.json key of ``ModelArgs.intermediate_size``, the dense MLP's width
-    (Qwen3.5-MoE has sparse layers only and says its shared expert's). ``lora_aliases`` maps Llama projection names to the fused module that holds them (Phi-3), so
-    generic LoRA targets still apply; ``rope_type_aliases`` maps old rope type names of its configs.
+    (Qwen3.5-MoE has sparse layers only and says its shared expert's). ``lora_aliases`` maps Llama
+    projection names to the fused module that holds them (Phi-3), so generic LoRA targets still apply;
+    ``rope_type_aliases`` maps old rope type names of its configs.
     """
 
     model_type: str
