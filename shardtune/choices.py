@@ -14,7 +14,9 @@ OPTIMIZERS = ("adamw", "adamw_fused", "adamw8bit", "adamw4bit", "sgd")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 
 # ``lora.target_modules``: PEFT's module names for every family (``qkv_proj``/``gate_up_proj`` are Phi-3's
-# fused projections, ``in_proj_*``/``out_proj`` Qwen3.5's linear-attention ones); applied by ``shardtune.peft.lora``.
+# fused projections, ``in_proj_*``/``out_proj`` Qwen3.5's linear-attention ones, ``shared_expert_gate`` the sigmoid
+# gate of Qwen3.5-MoE's shared expert, whose projections are ``gate_proj``/``up_proj``/``down_proj``); applied by
+# ``shardtune.peft.lora``.
 LORA_TARGETS = (
     "q_proj",
     "k_proj",
@@ -30,6 +32,7 @@ LORA_TARGETS = (
     "in_proj_a",
     "in_proj_b",
     "out_proj",
+    "shared_expert_gate",
     "lm_head",
 )
 

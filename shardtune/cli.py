@@ -405,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         "--preset",
         default="tiny",
         choices=TINY_PRESETS,
-        help="tiny (dense, default), tiny_moe (Qwen3-MoE) or tiny_gpt_oss (gpt-oss)",
+        help="tiny (dense, default), tiny_moe (Qwen3-MoE), tiny_gpt_oss (gpt-oss), tiny_qwen3_5 (Qwen3.5) or "
+        "tiny_qwen3_5_moe (Qwen3.5-MoE)",
     )
     tiny.set_defaults(fn=cmd_make_tiny_base)
     args = parser.parse_args(argv)

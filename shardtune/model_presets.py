@@ -249,10 +249,64 @@ PRESETS: dict[str, dict[str, Any]] = {
         "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8,
         "linear_attention": {"num_key_heads": 16, "num_value_heads": 32, "key_head_dim": 128, "value_head_dim": 128},
     },
+    # transformers' Qwen3_5MoeTextConfig defaults, "the Qwen3.5-35B-A3B style configuration" of its docstring:
+    # 40 layers (3 Gated DeltaNet + 1 gated attention, 10 times), 256 experts of width 512, top-8, a gated shared
+    # expert of width 512 (rope_theta and max_seq_len too: a checkpoint's config.json says its own).
+    "qwen3_5_moe_35b_a3b": {
+        "model_type": "qwen3_5_moe_text",
+        "vocab_size": 248320,
+        "dim": 2048,
+        "n_layers": 40,
+        "n_heads": 16,
+        "n_kv_heads": 2,
+        "head_dim": 256,
+        "intermediate_size": 512,
+        "norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "max_seq_len": 32768,
+        "tie_word_embeddings": False,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10,
+        "linear_attention": {"num_key_heads": 16, "num_value_heads": 32, "key_head_dim": 128, "value_head_dim": 128},
+        "moe": {
+            "num_experts": 256,
+            "top_k": 8,
+            "intermediate_size": 512,
+            "norm_topk_prob": True,
+            "router_aux_loss_coef": 0.001,
+            "shared_expert_intermediate_size": 512,
+        },
+    },
+    # A tiny Qwen3.5-MoE (byte-level vocab) for the demo and CI: linear, full, linear attention layers; 8 experts,
+    # top-2, 2I = 128 != H = 96; a gated shared expert of width 128; value head dim 24 != key head dim 32.
+    "tiny_qwen3_5_moe": {
+        "model_type": "qwen3_5_moe_text",
+        "vocab_size": 256,
+        "dim": 96,
+        "n_layers": 3,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "head_dim": 32,
+        "intermediate_size": 128,
+        "norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+        "max_seq_len": 2048,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+        "linear_attention": {"num_key_heads": 2, "num_value_heads": 4, "key_head_dim": 32, "value_head_dim": 24},
+        "moe": {
+            "num_experts": 8,
+            "top_k": 2,
+            "intermediate_size": 64,
+            "norm_topk_prob": True,
+            "router_aux_loss_coef": 0.001,
+            "shared_expert_intermediate_size": 128,
+        },
+    },
 }
 
 # The presets ``create_tiny_base`` writes (and so a recipe's ``model`` key can create when checkpoint_dir is empty).
-TINY_PRESETS = ("tiny", "tiny_moe", "tiny_gpt_oss", "tiny_qwen3_5")
+TINY_PRESETS = ("tiny", "tiny_moe", "tiny_gpt_oss", "tiny_qwen3_5", "tiny_qwen3_5_moe")
 
 
 def preset_names() -> list[str]:

@@ -76,7 +76,14 @@ _CONFIG_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     **dict.fromkeys(("rope_scaling", "rope_parameters"), ((dict,), True)),
     "layer_types": ((list,), True),
     **dict.fromkeys(
-        ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"),
+        (
+            "num_experts",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "decoder_sparse_step",
+        ),
         (_INT, True),
     ),
     "norm_topk_prob": (_BOOL, True),
@@ -179,8 +186,8 @@ def model_args_from_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> 
         raise ValueError(f"config {family.act_key} {act!r} is not supported; only 'silu' and 'gelu_pytorch_tanh' are")
     missing = [
         k
-        for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-        if k not in cfg
+        for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", family.size_key)
+        if cfg.get(k) is None  # a nullable size key (shared_expert_intermediate_size) may be null
     ]
     if missing:
         raise ValueError(
@@ -193,7 +200,7 @@ def model_args_from_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> 
         "n_layers": int(cfg["num_hidden_layers"]),
         "n_heads": int(cfg["num_attention_heads"]),
         "n_kv_heads": int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
-        "intermediate_size": int(cfg["intermediate_size"]),
+        "intermediate_size": int(cfg[family.size_key]),
         "head_dim": int(cfg["head_dim"]) if cfg.get("head_dim") else None,
         "norm_eps": float(cfg.get("rms_norm_eps", family.default_eps)),
         "max_seq_len": int(cfg.get("max_position_embeddings", 2048)),
@@ -275,7 +282,7 @@ def model_args_to_hf_config(
     cfg.update(
         vocab_size=args.vocab_size,
         hidden_size=args.dim,
-        intermediate_size=args.intermediate_size,
+        **{family.size_key: args.intermediate_size},
         num_hidden_layers=args.n_layers,
         num_attention_heads=args.n_heads,
         num_key_value_heads=args.n_kv_heads,

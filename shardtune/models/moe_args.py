@@ -1,4 +1,5 @@
-"""Mixture-of-experts hyper-parameters of a decoder (Qwen3-MoE, Mixtral), read from and written to config.json.
+"""Mixture-of-experts hyper-parameters of a decoder (Qwen3-MoE, Mixtral, gpt-oss, Qwen3.5-MoE), read from and
+written to config.json.
 
 Rule: one ``MoeArgs`` describes every sparse layer of a model; which layers are sparse follows
 transformers exactly (``mlp_only_layers`` and ``decoder_sparse_step``). Plain data: no torch.
@@ -22,6 +23,8 @@ class MoeArgs:
     they scale the experts' outputs (Mixtral); otherwise they are cast to the activations' dtype
     first (Qwen3-MoE). ``router_aux_loss_coef`` weighs the load-balancing loss in the training loss.
     ``swiglu_limit`` (set exactly for gpt-oss) and ``swiglu_alpha`` are its experts' clamp and sigmoid gain.
+    ``shared_expert_intermediate_size`` is the width of the shared expert beside the routed ones (set
+    exactly for families with one: ``SparseSpec.shared``; Qwen3.5-MoE).
     """
 
     num_experts: int
@@ -34,6 +37,7 @@ class MoeArgs:
     fp32_scores: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    shared_expert_intermediate_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "intermediate_size", "decoder_sparse_step"):
@@ -45,6 +49,9 @@ class MoeArgs:
                 f"MoeArgs.top_k ({self.top_k}) exceeds num_experts ({self.num_experts}); "
                 "set num_experts_per_tok <= the number of experts"
             )
+        shared = self.shared_expert_intermediate_size
+        if shared is not None and (not isinstance(shared, int) or isinstance(shared, bool) or shared <= 0):
+            raise ValueError(f"MoeArgs.shared_expert_intermediate_size must be a positive int or None, got {shared!r}")
         if self.router_aux_loss_coef < 0:
             raise ValueError(f"MoeArgs.router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:

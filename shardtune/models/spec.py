@@ -17,7 +17,16 @@ if TYPE_CHECKING:
     from shardtune.models.args import ModelArgs
     from shardtune.models.moe_args import MoeArgs
 
-__all__ = ["AttentionSpec", "Blocks", "ExpertNames", "Family", "MlpSpec", "Multimodal", "SparseSpec"]
+__all__ = [
+    "AttentionSpec",
+    "Blocks",
+    "ExpertNames",
+    "Family",
+    "MlpSpec",
+    "Multimodal",
+    "SharedExpertSpec",
+    "SparseSpec",
+]
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,18 @@ class ExpertNames:
 
 
 @dataclass(frozen=True)
+class SharedExpertSpec:
+    """A dense gated MLP beside a sparse layer's routed experts that every token goes through, its
+    output added to theirs (width ``MoeArgs.shared_expert_intermediate_size``): the sparse block's child
+    ``name`` with ``gate_proj``/``up_proj``/``down_proj`` (Qwen3.5-MoE: ``shared_expert``; DeepSeek-V3,
+    GLM-4.5: ``shared_experts``), scaled per token by ``sigmoid(<gate_name>(x))``, a ``Linear(H, 1)``
+    registered after it (Qwen3.5-MoE: ``shared_expert_gate``; None: ungated)."""
+
+    name: str = "shared_expert"
+    gate_name: str | None = "shared_expert_gate"
+
+
+@dataclass(frozen=True)
 class SparseSpec:
     """A sparse layer's ``mlp``: a block ``kind`` (``"sparse_moe"``: top-k routed experts) made of a
     ``router`` kind (``"softmax_topk"``: softmax, then top-k; ``"topk_softmax"``: top-k of biased logits,
@@ -70,7 +91,9 @@ class SparseSpec:
     HF names: the router's attribute (``router_name``), whether transformers registers it before the
     experts (``router_first``: the ``state_dict`` order), the per-expert file keys of transformers'
     default save (``file_names``; None: the fused runtime keys only). ``clamped_swiglu``: the experts
-    read ``MoeArgs.swiglu_limit``, which must then be set (and otherwise not)."""
+    read ``MoeArgs.swiglu_limit``, which must then be set (and otherwise not). ``shared``: a shared
+    expert registered after the router and experts (:class:`SharedExpertSpec`); ``MoeArgs`` then sets its
+    width (and otherwise not)."""
 
     kind: str = "sparse_moe"
     router: str = "softmax_topk"
@@ -79,6 +102,7 @@ class SparseSpec:
     router_first: bool = False
     file_names: ExpertNames | None = None
     clamped_swiglu: bool = False
+    shared: SharedExpertSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -129,8 +153,10 @@ class Family:
     ``ModelArgs`` keyword arguments; ``write(args)`` returns the family-specific config.json entries
     (raising when ``args`` uses a feature the family's HF class cannot express). ``config_fields``: the
     :data:`OPTIONAL_FIELDS` its config.json has keys for (any other must keep its unused value).
-    ``lora_aliases`` maps Llama projection names to the fused module that holds them (Phi-3), so
-    generic LoRA targets still apply; ``rope_type_aliases`` maps old rope type names of its configs.
+    ``size_key``: the config.json key of ``ModelArgs.intermediate_size``, the dense MLP's width
+    (Qwen3.5-MoE has sparse layers only and says its shared expert's). ``lora_aliases`` maps Llama
+    projection names to the fused module that holds them (Phi-3), so generic LoRA targets still apply;
+    ``rope_type_aliases`` maps old rope type names of its configs.
     """
 
     model_type: str
@@ -140,6 +166,7 @@ class Family:
     blocks: Blocks = Blocks()
     config_fields: frozenset[str] = frozenset()
     act_key: str = "hidden_act"
+    size_key: str = "intermediate_size"
     default_act: str = "silu"
     default_tie: bool = False
     lora_aliases: dict[str, str] = field(default_factory=dict)

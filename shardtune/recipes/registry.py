@@ -85,6 +85,8 @@ RECIPES: dict[str, Recipe] = {
                 "tiny/gpt_oss_lora",
                 "qwen3_5/9B_lora",
                 "tiny/qwen3_5_lora",
+                "qwen3_5_moe/35B_A3B_lora",
+                "tiny/qwen3_5_moe_lora",
             ),
         ),
         Recipe("knowledge_distillation_distributed", KD_SCHEMA, ("tiny/kd", "llama3_2/8B_to_1B_KD_lora")),

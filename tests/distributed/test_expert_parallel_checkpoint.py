@@ -1,8 +1,8 @@
 """Checkpoints of expert-parallel models on 4 gloo ranks, against transformers and torch's own gathers:
 a tiny Qwen3-MoE (2I != H) with 8 experts (``[_StridedShard(0), Shard(0)]`` on ``(efsdp, ep)``) and 6
 (``[Shard(1), Shard(0)]``: 3 experts per ep rank do not split over 2 efsdp ranks), and a tiny gpt-oss
-(8 biased experts, ``[E, H, 2I]``), loads from transformers'
-per-expert files and from a rank-0 state dict, gathers and saves (both layouts) exactly the weights; after
+(8 biased experts, ``[E, H, 2I]``), and on 2 ranks a tiny Qwen3.5-MoE (6 experts, a shared expert), loads from
+transformers' per-expert files and from a rank-0 state dict, gathers and saves (both layouts) exactly the weights; after
 a step, the optimizer state saved at ``expert_parallel=2`` comes back for every expert (not one rank's
 copy) at 1, 2 and 4, and resuming at 2 continues bitwise; the same in the DCP format (checkpoint_format=dcp);
 low-bit AdamW is refused by name when built and when its state is gathered."""
@@ -76,8 +76,11 @@ def _round_trip(case: str, out: str) -> dict:
     from tests.unit.test_models_moe import hf_moe_model
 
     out_dir, rank0 = Path(out) / case, dist.get_rank() == 0
-    experts = 8 if case == "gpt_oss" else int(case)
-    hf = hf_gpt_oss() if case == "gpt_oss" else hf_moe_model("qwen3_moe", num_experts=experts, **SMALL)
+    if case == "qwen3_5_moe_text":  # 6 experts in both layers, the second full attention
+        hf = hf_moe_model(case, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    else:
+        hf = hf_gpt_oss() if case == "gpt_oss" else hf_moe_model("qwen3_moe", num_experts=int(case), **SMALL)
+    experts = hf.model.layers[0].mlp.experts.num_experts
     expected = hf.state_dict()
     if rank0:
         hf.save_pretrained(out_dir / "hf")  # transformers' default: per-expert keys
@@ -204,3 +207,14 @@ def test_expert_parallel_checkpoints_load_save_and_resume_every_expert(pool4, tm
             "set optimizer.name=adamw or expert_parallel=1" in m or "use optimizer.name=adamw" in m
             for m in (build, state)
         )
+
+
+def test_qwen3_5_moe_expert_parallel_checkpoint_loads_saves_and_resumes_on_2_ranks(pool2, tmp_path):
+    """The round trip above for Qwen3.5-MoE (hybrid layers, a shared expert, 6 experts) at expert_parallel=2
+    on 2 ranks, resumed at 1 and 2."""
+    for rank, r in enumerate(pool2.run_ok(_round_trip, "qwen3_5_moe_text", str(tmp_path), timeout=280)):
+        checked = {"every_expert_stepped", "next_loss_bitwise", "resumed_at_1", "resumed_at_2"}
+        assert set(r) == {"placements", "hf_load", "state_load", *checked, *(("gather", *LAYOUTS) if rank == 0 else ())}
+        assert r.pop("placements") == (STRIDED, (3, 48, 64)), r
+        assert r.pop("hf_load") == [] and r.pop("state_load") == [], r
+        assert all(v is True for v in r.values()), r

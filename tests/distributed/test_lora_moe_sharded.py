@@ -1,5 +1,5 @@
 """LoRA on fused experts and the router under FSDP2 on 2 ranks, experts sharded on the expert dim
-(Qwen3-MoE, 8 experts) or the next (Mixtral, 5 experts), against peft in one process: a peft-saved
+(Qwen3-MoE, 8 experts; Qwen3.5-MoE, 6) or the next (Mixtral, 5 experts), against peft in one process: a peft-saved
 adapter loads, logits and adapter gradients equal peft's; the adapter is written with each rank writing
 its own rows (no gather) and equals peft's file; the merged export, fused or per expert (as transformers
 saves it), equals ``merge_and_unload``; adapter
@@ -26,7 +26,11 @@ from tests.nccl_rules import nccl_rules
 
 pytestmark = pytest.mark.timeout(300)
 
-CASES = [("qwen3_moe", {}, Shard(0)), ("mixtral", {"num_local_experts": 5}, Shard(1))]
+CASES = [
+    ("qwen3_moe", {}, Shard(0)),
+    ("mixtral", {"num_local_experts": 5}, Shard(1)),
+    ("qwen3_5_moe_text", {}, Shard(0)),  # hybrid layers and a shared expert; 6 experts
+]
 
 
 def _sharded_lora(hf_config: dict, hf_sd: dict, *, rules=None):

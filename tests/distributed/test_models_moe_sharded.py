@@ -1,6 +1,6 @@
 """Mixture-of-experts models under FSDP2 (2 and 4 ranks, HSDP) against transformers in one process: loss
-(with the load-balancing loss) and every gradient, experts sharded on the expert dim or the next,
-with activation checkpointing; bf16 mixed precision runs; compile is refused by name."""
+(with the load-balancing loss) and every gradient, experts sharded on the expert dim or the next, or
+split over 2 expert-parallel ranks (Qwen3.5-MoE), with activation checkpointing; bf16 mixed precision runs; compile is refused by name."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardtune.models import from_hf_config
 from shardtune.ranks.mesh import make_mesh
@@ -17,16 +18,20 @@ from shardtune.training import load_from_full_model_state_dict
 from tests.nccl_rules import nccl_rules
 
 pytestmark = pytest.mark.timeout(240)
+EP_PLACEMENT = (_StridedShard(0, split_factor=2), Shard(0))  # on (efsdp of 1 rank, ep of 2)
 
 
-def _sharded_vs_transformers(name: str, changes: dict, checkpointing: bool | str, replicate: int = 1):
+def _sharded_vs_transformers(
+    name: str, changes: dict, checkpointing: bool | str, replicate: int = 1, expert_parallel: int = 1
+):
     from tests.unit.test_models_moe import _loss, batch, hf_moe_model, worst_grad
 
     hf = hf_moe_model(name, **changes)
     full_sd = hf.state_dict()
     with torch.device("meta"):
         model = from_hf_config(hf.config.to_dict())
-    shard_model(model, mesh=make_mesh(replicate=replicate), activation_checkpointing=checkpointing)
+    mesh = make_mesh(replicate=replicate, expert_parallel=expert_parallel)
+    shard_model(model, mesh=mesh, activation_checkpointing=checkpointing)
     with nccl_rules() as rules:
         rules.host(full_sd)
         load_from_full_model_state_dict(model, full_sd if dist.get_rank() == 0 else {}, "cpu", strict=True)
@@ -48,17 +53,20 @@ def _sharded_vs_transformers(name: str, changes: dict, checkpointing: bool | str
 
 
 @pytest.mark.parametrize(
-    ("name", "changes", "checkpointing", "placement", "local"),
+    ("name", "changes", "checkpointing", "ep", "placement", "local"),
     [
-        ("qwen3_moe", {}, True, Shard(0), (4, 48, 64)),  # 2 ranks divide 8 experts: whole experts per rank
-        ("mixtral", {"num_local_experts": 5}, "selective", Shard(1), (5, 24, 64)),  # 5 experts: split 2I instead
+        ("qwen3_moe", {}, True, 1, (Shard(0),), (4, 48, 64)),  # 2 ranks divide 8 experts: whole experts per rank
+        ("mixtral", {"num_local_experts": 5}, "selective", 1, (Shard(1),), (5, 24, 64)),  # 5 experts: split 2I
+        # hybrid layers, a gated shared expert; 6 experts, sharded by FSDP, then 3 per rank by expert parallelism
+        ("qwen3_5_moe_text", {}, "selective", 1, (Shard(0),), (3, 48, 64)),
+        ("qwen3_5_moe_text", {}, True, 2, EP_PLACEMENT, (3, 48, 64)),
     ],
 )
-def test_sharded_forward_backward_equals_transformers(pool2, name, changes, checkpointing, placement, local):
-    res = pool2.run_ok(_sharded_vs_transformers, name, changes, checkpointing, timeout=200)
+def test_sharded_forward_backward_equals_transformers(pool2, name, changes, checkpointing, ep, placement, local):
+    res = pool2.run_ok(_sharded_vs_transformers, name, changes, checkpointing, 1, ep, timeout=200)
     for r in res:
         assert r["loss"] < 1e-5 and r["aux"] < 1e-6 and r["grad"] < 1e-4, r
-        assert r["placement"] == (placement,) and r["local"] == local, r
+        assert r["placement"] == placement and r["local"] == local, r
 
 
 @pytest.mark.parametrize(

@@ -97,6 +97,21 @@ FAMILY_CONFIGS = {
             "linear_value_head_dim": 8,
         },
     ),
+    "qwen3_5_moe_text": (
+        transformers.Qwen3_5MoeTextConfig,
+        {
+            "head_dim": 16,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 8,
+            "num_experts": 6,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 24,
+            "shared_expert_intermediate_size": 40,
+        },
+    ),
     "llama_dynamic": (
         transformers.LlamaConfig,
         {"max_position_embeddings": 16, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
@@ -244,7 +259,7 @@ def test_unsupported_model_type_lists_the_supported_ones():
         from_hf_config({**COMMON, "model_type": "falcon"})
     assert set(supported_model_types()) == {
         *("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"),
-        *("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_text"),
+        *("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_text", "qwen3_5_moe_text"),
     }
 
 

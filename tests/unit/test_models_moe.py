@@ -1,6 +1,6 @@
-"""Mixture-of-experts families (Qwen3-MoE, Mixtral) against transformers' eager experts.
+"""Mixture-of-experts families (Qwen3-MoE, Mixtral, Qwen3.5-MoE) against transformers' eager experts.
 
-Tiny random models made by transformers are the reference: E = 8 experts, top-2, and expert
+Tiny random models made by transformers are the reference: E = 8 experts (Qwen3.5-MoE: 6), top-2, and expert
 widths with 2I != H so a transposed expert tensor cannot pass. The batch has right padding,
 which transformers' ``attention_mask`` leaves out of the load-balancing loss.
 """
@@ -26,6 +26,7 @@ from tests.unit.test_models_families import COMMON as DENSE_COMMON
 
 VOCAB, SEQ, PAD = 128, 40, 9  # the second row's last PAD tokens are padding
 TOL = 1e-4  # max |ours - hf| / max |hf|
+ATOL = {"qwen3_5_moe_text": 1e-4}  # max |ours - hf| where not 1e-5: the chunked delta rule sums in another order
 COMMON = {**DENSE_COMMON, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.05}  # each config sets its widths
 MOE_CONFIGS = {
     # layer 1 dense (mlp_only_layers), experts 2I = 48 != H = 64; dense intermediate 96
@@ -48,6 +49,21 @@ MOE_CONFIGS = {
         },
     ),
     "mixtral": (transformers.MixtralConfig, {"intermediate_size": 24, "num_local_experts": 8, "sliding_window": 8}),
+    # hybrid layers (Gated DeltaNet, gated attention); 6 experts 2I = 48 != H = 64, a gated shared expert of 40
+    "qwen3_5_moe_text": (
+        transformers.Qwen3_5MoeTextConfig,
+        {
+            "head_dim": 16,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 8,
+            "num_experts": 6,
+            "moe_intermediate_size": 24,
+            "shared_expert_intermediate_size": 40,
+        },
+    ),
 }
 
 
@@ -153,7 +169,7 @@ def test_aux_loss_gradient_reaches_the_routers():
         assert _rel(ours_grads[n].grad, hf_grads[n].grad) < 1e-4, n
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen3_5_moe_text"])
 def test_fused_hf_dir_loads_with_equal_logits_and_config_round_trips(name, tmp_path):
     hf = hf_moe_model(name).eval()
     hf.save_pretrained(tmp_path, save_original_format=False)
@@ -213,7 +229,7 @@ def test_expert_placement_is_the_expert_dim_when_the_shard_group_divides_it():
     )
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen3_5_moe_text"])
 def test_greedy_generation_with_the_kv_cache_equals_transformers(name):
     hf = hf_moe_model(name).eval()
     ours = ours_from(hf).eval()

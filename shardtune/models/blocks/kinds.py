@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol, TypeVar
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from shardtune.models.args import ModelArgs
 from shardtune.models.blocks.attention import Attention
@@ -59,8 +59,20 @@ def _sparse_moe(args: ModelArgs, *, spec: SparseSpec, layer_idx: int, device: An
     kw = {"device": device, "dtype": dtype}
     router = _kind(ROUTERS, spec.router, "router").from_args(args, spec, **kw)
     experts = _kind(EXPERTS, spec.experts, "experts").from_args(args, spec, **kw)
+    shared = gate = None
+    if spec.shared is not None:
+        assert args.moe is not None  # family_of checked it sets the shared expert's width
+        shared = (spec.shared.name, MLP(args, intermediate_size=args.moe.shared_expert_intermediate_size, **kw))
+        if spec.shared.gate_name is not None:
+            gate = (spec.shared.gate_name, nn.Linear(args.dim, 1, bias=False, **kw))
     return SparseMoeBlock(
-        router, experts, layer_idx=layer_idx, router_name=spec.router_name, router_first=spec.router_first
+        router,
+        experts,
+        layer_idx=layer_idx,
+        router_name=spec.router_name,
+        router_first=spec.router_first,
+        shared=shared,
+        shared_gate=gate,
     )
 
 

@@ -1,7 +1,8 @@
 """The dense feed-forward block (kind ``"gated_mlp"``): a gated MLP, as transformers' ``*MLP``.
 
 Rule: ``down(act(gate(x)) * up(x))`` with SiLU (SwiGLU) or tanh-GELU (GeGLU) from ``hidden_act``;
-gate and up are one fused ``gate_up_proj`` (gate first) when the spec says so (Phi-3). Every
+gate and up are one fused ``gate_up_proj`` (gate first) when the spec says so (Phi-3). A sparse layer's
+shared expert is one too, of its own width. Every
 feed-forward block takes ``(x, routing)``; a dense one routes nothing.
 """
 
@@ -23,17 +24,25 @@ class MLP(nn.Module):
     are one fused ``gate_up_proj`` (gate first) for Phi-3."""
 
     def __init__(
-        self, args: ModelArgs, *, spec: MlpSpec | None = None, layer_idx: int = 0, device=None, dtype=None
+        self,
+        args: ModelArgs,
+        *,
+        spec: MlpSpec | None = None,
+        layer_idx: int = 0,
+        intermediate_size: int | None = None,
+        device=None,
+        dtype=None,
     ) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype, "bias": args.mlp_bias}
+        width = intermediate_size or args.intermediate_size  # a shared expert's own width (blocks/moe.py)
         self.fused = (spec or MlpSpec()).fused_gate_up
         if self.fused:
-            self.gate_up_proj = nn.Linear(args.dim, 2 * args.intermediate_size, **kw)
+            self.gate_up_proj = nn.Linear(args.dim, 2 * width, **kw)
         else:
-            self.gate_proj = nn.Linear(args.dim, args.intermediate_size, **kw)
-            self.up_proj = nn.Linear(args.dim, args.intermediate_size, **kw)
-        self.down_proj = nn.Linear(args.intermediate_size, args.dim, **kw)
+            self.gate_proj = nn.Linear(args.dim, width, **kw)
+            self.up_proj = nn.Linear(args.dim, width, **kw)
+        self.down_proj = nn.Linear(width, args.dim, **kw)
         self.gelu = args.hidden_act == "gelu_pytorch_tanh"
 
     def init_weights(self, std: float) -> None:

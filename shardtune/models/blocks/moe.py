@@ -6,7 +6,10 @@ Rule: a sparse layer's ``mlp`` holds any router kind (``routers.py``) under the 
 every kind: the router's logits and top-k choice, tokens sorted by expert once and run through the
 experts (across the expert-parallel group when the experts have one, :mod:`shardtune.models.moe_dispatch`),
 each output weighted, put back in its token's order and the k summed, with no atomic adds (deterministic
-on GPU). The router logits go to the load-balancing loss (:mod:`shardtune.models.moe_aux`).
+on GPU). The router logits go to the load-balancing loss (:mod:`shardtune.models.moe_aux`). A shared
+expert (``SparseSpec.shared``: a gated MLP under the family's name, registered after the experts, with an
+optional ``Linear(H, 1)`` gate after it) adds ``sigmoid(gate(x)) * shared(x)`` (ungated: ``shared(x)``) to
+every token's output, as transformers' Qwen3.5-MoE (and DeepSeek-V3's ``shared_experts``) do.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from shardtune.models.blocks.experts import Experts
+from shardtune.models.blocks.mlp import MLP
+from shardtune.models.blocks.norm import init_linear
 from shardtune.models.blocks.routers import Router
 from shardtune.models.moe_aux import Routing
 from shardtune.models.moe_dispatch import experts_over_ranks
@@ -32,8 +37,17 @@ class SparseMoeBlock(nn.Module):
     experts: Experts
 
     def __init__(
-        self, router: Router, experts: Experts, *, layer_idx: int, router_name: str = "gate", router_first: bool = False
+        self,
+        router: Router,
+        experts: Experts,
+        *,
+        layer_idx: int,
+        router_name: str = "gate",
+        router_first: bool = False,
+        shared: tuple[str, nn.Module] | None = None,
+        shared_gate: tuple[str, nn.Linear] | None = None,
     ) -> None:
+        """``shared``/``shared_gate``: the shared expert and its gate, each under its name (None: none)."""
         super().__init__()
         self.layer_idx, self.top_k, self.router_name = layer_idx, router.top_k, router_name
         if router_first:
@@ -42,6 +56,10 @@ class SparseMoeBlock(nn.Module):
         else:
             self.experts = experts
             setattr(self, router_name, router)
+        self.shared_names = (shared[0] if shared else None, shared_gate[0] if shared_gate else None)
+        for child in (shared, shared_gate):
+            if child is not None:
+                self.add_module(*child)
 
     @property
     def router_module(self) -> Router:
@@ -51,6 +69,19 @@ class SparseMoeBlock(nn.Module):
     def init_weights(self, std: float) -> None:
         self.router_module.init_weights(std)
         self.experts.init_weights(std)
+        shared, gate = self.shared_names
+        if shared is not None:
+            cast(MLP, getattr(self, shared)).init_weights(std)
+        if gate is not None:
+            init_linear(getattr(self, gate), std)
+
+    def shared_output(self, flat: Tensor) -> Tensor | None:
+        """The shared expert's term of each token ``[T, H]``: ``sigmoid(gate(x)) * shared(x)``; None without one."""
+        shared, gate = self.shared_names
+        if shared is None:
+            return None
+        out = getattr(self, shared)(flat)
+        return out if gate is None else torch.sigmoid(getattr(self, gate)(flat)) * out
 
     def route(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Router logits ``[T, E]``, top-k weights and expert indices ``[T, k]``, as transformers computes them."""
@@ -74,6 +105,9 @@ class SparseMoeBlock(nn.Module):
             y = experts_over_ranks(self.experts, rows, counts, group=self.experts.ep_group)
         y = (y * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
         out = y[torch.argsort(order)].view(-1, self.top_k, dim).sum(dim=1)
+        shared = self.shared_output(flat)
+        if shared is not None:
+            out = out + shared
         if routing is not None:
             out = routing.attach(out, routing.record(self.layer_idx, logits, self.top_k))
         return out.view(b, s, dim)

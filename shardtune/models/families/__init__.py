@@ -17,6 +17,7 @@ from shardtune.models.families.mixtral import MIXTRAL
 from shardtune.models.families.phi3 import PHI3
 from shardtune.models.families.qwen import QWEN2, QWEN3
 from shardtune.models.families.qwen3_5 import QWEN3_5, QWEN3_5_TEXT
+from shardtune.models.families.qwen3_5_moe import QWEN3_5_MOE, QWEN3_5_MOE_TEXT
 from shardtune.models.families.qwen3_moe import QWEN3_MOE
 from shardtune.models.spec import Family, Multimodal
 
@@ -24,11 +25,14 @@ __all__ = ["FAMILIES", "MULTIMODAL", "Family", "Multimodal", "family_of", "get_f
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f
-    for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3_TEXT, QWEN3_MOE, MIXTRAL, GPT_OSS, QWEN3_5_TEXT)
+    for f in (
+        *(LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3_TEXT),
+        *(QWEN3_MOE, MIXTRAL, GPT_OSS, QWEN3_5_TEXT, QWEN3_5_MOE_TEXT),
+    )
 }
 
 # Multimodal checkpoints whose text tower is one of FAMILIES, by their own model_type.
-MULTIMODAL: dict[str, Multimodal] = {m.model_type: m for m in (QWEN3_5,)}
+MULTIMODAL: dict[str, Multimodal] = {m.model_type: m for m in (QWEN3_5, QWEN3_5_MOE)}
 
 
 def supported_model_types() -> list[str]:
@@ -50,6 +54,13 @@ def family_of(args: ModelArgs) -> Family:
         raise ValueError(
             "MoeArgs.swiglu_limit must be set exactly for model types with clamped-SwiGLU experts (gpt_oss); "
             f"model_type {args.model_type!r} " + ("needs it" if clamped else "has none: leave swiglu_limit None")
+        )
+    shared = family.blocks.sparse is not None and family.blocks.sparse.shared is not None
+    if args.moe is not None and shared != (args.moe.shared_expert_intermediate_size is not None):
+        raise ValueError(
+            "MoeArgs.shared_expert_intermediate_size must be set exactly for model types with a shared expert "
+            f"(qwen3_5_moe_text); model_type {args.model_type!r} "
+            + ("needs it" if shared else "has none: leave shared_expert_intermediate_size None")
         )
     return family
 
