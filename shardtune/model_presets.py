@@ -249,9 +249,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8,
         "linear_attention": {"num_key_heads": 16, "num_value_heads": 32, "key_head_dim": 128, "value_head_dim": 128},
     },
-    # transformers' Qwen3_5MoeTextConfig defaults, "the Qwen3.5-35B-A3B style configuration" of its docstring:
-    # 40 layers (3 Gated DeltaNet + 1 gated attention, 10 times), 256 experts of width 512, top-8, a gated shared
-    # expert of width 512 (rope_theta and max_seq_len too: a checkpoint's config.json says its own).
+    # Qwen/Qwen3.5-35B-A3B's text model (its model card, the same as Qwen3.6-35B-A3B's, and transformers'
+    # Qwen3_5MoeTextConfig defaults): 10 x (3 Gated DeltaNet + 1 gated attention) layers, 256 experts of width 512,
+    # top-8 plus a gated shared expert of width 512, rotary dims 64 at base 1e7, 262,144 tokens.
     "qwen3_5_moe_35b_a3b": {
         "model_type": "qwen3_5_moe_text",
         "vocab_size": 248320,
@@ -262,9 +262,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "head_dim": 256,
         "intermediate_size": 512,
         "norm_eps": 1e-6,
-        "rope_theta": 10000.0,
+        "rope_theta": 10000000.0,
         "partial_rotary_factor": 0.25,
-        "max_seq_len": 32768,
+        "max_seq_len": 262144,
         "tie_word_embeddings": False,
         "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10,
         "linear_attention": {"num_key_heads": 16, "num_value_heads": 32, "key_head_dim": 128, "value_head_dim": 128},

@@ -138,11 +138,12 @@ def test_experts_the_config_cannot_express_are_refused():
         LlamaForCausalLM(qwen3_moe.replace(moe=dataclasses.replace(qwen3_moe.moe, shared_expert_intermediate_size=8)))
 
 
-# The preset's source: transformers' config defaults, which its docstring calls the Qwen3.5-35B-A3B shape.
+# The preset's sources: transformers' config defaults, which its docstring calls the Qwen3.5-35B-A3B shape, and
+# the model card (rope base 1e7 on 64 of 256 dims, 262,144 tokens), where transformers' defaults are generic.
 DEFAULT_SHAPES = {"qwen3_5_moe_35b_a3b": (transformers.Qwen3_5MoeTextConfig, 35)}
 SHAPE_KEYS = [
     *("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"),
-    *("layer_types", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "rope_parameters"),
+    *("layer_types", "rms_norm_eps", "tie_word_embeddings"),
     *("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"),
     "linear_conv_kernel_dim",
 ]
@@ -160,6 +161,8 @@ def test_presets_are_transformers_default_shapes_with_its_parameter_count(preset
     assert type(config) is cls
     for key in SHAPE_KEYS + MOE_KEYS:
         assert getattr(config, key) == getattr(default, key), key
+    assert config.max_position_embeddings == 262144
+    assert config.rope_parameters["rope_theta"] == 1e7 and config.rope_parameters["partial_rotary_factor"] == 0.25
     with torch.device("meta"):
         reference = transformers.AutoModelForCausalLM.from_config(config)
     ours = build_model(args, device="meta")
