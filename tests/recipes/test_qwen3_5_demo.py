@@ -48,18 +48,19 @@ TEACHER = ["teacher_model=tiny_qwen3_5"]  # its own seed's base in teacher_check
 
 
 @pytest.mark.parametrize(
-    ("recipe", "config", "extra"),
+    ("recipe", "config", "extra", "preset"),
     [
-        ("lora_dpo_distributed", "tiny/lora_dpo", []),
-        ("grpo_distributed", "tiny/grpo", []),
-        ("knowledge_distillation_distributed", "tiny/kd", TEACHER),
+        ("lora_dpo_distributed", "tiny/lora_dpo", [], "tiny_qwen3_5"),
+        ("grpo_distributed", "tiny/grpo", [], "tiny_qwen3_5"),
+        ("knowledge_distillation_distributed", "tiny/kd", TEACHER, "tiny_qwen3_5"),
+        ("grpo_distributed", "tiny/grpo", [], "tiny_qwen3_5_moe"),
     ],
 )
-def test_dpo_grpo_and_distillation_train_a_qwen3_5_hybrid(tmp_path, recipe, config, extra):
-    """Preference, RL and distillation recipes run on the hybrid (GRPO's rollouts go through the recurrent
-    generation cache; the KD teacher is a hybrid too)."""
+def test_dpo_grpo_and_distillation_train_a_qwen3_5_hybrid(tmp_path, recipe, config, extra, preset):
+    """Preference, RL and distillation recipes run on the hybrids, dense and MoE (GRPO's rollouts go through the
+    recurrent generation cache; the KD teacher is a hybrid too)."""
     out = tmp_path / "run"
-    overrides = [f"output_dir={out}", f"checkpoint_dir={tmp_path / 'base'}", "model=tiny_qwen3_5", *extra]
+    overrides = [f"output_dir={out}", f"checkpoint_dir={tmp_path / 'base'}", f"model={preset}", *extra]
     if extra:
         overrides.append(f"teacher_checkpoint_dir={tmp_path / 'teacher'}")
     run_recipe(recipe, config, *overrides, "epochs=1", "max_steps_per_epoch=2", "log_every_n_steps=1")
