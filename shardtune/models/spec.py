@@ -25,8 +25,8 @@ class AttentionSpec:
     """A layer's token mixer, the module named ``module_name`` (``self_attn``; Qwen3.5's linear layers:
     ``linear_attn``): ``kind`` (``"attention"``: grouped-query attention through SDPA, exact eager with
     logit soft-capping; ``"sink_attention"``: plus gpt-oss's per-head sink logits; ``"gated_delta_net"``:
-    Qwen3.5's linear attention), one fused ``qkv_proj`` (Phi-3), a per-head RMSNorm of q and k (Qwen3,
-    Gemma 3) and a sigmoid output gate made by ``q_proj`` (``output_gate``: Qwen3.5)."""
+    Qwen3.5's linear attention; ``"qkv_norm_attention"``: Gemma 4's, normed values, scale 1, keys and values
+    shared across layers), one fused ``qkv_proj`` (Phi-3), a per-head RMSNorm of q and k (Qwen3, Gemma 3) and a sigmoid output gate made by ``q_proj`` (``output_gate``: Qwen3.5)."""
 
     kind: str = "attention"
     fused_qkv: bool = False
@@ -89,7 +89,11 @@ class Blocks:
     (``ModelArgs.layer_types``); ``mlp`` builds the dense layers, ``sparse`` the layers that route to
     experts (``MoeArgs.is_sparse``; a family has experts exactly when ``sparse`` is set). ``norm_offset``:
     Gemma's ``(1 + w)`` RMSNorm weights; ``sandwich_norm``: each branch's output is normed before its
-    residual add too (Gemma 2/3); ``scale_embeddings``: embeddings times ``sqrt(dim)`` (Gemma)."""
+    residual add too (Gemma 2/3); ``scale_embeddings``: embeddings times ``sqrt(dim)`` (Gemma);
+    ``norm_fp32_weight``: RMSNorm weights scale in fp32 before the cast, without offset (Gemma 4);
+    ``layer_scalar``: each layer's output is multiplied by its own ``layer_scalar`` (a ``[1]`` buffer in
+    the checkpoint, Gemma 4). Per-layer inputs (``ModelArgs.per_layer_input_dim``) add each layer's
+    ``per_layer_input_gate``/``per_layer_projection``/``post_per_layer_input_norm`` after its feed-forward."""
 
     attention: AttentionSpec = AttentionSpec()
     attention_by_type: Mapping[str, AttentionSpec] = field(default_factory=dict)
@@ -98,6 +102,8 @@ class Blocks:
     norm_offset: bool = False
     sandwich_norm: bool = False
     scale_embeddings: bool = False
+    norm_fp32_weight: bool = False
+    layer_scalar: bool = False
 
     def attention_of(self, layer_type: str) -> AttentionSpec:
         """The attention of layers of ``layer_type``."""
@@ -118,6 +124,13 @@ OPTIONAL_FIELDS: dict[str, Any] = {
     "hidden_act": "silu",
     "rope_local_theta": None,
     "partial_rotary_factor": 1.0,
+    "full_head_dim": None,
+    "full_n_kv_heads": None,
+    "attention_k_eq_v": False,
+    "kv_shared_layers": 0,
+    "double_wide_mlp": False,
+    "per_layer_input_dim": 0,
+    "per_layer_input_vocab_size": None,
 }
 
 
@@ -131,6 +144,8 @@ class Family:
     :data:`OPTIONAL_FIELDS` its config.json has keys for (any other must keep its unused value).
     ``lora_aliases`` maps Llama projection names to the fused module that holds them (Phi-3), so
     generic LoRA targets still apply; ``rope_type_aliases`` maps old rope type names of its configs.
+    ``rope_parameters_only``: its configs say rope only as ``rope_parameters`` (Gemma 4), whatever style
+    is asked for.
     """
 
     model_type: str
@@ -147,6 +162,7 @@ class Family:
     default_theta: float = 10000.0
     default_eps: float = 1e-6
     default_local_theta: float | None = None  # sliding layers' own rope base (Gemma 3)
+    rope_parameters_only: bool = False
 
     @property
     def moe(self) -> bool:

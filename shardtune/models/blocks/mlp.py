@@ -28,12 +28,13 @@ class MLP(nn.Module):
         super().__init__()
         kw = {"device": device, "dtype": dtype, "bias": args.mlp_bias}
         self.fused = (spec or MlpSpec()).fused_gate_up
+        width = args.intermediate_size_of(layer_idx)
         if self.fused:
-            self.gate_up_proj = nn.Linear(args.dim, 2 * args.intermediate_size, **kw)
+            self.gate_up_proj = nn.Linear(args.dim, 2 * width, **kw)
         else:
-            self.gate_proj = nn.Linear(args.dim, args.intermediate_size, **kw)
-            self.up_proj = nn.Linear(args.dim, args.intermediate_size, **kw)
-        self.down_proj = nn.Linear(args.intermediate_size, args.dim, **kw)
+            self.gate_proj = nn.Linear(args.dim, width, **kw)
+            self.up_proj = nn.Linear(args.dim, width, **kw)
+        self.down_proj = nn.Linear(width, args.dim, **kw)
         self.gelu = args.hidden_act == "gelu_pytorch_tanh"
 
     def init_weights(self, std: float) -> None:

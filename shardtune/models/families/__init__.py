@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from shardtune.models.args import ModelArgs
 from shardtune.models.families.gemma import GEMMA2, GEMMA3_TEXT
+from shardtune.models.families.gemma4 import GEMMA4_TEXT
 from shardtune.models.families.gpt_oss import GPT_OSS
 from shardtune.models.families.llama import LLAMA
 from shardtune.models.families.mistral import MISTRAL
@@ -24,7 +25,10 @@ __all__ = ["FAMILIES", "Family", "family_of", "get_family", "supported_model_typ
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f
-    for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3_TEXT, QWEN3_MOE, MIXTRAL, GPT_OSS, QWEN3_5_TEXT)
+    for f in (
+        *(LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3_TEXT, GEMMA4_TEXT),
+        *(QWEN3_MOE, MIXTRAL, GPT_OSS, QWEN3_5_TEXT),
+    )
 }
 
 
