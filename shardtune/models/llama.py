@@ -130,7 +130,7 @@ class DecoderLayer(nn.Module):
     ) -> Tensor:
         """A sparse layer records its routing in ``routing`` (see ``moe_aux.py``). ``layer_input``: this layer's
         per-layer input (``per_layer_inputs.model_inputs``); ``shared_kv``: the forward's keys and values
-        shared across layers (a dict the layers that store them fill)."""
+        shared across layers (filled by the layers that store them)."""
         share = {"shared_kv": shared_kv} if self.shares_kv else {}
         if not self.sandwich:
             h = x + self.mixer(self.input_layernorm(x), cos, sin, mask, kv, packed, **share)
@@ -223,7 +223,7 @@ class LlamaModel(nn.Module):
         wanted = _check_layer_ids(output_hidden_states, len(self.layers))
         h = self._embed(tokens)
         layer_inputs = self._layer_inputs(tokens, h)
-        shared_kv: SharedKV = {}
+        shared_kv = SharedKV()
         lengths = None if context is not None else self._packed_lengths(tokens, position_ids, sample_lengths)
         seq, device = tokens.shape[1], tokens.device
         if position_ids is None:
@@ -319,7 +319,7 @@ class LlamaModel(nn.Module):
         """Tokens after the ``cache.length`` cached ones: positions go on, keys and values are appended."""
         h = self._embed(tokens)
         layer_inputs = self._layer_inputs(tokens, h)
-        shared_kv: SharedKV = {}
+        shared_kv = SharedKV()
         new, device = tokens.shape[1], tokens.device
         window = {FULL: None, SLIDING: self.args.sliding_window, LINEAR: None}
         types = {layer.layer_type for layer in self.decoder_layers}

@@ -82,6 +82,8 @@ RECIPES: dict[str, Recipe] = {
                 "mixtral/8x7B_qlora",
                 "gpt_oss/20B_lora",
                 "tiny/gpt_oss_lora",
+                "gemma4/31B_lora",
+                "tiny/gemma4_lora",
             ),
         ),
         Recipe("knowledge_distillation_distributed", KD_SCHEMA, ("tiny/kd", "llama3_2/8B_to_1B_KD_lora")),

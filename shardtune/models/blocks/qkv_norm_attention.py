@@ -5,7 +5,7 @@ scaled (scale 1); the RMSNorms scale in fp32 before the cast. A layer's geometry
 (``ModelArgs.head_dim_of``/``kv_heads_of``); with ``ModelArgs.attention_k_eq_v`` full-attention layers have no
 ``v_proj``: the values are the keys' projection, normed as values. Keys and values may be shared across
 layers (``ModelArgs.kv_sharing``): a ``"store"`` layer records its roped keys and values (after the cache
-update when generating) in the forward's ``shared_kv`` dict under its layer type, a ``"reuse"`` layer has
+update when generating) in the forward's ``shared_kv`` (:class:`SharedKV`) under its layer type, a ``"reuse"`` layer has
 no key/value projections and attends to what was recorded there. Masks, packing, context parallelism and
 the kernels are :class:`~shardtune.models.blocks.attention.Attention`'s. Modules are registered in
 transformers' order, so ``state_dict`` keys and order equal its checkpoints'.
@@ -27,7 +27,14 @@ from shardtune.models.spec import AttentionSpec
 
 __all__ = ["QKVNormAttention", "SharedKV"]
 
-SharedKV = dict[str, tuple[Tensor, Tensor]]  # layer type -> the roped keys and values its "store" layer made
+
+class SharedKV:
+    """One forward's keys and values shared across layers: layer type -> the roped keys and values its
+    ``"store"`` layer made. A plain object, not a dict: FSDP's input casts rebuild containers they know
+    (a dict would reach each layer as a copy) and pass this one through as it is."""
+
+    def __init__(self) -> None:
+        self.by_type: dict[str, tuple[Tensor, Tensor]] = {}
 
 
 class QKVNormAttention(Attention):
@@ -110,13 +117,13 @@ class QKVNormAttention(Attention):
             raise ValueError("a layer that shares keys and values (ModelArgs.kv_shared_layers) needs shared_kv")
         if self.sharing == "reuse":
             assert shared_kv is not None
-            k, v = shared_kv[self.layer_type]
+            k, v = shared_kv.by_type[self.layer_type]
         else:
             k, v = self._kv(x, cos, sin)
             if kv is not None:  # generation: never packed nor split over ranks
                 k, v = kv(k, v)
             if self.sharing == "store":
                 assert shared_kv is not None
-                shared_kv[self.layer_type] = (k, v)
+                shared_kv.by_type[self.layer_type] = (k, v)
         out = self._attention(q, k, v, mask, packed, cached=kv is not None)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
