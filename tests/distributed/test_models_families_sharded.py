@@ -60,7 +60,13 @@ def _sharded_vs_single_process(name: str, qlora: bool):
     return {"diff": _rel(got, expected), "unexpected": keys.unexpected_keys, "type": shard_type}
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen2_tied", "qwen2_sliding", "qwen3", "gemma2", "phi3", "gemma3_text"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        *("mistral", "qwen2_tied", "qwen2_sliding", "qwen3", "gemma2", "phi3", "gemma3_text"),
+        *("gemma4_text", "gemma4_text_per_layer_inputs"),
+    ],
+)
 def test_sharded_forward_equals_transformers(pool2, name):
     res = pool2.run_ok(_sharded_vs_single_process, name, False)
     assert all(r["diff"] <= 1e-4 and r["unexpected"] == [] for r in res), res
@@ -109,7 +115,7 @@ def _sharded_lora_backward(name: str):
     return {"loss": abs(loss.item() - ref_loss.item()), "grad": worst, "names": sorted(grads) == sorted(ref_grads)}
 
 
-@pytest.mark.parametrize("name", ["gemma2", "phi3"])
+@pytest.mark.parametrize("name", ["gemma2", "phi3", "gemma4_text_per_layer_inputs"])
 def test_sharded_lora_backward_with_checkpointing_equals_single_process(pool2, name):
     res = pool2.run_ok(_sharded_lora_backward, name)
     assert all(r["loss"] < 1e-5 and r["grad"] < 1e-4 and r["names"] for r in res), res
