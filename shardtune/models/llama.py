@@ -422,9 +422,15 @@ class LlamaForCausalLM(nn.Module):
         A skipped layer passes its input through; decisions are drawn once per forward from
         ``generator`` (default: torch's global CPU RNG). Under FSDP every rank must draw the
         same decisions (same seed / generator state), or the per-layer all-gathers desync.
-        ``max_prob=0`` disables it.
+        ``max_prob=0`` disables it. A layer whose keys and values later layers reuse is never skipped.
         """
         probs = layer_dropout_probs(len(self.model.layers), max_prob=max_prob, schedule=schedule, layers=layers)
+        stores = [i for i, p in enumerate(probs) if p > 0 and self.args.kv_sharing(i) == "store"]
+        if stores:
+            raise ValueError(
+                f"layer dropout would skip layers {stores}, whose keys and values later layers reuse "
+                "(ModelArgs.kv_shared_layers); give layer_dropout layers that leave them out"
+            )
         self.model.layer_dropout_probs = probs if max_prob > 0 else None
         self.model.layer_dropout_generator = generator
         return probs

@@ -227,6 +227,13 @@ def test_bad_configs_are_refused_naming_the_key(change, match):
         model_args_from_hf_config({**cfg, **change})
 
 
+def test_layer_dropout_never_skips_a_layer_whose_keys_are_reused():
+    ours = ours_from(hf_model(SHARED))  # layer 1 stores, layer 2 reuses
+    with pytest.raises(ValueError, match=r"skip layers \[1\], whose keys and values later layers reuse"):
+        ours.set_layer_dropout(max_prob=0.5, layers=[1, 2])
+    assert ours.set_layer_dropout(max_prob=0.5, layers=[2])[2] == 0.5
+
+
 def test_args_gemma4_cannot_say_are_refused_at_write():
     from shardtune.models import model_args_to_hf_config
 
@@ -252,6 +259,13 @@ def test_presets_have_transformers_shapes_and_parameter_counts(preset):
     assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in hf.state_dict().items()}
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
     assert model_args_from_hf_config(model_args_to_hf_config(args)) == args
+    # QLoRA with the default NF4 block sizes can quantize every projection of the real shapes.
+    from shardtune.peft import nf4, resolve_targets
+
+    targets = resolve_targets(ours, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    for name, module in ours.named_modules():
+        if name.rsplit(".", 1)[-1] in targets:
+            nf4.check_nf4_shape(name, tuple(module.weight.shape), block_size=64, scaler_block_size=256)
 
 
 def test_tiny_preset_writes_a_base_transformers_loads_equal(tmp_path):
