@@ -278,6 +278,27 @@ PRESETS.update(
             "sliding_window": 1024,
             "layer_types": _gemma4_layer_types(60, 6),
         },
+        # google/gemma-4-26B-A4B's text config: 128 routed experts (top 8) beside every layer's dense MLP.
+        "gemma4_26b_a4b": {
+            **_GEMMA4,
+            "dim": 2816,
+            "n_layers": 30,
+            "n_heads": 16,
+            "n_kv_heads": 8,
+            "full_n_kv_heads": 2,
+            "attention_k_eq_v": True,
+            "intermediate_size": 2112,
+            "max_seq_len": 262144,
+            "sliding_window": 1024,
+            "layer_types": _gemma4_layer_types(30, 6),
+            "moe": {
+                "num_experts": 128,
+                "top_k": 8,
+                "intermediate_size": 704,
+                "norm_topk_prob": True,
+                "router_aux_loss_coef": 0.0,
+            },
+        },
         # A tiny Gemma 4 (byte-level vocab) for the demo and CI: sliding/full layers of their own head widths,
         # keys as values on full layers, the last two layers reusing keys/values, per-layer inputs.
         "tiny_gemma4": {

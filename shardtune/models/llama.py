@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from shardtune.losses.linear_cross_entropy import LinearHead, head_for_several_losses, softcap
 from shardtune.models.args import FULL, LINEAR, SLIDING, ModelArgs
-from shardtune.models.blocks import per_layer_inputs
+from shardtune.models.blocks import parallel_experts, per_layer_inputs
 from shardtune.models.blocks.attention import Attention, KVUpdate, attention_mask
 from shardtune.models.blocks.kinds import Block, build_attention, build_feed_forward
 from shardtune.models.blocks.mlp import MLP
@@ -95,6 +95,14 @@ class DecoderLayer(nn.Module):
         if self.has_layer_input:
             for name, module in per_layer_inputs.layer_modules(args, norm=_norm_options(args), **kw).items():
                 self.add_module(name, module)
+        self.layer_idx = layer_idx
+        beside = blocks.experts_of(args.moe, layer_idx) if blocks.experts_beside_mlp else None
+        self.has_experts_beside = beside is not None
+        if beside is not None:
+            if not self.sandwich:
+                raise ValueError("Blocks.experts_beside_mlp needs sandwich_norm (the branch outputs are normed)")
+            for name, module in parallel_experts.layer_modules(args, beside, norm=_norm_options(args), **kw).items():
+                self.add_module(name, module)
         self.gelu = args.hidden_act == "gelu_pytorch_tanh"
         # in the checkpoint: a persistent buffer, as transformers'
         scalar = torch.ones(1, device=device, dtype=dtype) if blocks.layer_scalar else None
@@ -109,6 +117,10 @@ class DecoderLayer(nn.Module):
     def init_weights(self, std: float) -> None:
         self.mixer.init_weights(std)
         self.mlp.init_weights(std)
+        for name in ("router", "experts"):  # beside the dense mlp (Blocks.experts_beside_mlp)
+            block = getattr(self, name, None)
+            if block is not None:
+                block.init_weights(std)
         for module in self.children():
             if isinstance(module, RMSNorm):
                 module.reset_parameters()
@@ -138,7 +150,10 @@ class DecoderLayer(nn.Module):
         else:
             mixed = self.mixer(self.input_layernorm(x), cos, sin, mask, kv, packed, **share)
             h = x + self.post_attention_layernorm(mixed)
-            h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h), routing))
+            out = self.mlp(self.pre_feedforward_layernorm(h), routing)
+            if self.has_experts_beside:
+                out = parallel_experts.add_experts(self, h, out, layer_idx=self.layer_idx, routing=routing)
+            h = h + self.post_feedforward_layernorm(out)
         if self.has_layer_input:
             if layer_input is None:
                 raise ValueError("this decoder layer takes a per-layer input (ModelArgs.per_layer_input_dim > 0)")

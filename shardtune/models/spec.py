@@ -93,7 +93,10 @@ class Blocks:
     ``norm_fp32_weight``: RMSNorm weights scale in fp32 before the cast, without offset (Gemma 4);
     ``layer_scalar``: each layer's output is multiplied by its own ``layer_scalar`` (a ``[1]`` buffer in
     the checkpoint, Gemma 4). Per-layer inputs (``ModelArgs.per_layer_input_dim``) add each layer's
-    ``per_layer_input_gate``/``per_layer_projection``/``post_per_layer_input_norm`` after its feed-forward."""
+    ``per_layer_input_gate``/``per_layer_projection``/``post_per_layer_input_norm`` after its feed-forward.
+    ``experts_beside_mlp`` (Gemma 4's MoE): a sparse layer keeps its dense ``mlp`` and adds the ``sparse``
+    spec's router and experts beside it, as the layer's own ``router``/``experts`` with their norms
+    (``blocks/parallel_experts.py``)."""
 
     attention: AttentionSpec = AttentionSpec()
     attention_by_type: Mapping[str, AttentionSpec] = field(default_factory=dict)
@@ -104,6 +107,7 @@ class Blocks:
     scale_embeddings: bool = False
     norm_fp32_weight: bool = False
     layer_scalar: bool = False
+    experts_beside_mlp: bool = False
 
     def attention_of(self, layer_type: str) -> AttentionSpec:
         """The attention of layers of ``layer_type``."""
@@ -111,9 +115,15 @@ class Blocks:
 
     def mlp_of(self, moe: MoeArgs | None, layer_idx: int) -> MlpSpec | SparseSpec:
         """The feed-forward block of layer ``layer_idx`` (``moe``: the model's experts, if any)."""
+        if self.experts_of(moe, layer_idx) is not None and not self.experts_beside_mlp:
+            return self.sparse  # type: ignore[return-value]  # experts_of: not None
+        return self.mlp
+
+    def experts_of(self, moe: MoeArgs | None, layer_idx: int) -> SparseSpec | None:
+        """The experts of layer ``layer_idx`` (its ``mlp`` or, ``experts_beside_mlp``, beside it), or None."""
         if self.sparse is not None and moe is not None and moe.is_sparse(layer_idx):
             return self.sparse
-        return self.mlp
+        return None
 
 
 # ModelArgs fields that only some families' config.json can say, with the value meaning "not used"
@@ -145,7 +155,7 @@ class Family:
     ``lora_aliases`` maps Llama projection names to the fused module that holds them (Phi-3), so
     generic LoRA targets still apply; ``rope_type_aliases`` maps old rope type names of its configs.
     ``rope_parameters_only``: its configs say rope only as ``rope_parameters`` (Gemma 4), whatever style
-    is asked for.
+    is asked for. ``moe_optional``: models of the family may have experts or not (Gemma 4).
     """
 
     model_type: str
@@ -163,6 +173,7 @@ class Family:
     default_eps: float = 1e-6
     default_local_theta: float | None = None  # sliding layers' own rope base (Gemma 3)
     rope_parameters_only: bool = False
+    moe_optional: bool = False
 
     @property
     def moe(self) -> bool:

@@ -83,6 +83,7 @@ RECIPES: dict[str, Recipe] = {
                 "gpt_oss/20B_lora",
                 "tiny/gpt_oss_lora",
                 "gemma4/31B_lora",
+                "gemma4/26B_A4B_lora",
                 "tiny/gemma4_lora",
             ),
         ),

@@ -37,7 +37,7 @@ def ours_from(hf):
     return ours
 
 
-@pytest.mark.parametrize("name", ["gemma4_text", SHARED])
+@pytest.mark.parametrize("name", ["gemma4_text", SHARED, "gemma4_text_moe"])
 def test_every_gradient_equals_transformers(name):
     hf = hf_model(name)
     ours = ours_from(hf)
@@ -198,7 +198,11 @@ def test_published_style_config_matches_transformers(tmp_path):
 
 BAD = [
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
-    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}, "enable_moe_block"),
+    (
+        {"enable_moe_block": True, "num_experts": 4, "moe_intermediate_size": 32},
+        r"enable_moe_block=true needs \['top_k_",
+    ),
+    ({"enable_moe_block": True, "num_experts": 2, "top_k_experts": 4, "moe_intermediate_size": 32}, "top_k"),
     ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types must list num_hidden_layers=3"),
     ({"layer_types": ["sliding_attention", "linear_attention", "full_attention"]}, "unknown kinds"),
     ({"per_layer_config": {"0": {"head_dim": 32}}}, "per_layer_config"),
@@ -227,6 +231,65 @@ def test_bad_configs_are_refused_naming_the_key(change, match):
         model_args_from_hf_config({**cfg, **change})
 
 
+def test_the_experts_beside_the_mlp_matter_and_route_as_transformers():
+    """Experts and router change the logits (per_expert_scale too), the router picks transformers' experts
+    with its weights, and the dense MLP stays the layer's ``mlp``."""
+    hf = hf_model("gemma4_text_moe")
+    ours = ours_from(hf)
+    layer, hf_layer = ours.model.layers[0], hf.model.layers[0]
+    assert type(layer.mlp).__name__ == "MLP" and type(layer.experts).__name__ == "Experts"
+    flat = torch.randn(30, COMMON["hidden_size"], generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        _, hf_weights, hf_indices = hf_layer.router(flat)
+        weights, indices = layer.router.select(layer.router(flat))
+    assert torch.equal(indices, hf_indices)
+    torch.testing.assert_close(weights, hf_weights, atol=1e-6, rtol=1e-5)
+    x = tokens()
+    base = _logits(ours, x)
+    for change in ("per_expert_scale", "experts"):
+        other = copy.deepcopy(ours)
+        for each in other.model.layers:
+            if change == "per_expert_scale":
+                each.router.per_expert_scale.data.mul_(3.0)
+            else:
+                each.experts.down_proj.data.zero_()
+        assert rel_diff(_logits(other, x), base) > 1e-3, change
+
+
+def test_expert_adapters_equal_peft_target_parameters():
+    """LoRA on the fused experts beside the MLP (``experts.gate_up_proj``/``down_proj``): peft's adapter keys,
+    logits and adapter gradients."""
+    import peft
+
+    from shardtune.peft import apply_lora, get_adapter_state_dict
+    from shardtune.peft.adapters import PEFT_PREFIX
+
+    hf = hf_model("gemma4_text_moe")
+    parameters = ["experts.gate_up_proj", "experts.down_proj"]
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=parameters)
+    pm = peft.get_peft_model(copy.deepcopy(hf), config)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for key, p in pm.named_parameters():
+            if "lora_" in key:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    ours = apply_lora(ours_from(hf), rank=4, alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=parameters)
+    saved = peft.get_peft_model_state_dict(pm)
+    mine = {PEFT_PREFIX + k: tuple(v.shape) for k, v in get_adapter_state_dict(ours).items()}
+    assert mine == {k: tuple(v.shape) for k, v in saved.items()}
+    result = ours.load_state_dict({k.removeprefix(PEFT_PREFIX): v for k, v in saved.items()}, strict=False)
+    assert not result.unexpected_keys
+    x, labels = tokens(seed=3), tokens(seed=4)
+    expected, got = pm(input_ids=x).logits, ours(x)
+    assert rel_diff(got, expected) <= TOL and rel_diff(expected, hf(x).logits) > 1e-3
+    F.cross_entropy(expected.flatten(0, 1), labels.flatten()).backward()
+    F.cross_entropy(got.flatten(0, 1), labels.flatten()).backward()
+    theirs = {k.replace(".default", ""): p.grad for k, p in pm.named_parameters() if "lora_" in k}
+    for key, p in ours.named_parameters():
+        if "lora" in key:
+            torch.testing.assert_close(p.grad, theirs[PEFT_PREFIX + key], atol=1e-5, rtol=1e-4, msg=key)
+
+
 def test_layer_dropout_never_skips_a_layer_whose_keys_are_reused():
     ours = ours_from(hf_model(SHARED))  # layer 1 stores, layer 2 reuses
     with pytest.raises(ValueError, match=r"skip layers \[1\], whose keys and values later layers reuse"):
@@ -246,7 +309,7 @@ def test_args_gemma4_cannot_say_are_refused_at_write():
 
 
 # Published shapes (google/gemma-4-E2B, -E4B, -31B config.json text configs) against transformers on meta
-@pytest.mark.parametrize("preset", ["gemma4_e2b", "gemma4_e4b", "gemma4_31b"])
+@pytest.mark.parametrize("preset", ["gemma4_e2b", "gemma4_e4b", "gemma4_31b", "gemma4_26b_a4b"])
 def test_presets_have_transformers_shapes_and_parameter_counts(preset):
     from shardtune.models import build_model, model_args_to_hf_config
 

@@ -120,6 +120,18 @@ FAMILY_CONFIGS = {
             vocab_size_per_layer_input=VOCAB,
         ),
     ),
+    "gemma4_text_moe": (
+        transformers.Gemma4TextConfig,
+        dict(
+            GEMMA4,
+            attention_k_eq_v=True,
+            num_global_key_value_heads=1,
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+        ),
+    ),
     "llama_dynamic": (
         transformers.LlamaConfig,
         {"max_position_embeddings": 16, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
@@ -285,7 +297,7 @@ PEFT_TARGETS = {
 OUR_TARGETS = {"qwen3_5_text": LLAMA_TARGETS + LINEAR_ATTENTION_TARGETS}  # else Llama's names, resolved per family
 LORA_FAMILIES = [
     *("mistral", "qwen2_tied", "qwen3", "phi3", "gemma2", "gemma3_text", "qwen3_5_text"),
-    *("gemma4_text", "gemma4_text_per_layer_inputs"),
+    *("gemma4_text", "gemma4_text_per_layer_inputs", "gemma4_text_moe"),
 ]
 
 

@@ -23,11 +23,20 @@ from shardtune.models.blocks.gated_delta_net import GatedDeltaNet
 from shardtune.models.blocks.mlp import MLP
 from shardtune.models.blocks.moe import SparseMoeBlock
 from shardtune.models.blocks.qkv_norm_attention import QKVNormAttention
-from shardtune.models.blocks.routers import GptOssRouter, Router
+from shardtune.models.blocks.routers import GptOssRouter, Router, ScaledRouter
 from shardtune.models.blocks.sink_attention import SinkAttention
 from shardtune.models.spec import AttentionSpec, MlpSpec, SparseSpec
 
-__all__ = ["ATTENTION", "EXPERTS", "FEED_FORWARD", "ROUTERS", "Block", "build_attention", "build_feed_forward"]
+__all__ = [
+    "ATTENTION",
+    "EXPERTS",
+    "FEED_FORWARD",
+    "ROUTERS",
+    "Block",
+    "build_attention",
+    "build_feed_forward",
+    "build_router_and_experts",
+]
 
 _T = TypeVar("_T")
 
@@ -56,11 +65,16 @@ class FeedForwardKind(Protocol):
     def __call__(self, args: ModelArgs, *, spec: Any, layer_idx: int, device: Any, dtype: Any) -> Block: ...
 
 
-def _sparse_moe(args: ModelArgs, *, spec: SparseSpec, layer_idx: int, device: Any, dtype: Any) -> Block:
-    """A :class:`SparseMoeBlock` of the spec's router and experts kinds."""
+def build_router_and_experts(args: ModelArgs, spec: SparseSpec, *, device=None, dtype=None) -> tuple[Router, Experts]:
+    """The spec's router and experts kinds, built for ``args.moe``."""
     kw = {"device": device, "dtype": dtype}
     router = _kind(ROUTERS, spec.router, "router").from_args(args, spec, **kw)
-    experts = _kind(EXPERTS, spec.experts, "experts").from_args(args, spec, **kw)
+    return router, _kind(EXPERTS, spec.experts, "experts").from_args(args, spec, **kw)
+
+
+def _sparse_moe(args: ModelArgs, *, spec: SparseSpec, layer_idx: int, device: Any, dtype: Any) -> Block:
+    """A :class:`SparseMoeBlock` of the spec's router and experts kinds."""
+    router, experts = build_router_and_experts(args, spec, device=device, dtype=dtype)
     return SparseMoeBlock(
         router, experts, layer_idx=layer_idx, router_name=spec.router_name, router_first=spec.router_first
     )
@@ -73,7 +87,11 @@ ATTENTION: dict[str, AttentionKind] = {
     "qkv_norm_attention": QKVNormAttention,
 }
 FEED_FORWARD: dict[str, FeedForwardKind] = {"gated_mlp": MLP, "sparse_moe": _sparse_moe}
-ROUTERS: dict[str, type[Router]] = {"softmax_topk": Router, "topk_softmax": GptOssRouter}
+ROUTERS: dict[str, type[Router]] = {
+    "softmax_topk": Router,
+    "topk_softmax": GptOssRouter,
+    "scaled_softmax_topk": ScaledRouter,
+}
 EXPERTS: dict[str, type[Experts]] = {"gated": Experts, "clamped_swiglu": GptOssExperts}
 
 

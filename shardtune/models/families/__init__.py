@@ -39,9 +39,9 @@ def supported_model_types() -> list[str]:
 
 def family_of(args: ModelArgs) -> Family:
     """The spec of ``args.model_type``, checked against ``args``: experts (``args.moe``) exactly
-    for mixture-of-experts families. ``ValueError`` naming the model type otherwise."""
+    for mixture-of-experts families (or optionally: ``Family.moe_optional``). ``ValueError`` naming the model type otherwise."""
     family = get_family(args.model_type)
-    if family.moe != (args.moe is not None):
+    if (args.moe is not None and not family.moe) or (args.moe is None and family.moe and not family.moe_optional):
         raise ValueError(
             f"ModelArgs.moe must be set exactly for mixture-of-experts model types; model_type "
             f"{args.model_type!r} {'needs' if args.moe is None else 'has no'} experts"

@@ -6,8 +6,9 @@ What differs from Gemma 3: RMSNorm weights scale in fp32 without the ``1 +`` off
 ``per_layer_config`` or the published ``global_head_dim``/``num_global_key_value_heads``, and keys as values
 with ``attention_k_eq_v``); the last ``num_kv_shared_layers`` layers reuse earlier keys and values; every
 layer ends with a ``layer_scalar`` and, with ``hidden_size_per_layer_input`` > 0, adds its per-layer input;
-full layers rotate with ``proportional`` rope. transformers forces the last layer to full attention; so does
-this reader.
+full layers rotate with ``proportional`` rope; with ``enable_moe_block`` every layer adds routed experts beside
+its MLP (``Blocks.experts_beside_mlp``: router ``scale``/``per_expert_scale``, no load-balancing loss unless
+``router_aux_loss_coef`` says so). transformers forces the last layer to full attention; so does this reader.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 
 from shardtune.models.args import FULL, SLIDING, ModelArgs
 from shardtune.models.families.config_rules import require
-from shardtune.models.spec import AttentionSpec, Blocks, Family
+from shardtune.models.moe_args import MoeArgs
+from shardtune.models.spec import AttentionSpec, Blocks, Family, SparseSpec
 
 __all__ = ["GEMMA4_TEXT"]
 
@@ -28,6 +30,7 @@ _DEFAULT_ROPE: dict[str, dict[str, Any]] = {
 _GLOBAL_HEAD_DIM = 512  # transformers' default global_head_dim
 _PATTERN = 6  # transformers' default: five sliding layers, then a full one
 _LAYER_OVERRIDES = {"head_dim", "num_key_value_heads"}
+_EXPERT_KEYS = {"num_experts": "num_experts", "top_k": "top_k_experts", "intermediate_size": "moe_intermediate_size"}
 
 
 def _int(cfg: Mapping[str, Any], key: str, default: Any, *, minimum: int = 1) -> Any:
@@ -124,11 +127,6 @@ def _gemma4_read(cfg: Mapping[str, Any]) -> dict[str, Any]:
             "config use_bidirectional_attention must be null or 'vision' (causal LM training only), got "
             f"{cfg['use_bidirectional_attention']!r}"
         )
-    if _flag(cfg, "enable_moe_block"):
-        raise ValueError(
-            "config enable_moe_block=true (Gemma 4's mixture of experts) is not supported yet; "
-            "use a dense gemma4_text model"
-        )
     types = _layer_types(cfg)
     full_dim, full_kv = _full_geometry(cfg, types)
     bias = _flag(cfg, "attention_bias")
@@ -148,8 +146,24 @@ def _gemma4_read(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "double_wide_mlp": _flag(cfg, "use_double_wide_mlp") and bool(cfg.get("num_kv_shared_layers")),
         "per_layer_input_dim": per_layer_dim,
         "per_layer_input_vocab_size": None if not per_layer_dim or vocab == cfg["vocab_size"] else vocab,
+        "moe": _read_experts(cfg),
         **_rope(cfg),
     }
+
+
+def _read_experts(cfg: Mapping[str, Any]) -> MoeArgs | None:
+    """Every layer's routed experts beside its MLP when ``enable_moe_block`` (none otherwise)."""
+    if not _flag(cfg, "enable_moe_block"):
+        return None
+    sizes = {key: _int(cfg, key, None) for key in _EXPERT_KEYS.values()}
+    missing = [key for key, value in sizes.items() if value is None]
+    if missing:
+        raise ValueError(f"config enable_moe_block=true needs {missing}; use the model's config.json")
+    return MoeArgs(
+        **{field: sizes[key] for field, key in _EXPERT_KEYS.items()},
+        norm_topk_prob=True,  # Gemma 4's router always renormalizes its top k
+        router_aux_loss_coef=float(cfg.get("router_aux_loss_coef") or 0.0),  # trained without one
+    )
 
 
 def _gemma4_write(args: ModelArgs) -> dict[str, Any]:
@@ -178,10 +192,28 @@ def _gemma4_write(args: ModelArgs) -> dict[str, Any]:
         "use_double_wide_mlp": args.double_wide_mlp,
         "hidden_size_per_layer_input": args.per_layer_input_dim,
         "vocab_size_per_layer_input": args.per_layer_input_vocab_size or args.vocab_size,
-        "enable_moe_block": False,
+        "enable_moe_block": args.moe is not None,
     }
     if args.attention_k_eq_v:
         out["num_global_key_value_heads"] = args.kv_heads_of(FULL)
+    return out | _write_experts(args)
+
+
+def _write_experts(args: ModelArgs) -> dict[str, Any]:
+    moe = args.moe
+    if moe is None:
+        return {}
+    every_layer = MoeArgs(
+        moe.num_experts, moe.top_k, moe.intermediate_size, True, router_aux_loss_coef=moe.router_aux_loss_coef
+    )
+    if moe != every_layer:
+        raise ValueError(
+            "model_type 'gemma4_text' has routed experts in every layer, renormalized, with no other MoeArgs "
+            f"option; got {moe}"
+        )
+    out = {key: getattr(moe, field) for field, key in _EXPERT_KEYS.items()}
+    if moe.router_aux_loss_coef:
+        out["router_aux_loss_coef"] = moe.router_aux_loss_coef
     return out
 
 
@@ -196,6 +228,8 @@ GEMMA4_TEXT = Family(
         scale_embeddings=True,
         norm_fp32_weight=True,
         layer_scalar=True,
+        sparse=SparseSpec(router="scaled_softmax_topk", router_name="router", router_first=True),
+        experts_beside_mlp=True,
     ),
     config_fields=frozenset(
         {
@@ -217,4 +251,5 @@ GEMMA4_TEXT = Family(
     default_theta=1_000_000.0,
     default_local_theta=10_000.0,
     rope_parameters_only=True,
+    moe_optional=True,
 )
