@@ -64,7 +64,7 @@ def _sharded_vs_single_process(name: str, qlora: bool):
     "name",
     [
         *("mistral", "qwen2_tied", "qwen2_sliding", "qwen3", "gemma2", "phi3", "gemma3_text"),
-        *("gemma4_text", "gemma4_text_per_layer_inputs"),
+        *("gemma4_text", "gemma4_text_per_layer_inputs", "gemma4_text_moe"),
     ],
 )
 def test_sharded_forward_equals_transformers(pool2, name):

@@ -255,7 +255,9 @@ def test_config_round_trip_loads_in_transformers_as_the_same_family(tmp_path, na
         assert rel_diff(reloaded(x).logits, ours(x)) <= TOL
 
 
-@pytest.mark.parametrize("name", ["gemma2", "phi3", "qwen3", "gemma3_text", "gemma4_text_per_layer_inputs"])
+@pytest.mark.parametrize(
+    "name", ["gemma2", "phi3", "qwen3", "gemma3_text", "gemma4_text_per_layer_inputs", "gemma4_text_moe"]
+)
 def test_build_and_forward_from_a_save_pretrained_dir(tmp_path, name):
     from safetensors.torch import load_file
 
