@@ -76,7 +76,8 @@ class DecoderLayer(nn.Module):
         self.layer_type = layer_type
         blocks = get_family(args.model_type).blocks
         kw = {"device": device, "dtype": dtype}
-        norm = {**_norm_options(args), "device": device, "dtype": dtype}
+        norm_options = _norm_options(args)
+        norm = {**norm_options, **kw}
         attention = blocks.attention_of(layer_type)
         self.mixer_name = attention.module_name
         mixer = build_attention(
@@ -93,7 +94,7 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(args.dim, **norm)
         self.has_layer_input = args.per_layer_input_dim > 0
         if self.has_layer_input:
-            for name, module in per_layer_inputs.layer_modules(args, norm=_norm_options(args), **kw).items():
+            for name, module in per_layer_inputs.layer_modules(args, norm=norm_options, **kw).items():
                 self.add_module(name, module)
         self.layer_idx = layer_idx
         beside = blocks.experts_of(args.moe, layer_idx) if blocks.experts_beside_mlp else None
@@ -101,7 +102,7 @@ class DecoderLayer(nn.Module):
         if beside is not None:
             if not self.sandwich:
                 raise ValueError("Blocks.experts_beside_mlp needs sandwich_norm (the branch outputs are normed)")
-            for name, module in parallel_experts.layer_modules(args, beside, norm=_norm_options(args), **kw).items():
+            for name, module in parallel_experts.layer_modules(args, beside, norm=norm_options, **kw).items():
                 self.add_module(name, module)
         self.gelu = args.hidden_act == "gelu_pytorch_tanh"
         # in the checkpoint: a persistent buffer, as transformers'
