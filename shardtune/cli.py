@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         "--preset",
         default="tiny",
         choices=TINY_PRESETS,
-        help="tiny (dense, default), tiny_moe (Qwen3-MoE), tiny_gpt_oss (gpt-oss) or tiny_gemma4 (Gemma 4)",
+        help="tiny (dense, default), tiny_moe (Qwen3-MoE), tiny_gpt_oss (gpt-oss), tiny_gemma4 or tiny_gemma4_moe (Gemma 4)",
     )
     tiny.set_defaults(fn=cmd_make_tiny_base)
     args = parser.parse_args(argv)

@@ -323,9 +323,14 @@ PRESETS.update(
         },
     }
 )
+# The tiny Gemma 4 with 4 routed experts (top 2, width 2I = 128 != H = 96) beside every layer's dense MLP.
+PRESETS["tiny_gemma4_moe"] = {
+    **PRESETS["tiny_gemma4"],
+    "moe": {"num_experts": 4, "top_k": 2, "intermediate_size": 64, "norm_topk_prob": True, "router_aux_loss_coef": 0.0},
+}
 
 # The presets ``create_tiny_base`` writes (and so a recipe's ``model`` key can create when checkpoint_dir is empty).
-TINY_PRESETS = ("tiny", "tiny_moe", "tiny_gpt_oss", "tiny_gemma4")
+TINY_PRESETS = ("tiny", "tiny_moe", "tiny_gpt_oss", "tiny_gemma4", "tiny_gemma4_moe")
 
 
 def preset_names() -> list[str]:

@@ -68,7 +68,7 @@ def base_model_dir(
 
     A model already in ``cfg.<key>`` (its ``config.json``) is the one trained. The preset
     ``cfg.<preset_key>`` only names the base to create when the directory holds none (only
-    ``tiny``, ``tiny_moe``, ``tiny_gpt_oss`` and ``tiny_gemma4`` can be created); a preset of another shape than the directory's model is reported
+    ``tiny``, ``tiny_moe``, ``tiny_gpt_oss``, ``tiny_gemma4`` and ``tiny_gemma4_moe`` can be created); a preset of another shape than the directory's model is reported
     with a warning on rank 0, not an error, so a bundled tiny config pointed at a user's own
     model with ``checkpoint_dir=...`` alone trains that model. Collective (a barrier) when the
     tiny base is created.

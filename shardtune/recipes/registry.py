@@ -85,6 +85,7 @@ RECIPES: dict[str, Recipe] = {
                 "gemma4/31B_lora",
                 "gemma4/26B_A4B_lora",
                 "tiny/gemma4_lora",
+                "tiny/gemma4_moe_lora",
             ),
         ),
         Recipe("knowledge_distillation_distributed", KD_SCHEMA, ("tiny/kd", "llama3_2/8B_to_1B_KD_lora")),

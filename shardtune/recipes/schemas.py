@@ -114,7 +114,7 @@ BASE_SCHEMA = Schema(
         "model": Field(
             (str, None),
             None,
-            help="the preset that creates a missing base (only tiny, tiny_moe, tiny_gpt_oss and tiny_gemma4 can be created); when checkpoint_dir holds a "
+            help="the preset that creates a missing base (only tiny, tiny_moe, tiny_gpt_oss, tiny_gemma4 and tiny_gemma4_moe can be created); when checkpoint_dir holds a "
             "model (config.json), that model trains and a preset of another shape is warned about; null: always "
             "checkpoint_dir's",
         ),

@@ -331,14 +331,15 @@ def test_presets_have_transformers_shapes_and_parameter_counts(preset):
             nf4.check_nf4_shape(name, tuple(module.weight.shape), block_size=64, scaler_block_size=256)
 
 
-def test_tiny_preset_writes_a_base_transformers_loads_equal(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny_gemma4", "tiny_gemma4_moe"])
+def test_tiny_preset_writes_a_base_transformers_loads_equal(tmp_path, preset):
     from shardtune.checkpoint.formats.tiny_base import create_tiny_base
     from shardtune.models import build_model
 
-    directory = create_tiny_base(tmp_path / "base", preset="tiny_gemma4")
+    directory = create_tiny_base(tmp_path / "base", preset=preset)
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
-    assert type(hf).__name__ == "Gemma4ForCausalLM"
-    ours = build_model(get_model_args("tiny_gemma4"))
+    assert type(hf).__name__ == "Gemma4ForCausalLM" and hf.config.enable_moe_block == preset.endswith("moe")
+    ours = build_model(get_model_args(preset))
     ours.load_state_dict(hf.state_dict())
     x = torch.randint(0, VOCAB, (1, 50))
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""The tiny demo base models (``tiny``, ``tiny_moe``, ``tiny_gpt_oss``, ``tiny_gemma4``) written as HF model directories
+"""The tiny demo base models (``tiny``, ``tiny_moe``, ``tiny_gpt_oss``, ``tiny_gemma4``, ``tiny_gemma4_moe``) written as HF model directories
 (config.json, safetensors, tokenizer), crash-safe as a checkpoint is (:mod:`shardtune.checkpoint.safety.atomic`)."""
 
 from __future__ import annotations
