@@ -170,12 +170,15 @@ def test_cp2_equals_one_process_for_every_dense_family(pool2):
     assert results[0]["llama_yarn"]["local"] == (2, 32)  # 61 tokens padded to 64, half of them per rank
 
 
-def test_cp2_gemma4_with_shared_keys_and_per_layer_inputs_equals_one_process(pool2):
-    """A reusing layer gathers its producer's keys and values again; per-layer inputs are per token. Gemma 4's
+def test_cp2_gemma4_equals_one_process(pool2):
+    """A reusing layer gathers its producer's keys and values again; per-layer inputs and the experts beside each
+    MLP act per token. Gemma 4's
     norms scale by weights around 1 (not 1 + w around 1), four of them per layer: fp32 summation order moves
     its gradients by up to ~1.1e-5 of their largest, so the bound is 3e-5 (a missing path moves them by far more)."""
-    name = "gemma4_text_per_layer_inputs"
-    _check(pool2.run_ok(_families, [name], 2, timeout=240), name, [0], tol=3e-5)
+    names = ["gemma4_text_per_layer_inputs", "gemma4_text_moe"]  # the MoE one: experts beside every MLP
+    results = pool2.run_ok(_families, names, 2, timeout=240)
+    for name in names:
+        _check(results, name, [0], tol=3e-5)
 
 
 def test_cp2_phi3_longrope_equals_one_process_with_short_and_long_factors(pool2):

@@ -126,7 +126,8 @@ def test_rmsnorm_in_bf16_equals_transformers():
     assert not list(unscaled.parameters())
 
 
-def test_greedy_generation_with_shared_keys_equals_transformers(tmp_path):
+@pytest.mark.parametrize("moe", [False, True])
+def test_greedy_generation_with_shared_keys_equals_transformers(tmp_path, moe):
     from shardtune.data.tokenizer import save_byte_tokenizer
     from shardtune.inference.generation import generate, load_generator
 
@@ -146,9 +147,13 @@ def test_greedy_generation_with_shared_keys_equals_transformers(tmp_path):
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=2,
+        enable_moe_block=moe,
+        num_experts=4 if moe else None,
+        top_k_experts=2 if moe else None,
+        moe_intermediate_size=32 if moe else None,
     )
     torch.manual_seed(0)
-    reference = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    reference = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, experts_implementation="eager")
     randomize_(reference, 0).eval()
     reference.save_pretrained(tmp_path)
     save_byte_tokenizer(tmp_path)
