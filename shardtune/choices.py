@@ -43,6 +43,8 @@ LORA_TARGET_PARAMETERS = (
     "mlp.experts.down_proj",
     "mlp.gate.weight",
     "mlp.router.weight",  # gpt-oss's router
+    "experts.gate_up_proj",  # Gemma 4's experts, beside the layer's mlp
+    "experts.down_proj",
 )
 
 # ``dtype``: the compute dtype of the recipes (``shardtune.recipes.builders`` maps each to a torch dtype).

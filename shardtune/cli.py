@@ -405,8 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         "--preset",
         default="tiny",
         choices=TINY_PRESETS,
-        help="tiny (dense, default), tiny_moe (Qwen3-MoE), tiny_gpt_oss (gpt-oss), tiny_qwen3_5 (Qwen3.5) or "
-        "tiny_qwen3_5_moe (Qwen3.5-MoE)",
+        help="the tiny base to write: " + ", ".join(TINY_PRESETS) + " (tiny: dense, the default)",
     )
     tiny.set_defaults(fn=cmd_make_tiny_base)
     args = parser.parse_args(argv)

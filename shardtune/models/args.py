@@ -38,6 +38,13 @@ class ModelArgs:
     ``sliding_window`` tokens, and which are linear attention (``linear_attention``: their geometry);
     sliding layers use ``rope_local_theta`` when set (Gemma 3).
     ``query_pre_attn_scalar`` replaces ``head_dim`` in the ``1/sqrt`` attention scale.
+
+    Per-layer geometry (Gemma 4): full-attention layers have ``full_head_dim`` channels per head and
+    ``full_n_kv_heads`` kv heads (None: ``head_dim``/``n_kv_heads``), their values are their keys'
+    projection when ``attention_k_eq_v``; the last ``kv_shared_layers`` layers compute no keys and values
+    but reuse those of the last earlier layer of their type (:meth:`kv_sharing`), with a twice as wide MLP
+    when ``double_wide_mlp``. ``per_layer_input_dim`` > 0 feeds every layer its own input of that width,
+    from a table over ``per_layer_input_vocab_size`` tokens (None: ``vocab_size``) and the embeddings.
     """
 
     vocab_size: int
@@ -64,6 +71,13 @@ class ModelArgs:
     query_pre_attn_scalar: float | None = None
     partial_rotary_factor: float = 1.0
     rope_local_theta: float | None = None
+    full_head_dim: int | None = None
+    full_n_kv_heads: int | None = None
+    attention_k_eq_v: bool = False
+    kv_shared_layers: int = 0
+    double_wide_mlp: bool = False
+    per_layer_input_dim: int = 0
+    per_layer_input_vocab_size: int | None = None
     moe: MoeArgs | None = None  # the experts of a mixture-of-experts family (qwen3_moe, mixtral)
     linear_attention: LinearAttentionArgs | None = None  # the Gated DeltaNet layers of a hybrid (qwen3_5_text)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -115,7 +129,70 @@ class ModelArgs:
                 f"{LINEAR!r} layers; got layer_types={self.layer_types} and linear_attention={self.linear_attention}"
             )
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling, self.max_seq_len)
+        self._check_layer_geometry()
         self.extra = dict(self.extra)  # own copy: presets hand out copies via replace()
+
+    def _check_layer_geometry(self) -> None:
+        """Validate the per-layer geometry fields (see the class docstring)."""
+        for name in ("full_head_dim", "full_n_kv_heads", "per_layer_input_vocab_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"ModelArgs.{name} must be a positive int or None, got {value!r}")
+        for name in ("kv_shared_layers", "per_layer_input_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ModelArgs.{name} must be an int >= 0, got {value!r}")
+        if self.n_heads % self.kv_heads_of(FULL):
+            raise ValueError(
+                f"ModelArgs.n_heads ({self.n_heads}) must be a multiple of full_n_kv_heads ({self.full_n_kv_heads})"
+            )
+        types = list(self.layer_types or ())
+        if self.head_dim_of(FULL) != self.head_dim and self.rope_local_theta is None and SLIDING in types:
+            raise ValueError(
+                "ModelArgs.full_head_dim differs from head_dim: sliding layers then need their own rope "
+                "(set rope_local_theta)"
+            )
+        if self.kv_shared_layers > self.n_layers:
+            raise ValueError(f"ModelArgs.kv_shared_layers ({self.kv_shared_layers}) exceeds n_layers ({self.n_layers})")
+        if self.double_wide_mlp and not self.kv_shared_layers:
+            raise ValueError("ModelArgs.double_wide_mlp widens the kv-shared layers' MLP; set kv_shared_layers too")
+        first = self.n_layers - self.kv_shared_layers
+        if self.kv_shared_layers and not set(types) <= set(types[:first]):
+            raise ValueError(
+                f"ModelArgs.kv_shared_layers={self.kv_shared_layers}: every layer type of the shared layers needs an "
+                f"earlier layer of that type to take keys and values from; layer_types={self.layer_types}"
+            )
+
+    def head_dim_of(self, layer_type: str) -> int:
+        """Channels per attention head of layers of ``layer_type``."""
+        assert self.head_dim is not None  # __post_init__ fills it before any use
+        return self.full_head_dim if layer_type == FULL and self.full_head_dim is not None else self.head_dim
+
+    def kv_heads_of(self, layer_type: str) -> int:
+        """Key/value heads of layers of ``layer_type``."""
+        assert self.n_kv_heads is not None  # __post_init__ fills it before any use
+        return self.full_n_kv_heads if layer_type == FULL and self.full_n_kv_heads is not None else self.n_kv_heads
+
+    def rotary_dim_of(self, layer_type: str) -> int:
+        """Channels of each head of layers of ``layer_type`` that RoPE rotates."""
+        return int(self.head_dim_of(layer_type) * self.partial_rotary_factor)
+
+    def kv_sharing(self, layer_idx: int) -> str | None:
+        """``"reuse"``: layer ``layer_idx`` attends to the keys and values of the last earlier layer of its type
+        outside the shared ones; ``"store"``: it is that layer; None: neither (transformers' ``kv_sharing_modes``)."""
+        if not self.kv_shared_layers:
+            return None
+        first = self.n_layers - self.kv_shared_layers
+        if layer_idx >= first:
+            return "reuse"
+        types = list(self.layer_types or ())
+        layer_type = types[layer_idx]
+        return "store" if layer_type not in types[layer_idx + 1 : first] else None
+
+    def intermediate_size_of(self, layer_idx: int) -> int:
+        """The dense MLP width of layer ``layer_idx`` (doubled on kv-shared layers when ``double_wide_mlp``)."""
+        wide = self.double_wide_mlp and self.kv_sharing(layer_idx) == "reuse"
+        return self.intermediate_size * (2 if wide else 1)
 
     @property
     def rotary_dim(self) -> int:
@@ -148,13 +225,18 @@ def _normalize_rope_scaling(scaling: Mapping[str, Any] | None, max_seq_len: int)
         "llama3": _LLAMA3_KEYS,
         "yarn": ("factor", "original_max_position_embeddings"),
         "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+        "proportional": (),
     }.get(rope_type)
     if required is None:
         raise ValueError(
             f"rope_scaling type {rope_type!r} is not supported; supported types: "
-            "'default', 'linear', 'llama3', 'dynamic', 'yarn', 'longrope'"
+            "'default', 'linear', 'llama3', 'dynamic', 'yarn', 'longrope', 'proportional'"
         )
-    optional = {"yarn": _YARN_OPTIONAL, "longrope": ("factor", "attention_factor")}.get(rope_type, ())
+    optional = {
+        "yarn": _YARN_OPTIONAL,
+        "longrope": ("factor", "attention_factor"),
+        "proportional": ("factor", "partial_rotary_factor"),
+    }.get(rope_type, ())
     out: dict[str, Any] = {"rope_type": rope_type}
     for key in required:
         if key in scaling and scaling[key] is not None:

@@ -47,7 +47,7 @@ def load_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, A
 
 # key -> (its JSON types, whether null is allowed: the readers take it as absent) for the config.json keys this
 # module and ``families`` read. A wrong type would otherwise be cast silently (``true`` layers -> 1 layer).
-_INT, _NUMBER, _BOOL, _STR = (int,), (int, float), (bool,), (str,)
+_INT, _NUMBER, _BOOL, _STR, _BOOL_OR_STR = (int,), (int, float), (bool,), (str,), (bool, str)
 _CONFIG_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
     **dict.fromkeys(
         ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"), (_INT, False)
@@ -68,9 +68,10 @@ _CONFIG_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
         (_NUMBER, True),
     ),
     **dict.fromkeys(
-        ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "use_bidirectional_attention"),
+        ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"),
         (_BOOL, True),
     ),
+    "use_bidirectional_attention": (_BOOL_OR_STR, True),  # Gemma 4 names what attends both ways: "all", "vision"
     "model_type": (_STR, False),
     **dict.fromkeys(("hidden_act", "hidden_activation"), (_STR, True)),
     **dict.fromkeys(("rope_scaling", "rope_parameters"), ((dict,), True)),
@@ -95,6 +96,7 @@ _TYPE_NAMES: dict[tuple[type, ...], str] = {
     _NUMBER: "a number",
     _BOOL: "true or false",
     _STR: "a string",
+    _BOOL_OR_STR: "true, false or a string",
 }
 
 
@@ -110,7 +112,7 @@ def _check_config_types(cfg: Mapping[str, Any], source: str) -> None:
         if key not in cfg or (cfg[key] is None and nullable):
             continue
         value = cfg[key]
-        ok = isinstance(value, types) and (types == _BOOL or not isinstance(value, bool))
+        ok = isinstance(value, types) and (bool in types or not isinstance(value, bool))
         if key == "layer_types" and ok:
             ok = all(isinstance(t, str) for t in value)
         if key == "mlp_only_layers" and ok:
@@ -239,12 +241,12 @@ def _local_theta(args: ModelArgs) -> float:
 
 def _rope_entries(args: ModelArgs, family: Family, rope_style: str) -> dict[str, Any]:
     scaling = dict(args.rope_scaling) if args.rope_scaling else None
-    if rope_style == "legacy":
+    if rope_style == "legacy" and not family.rope_parameters_only:
         out: dict[str, Any] = {"rope_theta": args.rope_theta, "rope_scaling": scaling}
         if family.local_rope:
             out["rope_local_base_freq"] = _local_theta(args)
         return out
-    if rope_style != "rope_parameters":
+    if rope_style not in ("legacy", "rope_parameters"):
         raise ValueError(f"rope_style must be 'legacy' or 'rope_parameters', got {rope_style!r}")
     params: dict[str, Any] = {"rope_type": "default", **(scaling or {}), "rope_theta": args.rope_theta}
     if args.partial_rotary_factor != 1.0:

@@ -5,9 +5,11 @@ Structure (and therefore FQNs) mirrors transformers: ``model.embed_tokens``,
 ``lm_head``. Each layer's token mixer (``self_attn``, or the name its spec gives it: Qwen3.5's
 ``linear_attn``) and ``mlp`` are the blocks its family's spec names for it
 (``spec.Blocks``, built through ``blocks/kinds.py``); the spec's norm options add
-``pre_feedforward_layernorm``/``post_feedforward_layernorm`` (Gemma 2/3). No code here asks which
-family it runs. Decoder layers sit in ``model.model.layers`` (an ``nn.ModuleList``) so FSDP2's
-``fully_shard`` can be applied per layer, then to the root.
+``pre_feedforward_layernorm``/``post_feedforward_layernorm`` (Gemma 2/3), its ``layer_scalar`` a scale
+per layer; per-layer inputs (``ModelArgs.per_layer_input_dim``, ``blocks/per_layer_inputs.py``) and
+keys/values shared across layers (``ModelArgs.kv_sharing``) are made once per forward and handed to
+each layer. No code here asks which family it runs. Decoder layers sit in ``model.model.layers`` (an
+``nn.ModuleList``) so FSDP2's ``fully_shard`` can be applied per layer, then to the root.
 
 Attention is causal only (no padding mask): right-padded batches are fine because padded
 positions come after every real token and are masked out of the loss. Packed rows attend within
@@ -24,10 +26,12 @@ from torch import Tensor, nn
 
 from shardtune.losses.linear_cross_entropy import LinearHead, head_for_several_losses, softcap
 from shardtune.models.args import FULL, LINEAR, SLIDING, ModelArgs
+from shardtune.models.blocks import parallel_experts, per_layer_inputs
 from shardtune.models.blocks.attention import Attention, KVUpdate, attention_mask
 from shardtune.models.blocks.kinds import Block, build_attention, build_feed_forward
 from shardtune.models.blocks.mlp import MLP
 from shardtune.models.blocks.norm import RMSNorm, init_linear
+from shardtune.models.blocks.qkv_norm_attention import SharedKV
 from shardtune.models.context_parallel import ContextAttention, ContextShard
 from shardtune.models.families import family_of, get_family
 from shardtune.models.kv_cache import KVCache, cached_attention_mask
@@ -61,16 +65,23 @@ HeadLoss = Callable[[Tensor, Callable[[Tensor], Tensor]], Any]  # (hidden, head)
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block: attention and feed-forward, each with a residual, built from the
     blocks the family's spec names for this layer (``Blocks.attention_of``/``mlp_of``). With sandwich
-    norms (Gemma 2/3) each branch output is normed too before its residual add."""
+    norms (Gemma 2/3) each branch output is normed too before its residual add; then the layer's
+    per-layer input is added and the output scaled by ``layer_scalar`` (Gemma 4)."""
+
+    layer_scalar: Tensor | None  # a registered buffer, or None
 
     def __init__(self, args: ModelArgs, *, layer_type: str = FULL, layer_idx: int = 0, device=None, dtype=None) -> None:
         super().__init__()
         self.layer_type = layer_type
         blocks = get_family(args.model_type).blocks
-        norm = {"eps": args.norm_eps, "offset": blocks.norm_offset, "device": device, "dtype": dtype}
+        kw = {"device": device, "dtype": dtype}
+        norm_options = _norm_options(args)
+        norm = {**norm_options, **kw}
         attention = blocks.attention_of(layer_type)
         self.mixer_name = attention.module_name
-        mixer = build_attention(args, attention, norm_offset=blocks.norm_offset, device=device, dtype=dtype)
+        mixer = build_attention(
+            args, attention, norm_offset=blocks.norm_offset, layer_idx=layer_idx, device=device, dtype=dtype
+        )
         self.add_module(self.mixer_name, cast(nn.Module, mixer))
         mlp = blocks.mlp_of(args.moe, layer_idx)
         self.mlp: Block = build_feed_forward(args, mlp, layer_idx=layer_idx, device=device, dtype=dtype)
@@ -80,6 +91,23 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(args.dim, **norm)
             self.post_feedforward_layernorm = RMSNorm(args.dim, **norm)
+        self.has_layer_input = args.per_layer_input_dim > 0
+        if self.has_layer_input:
+            for name, module in per_layer_inputs.layer_modules(args, norm=norm_options, **kw).items():
+                self.add_module(name, module)
+        self.layer_idx = layer_idx
+        beside = blocks.experts_of(args.moe, layer_idx) if blocks.experts_beside_mlp else None
+        self.has_experts_beside = beside is not None
+        if beside is not None:
+            if not self.sandwich:
+                raise ValueError("Blocks.experts_beside_mlp needs sandwich_norm (the branch outputs are normed)")
+            for name, module in parallel_experts.layer_modules(args, beside, norm=norm_options, **kw).items():
+                self.add_module(name, module)
+        self.gelu = args.hidden_act == "gelu_pytorch_tanh"
+        # in the checkpoint: a persistent buffer, as transformers'
+        scalar = torch.ones(1, device=device, dtype=dtype) if blocks.layer_scalar else None
+        self.register_buffer("layer_scalar", scalar)
+        self.shares_kv = args.kv_sharing(layer_idx) is not None
 
     @property
     def mixer(self) -> Block:
@@ -89,9 +117,16 @@ class DecoderLayer(nn.Module):
     def init_weights(self, std: float) -> None:
         self.mixer.init_weights(std)
         self.mlp.init_weights(std)
+        for name in ("router", "experts"):  # beside the dense mlp (Blocks.experts_beside_mlp)
+            block = getattr(self, name, None)
+            if block is not None:
+                block.init_weights(std)
         for module in self.children():
             if isinstance(module, RMSNorm):
                 module.reset_parameters()
+        per_layer_inputs.init_modules(self, std)
+        if self.layer_scalar is not None and not self.layer_scalar.is_meta:
+            nn.init.ones_(self.layer_scalar)
 
     def forward(
         self,
@@ -102,13 +137,30 @@ class DecoderLayer(nn.Module):
         kv: KVUpdate | None = None,
         packed: PackedSamples | ContextAttention | None = None,
         routing: Routing | None = None,
+        layer_input: Tensor | None = None,
+        shared_kv: SharedKV | None = None,
     ) -> Tensor:
-        """A sparse layer records its routing in ``routing`` (see ``moe_aux.py``)."""
+        """A sparse layer records its routing in ``routing`` (see ``moe_aux.py``). ``layer_input``: this layer's
+        per-layer input (``per_layer_inputs.model_inputs``); ``shared_kv``: the forward's keys and values
+        shared across layers (filled by the layers that store them)."""
+        share = {"shared_kv": shared_kv} if self.shares_kv else {}
         if not self.sandwich:
-            h = x + self.mixer(self.input_layernorm(x), cos, sin, mask, kv, packed)
-            return h + self.mlp(self.post_attention_layernorm(h), routing)
-        h = x + self.post_attention_layernorm(self.mixer(self.input_layernorm(x), cos, sin, mask, kv, packed))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h), routing))
+            h = x + self.mixer(self.input_layernorm(x), cos, sin, mask, kv, packed, **share)
+            h = h + self.mlp(self.post_attention_layernorm(h), routing)
+        else:
+            mixed = self.mixer(self.input_layernorm(x), cos, sin, mask, kv, packed, **share)
+            h = x + self.post_attention_layernorm(mixed)
+            out = self.mlp(self.pre_feedforward_layernorm(h), routing)
+            if self.has_experts_beside:
+                out = parallel_experts.add_experts(self, h, out, layer_idx=self.layer_idx, routing=routing)
+            h = h + self.post_feedforward_layernorm(out)
+        if self.has_layer_input:
+            if layer_input is None:
+                raise ValueError("this decoder layer takes a per-layer input (ModelArgs.per_layer_input_dim > 0)")
+            h = per_layer_inputs.add_layer_input(self, h, layer_input, gelu=self.gelu)
+        if self.layer_scalar is not None:
+            h = (h * self.layer_scalar).to(h.dtype)  # as transformers' in-place product: in the wider dtype
+        return h
 
 
 class LlamaModel(nn.Module):
@@ -123,15 +175,19 @@ class LlamaModel(nn.Module):
             DecoderLayer(args, layer_type=t, layer_idx=i, device=device, dtype=dtype)
             for i, t in enumerate(args.layer_types or ())
         )
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps, offset=blocks.norm_offset, device=device, dtype=dtype)
+        self.norm = RMSNorm(args.dim, **_norm_options(args), device=device, dtype=dtype)
         rope: dict[str, Any] = {"max_position_embeddings": args.max_seq_len}
         self.rotary_emb = RotaryEmbedding(
-            args.rotary_dim, theta=args.rope_theta, rope_scaling=args.rope_scaling, **rope
+            args.rotary_dim_of(FULL), theta=args.rope_theta, rope_scaling=args.rope_scaling, **rope
         )
-        # Gemma 3: sliding layers rotate with their own (unscaled) base.
+        # Gemma 3/4: sliding layers rotate with their own (unscaled) base, over their own head width.
         self.local_rotary_emb = None
         if args.rope_local_theta is not None:
-            self.local_rotary_emb = RotaryEmbedding(args.rotary_dim, theta=args.rope_local_theta, **rope)
+            self.local_rotary_emb = RotaryEmbedding(args.rotary_dim_of(SLIDING), theta=args.rope_local_theta, **rope)
+        if args.per_layer_input_dim:
+            modules = per_layer_inputs.model_modules(args, norm=_norm_options(args), device=device, dtype=dtype)
+            for name, module in modules.items():
+                self.add_module(name, module)
         self.embed_scale = args.dim**0.5 if blocks.scale_embeddings else None
         self.layer_dropout_probs: list[float] | None = None
         self.layer_dropout_generator: torch.Generator | None = None
@@ -180,10 +236,9 @@ class LlamaModel(nn.Module):
         if kv_cache is not None:
             return self._forward_cached(tokens, kv_cache)
         wanted = _check_layer_ids(output_hidden_states, len(self.layers))
-        h = self.embed_tokens(tokens)
-        if self.embed_scale is not None:
-            # HF rounds the scale to the activation dtype first; rounded on the CPU, it costs no device copy.
-            h = h * torch.tensor(self.embed_scale, dtype=h.dtype).item()
+        h = self._embed(tokens)
+        layer_inputs = self._layer_inputs(tokens, h)
+        shared_kv = SharedKV()
         lengths = None if context is not None else self._packed_lengths(tokens, position_ids, sample_lengths)
         seq, device = tokens.shape[1], tokens.device
         if position_ids is None:
@@ -213,10 +268,32 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.decoder_layers):
             if skipped is None or not skipped[i]:
                 cos, sin = rope[layer.layer_type]
-                h = layer(h, cos, sin, masks[layer.layer_type], packed=packed[layer.layer_type], routing=routing)
+                h = layer(
+                    h,
+                    cos,
+                    sin,
+                    masks[layer.layer_type],
+                    packed=packed[layer.layer_type],
+                    routing=routing,
+                    layer_input=None if layer_inputs is None else layer_inputs[:, :, i],
+                    shared_kv=shared_kv,
+                )
             if i in wanted:
                 hidden[i] = h
         return self.norm(h), hidden
+
+    def _embed(self, tokens: Tensor) -> Tensor:
+        h = self.embed_tokens(tokens)
+        if self.embed_scale is not None:
+            # HF rounds the scale to the activation dtype first; rounded on the CPU, it costs no device copy.
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype).item()
+        return h
+
+    def _layer_inputs(self, tokens: Tensor, h: Tensor) -> Tensor | None:
+        """Every layer's per-layer input ``[b, s, n_layers, d]``, or None when the model has none."""
+        if not self.args.per_layer_input_dim:
+            return None
+        return per_layer_inputs.model_inputs(self, tokens, h, self.args)
 
     def _check_context(
         self,
@@ -255,9 +332,9 @@ class LlamaModel(nn.Module):
 
     def _forward_cached(self, tokens: Tensor, cache: KVCache) -> tuple[Tensor, dict[int, Tensor]]:
         """Tokens after the ``cache.length`` cached ones: positions go on, keys and values are appended."""
-        h = self.embed_tokens(tokens)
-        if self.embed_scale is not None:
-            h = h * torch.tensor(self.embed_scale, dtype=h.dtype).item()
+        h = self._embed(tokens)
+        layer_inputs = self._layer_inputs(tokens, h)
+        shared_kv = SharedKV()
         new, device = tokens.shape[1], tokens.device
         window = {FULL: None, SLIDING: self.args.sliding_window, LINEAR: None}
         types = {layer.layer_type for layer in self.decoder_layers}
@@ -271,9 +348,18 @@ class LlamaModel(nn.Module):
             rope[SLIDING] = self.local_rotary_emb(position_ids, h.dtype)
         for i, layer in enumerate(self.decoder_layers):
             cos, sin = rope[layer.layer_type]
-            h = layer(h, cos, sin, masks[layer.layer_type], cache.layer(i))
+            layer_input = None if layer_inputs is None else layer_inputs[:, :, i]
+            h = layer(
+                h, cos, sin, masks[layer.layer_type], cache.layer(i), layer_input=layer_input, shared_kv=shared_kv
+            )
         cache.advance(new)
         return self.norm(h), {}
+
+
+def _norm_options(args: ModelArgs) -> dict[str, Any]:
+    """The RMSNorm options of the family's decoder norms."""
+    blocks = get_family(args.model_type).blocks
+    return {"eps": args.norm_eps, "offset": blocks.norm_offset, "fp32_weight": blocks.norm_fp32_weight}
 
 
 def _check_layer_ids(ids: Iterable[int] | None, n_layers: int) -> set[int]:
@@ -322,6 +408,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.decoder_layers:
             layer.init_weights(std)
         self.model.norm.reset_parameters()
+        per_layer_inputs.init_modules(self.model, std)
         if not self.args.tie_word_embeddings:
             init_linear(self.lm_head, std)
 
@@ -351,9 +438,15 @@ class LlamaForCausalLM(nn.Module):
         A skipped layer passes its input through; decisions are drawn once per forward from
         ``generator`` (default: torch's global CPU RNG). Under FSDP every rank must draw the
         same decisions (same seed / generator state), or the per-layer all-gathers desync.
-        ``max_prob=0`` disables it.
+        ``max_prob=0`` disables it. A layer whose keys and values later layers reuse is never skipped.
         """
         probs = layer_dropout_probs(len(self.model.layers), max_prob=max_prob, schedule=schedule, layers=layers)
+        stores = [i for i, p in enumerate(probs) if p > 0 and self.args.kv_sharing(i) == "store"]
+        if stores:
+            raise ValueError(
+                f"layer dropout would skip layers {stores}, whose keys and values later layers reuse "
+                "(ModelArgs.kv_shared_layers); give layer_dropout layers that leave them out"
+            )
         self.model.layer_dropout_probs = probs if max_prob > 0 else None
         self.model.layer_dropout_generator = generator
         return probs

@@ -5,8 +5,8 @@ are computed on first use per device and memoized in a plain attribute. A model 
 the meta device and materialized later by a loader that only fills ``state_dict`` keys
 therefore needs no extra step (``init_buffers`` exists to warm the cache explicitly).
 
-Rope types follow ``transformers.modeling_rope_utils``: ``linear``, ``llama3`` and ``yarn``
-are static; ``dynamic`` (NTK) and ``longrope`` depend on the longest position in the batch,
+Rope types follow ``transformers.modeling_rope_utils``: ``linear``, ``llama3``, ``yarn`` and
+``proportional`` are static; ``dynamic`` (NTK) and ``longrope`` depend on the longest position in the batch,
 which costs one device sync per forward (as in transformers). With ``rotary_dim < head_dim``
 (partial rotary) only the first ``rotary_dim`` channels of each head are rotated.
 """
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["RotaryEmbedding", "apply_rotary_emb", "attention_factor", "compute_inv_freq", "rotate_half"]
+__all__ = ["RotaryEmbedding", "apply_rotary", "apply_rotary_emb", "attention_factor", "compute_inv_freq", "rotate_half"]
 
 SEQ_DEPENDENT_ROPE = ("dynamic", "longrope")
 
@@ -58,12 +58,15 @@ def compute_inv_freq(
         return 1.0 / (base ** _base_exponents(head_dim, device))
     if rope_type == "yarn":
         return _yarn(head_dim, theta, rope_scaling, device)
+    if rope_type == "proportional":
+        return _proportional(head_dim, theta, rope_scaling, device)
     if rope_type == "longrope":
         long = seq_len is not None and seq_len > int(rope_scaling["original_max_position_embeddings"])
         ext = torch.tensor(rope_scaling["long_factor" if long else "short_factor"], dtype=torch.float32, device=device)
         return 1.0 / (ext * theta ** _base_exponents(head_dim, device))
     raise ValueError(
-        f"unsupported rope_type {rope_type!r}; supported: 'linear', 'llama3', 'dynamic', 'yarn', 'longrope'"
+        f"unsupported rope_type {rope_type!r}; supported: 'linear', 'llama3', 'dynamic', 'yarn', 'longrope', "
+        "'proportional'"
     )
 
 
@@ -81,6 +84,15 @@ def _llama3(inv_freq: Tensor, rope_scaling: dict[str, Any]) -> Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _proportional(head_dim: int, theta: float, rope_scaling: dict[str, Any], device) -> Tensor:
+    """Gemma 4's partial rotary: the first ``partial_rotary_factor * head_dim / 2`` frequencies of a full-width
+    rope (exponents over ``head_dim``), the others 0 (those channel pairs pass unrotated)."""
+    angles = int(float(rope_scaling.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    exps = torch.arange(0, 2 * angles, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / head_dim
+    inv_freq = torch.cat((1.0 / (theta**exps), torch.zeros(head_dim // 2 - angles, device=device)))
+    return inv_freq / float(rope_scaling.get("factor", 1.0))
 
 
 def _yarn(dim: int, theta: float, rope_scaling: dict[str, Any], device) -> Tensor:
@@ -135,15 +147,18 @@ def rotate_half(x: Tensor) -> Tensor:
 def apply_rotary_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """Rotate ``q``/``k`` ``[b, heads, s, head_dim]`` by ``cos``/``sin`` ``[b, s, rotary_dim]``; channels past
     ``rotary_dim`` pass through unchanged (partial rotary)."""
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """:func:`apply_rotary_emb` of one tensor ``[b, heads, s, head_dim]`` (queries alone, or keys alone)."""
     cos = cos.unsqueeze(1)
     sin = sin.unsqueeze(1)
     rot = cos.shape[-1]
-    if rot == q.shape[-1]:
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-    q_rot, q_pass = q[..., :rot], q[..., rot:]
-    k_rot, k_pass = k[..., :rot], k[..., rot:]
-    q_out = torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q_pass), dim=-1)
-    return q_out, torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k_pass), dim=-1)
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):

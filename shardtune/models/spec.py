@@ -34,8 +34,8 @@ class AttentionSpec:
     """A layer's token mixer, the module named ``module_name`` (``self_attn``; Qwen3.5's linear layers:
     ``linear_attn``): ``kind`` (``"attention"``: grouped-query attention through SDPA, exact eager with
     logit soft-capping; ``"sink_attention"``: plus gpt-oss's per-head sink logits; ``"gated_delta_net"``:
-    Qwen3.5's linear attention), one fused ``qkv_proj`` (Phi-3), a per-head RMSNorm of q and k (Qwen3,
-    Gemma 3) and a sigmoid output gate made by ``q_proj`` (``output_gate``: Qwen3.5)."""
+    Qwen3.5's linear attention; ``"qkv_norm_attention"``: Gemma 4's, normed values, scale 1, keys and values
+    shared across layers), one fused ``qkv_proj`` (Phi-3), a per-head RMSNorm of q and k (Qwen3, Gemma 3) and a sigmoid output gate made by ``q_proj`` (``output_gate``: Qwen3.5)."""
 
     kind: str = "attention"
     fused_qkv: bool = False
@@ -113,7 +113,14 @@ class Blocks:
     (``ModelArgs.layer_types``); ``mlp`` builds the dense layers, ``sparse`` the layers that route to
     experts (``MoeArgs.is_sparse``; a family has experts exactly when ``sparse`` is set). ``norm_offset``:
     Gemma's ``(1 + w)`` RMSNorm weights; ``sandwich_norm``: each branch's output is normed before its
-    residual add too (Gemma 2/3); ``scale_embeddings``: embeddings times ``sqrt(dim)`` (Gemma)."""
+    residual add too (Gemma 2/3); ``scale_embeddings``: embeddings times ``sqrt(dim)`` (Gemma);
+    ``norm_fp32_weight``: RMSNorm weights scale in fp32 before the cast, without offset (Gemma 4);
+    ``layer_scalar``: each layer's output is multiplied by its own ``layer_scalar`` (a ``[1]`` buffer in
+    the checkpoint, Gemma 4). Per-layer inputs (``ModelArgs.per_layer_input_dim``) add each layer's
+    ``per_layer_input_gate``/``per_layer_projection``/``post_per_layer_input_norm`` after its feed-forward.
+    ``experts_beside_mlp`` (Gemma 4's MoE): a sparse layer keeps its dense ``mlp`` and adds the ``sparse``
+    spec's router and experts beside it, as the layer's own ``router``/``experts`` with their norms
+    (``blocks/parallel_experts.py``)."""
 
     attention: AttentionSpec = AttentionSpec()
     attention_by_type: Mapping[str, AttentionSpec] = field(default_factory=dict)
@@ -122,6 +129,9 @@ class Blocks:
     norm_offset: bool = False
     sandwich_norm: bool = False
     scale_embeddings: bool = False
+    norm_fp32_weight: bool = False
+    layer_scalar: bool = False
+    experts_beside_mlp: bool = False
 
     def attention_of(self, layer_type: str) -> AttentionSpec:
         """The attention of layers of ``layer_type``."""
@@ -129,9 +139,15 @@ class Blocks:
 
     def mlp_of(self, moe: MoeArgs | None, layer_idx: int) -> MlpSpec | SparseSpec:
         """The feed-forward block of layer ``layer_idx`` (``moe``: the model's experts, if any)."""
+        if self.experts_of(moe, layer_idx) is not None and not self.experts_beside_mlp:
+            return self.sparse  # type: ignore[return-value]  # experts_of: not None
+        return self.mlp
+
+    def experts_of(self, moe: MoeArgs | None, layer_idx: int) -> SparseSpec | None:
+        """The experts of layer ``layer_idx`` (its ``mlp`` or, ``experts_beside_mlp``, beside it), or None."""
         if self.sparse is not None and moe is not None and moe.is_sparse(layer_idx):
             return self.sparse
-        return self.mlp
+        return None
 
 
 # ModelArgs fields that only some families' config.json can say, with the value meaning "not used"
@@ -142,6 +158,13 @@ OPTIONAL_FIELDS: dict[str, Any] = {
     "hidden_act": "silu",
     "rope_local_theta": None,
     "partial_rotary_factor": 1.0,
+    "full_head_dim": None,
+    "full_n_kv_heads": None,
+    "attention_k_eq_v": False,
+    "kv_shared_layers": 0,
+    "double_wide_mlp": False,
+    "per_layer_input_dim": 0,
+    "per_layer_input_vocab_size": None,
 }
 
 
@@ -156,7 +179,9 @@ class Family:
     ``size_key``: the config.json key of ``ModelArgs.intermediate_size``, the dense MLP's width
     (Qwen3.5-MoE has sparse layers only and says its shared expert's). ``lora_aliases`` maps Llama
     projection names to the fused module that holds them (Phi-3), so generic LoRA targets still apply;
-    ``rope_type_aliases`` maps old rope type names of its configs.
+    ``rope_type_aliases`` maps old rope type names of its configs. ``rope_parameters_only``: its configs
+    say rope only as ``rope_parameters`` (Gemma 4), whatever style is asked for. ``moe_optional``: models
+    of the family may have experts or not (Gemma 4).
     """
 
     model_type: str
@@ -174,6 +199,8 @@ class Family:
     default_theta: float = 10000.0
     default_eps: float = 1e-6
     default_local_theta: float | None = None  # sliding layers' own rope base (Gemma 3)
+    rope_parameters_only: bool = False
+    moe_optional: bool = False
 
     @property
     def moe(self) -> bool:

@@ -68,10 +68,9 @@ def base_model_dir(
 
     A model already in ``cfg.<key>`` (its ``config.json``) is the one trained. The preset
     ``cfg.<preset_key>`` only names the base to create when the directory holds none (only
-    ``tiny``, ``tiny_moe``, ``tiny_gpt_oss``, ``tiny_qwen3_5`` and ``tiny_qwen3_5_moe`` can be created); a
-    preset of another shape than the directory's model is reported with a warning on rank 0, not an error,
-    so a bundled tiny config pointed at a user's own model with ``checkpoint_dir=...`` alone trains that
-    model. Collective (a barrier) when the tiny base is created.
+    ``model_presets.TINY_PRESETS`` can be created); a preset of another shape than the directory's model is
+    reported with a warning on rank 0, not an error, so a bundled tiny config pointed at a user's own model
+    with ``checkpoint_dir=...`` alone trains that model. Collective (a barrier) when the tiny base is created.
     """
     directory = getattr(cfg, key)
     preset = getattr(cfg, preset_key)

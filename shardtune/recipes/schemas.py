@@ -23,7 +23,7 @@ from shardtune.choices import (
 )
 from shardtune.config_validation import Field, OneOrMany, Schema
 from shardtune.dataset_schema import DATASET_COLUMNS, DATASET_SCHEMA
-from shardtune.model_presets import preset_names
+from shardtune.model_presets import TINY_PRESETS, preset_names
 
 __all__ = [
     "BASE_SCHEMA",
@@ -114,7 +114,9 @@ BASE_SCHEMA = Schema(
         "model": Field(
             (str, None),
             None,
-            help="the preset that creates a missing base (only tiny, tiny_moe, tiny_gpt_oss, tiny_qwen3_5 and tiny_qwen3_5_moe can be created); when checkpoint_dir holds a "
+            help="the preset that creates a missing base (only "
+            + ", ".join(TINY_PRESETS)
+            + " can be created); when checkpoint_dir holds a "
             "model (config.json), that model trains and a preset of another shape is warned about; null: always "
             "checkpoint_dir's",
         ),

@@ -62,7 +62,11 @@ def _sharded_vs_single_process(name: str, qlora: bool):
 
 
 @pytest.mark.parametrize(
-    "name", ["mistral", "qwen2_tied", "qwen2_sliding", "qwen3", "gemma2", "phi3", "gemma3_text", "qwen3_5_text"]
+    "name",
+    [
+        *("mistral", "qwen2_tied", "qwen2_sliding", "qwen3", "gemma2", "phi3", "gemma3_text", "qwen3_5_text"),
+        *("gemma4_text", "gemma4_text_per_layer_inputs", "gemma4_text_moe"),
+    ],
 )
 def test_sharded_forward_equals_transformers(pool2, name):
     res = pool2.run_ok(_sharded_vs_single_process, name, False)
@@ -113,7 +117,7 @@ def _sharded_lora_backward(name: str):
     return {"loss": abs(loss.item() - ref_loss.item()), "grad": worst, "names": sorted(grads) == sorted(ref_grads)}
 
 
-@pytest.mark.parametrize("name", ["gemma2", "phi3", "qwen3_5_text"])
+@pytest.mark.parametrize("name", ["gemma2", "phi3", "qwen3_5_text", "gemma4_text_per_layer_inputs"])
 def test_sharded_lora_backward_with_checkpointing_equals_single_process(pool2, name):
     res = pool2.run_ok(_sharded_lora_backward, name)
     assert all(r["loss"] < 1e-5 and r["grad"] < 1e-4 and r["names"] for r in res), res

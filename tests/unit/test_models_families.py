@@ -35,6 +35,15 @@ COMMON = {
     "max_position_embeddings": 128,
 }
 GEMMA = {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24}
+# Gemma 4: full layers with their own head width; the last layer is full whatever layer_types says
+GEMMA4 = {
+    "head_dim": 16,
+    "sliding_window": WINDOW,
+    "global_head_dim": 32,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "final_logit_softcapping": 5.0,
+    "hidden_size_per_layer_input": 0,
+}
 LONGROPE = {
     "rope_type": "longrope",
     "short_factor": [1.0 + 0.1 * i for i in range(4)],
@@ -112,6 +121,32 @@ FAMILY_CONFIGS = {
             "shared_expert_intermediate_size": 40,
         },
     ),
+    "gemma4_text": (
+        transformers.Gemma4TextConfig,
+        dict(GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1),
+    ),
+    "gemma4_text_per_layer_inputs": (
+        transformers.Gemma4TextConfig,
+        dict(
+            GEMMA4,
+            num_kv_shared_layers=1,
+            use_double_wide_mlp=True,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=VOCAB,
+        ),
+    ),
+    "gemma4_text_moe": (
+        transformers.Gemma4TextConfig,
+        dict(
+            GEMMA4,
+            attention_k_eq_v=True,
+            num_global_key_value_heads=1,
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+        ),
+    ),
     "llama_dynamic": (
         transformers.LlamaConfig,
         {"max_position_embeddings": 16, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
@@ -125,13 +160,18 @@ def hf_config(name: str):
 
 
 def randomize_(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Random weights everywhere (Llama-style norms around 1, Gemma-style around 0) so parity is not trivial."""
+    """Random weights everywhere (Llama-style norms around 1, Gemma 2/3-style around 0), and random persistent
+    buffers around 1 (Gemma 4's layer_scalar), so parity is not trivial."""
     gen = torch.Generator().manual_seed(seed)
-    gemma = "gemma" in model.config.model_type
+    gemma = model.config.model_type in ("gemma2", "gemma3_text")
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
             p.copy_(noise * 0.1 + (1.0 if "norm" in name and not gemma else 0.0))
+        persistent = set(model.state_dict())
+        for name, b in model.named_buffers():
+            if name in persistent:
+                b.copy_(1.0 + 0.3 * torch.randn(b.shape, generator=gen))
     return model
 
 
@@ -195,7 +235,7 @@ def test_longrope_switches_to_long_factors_past_the_original_length():
             assert rel_diff(ours(x), hf(x).logits) <= TOL
 
 
-@pytest.mark.parametrize("name", ["mistral", "gemma2", "qwen2_sliding"])
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "qwen2_sliding", "gemma4_text", "gemma4_text_per_layer_inputs"])
 def test_packed_rows_with_sliding_windows_equal_each_sample_alone(name):
     hf = hf_model(name)
     ours = ours_from_hf(hf)
@@ -230,7 +270,10 @@ def test_config_round_trip_loads_in_transformers_as_the_same_family(tmp_path, na
         assert rel_diff(reloaded(x).logits, ours(x)) <= TOL
 
 
-@pytest.mark.parametrize("name", ["gemma2", "phi3", "qwen3", "gemma3_text", "qwen3_5_text"])
+@pytest.mark.parametrize(
+    "name",
+    ["gemma2", "phi3", "qwen3", "gemma3_text", "qwen3_5_text", "gemma4_text_per_layer_inputs", "gemma4_text_moe"],
+)
 def test_build_and_forward_from_a_save_pretrained_dir(tmp_path, name):
     from safetensors.torch import load_file
 
@@ -258,7 +301,7 @@ def test_unsupported_model_type_lists_the_supported_ones():
     with pytest.raises(ValueError, match="'falcon' is not supported; supported model types: .*'phi3'"):
         from_hf_config({**COMMON, "model_type": "falcon"})
     assert set(supported_model_types()) == {
-        *("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"),
+        *("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma4_text"),
         *("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_text", "qwen3_5_moe_text"),
     }
 
@@ -270,7 +313,10 @@ PEFT_TARGETS = {
     "qwen3_5_text": LLAMA_TARGETS + LINEAR_ATTENTION_TARGETS,
 }
 OUR_TARGETS = {"qwen3_5_text": LLAMA_TARGETS + LINEAR_ATTENTION_TARGETS}  # else Llama's names, resolved per family
-LORA_FAMILIES = ["mistral", "qwen2_tied", "qwen3", "phi3", "gemma2", "gemma3_text", "qwen3_5_text"]
+LORA_FAMILIES = [
+    *("mistral", "qwen2_tied", "qwen3", "phi3", "gemma2", "gemma3_text", "qwen3_5_text"),
+    *("gemma4_text", "gemma4_text_per_layer_inputs", "gemma4_text_moe"),
+]
 
 
 @pytest.mark.parametrize("name", LORA_FAMILIES)

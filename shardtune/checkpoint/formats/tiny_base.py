@@ -1,6 +1,5 @@
-"""The tiny demo base models (``tiny``, ``tiny_moe``, ``tiny_gpt_oss``, ``tiny_qwen3_5``, ``tiny_qwen3_5_moe``)
-written as HF model directories (config.json, safetensors, tokenizer), crash-safe as a checkpoint is
-(:mod:`shardtune.checkpoint.safety.atomic`)."""
+"""The tiny demo base models (``model_presets.TINY_PRESETS``) written as HF model directories (config.json,
+safetensors, tokenizer), crash-safe as a checkpoint is (:mod:`shardtune.checkpoint.safety.atomic`)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from shardtune.models.args import ModelArgs
+from shardtune.models.args import FULL, ModelArgs
 from shardtune.models.blocks.norm import RMSNorm, init_linear
 from shardtune.models.context_parallel import ContextAttention, context_attention
 from shardtune.models.kv_cache import cached_attention_mask
@@ -58,12 +58,18 @@ class Attention(nn.Module):
         *,
         spec: AttentionSpec | None = None,
         norm_offset: bool = False,
+        layer_idx: int = 0,
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
-        n_kv_heads, head_dim = args.n_kv_heads, args.head_dim
-        assert n_kv_heads is not None and head_dim is not None  # ModelArgs.__post_init__ fills both
+        layer_type = (args.layer_types or [FULL])[layer_idx]
+        n_kv_heads, head_dim = args.kv_heads_of(layer_type), args.head_dim_of(layer_type)
+        if args.kv_sharing(layer_idx) is not None or (args.attention_k_eq_v and layer_type == FULL):
+            raise ValueError(
+                "ModelArgs.kv_shared_layers and attention_k_eq_v need the 'qkv_norm_attention' block kind; "
+                f"attention kind {type(self).__name__} has separate keys and values in every layer"
+            )
         self.n_heads = args.n_heads
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
@@ -137,16 +143,29 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         q, k, v, gate = self._qkv(x)
         q, k = apply_rotary_emb(q, k, cos, sin)
-        if isinstance(packed, ContextAttention):
-            out = context_attention(q, k, v, packed, self._attend_after)
-        elif packed is not None:
-            out = packed_attention(q, k, v, packed, self._attend_one)
-        else:
-            if kv is not None:
-                k, v = kv(k, v)
-            out = self._attend(q, k, v, mask, causal=kv is None)
+        if kv is not None:  # generation: never packed nor split over ranks
+            k, v = kv(k, v)
+        out = self._attention(q, k, v, mask, packed, cached=kv is not None)
         out = out.transpose(1, 2).reshape(b, s, -1)
         return self.o_proj(out if gate is None else out * gate.sigmoid())
+
+    def _attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None,
+        packed: PackedSamples | ContextAttention | None,
+        *,
+        cached: bool,
+    ) -> Tensor:
+        """Roped queries, keys and values ``[b, heads, s, d]`` -> attention output ``[b, heads, s, d]``, within
+        packed samples, over a context-parallel group, or under ``mask`` (``cached``: keys precede the queries)."""
+        if isinstance(packed, ContextAttention):
+            return context_attention(q, k, v, packed, self._attend_after)
+        if packed is not None:
+            return packed_attention(q, k, v, packed, self._attend_one)
+        return self._attend(q, k, v, mask, causal=not cached)
 
     def _attend_one(self, q: Tensor, k: Tensor, v: Tensor, window: int | None) -> Tensor:
         """One causal sequence (a packed sample), its window mask the size of the sample."""

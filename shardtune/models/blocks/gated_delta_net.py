@@ -62,7 +62,14 @@ class GatedDeltaNet(nn.Module):
     """One Gated DeltaNet layer (``linear_attn``); takes the attention blocks' arguments and uses ``packed``."""
 
     def __init__(
-        self, args: ModelArgs, *, spec: AttentionSpec | None = None, norm_offset: bool = False, device=None, dtype=None
+        self,
+        args: ModelArgs,
+        *,
+        spec: AttentionSpec | None = None,
+        norm_offset: bool = False,
+        layer_idx: int = 0,
+        device=None,
+        dtype=None,
     ) -> None:
         super().__init__()
         geo = args.linear_attention

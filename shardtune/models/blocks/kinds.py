@@ -3,8 +3,9 @@
 Rule: the decoder builds a layer's ``self_attn`` and ``mlp`` only through :func:`build_attention` and
 :func:`build_feed_forward`, from the layer's spec; each kind is one entry here and one module of its
 own. A new attention, feed-forward, router or experts kind is a module plus its entry; a family using
-existing kinds adds nothing here. Every attention kind takes ``(x, cos, sin, mask, kv, packed)`` and
-every feed-forward kind ``(x, routing)`` (see ``llama.DecoderLayer``), and has ``init_weights(std)``.
+existing kinds adds nothing here. Every attention kind takes ``(x, cos, sin, mask, kv, packed)`` (one that
+shares keys and values across layers, ``ModelArgs.kv_sharing``, also ``shared_kv``) and every feed-forward
+kind ``(x, routing)`` (see ``llama.DecoderLayer``), and has ``init_weights(std)``.
 """
 
 from __future__ import annotations
@@ -21,11 +22,21 @@ from shardtune.models.blocks.experts import Experts
 from shardtune.models.blocks.gated_delta_net import GatedDeltaNet
 from shardtune.models.blocks.mlp import MLP
 from shardtune.models.blocks.moe import SparseMoeBlock
-from shardtune.models.blocks.routers import GptOssRouter, Router
+from shardtune.models.blocks.qkv_norm_attention import QKVNormAttention
+from shardtune.models.blocks.routers import GptOssRouter, Router, ScaledRouter
 from shardtune.models.blocks.sink_attention import SinkAttention
 from shardtune.models.spec import AttentionSpec, MlpSpec, SparseSpec
 
-__all__ = ["ATTENTION", "EXPERTS", "FEED_FORWARD", "ROUTERS", "Block", "build_attention", "build_feed_forward"]
+__all__ = [
+    "ATTENTION",
+    "EXPERTS",
+    "FEED_FORWARD",
+    "ROUTERS",
+    "Block",
+    "build_attention",
+    "build_feed_forward",
+    "build_router_and_experts",
+]
 
 _T = TypeVar("_T")
 
@@ -41,10 +52,10 @@ class Block(Protocol):
 
 
 class AttentionKind(Protocol):
-    """Builds a layer's ``self_attn`` (``norm_offset``: the family's RMSNorm order, for q/k norms)."""
+    """Builds layer ``layer_idx``'s ``self_attn`` (``norm_offset``: the family's RMSNorm order, for q/k norms)."""
 
     def __call__(
-        self, args: ModelArgs, *, spec: AttentionSpec, norm_offset: bool, device: Any, dtype: Any
+        self, args: ModelArgs, *, spec: AttentionSpec, norm_offset: bool, layer_idx: int, device: Any, dtype: Any
     ) -> Block: ...
 
 
@@ -54,11 +65,17 @@ class FeedForwardKind(Protocol):
     def __call__(self, args: ModelArgs, *, spec: Any, layer_idx: int, device: Any, dtype: Any) -> Block: ...
 
 
-def _sparse_moe(args: ModelArgs, *, spec: SparseSpec, layer_idx: int, device: Any, dtype: Any) -> Block:
-    """A :class:`SparseMoeBlock` of the spec's router and experts kinds."""
+def build_router_and_experts(args: ModelArgs, spec: SparseSpec, *, device=None, dtype=None) -> tuple[Router, Experts]:
+    """The spec's router and experts kinds, built for ``args.moe``."""
     kw = {"device": device, "dtype": dtype}
     router = _kind(ROUTERS, spec.router, "router").from_args(args, spec, **kw)
-    experts = _kind(EXPERTS, spec.experts, "experts").from_args(args, spec, **kw)
+    return router, _kind(EXPERTS, spec.experts, "experts").from_args(args, spec, **kw)
+
+
+def _sparse_moe(args: ModelArgs, *, spec: SparseSpec, layer_idx: int, device: Any, dtype: Any) -> Block:
+    """A :class:`SparseMoeBlock` of the spec's router and experts kinds, with its shared expert if any."""
+    kw = {"device": device, "dtype": dtype}
+    router, experts = build_router_and_experts(args, spec, device=device, dtype=dtype)
     shared = gate = None
     if spec.shared is not None:
         assert args.moe is not None  # family_of checked it sets the shared expert's width
@@ -80,9 +97,14 @@ ATTENTION: dict[str, AttentionKind] = {
     "attention": Attention,
     "sink_attention": SinkAttention,
     "gated_delta_net": GatedDeltaNet,
+    "qkv_norm_attention": QKVNormAttention,
 }
 FEED_FORWARD: dict[str, FeedForwardKind] = {"gated_mlp": MLP, "sparse_moe": _sparse_moe}
-ROUTERS: dict[str, type[Router]] = {"softmax_topk": Router, "topk_softmax": GptOssRouter}
+ROUTERS: dict[str, type[Router]] = {
+    "softmax_topk": Router,
+    "topk_softmax": GptOssRouter,
+    "scaled_softmax_topk": ScaledRouter,
+}
 EXPERTS: dict[str, type[Experts]] = {"gated": Experts, "clamped_swiglu": GptOssExperts}
 
 
@@ -93,10 +115,12 @@ def _kind(table: Mapping[str, _T], name: str, what: str) -> _T:
         raise ValueError(f"unknown {what} block kind {name!r} in a family spec; known kinds: {sorted(table)}") from None
 
 
-def build_attention(args: ModelArgs, spec: AttentionSpec, *, norm_offset: bool, device=None, dtype=None) -> Block:
-    """The ``self_attn`` of a layer whose attention is ``spec``."""
+def build_attention(
+    args: ModelArgs, spec: AttentionSpec, *, norm_offset: bool, layer_idx: int = 0, device=None, dtype=None
+) -> Block:
+    """The ``self_attn`` of layer ``layer_idx``, whose attention is ``spec``."""
     kind = _kind(ATTENTION, spec.kind, "attention")
-    return kind(args, spec=spec, norm_offset=norm_offset, device=device, dtype=dtype)
+    return kind(args, spec=spec, norm_offset=norm_offset, layer_idx=layer_idx, device=device, dtype=dtype)
 
 
 def build_feed_forward(

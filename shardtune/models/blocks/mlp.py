@@ -37,6 +37,7 @@ class MLP(nn.Module):
         kw = {"device": device, "dtype": dtype, "bias": args.mlp_bias}
         width = intermediate_size or args.intermediate_size  # a shared expert's own width (blocks/moe.py)
         self.fused = (spec or MlpSpec()).fused_gate_up
+        width = args.intermediate_size_of(layer_idx)
         if self.fused:
             self.gate_up_proj = nn.Linear(args.dim, 2 * width, **kw)
         else:

@@ -26,7 +26,7 @@ from shardtune.models.blocks.routers import Router
 from shardtune.models.moe_aux import Routing
 from shardtune.models.moe_dispatch import experts_over_ranks
 
-__all__ = ["SparseMoeBlock"]
+__all__ = ["SparseMoeBlock", "run_experts"]
 
 
 class SparseMoeBlock(nn.Module):
@@ -94,20 +94,28 @@ class SparseMoeBlock(nn.Module):
         b, s, dim = x.shape
         flat = x.reshape(-1, dim)
         logits, weights, indices = self.route(flat)
-        chosen = indices.reshape(-1)  # [T * k], token-major
-        order = torch.argsort(chosen, stable=True)
-        counts = torch.zeros(self.experts.num_experts, dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, chosen, torch.ones_like(chosen))  # no bincount: its size would need a host sync
-        rows = flat[order // self.top_k]
-        if self.experts.ep_group is None:
-            y = self.experts(rows, counts)
-        else:
-            y = experts_over_ranks(self.experts, rows, counts, group=self.experts.ep_group)
-        y = (y * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
-        out = y[torch.argsort(order)].view(-1, self.top_k, dim).sum(dim=1)
+        out = run_experts(self.experts, flat, weights, indices)
         shared = self.shared_output(flat)
         if shared is not None:
             out = out + shared
         if routing is not None:
             out = routing.attach(out, routing.record(self.layer_idx, logits, self.top_k))
         return out.view(b, s, dim)
+
+
+def run_experts(experts: Experts, flat: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
+    """Tokens ``flat`` ``[T, H]`` through their top-k ``indices`` ``[T, k]`` of ``experts``, each output times its
+    routing weight and the k summed: ``[T, H]``, sorted by expert once (across the expert-parallel group when
+    the experts have one: a collective over it)."""
+    top_k, dim = indices.shape[-1], flat.shape[-1]
+    chosen = indices.reshape(-1)  # [T * k], token-major
+    order = torch.argsort(chosen, stable=True)
+    counts = torch.zeros(experts.num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, chosen, torch.ones_like(chosen))  # no bincount: its size would need a host sync
+    rows = flat[order // top_k]
+    if experts.ep_group is None:
+        y = experts(rows, counts)
+    else:
+        y = experts_over_ranks(experts, rows, counts, group=experts.ep_group)
+    y = (y * weights.reshape(-1)[order].unsqueeze(-1)).to(flat.dtype)
+    return y[torch.argsort(order)].view(-1, top_k, dim).sum(dim=1)

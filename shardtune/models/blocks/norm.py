@@ -1,7 +1,8 @@
 """RMSNorm in both orders the families use, and the weight init every block shares.
 
 Rule: a norm computes in fp32 whatever the activations' dtype; Llama order casts back before its
-weight, Gemma order (``offset=True``) scales by ``1 + w`` in fp32 first. Weights start as transformers
+weight, Gemma order (``offset=True``) scales by ``1 + w`` in fp32 first, Gemma 4 order (``fp32_weight=True``)
+by ``w`` in fp32 first; ``scale=False``: no weight at all. Weights start as transformers
 initializes them: norms at their identity, linears normal(0, std) with zero biases.
 """
 
@@ -19,27 +20,45 @@ class RMSNorm(nn.Module):
     """RMSNorm computed in fp32. Llama order: cast back, then scale by ``w``. Gemma order
     (``offset=True``): scale by ``1 + w`` in fp32, then cast; its weights start at zero."""
 
-    def __init__(self, dim: int, *, eps: float = 1e-6, offset: bool = False, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        dim: int,
+        *,
+        eps: float = 1e-6,
+        offset: bool = False,
+        fp32_weight: bool = False,
+        scale: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.offset = offset
-        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
+        self.fp32_weight = fp32_weight
+        self.dim = dim
+        self.weight: nn.Parameter | None = None
+        if scale:
+            self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if not self.weight.is_meta:
+        if self.weight is not None and not self.weight.is_meta:
             nn.init.zeros_(self.weight) if self.offset else nn.init.ones_(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is None:
+            return h.to(dtype)
         if self.offset:
             return (h * (1.0 + self.weight.float())).to(dtype)
+        if self.fp32_weight:
+            return (h * self.weight.float()).to(dtype)
         return self.weight * h.to(dtype)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}"
+        return f"{(self.dim,)}, eps={self.eps}, offset={self.offset}, fp32_weight={self.fp32_weight}"
 
 
 def init_linear(linear: nn.Module, std: float) -> None:

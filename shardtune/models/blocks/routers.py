@@ -8,7 +8,10 @@ turns them into the top-k weights and expert indices ``[T, k]``, exactly as tran
   optionally renormalized (``norm_topk_prob``), the weights cast to the logits' dtype unless
   ``fp32_scores`` (Mixtral);
 - ``"topk_softmax"`` (:class:`GptOssRouter`, plus ``bias [E]``, gpt-oss): the top-k of the logits,
-  softmaxed over those k in their dtype.
+  softmaxed over those k in their dtype;
+- ``"scaled_softmax_topk"`` (:class:`ScaledRouter`, Gemma 4: ``scale [H]``, ``per_expert_scale [E]``,
+  ``proj``): logits of the RMS-normed token times ``scale / sqrt(H)``; softmax in fp32, top-k renormalized,
+  each weight times its expert's ``per_expert_scale``.
 
 LoRA on a router (``shardtune.peft.param_lora``) subclasses these and changes only ``forward``.
 """
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shardtune.models.blocks.norm import RMSNorm
 from shardtune.state_dict.layout import Piece
 from shardtune.state_dict.parts import Part
 
@@ -28,7 +32,7 @@ if TYPE_CHECKING:
     from shardtune.models.args import ModelArgs
     from shardtune.models.spec import ExpertNames, SparseSpec
 
-__all__ = ["GptOssRouter", "Router"]
+__all__ = ["GptOssRouter", "Router", "ScaledRouter"]
 
 
 class Router(nn.Module):
@@ -114,3 +118,42 @@ class GptOssRouter(Router):
         """Softmax over the top-k logits (in their dtype) and their indices ``[T, k]``."""
         top, indices = torch.topk(logits, self.top_k, dim=-1)
         return torch.softmax(top, dim=-1, dtype=top.dtype), indices
+
+
+class ScaledRouter(Router):
+    """Gemma 4's router (transformers' ``Gemma4TextRouter``): ``scale [H]`` and ``per_expert_scale [E]``, then
+    ``proj`` (``[E, H]``) of the unweighted RMS-normed token times ``scale / sqrt(H)``."""
+
+    def __init__(self, num_experts: int, dim: int, *, top_k: int, eps: float = 1e-6, device=None, dtype=None) -> None:
+        nn.Module.__init__(self)  # not Router's: no ``weight``; transformers' names and order
+        self.top_k, self.norm_topk_prob, self.fp32_scores, self.names = top_k, True, True, None
+        kw = {"device": device, "dtype": dtype}
+        self.norm = RMSNorm(dim, eps=eps, scale=False)
+        self.proj = nn.Linear(dim, num_experts, bias=False, **kw)
+        self.scale = nn.Parameter(torch.empty(dim, **kw))
+        self.per_expert_scale = nn.Parameter(torch.empty(num_experts, **kw))
+        self.init_weights(0.02)
+
+    @classmethod
+    def from_args(cls, args: ModelArgs, spec: SparseSpec, *, device=None, dtype=None) -> ScaledRouter:
+        """The router of ``args.moe``'s experts (its file keys are its runtime keys)."""
+        moe = args.moe
+        assert moe is not None  # built only for models with experts
+        return cls(moe.num_experts, args.dim, top_k=moe.top_k, eps=args.norm_eps, device=device, dtype=dtype)
+
+    def init_weights(self, std: float) -> None:
+        """transformers' init: ``proj`` normal(0, std), both scales one."""
+        if self.scale.is_meta:
+            return
+        nn.init.normal_(self.proj.weight, mean=0.0, std=std)
+        nn.init.ones_(self.scale)
+        nn.init.ones_(self.per_expert_scale)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(self.norm(x) * self.scale * x.shape[-1] ** -0.5)
+
+    def select(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """Top-k of the fp32 softmax, renormalized, times each chosen expert's ``per_expert_scale``."""
+        weights, indices = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[indices], indices

@@ -28,10 +28,11 @@ class SinkAttention(Attention):
         *,
         spec: AttentionSpec | None = None,
         norm_offset: bool = False,
+        layer_idx: int = 0,
         device=None,
         dtype=None,
     ) -> None:
-        super().__init__(args, spec=spec, norm_offset=norm_offset, device=device, dtype=dtype)
+        super().__init__(args, spec=spec, norm_offset=norm_offset, layer_idx=layer_idx, device=device, dtype=dtype)
         self.sinks = nn.Parameter(torch.empty(args.n_heads, device=device, dtype=dtype))
 
     def init_weights(self, std: float) -> None:

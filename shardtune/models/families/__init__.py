@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from shardtune.models.args import ModelArgs
 from shardtune.models.families.gemma import GEMMA2, GEMMA3_TEXT
+from shardtune.models.families.gemma4 import GEMMA4_TEXT
 from shardtune.models.families.gpt_oss import GPT_OSS
 from shardtune.models.families.llama import LLAMA
 from shardtune.models.families.mistral import MISTRAL
@@ -26,7 +27,7 @@ __all__ = ["FAMILIES", "MULTIMODAL", "Family", "Multimodal", "family_of", "get_f
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
-        *(LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3_TEXT),
+        *(LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3_TEXT, GEMMA4_TEXT),
         *(QWEN3_MOE, MIXTRAL, GPT_OSS, QWEN3_5_TEXT, QWEN3_5_MOE_TEXT),
     )
 }
@@ -42,9 +43,9 @@ def supported_model_types() -> list[str]:
 
 def family_of(args: ModelArgs) -> Family:
     """The spec of ``args.model_type``, checked against ``args``: experts (``args.moe``) exactly
-    for mixture-of-experts families. ``ValueError`` naming the model type otherwise."""
+    for mixture-of-experts families (or optionally: ``Family.moe_optional``). ``ValueError`` naming the model type otherwise."""
     family = get_family(args.model_type)
-    if family.moe != (args.moe is not None):
+    if (args.moe is not None and not family.moe) or (args.moe is None and family.moe and not family.moe_optional):
         raise ValueError(
             f"ModelArgs.moe must be set exactly for mixture-of-experts model types; model_type "
             f"{args.model_type!r} {'needs' if args.moe is None else 'has no'} experts"
