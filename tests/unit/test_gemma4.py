@@ -349,3 +349,36 @@ def test_tiny_preset_writes_a_base_transformers_loads_equal(tmp_path, preset):
     x = torch.randint(0, VOCAB, (1, 50))
     with torch.no_grad():
         assert rel_diff(ours.eval()(x), hf(x).logits) <= TOL
+
+
+def test_a_multimodal_checkpoint_trains_its_text_tower_and_saves_back_the_same_files(tmp_path):
+    """A ``Gemma4ForConditionalGeneration`` directory (vision tower; tied head) loads as ``gemma4_text`` with
+    transformers' logits and saves back, the vision tower and its projection carried, to its very tensors."""
+    from safetensors.torch import load_file
+    from transformers.models.gemma4 import Gemma4ForConditionalGeneration
+
+    from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
+    from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
+
+    text = hf_config("gemma4_text").to_dict()
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    vision |= {"num_key_value_heads": 2, "head_dim": 16}
+    config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
+    torch.manual_seed(0)
+    hf = randomize_(Gemma4ForConditionalGeneration(config), 0).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    files = load_file(tmp_path / "hf/model.safetensors")
+    assert any(k.startswith("model.vision_tower.") for k in files) and "lm_head.weight" not in files
+    with torch.device("meta"):
+        ours = from_hf_config(tmp_path / "hf")
+    assert ours.args.model_type == "gemma4_text"
+    load_hf_checkpoint(ours, tmp_path / "hf", device="cpu", strict=True)
+    ours.init_buffers("cpu")
+    x = tokens()
+    with torch.no_grad():
+        assert rel_diff(ours(x), hf(input_ids=x).logits) <= TOL
+    save_hf_checkpoint(ours, tmp_path / "out", source_dir=tmp_path / "hf")
+    saved = load_file(tmp_path / "out/model.safetensors")
+    assert sorted(saved) == sorted(files) and all(torch.equal(saved[k], v) for k, v in files.items())
+    written = json.loads((tmp_path / "out/config.json").read_text())
+    assert written["architectures"] == ["Gemma4ForConditionalGeneration"] and written["vision_config"]

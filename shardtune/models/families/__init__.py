@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from shardtune.models.args import ModelArgs
 from shardtune.models.families.gemma import GEMMA2, GEMMA3_TEXT
-from shardtune.models.families.gemma4 import GEMMA4_TEXT
+from shardtune.models.families.gemma4 import GEMMA4, GEMMA4_TEXT
 from shardtune.models.families.gpt_oss import GPT_OSS
 from shardtune.models.families.llama import LLAMA
 from shardtune.models.families.mistral import MISTRAL
@@ -33,7 +33,7 @@ FAMILIES: dict[str, Family] = {
 }
 
 # Multimodal checkpoints whose text tower is one of FAMILIES, by their own model_type.
-MULTIMODAL: dict[str, Multimodal] = {m.model_type: m for m in (QWEN3_5, QWEN3_5_MOE)}
+MULTIMODAL: dict[str, Multimodal] = {m.model_type: m for m in (QWEN3_5, QWEN3_5_MOE, GEMMA4)}
 
 
 def supported_model_types() -> list[str]:

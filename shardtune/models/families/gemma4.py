@@ -19,7 +19,7 @@ from typing import Any
 from shardtune.models.args import FULL, SLIDING, ModelArgs
 from shardtune.models.families.config_rules import require
 from shardtune.models.moe_args import MoeArgs
-from shardtune.models.spec import AttentionSpec, Blocks, Family, SparseSpec
+from shardtune.models.spec import AttentionSpec, Blocks, Family, Multimodal, SparseSpec
 
 __all__ = ["GEMMA4_TEXT"]
 
@@ -252,4 +252,16 @@ GEMMA4_TEXT = Family(
     default_local_theta=10_000.0,
     rope_parameters_only=True,
     moe_optional=True,
+)
+
+# The hub checkpoints (Gemma4ForConditionalGeneration): the text decoder under model.language_model (its head
+# tied to the embeddings), the vision and audio towers and their projections into the text (embed_vision,
+# embed_audio) carried through.
+GEMMA4 = Multimodal(
+    "gemma4",
+    "Gemma4ForConditionalGeneration",
+    "gemma4_text",
+    file_prefixes=(("model.", "model.language_model."),),
+    text_prefixes=("model.language_model.", "lm_head."),
+    towers={"vision_config": "model.vision_tower.", "audio_config": "model.audio_tower."},
 )
