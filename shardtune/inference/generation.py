@@ -227,6 +227,7 @@ def load_generator(
     """Load ``model_dir`` (and a PEFT ``adapter_dir``) for generation; ``sharded``: FSDP2 over the
     process group (collective: call on all ranks)."""
     from shardtune.checkpoint import load_hf_checkpoint, load_peft_adapter
+    from shardtune.checkpoint.formats.peft_format import peft_target_modules
     from shardtune.peft import apply_lora
     from shardtune.ranks.sharding import shard_model
 
@@ -239,7 +240,7 @@ def load_generator(
                 model,
                 rank=adapter["r"],
                 alpha=adapter["lora_alpha"],
-                target_modules=list(adapter["target_modules"] or []),
+                target_modules=peft_target_modules(Path(adapter_dir)),
                 target_parameters=list(adapter.get("target_parameters") or []),
             )
     if sharded:

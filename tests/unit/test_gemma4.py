@@ -382,3 +382,42 @@ def test_a_multimodal_checkpoint_trains_its_text_tower_and_saves_back_the_same_f
     assert sorted(saved) == sorted(files) and all(torch.equal(saved[k], v) for k, v in files.items())
     written = json.loads((tmp_path / "out/config.json").read_text())
     assert written["architectures"] == ["Gemma4ForConditionalGeneration"] and written["vision_config"]
+
+
+def test_a_multimodal_lora_adapter_loads_in_peft_over_the_multimodal_model(tmp_path):
+    """Its ``target_modules`` reach the text tower only (PEFT cannot adapt the vision tower's ``q_proj``), so
+    ``PeftModel.from_pretrained`` over ``Gemma4ForConditionalGeneration`` gives the adapted model's logits;
+    shardtune's generator reads the adapter back."""
+    import peft
+    from transformers.models.gemma4 import Gemma4ForConditionalGeneration
+
+    from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
+    from shardtune.checkpoint.formats.peft_format import peft_target_modules, save_peft_adapter
+    from shardtune.peft import apply_lora, init_lora_parameters
+
+    text = hf_config("gemma4_text").to_dict()
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    vision |= {"num_key_value_heads": 2, "head_dim": 16}
+    config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
+    torch.manual_seed(0)
+    hf = randomize_(Gemma4ForConditionalGeneration(config), 0).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    targets = ["q_proj", "o_proj", "down_proj"]
+    with torch.device("meta"):
+        ours = apply_lora(from_hf_config(tmp_path / "hf"), rank=4, alpha=8, target_modules=targets)
+    load_hf_checkpoint(ours, tmp_path / "hf", device="cpu", strict=False)
+    init_lora_parameters(ours, device="cpu")
+    ours.init_buffers("cpu")
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    save_peft_adapter(ours, tmp_path / "adapter")
+    assert peft_target_modules(tmp_path / "adapter") == targets
+    adapted = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    x = tokens()
+    with torch.no_grad():
+        want = adapted(input_ids=x).logits
+        assert rel_diff(ours.eval()(x), want) <= TOL
+        with adapted.disable_adapter():
+            assert rel_diff(want, adapted(input_ids=x).logits) > 1e-3  # the adapters matter

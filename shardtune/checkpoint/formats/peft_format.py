@@ -10,6 +10,7 @@ Names follow the HF files' (the text tower of a multimodal checkpoint:
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from shardtune.checkpoint.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from shardtune.checkpoint.storage.plans import SavePlan, SmallFile, save
 from shardtune.checkpoint.storage.sinks import resolve_sink
 from shardtune.checkpoint.storage.writer import Sink, WriteItem, plan_files
+from shardtune.choices import LORA_TARGETS
 from shardtune.peft import from_peft_adapter_state_dict
 from shardtune.peft.adapters import PEFT_PREFIX, is_adapter_key
 from shardtune.peft.lora import lora_config_of
@@ -60,6 +62,7 @@ def plan_peft_adapter(model: nn.Module, out_dir: Path, *, base_model_name_or_pat
     assert config is not None
     files = plan_files(items, str(out_dir), max_shard_bytes=1 << 62, name=lambda i, n: ADAPTER_WEIGHTS)
     peft_config = config.to_peft_config(base_model_name_or_path=base_model_name_or_path)
+    peft_config["target_modules"] = _targets_in_files(peft_config["target_modules"], hf_file_prefixes(model))
     return SavePlan(
         directory=str(out_dir),
         files=files,
@@ -70,6 +73,33 @@ def plan_peft_adapter(model: nn.Module, out_dir: Path, *, base_model_name_or_pat
         fix="call save_peft_adapter with the same model on every rank",
         small_files=[SmallFile(ADAPTER_CONFIG, json.dumps(peft_config, indent=2).encode())],
     )
+
+
+def _targets_in_files(targets: list[str], prefixes: tuple[tuple[str, str], ...]) -> list[str] | str:
+    """PEFT's ``target_modules`` for the model the files hold: the names themselves for a text model; for the
+    text tower of a multimodal checkpoint, a regular expression of those names under its file prefixes (and
+    ``lm_head``), since the other towers reuse names such as ``q_proj`` on modules PEFT cannot adapt."""
+    if not prefixes or targets == ["lm_head"]:
+        return targets
+    names = "|".join(re.escape(t) for t in targets if t != "lm_head")
+    under = "|".join(re.escape(file) for _, file in prefixes)
+    pattern = f"(?:{under}).*\\.(?:{names})"
+    return f"{pattern}|lm_head" if "lm_head" in targets else pattern
+
+
+def peft_target_modules(adapter_dir: Path) -> list[str]:
+    """The module names a PEFT adapter directory adapts: its ``adapter_config.json`` list, or, where that is a
+    regular expression (a multimodal model's text tower), the names of the modules its weights adapt."""
+    config = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())
+    targets = config.get("target_modules") or []
+    if not isinstance(targets, str):
+        return list(targets)
+    from safetensors import safe_open
+
+    with safe_open(str(Path(adapter_dir) / ADAPTER_WEIGHTS), "pt") as f:
+        keys = list(f.keys())
+    adapted = {k.split(".lora_A")[0].rsplit(".", 1)[-1] for k in keys if ".lora_A" in k}
+    return [name for name in LORA_TARGETS if name in adapted]  # expert parameters' adapters are not modules
 
 
 def adapter_items(model: nn.Module, *, dtype: torch.dtype | None = None) -> list[WriteItem]:
