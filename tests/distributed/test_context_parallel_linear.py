@@ -1,9 +1,9 @@
 """Context parallel for the linear-attention (Gated DeltaNet) layers of Qwen3.5 hybrids, on gloo ranks against one
 process: packed rows of six uneven samples (documents crossing chunk boundaries, one shorter than the
 convolution), split over ``cp`` ranks under FSDP2, give the loss and every gradient of the unsplit model in one
-process (fp32, 1e-5 relative) at cp 2 and cp 4, its linear layers trading tokens for heads with two
-all-to-alls each way (under NCCL's rules) and its gated attention layer gathering keys. A ``cp`` the key heads
-cannot divide is refused on every rank by name."""
+process (fp32, 1e-5 relative) at cp 2 (with and without activation checkpointing) and cp 4, the linear layers
+trading tokens for heads with two all-to-alls each way (under NCCL's rules) and the gated attention layer
+gathering keys. A ``cp`` the key heads cannot divide is refused on every rank by name."""
 
 from __future__ import annotations
 
@@ -19,14 +19,18 @@ NAME = "qwen3_5_cp4"  # 3 Gated DeltaNet layers and 1 gated attention layer; 4 k
 LINEAR_LAYERS, FULL_LAYERS = 3, 1
 
 
-def _check_hybrid(results: list) -> None:
-    _check(results, NAME, [0], layers=FULL_LAYERS)
-    # per linear layer, forward: tokens -> heads and back; backward: the same two, reversed
-    assert {r[NAME]["all_to_alls"] for r in results} == {4 * LINEAR_LAYERS}
+def _check_hybrid(results: list, *, recomputed: bool = False) -> None:
+    _check(results, NAME, [0], layers=FULL_LAYERS, gathers=2 if recomputed else 1)
+    # per linear layer, forward: tokens -> heads and back (again when recomputed); backward: the two, reversed
+    assert {r[NAME]["all_to_alls"] for r in results} == {(6 if recomputed else 4) * LINEAR_LAYERS}
 
 
 def test_cp2_hybrid_equals_one_process(pool2):
     _check_hybrid(pool2.run_ok(_families, [NAME], 2, timeout=240))
+
+
+def test_cp2_hybrid_with_activation_checkpointing_equals_one_process(pool2):
+    _check_hybrid(pool2.run_ok(_families, [NAME], 2, "full", timeout=240), recomputed=True)
 
 
 def test_cp4_hybrid_equals_one_process(pool4):
