@@ -9,6 +9,8 @@ keeps the convolution's last inputs and the rule's state in the layer's cache (`
 goes on from them, equal to running the whole sequence; left-pad tokens are zeroed before the projections,
 as transformers does, which leaves both states as if the row started at its first real token. Parameter
 names and registration order are transformers', so ``state_dict`` keys and order equal its checkpoints'.
+Context parallel: each rank runs the convolution and the rule of its share of the heads over the whole rows
+(:mod:`shardtune.models.context_heads`).
 """
 
 from __future__ import annotations
