@@ -24,7 +24,9 @@ tokens (measured: tests/distributed/test_context_parallel_memory.py). A ring (O(
 upgrade path. Exact for causal, packed (per-document), sliding-window, soft-capped and sink attention. A
 mixture-of-experts model's load-balancing loss is over the whole rows: its counts, routing probabilities and
 token counts are summed over the group (:class:`~shardtune.models.moe_aux.Routing` with ``group=``), with
-:attr:`ContextBatch.mask` keeping the split's padding out of them.
+:attr:`ContextBatch.mask` keeping the split's padding out of them. Linear-attention (Gated DeltaNet) layers
+gather no keys: they trade tokens for heads with all-to-alls (:mod:`shardtune.models.context_heads`), running
+every document of the whole rows (:attr:`ContextShard.documents`) for a share of the heads.
 """
 
 from __future__ import annotations
@@ -71,12 +73,16 @@ class Segment:
 
 @dataclass(frozen=True)
 class ContextShard:
-    """What a rank's attention needs of a split batch: its ``cp`` group, where each row position lies in the
-    gathered keys (``gathered_at``, ``[S]``), and per row its query segments."""
+    """What a rank's token mixers need of a split batch: its ``cp`` group, where each row position lies in the
+    gathered keys (``gathered_at``, ``[S]``) and the row position of each gathered key (``gathered_rows``, its
+    inverse), per row its query segments, and per row the lengths of the whole row's documents (the split's
+    padding the last, when there is one): what linear-attention layers run alone."""
 
     group: dist.ProcessGroup
     gathered_at: Tensor
+    gathered_rows: Tensor
     segments: tuple[tuple[Segment, ...], ...]
+    documents: tuple[tuple[int, ...], ...]
     rope_seq_len: int  # the longest position of the whole rows + 1 (dynamic and longrope read it)
 
     def layer(self, window: int | None) -> ContextAttention:
@@ -171,7 +177,9 @@ def split_batch(
     shard = ContextShard(
         group=group,
         gathered_at=torch.argsort(gathered),
+        gathered_rows=gathered,
         segments=tuple(_segments(row, mine) for row in lengths),
+        documents=tuple(tuple(row) for row in lengths),
         rope_seq_len=int(positions.max()) + 1,
     )
     return ContextBatch(tokens[:, mine], targets[:, mine], positions[:, mine], shard, mask[:, mine])

@@ -45,6 +45,7 @@ from shardtune.models import (
     llama_from_hf_config,
     model_args_from_hf_config,
 )
+from shardtune.models.context_heads import check_heads
 from shardtune.peft import apply_lora, init_lora_parameters, is_lora
 from shardtune.ranks.mesh import make_mesh
 from shardtune.ranks.sharding import decoder_layers, shard_model
@@ -135,11 +136,8 @@ def build_model(
                 target_parameters=list(lora.target_parameters),
                 quantize_base=lora.quantize_base,
             )
-    if model.args.linear_attention is not None and getattr(cfg, "context_parallel", 1) > 1:
-        raise ValueError(
-            f"context_parallel={cfg.context_parallel}: the linear_attention (Gated DeltaNet) layers of "
-            f"model_type {model.args.model_type!r} do not run context parallel yet; set context_parallel=1"
-        )
+    if model.args.linear_attention is not None:  # before any weight moves; the same on every rank
+        check_heads(model.args.linear_attention, getattr(cfg, "context_parallel", 1))
     # a frozen dense model (a KD teacher, a DPO reference) beside an expert-parallel MoE model has no experts to split
     ep = 1 if frozen and model.args.moe is None else cfg.expert_parallel
     shard_model(

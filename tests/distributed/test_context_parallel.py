@@ -33,6 +33,22 @@ LONG_LENGTHS = ([3, 6, 7, 40, 5], [7, 4, 5, 40, 5])
 FAMILIES = ["llama_yarn", "llama_dynamic", "mistral", "qwen2_sliding", "qwen3", "phi3", "gemma2", "gemma3_text"]
 
 
+# Qwen3.5 hybrids (linear and full layers, value head dim 8 != key head dim 16) whose 4 key heads split at cp 4
+HYBRIDS = {"qwen3_5_cp4": {"linear_num_key_heads": 4, "linear_num_value_heads": 8}}
+
+
+def _any_hf_model(name: str):
+    """A tiny transformers model of a dense family, of a mixture-of-experts one (``MOE_CONFIGS``) or a hybrid
+    (``HYBRIDS``)."""
+    from tests.unit import test_qwen3_5
+    from tests.unit.test_models_families import VOCAB, hf_model
+    from tests.unit.test_models_moe import MOE_CONFIGS, hf_moe_model
+
+    if name in HYBRIDS:
+        return test_qwen3_5.hf_model(vocab_size=VOCAB, **HYBRIDS[name])
+    return hf_moe_model(name) if name in MOE_CONFIGS else hf_model(name)
+
+
 def _batch(seed: int, lengths: tuple[list[int], ...] = LENGTHS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens, labels (-100 on each sample's first token and on a few others) and restarting positions."""
     from tests.unit.test_models_families import VOCAB
@@ -69,9 +85,9 @@ def _reference(
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """The global-token mean loss over every batch and its gradients (of what trains), one unsplit model in one
     process (full logits, no chunking)."""
-    from tests.unit.test_models_families import hf_model, ours_from_hf
+    from tests.unit.test_models_families import ours_from_hf
 
-    model = _adapt(ours_from_hf(hf_model(name)), adapters).train()
+    model = _adapt(ours_from_hf(_any_hf_model(name)), adapters).train()
     total, count = torch.zeros(()), 0
     for seed in seeds:
         tokens, labels, positions = _batch(seed, lengths)
@@ -94,9 +110,7 @@ def _cp_step(
     """One forward and backward with rows split over ``cp`` ranks (each ``cp`` group its own batch, seed = its
     data-parallel index), FSDP2 over every rank, the loss in chunks of ``chunk`` tokens (None: whole); the
     global-token mean loss and rank 0's full gradients (of what trains)."""
-    from tests.unit.test_models_families import hf_model
-
-    hf = hf_model(name)
+    hf = _any_hf_model(name)
     model = from_hf_config(hf.config.to_dict()).train()
     model.load_state_dict(hf.state_dict(), strict=True)
     _adapt(model, adapters)
@@ -125,6 +139,7 @@ def _cp_step(
         "max_position": int(part.position_ids.max()),
         "gathers": rules.counts["funcol.all_gather_into_tensor"],
         "scatters": rules.counts["funcol.reduce_scatter_tensor"],
+        "all_to_alls": rules.counts["funcol.all_to_all_single"],
     }
 
 
@@ -243,14 +258,6 @@ def _dpo_loss_fn(model: torch.nn.Module, group: dist.ProcessGroup | None):
             return model(tokens, head_loss=head_loss, **forward)
 
     return dpo_loss_fn(model, reference=reference, device=torch.device("cpu"), dpo=DPO, chunk_tokens=8, group=group)
-
-
-def _any_hf_model(name: str):
-    """A tiny transformers model of a dense family or of a mixture-of-experts one (``MOE_CONFIGS``)."""
-    from tests.unit.test_models_families import hf_model
-    from tests.unit.test_models_moe import MOE_CONFIGS, hf_moe_model
-
-    return hf_moe_model(name) if name in MOE_CONFIGS else hf_model(name)
 
 
 def _dpo_step(name: str) -> dict:

@@ -2,7 +2,8 @@
 ``tiny_qwen3_5`` preset, trains packed rows with LoRA on the gated attention and the Gated DeltaNet
 projections with a finite, falling loss, and both outputs load in transformers' ``Qwen3_5ForCausalLM``: the
 merged model equals the base plus the saved adapter as ``peft.PeftModel.from_pretrained`` applies it, and the
-adapters changed the logits."""
+adapters changed the logits. At ``context_parallel=2`` it logs one rank's steps; a degree its linear key heads
+cannot divide is refused by name."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import sys
 import pytest
 import torch
 
+from shardtune.checkpoint.formats.tiny_base import create_tiny_base
 from tests.recipes.conftest import run_recipe
+from tests.recipes.test_context_parallel_recipe import ACROSS_CP
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -68,14 +71,44 @@ def test_dpo_grpo_and_distillation_train_a_qwen3_5_hybrid(tmp_path, recipe, conf
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows), rows
 
 
-def test_context_parallel_is_refused_by_name_for_linear_attention(tmp_path):
-    """Refused on every rank before any step, the message printed once."""
-    out = tmp_path / "run"
+def test_context_parallel_2_logs_the_steps_of_one_rank(tmp_path, recipe_pool):
+    """LoRA on the hybrid with every packed row split over 2 ranks (its Gated DeltaNet layers trading tokens for
+    heads) logs the loss and gradient norm of one rank training on the same global batch. The base is made
+    first, so both runs load it (a run that creates its base draws its adapters' init after the base's)."""
+    base = create_tiny_base(tmp_path / "base", preset="tiny_qwen3_5")
+    runs = []
+    for cp in (1, 2):
+        out = tmp_path / f"cp{cp}"
+        recipe_pool.run(
+            "lora_finetune_distributed", "tiny/qwen3_5_lora", f"output_dir={out}", f"checkpoint_dir={base}",
+            "epochs=1", "max_steps_per_epoch=3", "log_every_n_steps=1", f"context_parallel={cp}", nproc=cp,
+        )  # fmt: skip
+        runs.append([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()])
+    one, split = runs
+    assert [r["step"] for r in split] == [r["step"] for r in one] == [1, 2, 3]
+    for a, b in zip(split, one, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= ACROSS_CP * abs(b[key]), (a["step"], key, a[key], b[key])
+
+
+def test_a_context_parallel_the_key_heads_cannot_divide_is_refused_by_name(tmp_path):
+    """A hybrid with 3 linear key heads at context_parallel=2: refused on every rank before any step, the message
+    printed once."""
+    import transformers
+
+    base, out = tmp_path / "base", tmp_path / "run"
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=3, linear_num_value_heads=3, linear_key_head_dim=8, linear_value_head_dim=8,
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(base)
     cmd = [sys.executable, "-m", "shardtune.cli", "run", "--nproc_per_node", "2", "lora_finetune_distributed"]
-    overrides = [f"output_dir={out}", f"checkpoint_dir={tmp_path / 'base'}", "context_parallel=2"]
+    overrides = [f"output_dir={out}", f"checkpoint_dir={base}", "context_parallel=2"]
     proc = subprocess.run(
         [*cmd, "--config", "tiny/qwen3_5_lora", *overrides], capture_output=True, text=True, timeout=240
     )
-    message = "context_parallel=2: the linear_attention (Gated DeltaNet) layers of model_type 'qwen3_5_text'"
+    message = "context_parallel=2: the linear_attention (Gated DeltaNet) layers split their 3 key heads"
     assert proc.returncode != 0 and proc.stderr.count(message) == 1, proc.stderr[-3000:]
+    assert "set context_parallel to one of [1, 3]" in proc.stderr
     assert not (out / "metrics.jsonl").exists()

@@ -84,9 +84,10 @@ def test_chunked_rule_gradients_equal_the_recurrent_definitions():
         torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
 
 
-def hf_model(seed: int = 0) -> transformers.PreTrainedModel:
+def hf_model(seed: int = 0, **changes) -> transformers.PreTrainedModel:
+    """A random ``Qwen3_5ForCausalLM`` of ``CONFIG`` with ``changes``."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3_5TextConfig(**CONFIG))
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3_5TextConfig(**{**CONFIG, **changes}))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # every parameter random, norms and decay parameters included
         for _, p in model.named_parameters():

@@ -9,22 +9,28 @@ keeps the convolution's last inputs and the rule's state in the layer's cache (`
 goes on from them, equal to running the whole sequence; left-pad tokens are zeroed before the projections,
 as transformers does, which leaves both states as if the row started at its first real token. Parameter
 names and registration order are transformers', so ``state_dict`` keys and order equal its checkpoints'.
+Context parallel: each rank runs the convolution and the rule of its share of the heads over the whole rows
+(:mod:`shardtune.models.context_heads`).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardtune.models.args import ModelArgs
 from shardtune.models.blocks.norm import init_linear
-from shardtune.models.context_parallel import ContextAttention
+from shardtune.models.context_heads import by_rank, conv_channels, heads_of_rank, to_own_tokens, to_whole_rows
+from shardtune.models.context_parallel import ContextAttention, ContextShard
 from shardtune.models.gated_delta_kernels import chunk_rule
 from shardtune.models.gated_delta_rule import recurrent_gated_delta_rule
 from shardtune.models.kv_cache import LayerCache
+from shardtune.models.linear_attention_args import LinearAttentionArgs
 from shardtune.models.packed_attention import PackedSamples
 from shardtune.models.spec import AttentionSpec
 
@@ -112,12 +118,8 @@ class GatedDeltaNet(nn.Module):
         packed: PackedSamples | ContextAttention | None = None,
     ) -> Tensor:
         """``x`` ``[b, s, dim]`` -> ``[b, s, dim]``. Positions, masks and rotary tables do not apply; ``packed``
-        rows run every sample alone; ``kv`` (generation: a :class:`LayerCache`) continues the cached states.
-        A context-parallel shard is refused by name."""
-        if isinstance(packed, ContextAttention):
-            raise NotImplementedError(
-                "context parallel does not cover linear_attention (Gated DeltaNet) layers yet; set context_parallel=1"
-            )
+        rows run every sample alone; ``kv`` (generation: a :class:`LayerCache`) continues the cached states; a
+        context-parallel shard trades tokens for heads (:mod:`shardtune.models.context_heads`)."""
         b, s, _ = x.shape
         geo = self.geo
         if isinstance(kv, LayerCache) and (real := kv.pad_mask(s, x.device)) is not None:
@@ -125,21 +127,42 @@ class GatedDeltaNet(nn.Module):
         qkv = self.in_proj_qkv(x)
         # transformers: beta in the activations' dtype, the log decay in fp32
         beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        if isinstance(kv, LayerCache):
-            core = self._continue(kv, qkv, g, beta)
+        if isinstance(packed, ContextAttention):
+            core = self._over_ranks(packed.shard, qkv, self.in_proj_a(x), beta)
+        elif isinstance(kv, LayerCache):
+            core = self._continue(kv, qkv, self._decay(self.in_proj_a(x), slice(None)), beta)
         elif kv is not None:
             raise TypeError(f"a linear_attention layer takes a LayerCache as kv, got {type(kv).__name__}")
         else:
             lengths = packed.lengths if isinstance(packed, PackedSamples) else ((s,),) * b
-            core = _per_sample(self._mix, lengths, qkv, g, beta)
+            mix = partial(self._mix, geo=geo, weight=self.conv1d.weight)
+            core = _per_sample(mix, lengths, qkv, self._decay(self.in_proj_a(x), slice(None)), beta)
         z = self.in_proj_z(x).reshape(b, s, geo.num_value_heads, geo.value_head_dim)
         return self.out_proj(self.norm(core, z).reshape(b, s, geo.value_dim))
 
-    def _mix(self, qkv: Tensor, g: Tensor, beta: Tensor) -> Tensor:
-        """Causal sequences' ``[b, n, conv_dim]`` projections -> their rule outputs ``[b, n, heads, dv]``."""
-        window = qkv.new_zeros(qkv.shape[0], self.conv1d.weight.shape[-1] - 1, qkv.shape[-1])
-        out, _ = self._rule(*self._conv(window, qkv), g, beta, None)
+    def _decay(self, a: Tensor, heads: slice) -> Tensor:
+        """The rule's log decay (fp32) of value heads ``heads`` from their ``in_proj_a`` outputs ``a``."""
+        return -self.A_log[heads].float().exp() * F.softplus(a.float() + self.dt_bias[heads])
+
+    def _over_ranks(self, shard: ContextShard, qkv: Tensor, a: Tensor, beta: Tensor) -> Tensor:
+        """Context parallel: this rank's tokens' rule outputs ``[b, S / cp, heads, dv]``, each rank running the
+        convolution and the rule of its heads over every document of the whole rows."""
+        geo, cp = self.geo, shard.group.size()
+        mine, rank = heads_of_rank(geo, cp), dist.get_rank(shard.group)
+        b, n, _ = qkv.shape
+        rows = to_whole_rows(by_rank(qkv, a, beta, geo=geo, cp=cp), shard)
+        heads = mine.num_value_heads
+        qkv_rows, a_rows, beta_rows = rows.split([mine.conv_dim, heads, heads], dim=-1)
+        weight = torch.cat([self.conv1d.weight[part] for part in conv_channels(geo, cp=cp, rank=rank)])
+        g = self._decay(a_rows, slice(rank * heads, (rank + 1) * heads))
+        core = _per_sample(partial(self._mix, geo=mine, weight=weight), shard.documents, qkv_rows, g, beta_rows)
+        return to_own_tokens(core.flatten(2), shard).reshape(b, n, geo.num_value_heads, geo.value_head_dim)
+
+    def _mix(self, qkv: Tensor, g: Tensor, beta: Tensor, *, geo: LinearAttentionArgs, weight: Tensor) -> Tensor:
+        """Causal sequences' ``[b, n, conv_dim]`` projections -> their rule outputs ``[b, n, heads, dv]``
+        (``geo``: the heads they hold, ``weight``: their convolution channels)."""
+        window = qkv.new_zeros(qkv.shape[0], weight.shape[-1] - 1, qkv.shape[-1])
+        out, _ = self._rule(*_conv(window, qkv, geo=geo, weight=weight), g, beta, None)
         return out
 
     def _continue(self, cache: LayerCache, qkv: Tensor, g: Tensor, beta: Tensor) -> Tensor:
@@ -149,26 +172,11 @@ class GatedDeltaNet(nn.Module):
             state = None
         else:
             window, state = cache.state
-        (q, k, v), window = self._conv(window, qkv), torch.cat([window, qkv], dim=1)[:, -window.shape[1] :]
+        q, k, v = _conv(window, qkv, geo=self.geo, weight=self.conv1d.weight)
+        window = torch.cat([window, qkv], dim=1)[:, -window.shape[1] :]
         out, state = self._rule(q, k, v, g, beta, state)
         cache.state = (window, state)
         return out
-
-    def _conv(self, window: Tensor, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The causal depthwise convolution with SiLU over ``qkv`` ``[b, n, conv_dim]`` after the ``window``
-        ``[b, kernel - 1, conv_dim]`` of inputs before it (zeros at a sequence's start); queries and keys
-        L2-normed per head and repeated to the value heads (``[b, n, heads, d]``), values ``[b, n, heads, dv]``."""
-        geo, weight = self.geo, self.conv1d.weight
-        b, n, _ = qkv.shape
-        inputs = torch.cat([window, qkv], dim=1).transpose(1, 2).to(weight.dtype)
-        mixed = F.silu(F.conv1d(inputs, weight, groups=geo.conv_dim)).to(qkv.dtype).transpose(1, 2)
-        q, k, v = mixed.split([geo.key_dim, geo.key_dim, geo.value_dim], dim=-1)
-        groups = geo.num_value_heads // geo.num_key_heads
-        q, k = (
-            _l2norm(t.reshape(b, n, geo.num_key_heads, geo.key_head_dim)).repeat_interleave(groups, dim=2)
-            for t in (q, k)
-        )
-        return q * geo.key_head_dim**-0.5, k, v.reshape(b, n, geo.num_value_heads, geo.value_head_dim)
 
     @staticmethod
     def _rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -190,3 +198,19 @@ def _per_sample(mix: Any, lengths: tuple[tuple[int, ...], ...], qkv: Tensor, g: 
             start += n
         rows.append(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
     return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+
+
+def _conv(window: Tensor, qkv: Tensor, *, geo: LinearAttentionArgs, weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The causal depthwise convolution (``weight``, one channel per ``qkv`` channel) with SiLU over ``qkv``
+    ``[b, n, conv_dim]`` after the ``window`` ``[b, kernel - 1, conv_dim]`` of inputs before it (zeros at a
+    sequence's start); queries and keys L2-normed per head and repeated to the value heads (``[b, n, heads,
+    d]``), values ``[b, n, heads, dv]``, of ``geo``'s heads."""
+    b, n, _ = qkv.shape
+    inputs = torch.cat([window, qkv], dim=1).transpose(1, 2).to(weight.dtype)
+    mixed = F.silu(F.conv1d(inputs, weight, groups=geo.conv_dim)).to(qkv.dtype).transpose(1, 2)
+    q, k, v = mixed.split([geo.key_dim, geo.key_dim, geo.value_dim], dim=-1)
+    groups = geo.num_value_heads // geo.num_key_heads
+    q, k = (
+        _l2norm(t.reshape(b, n, geo.num_key_heads, geo.key_head_dim)).repeat_interleave(groups, dim=2) for t in (q, k)
+    )
+    return q * geo.key_head_dim**-0.5, k, v.reshape(b, n, geo.num_value_heads, geo.value_head_dim)
