@@ -8,7 +8,7 @@
 # Assumes torch with CUDA is already installed (CUDA wheels cannot be fetched offline); without
 # torch it installs torch==2.13.0 from the configured index. Outputs go under $OUT when set
 # (else ./gpu_check_out): pytest's log, the benchmark's tables and raw runs, and BENCHMARKS.md
-# with the new "checkpoint-cuda", "train-cuda", "train-moe-cuda", "train-hybrid-cuda" (and "train-moe-ep-cuda")
+# with the new "checkpoint-cuda", "train-cuda", "train-moe-cuda", "train-hybrid-qwen3_5-cuda" (and "train-moe-ep-cuda")
 # sections.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,7 +59,7 @@ echo "MoE train benchmark: $((SECONDS - start)) s" | tee -a "$out/device.txt"
 rm -rf "$out/bench_train_moe"/train_moe_h*  # the HF fixture; the runs JSON stays
 
 # The Qwen3.5 hybrid's training step on CUDA (world 1, bf16): shardtune (flash-linear-attention's kernel when
-# installed, else its PyTorch rule) against transformers + FSDP2; the "train-hybrid-cuda" section.
+# installed, else its PyTorch rule) against transformers + FSDP2; the "train-hybrid-qwen3_5-cuda" section.
 start=$SECONDS
 timeout 60 python -m benchmarks.train_hybrid --device cuda --world 1 --dtype bf16 --repeats 1 --steps 3 \
     --bench-dir "$out/bench_train_hybrid" --markdown "$out/BENCHMARKS.md" 2>&1 | tee "$out/benchmark_train_hybrid_cuda.log" || status=1

@@ -1,6 +1,7 @@
 """Benchmark of one training step of a 2026 family: shardtune against transformers + FSDP2 on the same model.
 
     python -m benchmarks.train_hybrid --repeats 1 --steps 2                  # Qwen3.5-shaped hybrid, fp32
+    python -m benchmarks.train_hybrid --family gemma4 --repeats 1 --steps 2  # Gemma 4 (31B's structure), fp32
     python -m benchmarks.train_hybrid --family qwen3_5 --device cuda --world 1 --dtype bf16
     python -m benchmarks.train_hybrid --smoke                                # tiny shape, no BENCHMARKS.md
 
@@ -14,8 +15,8 @@ Both stacks start from the same HF model directory (a seeded model of ``--family
   ``out.loss``; without the GPU kernels (``flash-linear-attention``, ``causal-conv1d``) its linear
   layers run its own PyTorch path, which is what it runs on CPU.
 
-The runs, the measurement and the columns are ``benchmarks.train``'s; the section goes between the
-``train-hybrid`` markers of BENCHMARKS.md (``train-hybrid-cuda`` on a GPU).
+The runs, the measurement and the columns are ``benchmarks.train``'s; each family's section goes between its
+``train-hybrid-<family>`` markers of BENCHMARKS.md (``train-hybrid-<family>-cuda`` on a GPU).
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ from benchmarks._train_step import (
     measure_run,
 )
 
-MARKERS = {
-    "cpu": ("<!-- train-hybrid:begin -->", "<!-- train-hybrid:end -->"),
-    "cuda": ("<!-- train-hybrid-cuda:begin -->", "<!-- train-hybrid-cuda:end -->"),
-}
+
+def markers(family: str, device: str) -> tuple[str, str]:
+    """The BENCHMARKS.md markers of ``family``'s section (``train-hybrid-<family>``, ``-cuda`` on a GPU)."""
+    name = f"train-hybrid-{family}" + ("" if device == "cpu" else f"-{device}")
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
 
 # --family -> (transformers config class name, its keyword arguments; the smoke shape's)
 FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
@@ -78,6 +81,38 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
             "linear_num_value_heads": 4,
             "linear_key_head_dim": 16,
             "linear_value_head_dim": 16,
+            "vocab_size": 256,
+        },
+    ),
+    "gemma4": (
+        "Gemma4TextConfig",
+        {  # Gemma 4 31B's structure, small: five sliding layers then a full one, keys as values on it
+            "hidden_size": 512,
+            "num_hidden_layers": 6,
+            "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+            "sliding_window": 512,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "num_global_key_value_heads": 2,
+            "attention_k_eq_v": True,
+            "head_dim": 64,
+            "global_head_dim": 128,
+            "intermediate_size": 2048,
+            "hidden_size_per_layer_input": 0,
+            "vocab_size": 8192,
+            "max_position_embeddings": 8192,
+        },
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 16,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "intermediate_size": 128,
+            "hidden_size_per_layer_input": 0,
             "vocab_size": 256,
         },
     ),
@@ -234,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         for method in METHODS
     }
     section, agree = report(cfg, summaries, load_avg=(load_before, os.getloadavg()[0]))
-    finish(section, markdown=cfg.markdown, markers=MARKERS[cfg.device])
+    finish(section, markdown=cfg.markdown, markers=markers(cfg.family, cfg.device))
     bad_verify = any(rk["verify"] != "ok" for r in runs for rk in r.ranks)
     return 0 if agree and not bad_verify and not any(r.error for r in runs) else 1
 

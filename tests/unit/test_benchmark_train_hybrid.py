@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from benchmarks.train_hybrid import FAMILIES, parse, report
+from benchmarks.train_hybrid import FAMILIES, markers, parse, report
 from shardtune.models import from_hf_config
 
 
@@ -35,3 +35,8 @@ def test_report_rows_ratios_and_loss_agreement():
     assert not report(cfg, summaries, load_avg=(1.0, 1.0))[1]
     failed = report(cfg, {(1024, "shardtune"): None, (1024, "transformers"): None}, load_avg=(1, 1))
     assert not failed[1] and "FAILED" in failed[0]
+
+
+def test_each_family_has_its_own_section():
+    assert markers("qwen3_5", "cpu") == ("<!-- train-hybrid-qwen3_5:begin -->", "<!-- train-hybrid-qwen3_5:end -->")
+    assert len({markers(f, d) for f in FAMILIES for d in ("cpu", "cuda")}) == 2 * len(FAMILIES)
