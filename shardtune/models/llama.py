@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from shardtune.losses.linear_cross_entropy import LinearHead, head_for_several_losses, softcap
 from shardtune.models.args import FULL, LINEAR, SLIDING, ModelArgs
 from shardtune.models.blocks import per_layer_inputs
-from shardtune.models.blocks.attention import Attention, attention_mask
+from shardtune.models.blocks.attention import Attention
 from shardtune.models.blocks.mlp import MLP
 from shardtune.models.blocks.norm import RMSNorm, init_linear
 from shardtune.models.blocks.qkv_norm_attention import SharedKV
@@ -151,8 +151,11 @@ class LlamaModel(nn.Module):
             masks = dict.fromkeys(types)
             packed = {t: context.layer(window[t]) for t in types}
         elif lengths is None:
-            masks = {t: attention_mask(seq, device=device, window=window[t]) for t in types}
-            packed = dict.fromkeys(types)
+            # a window shorter than the row: one sample per row, attended in bands of the window (no s x s mask)
+            rows = ((seq,),) * tokens.shape[0]
+            banded = {t for t in types if window[t] is not None and window[t] < seq}
+            masks = dict.fromkeys(types)
+            packed = {t: PackedSamples(rows, window[t]) if t in banded else None for t in types}
         else:
             masks = dict.fromkeys(types)
             packed = {t: PackedSamples(lengths, window[t]) for t in types}

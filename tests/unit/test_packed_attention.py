@@ -83,14 +83,32 @@ def test_packed_forward_and_backward_make_no_s_by_s_tensor_and_equal_transformer
         assert rel_diff(param.grad, hf_grads[key].grad) <= TOL, key
 
 
-@pytest.mark.parametrize("name", ["mistral", "gemma2"])
-def test_the_recorder_sees_the_dense_path_s_by_s_tensors(name):
-    """The same rows unpacked take the dense path (a window mask, soft-capped scores over the row)."""
-    ours = ours_from_hf(_hf(name))
+def test_the_recorder_sees_the_dense_path_s_by_s_tensors():
+    """The same rows unpacked: Gemma 2's full layers make soft-capped scores over the whole row."""
+    ours = ours_from_hf(_hf("gemma2"))
     _, batch, _ = _packed_batch()
     with RowSquares(SEQ) as dense_run, torch.no_grad():
         ours(batch)
     assert dense_run.found > 0
+
+
+def test_unpacked_rows_under_a_window_attend_in_bands_without_an_s_by_s_mask():
+    """A window shorter than the row: blocks of the window's queries against their keys, equal to transformers
+    (which masks the whole row), forward and backward; no s x s tensor."""
+    hf = _hf("mistral")
+    ours = ours_from_hf(hf)
+    _, batch, _ = _packed_batch()
+    weights = torch.randn(len(ROWS), SEQ, VOCAB, generator=torch.Generator().manual_seed(3))
+    with RowSquares(SEQ) as run:
+        logits = ours(batch)
+        (logits * weights).sum().backward()
+    assert run.found == 0
+    expected = hf(batch).logits
+    (expected * weights).sum().backward()
+    assert rel_diff(logits.detach(), expected.detach()) <= TOL
+    hf_grads = dict(hf.named_parameters())
+    for key, param in ours.named_parameters():
+        assert rel_diff(param.grad, hf_grads[key].grad) <= TOL, key
 
 
 def test_packed_rows_need_the_positions_only_or_the_lengths_only():

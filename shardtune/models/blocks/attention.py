@@ -168,8 +168,18 @@ class Attention(nn.Module):
         return self._attend(q, k, v, mask, causal=not cached)
 
     def _attend_one(self, q: Tensor, k: Tensor, v: Tensor, window: int | None) -> Tensor:
-        """One causal sequence (a packed sample), its window mask the size of the sample."""
-        return self._attend(q, k, v, attention_mask(q.shape[2], device=q.device, window=window), causal=True)
+        """One causal sequence (a row, or a packed sample). Under a window shorter than it, in bands: each block
+        of ``window`` queries against the keys from ``window - 1`` before its first (a mask of the block's size),
+        so the work is O(n * window), not O(n^2)."""
+        n = q.shape[2]
+        if window is None or window >= n:
+            return self._attend(q, k, v, None, causal=True)
+        blocks = []
+        for start in range(0, n, window):
+            end, first = min(start + window, n), max(0, start - window + 1)
+            keys, values = k[:, :, first:end], v[:, :, first:end]
+            blocks.append(self._attend_after(q[:, :, start:end], keys, values, start - first, window))
+        return torch.cat(blocks, dim=2)
 
     def _attend_after(self, q: Tensor, k: Tensor, v: Tensor, earlier: int, window: int | None) -> Tensor:
         """Queries that are the last ``q.shape[2]`` of one causal sequence's keys, ``earlier`` keys before
