@@ -153,7 +153,7 @@ class LlamaModel(nn.Module):
         elif lengths is None:
             # a window shorter than the row: one sample per row, attended in bands of the window (no s x s mask)
             rows = ((seq,),) * tokens.shape[0]
-            banded = {t for t in types if window[t] is not None and window[t] < seq}
+            banded = {t for t in types if (w := window[t]) is not None and w < seq}
             masks = dict.fromkeys(types)
             packed = {t: PackedSamples(rows, window[t]) if t in banded else None for t in types}
         else:
