@@ -1,11 +1,12 @@
 """The parallelism and precision config keys, end to end on CPU ranks: HSDP
-(``data_parallel_replicate``) with ``reshard_after_forward=false``, ``mixed_precision`` and the
-refusal of ``fsdp_cpu_offload`` without a GPU. (CPU offload itself runs in tests/gpu.) The runs a test
+(``data_parallel_replicate``) with ``reshard_after_forward=false``, ``mixed_precision`` (both on the 2026 families
+too) and the refusal of ``fsdp_cpu_offload`` without a GPU. (CPU offload itself runs in tests/gpu.) The runs a test
 compares run in-process (``recipe_pool``); a resume, a refusal and the compiled run are ``shardtune run`` jobs."""
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -141,3 +142,19 @@ def test_compiled_layers_and_loss_train_like_eager(plain, tiny_dirs, tmp_path):
     want, got = losses(plain), losses(out)
     assert sorted(got) == sorted(want)
     assert [got[s] for s in got] == pytest.approx([want[s] for s in got], rel=1e-4)
+
+
+@pytest.mark.parametrize("config", ["tiny/qwen3_5_lora", "tiny/gemma4_lora"])
+def test_a_2026_family_trains_in_bf16_mixed_precision_on_an_hsdp_mesh(tmp_path, recipe_pool, config):
+    """The Qwen3.5 hybrid (Gated DeltaNet in bf16) and Gemma 4 (per-layer inputs, shared keys) with bf16 compute
+    over fp32 masters on a 2 x 1 (replicate, shard) mesh: 2 steps with finite losses and fp32 weights saved."""
+    out = tmp_path / "run"
+    recipe_pool.run(
+        "lora_finetune_distributed", config, f"output_dir={out}", f"checkpoint_dir={tmp_path / 'base'}",
+        "epochs=1", "max_steps_per_epoch=2", "log_every_n_steps=1", "dtype=bf16", "mixed_precision=true",
+        "data_parallel_replicate=2",
+    )  # fmt: skip
+    got = losses(out)
+    assert sorted(got) == [1, 2] and all(math.isfinite(loss) for loss in got.values()), got
+    saved = load_file(str(out / "epoch_1" / "model.safetensors"))
+    assert {t.dtype for t in saved.values()} == {torch.float32}

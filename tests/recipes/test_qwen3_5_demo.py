@@ -3,7 +3,7 @@
 projections with a finite, falling loss, and both outputs load in transformers' ``Qwen3_5ForCausalLM``: the
 merged model equals the base plus the saved adapter as ``peft.PeftModel.from_pretrained`` applies it, and the
 adapters changed the logits. At ``context_parallel=2`` it logs one rank's steps; a degree its linear key heads
-cannot divide is refused by name."""
+cannot divide is refused by name. DPO, GRPO and KD train every 2026 family (Qwen3.5 and Gemma 4, dense and MoE)."""
 
 from __future__ import annotations
 
@@ -47,26 +47,37 @@ def test_tiny_qwen3_5_lora_trains_packed_rows_and_its_outputs_load_in_transforme
     assert (got - plain).abs().max() > 1e-3
 
 
-TEACHER = ["teacher_model=tiny_qwen3_5"]  # its own seed's base in teacher_checkpoint_dir
+DPO, GRPO = ("lora_dpo_distributed", "tiny/lora_dpo"), ("grpo_distributed", "tiny/grpo")
+KD = ("knowledge_distillation_distributed", "tiny/kd")
 
 
 @pytest.mark.parametrize(
-    ("recipe", "config", "extra", "preset"),
+    ("recipe", "preset"),
     [
-        ("lora_dpo_distributed", "tiny/lora_dpo", [], "tiny_qwen3_5"),
-        ("grpo_distributed", "tiny/grpo", [], "tiny_qwen3_5"),
-        ("knowledge_distillation_distributed", "tiny/kd", TEACHER, "tiny_qwen3_5"),
-        ("grpo_distributed", "tiny/grpo", [], "tiny_qwen3_5_moe"),
+        (DPO, "tiny_qwen3_5"),
+        (GRPO, "tiny_qwen3_5"),
+        (KD, "tiny_qwen3_5"),
+        (DPO, "tiny_qwen3_5_moe"),
+        (GRPO, "tiny_qwen3_5_moe"),
+        (KD, "tiny_qwen3_5_moe"),
+        (DPO, "tiny_gemma4"),
+        (GRPO, "tiny_gemma4"),
+        (KD, "tiny_gemma4"),
+        (GRPO, "tiny_gemma4_moe"),
     ],
+    ids=lambda value: value[0].removesuffix("_distributed") if isinstance(value, tuple) else value,
 )
-def test_dpo_grpo_and_distillation_train_a_qwen3_5_hybrid(tmp_path, recipe, config, extra, preset):
-    """Preference, RL and distillation recipes run on the hybrids, dense and MoE (GRPO's rollouts go through the
-    recurrent generation cache; the KD teacher is a hybrid too)."""
+def test_dpo_grpo_and_distillation_train_the_2026_families(tmp_path, recipe_pool, recipe, preset):
+    """Preference, RL and distillation recipes run on the Qwen3.5 hybrids and Gemma 4, dense and MoE (GRPO's
+    rollouts go through the recurrent or shared-key generation cache; the KD teacher is the same family, its own
+    seed's base in teacher_checkpoint_dir)."""
+    recipe, config = recipe
     out = tmp_path / "run"
-    overrides = [f"output_dir={out}", f"checkpoint_dir={tmp_path / 'base'}", f"model={preset}", *extra]
-    if extra:
+    overrides = [f"output_dir={out}", f"checkpoint_dir={tmp_path / 'base'}", f"model={preset}"]
+    if recipe == KD[0]:
+        overrides.append(f"teacher_model={preset}")
         overrides.append(f"teacher_checkpoint_dir={tmp_path / 'teacher'}")
-    run_recipe(recipe, config, *overrides, "epochs=1", "max_steps_per_epoch=2", "log_every_n_steps=1")
+    recipe_pool.run(recipe, config, *overrides, "epochs=1", "max_steps_per_epoch=2", "log_every_n_steps=1")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows), rows
 

@@ -2,14 +2,16 @@
 
 torchao's ``to_nf4`` of each expert's 2-D slice is the reference for the stored experts (bit for
 bit, fp32 and bf16, and for every piece FSDP2 cuts on the expert dim); peft's LoRA over those
-dequantized experts is the reference for the logits and for ``merge_lora``. Shapes that NF4 cannot
-quantize per expert are refused naming the parameter. The sharded case: tests/distributed/test_qlora_moe_sharded.py.
+dequantized experts is the reference for the logits and for ``merge_lora`` (Qwen3-MoE, Qwen3.5-MoE, and Gemma
+4's experts beside its dense MLP). Shapes that NF4 cannot quantize per expert are refused naming the parameter. The sharded case: tests/distributed/test_qlora_moe_sharded.py.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
+import peft
 import pytest
 import torch
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
@@ -17,7 +19,7 @@ from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 from shardtune.peft import apply_lora, merge_lora
 from shardtune.state_dict.nf4 import dequantize
 from shardtune.state_dict.nf4_experts import NF4Experts, quantize_experts
-from tests.distributed.test_qlora_moe_sharded import ALPHA, PARAMETERS, RANK, _peft, nf4_experts_reference
+from tests.distributed.test_qlora_moe_sharded import ALPHA, PARAMETERS, RANK
 from tests.unit.test_models_moe import batch, hf_moe_model, ours_from
 
 BLOCKS = {"block_size": 64, "scaler_block_size": 128}  # non-default sizes; per expert [256, 64] and [64, 128]
@@ -47,19 +49,53 @@ def test_each_expert_is_torchaos_nf4_of_its_slice_and_pieces_keep_their_bits(dty
         q + 1
 
 
-def _qlora_moe(hf):
-    kw = {"rank": RANK, "alpha": ALPHA, "target_modules": [], "target_parameters": PARAMETERS}
+def _qlora_moe(hf, parameters=PARAMETERS):
+    kw = {"rank": RANK, "alpha": ALPHA, "target_modules": [], "target_parameters": parameters}
     return apply_lora(ours_from(hf), **kw, quantize_base=True, **BLOCKS)
 
 
-def test_qlora_experts_logits_and_merge_equal_peft_over_nf4_experts():
-    hf = hf_moe_model("qwen3_moe", moe_intermediate_size=128)
-    ref = nf4_experts_reference(hf, **BLOCKS)
-    pm = _peft(ref)
-    model = _qlora_moe(hf)
-    experts = model.model.layers[0].mlp.experts
+def _gemma4_moe():
+    from tests.unit.test_gemma4 import hf_model
+
+    return hf_model("gemma4_text_moe", moe_intermediate_size=128)
+
+
+# family -> (its tiny random model, expert widths 2I = 256 != H = 64; the parameters adapted, the experts first)
+FAMILIES = {
+    "qwen3_moe": (lambda: hf_moe_model("qwen3_moe", moe_intermediate_size=128), PARAMETERS),
+    "qwen3_5_moe_text": (lambda: hf_moe_model("qwen3_5_moe_text", moe_intermediate_size=128), PARAMETERS),
+    "gemma4_text_moe": (_gemma4_moe, ["experts.gate_up_proj", "experts.down_proj"]),  # beside the dense MLP
+}
+
+
+def _nf4_experts_peft(hf, parameters: list[str]):
+    """peft's LoRA (random factors) over a copy of ``hf`` whose experts are torchao's NF4 of each slice, dequantized."""
+    ref = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.copy_(_per_expert_nf4(p, **BLOCKS))
+    config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=[], target_parameters=parameters)
+    pm = peft.get_peft_model(ref, config)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return pm
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_qlora_experts_logits_and_merge_equal_peft_over_nf4_experts(family):
+    make, parameters = FAMILIES[family]
+    hf = make()
+    pm = _nf4_experts_peft(hf, parameters)
+    model = _qlora_moe(hf, parameters)
+    layer = model.model.layers[0]
+    experts = layer.mlp.experts if hasattr(layer.mlp, "experts") else layer.experts
     assert isinstance(experts.gate_up_proj, NF4Experts) and isinstance(experts.down_proj, NF4Experts)
-    assert type(model.model.layers[0].mlp.gate.weight) is torch.nn.Parameter  # the router stays as it is
+    router = layer.mlp.gate.weight if family != "gemma4_text_moe" else layer.router.proj.weight
+    assert type(router) is torch.nn.Parameter  # the router stays as it is
     state = {k.removeprefix("base_model.model."): v for k, v in pm.state_dict().items() if "lora_" in k}
     model.load_state_dict({k.replace(".default", ""): v for k, v in state.items()}, strict=False)
     tokens, mask, _ = batch()
@@ -68,6 +104,7 @@ def test_qlora_experts_logits_and_merge_equal_peft_over_nf4_experts():
         got = model(tokens)
         real = mask.bool()
         assert ((got - expected)[real].abs().max() / expected[real].abs().max()) < 1e-5
+        assert ((expected - hf(tokens, attention_mask=mask).logits)[real].abs().max()) > 1e-3  # NF4 + adapters
         merged = merge_lora(model).state_dict()
         for key, value in pm.merge_and_unload().state_dict().items():
             assert (merged[key] - value).abs().max() < 1e-6, key
