@@ -4,7 +4,8 @@ Rule: a shape is plain dimensions (what a benchmark's report prints and its para
 model directory is written once from a shape with seed 0 and reused by every later run and method, so
 every stack of a benchmark loads the same weights. :class:`Shape` is a Llama decoder (untied head),
 :class:`MoeShape` a Qwen3-MoE one (every layer sparse), :class:`MoeCheckpointShape` the latter with the
-tensor layout ``save_pretrained`` writes (per-expert or fused). :func:`saved_once` writes any model with
+tensor layout ``save_pretrained`` writes (per-expert or fused), and :class:`Qwen3_5MoeCheckpointShape` a
+Qwen3.5-MoE one (hybrid Gated DeltaNet / gated attention layers, a gated shared expert) in the same layouts. :func:`saved_once` writes any model with
 ``save_pretrained`` (to a temporary name, then renamed, so a stopped run leaves no half directory);
 :func:`llama_dir` is a :class:`Shape`'s directory.
 
@@ -19,7 +20,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -102,26 +103,47 @@ class MoeShape:
 class MoeCheckpointShape(MoeShape):
     """The MoE training benchmark's Qwen3-MoE shape (every layer sparse), as an HF directory."""
 
+    model_name: ClassVar[str] = "Qwen3-MoE"
+
     def hf_config(self) -> dict[str, Any]:
         """``config.json``: the model's config with its model type and saved dtype."""
         named = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "dtype": "bfloat16"}
         return {**super().hf_config(), **named}
 
+    def describe(self) -> str:
+        """The model's dimensions in words (a report's *Model* line)."""
+        return (
+            f"{self.model_name}, hidden {self.hidden}, {self.layers} layers (all sparse), {self.experts} experts "
+            f"of width {self.expert_ffn}, {self.heads} heads ({self.kv_heads} kv, head_dim {self.head_dim}), "
+            f"vocabulary {self.vocab}"
+        )
+
+    def mixer_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        """Layer ``layer``'s token-mixer keys (under ``model.layers.<layer>.``) and shapes."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {
+            "self_attn.q_proj.weight": (q, h),
+            "self_attn.k_proj.weight": (kv, h),
+            "self_attn.v_proj.weight": (kv, h),
+            "self_attn.o_proj.weight": (h, q),
+            "self_attn.q_norm.weight": (self.head_dim,),
+            "self_attn.k_norm.weight": (self.head_dim,),
+        }
+
+    def dense_mlp_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A layer's non-expert ``mlp`` keys besides the router (none here)."""
+        return {}
+
     def file_shapes(self, *, fused: bool) -> dict[str, tuple[int, ...]]:
         """HF key -> shape as transformers' ``save_pretrained`` writes it (``fused``:
         ``save_original_format=False``)."""
         h, i, e = self.hidden, self.expert_ffn, self.experts
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab, h)}
         for layer in range(self.layers):
             p = f"model.layers.{layer}."
+            shapes |= {p + k: s for k, s in self.mixer_shapes(layer).items()}
+            shapes |= {p + k: s for k, s in self.dense_mlp_shapes().items()}
             shapes |= {
-                p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q),
-                p + "self_attn.q_norm.weight": (self.head_dim,),
-                p + "self_attn.k_norm.weight": (self.head_dim,),
                 p + "mlp.gate.weight": (e, h),
                 p + "input_layernorm.weight": (h,),
                 p + "post_attention_layernorm.weight": (h,),
@@ -149,6 +171,84 @@ class MoeCheckpointShape(MoeShape):
 
     def largest_bytes(self, *, fused: bool) -> int:
         return max(math.prod(s) for s in self.file_shapes(fused=fused).values()) * BF16
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qwen3_5MoeCheckpointShape(MoeCheckpointShape):
+    """A Qwen3.5-MoE text model (``qwen3_5_moe_text``): every ``full_attention_interval``-th layer gated
+    attention (``q_proj`` doubled for the output gate), the others Gated DeltaNet (``linear_attn``), every
+    layer's ``mlp`` routed experts plus a shared expert of width ``shared_ffn`` with its sigmoid gate."""
+
+    model_name: ClassVar[str] = "Qwen3.5-MoE"
+
+    shared_ffn: int
+    linear_key_heads: int
+    linear_value_heads: int
+    linear_head_dim: int
+    full_attention_interval: int = 4
+    conv_kernel: int = 4
+
+    def layer_types(self) -> list[str]:
+        every = self.full_attention_interval
+        return ["full_attention" if (n + 1) % every == 0 else "linear_attention" for n in range(self.layers)]
+
+    def hf_config(self) -> dict[str, Any]:
+        """``config.json`` of ``Qwen3_5MoeForCausalLM`` with its saved dtype."""
+        base = {k: v for k, v in super().hf_config().items() if k not in ("intermediate_size", "norm_topk_prob")}
+        return {
+            **base,
+            "architectures": ["Qwen3_5MoeForCausalLM"],
+            "model_type": "qwen3_5_moe_text",
+            "shared_expert_intermediate_size": self.shared_ffn,
+            "layer_types": self.layer_types(),
+            "linear_num_key_heads": self.linear_key_heads,
+            "linear_num_value_heads": self.linear_value_heads,
+            "linear_key_head_dim": self.linear_head_dim,
+            "linear_value_head_dim": self.linear_head_dim,
+            "linear_conv_kernel_dim": self.conv_kernel,
+        }
+
+    def describe(self) -> str:
+        full = self.layer_types().count("full_attention")
+        return (
+            f"{self.model_name}, hidden {self.hidden}, {self.layers} layers (all sparse: {self.layers - full} "
+            f"Gated DeltaNet with {self.linear_key_heads} key / {self.linear_value_heads} value heads of "
+            f"{self.linear_head_dim}, {full} gated attention with {self.heads} heads ({self.kv_heads} kv, head_dim "
+            f"{self.head_dim})), {self.experts} experts of width {self.expert_ffn} + a gated shared expert of width "
+            f"{self.shared_ffn}, vocabulary {self.vocab}"
+        )
+
+    def mixer_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        if self.layer_types()[layer] == "full_attention":
+            gated = super().mixer_shapes(layer)
+            q = 2 * self.heads * self.head_dim  # query rows, then the output gate's
+            return gated | {"self_attn.q_proj.weight": (q, self.hidden)}
+        h, kd, vd = (
+            self.hidden,
+            self.linear_key_heads * self.linear_head_dim,
+            self.linear_value_heads * self.linear_head_dim,
+        )
+        heads = self.linear_value_heads
+        return {
+            "linear_attn.dt_bias": (heads,),
+            "linear_attn.A_log": (heads,),
+            "linear_attn.conv1d.weight": (2 * kd + vd, 1, self.conv_kernel),
+            "linear_attn.norm.weight": (self.linear_head_dim,),
+            "linear_attn.out_proj.weight": (h, vd),
+            "linear_attn.in_proj_qkv.weight": (2 * kd + vd, h),
+            "linear_attn.in_proj_z.weight": (vd, h),
+            "linear_attn.in_proj_b.weight": (heads, h),
+            "linear_attn.in_proj_a.weight": (heads, h),
+        }
+
+    def dense_mlp_shapes(self) -> dict[str, tuple[int, ...]]:
+        h, s = self.hidden, self.shared_ffn
+        return {
+            "mlp.shared_expert.gate_proj.weight": (s, h),
+            "mlp.shared_expert.up_proj.weight": (s, h),
+            "mlp.shared_expert.down_proj.weight": (h, s),
+            "mlp.shared_expert_gate.weight": (1, h),
+        }
 
 
 # Qwen2.5-0.5B's shape (Llama layers: no q/k/v bias; untied head), ~0.63B parameters, 1.26 GB in bf16

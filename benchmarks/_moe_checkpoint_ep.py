@@ -16,11 +16,10 @@ from typing import Any
 
 from benchmarks._driver import MEMORY_COLUMNS, Run, environment_lines
 from benchmarks._hf_models import MoeCheckpointShape
-from benchmarks._moe_checkpoint_report import MoeCheckpointOptions
+from benchmarks._moe_checkpoint_report import MoeCheckpointOptions, family_option
 from benchmarks._report import finished_row, fmt_bytes, fmt_ranks
 
 GROUPS = {"load_ep": ("shardtune_ep1", "shardtune_ep2"), "save_ep": ("shardtune_ep1", "shardtune_ep2")}
-MARKERS = ("<!-- moe-checkpoint-ep:begin -->", "<!-- moe-checkpoint-ep:end -->")
 BASE = "shardtune_ep1"
 
 
@@ -80,13 +79,13 @@ def report(
     notes = [f"{r['group']}/{r['method']} failed: ```{r['errors'][0].strip()[-1200:]}```" for r in rows if r["errors"]]
     expert_bytes = shape.expert_bytes()
     lines = [
-        f"## MoE HF checkpoint load and save with expert parallel on {cfg.ep_world} ranks "
-        "(`benchmarks/moe_checkpoint.py`, groups `load_ep`, `save_ep`)",
+        f"## {cfg.family.heading} HF checkpoint load and save with expert parallel on {cfg.ep_world} ranks "
+        f"(`benchmarks/moe_checkpoint.py{family_option(cfg)}`, groups `load_ep`, `save_ep`)",
         "",
         *environment_lines(cfg.command, load_avg=load_avg, libraries=("transformers", "safetensors")),
         (
-            f"- Model and files: the MoE checkpoint table's (Qwen3-MoE, {shape.experts} experts × {shape.layers} "
-            f"layers, per-expert files: {shape.expert_tensors():,} expert tensors; {fmt_bytes(shape.total_bytes())} "
+            f"- Model and files: the {cfg.family.heading} checkpoint table's ({shape.model_name}, {shape.experts} "
+            f"experts × {shape.layers} layers, per-expert files: {shape.expert_tensors():,} expert tensors; {fmt_bytes(shape.total_bytes())} "
             f"bf16, of which experts {fmt_bytes(expert_bytes)}: {fmt_bytes(shape.total_bytes() / cfg.ep_world)} "
             f"and {fmt_bytes(expert_bytes / cfg.ep_world)} per rank's share of {cfg.ep_world})"
         ),

@@ -14,6 +14,7 @@ from typing import Any
 
 from benchmarks._driver import MEMORY_COLUMNS, Options, Run, environment_lines
 from benchmarks._hf_models import MoeCheckpointShape
+from benchmarks._moe_checkpoint_families import QWEN3_MOE, CheckpointFamily
 from benchmarks._report import CONTRACT_MIN_BYTES, finished_row, fmt_bytes, fmt_ranks, per_rank_median
 
 GROUPS = {
@@ -31,6 +32,7 @@ class MoeCheckpointOptions(Options):
 
     shape: MoeCheckpointShape
     ep_world: int = 4  # ranks of the expert-parallel groups
+    family: CheckpointFamily = QWEN3_MOE  # its row: section headings and markers
 
 
 def bytes_read(group: str, method: str, row_ranks: list[dict[str, Any]], shape: MoeCheckpointShape) -> list[int]:
@@ -110,9 +112,12 @@ def _per_round(mine: dict[str, Any], base: dict[str, Any]) -> str:
     return f" (per repeat: {', '.join(f'{r:.2f}' for r in rounds)}; median {statistics.median(rounds):.2f})"
 
 
-def targets(tables: dict[str, list[dict[str, Any]]], shape: MoeCheckpointShape) -> list[tuple[str, str, bool | None]]:
+def targets(
+    tables: dict[str, list[dict[str, Any]]], shape: MoeCheckpointShape, *, floor_slack: float | None = None
+) -> list[tuple[str, str, bool | None]]:
     """(target, measured, met) for the issue's targets, from the rows of the groups that ran (met None:
-    a memory bound too small to judge, allocator noise decides it)."""
+    a memory bound too small to judge, allocator noise decides it). ``floor_slack``: a load is also on
+    target within that factor of the copy floor measured in its group (when the issue says so)."""
     out = []
     for group in ("load", "load_fused"):
         rows = tables.get(group)
@@ -124,11 +129,17 @@ def targets(tables: dict[str, list[dict[str, Any]]], shape: MoeCheckpointShape) 
         below = (
             "" if floor is None else f"; copy floor {floor['seconds']:.2f} s = {floor['seconds'] / peer['seconds']:.2f}"
         )
+        target, met = f"{group}: time ≤ {LOAD_TARGET} × best peer", ratio <= LOAD_TARGET
+        if floor_slack is not None and floor is not None:
+            to_floor = mine["seconds"] / floor["seconds"]
+            target += f" or ≤ {floor_slack} × copy floor"
+            below += f"; shardtune_direct / copy floor = {to_floor:.2f}{_per_round(mine, floor)}"
+            met = met or to_floor <= floor_slack
         out.append(
             (
-                f"{group}: time ≤ {LOAD_TARGET} × best peer (shardtune_direct / {peer['method']})",
+                f"{target} (shardtune_direct / {peer['method']})",
                 f"{mine['seconds']:.2f} s / {peer['seconds']:.2f} s = {ratio:.2f}{_per_round(mine, peer)}{below}",
-                ratio <= LOAD_TARGET,
+                met,
             )
         )
         one = shape.largest_bytes(fused=group == "load_fused")
@@ -157,6 +168,11 @@ def targets(tables: dict[str, list[dict[str, Any]]], shape: MoeCheckpointShape) 
     return out
 
 
+def family_option(cfg: MoeCheckpointOptions) -> str:
+    """`` --family NAME`` for a heading, empty for the default family."""
+    return "" if cfg.family == QWEN3_MOE else f" --family {cfg.family.name}"
+
+
 def report(
     cfg: MoeCheckpointOptions, runs: list[Run], *, load_avg: tuple[float, float], core: str
 ) -> tuple[str, list[tuple[str, str, bool | None]]]:
@@ -167,7 +183,7 @@ def report(
         for g in cfg.groups
         if g in GROUPS
     }
-    met = targets(tables, shape)
+    met = targets(tables, shape, floor_slack=cfg.family.floor_slack)
     notes = [
         f"{r['group']}/{r['method']} failed: ```{r['errors'][0].strip()[-1200:]}```"
         for rs in tables.values()
@@ -180,13 +196,11 @@ def report(
         else "warm (the file is read just before each run, untimed)"
     )
     lines = [
-        "## MoE HF checkpoint load and save (`benchmarks/moe_checkpoint.py`)",
+        f"## {cfg.family.heading} HF checkpoint load and save (`benchmarks/moe_checkpoint.py{family_option(cfg)}`)",
         "",
         *environment_lines(cfg.command, load_avg=load_avg, libraries=("transformers", "safetensors")),
         (
-            f"- Model: Qwen3-MoE, hidden {shape.hidden}, {shape.layers} layers (all sparse), {shape.experts} experts "
-            f"of width {shape.expert_ffn}, {shape.heads} heads ({shape.kv_heads} kv, head_dim {shape.head_dim}), "
-            f"vocabulary {shape.vocab}: {fmt_bytes(shape.total_bytes())} bf16; per-expert files hold "
+            f"- Model: {shape.describe()}: {fmt_bytes(shape.total_bytes())} bf16; per-expert files hold "
             f"{shape.expert_tensors():,} expert tensors ({len(shape.file_shapes(fused=False)):,} tensors in all), "
             f"fused files {len(shape.file_shapes(fused=True))}; one `model.safetensors` each, seeded random values"
         ),
@@ -198,6 +212,7 @@ def report(
             f"the output directory is removed and `os.sync()` called before each run. shardtune sources: sha256 of "
             f"`shardtune/{{ranks,state_dict,checkpoint}}/**/*.py` = `{core}`, copied before the first run"
         ),
+        *(f"- {n}" for n in cfg.family.notes),
         "- **The machine is shared with 3 other sessions running tests and benchmarks**: times vary between repeats "
         "(each run's time is listed); the ratios compare methods run back to back.",
         "",
@@ -205,7 +220,7 @@ def report(
     for group, rows in tables.items():
         lines += [render_group(group, rows, shape), ""]
     lines += [
-        "**Targets** (from issue 24; measured in this run)",
+        f"**Targets** (from issue {cfg.family.issue}; measured in this run)",
         "",
         "| target | measured | result |",
         "|---|---|---|",

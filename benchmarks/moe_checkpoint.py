@@ -3,11 +3,15 @@
     python -m benchmarks.moe_checkpoint --repeats 3
     python -m benchmarks.moe_checkpoint --smoke        # tiny shape, 1 repeat, no BENCHMARKS.md
     python -m benchmarks.moe_checkpoint --groups load_ep,save_ep --repeats 3   # expert parallel, 4 ranks
+    python -m benchmarks.moe_checkpoint --family qwen3_5_moe --repeats 3     # Qwen3.5-MoE, its own section
 
 The checkpoint is a Qwen3-MoE HF directory (``config.json`` + ``model.safetensors``, seeded random
 bf16) in transformers' default ``save_pretrained`` layout, every expert's ``gate_proj``/``up_proj``/
 ``down_proj`` its own tensor (:data:`BENCH`: 64 experts x 16 layers = 3,072 expert tensors), and, for
 the ``load_fused`` group, the same shape in the fused layout (``save_original_format=False``).
+``--family qwen3_5_moe`` runs every group on a Qwen3.5-MoE model of the same width, depth and experts
+(Gated DeltaNet and gated attention layers, a gated shared expert; its hub checkpoints ship the fused
+layout) instead; the families are the rows of :data:`benchmarks._moe_checkpoint_families.FAMILIES`.
 
 Groups and methods (each run = fresh processes on 2 ranks, gloo; methods interleaved, their order
 rotated by one each repeat):
@@ -33,7 +37,8 @@ rotated by one each repeat):
   kernel (:mod:`benchmarks._moe_checkpoint_ep`).
 
 The section goes between the ``moe-checkpoint`` markers of BENCHMARKS.md, the expert-parallel one
-between the ``moe-checkpoint-ep`` markers (each written only when its groups ran).
+between the ``moe-checkpoint-ep`` markers (each written only when its groups ran); Qwen3.5-MoE's between
+``moe-checkpoint-qwen3_5`` and ``moe-checkpoint-qwen3_5-ep``.
 """
 
 from __future__ import annotations
@@ -59,23 +64,18 @@ from benchmarks._driver import (
 )
 from benchmarks._fixtures import write_random_safetensors
 from benchmarks._hf_models import MoeCheckpointShape
+from benchmarks._moe_checkpoint_families import FAMILIES, QWEN3_MOE
 from benchmarks._moe_checkpoint_report import GROUPS, MoeCheckpointOptions, report
 
-MARKERS = ("<!-- moe-checkpoint:begin -->", "<!-- moe-checkpoint:end -->")
+MARKERS = QWEN3_MOE.markers
 ALL_GROUPS = GROUPS | _moe_checkpoint_ep.GROUPS
-
-
-BENCH = MoeCheckpointShape(
-    hidden=512, layers=16, heads=8, kv_heads=2, head_dim=64, experts=64, top_k=2, expert_ffn=128, vocab=16384
-)
-SMOKE = MoeCheckpointShape(
-    hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, experts=4, top_k=2, expert_ffn=16, vocab=128
-)
+BENCH, SMOKE = QWEN3_MOE.bench, QWEN3_MOE.smoke
 
 
 def hf_dir(bench_dir: Path, shape: MoeCheckpointShape, *, fused: bool) -> Path:
     """The seeded HF directory of ``shape`` in one layout (written tensor by tensor once, reused)."""
-    name = f"moe_ckpt_h{shape.hidden}_l{shape.layers}_e{shape.experts}_i{shape.expert_ffn}_v{shape.vocab}"
+    kind = shape.hf_config()["model_type"]
+    name = f"moe_ckpt_{kind}_h{shape.hidden}_l{shape.layers}_e{shape.experts}_i{shape.expert_ffn}_v{shape.vocab}"
     path = bench_dir / (name + ("_fused" if fused else "_per_expert"))
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(shape.hf_config(), indent=2))
@@ -116,6 +116,7 @@ def run_all(cfg: MoeCheckpointOptions, dirs: dict[str, Path], *, root: Path) -> 
 
 def _add_options(p) -> None:
     p.add_argument("--ep-world", type=int, default=4, help="ranks of the load_ep/save_ep groups (expert parallel 2)")
+    p.add_argument("--family", choices=sorted(FAMILIES), default=QWEN3_MOE.name, help="the model's family")
 
 
 def parse(argv: list[str] | None) -> MoeCheckpointOptions:
@@ -128,14 +129,15 @@ def parse(argv: list[str] | None) -> MoeCheckpointOptions:
         smoke_help="tiny shape, 1 repeat, no BENCHMARKS.md",
         add_options=_add_options,
     )
-    shape = SMOKE if a.smoke else BENCH
+    family = FAMILIES[a.family]
+    shape = family.smoke if a.smoke else family.bench
     ep_groups = set(common["groups"]) & set(_moe_checkpoint_ep.GROUPS)
     if ep_groups and (a.ep_world % 2 or shape.experts % a.ep_world):
         raise SystemExit(
             f"--ep-world {a.ep_world}: the {','.join(sorted(ep_groups))} groups split {shape.experts} experts over "
             "expert_parallel=2 and the ranks; give an even --ep-world dividing the experts (e.g. 4)"
         )
-    return MoeCheckpointOptions(**common, shape=shape, ep_world=a.ep_world)
+    return MoeCheckpointOptions(**common, shape=shape, ep_world=a.ep_world, family=family)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,10 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     load_avg = (load_before, os.getloadavg()[0])
     if set(cfg.groups) & set(GROUPS):
         section, _ = report(cfg, runs, load_avg=load_avg, core=core)
-        finish(section, markdown=cfg.markdown, markers=MARKERS)
+        finish(section, markdown=cfg.markdown, markers=cfg.family.markers)
     if set(cfg.groups) & set(_moe_checkpoint_ep.GROUPS):
         section, _ = _moe_checkpoint_ep.report(cfg, runs, load_avg=load_avg, core=core)
-        finish(section, markdown=cfg.markdown, markers=_moe_checkpoint_ep.MARKERS)
+        finish(section, markdown=cfg.markdown, markers=cfg.family.ep_markers)
     return 1 if failed(runs) else 0
 
 
