@@ -351,14 +351,9 @@ def test_tiny_preset_writes_a_base_transformers_loads_equal(tmp_path, preset):
         assert rel_diff(ours.eval()(x), hf(x).logits) <= TOL
 
 
-def test_a_multimodal_checkpoint_trains_its_text_tower_and_saves_back_the_same_files(tmp_path):
-    """A ``Gemma4ForConditionalGeneration`` directory (vision tower; tied head) loads as ``gemma4_text`` with
-    transformers' logits and saves back, the vision tower and its projection carried, to its very tensors."""
-    from safetensors.torch import load_file
+def hf_multimodal(path):
+    """A tiny random ``Gemma4ForConditionalGeneration`` (a one-layer vision tower, no audio) saved to ``path``."""
     from transformers.models.gemma4 import Gemma4ForConditionalGeneration
-
-    from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
-    from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
 
     text = hf_config("gemma4_text").to_dict()
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
@@ -366,7 +361,19 @@ def test_a_multimodal_checkpoint_trains_its_text_tower_and_saves_back_the_same_f
     config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
     torch.manual_seed(0)
     hf = randomize_(Gemma4ForConditionalGeneration(config), 0).eval()
-    hf.save_pretrained(tmp_path / "hf")
+    hf.save_pretrained(path)
+    return hf
+
+
+def test_a_multimodal_checkpoint_trains_its_text_tower_and_saves_back_the_same_files(tmp_path):
+    """A ``Gemma4ForConditionalGeneration`` directory (vision tower; tied head) loads as ``gemma4_text`` with
+    transformers' logits and saves back, the vision tower and its projection carried, to its very tensors."""
+    from safetensors.torch import load_file
+
+    from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
+    from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
+
+    hf = hf_multimodal(tmp_path / "hf")
     files = load_file(tmp_path / "hf/model.safetensors")
     assert any(k.startswith("model.vision_tower.") for k in files) and "lm_head.weight" not in files
     with torch.device("meta"):
@@ -389,19 +396,12 @@ def test_a_multimodal_lora_adapter_loads_in_peft_over_the_multimodal_model(tmp_p
     ``PeftModel.from_pretrained`` over ``Gemma4ForConditionalGeneration`` gives the adapted model's logits;
     shardtune's generator reads the adapter back."""
     import peft
-    from transformers.models.gemma4 import Gemma4ForConditionalGeneration
 
     from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
     from shardtune.checkpoint.formats.peft_format import peft_target_modules, save_peft_adapter
     from shardtune.peft import apply_lora, init_lora_parameters
 
-    text = hf_config("gemma4_text").to_dict()
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
-    vision |= {"num_key_value_heads": 2, "head_dim": 16}
-    config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
-    torch.manual_seed(0)
-    hf = randomize_(Gemma4ForConditionalGeneration(config), 0).eval()
-    hf.save_pretrained(tmp_path / "hf")
+    hf = hf_multimodal(tmp_path / "hf")
     targets = ["q_proj", "o_proj", "down_proj"]
     with torch.device("meta"):
         ours = apply_lora(from_hf_config(tmp_path / "hf"), rank=4, alpha=8, target_modules=targets)
