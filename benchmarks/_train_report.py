@@ -266,6 +266,24 @@ def targets_rows(cfg: TrainOptions, summaries: Summaries) -> list[str]:
     return out
 
 
+def two_stack_runs(cfg: Any) -> str:
+    """How a shardtune vs transformers benchmark ran (``cfg``: its options): world, steps, repeats, tokens."""
+    return (
+        f"World {cfg.world}; per run fresh processes, 1 untimed warm-up step then {cfg.steps} timed steps; "
+        f"{cfg.repeats} repeat(s), the two methods back to back, their order alternating; "
+        f"{cfg.tokens_per_rank} tokens per rank a step where a row is shorter, else one row"
+    )
+
+
+def two_stack_columns(rtol: float) -> str:
+    """How to read :func:`two_stack_table`'s columns, first-step losses agreeing within ``rtol``."""
+    return (
+        "Columns as in the dense training-step table (`benchmarks/train.py`); the ratios are shardtune / "
+        f"transformers; first-step losses agree within {rtol:g} relative. shardtune's loss runs in chunks "
+        "without full logits; transformers' keeps the full logits."
+    )
+
+
 def two_stack_table(cfg: Any, summaries: dict[tuple[int, str], dict[str, Any] | None], *, rtol: float):
     """The table of a shardtune vs transformers benchmark (one row per ``cfg.seq_lens``; ``summaries`` by
     ``(seq, method)``) and whether every row's first-step losses agree within ``rtol``."""

@@ -33,7 +33,16 @@ import torch
 from benchmarks._driver import Options, Run, finish, parse_run_options, rotated, snapshot_sources, spawn_run
 from benchmarks._hf_models import saved_once
 from benchmarks._measure import bench_device
-from benchmarks._train_report import LOSS_RTOL, METHODS, rows_for, section_head, summarize, two_stack_table
+from benchmarks._train_report import (
+    LOSS_RTOL,
+    METHODS,
+    rows_for,
+    section_head,
+    summarize,
+    two_stack_columns,
+    two_stack_runs,
+    two_stack_table,
+)
 from benchmarks._train_step import (
     DTYPES,
     Built,
@@ -195,22 +204,13 @@ def report(
             f"- Model: `{FAMILIES[cfg.family][0]}` ({shape}); {cfg.dtype}; full fine-tuning, activation checkpointing "
             "per layer in both, AdamW (shardtune: the recipes' fused CPU AdamW; transformers: torch's default)"
         ),
-        (
-            f"- World {cfg.world}; per run fresh processes, 1 untimed warm-up step then {cfg.steps} timed steps; "
-            f"{cfg.repeats} repeat(s), the two methods back to back, their order alternating; "
-            f"{cfg.tokens_per_rank} tokens per rank a step where a row is shorter, else one row"
-        ),
+        "- " + two_stack_runs(cfg),
     ]
     table, agree = two_stack_table(cfg, summaries, rtol=rtol)
     lines += [
         *table,
         "",
-        (
-            "Targets (issue 41): tokens/s ≥ 1.2× transformers at ≤ 1.0× its peak memory. Columns as in the dense "
-            f"training-step table (`benchmarks/train.py`); the ratios are shardtune / transformers; first-step losses "
-            f"agree within {rtol:g} relative. shardtune's loss runs in chunks without full logits; transformers' keeps "
-            "the full logits."
-        ),
+        "Targets (issue 41): tokens/s ≥ 1.2× transformers at ≤ 1.0× its peak memory. " + two_stack_columns(rtol),
     ]
     return "\n".join(lines), agree
 

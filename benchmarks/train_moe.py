@@ -49,7 +49,17 @@ from benchmarks._driver import (
 )
 from benchmarks._hf_models import MoeShape, saved_once
 from benchmarks._measure import bench_device
-from benchmarks._train_report import LOSS_RTOL, METHODS, MoeOptions, rows_for, section_head, summarize, two_stack_table
+from benchmarks._train_report import (
+    LOSS_RTOL,
+    METHODS,
+    MoeOptions,
+    rows_for,
+    section_head,
+    summarize,
+    two_stack_columns,
+    two_stack_runs,
+    two_stack_table,
+)
 from benchmarks._train_step import (
     DTYPES,
     Built,
@@ -153,21 +163,13 @@ def report(cfg: MoeOptions, summaries: dict[tuple[int, str], dict[str, Any] | No
                 if cfg.device == "cpu" and cfg.dtype == "fp32"
                 else "`torch._grouped_mm`"
             )
-            + f". World {cfg.world}; per run fresh processes, 1 untimed warm-up step then {cfg.steps} timed steps; "
-            f"{cfg.repeats} repeat(s), the two methods back to back, their order alternating; "
-            f"{cfg.tokens_per_rank} tokens per rank a step where a row is shorter, else one row"
+            + ". "
+            + two_stack_runs(cfg)
         ),
     ]
     table, agree = two_stack_table(cfg, summaries, rtol=rtol)
     lines += table
-    lines += [
-        "",
-        (
-            "Columns as in the dense training-step table (`benchmarks/train.py`); the ratios are shardtune / "
-            f"transformers; first-step losses agree within {rtol:g} relative. shardtune's loss runs in chunks "
-            "without full logits; transformers' keeps the full logits."
-        ),
-    ]
+    lines += ["", two_stack_columns(rtol)]
     return "\n".join(lines), agree
 
 
