@@ -134,9 +134,10 @@ class GatedDeltaNet(nn.Module):
         elif kv is not None:
             raise TypeError(f"a linear_attention layer takes a LayerCache as kv, got {type(kv).__name__}")
         else:
-            lengths = packed.lengths if isinstance(packed, PackedSamples) else ((s,),) * b
             mix = partial(self._mix, geo=geo, weight=self.conv1d.weight)
-            core = _per_sample(mix, lengths, qkv, self._decay(self.in_proj_a(x), slice(None)), beta)
+            g = self._decay(self.in_proj_a(x), slice(None))
+            # unpacked rows are one sequence each: the whole batch at once
+            core = mix(qkv, g, beta) if packed is None else _per_sample(mix, packed.lengths, qkv, g, beta)
         z = self.in_proj_z(x).reshape(b, s, geo.num_value_heads, geo.value_head_dim)
         return self.out_proj(self.norm(core, z).reshape(b, s, geo.value_dim))
 
