@@ -213,7 +213,7 @@ def report(
             f"`shardtune/{{ranks,state_dict,checkpoint}}/**/*.py` = `{core}`, copied before the first run"
         ),
         *(f"- {n}" for n in cfg.family.notes),
-        "- **The machine is shared with 3 other sessions running tests and benchmarks**: times vary between repeats "
+        "- **The machine was shared with other jobs running tests and benchmarks**: times vary between repeats "
         "(each run's time is listed); the ratios compare methods run back to back.",
         "",
     ]
