@@ -33,6 +33,7 @@ import torch
 from benchmarks._driver import Options, Run, finish, parse_run_options, rotated, snapshot_sources, spawn_run
 from benchmarks._hf_models import saved_once
 from benchmarks._measure import bench_device
+from benchmarks._step_profile import CATEGORIES, PHASES
 from benchmarks._train_report import (
     LOSS_RTOL,
     METHODS,
@@ -180,14 +181,46 @@ def run(*, method: str, hf: str, dtype: str, rows: int, seq: int, vocab: int, st
         built = build_shardtune("full", hf, device, dtype=DTYPES[dtype])
     else:
         built = _transformers(hf, device, DTYPES[dtype])
-    return measure_run(built, device=device, rows=rows, seq=seq, vocab=vocab, steps=steps)
+    # on CPU one more step under the profiler: where each stack's time goes
+    floor_dtype = DTYPES[dtype] if device.type == "cpu" else None
+    return measure_run(built, device=device, rows=rows, seq=seq, vocab=vocab, steps=steps, floor_dtype=floor_dtype)
 
 
 # --------------------------------------------------------------------------- report
 
 
+def where_time_goes(cfg: HybridOptions, runs: list[Run]) -> list[str]:
+    """Rank 0's profiled step of each stack (the first repeat), milliseconds per category summed over the
+    forward, backward and optimizer phases; empty on a GPU (no profiled step)."""
+    rows = []
+    for seq in cfg.seq_lens:
+        for method in METHODS:
+            run_ = next((r for r in runs if (r.group, r.method) == (f"{cfg.family}@{seq}", method) and r.ranks), None)
+            profile = run_.ranks[0].get("profile") if run_ is not None else None
+            if profile is None:
+                continue
+            ms = {c: sum(profile["us"][p].get(c, 0.0) for p in PHASES) / 1e3 for c in CATEGORIES}
+            cells = " | ".join(f"{ms[c]:.0f}" for c in CATEGORIES)
+            rows.append(f"| {seq} | {method} | {sum(ms.values()):.0f} | {cells} |")
+    if not rows:
+        return []
+    return [
+        "",
+        "**Where the time goes** (rank 0, one profiled step after the timed ones, ms; `benchmarks/_step_profile.py`"
+        " categories, recompute included in its category)",
+        "",
+        "| tokens per row | stack | profiled step | " + " | ".join(CATEGORIES) + " |",
+        "|---|---|---|" + "---|" * len(CATEGORIES),
+        *rows,
+    ]
+
+
 def report(
-    cfg: HybridOptions, summaries: dict[tuple[int, str], dict[str, Any] | None], *, load_avg
+    cfg: HybridOptions,
+    summaries: dict[tuple[int, str], dict[str, Any] | None],
+    runs: list[Run],
+    *,
+    load_avg,
 ) -> tuple[str, bool]:
     """The Markdown section and whether every case's first-step losses agree between the stacks."""
     rtol = LOSS_RTOL[cfg.dtype]
@@ -211,6 +244,7 @@ def report(
         *table,
         "",
         "Targets (issue 41): tokens/s ≥ 1.2× transformers at ≤ 1.0× its peak memory. " + two_stack_columns(rtol),
+        *where_time_goes(cfg, runs),
     ]
     return "\n".join(lines), agree
 
@@ -268,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         for seq in cfg.seq_lens
         for method in METHODS
     }
-    section, agree = report(cfg, summaries, load_avg=(load_before, os.getloadavg()[0]))
+    section, agree = report(cfg, summaries, runs, load_avg=(load_before, os.getloadavg()[0]))
     finish(section, markdown=cfg.markdown, markers=markers(cfg.family, cfg.device))
     bad_verify = any(rk["verify"] != "ok" for r in runs for rk in r.ranks)
     return 0 if agree and not bad_verify and not any(r.error for r in runs) else 1

@@ -249,6 +249,25 @@ PRESETS: dict[str, dict[str, Any]] = {
         "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8,
         "linear_attention": {"num_key_heads": 16, "num_value_heads": 32, "key_head_dim": 128, "value_head_dim": 128},
     },
+    # Qwen/Qwen3.5-27B's (and Qwen3.6-27B's) text model (its config.json): 16 x (3 Gated DeltaNet + 1 gated
+    # attention) layers, 48/16 linear V/QK heads of 128, 24/4 attention heads of 256, rotary dims 64, FFN 17408.
+    "qwen3_5_27b": {
+        "model_type": "qwen3_5_text",
+        "vocab_size": 248320,
+        "dim": 5120,
+        "n_layers": 64,
+        "n_heads": 24,
+        "n_kv_heads": 4,
+        "head_dim": 256,
+        "intermediate_size": 17408,
+        "norm_eps": 1e-6,
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+        "max_seq_len": 262144,
+        "tie_word_embeddings": False,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16,
+        "linear_attention": {"num_key_heads": 16, "num_value_heads": 48, "key_head_dim": 128, "value_head_dim": 128},
+    },
     # Qwen/Qwen3.5-35B-A3B's text model (its model card, the same as Qwen3.6-35B-A3B's, and transformers'
     # Qwen3_5MoeTextConfig defaults): 10 x (3 Gated DeltaNet + 1 gated attention) layers, 256 experts of width 512,
     # top-8 plus a gated shared expert of width 512, rotary dims 64 at base 1e7, 262,144 tokens.

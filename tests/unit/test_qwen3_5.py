@@ -255,11 +255,29 @@ PUBLISHED_9B = {
 }
 
 
-@pytest.mark.parametrize("rope_style", ["legacy", "rope_parameters"])
-def test_the_9b_preset_has_the_published_shape_and_transformers_parameters(rope_style):
-    args = get_model_args("qwen3_5_9b")
+# Qwen/Qwen3.5-27B's text_config (its config.json)
+PUBLISHED_27B = PUBLISHED_9B | {
+    "hidden_size": 5120,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 24,
+    "intermediate_size": 17408,
+    "linear_num_value_heads": 48,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16,
+}
+
+
+@pytest.mark.parametrize(
+    ("preset", "published", "billions", "rope_style"),
+    [
+        ("qwen3_5_9b", PUBLISHED_9B, (8.9, 9.0), "legacy"),
+        ("qwen3_5_9b", PUBLISHED_9B, (8.9, 9.0), "rope_parameters"),
+        ("qwen3_5_27b", PUBLISHED_27B, (26.8, 27.0), "rope_parameters"),
+    ],
+)
+def test_presets_have_the_published_shape_and_transformers_parameters(preset, published, billions, rope_style):
+    args = get_model_args(preset)
     config = transformers.AutoConfig.for_model(**model_args_to_hf_config(args, rope_style=rope_style))
-    for key, value in PUBLISHED_9B.items():
+    for key, value in published.items():
         assert getattr(config, key) == value, key
     assert config.rope_parameters["partial_rotary_factor"] == 0.25  # 64 rotary dims of 256
     assert config.rope_parameters["rope_theta"] == 1e7
@@ -269,4 +287,4 @@ def test_the_9b_preset_has_the_published_shape_and_transformers_parameters(rope_
     assert [(k, v.shape) for k, v in ours.state_dict().items()] == [
         (k, v.shape) for k, v in reference.state_dict().items()
     ]
-    assert 8.9e9 < sum(p.numel() for p in ours.parameters()) < 9.0e9
+    assert billions[0] * 1e9 < sum(p.numel() for p in ours.parameters()) < billions[1] * 1e9
