@@ -28,7 +28,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from tqdm import tqdm
 
 from shardtune.checkpoint.errors import CheckpointError, UnsafeFileNameError
-from shardtune.checkpoint.formats import mxfp4
+from shardtune.checkpoint.formats import block_fp8, mxfp4
 from shardtune.checkpoint.layout import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES
 from shardtune.checkpoint.safety.file_names import inside
 from shardtune.checkpoint.storage.safetensors_io import SafetensorsFile, TensorSlice
@@ -219,6 +219,7 @@ def _load(
     start = time.perf_counter()
     checkpoint, problems = None, []
     state: Mapping = {}
+    fp8: block_fp8.BlockFp8Format | None = None
     args = model_args(model)
     if shared_filesystem or comm.rank() == 0:
         try:
@@ -227,10 +228,14 @@ def _load(
                 problems += tower_problems(args, list(checkpoint), model_dir)
                 checkpoint = checkpoint.without(carried_keys(args, list(checkpoint)))
             state = mxfp4.dequantizing(checkpoint)  # gpt-oss MXFP4 experts, dequantized per piece as read
+            # block-FP8 weights, dequantized per piece as read
+            state, fp8 = block_fp8.dequantizing(state, block_fp8.read_quantization(model_dir), where=model_dir)
         except CheckpointError as exc:
             problems.append(str(exc))
     try:
         comm.raise_on_every_rank(problems, header="Cannot load the HF checkpoint:", error=CheckpointError)
+        # the format read, for a save in it: every rank's (rank 0's where only it reads the files)
+        block_fp8.note_source(model, fp8 if shared_filesystem else comm.all_gather_objects(fp8)[0])
         entries = model_entries(model, file_prefixes=hf_file_prefixes(model))
         total = _expected_reads(entries, checkpoint, shared_filesystem) if checkpoint is not None else 0
         with progress_bar(total, desc="load") as bar:
