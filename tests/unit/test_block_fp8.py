@@ -17,15 +17,18 @@ import pytest
 import safetensors.torch
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
-from shardtune.checkpoint import CheckpointError
+from shardtune.checkpoint import CheckpointError, CheckpointOptions
 from shardtune.checkpoint.formats.block_fp8 import dequantizing, read_quantization
 from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint, open_hf_checkpoint
+from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
+from shardtune.checkpoint.strategies import WeightsInputs, pick_weights
 from shardtune.models import from_hf_config
 from shardtune.ranks.errors import StateDictError
 from tests.unit.test_models_moe import batch, hf_moe_model
-from tests.unit.test_moe_checkpoint import LAYOUTS
+from tests.unit.test_moe_checkpoint import LAYOUTS, tensors
 
 BLOCK = (20, 40)
 QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
@@ -214,3 +217,89 @@ def test_non_finite_scales_are_refused_naming_the_tensor(tmp_path):
     _rewrite(tmp_path, poison)  # found as the piece is read: refused with the load's other read failures
     with pytest.raises(StateDictError, match=rf"{DOWN}_scale_inv: non-finite scales in blocks 0:4 x 0:2"):
         _load(tmp_path)
+
+
+# --- saving ------------------------------------------------------------------------------------
+
+
+def _loaded(directory: Path, dtype: torch.dtype = torch.bfloat16):
+    with torch.device("meta"):
+        ours = from_hf_config(directory, dtype=dtype)
+    load_hf_checkpoint(ours, directory, device="cpu", strict=True)
+    ours.init_buffers("cpu")
+    return ours
+
+
+def test_the_default_save_is_a_plain_directory_transformers_loads(tmp_path):
+    fp8_dir(tmp_path / "fp8")
+    ours = _loaded(tmp_path / "fp8")
+    save_hf_checkpoint(ours, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in config and config["torch_dtype"] == "bfloat16"
+    got = tensors(tmp_path / "out")
+    assert not any(k.endswith("_scale_inv") for k in got) and {v.dtype for v in got.values()} == {torch.bfloat16}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", experts_implementation="eager")
+    tokens = batch()[0]
+    with torch.no_grad():
+        assert torch.equal(hf.eval()(tokens).logits.float(), ours(tokens).float())
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_an_fp8_save_equals_a_hand_quantization_and_loads_back(tmp_path, layout):
+    fp8_dir(tmp_path / "fp8", layout=layout)
+    ours = _loaded(tmp_path / "fp8")
+    save_hf_checkpoint(ours, tmp_path / "plain")
+    save_hf_checkpoint(ours, tmp_path / "out", weight_format="block_fp8")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["quantization_config"] == QUANT and config["torch_dtype"] == "bfloat16"
+    plain, source, got = tensors(tmp_path / "plain"), tensors(tmp_path / "fp8"), tensors(tmp_path / "out")
+    assert sorted(got) == sorted(source)
+    for name, value in plain.items():
+        if f"{name}_scale_inv" in source:
+            fp8, scale = hand_quantize(value)
+            assert got[name].dtype == torch.float8_e4m3fn and torch.equal(
+                got[name].view(torch.uint8), fp8.view(torch.uint8)
+            )
+            assert torch.equal(got[f"{name}_scale_inv"], scale), name
+        else:
+            assert torch.equal(got[name], value), name
+    again = _loaded(tmp_path / "out", torch.float32).state_dict()
+    dequantized = {
+        k: _dequantize_fp8_weight(v, got[f"{k}_scale_inv"], list(BLOCK), torch.float32)
+        if f"{k}_scale_inv" in got
+        else v.float()
+        for k, v in got.items()
+        if not k.endswith("_scale_inv")
+    }
+    for name, value in (_fused(dequantized) if layout == "per_expert" else dequantized).items():
+        assert torch.equal(again[name], value), name
+
+
+def test_an_fp8_save_of_a_model_not_loaded_from_fp8_is_refused(tmp_path):
+    ours = from_hf_config(hf_moe_model("qwen3_moe").config.to_dict())
+    with pytest.raises(CheckpointError, match="was not loaded from a block-FP8 checkpoint; save with weight_format="):
+        save_hf_checkpoint(ours, tmp_path / "x", weight_format="block_fp8")
+    with pytest.raises(CheckpointError, match="weight_format='fp4': choose one of dtype, block_fp8"):
+        save_hf_checkpoint(ours, tmp_path / "x", weight_format="fp4")
+
+
+def test_only_the_final_checkpoint_is_quantized(tmp_path):
+    """``weight_format`` reaches the final save; intermediate saves, which resumes read, keep the dtype."""
+    with pytest.raises(ValueError, match="weight_format='fp4': choose one of dtype, block_fp8"):
+        CheckpointOptions(output_dir=tmp_path, weight_format="fp4")
+    inputs = WeightsInputs(
+        model=torch.nn.Linear(2, 2),
+        optimizer=None,
+        lora=False,
+        base_dir=None,
+        max_shard_size="5GB",
+        adapter_weights_only=False,
+        shared_filesystem=True,
+        weight_format="block_fp8",
+    )
+    for async_save in (False, True):
+        final, intermediate = pick_weights(
+            inputs, checkpoint_format="hf", async_save=async_save, keep_staging_memory=False
+        )
+        assert final.inputs.weight_format == "block_fp8", async_save  # type: ignore[attr-defined]
+        assert intermediate.inputs.weight_format == "dtype", async_save  # type: ignore[attr-defined]
