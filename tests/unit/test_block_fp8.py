@@ -303,3 +303,11 @@ def test_only_the_final_checkpoint_is_quantized(tmp_path):
         )
         assert final.inputs.weight_format == "block_fp8", async_save  # type: ignore[attr-defined]
         assert intermediate.inputs.weight_format == "dtype", async_save  # type: ignore[attr-defined]
+
+
+def test_an_fp8_save_leaves_the_model_as_it_was(tmp_path):
+    fp8_dir(tmp_path / "fp8")
+    ours = _loaded(tmp_path / "fp8", torch.float32)
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    save_hf_checkpoint(ours, tmp_path / "out", weight_format="block_fp8")
+    assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())

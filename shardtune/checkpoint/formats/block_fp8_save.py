@@ -116,8 +116,10 @@ class BlockScales:
         def quantize(block: torch.Tensor, piece: Piece) -> torch.Tensor:
             if failure is not None:
                 raise failure
-            values = (inner(block, piece) if inner is not None else block).to(dtype).to(torch.float32)
-            return values.mul_(_spread(scale, piece, self.block, values.device)).clamp_(-FP8_MAX, FP8_MAX)
+            values = (inner(block, piece) if inner is not None else block).to(dtype)
+            # a product, not in place: ``block`` may be the model's own storage
+            scaled = values.to(torch.float32) * _spread(scale, piece, self.block, values.device)
+            return scaled.clamp_(-FP8_MAX, FP8_MAX)
 
         return quantize
 
