@@ -37,6 +37,7 @@ __all__ = [
     "dequantizing",
     "note_source",
     "read_quantization",
+    "scale_blocks",
     "scale_name",
     "source_of",
 ]
@@ -108,12 +109,27 @@ def dequantize_block_fp8(
 ) -> torch.Tensor:
     """``weight [..., R, C]`` (FP8) times its scales as float32; ``weight`` starts at row/col ``offset``
     of the full tensor, and ``scale [..., r, c]`` holds the blocks from the one covering ``offset`` on."""
-    rows, cols = weight.shape[-2:]
-    row_block = torch.arange(offset[0], offset[0] + rows) // block[0] - offset[0] // block[0]
-    col_block = torch.arange(offset[1], offset[1] + cols) // block[1] - offset[1] // block[1]
-    out = weight.to(torch.float32)
-    out.mul_(scale.to(torch.float32)[..., row_block, :][..., col_block])
-    return out
+    return scale_blocks(weight.to(torch.float32), scale, block, offset)
+
+
+def scale_blocks(
+    values: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], offset: tuple[int, int] = (0, 0)
+) -> torch.Tensor:
+    """``values [..., R, C]`` (float32, at ``offset`` of the full tensor) multiplied in place by the
+    per-block ``scale [..., r, c]`` (from the block covering ``offset`` on), and returned. The scales
+    are spread over the rows only and applied one column of blocks at a time: no second tensor of the
+    piece's size."""
+    (r0, c0), (b0, b1) = offset, block
+    rows, cols = values.shape[-2:]
+    per_row = scale.to(torch.float32)[..., torch.arange(r0, r0 + rows) // b0 - r0 // b0, :]
+    start = 0
+    for j in range(per_row.shape[-1]):
+        if start >= cols:
+            break
+        stop = min(cols, (c0 // b1 + j + 1) * b1 - c0)
+        values[..., start:stop].mul_(per_row[..., j : j + 1])
+        start = stop
+    return values
 
 
 class BlockFp8Tensor:

@@ -20,7 +20,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardtune.checkpoint.formats.block_fp8 import FP8_DTYPE, FP8_MAX, QUANTIZATION_KEY, BlockFp8Format, scale_name
+from shardtune.checkpoint.formats.block_fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    QUANTIZATION_KEY,
+    BlockFp8Format,
+    scale_blocks,
+    scale_name,
+)
 from shardtune.checkpoint.storage.writer import BlockFn, WriteItem, local_block
 from shardtune.ranks import comm
 from shardtune.state_dict.layout import Piece, TensorLayout
@@ -117,9 +124,12 @@ class BlockScales:
             if failure is not None:
                 raise failure
             values = (inner(block, piece) if inner is not None else block).to(dtype)
-            # a product, not in place: ``block`` may be the model's own storage
-            scaled = values.to(torch.float32) * _spread(scale, piece, self.block, values.device)
-            return scaled.clamp_(-FP8_MAX, FP8_MAX)
+            # a copy scaled in place: ``block`` may be the model's own storage
+            scaled = values.to(torch.float32, copy=True)
+            lead = tuple(slice(o, o + n) for o, n in zip(piece.offset[:-2], piece.shape[:-2]))
+            (r0, c0), (b0, b1) = piece.offset[-2:], self.block
+            grid = scale[(*lead, slice(r0 // b0, None), slice(c0 // b1, None))].to(scaled.device)
+            return scale_blocks(scaled, grid, self.block, (r0, c0)).clamp_(-FP8_MAX, FP8_MAX)
 
         return quantize
 
@@ -147,12 +157,3 @@ def _block_amax(values: torch.Tensor, piece: Piece, block: tuple[int, int], *, i
     lead = tuple(slice(o, o + s) for o, s in zip(piece.offset[:-2], piece.shape[:-2]))
     rows, cols = slice(o0 // b0, o0 // b0 + amax.shape[-2]), slice(o1 // b1, o1 // b1 + amax.shape[-1])
     into[(*lead, rows, cols)] = amax
-
-
-def _spread(grid: torch.Tensor, piece: Piece, block: tuple[int, int], device: torch.device) -> torch.Tensor:
-    """The per-block ``grid`` spread over the elements of ``piece`` (a tensor of its shape)."""
-    (o0, o1), (s0, s1) = piece.offset[-2:], piece.shape[-2:]
-    lead = tuple(slice(o, o + s) for o, s in zip(piece.offset[:-2], piece.shape[:-2]))
-    rows = torch.arange(o0, o0 + s0) // block[0]
-    cols = torch.arange(o1, o1 + s1) // block[1]
-    return grid[lead][..., rows, :][..., cols].to(device)
