@@ -107,3 +107,29 @@ def test_each_rank_dequantizes_its_piece_and_the_fp8_save_equals_a_hand_quantiza
             assert torch.equal(got[f"{name}_scale_inv"], scale), name
         else:
             assert torch.equal(got[name], value), name
+
+
+def _refusal(hf_dir: str, shared: bool) -> str:
+    """The error every rank's load raises (the ranks that read nothing too)."""
+    with torch.device("meta"):
+        model = from_hf_config(hf_dir, dtype=torch.float32)
+    shard_model(model, mesh=make_mesh())
+    try:
+        load_hf_checkpoint(model, hf_dir, device="cpu", strict=True, shared_filesystem=shared)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["direct", "rank0"])
+def test_a_missing_scale_is_refused_on_every_rank(pool2, tmp_path, shared):
+    import safetensors.torch
+
+    fp8_dir(tmp_path)
+    stored = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    del stored["model.layers.1.mlp.down_proj.weight_scale_inv"]
+    safetensors.torch.save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    res = pool2.run_ok(_refusal, str(tmp_path), shared, timeout=120)
+    assert res[0] == res[1], res
+    want = "model.layers.1.mlp.down_proj.weight: FP8 weight without its scale tensor"
+    assert res[0].startswith("CheckpointError") and want in res[0], res[0]

@@ -26,6 +26,7 @@ from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint, open_hf_che
 from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
 from shardtune.checkpoint.strategies import WeightsInputs, pick_weights
 from shardtune.models import from_hf_config
+from shardtune.peft.lora import apply_lora, get_adapter_params, init_lora_parameters
 from shardtune.ranks.errors import StateDictError
 from tests.unit.test_models_moe import batch, hf_moe_model
 from tests.unit.test_moe_checkpoint import LAYOUTS, tensors
@@ -311,3 +312,58 @@ def test_an_fp8_save_leaves_the_model_as_it_was(tmp_path):
     before = {k: v.clone() for k, v in ours.state_dict().items()}
     save_hf_checkpoint(ours, tmp_path / "out", weight_format="block_fp8")
     assert all(torch.equal(v, before[k]) for k, v in ours.state_dict().items())
+
+
+def _lora_model(directory: Path, *, quantize_base: bool):
+    """LoRA (B non-zero) on the attention and the experts of the model of ``directory``, loaded from it."""
+    with torch.device("meta"):
+        ours = from_hf_config(directory, dtype=torch.float32)
+    apply_lora(
+        ours,
+        rank=4,
+        alpha=8,
+        target_modules=["q_proj", "o_proj"],
+        target_parameters=["mlp.experts.gate_up_proj"],
+        quantize_base=quantize_base,
+        block_size=8,
+        scaler_block_size=8,
+    )
+    load_hf_checkpoint(ours, directory, device="cpu")
+    ours.init_buffers("cpu")
+    init_lora_parameters(ours, device="cpu")
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in get_adapter_params(ours).values():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return ours
+
+
+def test_a_merged_lora_save_in_fp8_quantizes_the_merged_weights(tmp_path):
+    """The FP8 save of a LoRA model quantizes ``W + scaling * B @ A``: the default save's merged weights."""
+    fp8_dir(tmp_path / "fp8")
+    ours = _lora_model(tmp_path / "fp8", quantize_base=False)
+    save_hf_checkpoint(ours, tmp_path / "plain")
+    save_hf_checkpoint(ours, tmp_path / "out", weight_format="block_fp8")
+    plain, got, source = tensors(tmp_path / "plain"), tensors(tmp_path / "out"), tensors(tmp_path / "fp8")
+    assert sorted(got) == sorted(source)
+    merged = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.experts.3.up_proj.weight"]
+    for name, value in plain.items():
+        if f"{name}_scale_inv" in source:
+            fp8, scale = hand_quantize(value)
+            assert torch.equal(got[name].view(torch.uint8), fp8.view(torch.uint8)), name
+            assert torch.equal(got[f"{name}_scale_inv"], scale), name
+    for name in merged:  # the adapters changed these: the save is of the merge, not of the base
+        base = _dequantize_fp8_weight(source[name], source[f"{name}_scale_inv"], list(BLOCK), torch.float32)
+        assert not torch.equal(plain[name], base), name
+
+
+def test_qlora_over_an_fp8_checkpoint_quantizes_the_dequantized_weights_to_nf4(tmp_path):
+    """QLoRA from a block-FP8 base: each NF4 base is torchao's NF4 of the dequantized weight."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    _, expected = fp8_dir(tmp_path / "fp8")
+    ours = _lora_model(tmp_path / "fp8", quantize_base=True)
+    name = "model.layers.0.self_attn.q_proj"
+    got = ours.get_submodule(name).weight
+    want = to_nf4(expected[f"{name}.weight"], block_size=8, scaler_block_size=8)
+    assert torch.equal(got.get_original_weight(), want.get_original_weight())
