@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
+from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
 from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
 from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
@@ -133,3 +134,40 @@ def test_a_missing_scale_is_refused_on_every_rank(pool2, tmp_path, shared):
     assert res[0] == res[1], res
     want = "model.layers.1.mlp.down_proj.weight: FP8 weight without its scale tensor"
     assert res[0].startswith("CheckpointError") and want in res[0], res[0]
+
+
+def _lora_saves(hf_dir: str, plain: str, out: str) -> None:
+    """LoRA on the attention (B non-zero), sharded, loaded from ``hf_dir``; saved merged plain and in FP8."""
+    from shardtune.peft import apply_lora, get_adapter_params, init_lora_parameters
+
+    with torch.device("meta"):
+        model = from_hf_config(hf_dir, dtype=torch.float32)
+        apply_lora(model, rank=4, alpha=8, target_modules=["q_proj", "o_proj"])
+    shard_model(model, mesh=make_mesh())
+    load_hf_checkpoint(model, hf_dir, device="cpu")
+    model.init_buffers("cpu")
+    init_lora_parameters(model, device="cpu")
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in get_adapter_params(model).values():
+            full = torch.randn(p.shape, generator=gen) * 0.05
+            p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements).to_local())
+    save_hf_checkpoint(model, plain)
+    save_hf_checkpoint(model, out, weight_format="block_fp8")
+
+
+def test_a_merged_lora_fp8_save_on_2_ranks_equals_a_hand_quantization(pool2, tmp_path):
+    """A merged tensor's amax is reduced in its own turn: rows cut inside blocks still get whole-block scales."""
+    fp8_dir(tmp_path / "fp8")
+    pool2.run_ok(_lora_saves, str(tmp_path / "fp8"), str(tmp_path / "plain"), str(tmp_path / "out"), timeout=200)
+    plain, got, source = tensors(tmp_path / "plain"), tensors(tmp_path / "out"), tensors(tmp_path / "fp8")
+    assert sorted(got) == sorted(source)
+    for name, value in plain.items():
+        if f"{name}_scale_inv" in source:
+            fp8, scale = hand_quantize(value)
+            assert torch.equal(got[name].view(torch.uint8), fp8.view(torch.uint8)), name
+            assert torch.equal(got[f"{name}_scale_inv"], scale), name
+    q = "model.layers.0.self_attn.q_proj.weight"  # merged: not the base
+    assert not torch.equal(
+        plain[q], _dequantize_fp8_weight(source[q], source[f"{q}_scale_inv"], list(BLOCK), torch.float32)
+    )

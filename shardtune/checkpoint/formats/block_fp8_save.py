@@ -6,9 +6,11 @@ transformers quantizes: per block ``scale = 448 / amax`` (1 for an all-zero bloc
 clamp(W * scale)`` in ``float8_e4m3fn`` and ``W_scale_inv = 1 / scale`` (float32, the source's block
 layout), with the source's ``quantization_config`` in ``config.json``; the other tensors as a plain save
 writes them. A block's amax spans every rank holding rows of it (a shard may start inside a block):
-each rank takes the amax of its rows of each block it touches, and one all-reduce (MAX) of the tensor's
-block grid (1 / (b0 * b1) of its size) gives every rank every scale, so shards need not be
-block-aligned. Each rank writes its own FP8 rows in place; rank 0 writes the scale tensor.
+each rank takes the amax of its rows of each block it touches, and an all-reduce (MAX) of the block
+grids (1 / (b0 * b1) of the weights) gives every rank every scale, so shards need not be block-aligned:
+one for all the tensors at the first one's turn (:class:`AmaxBatch`), and one per tensor only for
+tensors written with a LoRA merge (their blocks exist only in their own turn). Each rank writes its own
+FP8 rows in place; rank 0 writes the scale tensors.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def quantized_items(items: list[WriteItem], fmt: BlockFp8Format | None, problems
         return items
     out: list[WriteItem] = []
     written = set()
+    batch = AmaxBatch()
     for item in items:
         if item.name not in fmt.names:
             out.append(item)
@@ -60,7 +63,8 @@ def quantized_items(items: list[WriteItem], fmt: BlockFp8Format | None, problems
                 "the experts on dim 0 (a world size dividing the experts) or save with weight_format='dtype'"
             )
             continue
-        scales = BlockScales(item, fmt.block)
+        scales = BlockScales(item, fmt.block, batch=None if item.transform is not None else batch)
+        batch.members += [scales] if scales.batch is not None else []
         out += [replace(item, dtype=FP8_DTYPE, transform=scales), scales.item()]
     unwritten = sorted(fmt.names - written)
     if unwritten:
@@ -88,6 +92,7 @@ class BlockScales:
 
     plain: WriteItem  # the tensor as a plain save writes it (its transform: a LoRA merge, or None)
     block: tuple[int, int]
+    batch: AmaxBatch | None = None  # its amaxes reduced with the others' (None: in its own prepare)
     scale: torch.Tensor | None = field(default=None, repr=False)  # 448 / amax per block
     shape: tuple[int, ...] = field(init=False)
 
@@ -103,20 +108,11 @@ class BlockScales:
         """Collective: call on all ranks, in item order (sharded tensors: one all-reduce). Returns the
         quantization of a block of this rank (float32 values the writer casts to FP8)."""
         inner = self.plain.transform.prepare(layout) if self.plain.transform is not None else None
-        amax = torch.zeros(self.shape, dtype=torch.float32)
-        failure: Exception | None = None
-        try:
-            piece = layout.piece(comm.rank())
-            if piece.numel:
-                values = local_block(self.plain, inner, device=None)
-                _block_amax(values, piece, self.block, into=amax)
-        except Exception as exc:  # raised under the item's name by the block function, after the collective
-            failure = exc
-        if layout.is_sharded and comm.world_size() > 1:
-            device = comm.comm_device(None)
-            reduced = amax.to(device)
-            dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
-            amax = reduced.cpu()
+        if self.batch is not None:
+            amax, failure = self.batch.take(self)
+        else:
+            amax, failure = self.local_amax(inner)
+            amax = _max_over_ranks(amax) if layout.is_sharded else amax
         self.scale = torch.where(amax > 0, FP8_MAX / amax, torch.ones_like(amax))
         scale, dtype = self.scale, self.plain.dtype
 
@@ -132,6 +128,18 @@ class BlockScales:
             return scale_blocks(scaled, grid, self.block, (r0, c0)).clamp_(-FP8_MAX, FP8_MAX)
 
         return quantize
+
+    def local_amax(self, inner: BlockFn | None) -> tuple[torch.Tensor, Exception | None]:
+        """The amax of this rank's rows of each block (0 where it holds none), and the error met reading them
+        (raised under the item's name by the block function, after the collective)."""
+        amax = torch.zeros(self.shape, dtype=torch.float32)
+        try:
+            piece = self.plain.layout.piece(comm.rank())
+            if piece.numel:
+                _block_amax(local_block(self.plain, inner, device=None), piece, self.block, into=amax)
+        except Exception as exc:
+            return amax, exc
+        return amax, None
 
     # the lazy scale tensor (1 / scale), read by rank 0 after :meth:`prepare`
     def get_shape(self) -> list[int]:
@@ -157,3 +165,36 @@ def _block_amax(values: torch.Tensor, piece: Piece, block: tuple[int, int], *, i
     lead = tuple(slice(o, o + s) for o, s in zip(piece.offset[:-2], piece.shape[:-2]))
     rows, cols = slice(o0 // b0, o0 // b0 + amax.shape[-2]), slice(o1 // b1, o1 // b1 + amax.shape[-1])
     into[(*lead, rows, cols)] = amax
+
+
+@dataclass
+class AmaxBatch:
+    """The FP8-written tensors without a merge: at the first one's :meth:`BlockScales.prepare`, every rank
+    takes the block amaxes of its rows of all of them, and one all-reduce (MAX) of them all gives every
+    scale (the tensors' block grids, 1 / (b0 * b1) of the weights): no collective per tensor."""
+
+    members: list[BlockScales] = field(default_factory=list)
+    reduced: dict[int, tuple[torch.Tensor, Exception | None]] | None = None
+
+    def take(self, member: BlockScales) -> tuple[torch.Tensor, Exception | None]:
+        """Collective the first time (every rank calls it first for the same member). ``member``'s amaxes
+        over all ranks, and the error this rank met reading its rows."""
+        if self.reduced is None:
+            local = [m.local_amax(None) for m in self.members]
+            flat = torch.cat([amax.flatten() for amax, _ in local])
+            if any(m.plain.layout.is_sharded for m in self.members):
+                flat = _max_over_ranks(flat)
+            grids = flat.split([amax.numel() for amax, _ in local])
+            self.reduced = {
+                id(m): (grid.view(amax.shape), failure) for m, grid, (amax, failure) in zip(self.members, grids, local)
+            }
+        return self.reduced.pop(id(member))
+
+
+def _max_over_ranks(values: torch.Tensor) -> torch.Tensor:
+    """Collective: call on all ranks. The elementwise max of every rank's ``values`` (CPU)."""
+    if comm.world_size() == 1:
+        return values
+    reduced = values.to(comm.comm_device(None))
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+    return reduced.cpu()
