@@ -276,6 +276,23 @@ def test_an_fp8_save_equals_a_hand_quantization_and_loads_back(tmp_path, layout)
         assert torch.equal(again[name], value), name
 
 
+def test_a_model_resumed_from_a_plain_checkpoint_saves_in_its_base_format(tmp_path):
+    """Loaded from a save in its dtype (as a resume is), the model takes the FP8 format of ``source_dir``."""
+    fp8_dir(tmp_path / "fp8")
+    save_hf_checkpoint(_loaded(tmp_path / "fp8"), tmp_path / "plain")
+    ours = _loaded(tmp_path / "plain")
+    with pytest.raises(CheckpointError, match="was not loaded from a block-FP8 checkpoint"):
+        save_hf_checkpoint(ours, tmp_path / "x", weight_format="block_fp8")
+    save_hf_checkpoint(ours, tmp_path / "out", weight_format="block_fp8", source_dir=tmp_path / "fp8")
+    plain, got, source = tensors(tmp_path / "plain"), tensors(tmp_path / "out"), tensors(tmp_path / "fp8")
+    assert sorted(got) == sorted(source)
+    for name, value in plain.items():
+        if f"{name}_scale_inv" in source:
+            fp8, scale = hand_quantize(value)
+            assert torch.equal(got[name].view(torch.uint8), fp8.view(torch.uint8)), name
+            assert torch.equal(got[f"{name}_scale_inv"], scale), name
+
+
 def test_an_fp8_save_of_a_model_not_loaded_from_fp8_is_refused(tmp_path):
     ours = from_hf_config(hf_moe_model("qwen3_moe").config.to_dict())
     with pytest.raises(CheckpointError, match="was not loaded from a block-FP8 checkpoint; save with weight_format="):

@@ -251,6 +251,15 @@ def _load(
     return result
 
 
+def block_fp8_format(model: nn.Module, model_dir: str) -> block_fp8.BlockFp8Format | None:
+    """The block-FP8 format of ``model_dir`` as a load of ``model`` reads it, or None (local: headers and
+    ``config.json`` only); a resumed model, never loaded from its base, saves in its base's format so."""
+    with open_hf_checkpoint(model_dir) as checkpoint:
+        args = model_args(model)
+        files = checkpoint if args is None else checkpoint.without(carried_keys(args, list(checkpoint)))
+        return block_fp8.dequantizing(files, block_fp8.read_quantization(model_dir), where=model_dir)[1]
+
+
 def model_args(model: nn.Module) -> ModelArgs | None:
     """The architecture of a shardtune decoder (None for another module)."""
     args = getattr(model, "args", None)

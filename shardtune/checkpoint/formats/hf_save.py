@@ -29,7 +29,13 @@ from shardtune.checkpoint.errors import CheckpointError
 from shardtune.checkpoint.formats import block_fp8
 from shardtune.checkpoint.formats.block_fp8_save import WEIGHT_FORMATS, quantized_config, quantized_items
 from shardtune.checkpoint.formats.carried import CarriedSource, agree_on_carried, carried_items, read_carried
-from shardtune.checkpoint.formats.hf_load import hf_file_prefixes, log_done, model_args, progress_bar
+from shardtune.checkpoint.formats.hf_load import (
+    block_fp8_format,
+    hf_file_prefixes,
+    log_done,
+    model_args,
+    progress_bar,
+)
 from shardtune.checkpoint.layout import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -110,7 +116,9 @@ def save_hf_checkpoint(
     ``W + scaling * B @ A`` and its adapters are left out. With ``weight_format="block_fp8"`` the
     tensors the model's source directory held in block FP8 are written in that format again, each
     rank quantizing its own rows (:mod:`~shardtune.checkpoint.formats.block_fp8_save`); by default
-    (``"dtype"``) every tensor is written in its dtype and ``config.json`` declares no quantization. A tied ``lm_head.weight`` is left
+    (``"dtype"``) every tensor is written in its dtype and ``config.json`` declares no quantization. A model
+    not loaded from a block-FP8 directory (resumed from a checkpoint in its dtype) takes the format of
+    ``source_dir``. A tied ``lm_head.weight`` is left
     out when the config says ``tie_word_embeddings``. Returns, on every rank, the names of the
     config and weight files (tokenizer files not included). Errors raise
     :class:`CheckpointError` with the same message on every rank.
@@ -209,6 +217,11 @@ def _weight_items(model: nn.Module, options: HFSaveOptions) -> tuple[list[WriteI
     if options.weight_format not in WEIGHT_FORMATS:
         problems.append(f"weight_format={options.weight_format!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
     source = block_fp8.source_of(model)
+    if source is None and options.weight_format == "block_fp8" and options.source_dir is not None:
+        try:  # a model resumed from a checkpoint in the training dtype: its base's format
+            source = block_fp8_format(model, os.fspath(options.source_dir))
+        except CheckpointError as exc:
+            problems.append(str(exc))
     hf_config = quantized_config(_hf_config(model, options.config, problems), source, options.weight_format)
     items, item_problems = _plan_items(
         model,
