@@ -2,11 +2,12 @@
 
 The tiny qwen3_moe of ``tests/unit/test_block_fp8.py`` (blocks of 20 x 40): FSDP cuts its 64-row
 attention weights at row 32 and its dense 96-row MLP weights at 48, both inside a block, and puts 4
-of the 8 experts on each rank. Each rank's pieces equal DTensor's cut of transformers' dequantization of
+of 8 experts on each rank (or, with 5, splits every expert's rows: ``Shard(1)``). Each rank's pieces equal DTensor's cut of transformers' dequantization of
 the whole tensors; each rank reads exactly its FP8 rows, the scale rows covering them and its other
 bytes (none without a shared filesystem: rank 0 sends each rank its dequantized piece). A ``block_fp8``
 save (each rank its rows, the cut blocks' amax shared by an all-reduce; or rank 0 alone) equals the
-test's quantization of the whole weights.
+test's quantization of the whole weights, with LoRA adapters merged too; a missing scale is refused
+with the same message on both ranks.
 """
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ def _own_reads(params: dict, scaled: set[str], layout: str) -> int:
     for name, p in params.items():
         piece = layout_of(p, comm.world_size()).piece(comm.rank())
         kind = name.rsplit(".", 1)[-1]
-        if layout == "per_expert" and kind in EXPERT_PARTS:  # whole experts on Shard(0): whole file tensors
-            experts, rows, cols = piece.shape
-            per_part = (rows // len(EXPERT_PARTS[kind]), cols)
-            total += experts * len(EXPERT_PARTS[kind]) * (rows * cols // len(EXPERT_PARTS[kind]))
-            total += experts * len(EXPERT_PARTS[kind]) * _scale_bytes((0, per_part[0]), (0, per_part[1]))
+        if layout == "per_expert" and kind in EXPERT_PARTS:  # each expert's file tensors: the rows met
+            parts, (experts, rows, cols) = len(EXPERT_PARTS[kind]), piece.shape
+            r0, height = piece.offset[1], p.shape[1] // parts
+            for part in range(parts):
+                lo, hi = max(r0, part * height) - part * height, min(r0 + rows, (part + 1) * height) - part * height
+                if hi > lo:
+                    total += experts * ((hi - lo) * cols + _scale_bytes((lo, hi), (0, cols)))
         elif name in scaled:
             (r0, c0), (rows, cols) = piece.offset[-2:], piece.shape[-2:]
             lead = piece.numel // (rows * cols) if rows * cols else 0
@@ -80,16 +83,22 @@ def _load_and_save(hf_dir: str, out: str, layout: str, shared: bool, expected: d
         for n, p in params.items()
     }
     cut = params["model.layers.0.self_attn.q_proj.weight"].to_local().shape[0]
-    return {"equal": equal, "read": read, "own": _own_reads(params, scaled, layout) if shared else 0, "cut": cut}
+    placement = params["model.layers.0.mlp.experts.down_proj"].placements[0].dim
+    own = _own_reads(params, scaled, layout) if shared else 0
+    return {"equal": equal, "read": read, "own": own, "cut": cut, "placement": placement}
 
 
 @pytest.mark.parametrize(
-    ("layout", "shared"),
-    [("per_expert", True), ("fused", True), ("per_expert", False)],
-    ids=["per-expert", "fused", "rank0"],
+    ("layout", "shared", "experts"),
+    [("per_expert", True, 8), ("fused", True, 8), ("per_expert", False, 8), ("per_expert", True, 5)],
+    ids=["per-expert", "fused", "rank0", "experts-shard1"],
 )
-def test_each_rank_dequantizes_its_piece_and_the_fp8_save_equals_a_hand_quantization(pool2, tmp_path, layout, shared):
-    _, by_file = fp8_dir(tmp_path / "fp8", layout=layout)
+def test_each_rank_dequantizes_its_piece_and_the_fp8_save_equals_a_hand_quantization(
+    pool2, tmp_path, layout, shared, experts
+):
+    """8 experts: 4 whole ones a rank (``Shard(0)``); 5: every expert's rows split (``Shard(1)``), the down
+    projections' 64 rows at 32, inside a block."""
+    _, by_file = fp8_dir(tmp_path / "fp8", layout=layout, num_experts=experts)
     source = tensors(tmp_path / "fp8")
     expected = _fused(by_file) if layout == "per_expert" else by_file
     scaled = {n for n in expected if f"{n}_scale_inv" in source}
@@ -98,6 +107,7 @@ def test_each_rank_dequantizes_its_piece_and_the_fp8_save_equals_a_hand_quantiza
     for rank, r in enumerate(res):
         assert all(r["equal"].values()), [n for n, ok in r["equal"].items() if not ok]
         assert r["cut"] == 32 and 32 % BLOCK[0], r  # the shard boundary lies inside a block
+        assert r["placement"] == (0 if experts == 8 else 1), r
         assert r["read"] == (r["own"] if shared else (0 if rank else r["read"])), (rank, r)
     got = tensors(tmp_path / "out")
     assert sorted(got) == sorted(source)
