@@ -28,6 +28,7 @@ from shardtune.checkpoint.strategies import WeightsInputs, pick_weights
 from shardtune.models import from_hf_config
 from shardtune.peft.lora import apply_lora, get_adapter_params, init_lora_parameters
 from shardtune.ranks.errors import StateDictError
+from shardtune.state_dict import load_from_full_model_state_dict
 from tests.unit.test_models_moe import batch, hf_moe_model
 from tests.unit.test_moe_checkpoint import LAYOUTS, tensors
 
@@ -384,3 +385,12 @@ def test_qlora_over_an_fp8_checkpoint_quantizes_the_dequantized_weights_to_nf4(t
     got = ours.get_submodule(name).weight
     want = to_nf4(expected[f"{name}.weight"], block_size=8, scaler_block_size=8)
     assert torch.equal(got.get_original_weight(), want.get_original_weight())
+
+
+def test_fp8_tensors_given_to_the_core_without_their_scales_are_refused(tmp_path):
+    """A plain load of the FP8 files (not through load_hf_checkpoint) must not read unscaled weights."""
+    fp8_dir(tmp_path)
+    with torch.device("meta"):
+        ours = from_hf_config(tmp_path, dtype=torch.float32)
+    with open_hf_checkpoint(tmp_path) as checkpoint, pytest.raises(StateDictError, match="an FP8 tensor without its"):
+        load_from_full_model_state_dict(ours, checkpoint, "cpu")
