@@ -5,8 +5,9 @@ Tiny random models made by transformers are the reference (8 experts in 4 groups
 weights scaled by 2.5; 2I = 48 != H = 64; a dense first layer; an ungated shared expert of 2 experts' width;
 q/k/v biases; rotary on half the head; a random correction bias): logits, router logits, loss and gradients;
 which experts each token picks (the bias must change it); both of transformers' expert file layouts loaded,
-saved back to the same tensors and loaded by transformers; the bias a buffer no optimizer step moves; bad
-expert groups refused; the GLM-4.5 presets' shapes and parameter counts on meta.
+saved back to the same tensors and loaded by transformers; the bias a buffer no optimizer step moves, which
+aux-loss-free balancing moves by hand-computed steps from transformers' routing; bad expert groups refused; the
+GLM-4.5 presets' shapes and parameter counts on meta.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from shardtune.models import LlamaForCausalLM, from_hf_config, model_args_from_h
 from shardtune.models.moe_aux import Routing
 from shardtune.models.registry import build_model, get_model_args
 from shardtune.training.optim import build_optimizer
+from shardtune.training.router_balance import balanced_routers, update_router_biases
 from tests.unit.test_models_families import COMMON as DENSE_COMMON
 from tests.unit.test_models_moe import _rel, batch, moe_config
 from tests.unit.test_moe_checkpoint import tensors
@@ -250,3 +252,84 @@ def test_the_tiny_preset_is_the_same_model_in_transformers():
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert _rel(ours(tokens), hf(tokens).logits) < TOL
+
+
+RATE = 2.0**-6  # exact in binary: the hand computation below gives the same floats
+
+
+def test_a_bias_update_moves_each_expert_by_the_rate_towards_its_layer_mean_load():
+    routers = ours_from(hf_glm()).model.layers[1:]
+    routers = [layer.mlp.gate for layer in routers]
+    before = [r.e_score_correction_bias.clone() for r in routers]
+    loads = torch.tensor([5, 0, 3, 8, 2, 2, 0, 4] + [3, 3, 3, 3, 3, 3, 3, 3], dtype=torch.float64)
+    update_router_biases(routers, loads, rate=RATE)
+    # layer 1's mean load is 3: an expert above it -rate, below it +rate, at it 0; layer 2 is even
+    by_hand = [[-1, +1, 0, -1, +1, +1, +1, -1], [0] * 8]
+    for router, old, signs in zip(routers, before, by_hand, strict=True):
+        assert torch.equal(router.e_score_correction_bias, old + RATE * torch.tensor(signs, dtype=torch.float32))
+    with pytest.raises(ValueError, match="router_bias_update_rate: 8 expert loads for 2 routers"):
+        update_router_biases(routers, loads[:8], rate=RATE)
+
+
+def test_the_loop_moves_the_biases_after_each_step_by_transformers_routing_of_the_real_tokens():
+    """Two steps of two micro-batches (one row padded), weights frozen (lr 0): each step's loads are the
+    experts transformers' routers pick for the step's real tokens (with the biases of that step), and the
+    biases after the loop are the hand-updated ones."""
+    from shardtune.losses.next_token import next_token_loss
+    from shardtune.training import loop
+    from tests.unit.checkpointer_stubs import NoCheckpoints
+    from tests.unit.test_loop_scaling import _Rows, _Sampler
+
+    hf = hf_glm().eval()
+    ours = ours_from(hf)
+    tokens, mask, labels = batch()
+    micro = [
+        {"tokens": tokens[i : i + 1], "labels": labels[i : i + 1], "attention_mask": mask[i : i + 1]} for i in (0, 1)
+    ]
+    batches = micro + micro[::-1]  # 2 steps of 2 micro-batches
+    gates = [hf.model.layers[i].mlp.gate for i in (1, 2)]
+    picked: list[torch.Tensor] = []
+    hooks = [g.register_forward_hook(lambda _m, _i, out: picked.append(out[2])) for g in gates]
+    biases = [g.e_score_correction_bias.clone() for g in gates]
+    for step in (0, 1):
+        loads = [torch.zeros(8, dtype=torch.float64) for _ in gates]
+        for b in batches[2 * step : 2 * step + 2]:
+            picked.clear()
+            with torch.no_grad():
+                hf(b["tokens"])
+            real = b["attention_mask"].reshape(-1).bool()
+            for load, chosen in zip(loads, picked, strict=True):
+                load += torch.bincount(chosen[real].reshape(-1), minlength=8).double()
+        for gate, bias, load in zip(gates, biases, loads, strict=True):
+            bias += RATE * torch.sign(load.mean() - load).float()
+            with torch.no_grad():
+                gate.e_score_correction_bias.copy_(bias)
+    for hook in hooks:
+        hook.remove()
+    optimizer = torch.optim.SGD(ours.parameters(), lr=0.0)
+    loop.run_training(
+        loop.Training(
+            model=ours,
+            loader=batches,
+            sampler=_Sampler(),
+            optimizer=optimizer,
+            lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+            checkpointer=NoCheckpoints(),
+        ),
+        loss_fn=next_token_loss(ours, device=torch.device("cpu")),
+        logger=_Rows(),
+        settings=loop.LoopSettings(epochs=1, gradient_accumulation_steps=2, router_bias_update_rate=RATE),
+    )
+    start = hf_glm().state_dict()
+    for layer, bias in zip((1, 2), biases, strict=True):
+        got = ours.model.layers[layer].mlp.gate.e_score_correction_bias
+        assert torch.equal(got, bias) and not torch.equal(
+            got, start[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"]
+        )
+
+
+def test_balancing_a_model_without_group_limited_routers_is_refused():
+    qwen = from_hf_config(moe_config("qwen3_moe").to_dict())
+    with pytest.raises(ValueError, match="router_bias_update_rate=0.001: .* this model has none"):
+        balanced_routers(qwen, 0.001)
+    assert balanced_routers(qwen, 0.0) == []
