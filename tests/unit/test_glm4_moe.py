@@ -333,3 +333,12 @@ def test_balancing_a_model_without_group_limited_routers_is_refused():
     with pytest.raises(ValueError, match="router_bias_update_rate=0.001: .* this model has none"):
         balanced_routers(qwen, 0.001)
     assert balanced_routers(qwen, 0.0) == []
+
+
+def test_greedy_generation_with_the_kv_cache_equals_transformers():
+    from shardtune.inference.generation import generate
+
+    hf = hf_glm().eval()
+    prompt = batch()[0][0, :12].tolist()
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt) :].tolist()
+    assert generate(ours_from(hf).eval(), prompt, max_new_tokens=10, device="cpu") == expected
