@@ -15,6 +15,14 @@ the forward is done) is added by an identity node on the layer's MoE output
 layer's backward depends on the loss's gradient, so it always runs before them. Without
 ``add_to`` the routers get no gradient from the aux loss (it is not in the loss).
 
+Group-limited sigmoid routers (DeepSeek-V3, GLM-4.5; transformers defines no loss for them) record
+DeepSeek-V3's sequence-wise balance loss instead: per layer, the mean over the batch's rows (sequences) of
+``sum_i f_i * P_i``, with ``f_i = E / (k * T) * (tokens of the row that chose expert i)`` and ``P_i`` the row's
+mean over its ``T`` real tokens of ``s_i / sum_j s_j`` (``s``: the unbiased sigmoid scores); the loss is the sum
+over layers. Each layer's term depends on that layer alone, so its gradient is the loss's ``scale`` itself,
+added by the same identity node on the layer's output. Rows are not split over ranks for it (refused under
+context parallel); a packed row counts as one sequence.
+
 Context parallel (``group=``, the rank's ``cp`` group): each rank routes its part of the rows, so
 counts, probability sums and rows are summed over the group once per forward (one all-reduce, the
 first time the loss is read) and every rank's aux loss is the whole rows'. The whole rows' loss
@@ -56,14 +64,21 @@ class Routing:
         self._rows: dict[int, Tensor | float] = {}
         self._scale: Tensor | None = None
         self._grad: Tensor | None = None
+        self._sequence_terms: dict[int, Tensor] = {}  # sequence-wise routers: each layer's (detached) loss term
 
-    def record(self, layer_idx: int, router_logits: Tensor, indices: Tensor) -> Tensor:
+    def record(
+        self, layer_idx: int, router_logits: Tensor, indices: Tensor, *, sequences: int = 1, sequence_wise: bool = False
+    ) -> Tensor:
         """Record layer ``layer_idx``'s router logits and the experts its router chose (``indices [T, k]``);
         returns its (differentiable) probability sums ``[E]``.
 
         The counts are of the chosen experts: for softmax routers the top k of the softmax, as transformers
         counts them; for group-limited sigmoid routers (the correction bias and groups decide) what each token
-        really used. Recomputation (activation checkpointing) records the same values again under the same layer."""
+        really used. Recomputation (activation checkpointing) records the same values again under the same layer.
+        ``sequence_wise`` (group-limited sigmoid routers; ``sequences``: the batch's rows): records DeepSeek-V3's
+        sequence-wise term and returns it (differentiable) instead."""
+        if sequence_wise:
+            return self._record_sequences(layer_idx, router_logits, indices, sequences)
         num_experts, top_k = router_logits.shape[-1], indices.shape[-1]
         probs = torch.softmax(router_logits, dim=-1)  # in the logits' dtype, as transformers computes it here
         selected = indices.reshape(-1)
@@ -85,6 +100,32 @@ class Routing:
         self.router_logits[layer_idx] = router_logits.detach()
         self._counts[layer_idx], self._probs[layer_idx], self._rows[layer_idx] = counts, prob_sums.detach(), rows
         return prob_sums
+
+    def _record_sequences(self, layer_idx: int, router_logits: Tensor, indices: Tensor, rows: int) -> Tensor:
+        """Layer ``layer_idx``'s sequence-wise term (module docstring), differentiable in its logits."""
+        if self.group is not None:
+            raise ValueError(
+                "context_parallel > 1 splits each row over ranks, and the sequence-wise balance loss of "
+                "group-limited sigmoid routers (glm4_moe) is per row; set context_parallel=1 or router_aux_loss_coef=0"
+            )
+        num_experts, top_k = router_logits.shape[-1], indices.shape[-1]
+        device = router_logits.device
+        mask = torch.ones(router_logits.shape[0], device=device) if self.mask is None else self.mask.reshape(-1)
+        mask = mask.to(device=device, dtype=torch.float32).view(rows, -1)
+        chosen = indices.view(rows, -1)  # [rows, seq * k], each token's k experts
+        counts = torch.zeros(rows, num_experts, dtype=torch.float32, device=device)
+        counts.scatter_add_(1, chosen, mask.repeat_interleave(top_k, dim=1))
+        tokens = mask.sum(dim=1)
+        real = tokens > 0  # a row of padding only has no sequence to balance
+        scores = router_logits.float().sigmoid()
+        shares = (scores / scores.sum(dim=-1, keepdim=True)).view(rows, -1, num_experts)
+        probs = (shares * mask.unsqueeze(-1)).sum(dim=1) / tokens.clamp(min=1).unsqueeze(-1)
+        fractions = counts * num_experts / (top_k * tokens.clamp(min=1).unsqueeze(-1))
+        term = ((fractions * probs).sum(dim=1) * real).sum() / real.sum().clamp(min=1)  # the real rows' mean
+        self.router_logits[layer_idx] = router_logits.detach()
+        self._counts[layer_idx] = counts.sum(dim=0)
+        self._sequence_terms[layer_idx] = term.detach()
+        return term
 
     def _totals(self) -> tuple[Tensor, Tensor, Tensor | float]:
         """Counts, probability sums and rows over every layer (and every rank of ``group``).
@@ -119,6 +160,8 @@ class Routing:
         returns the whole rows' loss."""
         if not self._counts:
             return torch.zeros((), dtype=torch.float32)
+        if self._sequence_terms:
+            return torch.stack([self._sequence_terms[i] for i in sorted(self._sequence_terms)]).sum()
         count_sum, prob_sum, rows = self._totals()
         return torch.sum((count_sum / rows) * (prob_sum / rows).unsqueeze(0)) * count_sum.numel()
 
@@ -140,6 +183,8 @@ class Routing:
         """d(loss)/d(a layer's probability sums), the same for every layer; None when the aux loss is not in it."""
         if self._scale is None:
             return None
+        if self._sequence_terms:  # the loss sums the layers' terms: each term's gradient is the scale
+            return self._scale
         if self._grad is None:
             count_sum, _, rows = self._totals()
             self._grad = self._scale * count_sum.numel() * count_sum / (rows * rows)
