@@ -101,7 +101,7 @@ class SparseMoeBlock(nn.Module):
         if routing is not None:
             router = self.router_module
             term = routing.record(self.layer_idx, logits, indices, sequences=b, sequence_wise=router.sequence_balance)
-            out = routing.attach(out, term)
+            out = routing.attach(out, term, layer_idx=self.layer_idx)
         return out.view(b, s, dim)
 
 
