@@ -37,7 +37,9 @@ class ModelArgs:
     default: all sliding when ``sliding_window`` is set) says which layers see only the last
     ``sliding_window`` tokens, and which are linear attention (``linear_attention``: their geometry);
     sliding layers use ``rope_local_theta`` when set (Gemma 3).
-    ``query_pre_attn_scalar`` replaces ``head_dim`` in the ``1/sqrt`` attention scale.
+    ``query_pre_attn_scalar`` replaces ``head_dim`` in the ``1/sqrt`` attention scale. ``qk_norm`` gives
+    every attention layer a per-head RMSNorm of q and k where the family's spec has none (GLM-4.5's
+    ``use_qk_norm``).
 
     Per-layer geometry (Gemma 4): full-attention layers have ``full_head_dim`` channels per head and
     ``full_n_kv_heads`` kv heads (None: ``head_dim``/``n_kv_heads``), their values are their keys'
@@ -70,6 +72,7 @@ class ModelArgs:
     final_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
     partial_rotary_factor: float = 1.0
+    qk_norm: bool = False
     rope_local_theta: float | None = None
     full_head_dim: int | None = None
     full_n_kv_heads: int | None = None

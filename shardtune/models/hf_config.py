@@ -84,11 +84,19 @@ _CONFIG_TYPES: dict[str, tuple[tuple[type, ...], bool]] = {
             "moe_intermediate_size",
             "shared_expert_intermediate_size",
             "decoder_sparse_step",
+            "n_routed_experts",
+            "n_shared_experts",
+            "first_k_dense_replace",
+            "n_group",
+            "topk_group",
         ),
         (_INT, True),
     ),
-    "norm_topk_prob": (_BOOL, True),
-    **dict.fromkeys(("router_aux_loss_coef", "router_jitter_noise", "swiglu_limit", "swiglu_alpha"), (_NUMBER, True)),
+    **dict.fromkeys(("norm_topk_prob", "use_qk_norm"), (_BOOL, True)),
+    **dict.fromkeys(
+        ("router_aux_loss_coef", "router_jitter_noise", "swiglu_limit", "swiglu_alpha", "routed_scaling_factor"),
+        (_NUMBER, True),
+    ),
     "mlp_only_layers": ((list,), True),
 }
 _TYPE_NAMES: dict[tuple[type, ...], str] = {

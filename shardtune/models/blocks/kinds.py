@@ -23,9 +23,9 @@ from shardtune.models.blocks.gated_delta_net import GatedDeltaNet
 from shardtune.models.blocks.mlp import MLP
 from shardtune.models.blocks.moe import SparseMoeBlock
 from shardtune.models.blocks.qkv_norm_attention import QKVNormAttention
-from shardtune.models.blocks.routers import GptOssRouter, Router, ScaledRouter
+from shardtune.models.blocks.routers import GptOssRouter, Router, ScaledRouter, SigmoidGroupRouter
 from shardtune.models.blocks.sink_attention import SinkAttention
-from shardtune.models.spec import AttentionSpec, MlpSpec, SparseSpec
+from shardtune.models.spec import GROUPED_ROUTER, AttentionSpec, MlpSpec, SparseSpec
 
 __all__ = [
     "ATTENTION",
@@ -104,6 +104,7 @@ ROUTERS: dict[str, type[Router]] = {
     "softmax_topk": Router,
     "topk_softmax": GptOssRouter,
     "scaled_softmax_topk": ScaledRouter,
+    GROUPED_ROUTER: SigmoidGroupRouter,
 }
 EXPERTS: dict[str, type[Experts]] = {"gated": Experts, "clamped_swiglu": GptOssExperts}
 

@@ -11,7 +11,15 @@ from typing import Any
 from shardtune.models.args import SLIDING, ModelArgs
 from shardtune.models.moe_args import MoeArgs
 
-__all__ = ["every_layer_experts", "moe_entries", "read_experts", "read_window", "require", "uniform_window"]
+__all__ = [
+    "every_layer_experts",
+    "moe_entries",
+    "read_experts",
+    "read_partial_rotary",
+    "read_window",
+    "require",
+    "uniform_window",
+]
 
 
 def require(args: ModelArgs, family: str, **expected: Any) -> None:
@@ -39,8 +47,20 @@ def read_window(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {"sliding_window": int(window) if window else None}
 
 
-def read_experts(cfg: Mapping[str, Any], *, count_key: str, size_key: str, **fixed: Any) -> dict[str, Any]:
-    """``{"moe": MoeArgs}`` from the experts' count under ``count_key``, their size under ``size_key``, and ``fixed``."""
+def read_partial_rotary(cfg: Mapping[str, Any], default: float) -> float:
+    """``partial_rotary_factor`` from the rope dict or the top level, ``default`` (the family's) when absent."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    value = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default))
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 1:
+        raise ValueError(f"config partial_rotary_factor must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+def read_experts(
+    cfg: Mapping[str, Any], *, count_key: str, size_key: str, default_aux_loss_coef: float = 0.001, **fixed: Any
+) -> dict[str, Any]:
+    """``{"moe": MoeArgs}`` from the experts' count under ``count_key``, their size under ``size_key``, and ``fixed``
+    (``default_aux_loss_coef``: the family's ``router_aux_loss_coef`` when the config has none)."""
     # transformers' Qwen3MoeConfig maps num_experts to num_local_experts when it writes config.json
     count = cfg.get(count_key, cfg.get("num_local_experts"))
     if count is None or "num_experts_per_tok" not in cfg or size_key not in cfg:
@@ -53,7 +73,7 @@ def read_experts(cfg: Mapping[str, Any], *, count_key: str, size_key: str, **fix
             num_experts=int(count),
             top_k=int(cfg["num_experts_per_tok"]),
             intermediate_size=int(cfg[size_key]),
-            router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.001)),
+            router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", default_aux_loss_coef)),
             **fixed,
         )
     }
