@@ -299,3 +299,43 @@ def test_config_round_trip_keeps_every_deepseek_key():
     rebuilt = transformers.AutoConfig.for_model(**json.loads(json.dumps(written)))
     assert rebuilt.rope_parameters["mscale_all_dim"] == 0.8 and rebuilt.head_dim == 8
     assert copy.deepcopy(model_args_from_hf_config(written)) == args
+
+
+# transformers' DeepseekV3Config defaults are DeepSeek-V3's published shape (its docstring); the hub's config.json
+# adds 163,840 positions and yarn x40. Kimi K2: 64 heads, 384 experts in one group, one dense layer, a 163,840 vocab.
+SHAPE_KEYS = [
+    *("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers"),
+    *("num_attention_heads", "num_key_value_heads", "n_shared_experts", "n_routed_experts", "routed_scaling_factor"),
+    *("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group"),
+    *("num_experts_per_tok", "first_k_dense_replace", "norm_topk_prob", "rms_norm_eps", "rope_interleave"),
+]
+KIMI_K2 = {
+    "vocab_size": 163840,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "n_routed_experts": 384,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.827,
+}
+PRESETS = {"tiny_deepseek_v3": (None, 0), "deepseek_v3_671b": ({}, 671), "kimi_k2_1t": (KIMI_K2, 1026)}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_presets_have_the_published_shapes_and_transformers_parameter_count(preset):
+    differs, billions = PRESETS[preset]
+    args = get_model_args(preset)
+    config = transformers.AutoConfig.for_model(**model_args_to_hf_config(args))
+    if differs is not None:
+        default = transformers.DeepseekV3Config()
+        for key in SHAPE_KEYS:
+            assert getattr(config, key) == differs.get(key, getattr(default, key)), key
+    with torch.device("meta"):
+        reference = transformers.AutoModelForCausalLM.from_config(config)
+    ours = build_model(args, device="meta")
+    assert [(k, v.shape) for k, v in ours.state_dict().items()] == [
+        (k, v.shape) for k, v in reference.state_dict().items()
+    ]
+    assert round(sum(p.numel() for p in reference.parameters()) / 1e9) == billions
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in reference.parameters())
