@@ -339,3 +339,18 @@ def test_presets_have_the_published_shapes_and_transformers_parameter_count(pres
     ]
     assert round(sum(p.numel() for p in reference.parameters()) / 1e9) == billions
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in reference.parameters())
+
+
+def test_flops_count_keys_and_values_of_their_own_widths():
+    """Per token at sequence length t: 6 x the active weights (the dense layer's MLP, 2 of 6 experts and the shared
+    expert in the sparse ones, the router, the latent attention's projections, the head) plus
+    6 x layers x heads x (qk 24 + v 12) x t, the scores and values at their widths."""
+    from shardtune.training.flops import flops_per_token_fn
+
+    model = from_hf_config(config().to_dict(), device="meta")
+    h, heads, seq = COMMON["hidden_size"], 4, 40
+    attention = h * 24 + 24 * heads * 24 + h * (16 + 8) + 16 * heads * (16 + 12) + heads * 12 * h
+    norms = 24 + 16 + 2 * h  # q_a/kv_a layernorms, the layer's two norms
+    dense, shared, experts = 3 * h * COMMON["intermediate_size"], 3 * h * 24, 2 * 3 * h * 24
+    weights = 3 * (attention + norms) + dense + 2 * (shared + experts + 6 * h) + VOCAB * h + h
+    assert flops_per_token_fn(model)(seq) == 6 * weights + 6 * 3 * heads * (24 + 12) * seq
