@@ -221,6 +221,7 @@ def loop_settings(cfg: Config) -> LoopSettings:
         save_every_n_steps=cfg.save_every_n_steps,
         eval_every_n_steps=cfg.eval_every_n_steps,
         max_nonfinite_steps=cfg.max_nonfinite_steps,
+        router_bias_update_rate=cfg.router_bias_update_rate,
     )
 
 

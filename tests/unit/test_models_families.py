@@ -139,6 +139,22 @@ FAMILY_CONFIGS = {
             "shared_expert_intermediate_size": 40,
         },
     ),
+    # dense layer 0, then 8 experts in 4 groups (top 2 of the best 2 groups), 2I = 48 != H = 64, an ungated shared
+    # expert; q/k/v biases, q/k norms, rotary on half the head
+    "glm4_moe": (
+        transformers.Glm4MoeConfig,
+        {
+            "head_dim": 16,
+            "attention_bias": True,
+            "use_qk_norm": True,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 24,
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.5,
+        },
+    ),
     "gemma4_text": (
         transformers.Gemma4TextConfig,
         dict(GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1),

@@ -168,6 +168,8 @@ class SigmoidGroupRouter(Router):
     """DeepSeek-V3's router (transformers' ``DeepseekV3TopkRouter``, ``Glm4MoeTopkRouter``): ``weight [E, H]``
     and the selection-only ``e_score_correction_bias [E]`` (fp32 whatever the model's dtype)."""
 
+    e_score_correction_bias: Tensor
+
     def __init__(
         self,
         num_experts: int,

@@ -74,7 +74,7 @@ def family_of(args: ModelArgs) -> Family:
     if args.moe is not None and shared != (args.moe.shared_expert_intermediate_size is not None):
         raise ValueError(
             "MoeArgs.shared_expert_intermediate_size must be set exactly for model types with a shared expert "
-            f"(qwen3_5_moe_text); model_type {args.model_type!r} "
+            f"(qwen3_5_moe_text, glm4_moe); model_type {args.model_type!r} "
             + ("needs it" if shared else "has none: leave shared_expert_intermediate_size None")
         )
     return family
