@@ -184,6 +184,21 @@ def test_greedy_generation_with_the_latent_cache_equals_transformers(q_lora_rank
     assert generate(ours, prompt, max_new_tokens=10, device="cpu") == expected
 
 
+def test_left_padded_batch_generation_equals_each_prompt_alone():
+    """Prompts of different lengths share one latent cache (the shorter one left-padded): each row's greedy tokens
+    are those of its prompt alone."""
+    from shardtune.inference.generation import generate_batch
+
+    ours = ours_from(hf_model())
+    tokens = batch()[0]
+    prompts = [tokens[0, :12].tolist(), tokens[1, :5].tolist()]
+    alone = [generate(ours, prompt, max_new_tokens=8, device="cpu") for prompt in prompts]
+    together = generate_batch(
+        ours, prompts, max_new_tokens=8, device="cpu", generator=torch.Generator(), pad_id=0, temperature=0.0
+    )
+    assert together == alone
+
+
 def test_hf_dirs_load_and_save_both_ways(tmp_path):
     """transformers' save (per-expert files) loads with equal logits; ours saves a dir transformers loads to
     the same logits, with the selection bias kept in fp32."""
