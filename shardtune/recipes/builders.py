@@ -89,7 +89,10 @@ def base_model_dir(
         )
     if run.is_rank_zero:
         log.info("creating the %s base model in %s", preset, path)
-        create_tiny_base(path, preset=preset) if seed is None else create_tiny_base(path, seed=seed, preset=preset)
+        # rank 0 alone draws the base's weights: its random state must stay the other ranks' (fresh adapters
+        # replicated over expert-parallel ranks are drawn on each of them)
+        with torch.random.fork_rng(devices=[]):
+            create_tiny_base(path, preset=preset) if seed is None else create_tiny_base(path, seed=seed, preset=preset)
     dist.barrier()
     return path
 

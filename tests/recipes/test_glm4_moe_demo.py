@@ -1,6 +1,8 @@
 """The bundled ``tiny/glm4_moe_lora`` end to end on 2 CPU ranks with its experts split over them
-(``expert_parallel: 2``): it creates its GLM-4.5 base from the ``tiny_glm4_moe`` preset, trains with a finite
-loss, keeps the routers' correction bias as the base has it, and the saved adapter loads in ``peft.PeftModel.from_pretrained`` over transformers' ``Glm4MoeForCausalLM``
+(``expert_parallel: 2``) and adapted too (``lora.target_parameters``: factors replicated over the ranks, drawn
+on each): it creates its GLM-4.5 base from the ``tiny_glm4_moe`` preset on rank 0 (which must leave that rank's
+random state as the other's), trains with a finite loss, keeps the routers' correction bias as the base has it,
+and the saved adapter loads in ``peft.PeftModel.from_pretrained`` over transformers' ``Glm4MoeForCausalLM``
 with the logits of the saved merged model, which the adapters changed."""
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from tests.unit.test_moe_checkpoint import tensors
 
 pytestmark = pytest.mark.timeout(400)
 
+PARAMETERS = "lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"
+
 
 def test_tiny_glm4_moe_lora_trains_over_expert_parallel_and_its_adapter_loads_in_peft(tmp_path):
     import peft
@@ -23,7 +27,7 @@ def test_tiny_glm4_moe_lora_trains_over_expert_parallel_and_its_adapter_loads_in
 
     base, out = tmp_path / "tiny_glm4_moe_base", tmp_path / "run"
     overrides = [f"output_dir={out}", f"checkpoint_dir={base}", "epochs=1", "max_steps_per_epoch=4"]
-    run_recipe("lora_finetune_distributed", "tiny/glm4_moe_lora", *overrides, "log_every_n_steps=1")
+    run_recipe("lora_finetune_distributed", "tiny/glm4_moe_lora", *overrides, "log_every_n_steps=1", PARAMETERS)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(math.isfinite(r["loss"]) for r in rows), rows
@@ -39,6 +43,7 @@ def test_tiny_glm4_moe_lora_trains_over_expert_parallel_and_its_adapter_loads_in
         plain = base_model(tokens).logits
         adapted = peft.PeftModel.from_pretrained(base_model, final / "adapter").eval()
         layer = adapted.base_model.model.model.layers[1]
+        assert type(layer.mlp.experts).__name__ == "ParamWrapper"
         assert hasattr(layer.self_attn.q_proj, "lora_A") and hasattr(layer.self_attn.o_proj, "lora_A")
         got = merged(tokens).logits
         assert (got - adapted(tokens).logits).abs().max() < 1e-4

@@ -342,3 +342,18 @@ def test_greedy_generation_with_the_kv_cache_equals_transformers():
     prompt = batch()[0][0, :12].tolist()
     expected = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, len(prompt) :].tolist()
     assert generate(ours_from(hf).eval(), prompt, max_new_tokens=10, device="cpu") == expected
+
+
+def test_flops_count_the_routed_experts_a_token_uses_and_the_shared_expert():
+    from shardtune.training.flops import flops_per_token_fn
+
+    model = build_model(get_model_args("tiny_glm4_moe"), device="meta")
+    h, heads, kv_heads, head_dim, seq = 96, 4, 2, 32, 16
+    attention = (
+        2 * h * heads * head_dim + 2 * h * kv_heads * head_dim + (heads + 2 * kv_heads) * head_dim
+    )  # + q/k/v biases
+    norms = 2 * h + 2 * head_dim  # per layer: 2 norms, q/k norms
+    dense = 3 * h * 192
+    sparse = h * 8 + 2 * 3 * h * 64 + 3 * h * 64  # router, 2 of 8 experts of width 64, the shared expert
+    weights = 3 * (attention + norms) + dense + 2 * sparse + h + 256 * h  # layer 0 dense; final norm; lm_head
+    assert flops_per_token_fn(model)(seq) == 6 * weights + 12 * 3 * heads * head_dim * seq
