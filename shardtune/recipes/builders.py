@@ -138,6 +138,8 @@ def build_model(
                 target_modules=list(lora.target_modules),
                 target_parameters=list(lora.target_parameters),
                 quantize_base=lora.quantize_base,
+                block_size=lora.block_size,
+                scaler_block_size=lora.scaler_block_size,
             )
     if model.args.linear_attention is not None:  # before any weight moves; the same on every rank
         check_heads(model.args.linear_attention, getattr(cfg, "context_parallel", 1))
@@ -288,6 +290,7 @@ def build_checkpointer(
         keep_staging_memory=cfg.keep_staging_memory,
         shared_filesystem=cfg.shared_filesystem,
         expert_layout=cfg.expert_layout,
+        weight_format=cfg.weight_format,
     )
     states = CheckpointStates(model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler)
     return Checkpointer(states=states, options=options)

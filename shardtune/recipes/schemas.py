@@ -17,6 +17,8 @@ from shardtune.choices import (
     LORA_TARGET_PARAMETERS,
     LORA_TARGETS,
     LR_SCHEDULES,
+    NF4_BLOCK_SIZE,
+    NF4_SCALER_BLOCK_SIZE,
     OPTIMIZERS,
     OUTPUT_DIR_POLICIES,
     PREFERENCE_LOSSES,
@@ -247,6 +249,13 @@ BASE_SCHEMA = Schema(
             help="how HF checkpoints hold MoE experts: auto (as the base came in), per_expert (transformers' "
             "save_pretrained) or fused (save_original_format=False)",
         ),
+        "weight_format": Field(
+            str,
+            "dtype",
+            choices=("dtype", "block_fp8"),
+            help="how the final HF checkpoint holds the weights: dtype (the training dtype) or block_fp8 (the "
+            "block-FP8 format the base model came in)",
+        ),
         "shared_filesystem": Field(
             bool,
             True,
@@ -286,6 +295,16 @@ LORA_SECTION = Schema(
         "target_modules": Field(list, ["q_proj", "v_proj"], item=str, choices=LORA_TARGETS),
         "target_parameters": Field(list, [], item=str, choices=LORA_TARGET_PARAMETERS),
         "quantize_base": Field(bool, False),
+        "block_size": Field(
+            int,
+            NF4_BLOCK_SIZE,
+            gt=0,
+            help="values per NF4 scale (with quantize_base); a weight's element count "
+            "must be a multiple of block_size * scaler_block_size",
+        ),
+        "scaler_block_size": Field(
+            int, NF4_SCALER_BLOCK_SIZE, gt=0, help="NF4 scales per second-level scale (with quantize_base)"
+        ),
     }
 )
 LORA_SCHEMA = BASE_SCHEMA | {
