@@ -2,7 +2,8 @@
 
 The block alone against ``DeepseekV3Attention`` with the same weights (queries through the bottleneck or one
 ``q_proj``, interleaved rope or halves, yarn with its softmax mscale); the model's logits and every gradient,
-packed rows (each sample alone), greedy generation with the latent KV cache, HF directories both ways, LoRA on
+packed rows (each sample alone), greedy generation with the latent KV cache, HF directories both ways (block FP8
+as the hub ships them too), LoRA on
 the latent attention projections and the experts against peft, refused configs, presets. Shapes: values
 narrower than keys, ``2 * moe_intermediate_size != hidden_size``, 6 experts in 2 groups.
 
@@ -17,6 +18,7 @@ import dataclasses
 import json
 
 import pytest
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 import transformers
@@ -220,6 +222,46 @@ def test_hf_dirs_load_and_save_both_ways(tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", experts_implementation="eager")
     with torch.no_grad():
         assert _rel(reloaded.eval()(tokens).logits, expected) < TOL
+
+
+def test_a_block_fp8_dir_loads_the_hand_dequantized_weights(tmp_path):
+    """DeepSeek-V3's hub format: every linear (the latent attention's, the dense and shared MLPs', each expert's)
+    stored in FP8 with a scale per block of 20 x 40 (blocks cut at the edges: kv_a_proj_with_mqa is [24, 64]), the
+    router, norms, embeddings and the selection bias as they are. Every weight equals the hand-dequantized one;
+    logits equal transformers' on those weights."""
+    from tests.unit.test_block_fp8 import BLOCK, QUANT, _fused, hand_quantize, is_quantized
+
+    hf = hf_model()
+    hf.save_pretrained(tmp_path)
+    stored = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    expected = {}
+    for name, value in list(stored.items()):
+        if is_quantized(name, value):
+            fp8, scale = hand_quantize(value)
+            stored[name], stored[f"{name}_scale_inv"] = fp8, scale
+            expected[name] = (
+                fp8.float()
+                * scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)[
+                    : value.shape[0], : value.shape[1]
+                ]
+            )
+        else:
+            expected[name] = value.float()
+    assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv" in stored
+    safetensors.torch.save_file(stored, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": QUANT}))
+    with torch.device("meta"):
+        ours = from_hf_config(tmp_path, dtype=torch.float32)
+    load_hf_checkpoint(ours, tmp_path, device="cpu", strict=True)
+    ours.init_buffers("cpu")
+    state = ours.state_dict()
+    dequantized = _fused(expected)
+    assert all(torch.equal(state[name], value) for name, value in dequantized.items())
+    hf.load_state_dict(dequantized, strict=True)
+    tokens = batch()[0]
+    with torch.no_grad():
+        assert _rel(ours.eval()(tokens), hf(tokens).logits) < TOL
 
 
 @pytest.mark.parametrize("q_lora_rank", [24, None])
