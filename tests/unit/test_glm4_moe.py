@@ -357,3 +357,42 @@ def test_flops_count_the_routed_experts_a_token_uses_and_the_shared_expert():
     sparse = h * 8 + 2 * 3 * h * 64 + 3 * h * 64  # router, 2 of 8 experts of width 64, the shared expert
     weights = 3 * (attention + norms) + dense + 2 * sparse + h + 256 * h  # layer 0 dense; final norm; lm_head
     assert flops_per_token_fn(model)(seq) == 6 * weights + 12 * 3 * heads * head_dim * seq
+
+
+def _sequence_balance_by_hand(logits: torch.Tensor, chosen: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss of one layer, term by term: the mean over rows of
+    sum_i f_i * P_i, f_i = E / (k T) * (row tokens choosing i), P_i = mean over the row's T tokens of s_i / sum_j s_j."""
+    rows, seq = mask.shape
+    experts, k = logits.shape[-1], chosen.shape[-1]
+    logits, chosen = logits.view(rows, seq, experts), chosen.view(rows, seq, k)
+    per_row = []
+    for b in range(rows):
+        real = [t for t in range(seq) if mask[b, t]]
+        f = [experts / (k * len(real)) * sum(int(i in chosen[b, t].tolist()) for t in real) for i in range(experts)]
+        shares = [torch.sigmoid(logits[b, t]) / torch.sigmoid(logits[b, t]).sum() for t in real]
+        p = torch.stack(shares).mean(dim=0)
+        per_row.append(sum(f[i] * p[i] for i in range(experts)))
+    return torch.stack(per_row).mean()
+
+
+def test_the_sequence_wise_balance_loss_and_its_router_gradients_follow_deepseek_v3():
+    """The aux loss of group-limited routers is DeepSeek-V3's sequence-wise one: its value and the routers'
+    gradients from it equal the formula computed term by term on transformers' router logits and choices."""
+    coef = 3.0
+    hf = hf_glm()
+    ours = ours_from(hf)
+    tokens, mask, _ = batch()
+    routing = Routing(mask=mask)
+    routing.add_to(ours(tokens, routing=routing).sum() * 0, coef).backward()
+    captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+    gates = [hf.model.layers[i].mlp.gate for i in (1, 2)]
+    hooks = [g.register_forward_hook(lambda _m, _i, out: captured.append((out[0], out[2]))) for g in gates]
+    hf(tokens, attention_mask=mask)
+    for hook in hooks:
+        hook.remove()
+    expected = sum(_sequence_balance_by_hand(logits, chosen, mask) for logits, chosen in captured)
+    assert abs(routing.aux_loss().item() - expected.item()) < 1e-6 * expected.item()
+    (coef * expected).backward()
+    for i, gate in zip((1, 2), gates, strict=True):
+        assert gate.weight.grad.abs().max() > 0
+        assert _rel(ours.model.layers[i].mlp.gate.weight.grad, gate.weight.grad) < 1e-5

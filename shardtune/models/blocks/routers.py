@@ -41,7 +41,12 @@ __all__ = ["GptOssRouter", "Router", "ScaledRouter", "SigmoidGroupRouter"]
 
 
 class Router(nn.Module):
-    """``weight [E, H]``: router logits of each token; transformers' ``*TopKRouter``, softmax then top-k."""
+    """``weight [E, H]``: router logits of each token; transformers' ``*TopKRouter``, softmax then top-k.
+
+    ``sequence_balance``: its load-balancing loss is DeepSeek-V3's sequence-wise one (:mod:`~shardtune.models.moe_aux`),
+    not transformers' softmax one."""
+
+    sequence_balance = False
 
     def __init__(
         self,
@@ -169,6 +174,7 @@ class SigmoidGroupRouter(Router):
     and the selection-only ``e_score_correction_bias [E]`` (fp32 whatever the model's dtype)."""
 
     e_score_correction_bias: Tensor
+    sequence_balance = True
 
     def __init__(
         self,

@@ -4,7 +4,8 @@ layers (``first_k_dense_replace``), then sparse layers of DeepSeek-V3's group-li
 (``"sigmoid_group_topk"``) and an ungated shared MLP (``shared_experts``, ``n_shared_experts`` experts wide).
 
 The multi-token-prediction layer of hub checkpoints (``num_nextn_predict_layers``) is not part of the model.
-transformers adds no load-balancing loss for this family, so ``router_aux_loss_coef`` defaults to 0.
+transformers adds no load-balancing loss for this family, so ``router_aux_loss_coef`` defaults to 0 (set, it
+weighs DeepSeek-V3's sequence-wise balance loss: :mod:`shardtune.models.moe_aux`).
 """
 
 from __future__ import annotations
