@@ -499,6 +499,112 @@ PRESETS["tiny_gemma4_moe"] = {
     "moe": {"num_experts": 4, "top_k": 2, "intermediate_size": 64, "norm_topk_prob": True, "router_aux_loss_coef": 0.0},
 }
 
+# DeepSeek-V3's yarn rope (deepseek-ai/DeepSeek-V3 config.json); its softmax scale grows by mscale_all_dim too
+_DEEPSEEK_V3_YARN = {
+    "rope_type": "yarn",
+    "factor": 40.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 4096,
+}
+_MLA_671B = {
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
+_DEEPSEEK_MOE = {"top_k": 8, "intermediate_size": 2048, "norm_topk_prob": True, "router_aux_loss_coef": 0.0}
+PRESETS.update(
+    {
+        # A tiny DeepSeek-V3 (byte-level vocab) for the demo and CI: latent attention (queries through a rank-48
+        # bottleneck, values 24 < keys 48 wide), a dense first layer, then 8 experts in 2 groups (top-2 from the
+        # best group, 2I = 128 != H = 96) and an ungated shared expert; yarn rope with its softmax mscale.
+        "tiny_deepseek_v3": {
+            "model_type": "deepseek_v3",
+            "vocab_size": 256,
+            "dim": 96,
+            "n_layers": 3,
+            "n_heads": 4,
+            "intermediate_size": 192,
+            "norm_eps": 1e-6,
+            "rope_scaling": {**_DEEPSEEK_V3_YARN, "factor": 4.0, "original_max_position_embeddings": 512},
+            "max_seq_len": 2048,
+            "mla": {
+                "kv_lora_rank": 32,
+                "q_lora_rank": 48,
+                "qk_nope_head_dim": 32,
+                "qk_rope_head_dim": 16,
+                "v_head_dim": 24,
+            },
+            "moe": {
+                **_DEEPSEEK_MOE,
+                "num_experts": 8,
+                "top_k": 2,
+                "intermediate_size": 64,
+                "fp32_scores": True,
+                "mlp_only_layers": (0,),
+                "shared_expert_intermediate_size": 64,
+                "n_group": 2,
+                "topk_group": 1,
+                "routed_scaling_factor": 2.5,
+            },
+        },
+        # deepseek-ai/DeepSeek-V3's config.json (also V3.1 and R1; transformers' DeepseekV3Config defaults
+        # plus the hub's context and rope): 61 layers, 3 dense, 256 experts + 1 shared, 671B params.
+        "deepseek_v3_671b": {
+            "model_type": "deepseek_v3",
+            "vocab_size": 129280,
+            "dim": 7168,
+            "n_layers": 61,
+            "n_heads": 128,
+            "intermediate_size": 18432,
+            "norm_eps": 1e-6,
+            "rope_scaling": _DEEPSEEK_V3_YARN,
+            "max_seq_len": 163840,
+            "mla": _MLA_671B,
+            "moe": {
+                **_DEEPSEEK_MOE,
+                "num_experts": 256,
+                "fp32_scores": True,
+                "mlp_only_layers": (0, 1, 2),
+                "shared_expert_intermediate_size": 2048,
+                "n_group": 8,
+                "topk_group": 4,
+                "routed_scaling_factor": 2.5,
+            },
+            "extra": {"bos_token_id": 0, "eos_token_id": 1},
+        },
+        # moonshotai/Kimi-K2's shape (DeepSeek-V3's with 64 heads, 384 experts in one group, one dense layer, a
+        # 163,840-token vocabulary; 1.03T params); rope as Kimi-K2-Instruct's config.json (base 50,000, yarn
+        # x32 with beta 1/1, 131,072 tokens). Fine-tuning reads the checkpoint's own config.json.
+        "kimi_k2_1t": {
+            "model_type": "deepseek_v3",
+            "vocab_size": 163840,
+            "dim": 7168,
+            "n_layers": 61,
+            "n_heads": 64,
+            "intermediate_size": 18432,
+            "norm_eps": 1e-6,
+            "rope_theta": 50000.0,
+            "rope_scaling": {**_DEEPSEEK_V3_YARN, "factor": 32.0, "beta_fast": 1.0},
+            "max_seq_len": 131072,
+            "mla": _MLA_671B,
+            "moe": {
+                **_DEEPSEEK_MOE,
+                "num_experts": 384,
+                "fp32_scores": True,
+                "mlp_only_layers": (0,),
+                "shared_expert_intermediate_size": 2048,
+                "routed_scaling_factor": 2.827,
+            },
+            "extra": {"bos_token_id": 163584, "eos_token_id": 163585},
+        },
+    }
+)
+
 # The presets ``create_tiny_base`` writes (and so a recipe's ``model`` key can create when checkpoint_dir is empty).
 TINY_PRESETS = (
     "tiny",
@@ -509,6 +615,7 @@ TINY_PRESETS = (
     "tiny_gemma4",
     "tiny_gemma4_moe",
     "tiny_glm4_moe",
+    "tiny_deepseek_v3",
 )
 
 

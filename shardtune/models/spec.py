@@ -36,7 +36,7 @@ class AttentionSpec:
     ``linear_attn``): ``kind`` (``"attention"``: grouped-query attention through SDPA, exact eager with
     logit soft-capping; ``"sink_attention"``: plus gpt-oss's per-head sink logits; ``"gated_delta_net"``:
     Qwen3.5's linear attention; ``"qkv_norm_attention"``: Gemma 4's, normed values, scale 1, keys and values
-    shared across layers), one fused ``qkv_proj`` (Phi-3), a per-head RMSNorm of q and k (Qwen3, Gemma 3) and a sigmoid output gate made by ``q_proj`` (``output_gate``: Qwen3.5)."""
+    shared across layers; ``"mla_attention"``: DeepSeek-V3's multi-head latent attention, ``ModelArgs.mla``), one fused ``qkv_proj`` (Phi-3), a per-head RMSNorm of q and k (Qwen3, Gemma 3) and a sigmoid output gate made by ``q_proj`` (``output_gate``: Qwen3.5)."""
 
     kind: str = "attention"
     fused_qkv: bool = False
@@ -164,6 +164,7 @@ OPTIONAL_FIELDS: dict[str, Any] = {
     "rope_local_theta": None,
     "partial_rotary_factor": 1.0,
     "qk_norm": False,
+    "mla": None,
     "full_head_dim": None,
     "full_n_kv_heads": None,
     "attention_k_eq_v": False,

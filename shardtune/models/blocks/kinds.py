@@ -20,6 +20,7 @@ from shardtune.models.blocks.attention import Attention
 from shardtune.models.blocks.biased_experts import GptOssExperts
 from shardtune.models.blocks.experts import Experts
 from shardtune.models.blocks.gated_delta_net import GatedDeltaNet
+from shardtune.models.blocks.mla_attention import MLAttention
 from shardtune.models.blocks.mlp import MLP
 from shardtune.models.blocks.moe import SparseMoeBlock
 from shardtune.models.blocks.qkv_norm_attention import QKVNormAttention
@@ -98,6 +99,7 @@ ATTENTION: dict[str, AttentionKind] = {
     "sink_attention": SinkAttention,
     "gated_delta_net": GatedDeltaNet,
     "qkv_norm_attention": QKVNormAttention,
+    "mla_attention": MLAttention,
 }
 FEED_FORWARD: dict[str, FeedForwardKind] = {"gated_mlp": MLP, "sparse_moe": _sparse_moe}
 ROUTERS: dict[str, type[Router]] = {

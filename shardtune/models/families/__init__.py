@@ -9,6 +9,7 @@ helpers two families share: ``config_rules.py``). The decoder builds any of them
 from __future__ import annotations
 
 from shardtune.models.args import ModelArgs
+from shardtune.models.families.deepseek_v3 import DEEPSEEK_V3
 from shardtune.models.families.gemma import GEMMA2, GEMMA3_TEXT
 from shardtune.models.families.gemma4 import GEMMA4, GEMMA4_TEXT
 from shardtune.models.families.glm4_moe import GLM4_MOE
@@ -29,7 +30,7 @@ FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
         *(LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3_TEXT, GEMMA4_TEXT),
-        *(QWEN3_MOE, MIXTRAL, GPT_OSS, QWEN3_5_TEXT, QWEN3_5_MOE_TEXT, GLM4_MOE),
+        *(QWEN3_MOE, MIXTRAL, GPT_OSS, QWEN3_5_TEXT, QWEN3_5_MOE_TEXT, GLM4_MOE, DEEPSEEK_V3),
     )
 }
 
@@ -56,6 +57,12 @@ def family_of(args: ModelArgs) -> Family:
         raise ValueError(
             "MoeArgs.swiglu_limit must be set exactly for model types with clamped-SwiGLU experts (gpt_oss); "
             f"model_type {args.model_type!r} " + ("needs it" if clamped else "has none: leave swiglu_limit None")
+        )
+    mla = family.blocks.attention.kind == "mla_attention"
+    if mla != (args.mla is not None):
+        raise ValueError(
+            "ModelArgs.mla (the latent attention geometry) must be set exactly for model types with multi-head "
+            f"latent attention (deepseek_v3); model_type {args.model_type!r} " + ("needs it" if mla else "has none")
         )
     grouped = family.blocks.sparse is not None and family.blocks.sparse.router == GROUPED_ROUTER
     if args.moe is not None and args.moe.grouped_routing and not grouped:
