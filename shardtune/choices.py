@@ -10,6 +10,11 @@ from __future__ import annotations
 # ``optimizer.name``: built by ``shardtune.training.optim.build_optimizer``.
 OPTIMIZERS = ("adamw", "adamw_fused", "adamw8bit", "adamw4bit", "sgd")
 
+# ``lora.block_size`` / ``lora.scaler_block_size`` defaults: the QLoRA paper's NF4 block sizes (values per scale,
+# scales per second-level scale), used by ``shardtune.peft.nf4``.
+NF4_BLOCK_SIZE = 64
+NF4_SCALER_BLOCK_SIZE = 256
+
 # ``lr_scheduler.name``: built by ``shardtune.training.optim.build_lr_scheduler``.
 LR_SCHEDULES = ("cosine", "linear", "constant")
 

@@ -209,7 +209,8 @@ def model_args_from_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> 
         raise ValueError(
             f"{source} lacks required keys {missing}; give the model's config.json as transformers writes it"
         )
-    extra = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
+    kept = ("bos_token_id", "eos_token_id", "pad_token_id", *filter(None, [family.carried_layers_key]))
+    extra = {k: cfg[k] for k in kept if cfg.get(k) is not None}
     kwargs: dict[str, Any] = {
         "vocab_size": int(cfg["vocab_size"]),
         "dim": int(cfg["hidden_size"]),

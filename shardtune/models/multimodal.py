@@ -1,11 +1,14 @@
-"""Multimodal checkpoints whose text tower shardtune trains (``families.MULTIMODAL``), as config.json sees them.
+"""Multimodal checkpoints whose text tower shardtune trains (``families.MULTIMODAL``), as config.json sees them,
+and the checkpoint tensors a model does not use, carried through its saves.
 
 Rule: the checkpoint's ``text_config`` is read as the text family's config (the outer ``tie_word_embeddings``,
 which the multimodal class ties by, winning), and the whole ``config.json`` is kept on ``ModelArgs.multimodal``;
 it is written back unchanged but for the values of the ``text_config`` keys it has that shardtune writes
 (``rope_parameters`` merged into the source's, so keys only the other towers read, such as Qwen3.5's
 ``mrope_section``, stay; a key the source leaves to transformers' default stays absent). Which
-file tensors are the text model's and which are carried is the spec's (:func:`spec_of`).
+file tensors are the text model's and which are carried is the spec's (:func:`spec_of`); so are the layers
+after the model's own that a family's ``carried_layers_key`` counts (multi-token prediction), under the text
+model's file prefix.
 """
 
 from __future__ import annotations
@@ -14,10 +17,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardtune.models.args import ModelArgs
-from shardtune.models.families import MULTIMODAL
+from shardtune.models.families import MULTIMODAL, family_of
 from shardtune.models.spec import Multimodal
 
-__all__ = ["carried_keys", "file_prefixes", "spec_of", "text_config", "tower_problems", "wrap_text_config"]
+__all__ = [
+    "carries",
+    "carried_keys",
+    "file_prefixes",
+    "spec_of",
+    "text_config",
+    "tower_problems",
+    "wrap_text_config",
+]
 
 NO_PREFIXES: tuple[tuple[str, str], ...] = ()
 
@@ -68,12 +79,28 @@ def wrap_text_config(args: ModelArgs, text: dict[str, Any]) -> dict[str, Any]:
     return {**source, "text_config": nested, "tie_word_embeddings": args.tie_word_embeddings}
 
 
+def _carried_layers(args: ModelArgs) -> int:
+    """How many layers after the model's own its checkpoint holds (config.json's ``carried_layers_key``)."""
+    key = family_of(args).carried_layers_key
+    return int(args.extra.get(key) or 0) if key is not None else 0
+
+
+def carries(args: ModelArgs) -> bool:
+    """Whether a save of the model of ``args`` copies tensors from the checkpoint it was loaded from."""
+    return spec_of(args) is not None or _carried_layers(args) > 0
+
+
 def carried_keys(args: ModelArgs, keys: list[str]) -> list[str]:
-    """The file tensors among ``keys`` that are not the text model's (the other towers, carried through)."""
-    spec = spec_of(args)
-    if spec is None:
-        return []
-    return [k for k in keys if not k.startswith(spec.text_prefixes)]
+    """The file tensors among ``keys`` that are not the model's: the other towers of a multimodal checkpoint
+    and the layers after the model's own (``model.layers.<n_layers + i>.``, under the text prefix)."""
+    spec, extra = spec_of(args), _carried_layers(args)
+    layers = dict(file_prefixes(args)).get("model.", "model.") + "layers."
+    after = tuple(f"{layers}{args.n_layers + i}." for i in range(extra))
+    return [
+        k
+        for k in keys
+        if (spec is not None and not k.startswith(spec.text_prefixes)) or (after and k.startswith(after))
+    ]
 
 
 def tower_problems(args: ModelArgs, keys: list[str], where: str) -> list[str]:

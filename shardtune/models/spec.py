@@ -188,7 +188,10 @@ class Family:
     projection names to the fused module that holds them (Phi-3), so generic LoRA targets still apply;
     ``rope_type_aliases`` maps old rope type names of its configs. ``rope_parameters_only``: its configs
     say rope only as ``rope_parameters`` (Gemma 4), whatever style is asked for. ``moe_optional``: models
-    of the family may have experts or not (Gemma 4).
+    of the family may have experts or not (Gemma 4). ``carried_layers_key``: the config.json key counting
+    the layers its checkpoints hold after the model's own (DeepSeek-V3, GLM-4.5: ``num_nextn_predict_layers``,
+    the multi-token-prediction layers transformers does not load): kept in config.json, and their tensors
+    carried through a save (:mod:`shardtune.models.multimodal`), never loaded.
     """
 
     model_type: str
@@ -208,6 +211,7 @@ class Family:
     default_local_theta: float | None = None  # sliding layers' own rope base (Gemma 3)
     rope_parameters_only: bool = False
     moe_optional: bool = False
+    carried_layers_key: str | None = None
 
     @property
     def moe(self) -> bool:

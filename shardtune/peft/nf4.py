@@ -10,12 +10,13 @@ import math
 
 from torch import Tensor
 
+from shardtune.choices import NF4_BLOCK_SIZE, NF4_SCALER_BLOCK_SIZE
 from shardtune.state_dict.nf4 import dequantize, is_quantized
 
 __all__ = ["check_nf4_shape", "dequantize", "is_quantized", "linear_nf4", "to_nf4"]
 
-DEFAULT_BLOCK_SIZE = 64
-DEFAULT_SCALER_BLOCK_SIZE = 256
+DEFAULT_BLOCK_SIZE = NF4_BLOCK_SIZE
+DEFAULT_SCALER_BLOCK_SIZE = NF4_SCALER_BLOCK_SIZE
 
 
 def _nf4_module():
@@ -31,7 +32,8 @@ def check_nf4_shape(name: str, shape: tuple[int, ...], *, block_size: int, scale
         raise ValueError(
             f"cannot quantize {name} (shape {tuple(shape)}, {numel} elements) to NF4: the element count must be "
             f"a multiple of block_size * scaler_block_size = {block_size} * {scaler_block_size}; pass smaller "
-            "block sizes or leave this module out of target_modules"
+            "block sizes (the recipes' lora.block_size, lora.scaler_block_size) or leave this module out of "
+            "target_modules"
         )
 
 

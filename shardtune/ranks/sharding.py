@@ -20,7 +20,7 @@ from shardtune.ranks import expert_parallel as ep
 from shardtune.ranks import mesh as meshes
 from shardtune.ranks.activation_checkpointing import checkpointed
 from shardtune.state_dict.layout import local_tensor
-from shardtune.state_dict.nf4 import is_nf4_experts, is_quantized
+from shardtune.state_dict.nf4 import is_nf4, is_nf4_experts, is_quantized
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,25 @@ def _check_nf4_experts(
             raise ValueError(
                 f"{name}: fsdp_cpu_offload is not supported with NF4 experts (lora.quantize_base with "
                 "lora.target_parameters); set fsdp_cpu_offload=false or lora.quantize_base=false"
+            )
+
+
+def _check_nf4_linears(model: nn.Module, shard_ranks: int) -> None:
+    """Refuse NF4 bases FSDP2 cannot split over ``shard_ranks`` ranks on dim 0: torchao splits an NF4
+    tensor's rows and each of its inner tensors (codes, scales, second-level scales) into equal parts, so
+    the rows and the second-level scale groups (``numel / (block_size * scaler_block_size)``) must divide."""
+    if shard_ranks == 1:
+        return
+    for name, p in model.named_parameters():
+        if not is_nf4(p):
+            continue
+        groups = p.numel() // (p.block_size * p.scaler_block_size)
+        if p.shape[0] % shard_ranks or groups % shard_ranks:
+            raise ValueError(
+                f"{name}: its NF4 base {tuple(p.shape)} ({groups} groups of block_size * scaler_block_size = "
+                f"{p.block_size} * {p.scaler_block_size} values) cannot be split evenly over {shard_ranks} ranks; "
+                "pick lora.block_size and lora.scaler_block_size so that the rows and the groups are multiples of "
+                "the shard group's size, leave this module out of lora.target_modules, or set lora.quantize_base=false"
             )
 
 
@@ -117,6 +136,7 @@ def shard_model(
         )
     # before experts become ep DTensors: E/ep experts divide over efsdp exactly when E divides over the shard ranks
     _check_nf4_experts(model, placement, shard_ranks, cpu_offload=cpu_offload)
+    _check_nf4_linears(model, shard_ranks)
     if degree > 1:
         _check_expert_parallel(model, mesh, has_experts=placement is not None, cpu_offload=cpu_offload)
         ep.distribute_experts(model, mesh)

@@ -135,6 +135,8 @@ def build_model(
                 target_modules=list(lora.target_modules),
                 target_parameters=list(lora.target_parameters),
                 quantize_base=lora.quantize_base,
+                block_size=lora.block_size,
+                scaler_block_size=lora.scaler_block_size,
             )
     if model.args.linear_attention is not None:  # before any weight moves; the same on every rank
         check_heads(model.args.linear_attention, getattr(cfg, "context_parallel", 1))

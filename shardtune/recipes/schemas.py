@@ -17,6 +17,8 @@ from shardtune.choices import (
     LORA_TARGET_PARAMETERS,
     LORA_TARGETS,
     LR_SCHEDULES,
+    NF4_BLOCK_SIZE,
+    NF4_SCALER_BLOCK_SIZE,
     OPTIMIZERS,
     OUTPUT_DIR_POLICIES,
     PREFERENCE_LOSSES,
@@ -277,6 +279,16 @@ LORA_SECTION = Schema(
         "target_modules": Field(list, ["q_proj", "v_proj"], item=str, choices=LORA_TARGETS),
         "target_parameters": Field(list, [], item=str, choices=LORA_TARGET_PARAMETERS),
         "quantize_base": Field(bool, False),
+        "block_size": Field(
+            int,
+            NF4_BLOCK_SIZE,
+            gt=0,
+            help="values per NF4 scale (with quantize_base); a weight's element count "
+            "must be a multiple of block_size * scaler_block_size",
+        ),
+        "scaler_block_size": Field(
+            int, NF4_SCALER_BLOCK_SIZE, gt=0, help="NF4 scales per second-level scale (with quantize_base)"
+        ),
     }
 )
 LORA_SCHEMA = BASE_SCHEMA | {

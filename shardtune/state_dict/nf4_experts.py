@@ -133,7 +133,7 @@ def nf4_experts_shape_problem(
     return (
         f"cannot quantize {name} (shape {tuple(shape)}) to NF4 per expert: each expert's {tuple(shape[1:])} "
         f"slice has {per_expert} elements, not a multiple of block_size * scaler_block_size = "
-        f"{block_size} * {scaler_block_size} = {group}; pass smaller NF4 block sizes, set quantize_base=false, or "
+        f"{block_size} * {scaler_block_size} = {group}; pass smaller NF4 block sizes (lora.block_size, lora.scaler_block_size), set quantize_base=false, or "
         "leave this parameter out of lora.target_parameters"
     )
 

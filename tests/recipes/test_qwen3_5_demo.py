@@ -82,6 +82,17 @@ def test_dpo_grpo_and_distillation_train_the_2026_families(tmp_path, recipe_pool
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows), rows
 
 
+def test_qlora_on_the_tiny_hybrid_takes_its_nf4_block_sizes_from_the_config(tmp_path, recipe_pool):
+    """The tiny hybrid's projections are too small for NF4's default blocks (64 x 256 values): the recipe takes
+    ``lora.block_size``/``lora.scaler_block_size`` and trains its NF4 bases over 2 ranks."""
+    out = tmp_path / "run"
+    overrides = [f"output_dir={out}", f"checkpoint_dir={tmp_path / 'base'}", "lora.quantize_base=true"]
+    overrides += ["lora.block_size=16", "lora.scaler_block_size=16", "epochs=1", "max_steps_per_epoch=2"]
+    recipe_pool.run("lora_finetune_distributed", "tiny/qwen3_5_lora", *overrides, "log_every_n_steps=1")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows), rows
+
+
 def test_context_parallel_2_logs_the_steps_of_one_rank(tmp_path, recipe_pool):
     """LoRA on the hybrid with every packed row split over 2 ranks (its Gated DeltaNet layers trading tokens for
     heads) logs the loss and gradient norm of one rank training on the same global batch. The base is made

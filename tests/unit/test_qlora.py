@@ -129,3 +129,23 @@ def test_qlora_rejects_unquantizable_shapes_and_tied_head():
     tied = LlamaForCausalLM(ARGS.replace(tie_word_embeddings=True))
     with pytest.raises(ValueError, match="tied"):
         apply_lora(tied, rank=2, alpha=2, target_modules=["lm_head"], quantize_base=True)
+
+
+def test_nf4_bases_that_cannot_split_over_the_shard_group_are_refused_by_name():
+    """torchao splits an NF4 base's rows and each inner tensor evenly over FSDP's ranks: a 4 x 128 base in
+    blocks of 16 x 32 values is one group of second-level scales, which 2 ranks cannot share."""
+    from shardtune.ranks.sharding import _check_nf4_linears
+
+    args = ModelArgs(vocab_size=64, dim=128, n_layers=1, n_heads=4, n_kv_heads=1, head_dim=4, intermediate_size=64)
+    model = apply_lora(
+        LlamaForCausalLM(args),
+        rank=2,
+        alpha=2,
+        target_modules=["k_proj"],
+        quantize_base=True,
+        block_size=16,
+        scaler_block_size=32,
+    )
+    _check_nf4_linears(model, 1)
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.k_proj\.weight.*lora\.block_size"):
+        _check_nf4_linears(model, 2)

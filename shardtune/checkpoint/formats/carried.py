@@ -1,5 +1,6 @@
 """Tensors of a source HF checkpoint copied into a save unchanged: the towers of a multimodal checkpoint
-that shardtune does not train (vision, multi-token prediction), beside the trained text tower.
+that shardtune does not train (vision, multi-token prediction), beside the trained text tower, and the layers
+a family's checkpoints hold after the model's own (DeepSeek-V3's and GLM-4.5's multi-token prediction).
 
 Rule: a carried tensor is a :class:`~shardtune.checkpoint.storage.writer.WriteItem` whose source is the
 tensor in the source files (read lazily, in its own dtype, so the bytes written are the bytes read) and
@@ -7,8 +8,7 @@ whose layout splits its rows evenly over the ranks: each rank copies only its sh
 source file into the output file, as it writes its shards of the model (a sink that gathers has rank 0
 copy them whole, as it writes everything). Which tensors are carried comes from the source's headers
 (:class:`CarriedSource`), read by every rank, or by rank 0 alone and shared when only it sees the files;
-which tensors are the text model's and which towers must be there is the multimodal spec's
-(:mod:`shardtune.models.multimodal`).
+which tensors are the model's and which towers must be there is :mod:`shardtune.models.multimodal`'s.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from shardtune.checkpoint.formats.hf_load import open_hf_checkpoint
 from shardtune.checkpoint.storage.safetensors_io import HeaderEntry, SafetensorsFile
 from shardtune.checkpoint.storage.writer import WriteItem
 from shardtune.models.args import ModelArgs
-from shardtune.models.multimodal import carried_keys, spec_of, tower_problems
+from shardtune.models.multimodal import carried_keys, carries, tower_problems
 from shardtune.ranks import comm
 from shardtune.state_dict.layout import Piece, TensorLayout
 
@@ -44,15 +44,15 @@ class CarriedSource:
 def read_carried(args: ModelArgs | None, source_dir: str | os.PathLike | None) -> CarriedSource | None:
     """The source tensors a save of the model of ``args`` carries (None for a text model). Local: only
     headers are read; problems are recorded, not raised."""
-    if args is None or spec_of(args) is None:
+    if args is None or not carries(args):
         return None
     if source_dir is None:
         return CarriedSource(
             "",
             problems=(
-                "the text tower of a multimodal checkpoint is saved with its other towers copied from the "
-                "checkpoint it was loaded from; pass source_dir=<that HF model directory> (shardtune convert: "
-                "--base-dir)",
+                "the text tower of a multimodal checkpoint, or a model whose checkpoint holds layers it does not "
+                "use (multi-token prediction), is saved with those tensors copied from the checkpoint it was "
+                "loaded from; pass source_dir=<that HF model directory> (shardtune convert: --base-dir)",
             ),
         )
     directory = os.fspath(source_dir)

@@ -234,6 +234,8 @@ def write_model_description(model: nn.Module, directory: Path, base_dir: Path | 
             "target_modules": list(lora.target_modules),
             "target_parameters": list(lora.target_parameters),
             "quantize_base": lora.quantize_base,
+            "block_size": lora.block_size,
+            "scaler_block_size": lora.scaler_block_size,
             "base_dir": str(base_dir) if base_dir else None,
         }
         checksums.write_bytes(directory / DCP_LORA_FILE, json.dumps(info, indent=2).encode())
@@ -271,6 +273,8 @@ def convert_dcp_to_hf(
                 target_modules=lora["target_modules"],
                 target_parameters=lora.get("target_parameters", []),
                 quantize_base=lora["quantize_base"],
+                # written since NF4 block sizes became options; older files used the defaults
+                **{key: lora[key] for key in ("block_size", "scaler_block_size") if key in lora},
             )
     if sharded:
         from shardtune.ranks.sharding import shard_model
