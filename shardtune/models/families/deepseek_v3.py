@@ -7,7 +7,7 @@ Keys transformers' ``DeepseekV3Config`` fills in when absent are read with its d
 attention geometry (``kv_lora_rank``, ``q_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``),
 which a config must state (``q_lora_rank`` may be null: one ``q_proj``). The multi-token-prediction layer of hub
 checkpoints (``num_nextn_predict_layers``, an extra ``model.layers.<N>`` transformers does not load) is not part of
-the model. LoRA's Llama names reach the projections that make queries, keys and values (``q_proj`` ->
+the model: it is carried through saves byte for byte (``Family.carried_layers_key``). LoRA's Llama names reach the projections that make queries, keys and values (``q_proj`` ->
 ``q_b_proj`` when queries go through the bottleneck, ``k_proj``/``v_proj`` -> ``kv_b_proj``).
 """
 
@@ -82,4 +82,5 @@ DEEPSEEK_V3 = Family(
     blocks=Blocks(attention=AttentionSpec(kind="mla_attention"), sparse=_SPARSE),
     config_fields=frozenset({"mla"}),
     lora_aliases={"q_proj": "q_b_proj", "k_proj": "kv_b_proj", "v_proj": "kv_b_proj"},
+    carried_layers_key="num_nextn_predict_layers",
 )
