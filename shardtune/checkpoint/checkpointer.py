@@ -120,6 +120,7 @@ class Checkpointer:
             adapter_weights_only=options.adapter_weights_only,
             shared_filesystem=options.shared_filesystem,
             expert_layout=options.expert_layout,
+            weight_format=options.weight_format,
         )
         self._final, self._intermediate = pick_weights(
             inputs,

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtune.checkpoint.formats.hf_save import EXPERT_LAYOUTS
+from shardtune.checkpoint.formats.hf_save import EXPERT_LAYOUTS, WEIGHT_FORMATS
 from shardtune.checkpoint.formats.training_state import Stateful, TrainingProgress
 
 FORMATS = ("hf", "dcp")  # of intermediate checkpoints; the final one is always HF
@@ -54,7 +54,10 @@ class CheckpointOptions:
     another world size. ``checksums=False`` records no checksums on save and checks none on
     resume: it exists to measure their cost (benchmarks/checksums.py). ``expert_layout`` is how
     HF checkpoints hold MoE experts (``auto``: the layout the model was loaded from; ``per_expert``;
-    ``fused``: see :func:`~shardtune.checkpoint.formats.hf_save.save_hf_checkpoint`).
+    ``fused``: see :func:`~shardtune.checkpoint.formats.hf_save.save_hf_checkpoint`). ``weight_format``
+    is how the final HF checkpoint holds the weights (``dtype``: the training dtype; ``block_fp8``: the
+    block-FP8 format the base was loaded from); intermediate checkpoints, which resumes read, keep the
+    training dtype.
     """
 
     output_dir: Path
@@ -72,6 +75,7 @@ class CheckpointOptions:
     keep_staging_memory: bool = True
     checksums: bool = True
     expert_layout: str = "auto"
+    weight_format: str = "dtype"
 
     def __post_init__(self) -> None:
         # Paths given as str are stored as Path; every check of the options is made here, once.
@@ -80,6 +84,8 @@ class CheckpointOptions:
             object.__setattr__(self, "base_dir", Path(self.base_dir))
         if self.expert_layout not in EXPERT_LAYOUTS:
             raise ValueError(f"expert_layout={self.expert_layout!r}: choose one of {', '.join(EXPERT_LAYOUTS)}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_format={self.weight_format!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
         if self.checkpoint_format not in FORMATS:
             raise ValueError(f"checkpoint_format={self.checkpoint_format!r}: choose 'hf' or 'dcp'")
         if not self.shared_filesystem and (self.async_save or self.checkpoint_format == "dcp"):

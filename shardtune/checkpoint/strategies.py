@@ -10,7 +10,7 @@ explicitly (:class:`WeightsInputs`), never the Checkpointer. Every method is col
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -52,6 +52,7 @@ class WeightsInputs:
     adapter_weights_only: bool
     shared_filesystem: bool
     expert_layout: str = "auto"  # how the HF files hold MoE experts (hf_save.EXPERT_LAYOUTS)
+    weight_format: str = "dtype"  # how the HF files hold the weights (hf_save.WEIGHT_FORMATS)
 
 
 def write_adapter(inputs: WeightsInputs, staging: Path) -> bool:
@@ -92,6 +93,7 @@ class HFNow:
                 shared_filesystem=shared,
                 expert_layout=inputs.expert_layout,
                 source_dir=inputs.base_dir,
+                weight_format=inputs.weight_format,
             )
         if inputs.optimizer is not None:
             save_optimizer(inputs.model, inputs.optimizer, staging / STATE_DIR, shared_filesystem=shared)
@@ -117,6 +119,7 @@ class HFInBackground:
                 tokenizer_dir=inputs.base_dir,
                 expert_layout=inputs.expert_layout,
                 source_dir=inputs.base_dir,
+                weight_format=inputs.weight_format,
             )
             plans.append(plan_hf_checkpoint(inputs.model, staging, options=options))
         if inputs.optimizer is not None:
@@ -168,13 +171,16 @@ def pick_weights(
     inputs: WeightsInputs, *, checkpoint_format: str, async_save: bool, keep_staging_memory: bool
 ) -> tuple[Weights, Weights]:
     """(the final checkpoint's strategy, the intermediate ones'): the final checkpoint is always
-    HF files written now; intermediate ones as configured. Collective (may create process groups)."""
+    HF files written now (in ``inputs.weight_format``); intermediate ones as configured, in the training
+    dtype (a resume must not read quantized weights). Collective (may create process groups)."""
     final = HFNow(inputs)
+    plain = final if inputs.weight_format == "dtype" else HFNow(replace(inputs, weight_format="dtype"))
+    inputs = plain.inputs
     if checkpoint_format == "dcp":
         return final, DCPShards(inputs, background=async_save, keep_memory=keep_staging_memory)
     if async_save:
         return final, HFInBackground(inputs, keep_memory=keep_staging_memory)
-    return final, final
+    return final, plain
 
 
 def _caching_dcp_stager() -> DefaultStager:

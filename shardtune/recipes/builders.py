@@ -286,6 +286,7 @@ def build_checkpointer(
         keep_staging_memory=cfg.keep_staging_memory,
         shared_filesystem=cfg.shared_filesystem,
         expert_layout=cfg.expert_layout,
+        weight_format=cfg.weight_format,
     )
     states = CheckpointStates(model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler)
     return Checkpointer(states=states, options=options)

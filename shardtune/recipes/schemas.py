@@ -240,6 +240,13 @@ BASE_SCHEMA = Schema(
             help="how HF checkpoints hold MoE experts: auto (as the base came in), per_expert (transformers' "
             "save_pretrained) or fused (save_original_format=False)",
         ),
+        "weight_format": Field(
+            str,
+            "dtype",
+            choices=("dtype", "block_fp8"),
+            help="how the final HF checkpoint holds the weights: dtype (the training dtype) or block_fp8 (the "
+            "block-FP8 format the base model came in)",
+        ),
         "shared_filesystem": Field(
             bool,
             True,

@@ -273,7 +273,23 @@ def _number_kind_problems(entries: list[ModelEntry], full_sd: Mapping[str, Any])
                 f"{odd[0][0]}: the checkpoint holds {odd[0][1]} values but the model's tensor is {entry.tensor.dtype}; "
                 "the file's header is corrupt or the checkpoint belongs to another model."
             )
+        unscaled = [k for k in keys if _is_float8(full_sd[k]) and entry.tensor.dtype not in FLOAT8]
+        if unscaled:
+            problems.append(
+                f"{unscaled[0]}: an FP8 tensor without its block scales would load unscaled into the model's "
+                f"{entry.tensor.dtype} tensor; load the directory with load_hf_checkpoint (block-FP8 checkpoints need "
+                "their quantization_config in config.json) or dequantize the weights first."
+            )
     return problems
+
+
+FLOAT8 = {torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz}
+
+
+def _is_float8(value: Any) -> bool:
+    """True for an FP8 tensor or lazy value: scaled weights, whose scales a plain load would drop."""
+    dtype = value.dtype if isinstance(value, torch.Tensor) else lazy_dtype(value)
+    return dtype in FLOAT8
 
 
 def _entry_problem(entry: ModelEntry, key: str, desc: tuple) -> str | None:

@@ -28,7 +28,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from tqdm import tqdm
 
 from shardtune.checkpoint.errors import CheckpointError, UnsafeFileNameError
-from shardtune.checkpoint.formats import mxfp4
+from shardtune.checkpoint.formats import block_fp8, mxfp4
 from shardtune.checkpoint.layout import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES
 from shardtune.checkpoint.safety.file_names import inside
 from shardtune.checkpoint.storage.safetensors_io import SafetensorsFile, TensorSlice
@@ -219,6 +219,7 @@ def _load(
     start = time.perf_counter()
     checkpoint, problems = None, []
     state: Mapping = {}
+    fp8: block_fp8.BlockFp8Format | None = None
     args = model_args(model)
     if shared_filesystem or comm.rank() == 0:
         try:
@@ -227,10 +228,14 @@ def _load(
                 problems += tower_problems(args, list(checkpoint), model_dir)
                 checkpoint = checkpoint.without(carried_keys(args, list(checkpoint)))
             state = mxfp4.dequantizing(checkpoint)  # gpt-oss MXFP4 experts, dequantized per piece as read
+            # block-FP8 weights, dequantized per piece as read
+            state, fp8 = block_fp8.dequantizing(state, block_fp8.read_quantization(model_dir), where=model_dir)
         except CheckpointError as exc:
             problems.append(str(exc))
     try:
         comm.raise_on_every_rank(problems, header="Cannot load the HF checkpoint:", error=CheckpointError)
+        # the format read, for a save in it: every rank's (rank 0's where only it reads the files)
+        block_fp8.note_source(model, fp8 if shared_filesystem else comm.all_gather_objects(fp8)[0])
         entries = model_entries(model, file_prefixes=hf_file_prefixes(model))
         total = _expected_reads(entries, checkpoint, shared_filesystem) if checkpoint is not None else 0
         with progress_bar(total, desc="load") as bar:
@@ -244,6 +249,15 @@ def _load(
         log_done("Loaded", model_dir, checkpoint.total_bytes if checkpoint is not None else 0, start)
         _warn_unused(model_dir, result.unexpected_keys)
     return result
+
+
+def block_fp8_format(model: nn.Module, model_dir: str) -> block_fp8.BlockFp8Format | None:
+    """The block-FP8 format of ``model_dir`` as a load of ``model`` reads it, or None (local: headers and
+    ``config.json`` only); a resumed model, never loaded from its base, saves in its base's format so."""
+    with open_hf_checkpoint(model_dir) as checkpoint:
+        args = model_args(model)
+        files = checkpoint if args is None else checkpoint.without(carried_keys(args, list(checkpoint)))
+        return block_fp8.dequantizing(files, block_fp8.read_quantization(model_dir), where=model_dir)[1]
 
 
 def model_args(model: nn.Module) -> ModelArgs | None:

@@ -26,8 +26,16 @@ import torch
 from torch import nn
 
 from shardtune.checkpoint.errors import CheckpointError
+from shardtune.checkpoint.formats import block_fp8
+from shardtune.checkpoint.formats.block_fp8_save import WEIGHT_FORMATS, quantized_config, quantized_items
 from shardtune.checkpoint.formats.carried import CarriedSource, agree_on_carried, carried_items, read_carried
-from shardtune.checkpoint.formats.hf_load import hf_file_prefixes, log_done, model_args, progress_bar
+from shardtune.checkpoint.formats.hf_load import (
+    block_fp8_format,
+    hf_file_prefixes,
+    log_done,
+    model_args,
+    progress_bar,
+)
 from shardtune.checkpoint.layout import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -59,6 +67,7 @@ from shardtune.state_dict.parts import Part, part_layout, read_as_parts, tiling_
 
 __all__ = [
     "EXPERT_LAYOUTS",
+    "WEIGHT_FORMATS",
     "HFSaveOptions",
     "LoRAMerge",
     "hf_weight_items",
@@ -87,6 +96,7 @@ def save_hf_checkpoint(
     sink: Sink | None = None,
     expert_layout: str = "auto",
     source_dir: str | os.PathLike | None = None,
+    weight_format: str = "dtype",
 ) -> list[str]:
     """Write ``model`` as an HF checkpoint directory loadable by ``AutoModelForCausalLM.from_pretrained``.
 
@@ -103,7 +113,12 @@ def save_hf_checkpoint(
     checkpoint is written as that checkpoint, its other towers copied byte for byte from
     ``source_dir`` (the checkpoint it was loaded from), each rank its share. Floating tensors are cast to ``dtype`` when
     given; NF4 bases are dequantized; with ``merge_adapters`` each LoRA linear is written as
-    ``W + scaling * B @ A`` and its adapters are left out. A tied ``lm_head.weight`` is left
+    ``W + scaling * B @ A`` and its adapters are left out. With ``weight_format="block_fp8"`` the
+    tensors the model's source directory held in block FP8 are written in that format again, each
+    rank quantizing its own rows (:mod:`~shardtune.checkpoint.formats.block_fp8_save`); by default
+    (``"dtype"``) every tensor is written in its dtype and ``config.json`` declares no quantization. A model
+    not loaded from a block-FP8 directory (resumed from a checkpoint in its dtype) takes the format of
+    ``source_dir``. A tied ``lm_head.weight`` is left
     out when the config says ``tie_word_embeddings``. Returns, on every rank, the names of the
     config and weight files (tokenizer files not included). Errors raise
     :class:`CheckpointError` with the same message on every rank.
@@ -119,6 +134,7 @@ def save_hf_checkpoint(
         tokenizer_dir=tokenizer_dir,
         expert_layout=expert_layout,
         source_dir=source_dir,
+        weight_format=weight_format,
     )
     # the towers a multimodal model carries: their headers read by rank 0 alone when only it writes
     carried = agree_on_carried(model_args(model), source_dir, every_rank_reads=not sink.gathers_sharded)
@@ -143,6 +159,7 @@ class HFSaveOptions:
     tokenizer_dir: str | os.PathLike | None = None
     expert_layout: str = "auto"
     source_dir: str | os.PathLike | None = None
+    weight_format: str = "dtype"
 
 
 def plan_hf_checkpoint(
@@ -197,7 +214,15 @@ def _weight_items(model: nn.Module, options: HFSaveOptions) -> tuple[list[WriteI
     problems: list[str] = []
     if options.expert_layout not in EXPERT_LAYOUTS:
         problems.append(f"expert_layout={options.expert_layout!r}: choose one of {', '.join(EXPERT_LAYOUTS)}")
-    hf_config = _hf_config(model, options.config, problems)
+    if options.weight_format not in WEIGHT_FORMATS:
+        problems.append(f"weight_format={options.weight_format!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
+    source = block_fp8.source_of(model)
+    if source is None and options.weight_format == "block_fp8" and options.source_dir is not None:
+        try:  # a model resumed from a checkpoint in the training dtype: its base's format
+            source = block_fp8_format(model, os.fspath(options.source_dir))
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    hf_config = quantized_config(_hf_config(model, options.config, problems), source, options.weight_format)
     items, item_problems = _plan_items(
         model,
         dtype=options.dtype,
@@ -205,6 +230,8 @@ def _weight_items(model: nn.Module, options: HFSaveOptions) -> tuple[list[WriteI
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings")),
         expert_layout=options.expert_layout,
     )
+    if options.weight_format == "block_fp8":
+        items = quantized_items(items, source, item_problems)
     return items, hf_config, problems + item_problems
 
 
@@ -408,7 +435,7 @@ def _saved_dtype(items: list[WriteItem]) -> torch.dtype | None:
     """The floating dtype holding most of the written bytes (what ``config.json`` reports)."""
     totals: dict[torch.dtype, int] = {}
     for item in items:
-        if item.dtype.is_floating_point:
+        if item.dtype.is_floating_point and item.dtype != block_fp8.FP8_DTYPE:  # FP8 weights declare it apart
             totals[item.dtype] = totals.get(item.dtype, 0) + item.nbytes
     return max(totals, key=totals.__getitem__) if totals else None
 
