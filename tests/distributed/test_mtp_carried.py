@@ -135,6 +135,54 @@ def test_the_mtp_layer_is_carried_never_loaded(pool2, tmp_path, model_type):
         assert (again(TOKENS).logits - logits).abs().max() <= 1e-4
 
 
+def test_a_block_fp8_mtp_layer_is_written_dequantized_by_a_plain_save(pool2, tmp_path):
+    """The hub's DeepSeek-V3 MTP layer is block FP8 like its other weights: a save in a plain dtype writes it
+    dequantized (the hand dequantization, in bf16) without its scales, as a file without quantization_config
+    must, and that file loads again."""
+    base, out = tmp_path / "base", tmp_path / "out"
+    mtp, _ = hf_dir("deepseek_v3", base)
+    weights = _tensors(base)
+    second = "model-00002-of-00002.safetensors"
+    fp8 = {k: v for k, v in mtp.items() if v.dim() == 2}
+    block, quantized = 8, dict(mtp)
+    for key, value in fp8.items():
+        blocks = value.float().unflatten(0, (-1, block)).unflatten(-1, (-1, block))
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+        expanded = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+        quantized[key] = (value.float() / expanded).to(torch.float8_e4m3fn)
+        quantized[key + "_scale_inv"] = scale
+    save_file(quantized, str(base / second))
+    index = {
+        "metadata": {},
+        "weight_map": {
+            k: v
+            for k, v in json.loads((base / "model.safetensors.index.json").read_text())["weight_map"].items()
+            if k not in mtp
+        },
+    }
+    index["weight_map"] |= dict.fromkeys(quantized, second)
+    (base / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((base / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
+    (base / "config.json").write_text(json.dumps(config))
+    pool2.run_ok(_load_and_save, str(base), str(out), True)
+    saved = _tensors(out)
+    assert not any(k.endswith("_scale_inv") for k in saved) and "quantization_config" not in json.loads(
+        (out / "config.json").read_text()
+    )
+    for key in fp8:
+        scale = quantized[key + "_scale_inv"].repeat_interleave(block, 0).repeat_interleave(block, 1)
+        assert saved[key].dtype == torch.bfloat16
+        assert torch.equal(saved[key], (quantized[key].float() * scale).bfloat16()), key
+    assert all(torch.equal(saved[k], weights[k]) for k in weights if k not in mtp)
+    pool2.run_ok(_load_and_save, str(out), str(tmp_path / "again"), True)  # shardtune reads its output back
+
+
 def test_a_save_with_nowhere_to_copy_the_mtp_layer_from_is_refused_on_every_rank(pool2, tmp_path):
     base, out = tmp_path / "base", tmp_path / "out"
     hf_dir("glm4_moe", base)
