@@ -236,6 +236,11 @@ class Multimodal:
     ``lm_head.weight``). ``text_prefixes``: the file names of the text model's tensors start with one
     of these; every other tensor of the files is carried. ``towers``: a config key naming a tower ->
     the prefix its tensors have in the files (a config naming a tower whose tensors are absent is refused).
+    ``module_prefixes``: the same pairs for transformers' module names in the multimodal class, where its
+    checkpoints name tensors otherwise (Kimi K2.5's hub files: ``language_model.model.*``; its modules:
+    ``model.language_model.*``); PEFT names adapters by module. Empty: as ``file_prefixes``.
+    ``text_model_aliases``: other ``text_config.model_type`` values of the same decoder (Kimi K2.5: ``kimi_k2``),
+    written back as read.
     """
 
     model_type: str
@@ -244,3 +249,5 @@ class Multimodal:
     file_prefixes: tuple[tuple[str, str], ...]
     text_prefixes: tuple[str, ...]
     towers: Mapping[str, str] = field(default_factory=dict)
+    module_prefixes: tuple[tuple[str, str], ...] = ()
+    text_model_aliases: tuple[str, ...] = ()

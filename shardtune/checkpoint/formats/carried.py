@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from shardtune.checkpoint.errors import CheckpointError
+from shardtune.checkpoint.formats import block_fp8
 from shardtune.checkpoint.formats.hf_load import open_hf_checkpoint
 from shardtune.checkpoint.storage.safetensors_io import HeaderEntry, SafetensorsFile
 from shardtune.checkpoint.storage.writer import WriteItem
@@ -88,6 +91,10 @@ class CarriedTensor:
         self.path = path
         self.entry = entry
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.entry.dtype
+
     def get_shape(self) -> list[int]:
         return list(self.entry.shape)
 
@@ -112,17 +119,29 @@ def row_shares(shape: tuple[int, ...], world: int) -> TensorLayout:
     return TensorLayout(shape=shape, pieces=tuple(pieces))
 
 
-def carried_items(source: CarriedSource | None, *, world: int) -> tuple[list[WriteItem], list[str]]:
-    """The write items of ``source``'s tensors (none for a text model) and its problems."""
+def carried_items(
+    source: CarriedSource | None, *, world: int, dequantize_to: torch.dtype | None = None
+) -> tuple[list[WriteItem], list[str]]:
+    """The write items of ``source``'s tensors (none for a text model) and its problems. With ``dequantize_to``
+    (a save in a plain dtype), block-FP8 tensors among them are written dequantized in that dtype and their
+    scale tensors left out, as the model's own are: a file without ``quantization_config`` holds no FP8 weight."""
     if source is None:
         return [], []
-    items = [
-        WriteItem(
-            entry.name,
-            CarriedTensor(os.path.join(source.directory, file), entry),
-            entry.dtype,
-            row_shares(entry.shape, world),
-        )
-        for file, entry in source.tensors
-    ]
-    return items, list(source.problems)
+    lazy = {entry.name: CarriedTensor(os.path.join(source.directory, file), entry) for file, entry in source.tensors}
+    tensors: Mapping[str, Any] = lazy
+    problems = list(source.problems)
+    # the hub's DeepSeek-V3 multi-token-prediction layer is block FP8 like the rest of its weights
+    fp8 = any(entry.dtype == block_fp8.FP8_DTYPE for _, entry in source.tensors)
+    if fp8 and dequantize_to is not None:
+        try:
+            tensors, _ = block_fp8.dequantizing(
+                lazy, block_fp8.read_quantization(source.directory), where=source.directory
+            )
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    items = []
+    for name in tensors:
+        value = tensors[name]
+        dtype = value.entry.dtype if isinstance(value, CarriedTensor) else dequantize_to or torch.bfloat16
+        items.append(WriteItem(name, value, dtype, row_shares(tuple(value.get_shape()), world)))
+    return items, problems

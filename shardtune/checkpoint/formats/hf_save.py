@@ -175,7 +175,8 @@ def plan_hf_checkpoint(
     items, hf_config, problems = _weight_items(model, options)
     if carried is None:
         carried = read_carried(model_args(model), options.source_dir)
-    carried_writes, carry_problems = carried_items(carried, world=comm.world_size())
+    plain = options.dtype or torch.bfloat16 if options.weight_format == "dtype" else None
+    carried_writes, carry_problems = carried_items(carried, world=comm.world_size(), dequantize_to=plain)
     items, problems = items + carried_writes, problems + carry_problems
     files = []
     try:

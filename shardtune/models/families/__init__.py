@@ -9,7 +9,7 @@ helpers two families share: ``config_rules.py``). The decoder builds any of them
 from __future__ import annotations
 
 from shardtune.models.args import ModelArgs
-from shardtune.models.families.deepseek_v3 import DEEPSEEK_V3
+from shardtune.models.families.deepseek_v3 import DEEPSEEK_V3, KIMI_K25
 from shardtune.models.families.gemma import GEMMA2, GEMMA3_TEXT
 from shardtune.models.families.gemma4 import GEMMA4, GEMMA4_TEXT
 from shardtune.models.families.glm4_moe import GLM4_MOE
@@ -35,7 +35,7 @@ FAMILIES: dict[str, Family] = {
 }
 
 # Multimodal checkpoints whose text tower is one of FAMILIES, by their own model_type.
-MULTIMODAL: dict[str, Multimodal] = {m.model_type: m for m in (QWEN3_5, QWEN3_5_MOE, GEMMA4)}
+MULTIMODAL: dict[str, Multimodal] = {m.model_type: m for m in (QWEN3_5, QWEN3_5_MOE, GEMMA4, KIMI_K25)}
 
 
 def supported_model_types() -> list[str]:

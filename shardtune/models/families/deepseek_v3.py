@@ -7,7 +7,7 @@ Keys transformers' ``DeepseekV3Config`` fills in when absent are read with its d
 attention geometry (``kv_lora_rank``, ``q_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``),
 which a config must state (``q_lora_rank`` may be null: one ``q_proj``). The multi-token-prediction layer of hub
 checkpoints (``num_nextn_predict_layers``, an extra ``model.layers.<N>`` transformers does not load) is not part of
-the model. LoRA's Llama names reach the projections that make queries, keys and values (``q_proj`` ->
+the model: it is carried through saves byte for byte (``Family.carried_layers_key``). LoRA's Llama names reach the projections that make queries, keys and values (``q_proj`` ->
 ``q_b_proj`` when queries go through the bottleneck, ``k_proj``/``v_proj`` -> ``kv_b_proj``).
 """
 
@@ -25,11 +25,12 @@ from shardtune.models.spec import (
     Blocks,
     ExpertNames,
     Family,
+    Multimodal,
     SharedExpertSpec,
     SparseSpec,
 )
 
-__all__ = ["DEEPSEEK_V3"]
+__all__ = ["DEEPSEEK_V3", "KIMI_K25"]
 
 _MLA_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
@@ -82,4 +83,19 @@ DEEPSEEK_V3 = Family(
     blocks=Blocks(attention=AttentionSpec(kind="mla_attention"), sparse=_SPARSE),
     config_fields=frozenset({"mla"}),
     lora_aliases={"q_proj": "q_b_proj", "k_proj": "kv_b_proj", "v_proj": "kv_b_proj"},
+    carried_layers_key="num_nextn_predict_layers",
+)
+
+# Kimi K2.5 (``Kimi_K25ForConditionalGeneration``): a DeepSeek-V3 text tower (``text_config.model_type`` ``kimi_k2``)
+# beside a vision tower and its projector. Its hub files name the text tower ``language_model.model.*`` and
+# ``language_model.lm_head.*``, which transformers renames to its modules ``model.language_model.*`` and ``lm_head.*``.
+KIMI_K25 = Multimodal(
+    "kimi_k25",
+    "Kimi_K25ForConditionalGeneration",
+    "deepseek_v3",
+    file_prefixes=(("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
+    text_prefixes=("language_model.",),
+    towers={"vision_config": "vision_tower."},
+    module_prefixes=(("model.", "model.language_model."),),
+    text_model_aliases=("kimi_k2",),
 )

@@ -3,7 +3,8 @@ embeddings (half the head by default), an optional per-head q/k RMSNorm (``use_q
 layers (``first_k_dense_replace``), then sparse layers of DeepSeek-V3's group-limited sigmoid router
 (``"sigmoid_group_topk"``) and an ungated shared MLP (``shared_experts``, ``n_shared_experts`` experts wide).
 
-The multi-token-prediction layer of hub checkpoints (``num_nextn_predict_layers``) is not part of the model.
+The multi-token-prediction layer of hub checkpoints (``num_nextn_predict_layers``) is not part of the model: it is
+carried through saves byte for byte (``Family.carried_layers_key``).
 transformers adds no load-balancing loss for this family, so ``router_aux_loss_coef`` defaults to 0 (set, it
 weighs DeepSeek-V3's sequence-wise balance loss: :mod:`shardtune.models.moe_aux`).
 """
@@ -63,4 +64,5 @@ GLM4_MOE = Family(
     _glm4_moe_write,
     blocks=Blocks(sparse=_SPARSE),
     config_fields=frozenset({"partial_rotary_factor", "qk_norm"}),
+    carried_layers_key="num_nextn_predict_layers",
 )
