@@ -24,7 +24,9 @@ __all__ = [
     "carries",
     "carried_keys",
     "file_prefixes",
+    "loaded_with_carried",
     "module_prefixes",
+    "note_carried",
     "spec_of",
     "text_config",
     "tower_problems",
@@ -109,6 +111,19 @@ def carried_keys(args: ModelArgs, keys: list[str]) -> list[str]:
         for k in keys
         if (spec is not None and not k.startswith(spec.text_prefixes)) or (after and k.startswith(after))
     ]
+
+
+_CARRIED_ATTR = "_shardtune_carried_from_source"
+
+
+def note_carried(model: object, count: int) -> None:
+    """Record on ``model`` how many tensors of the checkpoint it was loaded from it does not use (carried)."""
+    setattr(model, _CARRIED_ATTR, count)
+
+
+def loaded_with_carried(model: object) -> bool:
+    """Whether ``model`` was loaded from a checkpoint holding tensors it does not use, which a save must copy."""
+    return bool(getattr(model, _CARRIED_ATTR, 0))
 
 
 def tower_problems(args: ModelArgs, keys: list[str], where: str) -> list[str]:

@@ -61,7 +61,7 @@ VISION = dict(
     hidden_size=32,
     intermediate_size=48,
 )
-LORA_TARGETS = ["o_proj", "gate_proj"]
+LORA_TARGETS = ["q_a_proj", "kv_b_proj", "o_proj"]
 
 
 def hf_kimi():

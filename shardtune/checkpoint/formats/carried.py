@@ -27,7 +27,7 @@ from shardtune.checkpoint.formats.hf_load import open_hf_checkpoint
 from shardtune.checkpoint.storage.safetensors_io import HeaderEntry, SafetensorsFile
 from shardtune.checkpoint.storage.writer import WriteItem
 from shardtune.models.args import ModelArgs
-from shardtune.models.multimodal import carried_keys, carries, tower_problems
+from shardtune.models.multimodal import carried_keys, carries, spec_of, tower_problems
 from shardtune.ranks import comm
 from shardtune.state_dict.layout import Piece, TensorLayout
 
@@ -44,10 +44,16 @@ class CarriedSource:
     problems: tuple[str, ...] = ()
 
 
-def read_carried(args: ModelArgs | None, source_dir: str | os.PathLike | None) -> CarriedSource | None:
+def read_carried(
+    args: ModelArgs | None, source_dir: str | os.PathLike | None, *, required: bool = True
+) -> CarriedSource | None:
     """The source tensors a save of the model of ``args`` carries (None for a text model). Local: only
-    headers are read; problems are recorded, not raised."""
+    headers are read; problems are recorded, not raised. Without ``source_dir`` that is a problem for the
+    text tower of a multimodal checkpoint, and for another model when ``required`` (it was loaded from
+    files holding tensors it does not use: a config may name layers transformers' own saves leave out)."""
     if args is None or not carries(args):
+        return None
+    if source_dir is None and spec_of(args) is None and not required:
         return None
     if source_dir is None:
         return CarriedSource(
@@ -74,13 +80,14 @@ def read_carried(args: ModelArgs | None, source_dir: str | os.PathLike | None) -
 
 
 def agree_on_carried(
-    args: ModelArgs | None, source_dir: str | os.PathLike | None, *, every_rank_reads: bool
+    args: ModelArgs | None, source_dir: str | os.PathLike | None, *, every_rank_reads: bool, required: bool = True
 ) -> CarriedSource | None:
     """Collective: call on all ranks. :func:`read_carried` on every rank, or, without
     ``every_rank_reads`` (the files only on rank 0's node), on rank 0, whose result every rank returns."""
     if every_rank_reads:
-        return read_carried(args, source_dir)
-    return comm.all_gather_objects(read_carried(args, source_dir) if comm.rank() == 0 else None)[0]
+        return read_carried(args, source_dir, required=required)
+    mine = read_carried(args, source_dir, required=required) if comm.rank() == 0 else None
+    return comm.all_gather_objects(mine)[0]
 
 
 class CarriedTensor:

@@ -7,8 +7,10 @@ Keys transformers' ``DeepseekV3Config`` fills in when absent are read with its d
 attention geometry (``kv_lora_rank``, ``q_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``),
 which a config must state (``q_lora_rank`` may be null: one ``q_proj``). The multi-token-prediction layer of hub
 checkpoints (``num_nextn_predict_layers``, an extra ``model.layers.<N>`` transformers does not load) is not part of
-the model: it is carried through saves byte for byte (``Family.carried_layers_key``). LoRA's Llama names reach the projections that make queries, keys and values (``q_proj`` ->
-``q_b_proj`` when queries go through the bottleneck, ``k_proj``/``v_proj`` -> ``kv_b_proj``).
+the model: it is carried through saves byte for byte (``Family.carried_layers_key``). Kimi K2.5's multimodal
+checkpoints (:data:`KIMI_K25`) train this text tower and carry the rest. LoRA's Llama names reach the projections
+that make queries, keys and values (``q_proj`` -> ``q_b_proj`` when queries go through the bottleneck,
+``k_proj``/``v_proj`` -> ``kv_b_proj``).
 """
 
 from __future__ import annotations
