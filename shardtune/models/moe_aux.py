@@ -57,13 +57,16 @@ class Routing:
         self._scale: Tensor | None = None
         self._grad: Tensor | None = None
 
-    def record(self, layer_idx: int, router_logits: Tensor, top_k: int) -> Tensor:
-        """Record layer ``layer_idx``'s router logits; returns its (differentiable) probability sums ``[E]``.
+    def record(self, layer_idx: int, router_logits: Tensor, indices: Tensor) -> Tensor:
+        """Record layer ``layer_idx``'s router logits and the experts its router chose (``indices [T, k]``);
+        returns its (differentiable) probability sums ``[E]``.
 
-        Recomputation (activation checkpointing) records the same values again under the same layer."""
-        num_experts = router_logits.shape[-1]
+        The counts are of the chosen experts: for softmax routers the top k of the softmax, as transformers
+        counts them; for group-limited sigmoid routers (the correction bias and groups decide) what each token
+        really used. Recomputation (activation checkpointing) records the same values again under the same layer."""
+        num_experts, top_k = router_logits.shape[-1], indices.shape[-1]
         probs = torch.softmax(router_logits, dim=-1)  # in the logits' dtype, as transformers computes it here
-        selected = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
+        selected = indices.reshape(-1)
         zeros = torch.zeros(num_experts, dtype=torch.float32, device=router_logits.device)
         if self.mask is None:
             counts = zeros.scatter_add_(0, selected, torch.ones_like(selected, dtype=torch.float32))

@@ -99,7 +99,7 @@ class SparseMoeBlock(nn.Module):
         if shared is not None:
             out = out + shared
         if routing is not None:
-            out = routing.attach(out, routing.record(self.layer_idx, logits, self.top_k))
+            out = routing.attach(out, routing.record(self.layer_idx, logits, indices))
         return out.view(b, s, dim)
 
 
