@@ -15,6 +15,7 @@ from typing import Any
 REAL_RANKS, REAL_NODES = 64, 8
 REAL_FP8_BYTES = 700e9  # DeepSeek-V3's release: ~163 files, ~700 GB in block FP8
 REAL_BF16_BYTES = 671e9 * 2  # 671B parameters in bf16
+REAL_BLOCK = 128  # the release's weight_block_size
 BANDWIDTHS_GBS = (2.0, 10.0)  # per node, read and write: a network filesystem client; local NVMe RAID
 PUBLISHED = "saves of 1,500–10,480 s reported by users for 671B-class checkpoints; under 2 min the best published"
 STEP_BYTES = {"load": REAL_FP8_BYTES, "save_dtype": REAL_BF16_BYTES, "save_block_fp8": REAL_FP8_BYTES}
@@ -74,7 +75,17 @@ def projection_lines(rows: dict[tuple[int, int], dict[str, Any]], *, real: dict[
             f"| {execution * touched(real, REAL_RANKS):.1f} s ({execution * 1e6:.0f} µs × "
             f"{touched(real, REAL_RANKS):,.0f}) | {node_bytes / 1e9:,.0f} GB {totals}|"
         )
+    amax_bytes = REAL_FP8_BYTES / REAL_BLOCK**2 * 4
     lines += [
+        "",
+        "What grows with what, per rank (from the code; the counts above check the collectives): every rank "
+        "opens every file and reads every header (O(tensors): 163 files per rank, ~10k opens on 64 ranks); the "
+        "load's agreement gathers one digest per rank (the bytes given do not grow with tensors); the load reads "
+        "its rows of every non-expert tensor and its own experts' (O(other tensors + expert tensors / ranks)); a "
+        "save plans every file on every rank (O(tensors), no collective per tensor); a block-FP8 save all-reduces "
+        "the amax grids of every quantized tensor in one call (O(weights / block²) per rank: "
+        f"~{amax_bytes / 1e6:,.0f} MB of float32 at 128 × 128 blocks for the real checkpoint, the expert grids "
+        "included although no expert block is split between ranks when experts are sharded on the expert dim).",
         "",
         f"Published, for comparison (not measured here): {PUBLISHED}. The projection's per-tensor parts come from "
         "this machine's CPU cores, shared with other jobs; on a training node's cores they are likely smaller. "

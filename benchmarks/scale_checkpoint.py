@@ -235,7 +235,9 @@ def render(cfg: ScaleOptions, runs: list[Run], *, load_avg: tuple[float, float],
         "the call to the rank's first `preadv` of tensor data (load) or first tensor write (save), the slowest "
         "rank's: the planning (headers, keys, layouts, agreement) before any data moves; *planning alone*: the "
         "slowest rank's time of the planning functions called alone after the steps (load: opening the directory, "
-        "every header, and wrapping it for dequantization + the model's entries; save: `plan_hf_checkpoint`).",
+        "every header, and wrapping it for dequantization + the model's entries; save: `plan_hf_checkpoint`). A block-FP8 save writes its first byte after its amax pass (each rank's "
+        "block amaxes of its rows of every quantized tensor, then one all-reduce), so its first-byte delay holds "
+        "that data work too.",
         "- *peak RssAnon Δ*: a 2 ms `/proc/self/status` sampler's peak above the pre-step baseline; the load's "
         "baseline is the empty meta model, a save's the loaded model. *files opened*: distinct files under the "
         "checkpoint (load) or output (save) directory, counted by a `sys.audit` hook on `open` (Python's `open` "
