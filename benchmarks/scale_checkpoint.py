@@ -163,6 +163,7 @@ def step_row(runs: list[Run], step: str) -> dict[str, Any]:
         "seconds": slowest("seconds"),
         "first_io_s": slowest("first_io_s"),
         "peak": [s["measurement"]["peak_anon_delta"] for s in steps],
+        "own": [rk["own_shard_bytes"] for rk in ranks],
         "files": [s["probe"]["files"] for s in steps],
         "opens": [s["probe"]["opens"] for s in steps],
         "moved": moved,
@@ -197,7 +198,7 @@ def render(cfg: ScaleOptions, runs: list[Run], *, load_avg: tuple[float, float],
         "- **Measured** on a machine shared with other jobs; with more ranks than cores the ranks also share cores.",
         "",
         "| layers | file tensors (in files) | ranks | step | wall s | to first data byte s | planning alone s "
-        "| peak RssAnon Δ per rank | files opened per rank (opens) | bytes read / written per rank "
+        "| peak RssAnon Δ per rank (own shard) | files opened per rank (opens) | bytes read / written per rank "
         "| collectives per rank (calls, bytes given) | verify |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -224,6 +225,7 @@ def render(cfg: ScaleOptions, runs: list[Run], *, load_avg: tuple[float, float],
                 lines.append(
                     f"| {s.layers} | {info['tensors']:,} ({hub_files(s)}) | {world} | {step} | {r['seconds']:.2f} "
                     f"| {r['first_io_s']:.2f} | {alone:.2f} | {' / '.join(fmt_bytes(p) for p in r['peak'])} "
+                    f"({' / '.join(fmt_bytes(o) for o in r['own'])}) "
                     f"| {_ints(r['files'])} ({_ints(r['opens'])}) | {' / '.join(fmt_bytes(m) for m in r['moved'])} "
                     f"| {_ints(r['calls'])} ({kinds}; {_ints(r['collective_bytes'])} B) "
                     f"| {'; '.join(r['verify'])} |"
@@ -239,7 +241,7 @@ def render(cfg: ScaleOptions, runs: list[Run], *, load_avg: tuple[float, float],
         "block amaxes of its rows of every quantized tensor, then one all-reduce), so its first-byte delay holds "
         "that data work too.",
         "- *peak RssAnon Δ*: a 2 ms `/proc/self/status` sampler's peak above the pre-step baseline; the load's "
-        "baseline is the empty meta model, a save's the loaded model. *files opened*: distinct files under the "
+        "baseline is the empty meta model, a save's the loaded model; *own shard*: the rank's bf16 parameter bytes after the load (what a peak above it holds besides: the headers, plans and buffers, which grow with the tensor count, not the ranks). *files opened*: distinct files under the "
         "checkpoint (load) or output (save) directory, counted by a `sys.audit` hook on `open` (Python's `open` "
         "and `os.open`); *opens*: the calls. *bytes read*: shardtune's count of its `preadv`s; *written*: the "
         "bytes its writer reported. *collectives*: the outermost `torch.distributed` collective calls (by kind) "

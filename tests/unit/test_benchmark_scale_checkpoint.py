@@ -106,7 +106,7 @@ def _rank(layers: int, world: int, *, first: float, seconds: float) -> dict:
     }  # fmt: skip
     planning = {"load_headers": 0.5, "load_entries": 0.25, "save_dtype_plan": 1.0, "save_block_fp8_plan": 1.5}
     return {"steps": {s: dict(step) for s in ("load", "save_dtype", "save_block_fp8")}, "planning": planning,
-            "verify": "ok"}  # fmt: skip
+            "own_shard_bytes": 2 << 20, "verify": "ok"}  # fmt: skip
 
 
 def test_the_report_derives_growth_and_projection_by_hand(tmp_path):
@@ -124,7 +124,8 @@ def test_the_report_derives_growth_and_projection_by_hand(tmp_path):
         Run("layers61_experts256", "world2", 0, ranks=[_rank(61, 2, first=first_big, seconds=first_big + 10)] * 2),
     ]
     text = render(cfg, runs, load_avg=(0.0, 0.0), core="abc")
-    assert f"| 61 | {big:,} (163) | 2 | load | {first_big + 10:.2f} | {first_big:.2f} | 0.75 |" in text
+    row = f"| 61 | {big:,} (163) | 2 | load | {first_big + 10:.2f} | {first_big:.2f} | 0.75 | 1.0 MiB / 1.0 MiB "
+    assert row + "(2.0 MiB / 2.0 MiB) | 4 / 4 (5 / 5) |" in text
     assert "| 2 | 0.000 | 0.000 | 2.000 | 0.000 | 2.000 | 0.000 | 2.000 |" in text  # 2 ms x 1,000 tensors
     # projection: a = 1 s - 2 ms x 16-layer tensors (floored at 0), planning = a + 2 ms x real tensors
     base = max(1.0 - 0.002 * small, 0.0)
