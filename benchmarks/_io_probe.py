@@ -15,6 +15,9 @@ Rule: inside :func:`probing`, nothing the step does changes; the probe only watc
   is ``comm.stats.bytes_read``).
 
 The audit hook cannot be removed, so it is added once per process and does nothing outside a block.
+Blind spot: functional collectives (``torch.distributed._functional_collectives``, which DTensor
+redistribution uses) are not counted; shardtune's checkpoint code calls them only to merge LoRA
+adapters into a saved weight (``full_tensor``), which a model without adapters does not do.
 """
 
 from __future__ import annotations
