@@ -21,14 +21,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from benchmarks._fixtures import local_bytes, local_slices
 from benchmarks._hf_models import MoeCheckpointShape
 from benchmarks._measure import measure_step
-from benchmarks._moe_checkpoint_steps import CPU, DTYPE, expert_files, fully_shard_layers, kernel_io, shardtune_model
+from benchmarks._moe_checkpoint_steps import (
+    CPU,
+    DTYPE,
+    Files,
+    expert_files,
+    fully_shard_layers,
+    kernel_io,
+    shardtune_model,
+)
 
 FP8 = torch.float8_e4m3fn
 NOT_QUANTIZED = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight")
@@ -68,32 +75,74 @@ def file_shapes(shape: MoeCheckpointShape, block: int) -> dict[str, tuple[str, t
             out[name] = ("F8_E4M3", s)
             out[f"{name}_scale_inv"] = ("F32", (-(-s[0] // block), -(-s[1] // block)))
         else:
-            out[name] = ("BF16", s)
+            out[name] = (shape.stored_dtype(name), s)
     return out
 
 
-def write_fp8_dir(path: Path, shape: MoeCheckpointShape, block: int) -> Path:
-    """The seeded FP8 directory of ``shape`` (written tensor by tensor once; reused when its config matches)."""
+def shard_names(count: int) -> list[str]:
+    """The weight files of a ``count``-file directory as the hub names them (one: ``model.safetensors``)."""
+    return (
+        ["model.safetensors"]
+        if count == 1
+        else [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    )
+
+
+def split_by_bytes(tensors: dict[str, tuple[str, tuple[int, ...]]], count: int) -> list[list[str]]:
+    """``tensors`` in order, cut into ``count`` runs of about equal bytes (a scale stays with its weight)."""
+    sizes = [_SIZES[d] * math.prod(s) for d, s in tensors.values()]
+    total, done, at = sum(sizes), 0, 0
+    runs: list[list[str]] = [[] for _ in range(count)]
+    for name, n in zip(tensors, sizes):
+        if not name.endswith("_scale_inv"):  # a scale is written right after its weight, in its file
+            at = min(done * count // max(total, 1), count - 1)
+        runs[at].append(name)
+        done += n
+    return [r for r in runs if r]
+
+
+_SIZES = {"F8_E4M3": 1, "F32": 4, "BF16": 2}
+
+
+def write_fp8_dir(path: Path, shape: MoeCheckpointShape, block: int, *, shards: int = 1) -> Path:
+    """The seeded FP8 directory of ``shape`` in ``shards`` files (written tensor by tensor once; reused
+    when its config and file names match)."""
     quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [block] * 2}
     config = {**shape.hf_config(), "quantization_config": quant}
     tensors = file_shapes(shape, block)
-    if (path / "config.json").is_file() and json.loads((path / "config.json").read_text()) == config:
+    runs = split_by_bytes(tensors, shards)
+    names = shard_names(len(runs))
+    if (
+        (path / "config.json").is_file()
+        and json.loads((path / "config.json").read_text()) == config
+        and all((path / n).is_file() for n in names)
+    ):
         return path
     path.mkdir(parents=True, exist_ok=True)
-    sizes = {"F8_E4M3": 1, "F32": 4, "BF16": 2}
+    gen = torch.Generator().manual_seed(0)
+    for name, run in zip(names, runs):
+        _write_file(path / name, {k: tensors[k] for k in run}, block, gen)
+    weight_map = {k: name for name, run in zip(names, runs) for k in run}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def _write_file(path: Path, tensors: dict[str, tuple[str, tuple[int, ...]]], block: int, gen: torch.Generator) -> None:
+    """One safetensors file of ``tensors`` (a weight's scale right after it), seeded values from ``gen``."""
     meta: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     pos = 0
     for name, (dtype, s) in tensors.items():
-        n = math.prod(s) * sizes[dtype]
+        n = math.prod(s) * _SIZES[dtype]
         meta[name] = {"dtype": dtype, "shape": list(s), "data_offsets": [pos, pos + n]}
         pos += n
     header = json.dumps(meta, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
-    gen = torch.Generator().manual_seed(0)
-    with open(path / "model.safetensors.tmp", "wb") as f:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(header)) + header)
         for name, (dtype, s) in tensors.items():
-            if dtype == "F32":
+            if name.endswith("_scale_inv"):
                 continue  # written with its weight
             value = torch.randn(s, generator=gen) * 0.02 + (1.0 if name.endswith("norm.weight") else 0.0)
             if dtype == "F8_E4M3":
@@ -101,14 +150,11 @@ def write_fp8_dir(path: Path, shape: MoeCheckpointShape, block: int) -> Path:
                 f.write(fp8.view(torch.uint8).numpy().tobytes())
                 f.write(scale.to(torch.float32).numpy().tobytes())
             else:
-                f.write(value.to(DTYPE).view(torch.uint8).numpy().tobytes())
+                stored = DTYPE if dtype == "BF16" else torch.float32
+                f.write(value.to(stored).contiguous().view(torch.uint8).numpy().tobytes())
         f.flush()
         os.fsync(f.fileno())
-    (path / "model.safetensors.tmp").rename(path / "model.safetensors")
-    weight_map = {name: "model.safetensors" for name in tensors}
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
+    tmp.rename(path)
 
 
 # --------------------------------------------------------------------------- load steps
@@ -179,13 +225,13 @@ def _given(model: nn.Module | None) -> nn.Module:
 # --------------------------------------------------------------------------- verification
 
 
-def _reference(files: Any, name: str, block: int) -> torch.Tensor:
-    value = files.get_tensor(name)
+def _reference(files: Files, name: str, block: int) -> torch.Tensor:
+    value = files.get(name)
     scale = f"{name}_scale_inv"
-    return dequantize(value, files.get_tensor(scale), block) if scale in files.keys() else value.to(DTYPE)  # noqa: SIM118
+    return dequantize(value, files.get(scale), block) if scale in files else value.to(DTYPE)
 
 
-def _expected_local(files: Any, name: str, param: DTensor, block: int) -> torch.Tensor:
+def _expected_local(files: Files, name: str, param: DTensor, block: int) -> torch.Tensor:
     slices = local_slices(param)
     fused = expert_files(name)
     if fused is None:
@@ -199,13 +245,13 @@ def _expected_local(files: Any, name: str, param: DTensor, block: int) -> torch.
 
 def check_shards(model: nn.Module, hf_dir: str, block: int) -> str:
     """Every parameter is a materialized bf16 DTensor equal to the reference dequantization's cut."""
-    with safe_open(os.path.join(hf_dir, "model.safetensors"), "pt") as files:
-        for name, p in model.named_parameters():
-            name = name.replace("_checkpoint_wrapped_module.", "")
-            if not isinstance(p, DTensor) or p.is_meta:
-                return f"{name}: not a materialized DTensor"
-            if p.dtype != DTYPE or not torch.equal(p.to_local(), _expected_local(files, name, p, block)):
-                return f"{name}: local shard differs from the reference dequantization"
+    files = Files(hf_dir)
+    for name, p in model.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        if not isinstance(p, DTensor) or p.is_meta:
+            return f"{name}: not a materialized DTensor"
+        if p.dtype != DTYPE or not torch.equal(p.to_local(), _expected_local(files, name, p, block)):
+            return f"{name}: local shard differs from the reference dequantization"
     return "ok"
 
 

@@ -4,8 +4,10 @@ Rule: a shape is plain dimensions (what a benchmark's report prints and its para
 model directory is written once from a shape with seed 0 and reused by every later run and method, so
 every stack of a benchmark loads the same weights. :class:`Shape` is a Llama decoder (untied head),
 :class:`MoeShape` a Qwen3-MoE one (every layer sparse), :class:`MoeCheckpointShape` the latter with the
-tensor layout ``save_pretrained`` writes (per-expert or fused), and :class:`Qwen3_5MoeCheckpointShape` a
-Qwen3.5-MoE one (hybrid Gated DeltaNet / gated attention layers, a gated shared expert) in the same layouts. :func:`saved_once` writes any model with
+tensor layout ``save_pretrained`` writes (per-expert or fused), :class:`Qwen3_5MoeCheckpointShape` a
+Qwen3.5-MoE one (hybrid Gated DeltaNet / gated attention layers, a gated shared expert) and
+:class:`DeepseekV3CheckpointShape` a DeepSeek-V3 one (latent attention, dense first layers, a shared
+expert) in the same layouts. :func:`saved_once` writes any model with
 ``save_pretrained`` (to a temporary name, then renamed, so a stopped run leaves no half directory);
 :func:`llama_dir` is a :class:`Shape`'s directory.
 
@@ -137,28 +139,36 @@ class MoeCheckpointShape(MoeShape):
     def file_shapes(self, *, fused: bool) -> dict[str, tuple[int, ...]]:
         """HF key -> shape as transformers' ``save_pretrained`` writes it (``fused``:
         ``save_original_format=False``)."""
-        h, i, e = self.hidden, self.expert_ffn, self.experts
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab, h)}
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab, self.hidden)}
         for layer in range(self.layers):
             p = f"model.layers.{layer}."
             shapes |= {p + k: s for k, s in self.mixer_shapes(layer).items()}
-            shapes |= {p + k: s for k, s in self.dense_mlp_shapes().items()}
-            shapes |= {
-                p + "mlp.gate.weight": (e, h),
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-            }
-            if fused:
-                shapes |= {p + "mlp.experts.gate_up_proj": (e, 2 * i, h), p + "mlp.experts.down_proj": (e, h, i)}
-                continue
-            for x in range(e):
-                shapes |= {
-                    f"{p}mlp.experts.{x}.gate_proj.weight": (i, h),
-                    f"{p}mlp.experts.{x}.up_proj.weight": (i, h),
-                    f"{p}mlp.experts.{x}.down_proj.weight": (h, i),
-                }
-        shapes |= {"model.norm.weight": (h,), "lm_head.weight": (self.vocab, h)}
+            shapes |= {p + k: s for k, s in self.mlp_shapes(layer, fused=fused).items()}
+        shapes |= {"model.norm.weight": (self.hidden,), "lm_head.weight": (self.vocab, self.hidden)}
         return shapes
+
+    def mlp_shapes(self, layer: int, *, fused: bool) -> dict[str, tuple[int, ...]]:
+        """Layer ``layer``'s keys after its token mixer: its non-expert ``mlp`` keys, the router, the
+        layer norms and the routed experts (``fused``: two stacked tensors, else three per expert)."""
+        h, i, e = self.hidden, self.expert_ffn, self.experts
+        shapes = self.dense_mlp_shapes() | {
+            "mlp.gate.weight": (e, h),
+            "input_layernorm.weight": (h,),
+            "post_attention_layernorm.weight": (h,),
+        }
+        if fused:
+            return shapes | {"mlp.experts.gate_up_proj": (e, 2 * i, h), "mlp.experts.down_proj": (e, h, i)}
+        for x in range(e):
+            shapes |= {
+                f"mlp.experts.{x}.gate_proj.weight": (i, h),
+                f"mlp.experts.{x}.up_proj.weight": (i, h),
+                f"mlp.experts.{x}.down_proj.weight": (h, i),
+            }
+        return shapes
+
+    def stored_dtype(self, name: str) -> str:
+        """The safetensors dtype a release stores unquantized tensor ``name`` in."""
+        return "BF16"
 
     def expert_tensors(self) -> int:
         return 3 * self.experts * self.layers
@@ -249,6 +259,118 @@ class Qwen3_5MoeCheckpointShape(MoeCheckpointShape):
             "mlp.shared_expert.down_proj.weight": (h, s),
             "mlp.shared_expert_gate.weight": (1, h),
         }
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepseekV3CheckpointShape(MoeCheckpointShape):
+    """A DeepSeek-V3 model (``deepseek_v3``): multi-head latent attention in every layer (``q_lora_rank``
+    bottleneck for queries, ``kv_lora_rank`` for keys and values, ``head_dim`` the decoupled RoPE width),
+    the first ``first_dense`` layers a dense MLP of width ``dense_ffn``, the others group-limited sigmoid
+    routing (router weight + fp32 ``e_score_correction_bias``) over ``experts`` routed experts and an
+    ungated shared MLP ``shared_experts`` experts wide. No multi-token-prediction layer."""
+
+    model_name: ClassVar[str] = "DeepSeek-V3"
+
+    dense_ffn: int
+    first_dense: int
+    shared_experts: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    nope_head_dim: int
+    v_head_dim: int
+    n_group: int
+    topk_group: int
+
+    def hf_config(self) -> dict[str, Any]:
+        """``config.json`` of ``DeepseekV3ForCausalLM`` with its saved dtype."""
+        return {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "dtype": "bfloat16",
+            "hidden_size": self.hidden,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.heads,  # latent attention: one key/value head per query head
+            "intermediate_size": self.dense_ffn,
+            "moe_intermediate_size": self.expert_ffn,
+            "n_routed_experts": self.experts,
+            "n_shared_experts": self.shared_experts,
+            "num_experts_per_tok": self.top_k,
+            "first_k_dense_replace": self.first_dense,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "q_lora_rank": self.q_lora_rank,
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.nope_head_dim,
+            "qk_rope_head_dim": self.head_dim,
+            "v_head_dim": self.v_head_dim,
+            "num_nextn_predict_layers": 0,
+            "vocab_size": self.vocab,
+            "max_position_embeddings": 8192,
+            "tie_word_embeddings": False,
+        }
+
+    def describe(self) -> str:
+        return (
+            f"{self.model_name}, hidden {self.hidden}, {self.layers} layers ({self.first_dense} dense of width "
+            f"{self.dense_ffn}, {self.sparse_layers()} sparse: {self.experts} experts of width {self.expert_ffn} + "
+            f"{self.shared_experts} shared), latent attention with {self.heads} heads (q rank {self.q_lora_rank}, kv "
+            f"rank {self.kv_lora_rank}, nope/rope/v {self.nope_head_dim}/{self.head_dim}/{self.v_head_dim}), "
+            f"vocabulary {self.vocab}"
+        )
+
+    def sparse_layers(self) -> int:
+        return max(self.layers - self.first_dense, 0)
+
+    def expert_tensors(self) -> int:
+        return 3 * self.experts * self.sparse_layers()
+
+    def mixer_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        h, heads, rope = self.hidden, self.heads, self.head_dim
+        return {
+            "self_attn.q_a_proj.weight": (self.q_lora_rank, h),
+            "self_attn.q_a_layernorm.weight": (self.q_lora_rank,),
+            "self_attn.q_b_proj.weight": (heads * (self.nope_head_dim + rope), self.q_lora_rank),
+            "self_attn.kv_a_proj_with_mqa.weight": (self.kv_lora_rank + rope, h),
+            "self_attn.kv_a_layernorm.weight": (self.kv_lora_rank,),
+            "self_attn.kv_b_proj.weight": (heads * (self.nope_head_dim + self.v_head_dim), self.kv_lora_rank),
+            "self_attn.o_proj.weight": (h, heads * self.v_head_dim),
+        }
+
+    def dense_mlp_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A sparse layer's shared MLP and the router's correction bias."""
+        h, s = self.hidden, self.shared_experts * self.expert_ffn
+        return {
+            "mlp.gate.e_score_correction_bias": (self.experts,),
+            "mlp.shared_experts.gate_proj.weight": (s, h),
+            "mlp.shared_experts.up_proj.weight": (s, h),
+            "mlp.shared_experts.down_proj.weight": (h, s),
+        }
+
+    def mlp_shapes(self, layer: int, *, fused: bool) -> dict[str, tuple[int, ...]]:
+        if layer >= self.first_dense:
+            return super().mlp_shapes(layer, fused=fused)
+        h, f = self.hidden, self.dense_ffn
+        return {
+            "mlp.gate_proj.weight": (f, h),
+            "mlp.up_proj.weight": (f, h),
+            "mlp.down_proj.weight": (h, f),
+            "input_layernorm.weight": (h,),
+            "post_attention_layernorm.weight": (h,),
+        }
+
+    def stored_dtype(self, name: str) -> str:
+        return "F32" if name.endswith("e_score_correction_bias") else "BF16"
+
+    def params(self, *, active: bool = False) -> int:
+        """Weights of the model (``active``: ``top_k`` routed experts per sparse layer), from the file shapes
+        (the router's correction bias is a buffer, not a weight)."""
+        shapes = self.file_shapes(fused=True)
+        total = sum(math.prod(s) for k, s in shapes.items() if not k.endswith("e_score_correction_bias"))
+        idle = (self.experts - self.top_k) * 3 * self.hidden * self.expert_ffn * self.sparse_layers()
+        return total - idle if active else total
 
 
 # Qwen2.5-0.5B's shape (Llama layers: no q/k/v bias; untied head), ~0.63B parameters, 1.26 GB in bf16

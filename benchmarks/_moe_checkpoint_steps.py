@@ -49,6 +49,9 @@ class Files:
     def keys(self) -> list[str]:
         return list(self._where)
 
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
     def shape(self, key: str) -> list[int]:
         return self._handles[self._where[key]].get_slice(key).get_shape()
 

@@ -1,9 +1,13 @@
 """Cross-rank agreement on a load: decided identically on every rank before any data moves.
 
 Each rank describes what it holds (kind and shape of every value, never its data) and a
-digest of its model; one all-gather gives every rank the same descriptions, from which every
+digest of its model; one all-gather of digests gives every rank the same view, from which every
 rank derives the same decision (how the full state dict was passed, which model tensor loads
-from which key) and the same list of problems, raised on every rank before a byte is sent.
+from which key) and the same list of problems, raised on every rank before a byte is sent. The
+descriptions themselves (one per tensor) cross the network only when a rank needs another's:
+rank 0's when only it holds the state dict, every rank's when they differ (to name the
+difference); when every rank holds the same, each plans from its own, so no rank receives
+tensors x ranks of descriptions.
 """
 
 from __future__ import annotations
@@ -92,6 +96,11 @@ def model_signature(entries: list[ModelEntry]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _digest(desc: dict | None) -> str | None:
+    """A digest of a rank's descriptions: equal on two ranks iff their descriptions are (keys in order)."""
+    return None if desc is None else hashlib.sha256(repr(desc).encode()).hexdigest()
+
+
 def agree_on_mode(has_data: list[bool], what: str) -> tuple[str, list[str]]:
     """Pick how the full state dict was passed from every rank's ``has_data``; problems if inconsistent."""
     if all(has_data):
@@ -118,13 +127,16 @@ def agree_on_plan(entries: list[ModelEntry], full_sd: Mapping[str, Any], *, stri
     :class:`StateDictError` on every rank.
     """
     local_desc = {key: describe_value(full_sd[key]) for key in full_sd} if full_sd else None
-    gathered = comm.all_gather_objects((local_desc, model_signature(entries)))
-    descs = [d for d, _ in gathered]
-    mode, problems = agree_on_mode([bool(d) for d in descs], "full_sd")
-    problems += comm.disagreement([s for _, s in gathered], **SAME_MODEL)
-    reference = descs[0] or {}
-    if mode == EVERY_RANK:
-        problems += _desc_mismatch_problems([d or {} for d in descs])  # every rank has one here
+    gathered = comm.all_gather_objects((bool(local_desc), _digest(local_desc), model_signature(entries)))
+    mode, problems = agree_on_mode([has for has, _, _ in gathered], "full_sd")
+    problems += comm.disagreement([s for _, _, s in gathered], **SAME_MODEL)
+    if mode == EVERY_RANK and len({d for _, d, _ in gathered}) == 1:
+        reference = local_desc or {}  # every rank's description is this one: nothing more to send
+    else:  # another rank's descriptions are needed: rank 0's, or every rank's to name the differences
+        descs = comm.all_gather_objects(local_desc)
+        reference = descs[0] or {}
+        if mode == EVERY_RANK:
+            problems += _desc_mismatch_problems([d or {} for d in descs])  # every rank has one here
     plan, plan_problems = _match(entries, reference, mode, strict=strict)
     local_problems = _number_kind_problems(entries, full_sd) if full_sd else []
     comm.raise_on_every_rank(problems + plan_problems + local_problems, header="Cannot load the full model state dict:")

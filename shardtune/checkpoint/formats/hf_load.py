@@ -132,8 +132,11 @@ def _open_sharded(model_dir: str, index_path: str) -> HFCheckpoint:
     weight_map = _read_weight_map(index_path)
     files: dict[str, SafetensorsFile] = {}
     problems: list[str] = []
-    for file_name in sorted(set(weight_map.values())):
-        keys = sorted(k for k, f in weight_map.items() if f == file_name)
+    by_file: dict[str, list[str]] = {}
+    for key, name in weight_map.items():  # one pass: a scan per file would cost tensors x files
+        by_file.setdefault(name, []).append(key)
+    for file_name in sorted(by_file):
+        keys = sorted(by_file[file_name])
         try:
             path = os.fspath(inside(model_dir, file_name, listed_in=index_path))
         except UnsafeFileNameError as exc:
