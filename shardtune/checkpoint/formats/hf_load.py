@@ -20,7 +20,7 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Self
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from shardtune.checkpoint.safety.file_names import inside
 from shardtune.checkpoint.storage.safetensors_io import SafetensorsFile, TensorSlice
 from shardtune.models.args import ModelArgs
 from shardtune.models.multimodal import carried_keys, file_prefixes, tower_problems
+from shardtune.peft.lora import lora_config_of
 from shardtune.ranks import comm
 from shardtune.ranks.errors import format_problems
 from shardtune.state_dict.gc_pause import collector_paused
@@ -228,8 +229,9 @@ def _load(
                 problems += tower_problems(args, list(checkpoint), model_dir)
                 checkpoint = checkpoint.without(carried_keys(args, list(checkpoint)))
             state = mxfp4.dequantizing(checkpoint)  # gpt-oss MXFP4 experts, dequantized per piece as read
-            # block-FP8 weights, dequantized per piece as read
-            state, fp8 = block_fp8.dequantizing(state, block_fp8.read_quantization(model_dir), where=model_dir)
+            # block-FP8 weights, dequantized per piece as read (read raw where the model keeps them in FP8)
+            quantization = block_fp8.read_quantization(model_dir)
+            state, fp8 = block_fp8.dequantizing(state, quantization, where=model_dir, **_kept_in_fp8(model))
         except CheckpointError as exc:
             problems.append(str(exc))
     try:
@@ -249,6 +251,18 @@ def _load(
         log_done("Loaded", model_dir, checkpoint.total_bytes if checkpoint is not None else 0, start)
         _warn_unused(model_dir, result.unexpected_keys)
     return result
+
+
+def _kept_in_fp8(model: nn.Module) -> dict[str, Any]:
+    """The file names of the weights ``model`` keeps in block FP8 (LoRA bases, :mod:`shardtune.peft.fp8_base`)
+    and the block they were built for: :func:`~shardtune.checkpoint.formats.block_fp8.dequantizing`'s ``raw``
+    and ``block``."""
+    lora = lora_config_of(model)
+    if lora is None or lora.fp8_block is None:
+        return {}
+    entries = model_entries(model, file_prefixes=hf_file_prefixes(model))
+    raw = {key for e in entries if local_tensor(e.tensor).dtype == block_fp8.FP8_DTYPE for key in e.keys}
+    return {"raw": frozenset(raw), "block": lora.fp8_block}
 
 
 def block_fp8_format(model: nn.Module, model_dir: str) -> block_fp8.BlockFp8Format | None:
