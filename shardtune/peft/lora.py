@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shardtune.choices import LORA_TARGET_PARAMETERS, LORA_TARGETS
+from shardtune.choices import LORA_TARGET_PARAMETERS, LORA_TARGETS, QUANTIZE_BASE
 from shardtune.models.args import ModelArgs
 from shardtune.models.blocks.experts import Experts
 from shardtune.models.families import get_family
@@ -39,8 +39,6 @@ from shardtune.peft.param_lora import (
     quantize_expert_weights,
     unadapt,
 )
-
-QUANTIZE_BASE = (False, True, "nf4", "block_fp8")  # the values of quantize_base (True: "nf4")
 
 __all__ = [
     "LORA_TARGETS",

@@ -17,14 +17,18 @@ import torch
 import transformers
 
 from shardtune.checkpoint import CheckpointError
-from shardtune.checkpoint.formats.block_fp8 import row_scales
+from shardtune.checkpoint.formats.block_fp8 import fp8_block_of, row_scales
 from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
 from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
 from shardtune.checkpoint.formats.peft_format import save_peft_adapter
+from shardtune.choices import QUANTIZE_BASE
+from shardtune.config_validation import validate
 from shardtune.models import from_hf_config
 from shardtune.peft import fp8_base
+from shardtune.peft.adapters import get_merged_state_dict
 from shardtune.peft.lora import LoRALinear, apply_lora, init_lora_parameters, merge_lora
 from shardtune.ranks.errors import StateDictError
+from shardtune.recipes.schemas import LORA_SECTION
 from tests.unit.test_block_fp8 import BLOCK, fp8_dir, hand_quantize
 from tests.unit.test_models_moe import batch
 from tests.unit.test_moe_checkpoint import tensors
@@ -257,3 +261,30 @@ def test_a_block_fp8_save_of_the_merged_model_loads_back_as_its_merged_weights(t
     assert torch.equal(got[name].view(torch.uint8), fp8.view(torch.uint8)) and torch.equal(
         got[f"{name}_scale_inv"], scale
     )
+
+
+def test_a_state_dict_merge_of_a_block_fp8_base_is_refused_naming_it(tmp_path):
+    fp8_dir(tmp_path)
+    state = fp8_lora(tmp_path).state_dict()
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.weight is a block-FP8 base.*merge_lora"):
+        get_merged_state_dict(state, alpha=ALPHA)
+
+
+# --- the option: lora.quantize_base ---------------------------------------------------------------
+
+
+def test_the_option_takes_block_fp8_beside_nf4_and_the_booleans():
+    for value in (False, True, "nf4", "block_fp8"):
+        assert validate({"quantize_base": value}, LORA_SECTION) == []
+    problems = validate({"quantize_base": "fp8"}, LORA_SECTION)
+    assert problems == [f"quantize_base: 'fp8' is not one of {list(QUANTIZE_BASE)}"]
+
+
+def test_block_fp8_reads_the_block_of_the_checkpoint_and_refuses_another_naming_the_key(tmp_path):
+    hf, _ = fp8_dir(tmp_path / "fp8")
+    assert fp8_block_of(tmp_path / "fp8", key="lora.quantize_base") == BLOCK
+    hf.save_pretrained(tmp_path / "plain")
+    with pytest.raises(
+        CheckpointError, match='lora.quantize_base="block_fp8" .* declares no block-FP8 quantization_config'
+    ):
+        fp8_block_of(tmp_path / "plain", key="lora.quantize_base")

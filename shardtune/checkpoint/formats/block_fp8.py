@@ -37,6 +37,7 @@ __all__ = [
     "BlockFp8Tensor",
     "dequantize_block_fp8",
     "dequantizing",
+    "fp8_block_of",
     "note_source",
     "read_quantization",
     "row_scales",
@@ -106,6 +107,19 @@ def read_quantization(model_dir: str | os.PathLike) -> dict[str, Any] | None:
             "e4m3 weights with dynamic activation scales are supported"
         )
     return dict(quant)
+
+
+def fp8_block_of(model_dir: str | os.PathLike, *, key: str) -> tuple[int, int]:
+    """The ``weight_block_size`` of the block-FP8 checkpoint ``model_dir``, for the option ``key`` that needs
+    one; refused naming ``key`` and the fix when ``model_dir`` is not a block-FP8 checkpoint."""
+    quant = read_quantization(model_dir)
+    if quant is None:
+        raise CheckpointError(
+            f'{key}="block_fp8" keeps a block-FP8 checkpoint\'s weights in FP8, but {os.fspath(model_dir)} declares no '
+            f'block-FP8 {QUANTIZATION_KEY} in its {CONFIG_FILE}; set {key} to false (or "nf4") for this model'
+        )
+    block = quant["weight_block_size"]
+    return block[0], block[1]
 
 
 def dequantize_block_fp8(
