@@ -5,7 +5,8 @@ attention weights at row 32, inside a block, so each rank holds FP8 rows and sca
 end mid-block. Each rank's base pieces are the checkpoint's FP8 bytes and its scales spread over its
 rows; the logits and the adapters' gradients of a first step equal peft's LoRA over the transformers
 model holding the hand-dequantized weights (every rank reading its rows, or rank 0 sending them); the
-merged HF save written by both ranks equals ``W_deq + scaling * B @ A``. Under NCCL's rules.
+merged HF save written by both ranks equals ``W_deq + scaling * B @ A``, and the weight stream sends
+those tensors. Mixed precision over the bases is refused by name. Under NCCL's rules.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import pytest
 import safetensors.torch
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
 from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
+from shardtune.inference.stream import stream_weights
 from shardtune.models import from_hf_config
 from shardtune.peft import apply_lora
 from shardtune.ranks.mesh import make_mesh
@@ -51,7 +54,10 @@ def _run(hf_dir: str, out: str, shared: bool, adapters: dict, tokens: torch.Tens
     grads = {n: p.grad.full_tensor() for n, p in params.items() if p.requires_grad}
     with nccl_rules():
         save_hf_checkpoint(model, out, shared_filesystem=shared)
+    with stream_weights(model, to="all", expert_layout="per_expert") as stream:
+        streamed = {name: tensor.clone() for name, tensor in stream}
     return {
+        "streamed": streamed,
         "logits": logits.detach(),
         "grads": grads,
         "weight": weight.view(torch.uint8).clone(),
@@ -91,7 +97,28 @@ def test_sharded_fp8_bases_equal_peft_over_the_dequantized_weights(pool2, tmp_pa
             assert (r["grads"][key] - grad).abs().max() <= 1e-5 * grad.abs().max() + 1e-9, (rank, key)
     saved = tensors(tmp_path / "out")
     assert not any("scale" in k or "lora" in k for k in saved)
+    for r in res:  # the weight stream sends what the save writes
+        assert sorted(r["streamed"]) == sorted(saved)
+        assert all(torch.equal(r["streamed"][k], v) for k, v in saved.items())
     for name in (n for n in saved if n.rsplit(".", 2)[-2] in TARGETS):
         prefix = name.removesuffix(".weight")
         a, b = adapters[f"{prefix}.lora_A.weight"], adapters[f"{prefix}.lora_B.weight"]
         assert torch.allclose(saved[name], expected[name] + ALPHA / RANK * b @ a, rtol=0, atol=1e-6), name
+
+
+def _mixed_precision(hf_dir: str) -> str:
+    with torch.device("meta"):
+        model = from_hf_config(hf_dir, dtype=torch.float32)
+        apply_lora(model, rank=RANK, alpha=ALPHA, target_modules=TARGETS, quantize_base="block_fp8", fp8_block=BLOCK)
+    try:
+        shard_model(model, mesh=make_mesh(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    except ValueError as exc:
+        return str(exc)
+    return "sharded"
+
+
+def test_mixed_precision_over_fp8_bases_is_refused_naming_the_option(pool2, tmp_path):
+    fp8_dir(tmp_path)
+    for message in pool2.run_ok(_mixed_precision, str(tmp_path), timeout=120):
+        assert message.startswith("model.layers.0.self_attn.q_proj.weight: a block-FP8 LoRA base")
+        assert "set mixed_precision=false" in message
