@@ -1,7 +1,7 @@
 """``lora.quantize_base: block_fp8`` through the LoRA recipe on 2 ranks: the tiny base quantized to block FP8
 by hand (blocks of 20 x 40, smaller than the weights and not dividing them). The first step's loss equals
-transformers' on the hand-dequantized weights (the adapters start as zero), and the final checkpoint is a
-plain directory transformers loads; on a base that is not block FP8 the option is refused naming the key."""
+transformers' on the hand-dequantized weights (the adapters start as zero), a run resumed mid-way continues
+with identical losses, and the final checkpoint is a plain directory transformers loads; on a base that is not block FP8 the option is refused naming the key."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import transformers
 from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
-from tests.recipes.conftest import losses
+from tests.recipes.conftest import losses, resume_copy
 from tests.recipes.test_recipes import _overrides, _reference_first_loss
 from tests.unit.test_block_fp8 import BLOCK, QUANT, hand_quantize
 
@@ -49,10 +49,17 @@ def test_the_option_trains_over_fp8_bases_from_the_first_step_as_transformers_on
 ):
     fp8, plain = _fp8_and_dequantized(tiny_dirs["base"], tmp_path)
     out = tmp_path / "run"
-    overrides = _overrides({"base": fp8}, "lora", out, epochs=1, steps=2)
+    overrides = _overrides({"base": fp8}, "lora", out, epochs=1, steps=4)
     recipe_pool.run("lora_finetune_distributed", "tiny/lora", *overrides, "lora.quantize_base=block_fp8")
     expected = _reference_first_loss("lora", {"base": plain})
     assert math.isclose(losses(out)[1], expected, rel_tol=1e-5), (losses(out), expected)
+    # resumed after step 2 (the FP8 bases read again from the base, the adapters from the checkpoint): bitwise
+    resumed = resume_copy(out, "step_2", tmp_path / "resumed")
+    again = _overrides({"base": fp8}, "lora", resumed, epochs=1, steps=4)
+    recipe_pool.run(
+        "lora_finetune_distributed", "tiny/lora", *again, "lora.quantize_base=block_fp8", "resume_from_checkpoint=True"
+    )
+    assert sorted(losses(resumed)) == [3, 4] and all(losses(resumed)[s] == losses(out)[s] for s in (3, 4))
     final = sorted(p for p in out.rglob("config.json") if (p.parent / "model.safetensors").is_file())[-1].parent
     assert "quantization_config" not in json.loads((final / "config.json").read_text())
     model = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
