@@ -34,7 +34,7 @@ from shardtune.checkpoint.safety.file_names import inside
 from shardtune.checkpoint.storage.safetensors_io import SafetensorsFile, TensorSlice
 from shardtune.models.args import ModelArgs
 from shardtune.models.multimodal import carried_keys, file_prefixes, tower_problems
-from shardtune.peft.lora import lora_config_of
+from shardtune.peft.lora import LoRALinear
 from shardtune.ranks import comm
 from shardtune.ranks.errors import format_problems
 from shardtune.state_dict.gc_pause import collector_paused
@@ -222,6 +222,7 @@ def _load(
     state: Mapping = {}
     fp8: block_fp8.BlockFp8Format | None = None
     args = model_args(model)
+    entries = model_entries(model, file_prefixes=hf_file_prefixes(model))
     if shared_filesystem or comm.rank() == 0:
         try:
             checkpoint = open_hf_checkpoint(model_dir)
@@ -231,14 +232,13 @@ def _load(
             state = mxfp4.dequantizing(checkpoint)  # gpt-oss MXFP4 experts, dequantized per piece as read
             # block-FP8 weights, dequantized per piece as read (read raw where the model keeps them in FP8)
             quantization = block_fp8.read_quantization(model_dir)
-            state, fp8 = block_fp8.dequantizing(state, quantization, where=model_dir, **_kept_in_fp8(model))
+            state, fp8 = block_fp8.dequantizing(state, quantization, where=model_dir, **_kept_in_fp8(model, entries))
         except CheckpointError as exc:
             problems.append(str(exc))
     try:
         comm.raise_on_every_rank(problems, header="Cannot load the HF checkpoint:", error=CheckpointError)
         # the format read, for a save in it: every rank's (rank 0's where only it reads the files)
         block_fp8.note_source(model, fp8 if shared_filesystem else comm.all_gather_objects(fp8)[0])
-        entries = model_entries(model, file_prefixes=hf_file_prefixes(model))
         total = _expected_reads(entries, checkpoint, shared_filesystem) if checkpoint is not None else 0
         with progress_bar(total, desc="load") as bar:
             if checkpoint is not None:
@@ -253,16 +253,15 @@ def _load(
     return result
 
 
-def _kept_in_fp8(model: nn.Module) -> dict[str, Any]:
+def _kept_in_fp8(model: nn.Module, entries: list[ModelEntry]) -> dict[str, Any]:
     """The file names of the weights ``model`` keeps in block FP8 (LoRA bases, :mod:`shardtune.peft.fp8_base`)
-    and the block they were built for: :func:`~shardtune.checkpoint.formats.block_fp8.dequantizing`'s ``raw``
-    and ``block``."""
-    lora = lora_config_of(model)
-    if lora is None or lora.fp8_block is None:
-        return {}
-    entries = model_entries(model, file_prefixes=hf_file_prefixes(model))
+    and the block they were built for (None when their modules disagree): :func:`~shardtune.checkpoint.formats.
+    block_fp8.dequantizing`'s ``raw`` and ``block``; nothing for a model without FP8 tensors."""
     raw = {key for e in entries if local_tensor(e.tensor).dtype == block_fp8.FP8_DTYPE for key in e.keys}
-    return {"raw": frozenset(raw), "block": lora.fp8_block}
+    if not raw:
+        return {}
+    blocks = {m.fp8_block for m in model.modules() if isinstance(m, LoRALinear) and m.fp8_block is not None}
+    return {"raw": frozenset(raw), "block": blocks.pop() if len(blocks) == 1 else None}
 
 
 def block_fp8_format(model: nn.Module, model_dir: str) -> block_fp8.BlockFp8Format | None:
