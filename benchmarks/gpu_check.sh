@@ -66,6 +66,14 @@ timeout 60 python -m benchmarks.train_hybrid --device cuda --world 1 --dtype bf1
 echo "hybrid train benchmark: $((SECONDS - start)) s" | tee -a "$out/device.txt"
 rm -rf "$out/bench_train_hybrid"/train_hybrid_*/  # the HF fixture; the runs JSON stays
 
+# DeepSeek-V3's multi-head latent attention (dense layers) on CUDA, world 1, bf16, against transformers + FSDP2;
+# the "train-hybrid-deepseek_v3-cuda" section.
+start=$SECONDS
+timeout 40 python -m benchmarks.train_hybrid --family deepseek_v3 --device cuda --world 1 --dtype bf16 --repeats 1 \
+    --steps 3 --bench-dir "$out/bench_train_mla" --markdown "$out/BENCHMARKS.md" 2>&1 | tee "$out/benchmark_train_mla_cuda.log" || status=1
+echo "latent attention train benchmark: $((SECONDS - start)) s" | tee -a "$out/device.txt"
+rm -rf "$out/bench_train_mla"/train_hybrid_*/
+
 # Expert parallel on CUDA (bf16): shardtune's MoE step at expert_parallel 1 and 2 on the same ranks (4, or 2 with
 # 2-3 GPUs), transformers the loss reference, all-to-all bytes counted; the "train-moe-ep-cuda" section. NCCL
 # takes one GPU per rank, so expert_parallel=2 needs at least 2 GPUs.

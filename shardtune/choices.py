@@ -24,7 +24,8 @@ LR_SCHEDULES = ("cosine", "linear", "constant")
 
 # ``lora.target_modules``: PEFT's module names for every family (``qkv_proj``/``gate_up_proj`` are Phi-3's
 # fused projections, ``in_proj_*``/``out_proj`` Qwen3.5's linear-attention ones, ``shared_expert_gate`` the sigmoid
-# gate of Qwen3.5-MoE's shared expert, whose projections are ``gate_proj``/``up_proj``/``down_proj``); applied by
+# gate of Qwen3.5-MoE's shared expert, whose projections are ``gate_proj``/``up_proj``/``down_proj``; ``q_a_proj``,
+# ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj`` DeepSeek-V3's latent attention ones); applied by
 # ``shardtune.peft.lora``.
 LORA_TARGETS = (
     "q_proj",
@@ -32,6 +33,10 @@ LORA_TARGETS = (
     "v_proj",
     "qkv_proj",
     "o_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
     "gate_proj",
     "up_proj",
     "gate_up_proj",

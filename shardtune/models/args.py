@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardtune.models.linear_attention_args import LinearAttentionArgs
+from shardtune.models.mla_args import MlaArgs
 from shardtune.models.moe_args import MoeArgs
 
 __all__ = ["FULL", "LINEAR", "SLIDING", "ModelArgs"]
@@ -37,7 +38,10 @@ class ModelArgs:
     default: all sliding when ``sliding_window`` is set) says which layers see only the last
     ``sliding_window`` tokens, and which are linear attention (``linear_attention``: their geometry);
     sliding layers use ``rope_local_theta`` when set (Gemma 3).
-    ``query_pre_attn_scalar`` replaces ``head_dim`` in the ``1/sqrt`` attention scale.
+    ``query_pre_attn_scalar`` replaces ``head_dim`` in the ``1/sqrt`` attention scale. ``qk_norm`` gives
+    every attention layer a per-head RMSNorm of q and k where the family's spec has none (GLM-4.5's
+    ``use_qk_norm``). ``mla`` (DeepSeek-V3): the attention layers are multi-head latent attention of that
+    geometry; ``head_dim`` is then its rotated width.
 
     Per-layer geometry (Gemma 4): full-attention layers have ``full_head_dim`` channels per head and
     ``full_n_kv_heads`` kv heads (None: ``head_dim``/``n_kv_heads``), their values are their keys'
@@ -70,6 +74,7 @@ class ModelArgs:
     final_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
     partial_rotary_factor: float = 1.0
+    qk_norm: bool = False
     rope_local_theta: float | None = None
     full_head_dim: int | None = None
     full_n_kv_heads: int | None = None
@@ -80,6 +85,7 @@ class ModelArgs:
     per_layer_input_vocab_size: int | None = None
     moe: MoeArgs | None = None  # the experts of a mixture-of-experts family (qwen3_moe, mixtral)
     linear_attention: LinearAttentionArgs | None = None  # the Gated DeltaNet layers of a hybrid (qwen3_5_text)
+    mla: MlaArgs | None = None  # multi-head latent attention geometry (deepseek_v3)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     """Free-form metadata (e.g. token ids) carried into ``model_args_to_hf_config``."""
     multimodal: dict[str, Any] | None = field(default=None, compare=False)
@@ -97,6 +103,8 @@ class ModelArgs:
                 f"ModelArgs.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}) "
                 "for grouped-query attention; pick n_kv_heads dividing n_heads"
             )
+        self.mla = MlaArgs.of(self.mla)
+        self._check_mla()
         if self.head_dim is None:
             if self.dim % self.n_heads != 0:
                 raise ValueError(
@@ -131,6 +139,27 @@ class ModelArgs:
         self.rope_scaling = _normalize_rope_scaling(self.rope_scaling, self.max_seq_len)
         self._check_layer_geometry()
         self.extra = dict(self.extra)  # own copy: presets hand out copies via replace()
+
+    def _check_mla(self) -> None:
+        """Multi-head latent attention: every head has its own keys and values, and ``head_dim`` is the rotated
+        width (``mla.qk_rope_head_dim``, filled in when unset), all of it rotated."""
+        mla = self.mla
+        if mla is None:
+            return
+        if self.head_dim is None:
+            self.head_dim = mla.qk_rope_head_dim
+        if self.n_kv_heads != self.n_heads:
+            raise ValueError(
+                f"ModelArgs.n_kv_heads ({self.n_kv_heads}) must equal n_heads ({self.n_heads}) with multi-head latent "
+                "attention (every head expands its own keys and values); set config num_key_value_heads to "
+                "num_attention_heads"
+            )
+        if self.head_dim != mla.qk_rope_head_dim or self.partial_rotary_factor != 1.0:
+            raise ValueError(
+                f"ModelArgs.head_dim ({self.head_dim}) is the rotated width of multi-head latent attention and must "
+                f"equal mla.qk_rope_head_dim ({mla.qk_rope_head_dim}), all of it rotated (partial_rotary_factor 1.0); "
+                "leave head_dim unset"
+            )
 
     def _check_layer_geometry(self) -> None:
         """Validate the per-layer geometry fields (see the class docstring)."""

@@ -21,7 +21,8 @@ kv_dim), about twice that while they are put in order), kept for backward; no ma
 layer (the kernel merges a segment's prefix and its causal diagonal by log-sum-exp,
 ``Attention._prefix_then_causal``), a window-bounded one for a sliding layer; activations of ``S / cp``
 tokens (measured: tests/distributed/test_context_parallel_memory.py). A ring (O(S / cp) keys) is the
-upgrade path. Exact for causal, packed (per-document), sliding-window, soft-capped and sink attention. A
+upgrade path. Exact for causal, packed (per-document), sliding-window, soft-capped, sink and multi-head latent attention
+(values narrower than keys). A
 mixture-of-experts model's load-balancing loss is over the whole rows: its counts, routing probabilities and
 token counts are summed over the group (:class:`~shardtune.models.moe_aux.Routing` with ``group=``), with
 :attr:`ContextBatch.mask` keeping the split's padding out of them. Linear-attention (Gated DeltaNet) layers
@@ -199,17 +200,17 @@ def _segments(lengths: list[int], mine: Tensor) -> tuple[Segment, ...]:
 
 
 def gather_keys(k: Tensor, v: Tensor, shard: ContextShard) -> tuple[Tensor, Tensor]:
-    """The keys and values ``[b, kv_heads, S, d]`` of the whole rows, in row order, from every rank's
-    ``[b, kv_heads, S / cp, d]``.
+    """The keys ``[b, kv_heads, S, dk]`` and values ``[b, kv_heads, S, dv]`` of the whole rows, in row order, from
+    every rank's ``[b, kv_heads, S / cp, dk]`` and ``[..., dv]`` (values may be narrower than keys: MLA).
 
     Collective: call on all ranks of ``shard.group`` (in every attention layer's forward; the backward
     reduce-scatters the gradients). Each rank returns the same two tensors, with autograd to its own part."""
     device = comm.comm_device(k.device)
-    local = torch.stack([k, v]).permute(3, 0, 1, 2, 4)  # [s, 2, b, h, d]: the gather concatenates dim 0
+    local = torch.cat([k, v], dim=-1).permute(2, 0, 1, 3)  # [s, b, h, dk + dv]: the gather concatenates dim 0
     everyone = all_gather_single_autograd(comm.to_transfer(local, device), 0, shard.group)
     rows = everyone.to(k.device).index_select(0, shard.gathered_at.to(k.device, non_blocking=True))
-    both = rows.permute(1, 2, 3, 0, 4)
-    return both[0], both[1]
+    keys, values = rows.permute(1, 2, 0, 3).split([k.shape[-1], v.shape[-1]], dim=-1)
+    return keys, values
 
 
 @torch.compiler.disable  # per-segment shapes would recompile a compiled layer for every new batch

@@ -21,8 +21,9 @@ __all__ = ["KVCache", "LayerCache", "cached_attention_mask"]
 
 
 class KVCache:
-    """Per-layer keys and values ``[batch, kv_heads, tokens, head_dim]``, grown as tokens arrive, and
-    recurrent layers' states."""
+    """Per-layer keys and values ``[batch, kv_heads, tokens, head_dim]`` (multi-head latent attention: its normed
+    latent and rotated key part, ``[batch, 1, tokens, width]``), grown as tokens arrive, and recurrent layers'
+    states."""
 
     def __init__(self, *, pad: Tensor | None = None) -> None:
         self.keys: dict[int, Tensor] = {}

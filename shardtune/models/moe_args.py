@@ -1,5 +1,5 @@
-"""Mixture-of-experts hyper-parameters of a decoder (Qwen3-MoE, Mixtral, gpt-oss, Qwen3.5-MoE), read from and
-written to config.json.
+"""Mixture-of-experts hyper-parameters of a decoder (Qwen3-MoE, Mixtral, gpt-oss, Qwen3.5-MoE, GLM-4.5), read from
+and written to config.json.
 
 Rule: one ``MoeArgs`` describes every sparse layer of a model; which layers are sparse follows
 transformers exactly (``mlp_only_layers`` and ``decoder_sparse_step``). Plain data: no torch.
@@ -25,6 +25,10 @@ class MoeArgs:
     ``swiglu_limit`` (set exactly for gpt-oss) and ``swiglu_alpha`` are its experts' clamp and sigmoid gain.
     ``shared_expert_intermediate_size`` is the width of the shared expert beside the routed ones (set
     exactly for families with one: ``SparseSpec.shared``; Qwen3.5-MoE).
+
+    Group-limited sigmoid routing (the ``"sigmoid_group_topk"`` router: DeepSeek-V3, GLM-4.5; the defaults
+    elsewhere): the experts form ``n_group`` equal groups, each token picks its experts among the
+    ``topk_group`` best groups only, and its routing weights are multiplied by ``routed_scaling_factor``.
     """
 
     num_experts: int
@@ -38,9 +42,12 @@ class MoeArgs:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     shared_expert_intermediate_size: int | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("num_experts", "top_k", "intermediate_size", "decoder_sparse_step"):
+        for name in ("num_experts", "top_k", "intermediate_size", "decoder_sparse_step", "n_group", "topk_group"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"MoeArgs.{name} must be a positive int, got {value!r}")
@@ -56,7 +63,33 @@ class MoeArgs:
             raise ValueError(f"MoeArgs.router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
             raise ValueError(f"MoeArgs.swiglu_limit must be > 0 or None, got {self.swiglu_limit}")
+        self._check_groups()
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+
+    def _check_groups(self) -> None:
+        """The expert groups of group-limited routing (config keys ``n_group``, ``topk_group``) must be usable."""
+        if self.num_experts % self.n_group or (self.n_group > 1 and self.num_experts // self.n_group < 2):
+            raise ValueError(
+                f"MoeArgs.n_group ({self.n_group}) must divide the {self.num_experts} experts into groups of at "
+                "least 2 (each group is scored by its best two); set config n_group to such a divisor"
+            )
+        if self.topk_group > self.n_group:
+            raise ValueError(
+                f"MoeArgs.topk_group ({self.topk_group}) exceeds n_group ({self.n_group}); set config "
+                "topk_group <= n_group"
+            )
+        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(
+                f"MoeArgs.top_k ({self.top_k}) exceeds the experts of the topk_group={self.topk_group} groups a "
+                "token may use; raise config topk_group or lower num_experts_per_tok"
+            )
+        if not self.routed_scaling_factor > 0:
+            raise ValueError(f"MoeArgs.routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+
+    @property
+    def grouped_routing(self) -> bool:
+        """Whether any group-limited routing field differs from its default (only its router reads them)."""
+        return (self.n_group, self.topk_group, self.routed_scaling_factor) != (1, 1, 1.0)
 
     @classmethod
     def of(cls, value: MoeArgs | Mapping[str, Any] | None) -> MoeArgs | None:

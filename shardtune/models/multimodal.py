@@ -24,6 +24,9 @@ __all__ = [
     "carries",
     "carried_keys",
     "file_prefixes",
+    "loaded_with_carried",
+    "module_prefixes",
+    "note_carried",
     "spec_of",
     "text_config",
     "tower_problems",
@@ -44,6 +47,13 @@ def file_prefixes(args: ModelArgs) -> tuple[tuple[str, str], ...]:
     return NO_PREFIXES if spec is None else spec.file_prefixes
 
 
+def module_prefixes(args: ModelArgs) -> tuple[tuple[str, str], ...]:
+    """(model name prefix, module name prefix) pairs of the model's modules in the multimodal class transformers
+    builds (PEFT's names; none for a text model)."""
+    spec = spec_of(args)
+    return NO_PREFIXES if spec is None else spec.module_prefixes or spec.file_prefixes
+
+
 def text_config(cfg: Mapping[str, Any], source: str) -> dict[str, Any] | None:
     """The text tower's config of a multimodal ``config.json`` (None when ``cfg`` is not one); raises
     ``ValueError`` naming ``source`` when its ``text_config`` is missing or of another model type."""
@@ -56,7 +66,7 @@ def text_config(cfg: Mapping[str, Any], source: str) -> dict[str, Any] | None:
             f"{source}: model_type {spec.model_type!r} needs a text_config object (the {spec.text_model_type} "
             "decoder's config); re-copy config.json from the model repository"
         )
-    if text.get("model_type", spec.text_model_type) != spec.text_model_type:
+    if text.get("model_type", spec.text_model_type) not in (spec.text_model_type, *spec.text_model_aliases):
         raise ValueError(
             f"{source}: text_config.model_type is {text.get('model_type')!r}, expected {spec.text_model_type!r} "
             f"for a {spec.model_type} checkpoint; re-copy config.json from the model repository"
@@ -74,7 +84,7 @@ def wrap_text_config(args: ModelArgs, text: dict[str, Any]) -> dict[str, Any]:
     source = dict(args.multimodal)
     nested = dict(source.get("text_config") or {})
     rope = {**(nested.get("rope_parameters") or {}), **(text.get("rope_parameters") or {})}
-    nested.update({k: v for k, v in text.items() if k in nested})
+    nested.update({k: v for k, v in text.items() if k in nested and k != "model_type"})  # an alias stays
     nested["rope_parameters"] = rope
     return {**source, "text_config": nested, "tie_word_embeddings": args.tie_word_embeddings}
 
@@ -101,6 +111,19 @@ def carried_keys(args: ModelArgs, keys: list[str]) -> list[str]:
         for k in keys
         if (spec is not None and not k.startswith(spec.text_prefixes)) or (after and k.startswith(after))
     ]
+
+
+_CARRIED_ATTR = "_shardtune_carried_from_source"
+
+
+def note_carried(model: object, count: int) -> None:
+    """Record on ``model`` how many tensors of the checkpoint it was loaded from it does not use (carried)."""
+    setattr(model, _CARRIED_ATTR, count)
+
+
+def loaded_with_carried(model: object) -> bool:
+    """Whether ``model`` was loaded from a checkpoint holding tensors it does not use, which a save must copy."""
+    return bool(getattr(model, _CARRIED_ATTR, 0))
 
 
 def tower_problems(args: ModelArgs, keys: list[str], where: str) -> list[str]:

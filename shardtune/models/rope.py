@@ -19,7 +19,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["RotaryEmbedding", "apply_rotary", "apply_rotary_emb", "attention_factor", "compute_inv_freq", "rotate_half"]
+__all__ = [
+    "RotaryEmbedding",
+    "apply_rotary",
+    "apply_rotary_emb",
+    "apply_rotary_interleaved",
+    "attention_factor",
+    "compute_inv_freq",
+    "rotate_half",
+    "softmax_mscale",
+]
 
 SEQ_DEPENDENT_ROPE = ("dynamic", "longrope")
 
@@ -138,6 +147,17 @@ def attention_factor(rope_scaling: dict[str, Any] | None, *, max_position_embedd
     return mscale(factor)
 
 
+def softmax_mscale(rope_scaling: dict[str, Any] | None) -> float:
+    """The factor multi-head latent attention multiplies its softmax scale by: yarn's ``mscale_all_dim`` squared
+    (``0.1 * mscale_all_dim * ln(factor) + 1``, 1 for ``factor <= 1``), as DeepSeek's reference and transformers'
+    ``yarn_apply_mscale``; 1.0 without it."""
+    if rope_scaling is None or not rope_scaling.get("mscale_all_dim"):
+        return 1.0
+    factor = float(rope_scaling["factor"])
+    mscale = 1.0 if factor <= 1 else 0.1 * float(rope_scaling["mscale_all_dim"]) * math.log(factor) + 1.0
+    return mscale * mscale
+
+
 def rotate_half(x: Tensor) -> Tensor:
     """Rotate the two halves of the last dim: ``(x1, x2) -> (-x2, x1)``."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -159,6 +179,13 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return x * cos + rotate_half(x) * sin
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def apply_rotary_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """:func:`apply_rotary` of channels laid out in pairs ``(x0, x1), (x2, x3), ...`` (DeepSeek's
+    ``rope_interleave``): the pairs are gathered into halves first, so the output is in halves, as transformers'
+    ``apply_rotary_pos_emb_interleave`` (bit for bit)."""
+    return apply_rotary(torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1), cos, sin)
 
 
 class RotaryEmbedding(nn.Module):

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from shardtune.models.moe_args import MoeArgs
 
 __all__ = [
+    "GROUPED_ROUTER",
     "AttentionSpec",
     "Blocks",
     "ExpertNames",
@@ -35,7 +36,7 @@ class AttentionSpec:
     ``linear_attn``): ``kind`` (``"attention"``: grouped-query attention through SDPA, exact eager with
     logit soft-capping; ``"sink_attention"``: plus gpt-oss's per-head sink logits; ``"gated_delta_net"``:
     Qwen3.5's linear attention; ``"qkv_norm_attention"``: Gemma 4's, normed values, scale 1, keys and values
-    shared across layers), one fused ``qkv_proj`` (Phi-3), a per-head RMSNorm of q and k (Qwen3, Gemma 3) and a sigmoid output gate made by ``q_proj`` (``output_gate``: Qwen3.5)."""
+    shared across layers; ``"mla_attention"``: DeepSeek-V3's multi-head latent attention, ``ModelArgs.mla``), one fused ``qkv_proj`` (Phi-3), a per-head RMSNorm of q and k (Qwen3, Gemma 3) and a sigmoid output gate made by ``q_proj`` (``output_gate``: Qwen3.5)."""
 
     kind: str = "attention"
     fused_qkv: bool = False
@@ -85,7 +86,8 @@ class SharedExpertSpec:
 class SparseSpec:
     """A sparse layer's ``mlp``: a block ``kind`` (``"sparse_moe"``: top-k routed experts) made of a
     ``router`` kind (``"softmax_topk"``: softmax, then top-k; ``"topk_softmax"``: top-k of biased logits,
-    then their softmax) and an ``experts`` kind (``"gated"``: fused ``[E, 2I, H]`` SwiGLU/GeGLU experts;
+    then their softmax; ``"sigmoid_group_topk"``: DeepSeek-V3's group-limited sigmoid routing, the only kind
+    reading ``MoeArgs.n_group``/``topk_group``/``routed_scaling_factor``) and an ``experts`` kind (``"gated"``: fused ``[E, 2I, H]`` SwiGLU/GeGLU experts;
     ``"clamped_swiglu"``: gpt-oss's transposed, biased, clamped ones).
 
     HF names: the router's attribute (``router_name``), whether transformers registers it before the
@@ -150,6 +152,9 @@ class Blocks:
         return None
 
 
+# the router kind of group-limited sigmoid routing (DeepSeek-V3, GLM-4.5): the one that reads MoeArgs.n_group etc.
+GROUPED_ROUTER = "sigmoid_group_topk"
+
 # ModelArgs fields that only some families' config.json can say, with the value meaning "not used"
 OPTIONAL_FIELDS: dict[str, Any] = {
     "attn_logit_softcapping": None,
@@ -158,6 +163,8 @@ OPTIONAL_FIELDS: dict[str, Any] = {
     "hidden_act": "silu",
     "rope_local_theta": None,
     "partial_rotary_factor": 1.0,
+    "qk_norm": False,
+    "mla": None,
     "full_head_dim": None,
     "full_n_kv_heads": None,
     "attention_k_eq_v": False,
@@ -229,6 +236,11 @@ class Multimodal:
     ``lm_head.weight``). ``text_prefixes``: the file names of the text model's tensors start with one
     of these; every other tensor of the files is carried. ``towers``: a config key naming a tower ->
     the prefix its tensors have in the files (a config naming a tower whose tensors are absent is refused).
+    ``module_prefixes``: the same pairs for transformers' module names in the multimodal class, where its
+    checkpoints name tensors otherwise (Kimi K2.5's hub files: ``language_model.model.*``; its modules:
+    ``model.language_model.*``); PEFT names adapters by module. Empty: as ``file_prefixes``.
+    ``text_model_aliases``: other ``text_config.model_type`` values of the same decoder (Kimi K2.5: ``kimi_k2``),
+    written back as read.
     """
 
     model_type: str
@@ -237,3 +249,5 @@ class Multimodal:
     file_prefixes: tuple[tuple[str, str], ...]
     text_prefixes: tuple[str, ...]
     towers: Mapping[str, str] = field(default_factory=dict)
+    module_prefixes: tuple[tuple[str, str], ...] = ()
+    text_model_aliases: tuple[str, ...] = ()

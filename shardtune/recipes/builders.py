@@ -90,7 +90,10 @@ def base_model_dir(
         )
     if run.is_rank_zero:
         log.info("creating the %s base model in %s", preset, path)
-        create_tiny_base(path, preset=preset) if seed is None else create_tiny_base(path, seed=seed, preset=preset)
+        # rank 0 alone draws the base's weights: its random state must stay the other ranks' (fresh adapters
+        # replicated over expert-parallel ranks are drawn on each of them)
+        with torch.random.fork_rng(devices=[]):
+            create_tiny_base(path, preset=preset) if seed is None else create_tiny_base(path, seed=seed, preset=preset)
     dist.barrier()
     return path
 
@@ -227,6 +230,7 @@ def loop_settings(cfg: Config) -> LoopSettings:
         save_every_n_steps=cfg.save_every_n_steps,
         eval_every_n_steps=cfg.eval_every_n_steps,
         max_nonfinite_steps=cfg.max_nonfinite_steps,
+        router_bias_update_rate=cfg.router_bias_update_rate,
     )
 
 

@@ -205,6 +205,15 @@ BASE_SCHEMA = Schema(
             "loss (logged as aux_loss; DPO: of the policy, as TRL's DPOTrainer); null: config.json's "
             "router_aux_loss_coef; 0: logged only. Dense models ignore it",
         ),
+        # read by the fine-tuning loop (training/router_balance.py)
+        "router_bias_update_rate": Field(
+            float,
+            0.0,
+            ge=0,
+            help="group-limited sigmoid routers (glm4_moe): aux-loss-free balancing, each step every router's "
+            "e_score_correction_bias moves this much towards even expert load (DeepSeek-V3: 0.001); 0: frozen, "
+            "as transformers keeps it",
+        ),
         "compile": Field(
             bool, False, help="torch.compile each decoder layer and the loss's chunks (first steps are slower)"
         ),
@@ -402,6 +411,8 @@ def _check_grpo(cfg: dict[str, Any]) -> list[str]:
         problems.append("validation_dataset: grpo_distributed does not evaluate a validation set; remove it")
     if cfg.get("packed"):
         problems.append("packed: grpo_distributed makes its own rows from rollouts; set packed=false")
+    if cfg.get("router_bias_update_rate"):
+        problems.append("router_bias_update_rate: grpo_distributed keeps the routers' correction bias; set it to 0")
     iterations = grpo.get("num_iterations", 1)
     for key in ("save_every_n_steps", "max_steps_per_epoch"):
         if isinstance(iterations, int) and iterations > 1 and isinstance(cfg.get(key), int) and cfg[key] % iterations:

@@ -10,7 +10,8 @@ included) of a sequence of length ``t``:
   output head even when it shares the embedding's weight; of a mixture of experts only the
   ``top_k`` experts a token runs through (the active parameters), the router included;
 * attention scores and values: ``12 * layers * heads * head_dim * t`` (forward and backward,
-  no causal halving, as PaLM's and torchtitan's MFU count).
+  no causal halving, as PaLM's and torchtitan's MFU count); with multi-head latent attention, whose keys
+  and values differ in width, ``6 * layers * heads * (qk_head_dim + v_head_dim) * t``.
 
 For full fine-tuning this is the usual ``6 N + 12 l h q t``.
 
@@ -65,7 +66,8 @@ def flops_per_token_fn(model: nn.Module) -> Callable[[int], float]:
     """``seq_len -> model FLOPs per token`` of a training step of ``model`` (fwd + bwd)."""
     weights, trainable = _weights(model)
     args: Any = model.args  # a ModelArgs (nn.Module.__getattr__ is typed Tensor | Module)
-    attention = 12 * args.n_layers * args.n_heads * args.head_dim
+    widths = (args.mla.qk_head_dim + args.mla.v_head_dim) if args.mla is not None else 2 * args.head_dim
+    attention = 6 * args.n_layers * args.n_heads * widths
     return lambda seq_len: 4.0 * weights + 2.0 * trainable + attention * seq_len
 
 

@@ -52,6 +52,7 @@ from tqdm import tqdm
 
 from shardtune.checkpoint.checkpointer import Checkpointer
 from shardtune.checkpoint.formats.training_state import TrainingProgress
+from shardtune.models.blocks.routers import SigmoidGroupRouter
 from shardtune.ranks import comm
 from shardtune.ranks.faults import fault_point
 from shardtune.state_dict.layout import local_tensor
@@ -59,6 +60,7 @@ from shardtune.training.finite import FiniteGuard
 from shardtune.training.flops import rank_batch_flops
 from shardtune.training.grad_norm import clip_grad_norm, grad_norm
 from shardtune.training.metrics import MetricLogger, peak_memory_mib
+from shardtune.training.router_balance import balanced_routers, update_router_biases
 from shardtune.training.signals import StopOnSignal, TrainingStopped
 
 Batch = dict[str, Any]  # a loader batch (CPU tensors) or a micro-batch a PrepareStep made
@@ -85,6 +87,7 @@ class LoopSettings:
     peak_tflops: float | None = None  # the device's peak, for ``mfu``
     context_parallel: int = 1  # ranks each row is split over: a rank counts its part of the rows' FLOPs
     max_nonfinite_steps: int = 0  # steps with a non-finite loss/grad norm to skip before stopping (0: stop)
+    router_bias_update_rate: float = 0.0  # aux-loss-free balancing of group-limited routers (router_balance.py)
 
 
 def steps_per_epoch(n_batches: int, settings: LoopSettings) -> int:
@@ -152,6 +155,7 @@ def run_training(
         start_epoch, step = progress.epoch, progress.step
         is_rank_zero = not dist.is_initialized() or dist.get_rank() == 0
         guard = FiniteGuard(max_skipped=settings.max_nonfinite_steps)
+        routers = balanced_routers(model, settings.router_bias_update_rate)
         for epoch in range(start_epoch, settings.epochs):
             sampler.set_epoch(epoch)  # a resumed sampler keeps its position in its epoch
             # The checkpointer restored the sampler with its checkpoint: the loader yields the rest of the epoch.
@@ -182,7 +186,9 @@ def run_training(
                 batches += len(step_batches)
                 window.reduce()
                 _scale_grads(model, window.global_tokens)
-                norm = _step(model, optimizer, lr_scheduler, settings, guard=guard, step=step + 1, window=window)
+                norm = _step(
+                    model, optimizer, lr_scheduler, settings, guard=guard, step=step + 1, window=window, routers=routers
+                )
                 fault_point("train:step")
                 step += 1
                 _advance(progress, step=step, epoch=epoch, batches_in_epoch=batches)
@@ -231,12 +237,21 @@ def _advance(progress: TrainingProgress, *, step: int, epoch: int, batches_in_ep
 
 
 def _step(
-    model, optimizer, lr_scheduler, settings: LoopSettings, *, guard: FiniteGuard, step: int, window: _Window
+    model,
+    optimizer,
+    lr_scheduler,
+    settings: LoopSettings,
+    *,
+    guard: FiniteGuard,
+    step: int,
+    window: _Window,
+    routers: list[SigmoidGroupRouter],
 ) -> torch.Tensor | None:
-    """Clip (when asked), step and zero; returns the pre-clip grad norm when clipping (the logged one).
+    """Clip (when asked), step and zero, then move the ``routers``' correction biases towards even load
+    (``settings.router_bias_update_rate``); returns the pre-clip grad norm when clipping (the logged one).
 
     The step's loss and grad norm go to ``guard``; in skip mode a non-finite step drops its
-    gradients and leaves the optimizer and the schedule where they were."""
+    gradients and leaves the optimizer, the schedule and the biases where they were."""
     clip = settings.clip_grad_norm
     norm = clip_grad_norm(model.parameters(), clip) if clip is not None else grad_norm(model.parameters())
     code = guard.code(step=step, loss_sum=window.global_loss_sum, grad_norm=norm)
@@ -247,6 +262,8 @@ def _step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     lr_scheduler.step()
+    if routers:
+        update_router_biases(routers, window.global_metrics["tokens_per_expert"], rate=settings.router_bias_update_rate)
     return norm if clip is not None else None
 
 

@@ -4,7 +4,8 @@ model in one process (fp32, 1e-5 relative), for every dense family's attention (
 windows, alternating windows with soft-capping, dynamic rope, Phi-3's longrope with short and long
 factors); at cp 2, cp 4 and dp 2 x cp 2, and under full and selective activation checkpointing; LoRA and
 QLoRA (loss and every adapter gradient) and the chunked loss likewise; LoRA DPO and the early-exit loss;
-mixture-of-experts models with their load-balancing loss over the whole rows. The K/V all-gather and the aux loss's sums obey NCCL's rules. What
+mixture-of-experts models with their load-balancing loss over the whole rows; multi-head latent attention (keys
+and values of different widths). The K/V all-gather and the aux loss's sums obey NCCL's rules. What
 cannot be split exactly is refused on every rank by name."""
 
 from __future__ import annotations
@@ -194,6 +195,16 @@ def test_cp2_gemma4_equals_one_process(pool2):
     results = pool2.run_ok(_families, names, 2, timeout=240)
     for name in names:
         _check(results, name, [0], tol=3e-5)
+
+
+def test_cp2_multi_head_latent_attention_equals_one_process(pool2):
+    """DeepSeek-V3's latent attention: each head's keys (24 channels) and values (12) are gathered in one
+    all-gather though their widths differ; queries through the bottleneck (pairs rotated) or one q_proj
+    (halves rotated); routed experts and a dense first layer act per token."""
+    names = ["deepseek_v3", "deepseek_v3_q_proj"]
+    results = pool2.run_ok(_families, names, 2, timeout=240)
+    for name in names:
+        _check(results, name, [0])
 
 
 def test_cp2_phi3_longrope_equals_one_process_with_short_and_long_factors(pool2):

@@ -474,3 +474,53 @@ def qwen3_5_packed_on(device: str = "cuda") -> dict:
         for n, p in ours.named_parameters()
     )
     return {"loss": abs(loss.item() - ref.item()) / abs(ref.item()), "grad": grad}
+
+
+def deepseek_v3_on(device: str = "cuda") -> dict:
+    """Loss and gradients of a tiny DeepSeek-V3 (latent attention with the query bottleneck, group-limited sigmoid
+    routing, shared experts) on ``device`` against transformers on the CPU, fp32: the relative loss difference and
+    the largest relative gradient difference."""
+    import torch.nn.functional as F
+
+    from tests.unit.test_deepseek_v3 import batch, hf_model, ours_from
+
+    hf = hf_model()
+    ours = ours_from(hf).to(device)
+    tokens, _, labels = batch()
+    target = labels[:, 1:].flatten()
+    loss = F.cross_entropy(ours(tokens.to(device))[:, :-1].flatten(0, 1), target.to(device), ignore_index=-100)
+    ref = F.cross_entropy(hf(tokens).logits[:, :-1].flatten(0, 1), target, ignore_index=-100)
+    loss.backward()
+    ref.backward()
+    hf_params = dict(hf.named_parameters())
+    grad = max(
+        ((p.grad.cpu() - hf_params[n].grad).abs().max() / hf_params[n].grad.abs().max()).item()
+        for n, p in ours.named_parameters()
+    )
+    return {"loss": abs(loss.item() - ref.item()) / abs(ref.item()), "grad": grad}
+
+
+def block_fp8_load(kind: str, fp8_dir: str, expected: dict) -> dict:
+    """A block-FP8 directory loaded onto ``kind`` (every rank dequantizing its own piece): the names whose local
+    shard differs from its cut of the hand-dequantized weights ``expected`` (fused runtime names), and where
+    the shards live."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from shardtune.checkpoint import load_hf_checkpoint
+    from shardtune.models import from_hf_config
+    from shardtune.ranks.mesh import make_mesh
+    from shardtune.ranks.sharding import shard_model
+
+    with torch.device("meta"):
+        model = from_hf_config(fp8_dir, dtype=torch.float32)
+    shard_model(model, mesh=make_mesh(device=kind))
+    load_hf_checkpoint(model, fp8_dir, device=current_device(kind), strict=True)
+    wrong, where = [], set()
+    for name, p in model.named_parameters():
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        cut = expected[name][tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+        local = p.to_local()
+        where.add(local.device.type)
+        if not torch.equal(local.cpu(), cut):
+            wrong.append(name)
+    return {"wrong": wrong, "where": where}

@@ -452,3 +452,20 @@ def test_tiny_grpo_recipe_rolls_out_and_trains_on_one_gpu(tiny_base, tmp_path):
     for row in rows:
         assert all(v == v and abs(v) != float("inf") for v in row.values() if isinstance(v, float)), row
         assert row["gen_tokens_per_second"] > 0 and row["completion_length"] > 0, row
+
+
+def test_deepseek_v3_on_cuda_equals_transformers_on_the_cpu():
+    """A tiny DeepSeek-V3 on CUDA (latent attention through SDPA with values narrower than keys, the group-limited
+    sigmoid router, shared experts) against transformers' model on the CPU: loss and every gradient, fp32."""
+    found = checks.deepseek_v3_on("cuda")
+    assert found["loss"] <= 1e-4 and found["grad"] <= 2e-3, found
+
+
+def test_block_fp8_checkpoint_loads_onto_one_gpu(nccl1, tmp_path):
+    """A block-FP8 directory (blocks that divide none of the dims) loaded onto the GPU: every weight equals the
+    hand-dequantized one, and the shards live on the GPU."""
+    from tests.unit.test_block_fp8 import _fused, fp8_dir
+
+    _, expected = fp8_dir(tmp_path)
+    found = nccl1.run_ok(checks.block_fp8_load, "cuda", str(tmp_path), _fused(expected))[0]
+    assert found["wrong"] == [] and found["where"] == {"cuda"}, found

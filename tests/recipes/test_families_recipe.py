@@ -16,7 +16,12 @@ from tests.unit.test_models_families import hf_config, randomize_
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.mark.parametrize("name", ["phi3", "gemma2"])
+# peft 0.21 reads gate_proj/up_proj/down_proj of a deepseek_v3 model as its fused experts: adapt the attention only,
+# by Llama's names (q_proj -> q_b_proj, k_proj/v_proj -> kv_b_proj)
+TARGETS = {"deepseek_v3": ["lora.target_modules=[q_proj,k_proj,v_proj,o_proj]"]}
+
+
+@pytest.mark.parametrize("name", ["phi3", "gemma2", "deepseek_v3"])
 def test_lora_recipe_on_a_save_pretrained_dir(tmp_path, recipe_pool, name):
     config = hf_config(name)
     config.vocab_size, config.pad_token_id, config.bos_token_id, config.eos_token_id = 256, 0, 1, 2
@@ -35,6 +40,7 @@ def test_lora_recipe_on_a_save_pretrained_dir(tmp_path, recipe_pool, name):
         "max_steps_per_epoch=2",
         "batch_size=2",
         "log_every_n_steps=1",
+        *TARGETS.get(name, []),
         nproc=2,
     )
     assert sorted(losses(out)) == [1, 2]

@@ -50,6 +50,24 @@ LONGROPE = {
     "long_factor": [1.5 + 0.3 * i for i in range(4)],
 }
 
+# DeepSeek-V3: latent attention (every head its own keys: kv heads = heads), values narrower than keys, experts
+# whose 2 * moe_intermediate_size != hidden_size, a dense first layer, group-limited routing
+DEEPSEEK_V3 = {
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 24,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 12,
+    "n_routed_experts": 6,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 24,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 2,
+    "topk_group": 1,
+}
+
 # name -> (config class, kwargs). Sliding windows are shorter than SEQ on purpose.
 FAMILY_CONFIGS = {
     "mistral": (transformers.MistralConfig, {"sliding_window": WINDOW, "head_dim": 24}),
@@ -121,6 +139,22 @@ FAMILY_CONFIGS = {
             "shared_expert_intermediate_size": 40,
         },
     ),
+    # dense layer 0, then 8 experts in 4 groups (top 2 of the best 2 groups), 2I = 48 != H = 64, an ungated shared
+    # expert; q/k/v biases, q/k norms, rotary on half the head
+    "glm4_moe": (
+        transformers.Glm4MoeConfig,
+        {
+            "head_dim": 16,
+            "attention_bias": True,
+            "use_qk_norm": True,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 24,
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.5,
+        },
+    ),
     "gemma4_text": (
         transformers.Gemma4TextConfig,
         dict(GEMMA4, attention_k_eq_v=True, num_global_key_value_heads=1),
@@ -146,6 +180,11 @@ FAMILY_CONFIGS = {
             top_k_experts=2,
             moe_intermediate_size=32,
         ),
+    ),
+    "deepseek_v3": (transformers.DeepseekV3Config, DEEPSEEK_V3),
+    "deepseek_v3_q_proj": (
+        transformers.DeepseekV3Config,
+        dict(DEEPSEEK_V3, q_lora_rank=None, rope_interleave=False, attention_bias=True),
     ),
     "llama_dynamic": (
         transformers.LlamaConfig,
@@ -302,20 +341,28 @@ def test_unsupported_model_type_lists_the_supported_ones():
         from_hf_config({**COMMON, "model_type": "falcon"})
     assert set(supported_model_types()) == {
         *("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma4_text"),
-        *("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_text", "qwen3_5_moe_text"),
+        *("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_text", "qwen3_5_moe_text", "glm4_moe", "deepseek_v3"),
     }
 
 
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LINEAR_ATTENTION_TARGETS = ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]
+# the latent attention's projections (peft maps gate/up/down_proj of a MoE model onto its fused experts too)
+MLA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 PEFT_TARGETS = {
+    "deepseek_v3": MLA_TARGETS,
+    "deepseek_v3_q_proj": ["q_proj", *MLA_TARGETS[2:]],
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
     "qwen3_5_text": LLAMA_TARGETS + LINEAR_ATTENTION_TARGETS,
 }
-OUR_TARGETS = {"qwen3_5_text": LLAMA_TARGETS + LINEAR_ATTENTION_TARGETS}  # else Llama's names, resolved per family
+OUR_TARGETS = {
+    "qwen3_5_text": LLAMA_TARGETS + LINEAR_ATTENTION_TARGETS,
+    "deepseek_v3": MLA_TARGETS,
+    "deepseek_v3_q_proj": ["q_proj", *MLA_TARGETS[2:]],
+}  # else Llama's names, resolved per family
 LORA_FAMILIES = [
     *("mistral", "qwen2_tied", "qwen3", "phi3", "gemma2", "gemma3_text", "qwen3_5_text"),
-    *("gemma4_text", "gemma4_text_per_layer_inputs", "gemma4_text_moe"),
+    *("gemma4_text", "gemma4_text_per_layer_inputs", "gemma4_text_moe", "deepseek_v3", "deepseek_v3_q_proj"),
 ]
 
 
@@ -352,14 +399,16 @@ def test_lora_merge_equals_peft_merge_and_unload(name):
 @pytest.mark.parametrize("name", LORA_FAMILIES)
 def test_qlora_forward_runs_and_matches_its_dequantized_merge(name):
     hf = hf_model(name)
+    targets = OUR_TARGETS.get(name, LLAMA_TARGETS)
+    small = name in ("qwen3_5_text", "deepseek_v3", "deepseek_v3_q_proj")  # in_proj_a/b [4, 64], q_a_proj [24, 64]
     ours = apply_lora(
         ours_from_hf(hf),
         rank=4,
         alpha=8,
-        target_modules=OUR_TARGETS.get(name, LLAMA_TARGETS),
+        target_modules=targets,
         quantize_base=True,
-        block_size=16 if name == "qwen3_5_text" else 32,  # its in_proj_a/b are [4, 64] here
-        scaler_block_size=16 if name == "qwen3_5_text" else 32,
+        block_size=16 if small else 32,
+        scaler_block_size=16 if small else 32,
     )
     # Reference: transformers with the dequantized NF4 weights (fresh adapters are the identity).
     hf_nf4 = copy.deepcopy(hf)
@@ -377,7 +426,9 @@ def test_qlora_forward_runs_and_matches_its_dequantized_merge(name):
         for n, p in ours.named_parameters():
             if "lora_B" in n:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-    assert type(ours.model.layers[0].mlp.down_proj.weight).__name__ == "NF4Tensor"
+    layer = ours.model.layers[0]
+    quantized = layer.mlp.down_proj if "down_proj" in targets else layer.self_attn.o_proj
+    assert type(quantized.weight).__name__ == "NF4Tensor"
     loss = ours(x).logsumexp(-1).mean()
     loss.backward()
     assert all(p.grad is not None for n, p in ours.named_parameters() if p.requires_grad)

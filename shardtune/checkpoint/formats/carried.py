@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from shardtune.checkpoint.errors import CheckpointError
+from shardtune.checkpoint.formats import block_fp8
 from shardtune.checkpoint.formats.hf_load import open_hf_checkpoint
 from shardtune.checkpoint.storage.safetensors_io import HeaderEntry, SafetensorsFile
 from shardtune.checkpoint.storage.writer import WriteItem
 from shardtune.models.args import ModelArgs
-from shardtune.models.multimodal import carried_keys, carries, tower_problems
+from shardtune.models.multimodal import carried_keys, carries, spec_of, tower_problems
 from shardtune.ranks import comm
 from shardtune.state_dict.layout import Piece, TensorLayout
 
@@ -41,10 +44,16 @@ class CarriedSource:
     problems: tuple[str, ...] = ()
 
 
-def read_carried(args: ModelArgs | None, source_dir: str | os.PathLike | None) -> CarriedSource | None:
+def read_carried(
+    args: ModelArgs | None, source_dir: str | os.PathLike | None, *, required: bool = True
+) -> CarriedSource | None:
     """The source tensors a save of the model of ``args`` carries (None for a text model). Local: only
-    headers are read; problems are recorded, not raised."""
+    headers are read; problems are recorded, not raised. Without ``source_dir`` that is a problem for the
+    text tower of a multimodal checkpoint, and for another model when ``required`` (it was loaded from
+    files holding tensors it does not use: a config may name layers transformers' own saves leave out)."""
     if args is None or not carries(args):
+        return None
+    if source_dir is None and spec_of(args) is None and not required:
         return None
     if source_dir is None:
         return CarriedSource(
@@ -71,13 +80,14 @@ def read_carried(args: ModelArgs | None, source_dir: str | os.PathLike | None) -
 
 
 def agree_on_carried(
-    args: ModelArgs | None, source_dir: str | os.PathLike | None, *, every_rank_reads: bool
+    args: ModelArgs | None, source_dir: str | os.PathLike | None, *, every_rank_reads: bool, required: bool = True
 ) -> CarriedSource | None:
     """Collective: call on all ranks. :func:`read_carried` on every rank, or, without
     ``every_rank_reads`` (the files only on rank 0's node), on rank 0, whose result every rank returns."""
     if every_rank_reads:
-        return read_carried(args, source_dir)
-    return comm.all_gather_objects(read_carried(args, source_dir) if comm.rank() == 0 else None)[0]
+        return read_carried(args, source_dir, required=required)
+    mine = read_carried(args, source_dir, required=required) if comm.rank() == 0 else None
+    return comm.all_gather_objects(mine)[0]
 
 
 class CarriedTensor:
@@ -87,6 +97,10 @@ class CarriedTensor:
     def __init__(self, path: str, entry: HeaderEntry) -> None:
         self.path = path
         self.entry = entry
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.entry.dtype
 
     def get_shape(self) -> list[int]:
         return list(self.entry.shape)
@@ -112,17 +126,29 @@ def row_shares(shape: tuple[int, ...], world: int) -> TensorLayout:
     return TensorLayout(shape=shape, pieces=tuple(pieces))
 
 
-def carried_items(source: CarriedSource | None, *, world: int) -> tuple[list[WriteItem], list[str]]:
-    """The write items of ``source``'s tensors (none for a text model) and its problems."""
+def carried_items(
+    source: CarriedSource | None, *, world: int, dequantize_to: torch.dtype | None = None
+) -> tuple[list[WriteItem], list[str]]:
+    """The write items of ``source``'s tensors (none for a text model) and its problems. With ``dequantize_to``
+    (a save in a plain dtype), block-FP8 tensors among them are written dequantized in that dtype and their
+    scale tensors left out, as the model's own are: a file without ``quantization_config`` holds no FP8 weight."""
     if source is None:
         return [], []
-    items = [
-        WriteItem(
-            entry.name,
-            CarriedTensor(os.path.join(source.directory, file), entry),
-            entry.dtype,
-            row_shares(entry.shape, world),
-        )
-        for file, entry in source.tensors
-    ]
-    return items, list(source.problems)
+    lazy = {entry.name: CarriedTensor(os.path.join(source.directory, file), entry) for file, entry in source.tensors}
+    tensors: Mapping[str, Any] = lazy
+    problems = list(source.problems)
+    # the hub's DeepSeek-V3 multi-token-prediction layer is block FP8 like the rest of its weights
+    fp8 = any(entry.dtype == block_fp8.FP8_DTYPE for _, entry in source.tensors)
+    if fp8 and dequantize_to is not None:
+        try:
+            tensors, _ = block_fp8.dequantizing(
+                lazy, block_fp8.read_quantization(source.directory), where=source.directory
+            )
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    items = []
+    for name in tensors:
+        value = tensors[name]
+        dtype = value.entry.dtype if isinstance(value, CarriedTensor) else dequantize_to or torch.bfloat16
+        items.append(WriteItem(name, value, dtype, row_shares(tuple(value.get_shape()), world)))
+    return items, problems

@@ -33,7 +33,7 @@ from shardtune.checkpoint.layout import INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES
 from shardtune.checkpoint.safety.file_names import inside
 from shardtune.checkpoint.storage.safetensors_io import SafetensorsFile, TensorSlice
 from shardtune.models.args import ModelArgs
-from shardtune.models.multimodal import carried_keys, file_prefixes, tower_problems
+from shardtune.models.multimodal import carried_keys, file_prefixes, note_carried, tower_problems
 from shardtune.peft.lora import LoRALinear
 from shardtune.ranks import comm
 from shardtune.ranks.errors import format_problems
@@ -221,6 +221,7 @@ def _load(
     checkpoint, problems = None, []
     state: Mapping = {}
     fp8: block_fp8.BlockFp8Format | None = None
+    carried = 0  # tensors of the files the model does not use, which its saves must copy
     args = model_args(model)
     entries = model_entries(model, file_prefixes=hf_file_prefixes(model))
     if shared_filesystem or comm.rank() == 0:
@@ -228,7 +229,8 @@ def _load(
             checkpoint = open_hf_checkpoint(model_dir)
             if args is not None:  # the text tower of a multimodal checkpoint: the other towers stay in the files
                 problems += tower_problems(args, list(checkpoint), model_dir)
-                checkpoint = checkpoint.without(carried_keys(args, list(checkpoint)))
+                unused = carried_keys(args, list(checkpoint))
+                checkpoint, carried = checkpoint.without(unused), len(unused)
             state = mxfp4.dequantizing(checkpoint)  # gpt-oss MXFP4 experts, dequantized per piece as read
             # block-FP8 weights, dequantized per piece as read (read raw where the model keeps them in FP8)
             quantization = block_fp8.read_quantization(model_dir)
@@ -237,8 +239,10 @@ def _load(
             problems.append(str(exc))
     try:
         comm.raise_on_every_rank(problems, header="Cannot load the HF checkpoint:", error=CheckpointError)
-        # the format read, for a save in it: every rank's (rank 0's where only it reads the files)
-        block_fp8.note_source(model, fp8 if shared_filesystem else comm.all_gather_objects(fp8)[0])
+        # the format read and the tensors carried, for the saves: every rank's (rank 0's where only it reads)
+        fp8, carried = (fp8, carried) if shared_filesystem else comm.all_gather_objects((fp8, carried))[0]
+        block_fp8.note_source(model, fp8)
+        note_carried(model, carried)
         total = _expected_reads(entries, checkpoint, shared_filesystem) if checkpoint is not None else 0
         with progress_bar(total, desc="load") as bar:
             if checkpoint is not None:

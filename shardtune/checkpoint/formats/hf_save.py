@@ -57,6 +57,7 @@ from shardtune.checkpoint.storage.writer import (
     plan_files,
     whole_items,
 )
+from shardtune.models.multimodal import loaded_with_carried
 from shardtune.peft.adapters import merge_lora_weight
 from shardtune.peft.lora import LoRALinear
 from shardtune.peft.param_lora import ParamAdapter, adapted_modules, factor_paths, merge_block
@@ -138,7 +139,10 @@ def save_hf_checkpoint(
         weight_format=weight_format,
     )
     # the towers a multimodal model carries: their headers read by rank 0 alone when only it writes
-    carried = agree_on_carried(model_args(model), source_dir, every_rank_reads=not sink.gathers_sharded)
+    required = loaded_with_carried(model)
+    carried = agree_on_carried(
+        model_args(model), source_dir, every_rank_reads=not sink.gathers_sharded, required=required
+    )
     plan = plan_hf_checkpoint(model, out_dir, options=options, carried=carried)
     files = plan.files
     total = sum(item.nbytes for file in files for item in file.items)
@@ -175,8 +179,9 @@ def plan_hf_checkpoint(
     out_dir = os.fspath(out_dir)
     items, hf_config, problems = _weight_items(model, options)
     if carried is None:
-        carried = read_carried(model_args(model), options.source_dir)
-    carried_writes, carry_problems = carried_items(carried, world=comm.world_size())
+        carried = read_carried(model_args(model), options.source_dir, required=loaded_with_carried(model))
+    plain = options.dtype or torch.bfloat16 if options.weight_format == "dtype" else None
+    carried_writes, carry_problems = carried_items(carried, world=comm.world_size(), dequantize_to=plain)
     items, problems = items + carried_writes, problems + carry_problems
     files = []
     try:

@@ -3,8 +3,8 @@
 Rule: the layout ``peft.PeftModel.from_pretrained(base, dir)`` loads unchanged (PEFT's
 ``base_model.model.`` names, the adapters' own dtypes); the weights go through the sharded
 writer and a sink like every other safetensors file (:mod:`~shardtune.checkpoint.storage.writer`).
-Names follow the HF files' (the text tower of a multimodal checkpoint:
-``base_model.model.model.language_model.*``, as peft names them on the multimodal model).
+Names follow transformers' modules (the text tower of a multimodal checkpoint:
+``base_model.model.model.language_model.*``, as peft names them on the multimodal model, whatever its files say).
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from shardtune.checkpoint.formats.hf_load import hf_file_prefixes
+from shardtune.checkpoint.formats.hf_load import model_args
 from shardtune.checkpoint.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from shardtune.checkpoint.storage.plans import SavePlan, SmallFile, save
 from shardtune.checkpoint.storage.sinks import resolve_sink
 from shardtune.checkpoint.storage.writer import Sink, WriteItem, plan_files
 from shardtune.choices import LORA_TARGETS
+from shardtune.models.multimodal import module_prefixes
 from shardtune.peft import from_peft_adapter_state_dict
 from shardtune.peft.adapters import PEFT_PREFIX, is_adapter_key
 from shardtune.peft.lora import lora_config_of
@@ -62,7 +63,7 @@ def plan_peft_adapter(model: nn.Module, out_dir: Path, *, base_model_name_or_pat
     assert config is not None
     files = plan_files(items, str(out_dir), max_shard_bytes=1 << 62, name=lambda i, n: ADAPTER_WEIGHTS)
     peft_config = config.to_peft_config(base_model_name_or_path=base_model_name_or_path)
-    peft_config["target_modules"] = _targets_in_files(peft_config["target_modules"], hf_file_prefixes(model))
+    peft_config["target_modules"] = _peft_targets(peft_config["target_modules"], _peft_prefixes(model))
     return SavePlan(
         directory=str(out_dir),
         files=files,
@@ -75,9 +76,15 @@ def plan_peft_adapter(model: nn.Module, out_dir: Path, *, base_model_name_or_pat
     )
 
 
-def _targets_in_files(targets: list[str], prefixes: tuple[tuple[str, str], ...]) -> list[str] | str:
+def _peft_prefixes(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    """How PEFT spells ``model``'s names: its modules' in transformers' (multimodal) class."""
+    args = model_args(model)
+    return () if args is None else module_prefixes(args)
+
+
+def _peft_targets(targets: list[str], prefixes: tuple[tuple[str, str], ...]) -> list[str] | str:
     """PEFT's ``target_modules`` for the model the files hold: the names themselves for a text model; for the
-    text tower of a multimodal checkpoint, a regular expression of those names under its file prefixes (and
+    text tower of a multimodal checkpoint, a regular expression of those names under its module prefixes (and
     ``lm_head``), since the other towers reuse names such as ``q_proj`` on modules PEFT cannot adapt."""
     if not prefixes or targets == ["lm_head"]:
         return targets
@@ -109,7 +116,7 @@ def adapter_items(model: nn.Module, *, dtype: torch.dtype | None = None) -> list
     if lora_config_of(model) is None:
         raise StateDictError("the model has no LoRA adapters (model.lora_config is missing); apply_lora first")
     world = comm.world_size()
-    entries = model_entries(model, file_prefixes=hf_file_prefixes(model))
+    entries = model_entries(model, file_prefixes=_peft_prefixes(model))
     named = sorted((pos, fqn, key, e.tensor) for e in entries for pos, fqn, key in zip(e.positions, e.fqns, e.keys))
     return [
         WriteItem(
@@ -142,7 +149,7 @@ def load_peft_adapter(
     path = Path(adapter_dir) / ADAPTER_WEIGHTS
     reads = shared_filesystem or comm.rank() == 0
     adapters = from_peft_adapter_state_dict(load_file(str(path))) if reads and path.is_file() else {}
-    entries = model_entries(model, file_prefixes=hf_file_prefixes(model))
+    entries = model_entries(model, file_prefixes=_peft_prefixes(model))
     keys = load_entries(entries, adapters, device, cpu_offload=cpu_offload)
     missing = [k for k in keys.missing_keys if "lora" in k]
     if strict and (missing or keys.unexpected_keys):

@@ -311,8 +311,12 @@ def local_block(
     (None: where the shard lives); may be a view of the model's (or optimizer's) storage. A lazy
     source's block ``piece`` (default: this rank's piece) is read from its files."""
     if not isinstance(item.tensor, torch.Tensor):
-        block = item.tensor[(piece or item.layout.piece(comm.rank())).slices]
-        return block if device is None else block.to(device=device)
+        wanted = piece or item.layout.piece(comm.rank())
+        block = item.tensor[wanted.slices]
+        if tuple(block.shape) != wanted.shape:
+            raise ValueError(f"its source gave a block of shape {tuple(block.shape)}, expected {wanted.shape}")
+        # the written dtype: the bytes as read where they agree (a carried tensor), else cast (a dequantized one)
+        return block.to(device=device if device is not None else block.device, dtype=item.dtype)
     piece = item.layout.piece(comm.rank())
     local = nf4.dequantize(local_tensor(item.tensor)).detach()
     if item.part is not None and item.source is not None:

@@ -93,7 +93,7 @@ class Attention(nn.Module):
             self.o_proj = nn.Linear(q_out, args.dim, bias=args.o_proj_bias, **kw)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
-        if spec.qk_norm:
+        if spec.qk_norm or args.qk_norm:
             norm_kw: dict[str, Any] = {"eps": args.norm_eps, "offset": norm_offset, **kw}
             self.q_norm = RMSNorm(head_dim, **norm_kw)
             self.k_norm = RMSNorm(head_dim, **norm_kw)

@@ -20,12 +20,13 @@ from shardtune.models.blocks.attention import Attention
 from shardtune.models.blocks.biased_experts import GptOssExperts
 from shardtune.models.blocks.experts import Experts
 from shardtune.models.blocks.gated_delta_net import GatedDeltaNet
+from shardtune.models.blocks.mla_attention import MLAttention
 from shardtune.models.blocks.mlp import MLP
 from shardtune.models.blocks.moe import SparseMoeBlock
 from shardtune.models.blocks.qkv_norm_attention import QKVNormAttention
-from shardtune.models.blocks.routers import GptOssRouter, Router, ScaledRouter
+from shardtune.models.blocks.routers import GptOssRouter, Router, ScaledRouter, SigmoidGroupRouter
 from shardtune.models.blocks.sink_attention import SinkAttention
-from shardtune.models.spec import AttentionSpec, MlpSpec, SparseSpec
+from shardtune.models.spec import GROUPED_ROUTER, AttentionSpec, MlpSpec, SparseSpec
 
 __all__ = [
     "ATTENTION",
@@ -98,12 +99,14 @@ ATTENTION: dict[str, AttentionKind] = {
     "sink_attention": SinkAttention,
     "gated_delta_net": GatedDeltaNet,
     "qkv_norm_attention": QKVNormAttention,
+    "mla_attention": MLAttention,
 }
 FEED_FORWARD: dict[str, FeedForwardKind] = {"gated_mlp": MLP, "sparse_moe": _sparse_moe}
 ROUTERS: dict[str, type[Router]] = {
     "softmax_topk": Router,
     "topk_softmax": GptOssRouter,
     "scaled_softmax_topk": ScaledRouter,
+    GROUPED_ROUTER: SigmoidGroupRouter,
 }
 EXPERTS: dict[str, type[Experts]] = {"gated": Experts, "clamped_swiglu": GptOssExperts}
 

@@ -35,9 +35,9 @@ class MLP(nn.Module):
     ) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype, "bias": args.mlp_bias}
-        width = intermediate_size or args.intermediate_size  # a shared expert's own width (blocks/moe.py)
         self.fused = (spec or MlpSpec()).fused_gate_up
-        width = args.intermediate_size_of(layer_idx)
+        # a shared expert has its own width (blocks/moe.py); a dense layer its layer's
+        width = intermediate_size or args.intermediate_size_of(layer_idx)
         if self.fused:
             self.gate_up_proj = nn.Linear(args.dim, 2 * width, **kw)
         else:

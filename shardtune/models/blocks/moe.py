@@ -99,7 +99,9 @@ class SparseMoeBlock(nn.Module):
         if shared is not None:
             out = out + shared
         if routing is not None:
-            out = routing.attach(out, routing.record(self.layer_idx, logits, self.top_k))
+            router = self.router_module
+            term = routing.record(self.layer_idx, logits, indices, sequences=b, sequence_wise=router.sequence_balance)
+            out = routing.attach(out, term, layer_idx=self.layer_idx)
         return out.view(b, s, dim)
 
 

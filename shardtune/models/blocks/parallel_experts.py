@@ -50,6 +50,6 @@ def add_experts(layer: nn.Module, h: Tensor, mlp_out: Tensor, *, layer_idx: int,
     weights, indices = router.select(logits)
     out = run_experts(experts, cast(nn.Module, layer.pre_feedforward_layernorm_2)(flat), weights, indices)
     if routing is not None:
-        out = routing.attach(out, routing.record(layer_idx, logits, router.top_k))
+        out = routing.attach(out, routing.record(layer_idx, logits, indices), layer_idx=layer_idx)
     dense = cast(nn.Module, layer.post_feedforward_layernorm_1)(mlp_out)
     return dense + cast(nn.Module, layer.post_feedforward_layernorm_2)(out.view(h.shape))

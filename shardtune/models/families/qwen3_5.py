@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardtune.models.args import FULL, LINEAR, ModelArgs
-from shardtune.models.families.config_rules import require
+from shardtune.models.families.config_rules import read_partial_rotary, require
 from shardtune.models.linear_attention_args import LinearAttentionArgs
 from shardtune.models.spec import AttentionSpec, Blocks, Family, Multimodal
 
@@ -46,14 +46,6 @@ def hybrid_layer_types(cfg: Mapping[str, Any]) -> list[str]:
     return list(types)
 
 
-def _partial_rotary(cfg: Mapping[str, Any]) -> float:
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    value = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", _DEFAULT_PARTIAL_ROTARY))
-    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 1:
-        raise ValueError(f"config partial_rotary_factor must be a number in (0, 1], got {value!r}")
-    return float(value)
-
-
 def _read_linear(cfg: Mapping[str, Any], types: list[str]) -> LinearAttentionArgs | None:
     if LINEAR not in types:
         return None
@@ -75,7 +67,7 @@ def _qwen3_5_read(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "head_dim": int(cfg.get("head_dim") or 256),
         "layer_types": types,
         "linear_attention": _read_linear(cfg, types),
-        "partial_rotary_factor": _partial_rotary(cfg),
+        "partial_rotary_factor": read_partial_rotary(cfg, _DEFAULT_PARTIAL_ROTARY),
     }
 
 
