@@ -15,6 +15,7 @@ import pytest
 import safetensors.torch
 import torch
 import transformers
+from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
 from shardtune.checkpoint import CheckpointError
 from shardtune.checkpoint.formats.block_fp8 import fp8_block_of, row_scales
@@ -59,9 +60,9 @@ def fp8_lora(directory, *, dtype=torch.float32, **lora):
     return model
 
 
-def peft_over(hf, *, seed: int = 3):
+def peft_over(hf, *, seed: int = 3, targets: list[str] = TARGETS):
     """peft's LoRA (random factors) over a copy of ``hf`` (the dequantized weights)."""
-    pm = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS))
+    pm = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in pm.named_parameters():
@@ -288,3 +289,50 @@ def test_block_fp8_reads_the_block_of_the_checkpoint_and_refuses_another_naming_
         CheckpointError, match='lora.quantize_base="block_fp8" .* declares no block-FP8 quantization_config'
     ):
         fp8_block_of(tmp_path / "plain", key="lora.quantize_base")
+
+
+# --- DeepSeek-V3: the latent attention's projections over FP8 bases --------------------------------
+
+
+def deepseek_fp8_dir(directory, **changes):
+    """A tiny DeepSeek-V3 saved by transformers with every linear but the router and head quantized by hand
+    (blocks of 20 x 40, cut at the edges): the transformers model holding the dequantized weights."""
+    from tests.unit.test_block_fp8 import QUANT, _fused, is_quantized
+    from tests.unit.test_deepseek_v3 import hf_model
+
+    hf = hf_model(**changes)
+    hf.save_pretrained(directory)
+    stored = safetensors.torch.load_file(directory / "model.safetensors")
+    expected = {}
+    for name, value in list(stored.items()):
+        if is_quantized(name, value):
+            fp8, scale = hand_quantize(value)
+            stored[name], stored[f"{name}_scale_inv"] = fp8, scale
+            expected[name] = _dequantize_fp8_weight(fp8, scale, list(BLOCK), torch.float32)
+        else:
+            expected[name] = value.float()
+    safetensors.torch.save_file(stored, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "quantization_config": QUANT}))
+    hf.load_state_dict(_fused(expected), strict=True)
+    return hf
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_deepseek_v3_latent_attention_over_fp8_bases_equals_peft(tmp_path, q_lora_rank):
+    hf = deepseek_fp8_dir(tmp_path, q_lora_rank=q_lora_rank)
+    modules = ["q_a_proj", "q_b_proj"] if q_lora_rank else ["q_proj"]
+    modules += ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    pm = peft_over(hf, targets=modules)
+    model = fp8_lora(tmp_path, target_modules=modules)
+    assert model.model.layers[0].self_attn.kv_a_proj_with_mqa.weight.dtype == torch.float8_e4m3fn
+    model.load_state_dict(adapters_of(pm), strict=False)
+    tokens = batch()[0]
+    expected, got = pm(tokens).logits, model(tokens)
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+    expected.square().mean().backward()
+    got.square().mean().backward()
+    for key, p in pm.named_parameters():
+        if "lora_" in key:
+            ours = model.get_parameter(key.removeprefix("base_model.model.").replace(".default", "")).grad
+            assert (ours - p.grad).abs().max() <= 1e-4 * p.grad.abs().max(), key
