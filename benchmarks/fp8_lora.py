@@ -3,15 +3,17 @@
     python -m benchmarks.fp8_lora --repeats 3
     python -m benchmarks.fp8_lora --smoke        # tiny shape, 1 repeat, 1 step, no BENCHMARKS.md
 
-The checkpoint: the training benchmark's *body* Llama shape (hidden 1024, 12 layers, 32000-token
-vocabulary; ``--smoke``: hidden 64, 2 layers, 128 x 128 blocks shrunk to 16 x 16) written once by
-transformers, then every linear weight but ``lm_head`` quantized to DeepSeek-V3's block FP8 (128 x 128
-blocks, ``quantization_config`` in ``config.json``). Every linear is a LoRA target (rank 8, alpha 16), so
-every base weight is one the option keeps in FP8 (a mixture of experts' expert weights would stay in bf16:
-``target_parameters`` are refused with ``block_fp8``). Methods, each a fresh 2-rank run (gloo; NCCL with
+The checkpoint: a DeepSeek-V3-shaped model scaled to the machine (:data:`BENCH`: hidden 1024, 6 layers of
+latent attention, the first dense, then 8 routed experts of 512 + 1 shared, 32000-token vocabulary;
+``--smoke``: :data:`SMOKE`, hidden 64) written once by transformers (seeded), then every linear weight but the
+router and ``lm_head`` quantized to DeepSeek-V3's block FP8 (128 x 128 blocks; ``--smoke`` 16 x 16,
+``quantization_config`` in ``config.json``). LoRA (rank 8, alpha 16) on every projection by its Llama name
+(the latent attention's ``q_a_proj``/``q_b_proj``/``kv_a_proj_with_mqa``/``kv_b_proj``/``o_proj``, the dense
+and shared MLPs' projections); the routed experts are not LoRA targets, so they load in bf16 either way
+(``target_parameters`` are refused with ``block_fp8``). Methods, each a fresh 2-rank run (gloo; NCCL with
 ``--device cuda``) of :func:`benchmarks._train_step.build_shardtune` and
-:func:`benchmarks._train_step.measure_run` (bf16 params and compute, activation checkpointing, the
-recipes' loss and AdamW):
+:func:`benchmarks._train_step.measure_run` (bf16 params and compute, activation checkpointing, the recipes'
+loss and AdamW):
 
 * ``fp8_base``: ``lora.quantize_base: block_fp8``: the bases stay FP8 (+ float32 row scales), dequantized per
   layer in forward and backward;
@@ -37,34 +39,74 @@ import torch
 
 from benchmarks._driver import REPO_ROOT, environment_lines, finish, try_spawn
 from benchmarks._fp8_checkpoint_steps import is_quantized, quantize
-from benchmarks._hf_models import TINY, Shape, llama_dir
-from benchmarks._train_step import SHAPES, build_shardtune, measure_run
+from benchmarks._hf_models import saved_once
+from benchmarks._train_step import build_shardtune, measure_run
 
 MARKERS = ("<!-- fp8-lora:begin -->", "<!-- fp8-lora:end -->")
 METHODS = {"fp8_base": "lora_fp8", "bf16_base": "lora"}  # method -> build_shardtune's group
 BLOCK, SMOKE_BLOCK = 128, 16
 LOSS_RTOL = 1e-3  # the methods' first losses: the same bf16 weights, the same tokens
+_LATENT = {"num_attention_heads": 16, "num_key_value_heads": 16, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32}
+BENCH = {  # DeepSeek-V3's layout (latent attention, a dense first layer, routed + shared experts), scaled down
+    **_LATENT,
+    "hidden_size": 1024,
+    "num_hidden_layers": 6,
+    "q_lora_rank": 384,
+    "kv_lora_rank": 256,
+    "v_head_dim": 64,
+    "intermediate_size": 2816,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 512,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "vocab_size": 32000,
+}
+SMOKE = {
+    **BENCH,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 24,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+    "intermediate_size": 128,
+    "n_routed_experts": 4,
+    "moe_intermediate_size": 32,
+    "vocab_size": 512,
+}
 
 
-def fp8_dir(bench_dir: Path, shape: Shape, block: int) -> Path:
-    """The seeded Llama of ``shape`` in block FP8 (written once; reused when there)."""
-    path = bench_dir / f"fp8_lora_h{shape.hidden}_l{shape.layers}_b{block}"
+def fp8_dir(bench_dir: Path, config: dict[str, Any], block: int) -> Path:
+    """The seeded DeepSeek-V3 of ``config`` in block FP8 (written once; reused when there)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    name = f"fp8_lora_deepseek_h{config['hidden_size']}_l{config['num_hidden_layers']}_b{block}"
+    path = bench_dir / name
     if (path / "config.json").is_file():
         return path
-    plain = llama_dir(bench_dir, shape)
+    plain = saved_once(
+        bench_dir / f"{name}_plain",
+        lambda: AutoModelForCausalLM.from_config(AutoConfig.for_model("deepseek_v3", **config)),
+    )
     stored = safetensors.torch.load_file(plain / "model.safetensors")
     out: dict[str, torch.Tensor] = {}
-    for name, value in stored.items():
-        if is_quantized(name, tuple(value.shape)):
-            out[name], out[f"{name}_scale_inv"] = quantize(value, block)
+    for key, value in stored.items():
+        if is_quantized(key, tuple(value.shape)):
+            out[key], out[f"{key}_scale_inv"] = quantize(value, block)
         else:
-            out[name] = value.to(torch.bfloat16)
+            out[key] = value.to(torch.bfloat16)
     tmp = path.with_name(path.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     safetensors.torch.save_file(out, tmp / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((plain / "config.json").read_text())
+    hf_config = json.loads((plain / "config.json").read_text())
     quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [block] * 2}
-    (tmp / "config.json").write_text(json.dumps({**config, "quantization_config": quant}, indent=2))
+    (tmp / "config.json").write_text(json.dumps({**hf_config, "quantization_config": quant}, indent=2))
     tmp.rename(path)
     return path
 
@@ -78,6 +120,7 @@ def run(*, method: str, hf: str, rows: int, seq: int, vocab: int, steps: int) ->
     locals_ = [p.to_local() if hasattr(p, "to_local") else p for p in built.model.parameters()]
     record = measure_run(built, device=device, rows=rows, seq=seq, vocab=vocab, steps=steps)
     record["param_bytes"] = sum(t.numel() * t.element_size() for t in locals_)
+    record["fp8_bytes"] = sum(t.numel() for t in locals_ if t.dtype == torch.float8_e4m3fn)
     return record
 
 
@@ -94,6 +137,7 @@ def _row(method: str, ranks: list[list[dict[str, Any]]]) -> dict[str, float]:
     tokens = sum(r["tokens"] for r in ranks[0])
     return {
         "params": worst(lambda r: r["param_bytes"]),
+        "fp8": worst(lambda r: r["fp8_bytes"]),
         "peak": worst(step_max("peak_anon")),
         "delta": worst(step_max("peak_anon_delta")),
         "tokens_s": tokens / seconds,
@@ -104,7 +148,7 @@ def _section(
     cfg: argparse.Namespace,
     rows: dict[str, dict[str, float]],
     losses: dict[str, float],
-    shape: Shape,
+    config: dict[str, Any],
     load_avg: tuple[float, float],
 ) -> str:
     mib = 1 << 20
@@ -113,16 +157,18 @@ def _section(
         "## LoRA over a block-FP8 base: FP8-resident vs bf16 base",
         "",
         *environment_lines(cfg.command, load_avg=load_avg, **accelerator),
-        f"- Model: Llama hidden {shape.hidden}, {shape.layers} layers, vocab {shape.vocab}; "
+        f"- Model: DeepSeek-V3-shaped, hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
+        f"{config['n_routed_experts']} routed experts, vocab {config['vocab_size']}; "
         f"{cfg.world} ranks, {cfg.rows} x {cfg.seq} tokens a rank, {cfg.steps} timed steps, medians of "
         f"{cfg.repeats} repeats (largest rank); first losses {losses}",
         "",
-        "| method | params / rank (MiB) | step peak RSS (MiB) | above step start (MiB) | tokens/s |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| method | params / rank (MiB) | of them FP8 (MiB) | step peak RSS (MiB) | above step start (MiB) | tokens/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for method, r in rows.items():
         lines.append(
-            f"| {method} | {r['params'] / mib:.1f} | {r['peak'] / mib:.1f} | {r['delta'] / mib:.1f} | "
+            f"| {method} | {r['params'] / mib:.1f} | {r['fp8'] / mib:.1f} | {r['peak'] / mib:.1f} | "
+            f"{r['delta'] / mib:.1f} | "
             f"{r['tokens_s']:.0f} |"
         )
     return "\n".join(lines) + "\n"
@@ -150,9 +196,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse(argv)
-    shape = TINY if cfg.smoke else SHAPES["body"][0]
-    hf = fp8_dir(cfg.bench_dir.resolve(), shape, SMOKE_BLOCK if cfg.smoke else BLOCK)
-    kwargs = {"hf": str(hf), "rows": cfg.rows, "seq": cfg.seq, "vocab": shape.vocab, "steps": cfg.steps}
+    config = SMOKE if cfg.smoke else BENCH
+    hf = fp8_dir(cfg.bench_dir.resolve(), config, SMOKE_BLOCK if cfg.smoke else BLOCK)
+    kwargs = {"hf": str(hf), "rows": cfg.rows, "seq": cfg.seq, "vocab": config["vocab_size"], "steps": cfg.steps}
     records: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in METHODS}
     load_before = os.getloadavg()[0]
     for repeat in range(cfg.repeats):
@@ -175,9 +221,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if any(r["verify"] != "ok" for reps in records.values() for ranks in reps for r in ranks):
         return 1
+    held = {m: sum(r["fp8_bytes"] for r in records[m][0]) for m in METHODS}
+    if not held["fp8_base"] or held["bf16_base"]:
+        print(f"FP8 bytes held: {held}; only fp8_base holds its bases in FP8", file=sys.stderr)
+        return 1
     rows = {m: _row(m, records[m]) for m in METHODS}
     markdown = None if cfg.no_markdown else cfg.markdown
-    section = _section(cfg, rows, losses, shape, (load_before, os.getloadavg()[0]))
+    section = _section(cfg, rows, losses, config, (load_before, os.getloadavg()[0]))
     finish(section, markdown=markdown, markers=MARKERS)
     return 0
 

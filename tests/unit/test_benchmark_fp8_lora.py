@@ -1,6 +1,6 @@
-"""The FP8-LoRA benchmark's bookkeeping (no processes): its fixture is the plain Llama in block FP8 (every
-linear but ``lm_head``, transformers' dequantization within FP8's rounding of the plain weights), and its
-smoke options."""
+"""The FP8-LoRA benchmark's bookkeeping (no processes): its fixture is transformers' DeepSeek-V3 in block FP8
+(every linear but the router and ``lm_head``, transformers' dequantization within FP8's rounding of the plain
+weights), and its smoke options."""
 
 from __future__ import annotations
 
@@ -8,19 +8,19 @@ import safetensors.torch
 import torch
 from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
-from benchmarks._hf_models import TINY, llama_dir
-from benchmarks.fp8_lora import SMOKE_BLOCK, fp8_dir, parse
+from benchmarks.fp8_lora import SMOKE, SMOKE_BLOCK, fp8_dir, parse
 from shardtune.checkpoint.formats.block_fp8 import read_quantization
 
 
-def test_the_fixture_is_the_plain_llama_in_block_fp8(tmp_path):
-    path = fp8_dir(tmp_path, TINY, SMOKE_BLOCK)
+def test_the_fixture_is_the_plain_deepseek_v3_in_block_fp8(tmp_path):
+    path = fp8_dir(tmp_path, SMOKE, SMOKE_BLOCK)
     assert read_quantization(path)["weight_block_size"] == [SMOKE_BLOCK, SMOKE_BLOCK]
-    plain = safetensors.torch.load_file(llama_dir(tmp_path, TINY) / "model.safetensors")
+    plain = safetensors.torch.load_file(path.with_name(path.name + "_plain") / "model.safetensors")
     got = safetensors.torch.load_file(path / "model.safetensors")
     assert sorted(k for k in got if not k.endswith("_scale_inv")) == sorted(plain)
     quantized = {k for k in plain if f"{k}_scale_inv" in got}
-    assert quantized == {k for k in plain if k.endswith("proj.weight")}
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in quantized
+    assert not any(k.endswith(("mlp.gate.weight", "lm_head.weight", "embed_tokens.weight")) for k in quantized)
     for name, value in plain.items():
         if name in quantized:
             assert got[name].dtype == torch.float8_e4m3fn
