@@ -66,6 +66,17 @@ def test_the_option_trains_over_fp8_bases_from_the_first_step_as_transformers_on
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+def test_on_one_rank_the_first_step_loss_equals_transformers_on_the_dequantized_weights(
+    tiny_dirs, tmp_path, recipe_pool
+):
+    """One rank (a single GPU): FSDP2 skips its all-gather there; the FP8 bases and their scales are whole."""
+    fp8, plain = _fp8_and_dequantized(tiny_dirs["base"], tmp_path)
+    out = tmp_path / "run"
+    overrides = _overrides({"base": fp8}, "lora", out, batch=8, epochs=1, steps=1)
+    recipe_pool.run("lora_finetune_distributed", "tiny/lora", *overrides, "lora.quantize_base=block_fp8", nproc=1)
+    assert math.isclose(losses(out)[1], _reference_first_loss("lora", {"base": plain}), rel_tol=1e-5)
+
+
 def test_the_option_on_a_base_that_is_not_block_fp8_is_refused_naming_the_key(tiny_dirs, tmp_path, recipe_pool):
     overrides = _overrides(tiny_dirs, "lora", tmp_path / "run", epochs=1, steps=1)
     with pytest.raises(AssertionError, match='lora.quantize_base="block_fp8" .* declares no block-FP8'):
