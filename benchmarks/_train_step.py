@@ -58,10 +58,12 @@ def build_shardtune(
     activation_checkpointing: bool | str = True,
     expert_parallel: int = 1,
 ) -> Built:
-    """The shardtune model, its loss (``loss(tokens) -> mean next-token loss``; mixtures of experts:
+    """The shardtune model (``group``: ``full``, ``lora``, ``qlora``, or ``lora_fp8``: LoRA over a block-FP8
+    checkpoint whose bases stay in FP8), its loss (``loss(tokens) -> mean next-token loss``; mixtures of experts:
     plus ``router_aux_loss_coef`` times the load-balancing loss, as the recipes train them; their
     experts split over ``expert_parallel`` ranks, as the recipes' ``expert_parallel`` does) and the
     recipes' optimizer."""
+    from shardtune.checkpoint.formats.block_fp8 import fp8_block_of
     from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
     from shardtune.losses.next_token import next_token_loss
     from shardtune.models import llama_from_hf_config
@@ -69,11 +71,18 @@ def build_shardtune(
     from shardtune.ranks.mesh import make_mesh
     from shardtune.ranks.sharding import shard_model
 
+    quantize = {"qlora": True, "lora_fp8": "block_fp8"}.get(group, False)  # lora_fp8: the FP8 base kept in FP8
+    fp8_block = fp8_block_of(hf, key="group lora_fp8") if group == "lora_fp8" else None
     with torch.device("meta"):
         model = llama_from_hf_config(hf, dtype=dtype)
         if group != "full":
             apply_lora(
-                model, rank=LORA_RANK, alpha=LORA_ALPHA, target_modules=list(TARGETS), quantize_base=group == "qlora"
+                model,
+                rank=LORA_RANK,
+                alpha=LORA_ALPHA,
+                target_modules=list(TARGETS),
+                quantize_base=quantize,
+                fp8_block=fp8_block,
             )
     mesh = make_mesh(expert_parallel=expert_parallel, device=device.type)
     shard_model(model, mesh=mesh, activation_checkpointing=activation_checkpointing)

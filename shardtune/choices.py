@@ -15,6 +15,10 @@ OPTIMIZERS = ("adamw", "adamw_fused", "adamw8bit", "adamw4bit", "sgd")
 NF4_BLOCK_SIZE = 64
 NF4_SCALER_BLOCK_SIZE = 256
 
+# ``lora.quantize_base``: how the frozen LoRA bases are held (``true`` is ``"nf4"``: QLoRA; ``"block_fp8"``: a
+# block-FP8 checkpoint's weights kept in FP8), by ``shardtune.peft.lora.apply_lora``.
+QUANTIZE_BASE = (False, True, "nf4", "block_fp8")
+
 # ``lr_scheduler.name``: built by ``shardtune.training.optim.build_lr_scheduler``.
 LR_SCHEDULES = ("cosine", "linear", "constant")
 

@@ -28,6 +28,7 @@ __all__ = [
 
 PEFT_PREFIX = "base_model.model."
 _LORA_A, _LORA_B = ".lora_A.weight", ".lora_B.weight"
+_FP8_SCALES = ".weight_scale_rows"  # a block-FP8 base's scales (shardtune.peft.fp8_base.SCALE_ROWS)
 
 
 def get_adapter_state_dict(model_or_state_dict: nn.Module | Mapping[str, Any]) -> dict[str, Any]:
@@ -76,6 +77,11 @@ def get_merged_state_dict(
         r = lora_a.shape[0]
         if rank is not None and rank != r:
             raise ValueError(f"{key} has rank {r} but rank={rank} was passed; pass the rank used for training")
+        if prefix + _FP8_SCALES in state_dict or state_dict[prefix + ".weight"].dtype == torch.float8_e4m3fn:
+            raise ValueError(
+                f'{prefix}.weight is a block-FP8 base (LoRA quantize_base="block_fp8"), whose column block this '
+                "state dict does not record; merge the model instead: merge_lora(model) or save_hf_checkpoint"
+            )
         base = nf4.dequantize(state_dict[prefix + ".weight"])
         merged[prefix + ".weight"] = merge_lora_weight(base, lora_a, state_dict[prefix + _LORA_B], scaling=alpha / r)
     leftover = sorted(k for k in state_dict if is_adapter_key(k) and not k.endswith((_LORA_A, _LORA_B)))

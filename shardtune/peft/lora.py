@@ -8,27 +8,28 @@ PEFT's module names for every family (``qkv_proj``/``gate_up_proj`` for Phi-3); 
 for a family with fused projections wrap the fused module that holds them. ``target_parameters``
 (PEFT's name) adapts mixture-of-experts parameters instead, in PEFT's format:
 :mod:`shardtune.peft.param_lora`; with ``quantize_base`` the targeted experts are NF4, one
-quantization per expert (the router stays as it is).
+quantization per expert (the router stays as it is). With ``fp8_block`` the base stays in a block-FP8
+checkpoint's format, dequantized per layer when used: :mod:`shardtune.peft.fp8_base`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shardtune.choices import LORA_TARGET_PARAMETERS, LORA_TARGETS
+from shardtune.choices import LORA_TARGETS, QUANTIZE_BASE
 from shardtune.models.args import ModelArgs
 from shardtune.models.blocks.experts import Experts
 from shardtune.models.families import get_family
-from shardtune.peft import nf4
-from shardtune.peft.adapters import is_adapter_key, merge_lora_weight, peft_adapter_config
+from shardtune.peft import fp8_base, nf4
+from shardtune.peft.adapters import is_adapter_key, merge_lora_weight
 from shardtune.peft.init import kaiming_uniform_whole_
+from shardtune.peft.lora_config import LoRAConfig
 from shardtune.peft.param_lora import (
     LoRAExperts,
     LoRARouter,
@@ -41,6 +42,7 @@ from shardtune.peft.param_lora import (
 
 __all__ = [
     "LORA_TARGETS",
+    "QUANTIZE_BASE",
     "LoRAConfig",
     "LoRALinear",
     "adapter_modules",
@@ -54,66 +56,16 @@ __all__ = [
 ]
 
 
-@dataclass
-class LoRAConfig:
-    """What ``apply_lora`` did; kept on the model as ``model.lora_config`` for export."""
-
-    rank: int
-    alpha: float
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=list)
-    target_parameters: list[str] = field(default_factory=list)
-    quantize_base: bool = False
-    block_size: int = nf4.DEFAULT_BLOCK_SIZE
-    scaler_block_size: int = nf4.DEFAULT_SCALER_BLOCK_SIZE
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or self.rank <= 0:
-            raise ValueError(f"LoRA rank must be a positive int, got {self.rank!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
-        unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
-        if unknown:
-            raise ValueError(f"unknown LoRA target_modules {unknown}; choose from {list(LORA_TARGETS)}")
-        unknown = sorted(set(self.target_parameters) - set(LORA_TARGET_PARAMETERS))
-        if unknown:
-            raise ValueError(f"unknown LoRA target_parameters {unknown}; choose from {list(LORA_TARGET_PARAMETERS)}")
-        if not self.target_modules and not self.target_parameters:
-            raise ValueError(
-                f"LoRA target_modules and target_parameters are both empty; choose modules from {list(LORA_TARGETS)}"
-            )
-        if self.target_parameters and self.dropout:
-            raise ValueError(
-                f"LoRA dropout {self.dropout} with target_parameters: PEFT's parameter adapters have no dropout "
-                "(its ParamWrapper refuses lora_dropout != 0); set dropout=0"
-            )
-        self.target_modules = sorted(set(self.target_modules), key=LORA_TARGETS.index)
-        self.target_parameters = sorted(set(self.target_parameters), key=LORA_TARGET_PARAMETERS.index)
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
-
-    def to_peft_config(self, *, base_model_name_or_path: str | None = None) -> dict:
-        """The matching PEFT ``adapter_config.json`` dict."""
-        return peft_adapter_config(
-            rank=self.rank,
-            alpha=self.alpha,
-            dropout=self.dropout,
-            target_modules=self.target_modules,
-            target_parameters=self.target_parameters,
-            base_model_name_or_path=base_model_name_or_path,
-        )
-
-
 class LoRALinear(nn.Module):
     """``y = base(x) + lora_B(lora_A(dropout(x))) * alpha / rank`` with a frozen base.
 
     ``lora_B`` starts at zero so a fresh adapter leaves the model unchanged.
     """
 
-    weight: Tensor  # registered by _set_base (a Parameter; NF4 data when quantized)
+    weight: Tensor  # registered by _set_base (a Parameter; NF4 data when quantized, FP8 with fp8_block)
     bias: Tensor | None
+    fp8_block: tuple[int, int] | None  # the checkpoint's weight_block_size when the base is block FP8
+    weight_scale_rows: Tensor  # with fp8_block: the base's row-expanded scales (shardtune.peft.fp8_base)
 
     def __init__(
         self,
@@ -127,6 +79,7 @@ class LoRALinear(nn.Module):
         quantize_base: bool = False,
         block_size: int = nf4.DEFAULT_BLOCK_SIZE,
         scaler_block_size: int = nf4.DEFAULT_SCALER_BLOCK_SIZE,
+        fp8_block: tuple[int, int] | None = None,
         device=None,
         dtype=None,
     ) -> None:
@@ -146,6 +99,9 @@ class LoRALinear(nn.Module):
             block_size=block_size,
             scaler_block_size=scaler_block_size,
         )
+        self.fp8_block = None
+        if fp8_block is not None:
+            self._set_fp8_base(fp8_block, quantize=quantize_base, name="LoRALinear", device=device)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.lora_A = nn.Linear(in_features, rank, bias=False, device=device, dtype=dtype)
         self.lora_B = nn.Linear(rank, out_features, bias=False, device=device, dtype=dtype)
@@ -171,6 +127,31 @@ class LoRALinear(nn.Module):
         self.register_parameter("bias", None if bias is None else cast(nn.Parameter, bias.requires_grad_(False)))
         self.quantize_base = quantize
 
+    def _set_fp8_base(self, block: tuple[int, int], *, quantize: bool, name: str, device) -> None:
+        """Replace the base weight by an empty block-FP8 base (FP8 weight and row-expanded scales) for a
+        load of the checkpoint's values (:mod:`shardtune.peft.fp8_base`)."""
+        if quantize:
+            raise ValueError(f"{name}: a block-FP8 base cannot also be NF4-quantized; choose one quantize_base")
+        if not (len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError(
+                f"{name}: fp8_block={block!r}; pass the checkpoint's weight_block_size (two positive ints)"
+            )
+        shape = fp8_base.scale_rows_shape(self.out_features, self.in_features, block[1])
+        weight = torch.empty(self.out_features, self.in_features, dtype=fp8_base.FP8_DTYPE, device=device)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        scales = nn.Parameter(torch.empty(shape, dtype=torch.float32, device=device), requires_grad=False)
+        self.register_parameter(fp8_base.SCALE_ROWS, scales)
+        self.fp8_block = (block[0], block[1])
+
+    def base_weight(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The frozen base weight as a plain tensor (NF4 or block FP8 dequantized; ``dtype``: that of a
+        block-FP8 base's result, the adapters' by default)."""
+        weight = self.weight.detach()
+        if self.fp8_block is None:
+            return nf4.dequantize(weight)
+        scales = self.weight_scale_rows.detach()
+        return fp8_base.dequantize(weight, scales, self.fp8_block[1], dtype or self.lora_A.weight.dtype)
+
     @classmethod
     def from_linear(
         cls,
@@ -182,10 +163,18 @@ class LoRALinear(nn.Module):
         quantize_base: bool = False,
         block_size: int = nf4.DEFAULT_BLOCK_SIZE,
         scaler_block_size: int = nf4.DEFAULT_SCALER_BLOCK_SIZE,
+        fp8_block: tuple[int, int] | None = None,
         name: str = "linear",
     ) -> LoRALinear:
-        """Wrap an existing linear, reusing its Parameter objects (no copy unless quantizing)."""
+        """Wrap an existing linear, reusing its Parameter objects (no copy unless quantizing). With
+        ``fp8_block`` the base becomes an empty block-FP8 base that a load of the checkpoint fills, so
+        ``linear`` must be on the meta device."""
         weight = linear.weight
+        if fp8_block is not None and not weight.is_meta:
+            raise ValueError(
+                f"{name}: a block-FP8 base is filled by loading its checkpoint; build the model on the meta "
+                "device, apply LoRA, then load the block-FP8 directory"
+            )
         # Built on meta so no throw-away base is allocated, then given the real parameters.
         new = cls(
             linear.in_features,
@@ -205,6 +194,8 @@ class LoRALinear(nn.Module):
             block_size=block_size,
             scaler_block_size=scaler_block_size,
         )
+        if fp8_block is not None:
+            new._set_fp8_base(fp8_block, quantize=quantize_base, name=name, device="meta")
         if weight.device.type != "meta":
             new.lora_A.to_empty(device=weight.device)
             new.lora_B.to_empty(device=weight.device)
@@ -219,6 +210,9 @@ class LoRALinear(nn.Module):
         nn.init.zeros_(self.lora_B.weight)
 
     def base_forward(self, x: Tensor) -> Tensor:
+        if self.fp8_block is not None:
+            out = fp8_base.linear(x, self.weight, self.weight_scale_rows, self.fp8_block[1])
+            return out if self.bias is None else out + self.bias
         if self.quantize_base:
             out = nf4.linear_nf4(x, self.weight)
             return out if self.bias is None else out + self.bias
@@ -231,14 +225,16 @@ class LoRALinear(nn.Module):
         return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     def merged_weight(self) -> Tensor:
-        """``W + scaling * B @ A`` as a plain tensor in the base dtype (NF4 dequantized)."""
-        base = nf4.dequantize(self.weight.detach())
+        """``W + scaling * B @ A`` as a plain tensor in the base dtype (NF4 dequantized; a block-FP8
+        base dequantized into the adapters' dtype)."""
+        base = self.base_weight()
         return merge_lora_weight(base, self.lora_A.weight.detach(), self.lora_B.weight.detach(), scaling=self.scaling)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, "
             f"alpha={self.alpha}, bias={self.bias is not None}, quantize_base={self.quantize_base}"
+            + ("" if self.fp8_block is None else f", fp8_block={self.fp8_block}")
         )
 
 
@@ -311,15 +307,18 @@ def apply_lora(
     dropout: float = 0.0,
     target_modules: Iterable[str],
     target_parameters: Iterable[str] = (),
-    quantize_base: bool = False,
+    quantize_base: bool | str = False,
     block_size: int = nf4.DEFAULT_BLOCK_SIZE,
     scaler_block_size: int = nf4.DEFAULT_SCALER_BLOCK_SIZE,
+    fp8_block: tuple[int, int] | None = None,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` whose attribute name is in ``target_modules`` by a ``LoRALinear``.
 
     In place (also returns ``model``). All non-adapter parameters are frozen; adapters are
-    trainable. ``quantize_base`` stores the wrapped bases as NF4 (other weights stay as they
-    are). Works on a meta-device model: adapters are then initialized after materialization
+    trainable. ``quantize_base`` (``True`` or ``"nf4"``) stores the wrapped bases as NF4 (other weights
+    stay as they are); ``"block_fp8"`` keeps them in a block-FP8 checkpoint's format (``fp8_block``: its
+    ``weight_block_size``), filled by loading that checkpoint into the meta-device model
+    (:mod:`shardtune.peft.fp8_base`). Works on a meta-device model: adapters are then initialized after materialization
     with ``init_lora_parameters``. Names are resolved per family by ``resolve_targets``, and
     ``model.lora_config`` (which this sets) records the resolved ones. ``target_parameters`` adapts
     the named mixture-of-experts parameters (PEFT's ``target_parameters``; no dropout); with
@@ -333,6 +332,7 @@ def apply_lora(
         target_modules=list(target_modules),
         target_parameters=list(target_parameters),
         quantize_base=quantize_base,
+        fp8_block=fp8_block,
     )  # validates the names and their combination
     config = LoRAConfig(
         rank=rank,
@@ -343,6 +343,7 @@ def apply_lora(
         quantize_base=quantize_base,
         block_size=block_size,
         scaler_block_size=scaler_block_size,
+        fp8_block=None if fp8_block is None else (fp8_block[0], fp8_block[1]),
     )
     if is_lora(model):
         raise ValueError("apply_lora was already applied to this model; build a fresh model to change LoRA settings")
@@ -355,7 +356,7 @@ def apply_lora(
     if config.target_modules and not targets:
         raise ValueError(f"no nn.Linear named any of {config.target_modules} found in the model")
     param_targets = _parameter_targets(model, config.target_parameters)
-    if quantize_base:  # every shape checked before anything is quantized
+    if config.nf4_base:  # every shape checked before anything is quantized
         module_names = {id(m): n for n, m in model.named_modules()}
         for target, names in param_targets:
             check_expert_shapes(
@@ -368,7 +369,7 @@ def apply_lora(
     for name, linear in targets:
         if quantize_base and id(linear.weight) in shared:
             raise ValueError(
-                f"{name}.weight is shared with another module (tied embeddings) and cannot be NF4-quantized; "
+                f"{name}.weight is shared with another module (tied embeddings) and cannot be quantized; "
                 f"remove {name.rsplit('.', 1)[-1]!r} from target_modules or untie the weights"
             )
         lora = LoRALinear.from_linear(
@@ -376,15 +377,16 @@ def apply_lora(
             rank=rank,
             alpha=alpha,
             dropout=dropout,
-            quantize_base=quantize_base,
+            quantize_base=config.nf4_base,
             block_size=block_size,
             scaler_block_size=scaler_block_size,
+            fp8_block=config.fp8_block,
             name=name,
         )
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, lora)
     for module, names in param_targets:
-        if quantize_base and isinstance(module, Experts):
+        if config.nf4_base and isinstance(module, Experts):
             quantize_expert_weights(module, names, block_size=block_size, scaler_block_size=scaler_block_size)
         adapt_parameters(module, names, rank=rank, alpha=alpha)
     for name, p in model.named_parameters():

@@ -10,6 +10,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -84,6 +85,20 @@ def _check_nf4_linears(model: nn.Module, shard_ranks: int) -> None:
             )
 
 
+def _check_fp8_bases(model: nn.Module, mp_policy: MixedPrecisionPolicy | None) -> None:
+    """Refuse mixed precision over block-FP8 LoRA bases: FSDP2 casts every floating parameter to the
+    policy's ``param_dtype`` as it gathers it, which would round the bases' float32 scales."""
+    if mp_policy is None or mp_policy.param_dtype in (None, torch.float32):
+        return
+    name = next((n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn), None)
+    if name is not None:
+        raise ValueError(
+            f'{name}: a block-FP8 LoRA base (lora.quantize_base="block_fp8") under mixed precision: FSDP2 would '
+            f"gather its scales in {mp_policy.param_dtype}, rounding them; set mixed_precision=false (the model "
+            "then computes and trains its adapters in dtype)"
+        )
+
+
 def shard_model(
     model: nn.Module,
     *,
@@ -137,6 +152,7 @@ def shard_model(
     # before experts become ep DTensors: E/ep experts divide over efsdp exactly when E divides over the shard ranks
     _check_nf4_experts(model, placement, shard_ranks, cpu_offload=cpu_offload)
     _check_nf4_linears(model, shard_ranks)
+    _check_fp8_bases(model, mp_policy)
     if degree > 1:
         _check_expert_parallel(model, mesh, has_experts=placement is not None, cpu_offload=cpu_offload)
         ep.distribute_experts(model, mesh)

@@ -28,6 +28,7 @@ from shardtune.checkpoint import (
     TrainingProgress,
     load_hf_checkpoint,
 )
+from shardtune.checkpoint.formats.block_fp8 import fp8_block_of
 from shardtune.checkpoint.formats.tiny_base import create_tiny_base
 from shardtune.checkpoint.layout import CONFIG_FILE
 from shardtune.config import Config
@@ -140,6 +141,9 @@ def build_model(
                 quantize_base=lora.quantize_base,
                 block_size=lora.block_size,
                 scaler_block_size=lora.scaler_block_size,
+                fp8_block=fp8_block_of(base_dir, key="lora.quantize_base")
+                if lora.quantize_base == "block_fp8"
+                else None,
             )
     if model.args.linear_attention is not None:  # before any weight moves; the same on every rank
         check_heads(model.args.linear_attention, getattr(cfg, "context_parallel", 1))

@@ -22,6 +22,7 @@ from shardtune.choices import (
     OPTIMIZERS,
     OUTPUT_DIR_POLICIES,
     PREFERENCE_LOSSES,
+    QUANTIZE_BASE,
 )
 from shardtune.config_validation import Field, OneOrMany, Schema
 from shardtune.dataset_schema import DATASET_COLUMNS, DATASET_SCHEMA
@@ -294,7 +295,12 @@ LORA_SECTION = Schema(
         "dropout": Field(float, 0.0, ge=0, lt=1),
         "target_modules": Field(list, ["q_proj", "v_proj"], item=str, choices=LORA_TARGETS),
         "target_parameters": Field(list, [], item=str, choices=LORA_TARGET_PARAMETERS),
-        "quantize_base": Field(bool, False),
+        "quantize_base": Field(
+            (bool, str),
+            False,
+            choices=QUANTIZE_BASE,
+            help='true or "nf4": QLoRA (NF4 bases); "block_fp8": a block-FP8 checkpoint\'s bases kept in FP8',
+        ),
         "block_size": Field(
             int,
             NF4_BLOCK_SIZE,

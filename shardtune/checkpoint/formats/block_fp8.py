@@ -10,7 +10,9 @@ start or end inside a block), so each rank dequantizes its own piece and rank 0 
 sends each rank only its piece in the training dtype. Every inconsistency (a scale missing, of the
 wrong shape or not finite, a block size that does not match the scales, FP8 tensors without a
 ``quantization_config``, an unknown ``quant_method``) is refused naming the tensor or key and the
-fix: a weight is never read unscaled. The format read is kept on the model
+fix: a weight is never read unscaled. A model that keeps a weight in block FP8 (a LoRA base,
+:mod:`shardtune.peft.fp8_base`) reads it raw instead, beside its row-expanded scales
+(``<W>_scale_rows``, :func:`row_scales`), both by rows as any tensor is. The format read is kept on the model
 (:func:`note_source`), for a save in the same format
 (:mod:`~shardtune.checkpoint.formats.block_fp8_save`).
 """
@@ -35,8 +37,10 @@ __all__ = [
     "BlockFp8Tensor",
     "dequantize_block_fp8",
     "dequantizing",
+    "fp8_block_of",
     "note_source",
     "read_quantization",
+    "row_scales",
     "scale_blocks",
     "scale_name",
     "source_of",
@@ -45,6 +49,7 @@ __all__ = [
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 SCALE_SUFFIX = "_scale_inv"
+ROWS_SUFFIX = "_scale_rows"  # a weight kept in FP8: its scales, one row per weight row (fp8_base.SCALE_ROWS)
 QUANTIZATION_KEY = "quantization_config"
 # quant_methods another reader handles: gpt-oss's MXFP4 experts (shardtune.checkpoint.formats.mxfp4)
 OTHER_METHODS = ("mxfp4",)
@@ -104,6 +109,19 @@ def read_quantization(model_dir: str | os.PathLike) -> dict[str, Any] | None:
     return dict(quant)
 
 
+def fp8_block_of(model_dir: str | os.PathLike, *, key: str) -> tuple[int, int]:
+    """The ``weight_block_size`` of the block-FP8 checkpoint ``model_dir``, for the option ``key`` that needs
+    one; refused naming ``key`` and the fix when ``model_dir`` is not a block-FP8 checkpoint."""
+    quant = read_quantization(model_dir)
+    if quant is None:
+        raise CheckpointError(
+            f'{key}="block_fp8" keeps a block-FP8 checkpoint\'s weights in FP8, but {os.fspath(model_dir)} declares no '
+            f'block-FP8 {QUANTIZATION_KEY} in its {CONFIG_FILE}; set {key} to false (or "nf4") for this model'
+        )
+    block = quant["weight_block_size"]
+    return block[0], block[1]
+
+
 def dequantize_block_fp8(
     weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], offset: tuple[int, int] = (0, 0)
 ) -> torch.Tensor:
@@ -161,6 +179,42 @@ class BlockFp8Tensor:
         return dequantize_block_fp8(self.weight[slices], scale, self.block, (r0, c0))
 
 
+def row_scales(scale_inv: torch.Tensor, first_row: int, rows: int, block_rows: int) -> torch.Tensor:
+    """Rows ``[first_row, first_row + rows)`` of a weight's row-expanded scales (float32 ``[rows,
+    ceil(C / b1)]``: each row the scales of the blocks it lies in), from its block scales
+    ``scale_inv``, which start at the block row covering ``first_row``."""
+    index = torch.arange(first_row, first_row + rows) // block_rows - first_row // block_rows
+    return scale_inv.to(torch.float32)[index.to(scale_inv.device)]
+
+
+class RowScales:
+    """The row-expanded scales of a block-FP8 weight of the checkpoint as a lazy float32 tensor: a
+    slice reads only the block rows covering it."""
+
+    def __init__(self, name: str, scale: Any, rows: int, block: tuple[int, int]) -> None:
+        self.name, self.scale, self.block = name, scale, block
+        self.shape = (rows, tuple(scale.get_shape())[-1])
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self) -> str:
+        return "F32"
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        rows, cols = (s.indices(n) for s, n in zip(_unit_slices(index, self.shape, self.name), self.shape))
+        b0 = self.block[0]
+        if rows[1] <= rows[0]:
+            return torch.empty(0, max(0, cols[1] - cols[0]), dtype=torch.float32)
+        scale = self.scale[rows[0] // b0 : -(-rows[1] // b0), cols[0] : cols[1]]
+        if not bool(torch.isfinite(scale).all()):
+            raise CheckpointError(
+                f"{self.name}: non-finite scales in block rows {rows[0] // b0}:{-(-rows[1] // b0)}; the checkpoint "
+                "is damaged, re-download or re-export it"
+            )
+        return row_scales(scale, rows[0], rows[1] - rows[0], b0)
+
+
 def _unit_slices(index: Any, shape: tuple[int, ...], name: str) -> tuple[slice, ...]:
     index = index if isinstance(index, tuple) else (index,)
     if index == (Ellipsis,):
@@ -173,11 +227,21 @@ def _unit_slices(index: Any, shape: tuple[int, ...], name: str) -> tuple[slice, 
 class _Dequantizing(Mapping[str, Any]):
     """``checkpoint`` with each FP8 tensor shown dequantized and its scale tensor hidden."""
 
-    def __init__(self, checkpoint: Mapping[str, Any], names: frozenset[str], block: tuple[int, int]) -> None:
-        self.checkpoint, self.names, self.block = checkpoint, names, block
-        self.keys_ = [k for k in checkpoint if not (k.endswith(SCALE_SUFFIX) and k.removesuffix(SCALE_SUFFIX) in names)]
+    def __init__(
+        self, checkpoint: Mapping[str, Any], names: frozenset[str], block: tuple[int, int], raw: frozenset[str]
+    ) -> None:
+        self.checkpoint, self.names, self.block, self.raw = checkpoint, names, block, raw
+        self.rows = {name + ROWS_SUFFIX: name for name in raw}
+        kept = [k for k in checkpoint if not (k.endswith(SCALE_SUFFIX) and k.removesuffix(SCALE_SUFFIX) in names)]
+        self.keys_ = kept + sorted(self.rows)
 
     def __getitem__(self, key: str) -> Any:
+        if key in self.raw:
+            return self.checkpoint[key]
+        if key in self.rows:
+            weight = self.rows[key]
+            rows = tuple(self.checkpoint[weight].get_shape())[-2]
+            return RowScales(scale_name(weight), self.checkpoint[scale_name(weight)], rows, self.block)
         if key in self.names:
             return BlockFp8Tensor(key, self.checkpoint[key], self.checkpoint[scale_name(key)], self.block)
         if key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) in self.names:
@@ -185,7 +249,7 @@ class _Dequantizing(Mapping[str, Any]):
         return self.checkpoint[key]
 
     def __contains__(self, key: object) -> bool:
-        return key in self.names or (key in self.checkpoint and not self._is_scale(key))
+        return key in self.names or key in self.rows or (key in self.checkpoint and not self._is_scale(key))
 
     def _is_scale(self, key: object) -> bool:
         return isinstance(key, str) and key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) in self.names
@@ -198,14 +262,27 @@ class _Dequantizing(Mapping[str, Any]):
 
 
 def dequantizing(
-    checkpoint: Mapping[str, Any], quantization: dict[str, Any] | None, *, where: str
+    checkpoint: Mapping[str, Any],
+    quantization: dict[str, Any] | None,
+    *,
+    where: str,
+    raw: frozenset[str] = frozenset(),
+    block: tuple[int, int] | None = None,
 ) -> tuple[Mapping[str, Any], BlockFp8Format | None]:
     """``checkpoint`` itself, or a view dequantizing its block-FP8 tensors as they are read, and the format
     read (None when the directory ``where`` holds no FP8 tensors). ``quantization``: its validated
     ``quantization_config`` (:func:`read_quantization`). Every FP8 tensor must have a finite-shaped scale
-    of the shape the block size gives, and every scale its FP8 tensor; refused naming them otherwise."""
+    of the shape the block size gives, and every scale its FP8 tensor; refused naming them otherwise.
+    ``raw``: the FP8 tensors the model keeps in FP8 (with ``block``, the block it was built for), shown as
+    stored beside their row-expanded scales ``<name>_scale_rows``; each must be an FP8 tensor of the
+    checkpoint in that block, refused naming it and the fix otherwise."""
     fp8 = sorted(k for k in checkpoint if _dtype(checkpoint[k]) == FP8_DTYPE)
     scales = sorted(k for k in checkpoint if k.endswith(SCALE_SUFFIX))
+    if raw and (quantization is None or not fp8):
+        raise CheckpointError(
+            f'{where}: the model keeps {_few(sorted(raw))} in block FP8 (LoRA quantize_base="block_fp8"), but '
+            "this is not a block-FP8 checkpoint; set lora.quantize_base to false (or nf4) for it"
+        )
     if not fp8 and not scales:
         return checkpoint, None
     if quantization is None:
@@ -215,8 +292,8 @@ def dequantizing(
             'published with (e.g. {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", '
             '"weight_block_size": [128, 128]})'
         )
-    block = (quantization["weight_block_size"][0], quantization["weight_block_size"][1])
-    problems = [p for name in fp8 if (p := _scale_problem(checkpoint, name, block)) is not None]
+    stored = (quantization["weight_block_size"][0], quantization["weight_block_size"][1])
+    problems = [p for name in fp8 if (p := _scale_problem(checkpoint, name, stored)) is not None]
     names = frozenset(fp8)
     problems += [
         f"{key}: a scale tensor whose weight {key.removesuffix(SCALE_SUFFIX)} is not a float8_e4m3fn tensor of the "
@@ -226,7 +303,20 @@ def dequantizing(
     ]
     if problems:
         raise CheckpointError(f"{where}: invalid block-FP8 checkpoint: " + "; ".join(problems))
-    return _Dequantizing(checkpoint, names, block), BlockFp8Format(dict(quantization), block, names)
+    unquantized = sorted(raw - names)
+    if unquantized:
+        raise CheckpointError(
+            f"{where}: {_few(unquantized)} not stored in block FP8, but the model keeps them in FP8 (LoRA "
+            'quantize_base="block_fp8"); leave those modules out of lora.target_modules or set '
+            "lora.quantize_base to false"
+        )
+    if raw and block != stored:
+        raise CheckpointError(
+            f"{where}: weight_block_size {list(stored)}, but the model's block-FP8 LoRA bases were built for "
+            f"{list(block or ())}; build them with the checkpoint's weight_block_size"
+        )
+    view = _Dequantizing(checkpoint, names, stored, raw)
+    return view, BlockFp8Format(dict(quantization), stored, names)
 
 
 def _scale_problem(checkpoint: Mapping[str, Any], name: str, block: tuple[int, int]) -> str | None:

@@ -236,6 +236,7 @@ def write_model_description(model: nn.Module, directory: Path, base_dir: Path | 
             "quantize_base": lora.quantize_base,
             "block_size": lora.block_size,
             "scaler_block_size": lora.scaler_block_size,
+            "fp8_block": None if lora.fp8_block is None else list(lora.fp8_block),
             "base_dir": str(base_dir) if base_dir else None,
         }
         checksums.write_bytes(directory / DCP_LORA_FILE, json.dumps(info, indent=2).encode())
@@ -273,6 +274,7 @@ def convert_dcp_to_hf(
                 target_modules=lora["target_modules"],
                 target_parameters=lora.get("target_parameters", []),
                 quantize_base=lora["quantize_base"],
+                fp8_block=None if lora.get("fp8_block") is None else tuple(lora["fp8_block"]),
                 # written since NF4 block sizes became options; older files used the defaults
                 **{key: lora[key] for key in ("block_size", "scaler_block_size") if key in lora},
             )

@@ -20,7 +20,7 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Self
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from shardtune.checkpoint.safety.file_names import inside
 from shardtune.checkpoint.storage.safetensors_io import SafetensorsFile, TensorSlice
 from shardtune.models.args import ModelArgs
 from shardtune.models.multimodal import carried_keys, file_prefixes, note_carried, tower_problems
+from shardtune.peft.lora import LoRALinear
 from shardtune.ranks import comm
 from shardtune.ranks.errors import format_problems
 from shardtune.state_dict.gc_pause import collector_paused
@@ -225,6 +226,7 @@ def _load(
     fp8: block_fp8.BlockFp8Format | None = None
     carried = 0  # tensors of the files the model does not use, which its saves must copy
     args = model_args(model)
+    entries = model_entries(model, file_prefixes=hf_file_prefixes(model))
     if shared_filesystem or comm.rank() == 0:
         try:
             checkpoint = open_hf_checkpoint(model_dir)
@@ -233,8 +235,9 @@ def _load(
                 unused = carried_keys(args, list(checkpoint))
                 checkpoint, carried = checkpoint.without(unused), len(unused)
             state = mxfp4.dequantizing(checkpoint)  # gpt-oss MXFP4 experts, dequantized per piece as read
-            # block-FP8 weights, dequantized per piece as read
-            state, fp8 = block_fp8.dequantizing(state, block_fp8.read_quantization(model_dir), where=model_dir)
+            # block-FP8 weights, dequantized per piece as read (read raw where the model keeps them in FP8)
+            quantization = block_fp8.read_quantization(model_dir)
+            state, fp8 = block_fp8.dequantizing(state, quantization, where=model_dir, **_kept_in_fp8(model, entries))
         except CheckpointError as exc:
             problems.append(str(exc))
     try:
@@ -243,7 +246,6 @@ def _load(
         fp8, carried = (fp8, carried) if shared_filesystem else comm.all_gather_objects((fp8, carried))[0]
         block_fp8.note_source(model, fp8)
         note_carried(model, carried)
-        entries = model_entries(model, file_prefixes=hf_file_prefixes(model))
         total = _expected_reads(entries, checkpoint, shared_filesystem) if checkpoint is not None else 0
         with progress_bar(total, desc="load") as bar:
             if checkpoint is not None:
@@ -256,6 +258,17 @@ def _load(
         log_done("Loaded", model_dir, checkpoint.total_bytes if checkpoint is not None else 0, start)
         _warn_unused(model_dir, result.unexpected_keys)
     return result
+
+
+def _kept_in_fp8(model: nn.Module, entries: list[ModelEntry]) -> dict[str, Any]:
+    """The file names of the weights ``model`` keeps in block FP8 (LoRA bases, :mod:`shardtune.peft.fp8_base`)
+    and the block they were built for (None when their modules disagree): :func:`~shardtune.checkpoint.formats.
+    block_fp8.dequantizing`'s ``raw`` and ``block``; nothing for a model without FP8 tensors."""
+    raw = {key for e in entries if local_tensor(e.tensor).dtype == block_fp8.FP8_DTYPE for key in e.keys}
+    if not raw:
+        return {}
+    blocks = {m.fp8_block for m in model.modules() if isinstance(m, LoRALinear) and m.fp8_block is not None}
+    return {"raw": frozenset(raw), "block": blocks.pop() if len(blocks) == 1 else None}
 
 
 def block_fp8_format(model: nn.Module, model_dir: str) -> block_fp8.BlockFp8Format | None:

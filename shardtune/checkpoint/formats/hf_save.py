@@ -29,6 +29,7 @@ from shardtune.checkpoint.errors import CheckpointError
 from shardtune.checkpoint.formats import block_fp8
 from shardtune.checkpoint.formats.block_fp8_save import WEIGHT_FORMATS, quantized_config, quantized_items
 from shardtune.checkpoint.formats.carried import CarriedSource, agree_on_carried, carried_items, read_carried
+from shardtune.checkpoint.formats.fp8_base_save import fp8_base_writes
 from shardtune.checkpoint.formats.hf_load import (
     block_fp8_format,
     hf_file_prefixes,
@@ -340,6 +341,8 @@ def _plan_items(
     entries = model_entries(model, file_prefixes=hf_file_prefixes(model))
     by_fqn = {fqn: e for e in entries for fqn in e.fqns}
     merges, skipped, problems = _lora_merges(model, by_fqn) if merge_adapters else ({}, set(), [])
+    fp8_writes, fp8_dtypes, fp8_scales = fp8_base_writes(model, merges)  # block-FP8 bases: written dequantized
+    merges, skipped = {**merges, **fp8_writes}, skipped | fp8_scales
     named = sorted((pos, fqn, key, e) for e in entries for pos, fqn, key in zip(e.positions, e.fqns, e.keys))
     items: list[WriteItem] = []
     world = comm.world_size()
@@ -364,7 +367,8 @@ def _plan_items(
         except ValueError as exc:
             problems.append(f"{fqn}: {exc}")
             continue
-        out_dtype = dtype if dtype is not None and entry.tensor.dtype.is_floating_point else entry.tensor.dtype
+        held = fp8_dtypes.get(fqn, entry.tensor.dtype)
+        out_dtype = dtype if dtype is not None and held.is_floating_point else held
         parts = _written_parts(entry, expert_layout)
         if parts is not None and fqn != entry.fqn:
             continue  # the file tensors are named after the first name only

@@ -1,0 +1,124 @@
+"""LoRA over block-FP8 bases kept in FP8 under FSDP2 on 2 ranks, against peft in one process.
+
+The FP8 directory of ``tests/unit/test_block_fp8.fp8_dir`` (blocks of 20 x 40): FSDP cuts the 64-row
+attention weights at row 32, inside a block, so each rank holds FP8 rows and scale rows that start or
+end mid-block. Each rank's base pieces are the checkpoint's FP8 bytes and its scales spread over its
+rows; the logits and the adapters' gradients of a first step equal peft's LoRA over the transformers
+model holding the hand-dequantized weights (every rank reading its rows, or rank 0 sending them); the
+merged HF save written by both ranks equals ``W_deq + scaling * B @ A``, and the weight stream sends
+those tensors. Mixed precision over the bases is refused by name. Under NCCL's rules.
+"""
+
+from __future__ import annotations
+
+import pytest
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
+from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
+from shardtune.inference.stream import stream_weights
+from shardtune.models import from_hf_config
+from shardtune.peft import apply_lora
+from shardtune.ranks.mesh import make_mesh
+from shardtune.ranks.sharding import shard_model
+from shardtune.state_dict import load_from_full_model_state_dict
+from tests.nccl_rules import nccl_rules
+from tests.unit.test_block_fp8 import BLOCK, fp8_dir
+from tests.unit.test_fp8_lora import ALPHA, RANK, TARGETS, adapters_of, peft_over
+from tests.unit.test_models_moe import batch
+from tests.unit.test_moe_checkpoint import tensors
+
+pytestmark = pytest.mark.timeout(300)
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+def _run(hf_dir: str, out: str, shared: bool, adapters: dict, tokens: torch.Tensor, real: torch.Tensor) -> dict:
+    with torch.device("meta"):
+        model = from_hf_config(hf_dir, dtype=torch.float32)
+        apply_lora(model, rank=RANK, alpha=ALPHA, target_modules=TARGETS, quantize_base="block_fp8", fp8_block=BLOCK)
+    shard_model(model, mesh=make_mesh())
+    with nccl_rules() as rules:
+        rules.host(adapters)
+        dist.barrier()
+        load_hf_checkpoint(model, hf_dir, device="cpu", strict=False, shared_filesystem=shared)
+        load_from_full_model_state_dict(model, adapters if shared or dist.get_rank() == 0 else {}, "cpu")
+    model.init_buffers("cpu")
+    logits = model(tokens)
+    logits[real].square().mean().backward()
+    params = dict(model.named_parameters())
+    weight, scales = params[f"{Q}.weight"].to_local(), params[f"{Q}.weight_scale_rows"].to_local()
+    grads = {n: p.grad.full_tensor() for n, p in params.items() if p.requires_grad}
+    with nccl_rules():
+        save_hf_checkpoint(model, out, shared_filesystem=shared)
+    with stream_weights(model, to="all", expert_layout="per_expert") as stream:
+        streamed = {name: tensor.clone() for name, tensor in stream}
+    return {
+        "streamed": streamed,
+        "logits": logits.detach(),
+        "grads": grads,
+        "weight": weight.view(torch.uint8).clone(),
+        "dtype": weight.dtype,
+        "scales": scales.clone(),
+        "frozen": sorted(n for n, p in params.items() if not p.requires_grad and "lora" in n),
+    }
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["every-rank-reads", "rank0-sends"])
+def test_sharded_fp8_bases_equal_peft_over_the_dequantized_weights(pool2, tmp_path, shared):
+    hf, expected = fp8_dir(tmp_path / "fp8")
+    pm = peft_over(hf)
+    adapters = adapters_of(pm)
+    tokens, mask, _ = batch()
+    real = mask.bool()
+    res = pool2.run_ok(_run, str(tmp_path / "fp8"), str(tmp_path / "out"), shared, adapters, tokens, real, timeout=240)
+    want = pm(tokens, attention_mask=mask).logits
+    want[real].square().mean().backward()
+    theirs = {
+        k.removeprefix("base_model.model.").replace(".default", ""): p.grad
+        for k, p in pm.named_parameters()
+        if "lora_" in k
+    }
+    stored = safetensors.torch.load_file(tmp_path / "fp8" / "model.safetensors")
+    rows = stored[f"{Q}.weight_scale_inv"].repeat_interleave(BLOCK[0], 0)[: stored[f"{Q}.weight"].shape[0]]
+    for rank, r in enumerate(res):
+        cut = r["weight"].shape[0]
+        assert cut == 32 and cut % BLOCK[0], cut  # the shard boundary lies inside a block
+        assert r["dtype"] == torch.float8_e4m3fn and not r["frozen"]
+        mine = slice(rank * cut, (rank + 1) * cut)
+        assert torch.equal(r["weight"], stored[f"{Q}.weight"].view(torch.uint8)[mine])
+        assert torch.equal(r["scales"], rows[mine])
+        assert (r["logits"] - want.detach())[real].abs().max() <= 1e-5 * want[real].abs().max()
+        assert sorted(r["grads"]) == sorted(theirs)
+        for key, grad in theirs.items():
+            assert (r["grads"][key] - grad).abs().max() <= 1e-5 * grad.abs().max() + 1e-9, (rank, key)
+    saved = tensors(tmp_path / "out")
+    assert not any("scale" in k or "lora" in k for k in saved)
+    for r in res:  # the weight stream sends what the save writes
+        assert sorted(r["streamed"]) == sorted(saved)
+        assert all(torch.equal(r["streamed"][k], v) for k, v in saved.items())
+    for name in (n for n in saved if n.rsplit(".", 2)[-2] in TARGETS):
+        prefix = name.removesuffix(".weight")
+        a, b = adapters[f"{prefix}.lora_A.weight"], adapters[f"{prefix}.lora_B.weight"]
+        assert torch.allclose(saved[name], expected[name] + ALPHA / RANK * b @ a, rtol=0, atol=1e-6), name
+
+
+def _mixed_precision(hf_dir: str) -> str:
+    with torch.device("meta"):
+        model = from_hf_config(hf_dir, dtype=torch.float32)
+        apply_lora(model, rank=RANK, alpha=ALPHA, target_modules=TARGETS, quantize_base="block_fp8", fp8_block=BLOCK)
+    try:
+        shard_model(model, mesh=make_mesh(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    except ValueError as exc:
+        return str(exc)
+    return "sharded"
+
+
+def test_mixed_precision_over_fp8_bases_is_refused_naming_the_option(pool2, tmp_path):
+    fp8_dir(tmp_path)
+    for message in pool2.run_ok(_mixed_precision, str(tmp_path), timeout=120):
+        assert message.startswith("model.layers.0.self_attn.q_proj.weight: a block-FP8 LoRA base")
+        assert "set mixed_precision=false" in message
