@@ -24,10 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from shardtune.state_dict.fp8_blocks import FP8_DTYPE, scale_blocks
+
 __all__ = ["FP8_DTYPE", "SCALE_ROWS", "dequantize", "linear", "scale_rows_shape"]
 
 SCALE_ROWS = "weight_scale_rows"  # the scales' attribute on the module (beside ``weight``)
-FP8_DTYPE = torch.float8_e4m3fn  # the checkpoints' (shardtune.checkpoint.formats.block_fp8.FP8_DTYPE)
 
 
 def scale_rows_shape(out_features: int, in_features: int, block_cols: int) -> tuple[int, int]:
@@ -37,9 +38,6 @@ def scale_rows_shape(out_features: int, in_features: int, block_cols: int) -> tu
 
 def dequantize(weight: Tensor, scale_rows: Tensor, block_cols: int, dtype: torch.dtype) -> Tensor:
     """The weight ``W`` in ``dtype`` (computed in float32) from its FP8 rows and their row-expanded scales."""
-    # the checkpoint reader's arithmetic, imported here: shardtune.checkpoint imports the LoRA layer
-    from shardtune.checkpoint.formats.block_fp8 import scale_blocks
-
     return scale_blocks(weight.to(torch.float32), scale_rows, (1, block_cols)).to(dtype)
 
 

@@ -29,6 +29,7 @@ import torch
 
 from shardtune.checkpoint.errors import CheckpointError
 from shardtune.checkpoint.layout import CONFIG_FILE
+from shardtune.state_dict.fp8_blocks import FP8_DTYPE, FP8_MAX, dequantize_block_fp8, scale_blocks
 
 __all__ = [
     "FP8_DTYPE",
@@ -46,8 +47,6 @@ __all__ = [
     "source_of",
 ]
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 SCALE_SUFFIX = "_scale_inv"
 ROWS_SUFFIX = "_scale_rows"  # a weight kept in FP8: its scales, one row per weight row (fp8_base.SCALE_ROWS)
 QUANTIZATION_KEY = "quantization_config"
@@ -120,34 +119,6 @@ def fp8_block_of(model_dir: str | os.PathLike, *, key: str) -> tuple[int, int]:
         )
     block = quant["weight_block_size"]
     return block[0], block[1]
-
-
-def dequantize_block_fp8(
-    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], offset: tuple[int, int] = (0, 0)
-) -> torch.Tensor:
-    """``weight [..., R, C]`` (FP8) times its scales as float32; ``weight`` starts at row/col ``offset``
-    of the full tensor, and ``scale [..., r, c]`` holds the blocks from the one covering ``offset`` on."""
-    return scale_blocks(weight.to(torch.float32), scale, block, offset)
-
-
-def scale_blocks(
-    values: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], offset: tuple[int, int] = (0, 0)
-) -> torch.Tensor:
-    """``values [..., R, C]`` (float32, at ``offset`` of the full tensor) multiplied in place by the
-    per-block ``scale [..., r, c]`` (from the block covering ``offset`` on), and returned. The scales
-    are spread over the rows only and applied one column of blocks at a time: no second tensor of the
-    piece's size."""
-    (r0, c0), (b0, b1) = offset, block
-    rows, cols = values.shape[-2:]
-    per_row = scale.to(torch.float32)[..., torch.arange(r0, r0 + rows) // b0 - r0 // b0, :]
-    start = 0
-    for j in range(per_row.shape[-1]):
-        if start >= cols:
-            break
-        stop = min(cols, (c0 // b1 + j + 1) * b1 - c0)
-        values[..., start:stop].mul_(per_row[..., j : j + 1])
-        start = stop
-    return values
 
 
 class BlockFp8Tensor:
