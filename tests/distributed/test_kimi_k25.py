@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
@@ -25,6 +24,7 @@ from shardtune.models import llama_from_hf_config
 from shardtune.peft import apply_lora, init_lora_parameters
 from shardtune.ranks.sharding import shard_model
 from shardtune.state_dict import stats
+from tests.distributed.test_hf_multimodal import safetensors_tensors
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -78,14 +78,6 @@ def hf_kimi():
     return model
 
 
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118  # safe_open is not a dict
-    return out
-
-
 def _logits(model) -> torch.Tensor:
     with torch.no_grad():
         out = model(TOKENS)
@@ -102,7 +94,8 @@ def src(tmp_path_factory) -> dict:
     model = hf_kimi()
     model.save_pretrained(path)
     hub = {
-        k.replace("language_model.model.blocks.", "language_model.model.layers."): v for k, v in _tensors(path).items()
+        k.replace("language_model.model.blocks.", "language_model.model.layers."): v
+        for k, v in safetensors_tensors(path).items()
     }
     for old in path.glob("*.safetensors*"):
         old.unlink()
@@ -157,7 +150,7 @@ def test_the_text_tower_loads_and_the_same_checkpoint_is_written_back(pool2, src
     res = pool2.run_ok(_load_and_save, str(src["dir"]), str(out))
     assert res[0]["model_type"] == "deepseek_v3"
     assert (res[0]["logits"] - src["logits"]).abs().max() <= 1e-4
-    saved, source = _tensors(out), src["tensors"]
+    saved, source = safetensors_tensors(out), src["tensors"]
     assert sorted(saved) == sorted(source)
     carried = [k for k in source if not k.startswith("language_model.")]
     assert any(k.startswith("vision_tower.") for k in carried) and any("mm_projector" in k for k in carried)
@@ -180,8 +173,8 @@ def test_lora_adapters_have_the_names_peft_gives_the_multimodal_modules(pool2, s
     ours = pool2.run_ok(_lora_adapter, str(src["dir"]), str(adapter))[0]
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0)
     peft.get_peft_model(hf_kimi(), config).save_pretrained(tmp_path / "peft")
-    names = sorted(_tensors(adapter))
-    assert names == sorted(_tensors(tmp_path / "peft")) and names[0].startswith(
+    names = sorted(safetensors_tensors(adapter))
+    assert names == sorted(safetensors_tensors(tmp_path / "peft")) and names[0].startswith(
         "base_model.model.model.language_model."
     )
     from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25ForConditionalGeneration

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
@@ -21,6 +20,7 @@ from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
 from shardtune.models import llama_from_hf_config
 from shardtune.ranks.sharding import shard_model
 from shardtune.state_dict import stats
+from tests.distributed.test_hf_multimodal import safetensors_tensors
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,17 +82,9 @@ def hf_dir(model_type: str, path: Path) -> tuple[dict[str, torch.Tensor], torch.
     first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
     (path / "model.safetensors").rename(path / first)
     save_file(mtp, str(path / second))
-    index = {"metadata": {}, "weight_map": dict.fromkeys(_tensors(path), first) | dict.fromkeys(mtp, second)}
+    index = {"metadata": {}, "weight_map": dict.fromkeys(safetensors_tensors(path), first) | dict.fromkeys(mtp, second)}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     return mtp, logits
-
-
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118  # safe_open is not a dict
-    return out
 
 
 # --- rank functions ------------------------------------------------------------------------------------
@@ -121,7 +113,7 @@ def test_the_mtp_layer_is_carried_never_loaded(pool2, tmp_path, model_type):
     mtp, logits = hf_dir(model_type, base)
     res = pool2.run_ok(_load_and_save, str(base), str(out), True)
     assert (res[0]["logits"] - logits).abs().max() <= 1e-4  # the MTP layer took no part
-    saved, source = _tensors(out), _tensors(base)
+    saved, source = safetensors_tensors(out), safetensors_tensors(base)
     assert sorted(saved) == sorted(source)
     for key, value in mtp.items():
         assert saved[key].dtype == torch.bfloat16 and torch.equal(saved[key].view(-1), value.view(-1)), key
@@ -141,7 +133,7 @@ def test_a_block_fp8_mtp_layer_is_written_dequantized_by_a_plain_save(pool2, tmp
     must, and that file loads again."""
     base, out = tmp_path / "base", tmp_path / "out"
     mtp, _ = hf_dir("deepseek_v3", base)
-    weights = _tensors(base)
+    weights = safetensors_tensors(base)
     second = "model-00002-of-00002.safetensors"
     fp8 = {k: v for k, v in mtp.items() if v.dim() == 2}
     block, quantized = 8, dict(mtp)
@@ -171,7 +163,7 @@ def test_a_block_fp8_mtp_layer_is_written_dequantized_by_a_plain_save(pool2, tmp
     }
     (base / "config.json").write_text(json.dumps(config))
     pool2.run_ok(_load_and_save, str(base), str(out), True)
-    saved = _tensors(out)
+    saved = safetensors_tensors(out)
     assert not any(k.endswith("_scale_inv") for k in saved) and "quantization_config" not in json.loads(
         (out / "config.json").read_text()
     )

@@ -451,6 +451,19 @@ def qlora_moe_first_step(kind: str, hf_dir: str, peft_dir: str, reference_expert
     }
 
 
+def _gaps(ours: torch.nn.Module, hf: torch.nn.Module, loss: torch.Tensor, ref: torch.Tensor) -> dict:
+    """After both backwards: the relative difference of ``loss`` from transformers' ``ref`` and the largest
+    relative difference of a gradient of ``ours`` from the same parameter's of ``hf``."""
+    loss.backward()
+    ref.backward()
+    hf_params = dict(hf.named_parameters())
+    grad = max(
+        ((p.grad.cpu() - hf_params[n].grad).abs().max() / hf_params[n].grad.abs().max()).item()
+        for n, p in ours.named_parameters()
+    )
+    return {"loss": abs(loss.item() - ref.item()) / abs(ref.item()), "grad": grad}
+
+
 def qwen3_5_packed_on(device: str = "cuda") -> dict:
     """Loss and gradients of a packed row through a tiny Qwen3.5 hybrid on ``device`` against transformers on the
     CPU (each sample alone): the relative loss difference and the largest relative gradient difference."""
@@ -466,14 +479,7 @@ def qwen3_5_packed_on(device: str = "cuda") -> dict:
     ours.to(device)
     loss = packed_loss(ours, lengths, [s.to(device) for s in samples], [t.to(device) for t in targets])
     ref = sum(F.cross_entropy(hf(s).logits[0], t, reduction="sum") for s, t in zip(samples, targets, strict=True))
-    loss.backward()
-    ref.backward()
-    hf_params = dict(hf.named_parameters())
-    grad = max(
-        ((p.grad.cpu() - hf_params[n].grad).abs().max() / hf_params[n].grad.abs().max()).item()
-        for n, p in ours.named_parameters()
-    )
-    return {"loss": abs(loss.item() - ref.item()) / abs(ref.item()), "grad": grad}
+    return _gaps(ours, hf, loss, ref)
 
 
 def deepseek_v3_on(device: str = "cuda") -> dict:
@@ -490,14 +496,7 @@ def deepseek_v3_on(device: str = "cuda") -> dict:
     target = labels[:, 1:].flatten()
     loss = F.cross_entropy(ours(tokens.to(device))[:, :-1].flatten(0, 1), target.to(device), ignore_index=-100)
     ref = F.cross_entropy(hf(tokens).logits[:, :-1].flatten(0, 1), target, ignore_index=-100)
-    loss.backward()
-    ref.backward()
-    hf_params = dict(hf.named_parameters())
-    grad = max(
-        ((p.grad.cpu() - hf_params[n].grad).abs().max() / hf_params[n].grad.abs().max()).item()
-        for n, p in ours.named_parameters()
-    )
-    return {"loss": abs(loss.item() - ref.item()) / abs(ref.item()), "grad": grad}
+    return _gaps(ours, hf, loss, ref)
 
 
 def block_fp8_load(kind: str, fp8_dir: str, expected: dict) -> dict:
