@@ -87,11 +87,6 @@ def _check_base(cfg: dict[str, Any]) -> list[str]:
             f"optimizer.name: {name} does not run with expert_parallel > 1 yet (torchao's compiled step does not "
             "take the experts' two-mesh placements); set optimizer.name=adamw or expert_parallel=1"
         )
-    if _int_over_1(cfg, "context_parallel") and _int_over_1(cfg, "expert_parallel"):
-        problems.append(
-            "context_parallel > 1 and expert_parallel > 1 do not combine yet (the experts' all-to-alls are not "
-            "checked with split rows); set one of them to 1"
-        )
     for key in ("model", "teacher_model"):
         preset = cfg.get(key)
         if isinstance(preset, str):
@@ -282,7 +277,7 @@ CONTEXT_PARALLEL = {
         gt=0,
         help="split every row over groups of N ranks (each a head and a tail chunk), attention exact by gathering "
         "keys and values; must divide the world size (full and LoRA fine-tuning, DPO, distillation, early exit; a "
-        "mixture-of-experts load-balancing loss over the whole rows; not with expert_parallel > 1)",
+        "mixture-of-experts load-balancing loss over the whole rows; combines with expert_parallel)",
     )
 }
 

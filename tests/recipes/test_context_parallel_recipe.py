@@ -5,7 +5,8 @@ one rank training on the same global batch without the split (2e-6 relative), as
 bitwise, and at cp 1 (and one written at cp 1 at cp 2) within the 2e-6 that separates the two degrees in
 every step; ``shardtune generate`` on the cp-trained checkpoint completes as transformers' greedy
 ``generate`` does. dp 2 x cp 2 on 4 ranks logs dp 4's steps; the tiny MoE model at cp 2 logs one rank's
-loss and aux loss. The recipes that do not split rows refuse the key by name. The runs a test compares
+loss and aux loss, and at expert_parallel 2 x cp 2 on 4 ranks 2 ranks' at expert_parallel 2, its checkpoint
+resuming at neither. The recipes that do not split rows refuse the key by name. The runs a test compares
 run in-process (``recipe_pool``); every resume is a ``shardtune run`` job of its own."""
 
 from __future__ import annotations
@@ -213,12 +214,33 @@ def test_early_exit_at_cp2_logs_the_losses_and_norms_of_one_rank(tiny_dirs, tmp_
         _close(a, b, 1e-5)
 
 
-def test_expert_parallel_with_context_parallel_is_refused_at_config_read():
-    """Every rank reads the config, so every rank refuses the combination by name before anything starts."""
-    from shardtune.config import ConfigError, load_config
-    from shardtune.recipes.registry import get_recipe
+def test_expert_parallel_with_context_parallel_logs_the_steps_of_two_ranks_and_resumes_at_neither(
+    tmp_path, recipe_pool
+):
+    """``tiny/moe_full`` on 4 ranks at expert_parallel 2 x context_parallel 2 (two groups, each splitting its
+    packed rows while its tokens travel to their experts' ranks) logs the loss (the whole rows' aux loss in it),
+    aux loss, expert counts and gradient norm of 2 ranks at expert_parallel 2 on the same rows (1e-5); its
+    step-2 checkpoint continues step 3 on 2 ranks with neither (ep 1, cp 1) as those 2 ranks did."""
 
-    overrides = ["output_dir=/tmp/unused", "context_parallel=2", "expert_parallel=2"]
-    schema = get_recipe("full_finetune_distributed").schema
-    with pytest.raises(ConfigError, match="context_parallel > 1 and expert_parallel > 1 do not combine yet"):
-        load_config("tiny/moe_full", overrides, schema=schema)
+    def rows(out, nproc: int, ep: int, cp: int, *extra: str) -> list[dict]:
+        overrides = [f"output_dir={out}", f"checkpoint_dir={tmp_path / 'base'}", "epochs=1", "max_steps_per_epoch=3"]
+        (recipe_pool.run if not extra else run_recipe)(
+            "full_finetune_distributed", "tiny/moe_full", *overrides, "packed=true", "batch_size=2",
+            "log_every_n_steps=1", "save_every_n_steps=2", f"expert_parallel={ep}", f"context_parallel={cp}", *extra,
+            nproc=nproc,
+        )  # fmt: skip
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    two, split = rows(tmp_path / "ep2", 2, 2, 1), rows(tmp_path / "ep2cp2", 4, 2, 2)
+    assert [r["step"] for r in split] == [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(split, two, strict=True):
+        assert a["aux_loss"] > 0
+        _close(a, b, 1e-5, keys=("loss", "aux_loss", "grad_norm"))
+        counts = [f"tokens_per_expert_{s}" for s in ("min", "max", "mean")]
+        assert [a[k] for k in counts] == [b[k] for k in counts]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "ep2cp2", resumed)
+    shutil.rmtree(resumed / "epoch_1")
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in split[:2]))
+    third = rows(resumed, 2, 1, 1, "resume_from_checkpoint=true")[-1]
+    _close(third, two[2], 1e-5, keys=("loss", "aux_loss", "grad_norm"))
