@@ -10,6 +10,8 @@ cannot be split exactly is refused on every rank by name."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -400,57 +402,74 @@ def test_cp2_early_exit_loss_and_grads_equal_one_process(pool2):
 MOE_PAD = 4  # the second row's last sample ends in this many padding tokens (attention_mask 0, no labels)
 
 
-def _moe_batch() -> dict[str, torch.Tensor]:
+def _moe_batch(seed: int = 0) -> dict[str, torch.Tensor]:
     """The packed rows of :func:`_batch` as the loader gives them, the second row's pad tail masked."""
-    tokens, labels, positions = _batch(0)
+    tokens, labels, positions = _batch(seed)
     mask = torch.ones_like(tokens)
     mask[1, -MOE_PAD:] = 0
     labels[1, -MOE_PAD:] = -100
     return {"tokens": tokens, "labels": labels, "position_ids": positions, "attention_mask": mask}
 
 
-def _moe_reference(name: str) -> tuple[float, float, dict[str, torch.Tensor]]:
-    """One unsplit process: the token-mean cross-entropy plus ``coef`` times transformers' load-balancing loss
-    of the batch's real tokens, that aux loss and every gradient (full logits)."""
+def _moe_reference(
+    name: str, seeds: tuple[int, ...] = (0,), hf: Callable | None = None, coef: float | None = None
+) -> tuple[float, list[float], dict[str, torch.Tensor]]:
+    """One unsplit process over the batches of ``seeds``: their token-weighted mean of each batch's
+    cross-entropy plus ``coef`` (None: the config's) times transformers' load-balancing loss of its real tokens
+    (the loop's global mean), each batch's aux loss, and every gradient of that mean (full logits)."""
     from shardtune.models.moe_aux import Routing
     from tests.unit.test_models_moe import hf_moe_model, ours_from
 
-    hf = hf_moe_model(name)
-    model = ours_from(hf).train()
-    batch = _moe_batch()
-    routing = Routing(mask=batch["attention_mask"])
-    logits = model(batch["tokens"], position_ids=batch["position_ids"], routing=routing)
-    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
-    loss = routing.add_to(ce, hf.config.router_aux_loss_coef)
+    reference = hf_moe_model(name) if hf is None else hf()
+    model = ours_from(reference).train()
+    coef = reference.config.router_aux_loss_coef if coef is None else coef
+    total, count, auxes = torch.zeros(()), 0, []
+    for seed in seeds:
+        batch = _moe_batch(seed)
+        routing = Routing(mask=batch["attention_mask"])
+        logits = model(batch["tokens"], position_ids=batch["position_ids"], routing=routing)
+        ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
+        n = int((batch["labels"][:, 1:] != -100).sum())
+        total, count = total + routing.add_to(ce, coef) * n, count + n
+        auxes.append(routing.aux_loss().item())
+    loss = total / count
     loss.backward()
-    return loss.item(), routing.aux_loss().item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.item(), auxes, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _moe_cp_step(name: str) -> dict:
-    """The full recipes' split loss (:func:`next_token_loss` with ``group``, aux loss in it) on 2 ranks under FSDP2,
-    weighed and scaled as the training loop does: the global loss, aux loss and rank 0's full gradients."""
+def _moe_cp_step(name: str, cp: int = 2, ep: int = 1, *, hf: Callable | None = None, coef: float | None = None) -> dict:
+    """The full recipes' split loss (:func:`next_token_loss` with ``group``, aux loss in it, weighted by ``coef``:
+    None for the config's) on ``cp``-rank groups under FSDP2 (each group its own batch, seed = its index), the
+    experts over ``ep`` ranks, weighed and scaled as the training loop does: the global loss, this rank's
+    group's aux loss, rank 0's full gradients and the collectives counted. ``hf`` makes the transformers model
+    (default: ``hf_moe_model(name)``)."""
     from shardtune.losses.next_token import next_token_loss
     from tests.unit.test_models_moe import hf_moe_model, ours_from
 
-    model = ours_from(hf_moe_model(name)).train()
-    shard_model(model, mesh=make_mesh())
+    model = ours_from(hf_moe_model(name) if hf is None else hf()).train()
+    shard_model(model, mesh=make_mesh(expert_parallel=ep))
+    group = context_group(cp, device="cpu")
     loss_fn = next_token_loss(
-        model, group=context_group(2, device="cpu"), device=torch.device("cpu"), chunk_tokens=None
+        model, group=group, device=torch.device("cpu"), chunk_tokens=None, router_aux_loss_coef=coef
     )
-    batch = _moe_batch()
+    batch = _moe_batch(dist.get_rank() // cp)
     with nccl_rules() as rules:
         rules.host(batch)
         loss, n_tokens, metrics = loss_fn(batch)
         (loss * n_tokens).backward()
-        totals = torch.stack([loss.detach() * n_tokens, torch.tensor(float(n_tokens)), metrics["aux_loss"]])
+        totals = torch.stack([loss.detach() * n_tokens, torch.tensor(float(n_tokens))])
         dist.all_reduce(totals)
+        group_totals = torch.stack([metrics["aux_loss"], torch.tensor(float(n_tokens))])  # the aux metric per token
+        dist.all_reduce(group_totals, group=group)
     scale = dist.get_world_size() / totals[1].item()  # the loop's: FSDP2 averaged over ranks, the loss per token
     grads = {n: p.grad.full_tensor() * scale for n, p in model.named_parameters()}  # full_tensor: collective
     return {
         "loss": (totals[0] / totals[1]).item(),
-        "aux": (totals[2] / totals[1]).item(),
+        "aux": (group_totals[0] / group_totals[1]).item(),
         "grads": grads if dist.get_rank() == 0 else None,
         "reduces": rules.counts["all_reduce"],
+        "all_to_alls": rules.counts["all_to_all_single"] + rules.counts["funcol.all_to_all_single"],
+        "gathers": rules.counts["funcol.all_gather_into_tensor"],
     }
 
 
@@ -460,7 +479,7 @@ def test_cp2_moe_loss_aux_loss_and_grads_equal_one_process(pool2, name):
     loss with the load-balancing loss in it, the aux loss and every gradient (routers and experts included) at
     cp 2 equal one unsplit process (1e-5). The aux loss counts the rows' real tokens over both ranks: the
     split's padding (61 tokens -> 64) and the batch's pad tail are left out of it."""
-    loss, aux, grads = _moe_reference(name)
+    loss, (aux,), grads = _moe_reference(name)
     results = pool2.run_ok(_moe_cp_step, name, timeout=240)
     first = results[0]
     assert {(r["loss"], r["aux"]) for r in results} == {(first["loss"], first["aux"])}
