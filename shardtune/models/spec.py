@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GROUPED_ROUTER",
+    "GROUPED_SPARSE",
     "AttentionSpec",
     "Blocks",
     "ExpertNames",
@@ -154,6 +155,13 @@ class Blocks:
 
 # the router kind of group-limited sigmoid routing (DeepSeek-V3, GLM-4.5): the one that reads MoeArgs.n_group etc.
 GROUPED_ROUTER = "sigmoid_group_topk"
+# DeepSeek-V3's sparse layers (GLM-4.5's too): transformers registers the experts, then the router (gate), then
+# shared_experts (ungated)
+GROUPED_SPARSE = SparseSpec(
+    router=GROUPED_ROUTER,
+    file_names=ExpertNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj"),
+    shared=SharedExpertSpec(name="shared_experts", gate_name=None),
+)
 
 # ModelArgs fields that only some families' config.json can say, with the value meaning "not used"
 OPTIONAL_FIELDS: dict[str, Any] = {

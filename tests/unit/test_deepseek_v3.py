@@ -55,12 +55,15 @@ def config(**changes) -> transformers.PretrainedConfig:
     return transformers.AutoConfig.for_model("deepseek_v3", **{**COMMON, **DEEPSEEK_V3, **changes})
 
 
-def hf_model(seed: int = 0, **changes) -> transformers.PreTrainedModel:
-    """A random ``DeepseekV3ForCausalLM``: every parameter and the selection bias random (it changes which
-    experts are chosen), norms around 1."""
+def random_grouped_moe(
+    hf_config: transformers.PretrainedConfig, seed: int, *, bias_std: float
+) -> transformers.PreTrainedModel:
+    """A transformers model of a group-routed family (DeepSeek-V3, GLM-4.5) with every parameter random, norms
+    around 1, and a random selection bias (transformers' init leaves it zero; it changes which experts are
+    chosen)."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
-        config(**changes), attn_implementation="eager", experts_implementation="eager"
+        hf_config, attn_implementation="eager", experts_implementation="eager"
     )
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -68,8 +71,13 @@ def hf_model(seed: int = 0, **changes) -> transformers.PreTrainedModel:
             p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if "gate.weight" in n else 0.1) + ("norm" in n))
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
-    return model.eval()
+                b.copy_(torch.randn(b.shape, generator=gen) * bias_std)
+    return model
+
+
+def hf_model(seed: int = 0, **changes) -> transformers.PreTrainedModel:
+    """A random ``DeepseekV3ForCausalLM`` (:func:`random_grouped_moe`)."""
+    return random_grouped_moe(config(**changes), seed, bias_std=0.1).eval()
 
 
 def ours_from(hf) -> torch.nn.Module:

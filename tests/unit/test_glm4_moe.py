@@ -55,19 +55,10 @@ def glm_config(**changes) -> transformers.PretrainedConfig:
 
 
 def hf_glm(seed: int = 0, **changes) -> transformers.PreTrainedModel:
-    """A random tiny ``Glm4MoeForCausalLM`` with a random correction bias (transformers' init leaves it zero)."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        glm_config(**changes), attn_implementation="eager", experts_implementation="eager"
-    )
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if "gate.weight" in n else 0.1) + ("norm" in n))
-        for n, b in model.named_buffers():
-            if n.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.2)
-    return model
+    """A random tiny ``Glm4MoeForCausalLM`` (:func:`~tests.unit.test_deepseek_v3.random_grouped_moe`)."""
+    from tests.unit.test_deepseek_v3 import random_grouped_moe
+
+    return random_grouped_moe(glm_config(**changes), seed, bias_std=0.2)
 
 
 def ours_from(hf) -> LlamaForCausalLM:

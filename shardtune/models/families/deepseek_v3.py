@@ -21,16 +21,7 @@ from typing import Any
 from shardtune.models.args import ModelArgs
 from shardtune.models.families.config_rules import grouped_expert_entries, read_grouped_experts, require
 from shardtune.models.mla_args import MlaArgs
-from shardtune.models.spec import (
-    GROUPED_ROUTER,
-    AttentionSpec,
-    Blocks,
-    ExpertNames,
-    Family,
-    Multimodal,
-    SharedExpertSpec,
-    SparseSpec,
-)
+from shardtune.models.spec import GROUPED_SPARSE, AttentionSpec, Blocks, Family, Multimodal
 
 __all__ = ["DEEPSEEK_V3", "KIMI_K25"]
 
@@ -70,19 +61,12 @@ def _deepseek_v3_write(args: ModelArgs) -> dict[str, Any]:
     }
 
 
-# transformers registers the experts, then the router (gate), then shared_experts (ungated)
-_SPARSE = SparseSpec(
-    router=GROUPED_ROUTER,
-    file_names=ExpertNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj"),
-    shared=SharedExpertSpec(name="shared_experts", gate_name=None),
-)
-
 DEEPSEEK_V3 = Family(
     "deepseek_v3",
     "DeepseekV3ForCausalLM",
     _deepseek_v3_read,
     _deepseek_v3_write,
-    blocks=Blocks(attention=AttentionSpec(kind="mla_attention"), sparse=_SPARSE),
+    blocks=Blocks(attention=AttentionSpec(kind="mla_attention"), sparse=GROUPED_SPARSE),
     config_fields=frozenset({"mla"}),
     lora_aliases={"q_proj": "q_b_proj", "k_proj": "kv_b_proj", "v_proj": "kv_b_proj"},
     carried_layers_key="num_nextn_predict_layers",

@@ -21,7 +21,7 @@ from shardtune.models.families.config_rules import (
     read_partial_rotary,
     require,
 )
-from shardtune.models.spec import GROUPED_ROUTER, Blocks, ExpertNames, Family, SharedExpertSpec, SparseSpec
+from shardtune.models.spec import GROUPED_SPARSE, Blocks, Family
 
 __all__ = ["GLM4_MOE"]
 
@@ -50,19 +50,12 @@ def _glm4_moe_write(args: ModelArgs) -> dict[str, Any]:
     }
 
 
-# transformers registers the experts, then the router (gate), then shared_experts (ungated)
-_SPARSE = SparseSpec(
-    router=GROUPED_ROUTER,
-    file_names=ExpertNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj"),
-    shared=SharedExpertSpec(name="shared_experts", gate_name=None),
-)
-
 GLM4_MOE = Family(
     "glm4_moe",
     "Glm4MoeForCausalLM",
     _glm4_moe_read,
     _glm4_moe_write,
-    blocks=Blocks(sparse=_SPARSE),
+    blocks=Blocks(sparse=GROUPED_SPARSE),
     config_fields=frozenset({"partial_rotary_factor", "qk_norm"}),
     carried_layers_key="num_nextn_predict_layers",
 )
