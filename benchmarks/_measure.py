@@ -185,6 +185,23 @@ def measure_step(
 # --------------------------------------------------------------------------- files
 
 
+def rows_in_budget(
+    measure: Callable[[int], dict[str, Any] | None], *, start: int, stop: int, budget: int
+) -> list[dict[str, Any]]:
+    """Every probe ``measure(seq)`` from ``start`` doubling up to ``stop``, ending after the first whose peak on any
+    rank (``probe["peaks"]``) passes ``budget`` bytes, or at the first that failed (None: not kept)."""
+    probes, seq = [], start
+    while seq <= stop:
+        probe = measure(seq)
+        if probe is None:
+            break
+        probes.append(probe)
+        if max(probe["peaks"]) > budget:
+            break
+        seq *= 2
+    return probes
+
+
 def drop_page_cache(path: str | os.PathLike[str]) -> None:
     """Evict ``path`` from the page cache (``POSIX_FADV_DONTNEED``) for a cold run."""
     fd = os.open(path, os.O_RDONLY)

@@ -27,6 +27,7 @@ import argparse
 import os
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 
 from benchmarks._driver import REPO_ROOT, environment_lines, finish
 from benchmarks._hf_models import saved_once
-from benchmarks._measure import RankFailure, bench_device, measure_step, spawn_ranks
+from benchmarks._measure import RankFailure, bench_device, measure_step, rows_in_budget, spawn_ranks
 from benchmarks._report import fmt_bytes
 from benchmarks._train_step import fsdp2_as_users_write_it
 
@@ -141,16 +142,8 @@ def _measure(a: argparse.Namespace, hf: Path, stack: str, cp: int, seq: int) -> 
 
 def longest(a: argparse.Namespace, hf: Path, stack: str, cp: int) -> list[dict[str, Any]]:
     """Every probe from ``--start-seq`` doubling, up to the first over the budget (or ``--max-seq``)."""
-    probes, seq = [], a.start_seq
-    while seq <= a.max_seq:
-        result = _measure(a, hf, stack, cp, seq)
-        if result is None:
-            break
-        probes.append(result)
-        if max(result["peaks"]) > a.budget_mib * MIB:
-            break
-        seq *= 2
-    return probes
+    measure = partial(_measure, a, hf, stack, cp)
+    return rows_in_budget(measure, start=a.start_seq, stop=a.max_seq, budget=a.budget_mib * MIB)
 
 
 def _row(name: str, probe_: dict[str, Any] | None) -> str:
