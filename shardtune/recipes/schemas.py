@@ -423,7 +423,9 @@ GRPO_SECTION = Schema(
     {
         "rewards": Field(list, item=str, help="reward functions as 'package.module:function' (TRL's signature)"),
         "reward_weights": Field((list, None), None, item=(float, int), help="one weight per reward (null: all 1)"),
-        "num_generations": Field(int, 4, gt=0, help="completions sampled per prompt (a group)"),
+        "num_generations": Field(
+            int, 4, gt=1, help="completions sampled per prompt (a group; at least 2: advantages compare them)"
+        ),
         "max_completion_tokens": Field(int, 64, gt=0, help="a completion stops there or at a stop token (EOS)"),
         "temperature": Field(float, 1.0, gt=0, help="sampling temperature (the log-probs divide logits by it too)"),
         "top_p": Field(float, 1.0, gt=0, le=1, help="nucleus sampling"),

@@ -10,7 +10,10 @@ Completions may be text or chat messages (the last message's ``content`` is read
   of its leading letters that are right (partial credit that never ties a right answer);
 * ``digit_sum``: 1.0 when the answer is the sum of the prompt's digits, else 0;
 * ``answer_format``: 1.0 when the completion is exactly ``<answer>...</answer>`` (spaces around
-  allowed), 0.5 when it holds both tags elsewhere, else 0.
+  allowed), 0.5 when it holds both tags elsewhere, else 0;
+* ``digit_share``: the share of the completion's characters that are digits: a shaped reward that a
+  random model already earns unevenly, so its first groups have a learning signal where the exact
+  rewards above are 0 for every completion (the ``tiny/grpo`` demo's start).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 from shardtune.rl.rewards import completion_text
 
-__all__ = ["answer_format", "digit_sum", "sorted_letters"]
+__all__ = ["answer_format", "digit_share", "digit_sum", "sorted_letters"]
 
 _ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
 _EXACT = re.compile(r"\s*<answer>[^<]*</answer>\s*", re.DOTALL)
@@ -72,3 +75,8 @@ def answer_format(prompts: Sequence[Any], completions: Sequence[Any], **_: Any) 
         text = completion_text(c)
         out.append(1.0 if _EXACT.fullmatch(text) else 0.5 if "<answer>" in text and "</answer>" in text else 0.0)
     return out
+
+
+def digit_share(prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -> list[float]:
+    """The share of each completion's characters that are digits (0 for an empty one)."""
+    return [sum(ch.isdigit() for ch in text) / max(len(text), 1) for text in map(completion_text, completions)]

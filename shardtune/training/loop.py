@@ -61,6 +61,7 @@ from shardtune.training.flops import rank_batch_flops
 from shardtune.training.grad_norm import clip_grad_norm, grad_norm
 from shardtune.training.metrics import MetricLogger, peak_memory_mib
 from shardtune.training.router_balance import balanced_routers, update_router_biases
+from shardtune.training.signal_watch import SignalWatch
 from shardtune.training.signals import StopOnSignal, TrainingStopped
 
 Batch = dict[str, Any]  # a loader batch (CPU tensors) or a micro-batch a PrepareStep made
@@ -156,6 +157,7 @@ def run_training(
         is_rank_zero = not dist.is_initialized() or dist.get_rank() == 0
         guard = FiniteGuard(max_skipped=settings.max_nonfinite_steps)
         routers = balanced_routers(model, settings.router_bias_update_rate)
+        watch = SignalWatch(enabled=is_rank_zero)
         for epoch in range(start_epoch, settings.epochs):
             sampler.set_epoch(epoch)  # a resumed sampler keeps its position in its epoch
             # The checkpointer restored the sampler with its checkpoint: the loader yields the rest of the epoch.
@@ -207,6 +209,7 @@ def run_training(
                         row["val_loss"] = evaluate(model)
                     logger.log(row)
                     guard.check(flag, step=step)
+                    watch.see(row)
                 window = _Window()
                 if checkpointer.poll(stop=stop.requested):  # publishes a background save once every rank wrote it
                     raise TrainingStopped(stop.signum or signal.SIGTERM)

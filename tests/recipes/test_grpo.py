@@ -1,13 +1,15 @@
-"""GRPO end to end on 2 CPU ranks (LoRA, beta > 0) on the digit-sum prompts: the mean reward rises,
+"""GRPO end to end on 2 CPU ranks (LoRA, beta > 0) on the digit-sum prompts: with the ``tiny/grpo`` demo's
+rewards and settings the mean reward rises,
 TRL's metrics are logged, the KL is 0 while the adapters are still zero and positive once they
 trained, and a resume from a mid-run checkpoint logs the uninterrupted run's next steps bit for bit,
 rollouts (rewards, lengths) included.
 
-The reward is shaped (the share of digits in the completion, plus half the ``<answer>`` format
-reward): a random tiny model never writes a right sum, so ``digit_sum`` alone stays 0. Measured
-with these settings (each completion seeded by its prompt) before the threshold was set: the mean
-reward of steps 1-5 is 0.052, of steps 11-15 0.160, rising almost every step (a rise of 0.109; the
-test asks for 0.06). The runs a test compares run in-process (``recipe_pool``); every resume is a
+The demo's reward is shaped (the share of digits in the completion, plus half the ``<answer>`` format
+reward, plus ``digit_sum``): a random tiny model never writes a right sum, so ``digit_sum`` alone stays 0
+and nothing would train. Measured with these settings (each completion seeded by its prompt) before the
+threshold was set: the mean reward of steps 1-5 is 0.052, of steps 11-15 0.160, rising almost every step
+(a rise of 0.109; the test asks for 0.06). The other tests load the same shaped reward from a module of
+the user's, as a run loads any ``module:function``. The runs a test compares run in-process (``recipe_pool``); every resume is a
 ``shardtune run`` job of its own."""
 
 from __future__ import annotations
@@ -48,20 +50,21 @@ def _overrides(dirs, out: Path, *extra: str) -> list[str]:
         "batch_size=4",
         f"save_every_n_steps={STEPS - 2}",
         "keep_last_n=null",
-        "optimizer.lr=0.01",
-        "grpo.rewards=[rewards_for_test:digit_share,shardtune.rl.toy_rewards:answer_format]",
-        "grpo.reward_weights=[1.0,0.5]",
-        "grpo.max_completion_tokens=8",
         "grpo.beta=0.04",
         *extra,
     ]
 
 
-def test_grpo_raises_the_reward_logs_its_metrics_and_resumes_bitwise(tiny_dirs, tmp_path, monkeypatch, recipe_pool):
-    (tmp_path / "rewards_for_test.py").write_text(REWARD_MODULE)
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+# the user's reward module (REWARD_MODULE) in place of the demo's digit_share
+USER_REWARDS = (
+    "grpo.rewards=[rewards_for_test:digit_share,shardtune.rl.toy_rewards:answer_format]",
+    "grpo.reward_weights=[1.0,0.5]",
+)
+
+
+def test_grpo_raises_the_reward_logs_its_metrics_and_resumes_bitwise(tiny_dirs, tmp_path, recipe_pool):
     out = tmp_path / "run"
-    recipe_pool.run("grpo_distributed", "tiny/grpo", *_overrides(tiny_dirs, out), extra_path=tmp_path)
+    recipe_pool.run("grpo_distributed", "tiny/grpo", *_overrides(tiny_dirs, out))
     rows = _rows(out)
     assert sorted(rows) == list(range(1, STEPS + 1))
     for row in rows.values():
@@ -111,7 +114,7 @@ def test_full_weight_grpo_with_two_iterations_a_frozen_reference_and_one_update_
         "optimizer.name=sgd", "optimizer.lr=0.5",
     ]  # fmt: skip
     out = tmp_path / "full"
-    recipe_pool.run("grpo_distributed", "tiny/grpo", *_overrides(tiny_dirs, out), *common, "max_steps_per_epoch=4",
+    recipe_pool.run("grpo_distributed", "tiny/grpo", *_overrides(tiny_dirs, out, *USER_REWARDS), *common, "max_steps_per_epoch=4",
                     "batch_size=2", extra_path=tmp_path)  # fmt: skip
     rows = _rows(out)
     assert sorted(rows) == [1, 2, 3, 4]
@@ -127,7 +130,7 @@ def test_full_weight_grpo_with_two_iterations_a_frozen_reference_and_one_update_
     assert any("mlp" in n for n in changed) and any("self_attn" in n for n in changed), changed  # no adapters
 
     resumed = resume_copy(out, "step_2", tmp_path / "resumed")
-    run_recipe("grpo_distributed", "tiny/grpo", *_overrides(tiny_dirs, resumed), *common, "max_steps_per_epoch=4",
+    run_recipe("grpo_distributed", "tiny/grpo", *_overrides(tiny_dirs, resumed, *USER_REWARDS), *common, "max_steps_per_epoch=4",
                "batch_size=2", "resume_from_checkpoint=true")  # fmt: skip
     again = _rows(resumed)
     assert sorted(again) == [3, 4]
@@ -137,7 +140,7 @@ def test_full_weight_grpo_with_two_iterations_a_frozen_reference_and_one_update_
 
     for nproc, batch_size in ((1, 4), (4, 1)):  # the same 8 prompts a step as 2 ranks x 2 prompts x 2 micro-batches
         other = tmp_path / f"ranks_{nproc}"
-        recipe_pool.run("grpo_distributed", "tiny/grpo", *_overrides(tiny_dirs, other), *common,
+        recipe_pool.run("grpo_distributed", "tiny/grpo", *_overrides(tiny_dirs, other, *USER_REWARDS), *common,
                         "max_steps_per_epoch=2", f"batch_size={batch_size}", nproc=nproc, extra_path=tmp_path)  # fmt: skip
         logged = _rows(other)
         for step in (1, 2):
@@ -158,7 +161,7 @@ def test_mixture_of_experts_grpo_adds_and_logs_the_routers_aux_loss(tiny_dirs, t
     ``router_aux_loss_coef`` (the config's 0.001) times the mean ``aux_loss`` alone, as TRL adds it, and
     only the routers' aux loss gives the step its gradient."""
     out = tmp_path / "moe"
-    overrides = _overrides(tiny_dirs, out, "lora=null", "max_steps_per_epoch=2", "batch_size=2",
+    overrides = _overrides(tiny_dirs, out, *USER_REWARDS, "lora=null", "max_steps_per_epoch=2", "batch_size=2",
                            "gradient_accumulation_steps=2", "save_every_n_steps=null")  # fmt: skip
     overrides[1] = f"checkpoint_dir={tmp_path / 'tiny_moe_base'}"
     recipe_pool.run("grpo_distributed", "tiny/grpo", *overrides, "model=tiny_moe",
@@ -204,3 +207,19 @@ def test_grpo_on_chat_prompts_with_the_math_rewards(tiny_dirs, tmp_path, recipe_
         for key in ("loss", "rewards/chat_shapes/mean", "rewards/math_answer/mean", "rewards/math_format/mean"):
             assert math.isfinite(row[key]), (key, row)
         assert row["gen_tokens_per_second"] > 0
+
+
+def test_a_run_whose_groups_all_earn_the_same_reward_is_warned_once(tiny_dirs, tmp_path):
+    """``digit_sum`` alone: the random tiny policy never writes a right sum, so every group's rewards are 0 alike,
+    every advantage is 0 and nothing trains; after ``WATCH_STEPS`` such steps the run says so, once."""
+    from shardtune.training.signal_watch import WATCH_STEPS
+
+    out = tmp_path / "flat"
+    proc = run_recipe("grpo_distributed", "tiny/grpo", f"output_dir={out}", f"checkpoint_dir={tiny_dirs['base']}",
+                      f"max_steps_per_epoch={WATCH_STEPS}", "batch_size=1", "save_every_n_steps=null",
+                      "grpo.num_generations=2", "grpo.max_completion_tokens=2",
+                      "grpo.rewards=[shardtune.rl.toy_rewards:digit_sum]", "grpo.reward_weights=null")  # fmt: skip
+    assert all(row["frac_reward_zero_std"] == 1.0 for row in _rows(out).values())
+    output = proc.stdout + proc.stderr
+    assert output.count("every GRPO group's rewards were identical") == 1, output[-3000:]
+    assert f"since step 1 ({WATCH_STEPS} steps)" in output

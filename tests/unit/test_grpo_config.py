@@ -39,6 +39,7 @@ def test_what_the_recipe_now_builds_validates():
         (["grpo.num_iterations=3", "max_steps_per_epoch=4"], "set max_steps_per_epoch to a multiple of 3"),
         (["packed=true"], "packed:"),
         (["grpo.loss_type=ppo"], "grpo.loss_type"),
+        (["grpo.num_generations=1"], "grpo.num_generations: must be > 1, got 1"),  # one completion: advantage 0
     ],
 )
 def test_what_is_not_built_is_refused_by_name(overrides, named):
