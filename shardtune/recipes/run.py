@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from shardtune.checkpoint import OutputDirError
 from shardtune.checkpoint.safety import run_dir
+from shardtune.checkpoint.safety.shared_dir import check_shared_output_dir
 from shardtune.config import Config
 from shardtune.models.context_parallel import context_group
 from shardtune.ranks import comm
@@ -76,6 +77,8 @@ def start(cfg: Config) -> Run:
     _check_parallelism(cfg, device=device, world=world)
     dtype = torch.float32 if cfg.mixed_precision else DTYPES[cfg.dtype]  # params, grads, optimizer state
     output_dir, lock = claim_output_dir(cfg, rank=rank)
+    if cfg.shared_filesystem and world > 1:
+        check_shared_output_dir(output_dir, rank=rank)
     cp = getattr(cfg, "context_parallel", 1)  # a key of every recipe but early exit (which refuses > 1)
     context = context_group(cp, device=device.type) if cp > 1 else None
     return Run(
