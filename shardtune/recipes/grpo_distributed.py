@@ -54,7 +54,8 @@ def recipe_main(cfg: Config) -> None:
     run = setup.start(cfg)
     base_dir = setup.base_model_dir(cfg, run)
     g = cfg.grpo
-    rewards = RewardFunctions.from_config(list(g.rewards), None if g.reward_weights is None else list(g.reward_weights))
+    weights = None if g.reward_weights is None else list(g.reward_weights)
+    rewards = RewardFunctions.from_config(list(g.rewards), weights, timeout_s=g.reward_timeout_s)
     config = PolicyLossConfig(
         loss_type=g.loss_type, epsilon=g.epsilon, epsilon_high=g.epsilon_high,
         importance_sampling_level=g.importance_sampling_level, beta=g.beta,

@@ -9,6 +9,7 @@ Extend with ``|``: ``MY_SCHEMA = BASE_SCHEMA | {"my_key": Field(int, default=1, 
 from __future__ import annotations
 
 import difflib
+import re
 from typing import Any
 
 from shardtune.choices import (
@@ -408,6 +409,7 @@ def _check_grpo(cfg: dict[str, Any]) -> list[str]:
         problems.append("packed: grpo_distributed makes its own rows from rollouts; set packed=false")
     if cfg.get("router_bias_update_rate"):
         problems.append("router_bias_update_rate: grpo_distributed keeps the routers' correction bias; set it to 0")
+    problems += _reward_problems(grpo, cfg.get("process_group_timeout_s"))
     iterations = grpo.get("num_iterations", 1)
     for key in ("save_every_n_steps", "max_steps_per_epoch"):
         if isinstance(iterations, int) and iterations > 1 and isinstance(cfg.get(key), int) and cfg[key] % iterations:
@@ -419,10 +421,49 @@ def _check_grpo(cfg: dict[str, Any]) -> list[str]:
     return problems
 
 
+# ``package.module:function`` (the function may be a dotted attribute path): Python names only, so no path
+# (``..``, ``/``) and nothing but a name reaches the import
+_REWARD_SPEC = re.compile(
+    r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
+)
+
+
+def _reward_problems(grpo: dict[str, Any], group_timeout: Any) -> list[str]:
+    """The reward specs' spelling, their weights' count, and a per-call time limit the collectives outlast
+    (checked before any rank starts; importing the modules is left to the ranks)."""
+    specs, weights, problems = grpo.get("rewards"), grpo.get("reward_weights"), []
+    if isinstance(specs, list) and not specs:
+        problems.append("grpo.rewards: empty; name one or more reward functions as 'package.module:function'")
+    for i, spec in enumerate(specs if isinstance(specs, list) else []):
+        if isinstance(spec, str) and not _REWARD_SPEC.fullmatch(spec):
+            problems.append(
+                f"grpo.rewards[{i}]: {spec!r} is not 'package.module:function' (Python names joined by dots, e.g. "
+                "shardtune.rl.math_rewards:math_answer); a file path is not accepted: put its directory on "
+                "PYTHONPATH and name the module"
+            )
+    if isinstance(specs, list) and specs and isinstance(weights, list) and len(weights) != len(specs):
+        problems.append(
+            f"grpo.reward_weights: {len(weights)} weights for {len(specs)} rewards; give one per reward (or null)"
+        )
+    limit = grpo.get("reward_timeout_s")
+    if isinstance(limit, (int, float)) and isinstance(group_timeout, (int, float)) and limit >= group_timeout:
+        problems.append(
+            f"grpo.reward_timeout_s={limit} is not below process_group_timeout_s={group_timeout}: a reward that "
+            "blocks on one rank would end the run as a collective timeout blamed on the others; lower it"
+        )
+    return problems
+
+
 GRPO_SECTION = Schema(
     {
         "rewards": Field(list, item=str, help="reward functions as 'package.module:function' (TRL's signature)"),
         "reward_weights": Field((list, None), None, item=(float, int), help="one weight per reward (null: all 1)"),
+        "reward_timeout_s": Field(
+            float,
+            60.0,
+            gt=0,
+            help="seconds one reward function call may take on a rank before the run stops, naming it",
+        ),
         "num_generations": Field(
             int, 4, gt=1, help="completions sampled per prompt (a group; at least 2: advantages compare them)"
         ),

@@ -10,6 +10,13 @@ number of values, or a value that is not a finite number stops the run with a
 :class:`RewardError` naming the function and the sample (for an exception, the first sample that
 raises on its own). Rewards are ``[completions, functions]`` fp32, as TRL stores them; weights
 default to 1 per function.
+
+A call runs under a contract, so a reward cannot end or stall the run silently: a call that
+takes longer than ``timeout_s`` (``grpo.reward_timeout_s``; a ``SIGALRM`` timer in the main
+thread interrupts it, as it interrupts ``time.sleep``, socket reads and Python loops) and a call
+that exits (``sys.exit``, ``SystemExit``: a library helper can) become a :class:`RewardError` too,
+so the rollout's error contract (:func:`shardtune.rl.rollouts.rollout`) raises it on every rank
+naming the rank where it happened. Only Ctrl-C (``KeyboardInterrupt``) goes through.
 """
 
 from __future__ import annotations
@@ -17,7 +24,10 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+import signal
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +78,40 @@ def load_reward_function(spec: str, *, key: str = "rewards") -> RewardFn:
     return obj
 
 
+class _OutOfTime(Exception):
+    """A reward call ran past its time limit (raised by the ``SIGALRM`` handler inside the call)."""
+
+
+@contextmanager
+def _time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise :class:`_OutOfTime` inside the block after ``seconds`` (None, or off the main thread where
+    signals cannot be handled: no limit); the previous ``SIGALRM`` handler comes back after."""
+    if seconds is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def out_of_time(signum: int, frame: Any) -> None:
+        raise _OutOfTime
+
+    previous = signal.signal(signal.SIGALRM, out_of_time)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _finite(value: Any) -> bool:
+    """Whether ``value`` is a real number with a finite float value (an int beyond float's range is not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
 def _excerpt(text: Any, limit: int = 80) -> str:
     s = repr(text)
     return s if len(s) <= limit else s[: limit - 3] + "..."
@@ -80,10 +124,14 @@ class RewardFunctions:
     names: tuple[str, ...]
     functions: tuple[RewardFn, ...]
     weights: tuple[float, ...]
+    timeout_s: float | None = None  # the longest one call may take (None: no limit)
 
     @classmethod
-    def from_config(cls, specs: Sequence[str], weights: Sequence[float] | None = None) -> RewardFunctions:
-        """Load ``specs`` (``module:function`` each); ``weights`` one per function (None: all 1.0)."""
+    def from_config(
+        cls, specs: Sequence[str], weights: Sequence[float] | None = None, *, timeout_s: float | None = None
+    ) -> RewardFunctions:
+        """Load ``specs`` (``module:function`` each); ``weights`` one per function (None: all 1.0);
+        ``timeout_s``: the time limit of one call."""
         if isinstance(specs, str) or not specs:
             raise ValueError("rewards: give a list of one or more 'module:function' names")
         functions = tuple(load_reward_function(s, key=f"rewards[{i}]") for i, s in enumerate(specs))
@@ -92,9 +140,9 @@ class RewardFunctions:
         if len(weights) != len(specs):
             raise ValueError(f"reward_weights has {len(weights)} values for {len(specs)} rewards; give one per reward")
         for i, w in enumerate(weights):
-            if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w):
+            if not _finite(w):
                 raise ValueError(f"reward_weights[{i}] must be a finite number, got {w!r}")
-        return cls(tuple(specs), functions, tuple(float(w) for w in weights))
+        return cls(tuple(specs), functions, tuple(float(w) for w in weights), timeout_s)
 
     def weight_tensor(self) -> Tensor:
         return torch.tensor(self.weights, dtype=torch.float32)
@@ -157,7 +205,18 @@ class RewardFunctions:
             )
 
         try:
-            values = list(call(range(n)))
+            with _time_limit(self.timeout_s):
+                values = list(call(range(n)))
+        except _OutOfTime:
+            raise RewardError(
+                f"reward function {name!r} did not return within grpo.reward_timeout_s={self.timeout_s} s on a batch "
+                f"of {n} completions (first prompt {_excerpt(prompts[0])}); make it faster or raise the limit"
+            ) from None
+        except SystemExit as exc:
+            raise RewardError(
+                f"reward function {name!r} called sys.exit({exc.code!r}) (raised SystemExit) on a batch of {n} "
+                "completions: a reward must return one number per completion; catch the exit in the function"
+            ) from None
         except Exception as exc:
             raise RewardError(self._raised(name, exc, call, prompts, completions)) from exc
         if len(values) != n:
@@ -165,19 +224,26 @@ class RewardFunctions:
                 f"reward function {name!r} returned {len(values)} values for {n} completions; return one per completion"
             )
         for i, v in enumerate(values):
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+            if not _finite(v):
                 raise RewardError(
                     f"reward function {name!r} returned {v!r} for sample {i} (prompt {_excerpt(prompts[i])}, "
                     f"completion {_excerpt(completions[i])}); return a finite number for every completion"
                 )
         return [float(v) for v in values]
 
-    @staticmethod
-    def _raised(name: str, exc: Exception, call, prompts, completions) -> str:
+    def _raised(self, name: str, exc: Exception, call, prompts, completions) -> str:
+        """The error of a call that raised, with the first sample that raises alone (within one time limit)."""
         head = f"reward function {name!r} raised {type(exc).__name__}: {exc}"
-        for i in range(len(completions)):
-            try:
-                call([i])
-            except Exception:  # noqa: BLE001 - looking for the sample that raises; the first error is reported
-                return f"{head}; sample {i} raises on its own (prompt {_excerpt(prompts[i])}, completion {_excerpt(completions[i])})"
+        try:
+            with _time_limit(self.timeout_s):
+                for i in range(len(completions)):
+                    try:
+                        call([i])
+                    except (Exception, SystemExit):  # noqa: BLE001 - looking for the sample that raises alone
+                        return (
+                            f"{head}; sample {i} raises on its own (prompt {_excerpt(prompts[i])}, "
+                            f"completion {_excerpt(completions[i])})"
+                        )
+        except _OutOfTime:
+            return f"{head}; (the samples one by one did not finish within grpo.reward_timeout_s={self.timeout_s} s)"
         return f"{head}; on the batch of {len(completions)} samples (no single sample raises on its own)"

@@ -40,6 +40,11 @@ def test_what_the_recipe_now_builds_validates():
         (["packed=true"], "packed:"),
         (["grpo.loss_type=ppo"], "grpo.loss_type"),
         (["grpo.num_generations=1"], "grpo.num_generations: must be > 1, got 1"),  # one completion: advantage 0
+        (["grpo.rewards=[]"], "grpo.rewards: empty"),
+        (["grpo.rewards=[../evil:f]"], "grpo.rewards[0]: '../evil:f' is not 'package.module:function'"),
+        (["grpo.rewards=[shardtune.rl.toy_rewards]"], "grpo.rewards[0]: 'shardtune.rl.toy_rewards' is not"),
+        (["grpo.reward_weights=[1.0]"], "grpo.reward_weights: 1 weights for 3 rewards"),
+        (["grpo.reward_timeout_s=600", "process_group_timeout_s=300"], "grpo.reward_timeout_s=600.0 is not below"),
     ],
 )
 def test_what_is_not_built_is_refused_by_name(overrides, named):

@@ -4,7 +4,9 @@ name the function and the sample; the bundled rule rewards against hand-checked 
 from __future__ import annotations
 
 import math
+import signal
 import sys
+import time
 
 import pytest
 import torch
@@ -38,6 +40,19 @@ def gives_nan(prompts, completions, **_):
 
 def gives_text(prompts, completions, **_):
     return ["1" for _ in completions]
+
+
+def exits(prompts, completions, **_):
+    sys.exit(0)
+
+
+def sleeps(prompts, completions, **_):
+    time.sleep(30)
+    return [0.0] * len(completions)
+
+
+def huge(prompts, completions, **_):
+    return [10**400 for _ in completions]
 
 
 class Holder:
@@ -88,12 +103,27 @@ def test_loading_imports_only_the_named_module_and_evaluates_nothing(tmp_path, m
         ("too_short", ["a", "b"], r"'.*:too_short' returned 1 values for 2 completions"),
         ("gives_nan", ["a", "x"], r"'.*:gives_nan' returned nan for sample 1 \(prompt 'p1', completion 'x'\)"),
         ("gives_text", ["a"], r"'.*:gives_text' returned '1' for sample 0"),
+        ("huge", ["a"], r"'.*:huge' returned 1000000000.* for sample 0.*return a finite number"),
+        ("exits", ["a", "b"], r"'.*:exits' called sys.exit\(0\) \(raised SystemExit\) on a batch of 2"),
     ],
 )
 def test_a_failing_reward_names_itself_and_the_sample(name, completions, message):
     funcs = RewardFunctions.from_config([f"{THIS}:echo_length", f"{THIS}:{name}"])
     with pytest.raises(RewardError, match=message):
         funcs.score([f"p{i}" for i in range(len(completions))], completions)
+
+
+def test_a_reward_that_blocks_is_stopped_at_its_time_limit_and_the_alarm_is_left_as_it_was():
+    funcs = RewardFunctions.from_config([f"{THIS}:sleeps"], timeout_s=0.3)
+    before = signal.getsignal(signal.SIGALRM)
+    start = time.monotonic()
+    with pytest.raises(
+        RewardError, match=r"'.*:sleeps' did not return within grpo.reward_timeout_s=0.3 s on a batch of 2"
+    ):
+        funcs.score(["p", "q"], ["a", "b"])
+    assert time.monotonic() - start < 5
+    assert signal.getsignal(signal.SIGALRM) is before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert RewardFunctions.from_config([f"{THIS}:echo_length"], timeout_s=0.3).score(["p"], ["ab"]).tolist() == [[2.0]]
 
 
 def test_toy_rewards_by_hand():
