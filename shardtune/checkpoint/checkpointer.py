@@ -72,7 +72,7 @@ from shardtune.checkpoint.layout import ADAPTER_DIR, DCP_DIR, RNG_DIR, STATE_DIR
 from shardtune.checkpoint.options import CheckpointOptions, CheckpointStates
 from shardtune.checkpoint.resume import choice as resume_choice
 from shardtune.checkpoint.resume import hyperparameters as resume_checks
-from shardtune.checkpoint.safety import atomic
+from shardtune.checkpoint.safety import atomic, diverged
 from shardtune.checkpoint.safety import checksums as crc
 from shardtune.checkpoint.safety.pending import PendingSave, mark_when_written
 from shardtune.checkpoint.storage.staging_memory import StagingMemory
@@ -421,6 +421,13 @@ class Checkpointer:
             self.last_saved = pending.target
         if comm.rank() == 0:
             log.info("saved checkpoint %s", pending.target)
+
+    def set_aside(self, *, ran_on: int | None) -> str:
+        """After a non-finite step: move this run's newest checkpoint to ``diverged/`` when it holds the weights
+        that step ran on (``ran_on``: their step; None: none), and say which checkpoint a resume continues from
+        (:mod:`shardtune.checkpoint.safety.diverged`). Collective: call on all ranks; each returns the same text."""
+        self.wait()
+        return diverged.set_aside(self.options.output_dir, run_id=self.run_id, ran_on=ran_on)
 
     def _begin(self, name: str) -> Path:
         """Agree on a staging directory and this run's id; rank 0 clears leftovers of interrupted

@@ -9,6 +9,7 @@ from them, so renaming one name renames it everywhere. This module imports nothi
       metrics.jsonl                      METRICS_NAME
       .tmp-<name>-<token>/               staging_name(): a checkpoint being written
       epoch_<n>/ | step_<n>/             checkpoint_name(): a published checkpoint
+      diverged/<name>/                   DIVERGED_DIR: a checkpoint whose weights gave a non-finite step
         shardtune_checkpoint.json        MANIFEST: sizes and CRC32C of every file (written last)
         config.json, model*.safetensors[.index.json], tokenizer files     the HF model
         adapter/adapter_model.safetensors, adapter/adapter_config.json    ADAPTER_DIR: PEFT
@@ -26,6 +27,7 @@ import re
 LOCK_NAME = ".lock"
 METRICS_NAME = "metrics.jsonl"
 STAGING_PREFIX = ".tmp-"
+DIVERGED_DIR = "diverged"  # set aside out of a resume's reach (checkpoint/safety/diverged.py)
 _CHECKPOINT_NAME = re.compile(r"^(epoch|step)_(\d+)$")
 _STAGED_NAME = re.compile(r"^\.tmp-((?:epoch|step)_\d+)-[0-9a-f]+$")
 

@@ -42,7 +42,13 @@ _HINT = (
 
 
 class NonFiniteError(ShardtuneError):
-    """A non-finite loss, gradient norm or parameter; the message names the step and what."""
+    """A non-finite loss, gradient norm or parameter; the message names the step and what. ``ran_on``: the
+    step whose weights gave the non-finite loss or gradient norm (None for a parameter: the weights the
+    step ran on were good, its update was not)."""
+
+    def __init__(self, message: str, *, ran_on: int | None = None) -> None:
+        super().__init__(message)
+        self.ran_on = ran_on
 
 
 def describe(code: int) -> tuple[int, str]:
@@ -80,7 +86,8 @@ class FiniteGuard:
         if self.skipped >= self.max_skipped:
             raise NonFiniteError(
                 f"step {step}: the {what} is not finite, and max_nonfinite_steps={self.max_skipped} steps were "
-                f"already skipped; {_HINT}"
+                f"already skipped; {_HINT}",
+                ran_on=step - 1,
             )
         self.skipped += 1
         log.warning(
@@ -98,7 +105,7 @@ class FiniteGuard:
         if value:
             bad_step, what = describe(int(value))
             noticed = f" (noticed at step {step})" if step != bad_step else ""
-            raise NonFiniteError(f"step {bad_step}: the {what} is not finite{noticed}; {_HINT}")
+            raise NonFiniteError(f"step {bad_step}: the {what} is not finite{noticed}; {_HINT}", ran_on=bad_step - 1)
 
     def check_before_save(self, model: torch.nn.Module, *, step: int) -> None:
         """Collective: raise :class:`NonFiniteError` on every rank unless every step so far and the

@@ -56,7 +56,7 @@ from shardtune.models.blocks.routers import SigmoidGroupRouter
 from shardtune.ranks import comm
 from shardtune.ranks.faults import fault_point
 from shardtune.state_dict.layout import local_tensor
-from shardtune.training.finite import FiniteGuard
+from shardtune.training.finite import FiniteGuard, NonFiniteError
 from shardtune.training.flops import rank_batch_flops
 from shardtune.training.grad_norm import clip_grad_norm, grad_norm
 from shardtune.training.metrics import MetricLogger, peak_memory_mib
@@ -148,7 +148,26 @@ def run_training(
     wrote it; SIGTERM/SIGINT while one is pending finish and publish it, then raise
     :class:`~shardtune.training.signals.TrainingStopped`. ``prepare``: the phase run before each
     step's micro-batches (the module docstring's contract).
+
+    A non-finite step stops the run with :class:`~shardtune.training.finite.NonFiniteError`, which also says
+    which checkpoint to resume from, after setting aside the newest checkpoint when the failed step ran on
+    its weights (:mod:`shardtune.checkpoint.safety.diverged`).
     """
+    try:
+        return _train(training, loss_fn=loss_fn, logger=logger, settings=settings, prepare=prepare)
+    except NonFiniteError as exc:
+        raise NonFiniteError(f"{exc}{training.checkpointer.set_aside(ran_on=exc.ran_on)}", ran_on=exc.ran_on) from None
+
+
+def _train(
+    training: Training,
+    *,
+    loss_fn: LossFn,
+    logger: MetricLogger,
+    settings: LoopSettings,
+    prepare: PrepareStep | None = None,
+) -> TrainingProgress:
+    """:func:`run_training` without the divergence note."""
     model, loader, sampler, evaluate = training.model, training.loader, training.sampler, training.evaluate
     optimizer, lr_scheduler, checkpointer = training.optimizer, training.lr_scheduler, training.checkpointer
     progress = checkpointer.progress

@@ -41,7 +41,9 @@ def test_an_error_on_rank_0_alone_is_printed_once_naming_rank_0(tiny_base, tmp_p
 
 def test_a_diverging_run_stops_naming_the_step_and_keeps_its_finite_checkpoints(tiny_base, tmp_path):
     """lr 1e6 diverges within a few steps; with a save after every step and keep_last_n=2 only
-    finite checkpoints are ever published, so the newest finite ones remain."""
+    finite checkpoints are ever published. The step before the bad one saved the weights the bad step
+    ran on: that checkpoint is set aside in ``diverged/`` (out of a resume's reach), and the error names
+    the newest one left, which a finite step ran on and which retention therefore kept."""
     recipe, config = RECIPES["lora"]
     out = tmp_path / "run"
     args = overrides(tiny_base, out, "optimizer.lr=1e6", "keep_last_n=2", "log_every_n_steps=3")
@@ -53,8 +55,10 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_its_finite_checkpoints(
     _assert_one_readable_error(proc.output, found.group(0).removeprefix("shardtune run: rank 0: "))
     assert "shardtune run: the same error on rank 1\n" in proc.output  # raised on every rank
     bad_step = int(found.group(1))
-    kept = sorted(p.name for p in out.iterdir() if p.is_dir() and not p.name.startswith("."))
-    assert bad_step > 1 and kept == [f"step_{s}" for s in range(max(1, bad_step - 2), bad_step)], (bad_step, kept)
+    kept = sorted(p.name for p in out.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != "diverged")
+    assert bad_step > 2 and kept == [f"step_{bad_step - 2}"], (bad_step, kept)
+    assert (out / "diverged" / f"step_{bad_step - 1}" / "shardtune_checkpoint.json").is_file()
+    assert f"resume_from_checkpoint=true continues from step_{bad_step - 2} (step {bad_step - 2})" in proc.output
     verify = subprocess.run(
         [sys.executable, "-m", "shardtune.cli", "verify", str(out)], capture_output=True, text=True, check=False
     )
@@ -65,3 +69,8 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_its_finite_checkpoints(
         for path in files:
             for key, tensor in load_file(path).items():
                 assert torch.isfinite(tensor.float()).all(), (path, key)
+    # as the error says: the plain resume (a sane lr) continues from the checkpoint left, past the bad step
+    resumed = run_cli(recipe, config, overrides(tiny_base, out, "keep_last_n=2", "resume_from_checkpoint=true"))
+    assert resumed.returncode == 0, resumed.tail()
+    assert f"resumed from {out / f'step_{bad_step - 2}'} (step {bad_step - 2}," in resumed.output, resumed.tail()
+    assert (out / "epoch_1" / "shardtune_checkpoint.json").is_file()  # it trained to the end

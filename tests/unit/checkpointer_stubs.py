@@ -23,6 +23,9 @@ class NoCheckpoints:
     def poll(self, *, stop: bool = False) -> bool:
         return stop
 
+    def set_aside(self, *, ran_on: int | None) -> str:
+        return ""
+
 
 class RecordingCheckpointer(NoCheckpoints):
     """Records, at every save, what a Checkpointer would read from its registered objects."""

@@ -38,6 +38,9 @@ class _Saves:
     def poll(self, *, stop: bool = False) -> bool:
         return stop
 
+    def set_aside(self, *, ran_on: int | None) -> str:
+        return ""
+
 
 class _Sampler:
     def set_epoch(self, epoch: int) -> None:

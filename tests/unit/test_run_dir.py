@@ -108,9 +108,10 @@ def test_retention_removes_only_checkpoints_of_the_current_lineage(tmp_path):
     legacy = _checkpoint(out, "step_3", step=3, run_id=None)  # written before run ids existed
     mine = [_checkpoint(out, f"step_{s}", step=s, run_id="mine") for s in (4, 5, 6)]
     removed = atomic.apply_retention(out, 1, run_id="mine")
-    assert sorted(removed) == sorted(mine[:2])
-    assert all(p.is_dir() for p in [*theirs, legacy, mine[2]])
-    assert not any(p.exists() for p in mine[:2])
+    # keep_last_n=1 keeps two: no step has run on the newest yet, the one before it is known good
+    assert removed == [mine[0]]
+    assert all(p.is_dir() for p in [*theirs, legacy, *mine[1:]])
+    assert not mine[0].exists()
 
 
 def _staged(out: Path, name: str, *, ranks: list[int], world: int, state: bool = True) -> Path:

@@ -204,11 +204,15 @@ def remove_stale_staging(output_dir: Path) -> list[Path]:
 
 def apply_retention(output_dir: Path, keep_last_n: int | None, *, run_id: str | None) -> list[Path]:
     """Delete all but the newest ``keep_last_n`` complete checkpoints of the lineage ``run_id``
-    (checkpoints of other runs, or without a run id, are never touched); returns the deleted paths."""
+    (checkpoints of other runs, or without a run id, are never touched); returns the deleted paths.
+
+    At least two stay: no step has run on the newest yet, so it may hold weights that give the next
+    step a non-finite loss (:mod:`shardtune.checkpoint.safety.diverged` then sets it aside); the one
+    before it had a finite step run on it, and a resume needs it."""
     if not keep_last_n or run_id is None:
         return []
     mine = [info for info in complete_checkpoints(output_dir) if info.manifest.get("run_id") == run_id]
-    old = mine[:-keep_last_n]
+    old = mine[: -max(keep_last_n, 2)]
     for info in old:
         shutil.rmtree(info.path, ignore_errors=True)
     return [info.path for info in old]
