@@ -212,7 +212,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from shardtune.checkpoint.formats.dcp_format import convert_dcp_to_hf
 
     try:
-        out = convert_dcp_to_hf(args.checkpoint, args.out_dir, base_dir=args.base_dir)
+        out = convert_dcp_to_hf(args.checkpoint, args.out_dir, base_dir=args.base_dir, overwrite=args.overwrite)
     except (CheckpointError, FileNotFoundError) as exc:  # a damaged, planted or missing checkpoint
         sys.stderr.write(f"shardtune convert: {exc}\n")
         return 1
@@ -393,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument(
         "--base-dir",
         help="the HF base model (LoRA checkpoints, default: the one recorded at save; multimodal ones: their other towers)",
+    )
+    convert.add_argument(
+        "--overwrite", action="store_true", help="write into a non-empty out_dir (never a checkpoint or one inside it)"
     )
     convert.set_defaults(fn=cmd_convert)
     verify = sub.add_parser("verify", help="check a checkpoint's files against its manifest (sizes and checksums)")

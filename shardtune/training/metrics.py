@@ -44,26 +44,40 @@ class MetricLogger:
         if not enabled:
             return
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        path = Path(output_dir) / METRICS_NAME
-        dropped = keep_rows_up_to(path, start_step)
-        if dropped:
-            log.info("%s: dropped %d rows after step %d (this run trains those steps again)", path, dropped, start_step)
-        self._file = open(path, "a")  # noqa: SIM115 - closed in close()
+        self._path, self._start_step = Path(output_dir) / METRICS_NAME, start_step
         for name in loggers:
             self._sinks.append(_optional_sink(name, Path(output_dir)))
 
+    def _open(self) -> TextIO:
+        """The metrics file, opened at the first row: rows past the resumed step are dropped only once this run
+        has a row of its own to write, so a run that fails before its first logged step leaves the file as it was
+        (and one that never steps creates none)."""
+        dropped = keep_rows_up_to(self._path, self._start_step)
+        if dropped:
+            log.info(
+                "%s: dropped %d rows after step %d (this run trains those steps again)",
+                self._path,
+                dropped,
+                self._start_step,
+            )
+        self._file = open(self._path, "a")  # noqa: SIM115 - closed in close()
+        return self._file
+
     def log(self, row: dict[str, Any]) -> None:
-        if not self.enabled or self._file is None:  # an enabled logger holds its file until close()
+        if not self.enabled:
             return
-        self._file.write(json.dumps(_finite_or_null(row), allow_nan=False) + "\n")
-        self._file.flush()
+        file = self._file if self._file is not None else self._open()
+        file.write(json.dumps(_finite_or_null(row), allow_nan=False) + "\n")
+        file.flush()
         shown = " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
         tqdm.write(shown)  # keeps the progress bar intact
         for sink in self._sinks:
             sink.log(row)
 
     def close(self) -> None:
-        """Close the file and flush and finish the sinks (the process may end without atexit hooks)."""
+        """Close the file and flush and finish the sinks (the process may end without atexit hooks); later rows
+        are not written."""
+        self.enabled = False
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -456,3 +456,28 @@ def test_shardtune_convert_refuses_planted_dcp_metadata(tmp_path, capsys):
     assert cli.main(["convert", str(checkpoint), str(tmp_path / "hf")]) == 1
     assert f"{checkpoint / 'dcp' / '.metadata'}: refused to read this DCP metadata" in capsys.readouterr().err
     assert not marker.exists() and not (tmp_path / "hf" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("target", ["itself", "inside_it", "published", "inside_published", "not_empty", "a_file"])
+def test_shardtune_convert_never_writes_into_a_checkpoint_or_over_files(tmp_path, capsys, target):
+    """``convert DCP_CKPT OUT`` with OUT the checkpoint, a folder in it, another published checkpoint (or in one),
+    a non-empty directory or a file: exit 1, one line naming OUT and the fix, and nothing written there (it
+    used to rewrite a published checkpoint's config.json, which verify then called damaged)."""
+    checkpoint = tmp_path / "run" / "step_2"
+    (checkpoint / "dcp").mkdir(parents=True)
+    (checkpoint / "config.json").write_text("{}")
+    published = tmp_path / "run" / "step_1"
+    published.mkdir()
+    (published / "shardtune_checkpoint.json").write_text("{}")
+    (published / "config.json").write_text('{"model_type": "llama"}')
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    (tmp_path / "file").write_text("x")
+    out = {"itself": checkpoint, "inside_it": checkpoint / "hf", "published": published,
+           "inside_published": published / "hf", "not_empty": other, "a_file": tmp_path / "file"}[target]  # fmt: skip
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert cli.main(["convert", str(checkpoint), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"the output {out}" in err, err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before

@@ -108,3 +108,20 @@ def test_a_resume_drops_undecodable_and_overflowing_metrics_rows(tmp_path):
     path.write_bytes(b'{"step": 1}\n\xff\xfe garbage\n{"step": 1e400}\n{"step": 2}\n{"step": 9}\n{"step": 10, "lo')
     assert keep_rows_up_to(path, 5) == 4
     assert path.read_bytes() == b'{"step": 1}\n{"step": 2}\n'
+
+
+def test_rows_are_dropped_only_when_the_resumed_run_logs_its_first_one(tmp_path):
+    """A resume that fails before its first logged step leaves metrics.jsonl as it was (it used to have dropped
+    the rows past the checkpoint already); a run that never logs creates no file."""
+    path = tmp_path / "metrics.jsonl"
+    original = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6))
+    path.write_text(original)
+    MetricLogger(tmp_path, enabled=True, start_step=3).close()
+    assert path.read_text() == original
+    fresh = tmp_path / "fresh"
+    MetricLogger(fresh, enabled=True).close()
+    assert not (fresh / "metrics.jsonl").exists()
+    closed = MetricLogger(tmp_path, enabled=True, start_step=3)
+    closed.close()
+    closed.log({"step": 4, "loss": 2.0})  # after close: nothing written
+    assert path.read_text() == original

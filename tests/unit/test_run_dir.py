@@ -102,6 +102,16 @@ def test_a_fresh_run_in_a_used_output_dir_is_refused_or_placed_as_the_policy_say
     assert sorted(p.name for p in out.iterdir()) == ["run_2"]
 
 
+def test_an_empty_metrics_file_of_a_run_that_never_stepped_is_no_output(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")
+    assert run_dir.other_run_outputs(out) == []
+    assert run_dir.place_run(out, policy="refuse", resuming=False) == out
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert run_dir.other_run_outputs(out) == ["metrics.jsonl"]
+
+
 def test_retention_removes_only_checkpoints_of_the_current_lineage(tmp_path):
     out = tmp_path / "out"
     theirs = [_checkpoint(out, f"step_{s}", step=s, run_id="theirs") for s in (1, 2)]

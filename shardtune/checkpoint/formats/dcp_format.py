@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from shardtune.checkpoint.errors import CheckpointError
 from shardtune.checkpoint.formats.training_state import load_data_only
-from shardtune.checkpoint.layout import CONFIG_FILE, DCP_DIR, DCP_LORA_FILE, DCP_METADATA_FILE
+from shardtune.checkpoint.layout import CONFIG_FILE, DCP_DIR, DCP_LORA_FILE, DCP_METADATA_FILE, MANIFEST
 from shardtune.checkpoint.safety import checksums
 from shardtune.checkpoint.safety.file_names import inside
 from shardtune.peft.lora import lora_config_of
@@ -243,13 +243,18 @@ def write_model_description(model: nn.Module, directory: Path, base_dir: Path | 
 
 
 def convert_dcp_to_hf(
-    checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, *, base_dir: str | os.PathLike | None = None
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    base_dir: str | os.PathLike | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Turn a shardtune checkpoint holding ``dcp/`` into an HF model directory (merged LoRA).
 
     Runs in one process (the full model is held in CPU memory) or, under torchrun, sharded
     over the ranks. LoRA checkpoints need the base model (``base_dir``, default: the one
-    recorded at save time).
+    recorded at save time). ``out_dir`` must be new or empty (``overwrite``: or any directory but a
+    checkpoint), never the checkpoint, a published checkpoint or a folder inside one.
     """
     from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
     from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
@@ -259,6 +264,7 @@ def convert_dcp_to_hf(
     checkpoint_dir = Path(checkpoint_dir)
     if not (checkpoint_dir / DCP_DIR).is_dir():
         raise FileNotFoundError(f"{checkpoint_dir} has no {DCP_DIR}/ folder; it is not a DCP checkpoint of shardtune")
+    _check_out_dir(Path(out_dir), checkpoint_dir, overwrite=overwrite)
     sharded = dist.is_initialized() and dist.get_world_size() > 1
     with torch.device("meta"):
         model = llama_from_hf_config(checkpoint_dir / CONFIG_FILE)
@@ -291,3 +297,28 @@ def convert_dcp_to_hf(
     tokenizer_dir = base if base is not None and (Path(base) / "tokenizer.json").is_file() else checkpoint_dir
     save_hf_checkpoint(model, out_dir, merge_adapters=True, tokenizer_dir=tokenizer_dir, source_dir=base)
     return Path(out_dir)
+
+
+def _check_out_dir(out_dir: Path, checkpoint_dir: Path, *, overwrite: bool) -> None:
+    """Raise :class:`CheckpointError` for an ``out_dir`` a conversion would damage: the checkpoint itself, a
+    folder that is or lies inside a published checkpoint (one with a manifest: a resume or ``verify`` would
+    then find it changed), or a non-empty directory without ``overwrite``."""
+    out, source = out_dir.resolve(), checkpoint_dir.resolve()
+    if out == source or source in out.parents or out in source.parents:
+        raise CheckpointError(
+            f"shardtune convert: the output {out_dir} is the checkpoint {checkpoint_dir}, inside it or holds it; "
+            "write the HF directory somewhere else"
+        )
+    published = next((p for p in (out, *out.parents) if (p / MANIFEST).is_file()), None)
+    if published is not None:
+        raise CheckpointError(
+            f"shardtune convert: the output {out_dir} is inside the published checkpoint {published}; writing there "
+            "would change a checkpoint that resume and verify read: write the HF directory somewhere else"
+        )
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise CheckpointError(
+            f"shardtune convert: the output {out_dir} is a directory that is not empty; give a new or empty one, or "
+            "pass --overwrite to write the HF model files into it"
+        )
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"shardtune convert: the output {out_dir} is a file; give a directory path")

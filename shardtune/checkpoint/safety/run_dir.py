@@ -112,13 +112,16 @@ def _liveness(holder: dict) -> str:
 
 
 def other_run_outputs(output_dir: Path) -> list[str]:
-    """Names in ``output_dir`` that a run wrote: checkpoints, staged saves, metrics."""
+    """Names in ``output_dir`` that a run wrote: checkpoints, staged saves, metrics (an empty metrics file, of a
+    run that never logged a step, is no output)."""
     if not output_dir.is_dir():
         return []
     return sorted(
         p.name
         for p in output_dir.iterdir()
-        if layout.is_checkpoint_name(p.name) or p.name.startswith(layout.STAGING_PREFIX) or p.name == METRICS_NAME
+        if layout.is_checkpoint_name(p.name)
+        or p.name.startswith(layout.STAGING_PREFIX)
+        or (p.name == METRICS_NAME and p.is_file() and p.stat().st_size > 0)
     )
 
 
