@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from shardtune.checkpoint.storage.sinks import resolve_sink
 from shardtune.checkpoint.storage.writer import Sink, WriteItem, plan_files, row_slices, whole_items
 from shardtune.ranks import comm
 from shardtune.state_dict import load_from_full_optimizer_state_dict, quantized
-from shardtune.state_dict.layout import layout_of
+from shardtune.state_dict.layout import layout_of, local_tensor
 from shardtune.state_dict.optim import hyperparameters, param_group_fqns, state_tensors
 
 _SEP = "::"  # FQNs never contain it
@@ -166,6 +167,7 @@ def load_optimizer(
                 for name in tensors.entries
                 if not _valid_name(name.split(_SEP), meta)
             ]
+            problems += _meta_problems(meta, in_dir / OPTIMIZER_META) + _dtype_problems(tensors)
         except (OSError, ValueError, CheckpointError) as exc:  # json errors are ValueErrors
             problems.append(f"{in_dir}: {exc}")
     try:
@@ -175,7 +177,13 @@ def load_optimizer(
         full_sd = (
             _full_state(meta, tensors, opt) if reads and meta is not None and tensors is not None else {}
         )  # {} elsewhere: the core's rank-0 mode
-        return load_from_full_optimizer_state_dict(model, opt, full_sd, device)
+        notes = load_from_full_optimizer_state_dict(model, opt, full_sd, device)
+        comm.raise_on_every_rank(
+            _value_problems(model, opt, in_dir / OPTIMIZER_TENSORS),
+            header=f"Cannot load the optimizer state from {in_dir}:",
+            error=CheckpointError,
+        )
+        return notes
     finally:
         if tensors is not None:
             tensors.close()
@@ -221,3 +229,58 @@ def _restore_tuples(saved_groups: list[dict[str, Any]], live_groups: list[dict[s
                 saved[key] = tuple(value)
             elif isinstance(value, dict) and set(value) == {"tensor", "dtype"}:
                 saved[key] = torch.tensor(value["tensor"], dtype=getattr(torch, value["dtype"]))
+
+
+# Adam's second moments: a mean of squares, so never negative (a negative one makes the step's sqrt NaN)
+_NON_NEGATIVE = ("exp_avg_sq", "max_exp_avg_sq")
+
+
+def _meta_problems(meta: Any, path: Path) -> list[str]:
+    """What in ``optimizer.json`` a load cannot use: its shape, and scalars that are not finite numbers."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("param_groups"), list):
+        return [f"{path}: no 'param_groups' list; the file is not shardtune's optimizer state: resume without it"]
+    if not all(isinstance(g, dict) for g in meta["param_groups"]):
+        return [f"{path}: 'param_groups' holds an entry that is not an object"]
+    scalars = meta.get("scalars", {})
+    if not isinstance(scalars, dict) or not all(isinstance(v, dict) for v in scalars.values()):
+        return [f"{path}: 'scalars' is not an object of objects"]
+    problems = []
+    for fqn, values in scalars.items():
+        for key, item in values.items():
+            value = item.get("tensor", item.get("value")) if isinstance(item, dict) else None
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                problems.append(f"{path}: scalar {fqn}{_SEP}{key} is {item!r}, not a finite number")
+            elif (
+                isinstance(item, dict)
+                and "tensor" in item
+                and not isinstance(getattr(torch, str(item.get("dtype")), None), torch.dtype)
+            ):
+                problems.append(f"{path}: scalar {fqn}{_SEP}{key} has dtype {item.get('dtype')!r}, not a torch dtype")
+    return problems
+
+
+def _dtype_problems(tensors: SafetensorsFile) -> list[str]:
+    """Plain state tensors must be floating point: an integer moment would be cast into the live state silently
+    (quantized states keep their integer codes)."""
+    return [
+        f"{tensors.path}: tensor {name!r} is {entry.dtype}, an optimizer moment must be floating point; the file "
+        "is damaged or not shardtune's: resume without its optimizer state"
+        for name, entry in tensors.entries.items()
+        if len(name.split(_SEP)) == 2 and not entry.dtype.is_floating_point
+    ]
+
+
+def _value_problems(model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> list[str]:
+    """This rank's loaded state that no step could use: non-finite values, negative second moments."""
+    names: dict[torch.Tensor, str] = {p: n for n, p in model.named_parameters()}
+    problems = []
+    for param, state in opt.state.items():
+        for key, value in state.items():
+            local = local_tensor(value) if isinstance(value, torch.Tensor) else None
+            if type(local) is not torch.Tensor or not local.is_floating_point():  # low-bit states: their own codes
+                continue
+            if not torch.isfinite(local).all():
+                problems.append(f"{path}: {names.get(param, '?')}{_SEP}{key} holds NaN or inf")
+            elif key in _NON_NEGATIVE and bool((local < 0).any()):
+                problems.append(f"{path}: {names.get(param, '?')}{_SEP}{key} holds negative values (a mean of squares)")
+    return problems
