@@ -481,3 +481,38 @@ def test_shardtune_convert_never_writes_into_a_checkpoint_or_over_files(tmp_path
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"the output {out}" in err, err
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_files_copied_from_a_model_dir_never_leave_it_nor_gain_permissions(tmp_path, caplog):
+    """A base dir whose ``generation_config.json`` links to a 0600 file elsewhere: that file used to be copied
+    into every checkpoint as a 0644 file (a secret in an uploaded artifact). Now a link out of the directory
+    is left out with a warning; a 0600 file of the directory keeps 0600; an HF cache snapshot's links into
+    its ``blobs/`` are still copied."""
+    import logging
+    import os
+
+    from shardtune.checkpoint.storage.plans import Copied, _copy
+
+    secret = tmp_path / "elsewhere" / "id_rsa"
+    secret.parent.mkdir()
+    secret.write_text("PRIVATE KEY")
+    secret.chmod(0o600)
+    repo = tmp_path / "hub" / "models--org--m"
+    base = repo / "snapshots" / "abc123"
+    base.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "blobs" / "f00d").write_text('{"bos_token": "<s>"}')
+    (base / "tokenizer_config.json").symlink_to("../../blobs/f00d")
+    (base / "generation_config.json").symlink_to(secret)
+    (base / "tokenizer.json").write_text("{}")
+    (base / "tokenizer.json").chmod(0o600)
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    names = ("generation_config.json", "tokenizer_config.json", "tokenizer.json")
+    with caplog.at_level(logging.WARNING, logger="shardtune.checkpoint.storage.plans"):
+        _copy(Copied(str(base), names, "tokenizer_dir"), str(out))
+    assert not (out / "generation_config.json").exists()
+    assert f"{base / 'generation_config.json'} links outside {base}" in caplog.text
+    assert (out / "tokenizer_config.json").read_text() == '{"bos_token": "<s>"}'
+    assert not (out / "tokenizer_config.json").is_symlink()
+    assert oct(os.stat(out / "tokenizer.json").st_mode & 0o777) == oct(0o600)

@@ -12,7 +12,9 @@ whose problems are raised on every rank too.
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,8 @@ from shardtune.checkpoint.storage.writer import FilePlan, Sink, create_files, pl
 from shardtune.ranks import comm
 
 __all__ = ["Copied", "SavePlan", "SmallFile", "prepare", "save"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -128,11 +132,32 @@ def _create(plan: SavePlan) -> list[str]:
 
 
 def _copy(copied: Copied, directory: str) -> None:
+    """Copy each of ``copied``'s files that resolves inside its source directory (or the HF cache's blob store
+    beside a ``snapshots/<revision>`` directory, where every file is a link into it), never with wider
+    permissions than the file's: a link out of the directory (to a secret, a ``0600`` key) is left out with
+    a warning, as checkpoints are shared and uploaded."""
     if not os.path.isdir(copied.source):
         raise FileNotFoundError(f"{copied.option} {copied.source} is not a directory; pass the HF model directory")
+    roots = _copy_roots(copied.source)
     for name in copied.names:
         src = os.path.join(copied.source, name)
         dst = os.path.join(directory, name)
-        if os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(dst):
-            with open(src, "rb") as f:  # small files: checksummed from the bytes copied
-                checksums.write_bytes(dst, f.read(), fsync=True)
+        if not os.path.isfile(src) or os.path.abspath(src) == os.path.abspath(dst):
+            continue
+        real = os.path.realpath(src)
+        if not any(os.path.commonpath([real, root]) == root for root in roots):
+            log.warning("%s links outside %s (to %s): not copied into the checkpoint", src, copied.source, real)
+            continue
+        with open(real, "rb") as f:  # small files: checksummed from the bytes copied
+            checksums.write_bytes(dst, f.read(), fsync=True)
+        mode = stat.S_IMODE(os.stat(real).st_mode) & stat.S_IMODE(os.stat(dst).st_mode)
+        os.chmod(dst, mode)
+
+
+def _copy_roots(source: str) -> list[str]:
+    """Where a copied file may resolve: the source directory, and for an HF cache snapshot its repo's blobs."""
+    real = os.path.realpath(source)
+    roots = [real]
+    if os.path.basename(os.path.dirname(real)) == "snapshots":
+        roots.append(os.path.join(os.path.dirname(os.path.dirname(real)), "blobs"))
+    return roots
