@@ -15,6 +15,8 @@ cache, each rank its own prompts, every rank stepping until all ranks' rows are 
 from __future__ import annotations
 
 import json
+import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,8 @@ from shardtune.models.kv_cache import KVCache
 from shardtune.ranks import comm
 
 __all__ = ["Generator", "generate", "generate_batch", "load_generator", "sample_tokens", "stop_ids"]
+
+log = logging.getLogger(__name__)
 
 
 def sample_tokens(
@@ -80,30 +84,69 @@ def generate(
 
     Collective when ``model`` is sharded: call on all ranks with the same arguments; every rank
     returns the same ids."""
-    _check_options(max_new_tokens, top_p)
+    _check_options(max_new_tokens, top_p, temperature)
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token (e.g. BOS)")
+    max_new_tokens = _within_positions(model, len(prompt_ids), max_new_tokens)
     cache = KVCache()
     generator = torch.Generator().manual_seed(seed)
     was_training = model.training
     model.eval()
     out: list[int] = []
-    tokens = torch.tensor([list(prompt_ids)], device=device)
+    prompt = torch.tensor([list(prompt_ids)], device=device)
+    chunk = _prefill_chunk(len(prompt_ids))
+    for start in range(0, len(prompt_ids), chunk):  # the prompt in chunks: masks of chunk x prompt, never prompt^2
+        logits = model(prompt[:, start : start + chunk], kv_cache=cache, head_loss=_last_logits)[0]
     for _ in range(max_new_tokens):
-        logits = model(tokens, kv_cache=cache, head_loss=_last_logits)[0]
         out.append(_pick(logits, temperature=temperature, top_p=top_p, generator=generator))
-        if out[-1] in stop:
+        if out[-1] in stop or len(out) == max_new_tokens:
             break
-        tokens = torch.tensor([[out[-1]]], device=device)
+        logits = model(torch.tensor([[out[-1]]], device=device), kv_cache=cache, head_loss=_last_logits)[0]
     model.train(was_training)
     return out
 
 
-def _check_options(max_new_tokens: int, top_p: float) -> None:
+# prompt tokens times prompt tokens one prefill chunk may score at once (its mask and each head's scores)
+PREFILL_SCORES = 1 << 24
+
+
+def _prefill_chunk(prompt_tokens: int) -> int:
+    """Tokens per prefill forward: the whole prompt while its ``tokens x tokens`` mask is small, else chunks
+    whose ``chunk x tokens`` stays within :data:`PREFILL_SCORES` (a 100k-token prompt: 167 at a time)."""
+    return max(1, min(prompt_tokens, PREFILL_SCORES // prompt_tokens))
+
+
+def _within_positions(model: nn.Module, prompt_tokens: int, max_new_tokens: int) -> int:
+    """``max_new_tokens``, lowered (with a warning) so prompt and completion stay within the model's positions;
+    a prompt that fills them already is refused naming the limit."""
+    args = getattr(model, "args", None)
+    limit = getattr(args, "max_seq_len", None)
+    if not isinstance(limit, int):
+        return max_new_tokens
+    if prompt_tokens >= limit:
+        raise ValueError(
+            f"the prompt has {prompt_tokens} tokens and the model's max_position_embeddings is {limit}: no position "
+            "is left to generate at; shorten the prompt"
+        )
+    if prompt_tokens + max_new_tokens > limit:
+        log.warning(
+            "max_new_tokens=%d would run past the model's %d positions after a %d-token prompt: at most %d new tokens",
+            max_new_tokens,
+            limit,
+            prompt_tokens,
+            limit - prompt_tokens,
+        )
+        return limit - prompt_tokens
+    return max_new_tokens
+
+
+def _check_options(max_new_tokens: int, top_p: float, temperature: float = 0.0) -> None:
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
 
 
 @torch.no_grad()
@@ -129,7 +172,7 @@ def generate_batch(
     own prompts (another count too, none included); every rank runs the same number of forwards, until
     every rank's rows have stopped or made ``max_new_tokens``, as a sharded (FSDP2, expert-parallel)
     model needs. Each rank returns its own prompts' completions."""
-    _check_options(max_new_tokens, top_p)
+    _check_options(max_new_tokens, top_p, temperature)
     if any(not p for p in prompts):
         raise ValueError("a prompt is empty: give every prompt at least one token (e.g. BOS)")
     if not isinstance(generator, torch.Generator) and len(generator) != len(prompts):
@@ -249,9 +292,25 @@ def load_generator(
     if adapter_dir is not None:
         load_peft_adapter(model, Path(adapter_dir), device=device)
     model.init_buffers(device)
+    _check_finite(model, model_dir=model_dir, adapter_dir=adapter_dir)
     tokenizer = load_tokenizer(None, checkpoint_dir=model_dir)
     template = None
     if tokenizer.chat_templates:
         text, where = default_chat_template(tokenizer.chat_templates, source=tokenizer.source)
         template = JinjaChatTemplate(text, name=where, variables=tokenizer.special_tokens)
     return Generator(model, tokenizer, device, stop_ids(model_dir, tokenizer), template)
+
+
+def _check_finite(model: nn.Module, *, model_dir: Path, adapter_dir: str | Path | None) -> None:
+    """Refuse weights holding NaN or inf, naming the first such parameter and where it came from (a NaN adapter
+    used to print an empty completion and exit 0). Collective when sharded: each rank checks its shards and
+    every rank raises the same error."""
+    from shardtune.state_dict.layout import local_tensor
+
+    bad = next((n for n, p in model.named_parameters() if not torch.isfinite(local_tensor(p.detach())).all()), None)
+    found = [n for n in comm.all_gather_objects(bad) if n is not None]
+    if found:
+        source = adapter_dir if "lora_" in found[0] and adapter_dir is not None else model_dir
+        raise ValueError(
+            f"{found[0]} holds NaN or inf (from {source}): those weights cannot generate; use a finite checkpoint"
+        )

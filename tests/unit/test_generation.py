@@ -148,3 +148,54 @@ def test_batched_sampling_is_seeded_per_generator_and_single_prompt_rows_agree(t
     assert rows[0] == greedy and rows[1] == generate(g.model, ids[:5], max_new_tokens=10, device="cpu")
     with pytest.raises(ValueError, match="a prompt is empty"):
         generate_batch(g.model, [ids, []], generator=torch.Generator(), **options)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3_5_text"])
+def test_a_long_prompt_is_prefilled_in_chunks_and_still_equals_transformers(tmp_path, family, monkeypatch):
+    """A prompt whose ``tokens x tokens`` mask would pass the prefill budget is fed in chunks through the KV
+    cache (a 100k-token prompt used to build a 10 GB mask): the greedy tokens still equal transformers' (a
+    sliding window and the linear-attention state across chunk boundaries)."""
+    from shardtune.inference import generation
+
+    reference = _model_dir(tmp_path, family)
+    g = load_generator(tmp_path)
+    ids = g.prompt_ids(PROMPT * 2, chat=False)
+    monkeypatch.setattr(generation, "PREFILL_SCORES", 7 * len(ids))  # chunks of 7 tokens
+    assert generation._prefill_chunk(len(ids)) == 7 and len(ids) > 3 * 7
+    assert generate(g.model, ids, max_new_tokens=12, device="cpu") == _hf_greedy(reference, ids, 12)
+
+
+def test_generation_stays_within_the_model_positions_and_refuses_bad_options(tmp_path, caplog):
+    """``max_new_tokens`` past ``max_position_embeddings`` (256) stops there with a warning (a billion used
+    to run on until killed); a prompt that fills the positions, a negative or non-finite temperature and a
+    top_p outside (0, 1] are refused naming the value."""
+    _model_dir(tmp_path, "llama")
+    g = load_generator(tmp_path)
+    ids = g.prompt_ids(PROMPT, chat=False)
+    with caplog.at_level("WARNING", logger="shardtune.inference.generation"):
+        out = generate(g.model, ids, max_new_tokens=10**9, device="cpu")
+    assert len(ids) + len(out) == 256 and "at most" in caplog.text
+    with pytest.raises(ValueError, match="the prompt has 300 tokens and the model's max_position_embeddings is 256"):
+        generate(g.model, [3] * 300, max_new_tokens=1, device="cpu")
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="temperature must be >= 0"):
+            generate(g.model, ids, max_new_tokens=1, device="cpu", temperature=bad)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        generate(g.model, ids, max_new_tokens=1, device="cpu", temperature=1.0, top_p=0.0)
+
+
+def test_an_adapter_or_model_holding_nan_is_refused_by_name(tmp_path):
+    """A NaN adapter used to print an empty completion and exit 0."""
+    import peft
+    from safetensors.torch import load_file, save_file
+
+    base = _model_dir(tmp_path / "base", "llama")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False)
+    peft.get_peft_model(base, config).save_pretrained(tmp_path / "adapter")
+    path = tmp_path / "adapter" / "adapter_model.safetensors"
+    tensors = load_file(path)
+    name = sorted(tensors)[0]
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=r"lora_A.*holds NaN or inf \(from .*adapter\)"):
+        load_generator(tmp_path / "base", adapter_dir=tmp_path / "adapter")
