@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardtune.checkpoint.layout import ADAPTER_CONFIG, CONFIG_FILE
+from shardtune.checkpoint.layout import CONFIG_FILE
 from shardtune.data.jinja_templates import JinjaChatTemplate, default_chat_template
 from shardtune.data.tokenizer import HFTokenizer, load_tokenizer
 from shardtune.models import from_hf_config
@@ -270,7 +270,7 @@ def load_generator(
     """Load ``model_dir`` (and a PEFT ``adapter_dir``) for generation; ``sharded``: FSDP2 over the
     process group (collective: call on all ranks)."""
     from shardtune.checkpoint import load_hf_checkpoint, load_peft_adapter
-    from shardtune.checkpoint.formats.peft_format import peft_target_modules
+    from shardtune.checkpoint.formats.peft_format import peft_target_modules, read_adapter_config
     from shardtune.peft import apply_lora
     from shardtune.ranks.sharding import shard_model
 
@@ -278,7 +278,7 @@ def load_generator(
     with torch.device("meta"):
         model = from_hf_config(model_dir, dtype=dtype)
         if adapter_dir is not None:
-            adapter = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())
+            adapter = read_adapter_config(Path(adapter_dir))
             apply_lora(
                 model,
                 rank=adapter["r"],

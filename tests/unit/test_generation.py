@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -199,3 +201,37 @@ def test_an_adapter_or_model_holding_nan_is_refused_by_name(tmp_path):
     save_file(tensors, path)
     with pytest.raises(ValueError, match=r"lora_A.*holds NaN or inf \(from .*adapter\)"):
         load_generator(tmp_path / "base", adapter_dir=tmp_path / "adapter")
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("not_json", "adapter_config.json is not readable JSON"),
+        ("bad_rank", "'r' is 'four', not a positive integer"),
+        ("bad_targets", "'target_modules' is 7, not a list of module names or a pattern"),
+        ("pickle_only", "holds adapter_model.bin, a pickle, which shardtune never loads"),
+    ],
+)
+def test_a_bad_adapter_dir_is_refused_naming_the_file(tmp_path, case, message):
+    """A bad ``adapter_config.json`` raised a raw KeyError/JSONDecodeError; a legacy ``adapter_model.bin`` was
+    reported as "adapters missing from adapter_model.safetensors"."""
+    import json
+
+    import peft
+
+    base = _model_dir(tmp_path / "base", "llama")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])
+    peft.get_peft_model(base, config).save_pretrained(tmp_path / "adapter")
+    adapter = tmp_path / "adapter"
+    settings = json.loads((adapter / "adapter_config.json").read_text())
+    if case == "not_json":
+        (adapter / "adapter_config.json").write_text("{r: 4")
+    elif case in ("bad_rank", "bad_targets"):
+        settings |= {"r": "four"} if case == "bad_rank" else {"target_modules": 7}
+        (adapter / "adapter_config.json").write_text(json.dumps(settings))
+    else:
+        (adapter / "adapter_model.safetensors").rename(adapter / "adapter_model.bin")
+    from shardtune.checkpoint.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        load_generator(tmp_path / "base", adapter_dir=adapter)

@@ -10,13 +10,16 @@ Names follow transformers' modules (the text tower of a multimodal checkpoint:
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from shardtune.checkpoint.errors import CheckpointError
 from shardtune.checkpoint.formats.hf_load import model_args
 from shardtune.checkpoint.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from shardtune.checkpoint.storage.plans import SavePlan, SmallFile, save
@@ -94,10 +97,60 @@ def _peft_targets(targets: list[str], prefixes: tuple[tuple[str, str], ...]) -> 
     return f"{pattern}|lm_head" if "lm_head" in targets else pattern
 
 
+def read_adapter_config(adapter_dir: Path) -> dict[str, Any]:
+    """``adapter_config.json`` of a PEFT adapter directory, checked for what loading it needs (a positive integer
+    ``r``, a finite number ``lora_alpha``, ``target_modules`` a list of names or a pattern, ``target_parameters``
+    a list) and its weights in ``adapter_model.safetensors``; raises :class:`CheckpointError` naming the file,
+    the key and the fix (a legacy pickled ``adapter_model.bin`` is never loaded: loading a pickle can run code)."""
+    adapter_dir = Path(adapter_dir)
+    path = adapter_dir / ADAPTER_CONFIG
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: {adapter_dir} is not a PEFT adapter directory")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not readable JSON ({exc}); save the adapter again with peft") from None
+    problems = []
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} holds a {type(config).__name__}, not a JSON object")
+    rank = config.get("r")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        problems.append(f"'r' is {rank!r}, not a positive integer")
+    alpha = config.get("lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        problems.append(f"'lora_alpha' is {alpha!r}, not a finite number")
+    targets = config.get("target_modules")
+    if (
+        targets is not None
+        and not isinstance(targets, str)
+        and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets))
+    ):
+        problems.append(f"'target_modules' is {targets!r}, not a list of module names or a pattern")
+    parameters = config.get("target_parameters")
+    if parameters is not None and not (isinstance(parameters, list) and all(isinstance(t, str) for t in parameters)):
+        problems.append(f"'target_parameters' is {parameters!r}, not a list of parameter names")
+    if problems:
+        raise CheckpointError(f"{path}: {'; '.join(problems)}; save the adapter again with peft")
+    if not (adapter_dir / ADAPTER_WEIGHTS).is_file():
+        raise CheckpointError(_missing_weights(adapter_dir))
+    return config
+
+
+def _missing_weights(adapter_dir: Path) -> str:
+    """Why an adapter directory without ``adapter_model.safetensors`` cannot load, and the fix."""
+    legacy = adapter_dir / "adapter_model.bin"
+    if legacy.is_file():
+        return (
+            f"{adapter_dir} holds {legacy.name}, a pickle, which shardtune never loads (loading one can run code); "
+            f"write {ADAPTER_WEIGHTS} with peft: PeftModel.from_pretrained(base, dir).save_pretrained(dir)"
+        )
+    return f"{adapter_dir / ADAPTER_WEIGHTS} is missing: {adapter_dir} holds no adapter weights"
+
+
 def peft_target_modules(adapter_dir: Path) -> list[str]:
     """The module names a PEFT adapter directory adapts: its ``adapter_config.json`` list, or, where that is a
     regular expression (a multimodal model's text tower), the names of the modules its weights adapt."""
-    config = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text())
+    config = read_adapter_config(adapter_dir)
     targets = config.get("target_modules") or []
     if not isinstance(targets, str):
         return list(targets)
@@ -148,7 +201,9 @@ def load_peft_adapter(
     """
     path = Path(adapter_dir) / ADAPTER_WEIGHTS
     reads = shared_filesystem or comm.rank() == 0
-    adapters = from_peft_adapter_state_dict(load_file(str(path))) if reads and path.is_file() else {}
+    missing_file = [_missing_weights(Path(adapter_dir))] if reads and not path.is_file() else []
+    comm.raise_on_every_rank(missing_file, header=f"Cannot load the adapter from {adapter_dir}:", error=CheckpointError)
+    adapters = from_peft_adapter_state_dict(load_file(str(path))) if reads else {}
     entries = model_entries(model, file_prefixes=_peft_prefixes(model))
     keys = load_entries(entries, adapters, device, cpu_offload=cpu_offload)
     missing = [k for k in keys.missing_keys if "lora" in k]
