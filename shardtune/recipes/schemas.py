@@ -48,6 +48,8 @@ __all__ = [
     "LORA_SECTION",
 ]
 
+FP32_MAX = 3.4e38  # the largest float32, rounded down
+
 
 def _int_over_1(cfg: dict[str, Any], key: str) -> bool:
     value = cfg.get(key, 1)
@@ -129,8 +131,10 @@ BASE_SCHEMA = Schema(
         "optimizer": Schema(
             {
                 "name": Field(str, "adamw", choices=OPTIMIZERS),
-                "lr": Field(float, ge=0),  # 0: an evaluation or sanity run, weights left unchanged
-                "weight_decay": Field(float, 0.0, ge=0),
+                # 0: an evaluation or sanity run, weights left unchanged; at most fp32's largest value, which the
+                # fused optimizers hold it in (1e39 overflowed there with a raw RuntimeError)
+                "lr": Field(float, ge=0, le=FP32_MAX),
+                "weight_decay": Field(float, 0.0, ge=0, le=FP32_MAX),
                 "decay_norms_and_biases": Field(
                     bool,
                     False,

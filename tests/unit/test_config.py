@@ -250,3 +250,14 @@ def test_old_adapter_weights_only_key_is_read_with_a_warning_naming_the_new_one(
             _write(tmp_path, {**MINIMAL, "save_adapter_weights_only": True, "adapter_weights_only": False}),
             schema=LORA_SCHEMA,
         )
+
+
+@pytest.mark.parametrize("key", ["optimizer.lr", "optimizer.weight_decay"])
+def test_a_learning_rate_beyond_fp32_is_refused_at_config_read(key):
+    """``optimizer.lr=1e39`` (on a resume too) raised "value cannot be converted to type float without overflow"
+    from inside the fused optimizer's step."""
+    from shardtune.recipes.registry import get_recipe
+
+    schema = get_recipe("lora_finetune_distributed").schema
+    with pytest.raises(ConfigError, match=rf"{key}: must be <= 3.4e\+38, got 1e\+39"):
+        load_config("tiny/lora", ["output_dir=/unused", f"{key}=1e39"], schema=schema)
