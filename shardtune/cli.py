@@ -1,9 +1,10 @@
 """The ``shardtune`` command: run recipes under torchrun, list/copy/validate configs, tools::
 
-    shardtune run [--debug] [--nnodes N] [--nproc_per_node M] [torchrun options] RECIPE --config CONFIG [key=value ...]
+    shardtune run [--debug] [--nnodes N] [--nproc_per_node M] [torchrun options] [RECIPE] --config CONFIG [key=value ...]
     shardtune ls
     shardtune cp CONFIG PATH
-    shardtune validate CONFIG [--recipe RECIPE] [key=value ...]
+    shardtune validate CONFIG [--recipe RECIPE] [--nproc_per_node M] [--nnodes N] [--config-only] [key=value ...]
+    shardtune download REPO DIR [--revision REV]
     shardtune convert CHECKPOINT OUT_DIR [--base-dir DIR]
     shardtune verify CHECKPOINT_DIR|OUTPUT_DIR [--latest]
     shardtune make-tiny-base DIR [--preset tiny_moe]
@@ -11,9 +12,12 @@
     shardtune generate MODEL_DIR --prompt TEXT [--max_new_tokens N] [--temperature T] [--top_p P] [--seed S]
                        [--chat] [--adapter DIR]      (also under torchrun: the model is then sharded)
 
-``shardtune run`` validates a registered recipe's config before torchrun starts any rank: every
-problem in one report, exit code 2. A run that fails prints its root cause once, exit code 1
-(:mod:`shardtune.run_errors`; ``--debug`` or ``SHARDTUNE_DEBUG=1`` adds every rank's traceback).
+``shardtune run`` validates a registered recipe's config and what it reads and writes
+(:mod:`shardtune.prelaunch`) before torchrun starts any rank: every problem in one report, exit
+code 2; ``validate`` makes the same checks. A run that fails prints its root cause once, exit
+code 1 (:mod:`shardtune.run_errors`); every other command prints a failure as one message too.
+``--debug`` or ``SHARDTUNE_DEBUG=1`` adds the tracebacks. Overrides (``key=value``) may stand
+anywhere after the command. RECIPE may be left out when the config's first line names it.
 
 Rule: this module, and all that ``ls``, ``cp``, ``validate``, ``--help`` and ``run``'s config check
 need, import no torch (:mod:`shardtune.recipes.registry` names recipes by module), so they answer in
@@ -30,9 +34,17 @@ import tempfile
 from pathlib import Path
 
 from shardtune import run_errors
-from shardtune.config import ConfigError, load_config, resolve_config_path
+from shardtune.config import Config, ConfigError, load_config, resolve_config_path
 from shardtune.model_presets import TINY_PRESETS
-from shardtune.recipes.registry import RECIPES, UnknownRecipe, get_recipe, load_recipe_config, recipe_of_config
+from shardtune.prelaunch import prelaunch_problems
+from shardtune.recipes.registry import (
+    RECIPES,
+    UnknownRecipe,
+    copied_header,
+    get_recipe,
+    load_recipe_config,
+    recipe_of_config,
+)
 
 
 def cmd_run(argv: list[str]) -> int:
@@ -57,8 +69,17 @@ def cmd_run(argv: list[str]) -> int:
     if "--debug" in torchrun_args:
         torchrun_args = [a for a in torchrun_args if a != "--debug"]
         os.environ[run_errors.DEBUG_ENV] = "1"  # the ranks inherit it
+    if recipe is None:  # ``--config C`` without RECIPE: the config's first line names it
+        named = recipe_of_config(_config_arg(recipe_args))
+        if named is None:
+            sys.stderr.write(
+                "shardtune run: missing RECIPE, and the config's first line names none; give RECIPE before "
+                f"--config (one of: {', '.join(RECIPES)})\n"
+            )
+            return 2
+        recipe = named.name
     if recipe in RECIPES or not Path(recipe).is_file():
-        problems = _config_problems(recipe, recipe_args)
+        problems = _config_problems(recipe, recipe_args, world_size=_world_size(torchrun_args))
         if problems:
             sys.stderr.write(f"shardtune run: {problems}\n")
             return 2
@@ -112,19 +133,25 @@ def _launch(args: list[str]) -> int:
     return 0
 
 
-def split_run_args(argv: list[str]) -> tuple[list[str], str, list[str]]:
+def split_run_args(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
     """``shardtune run``'s arguments as (torchrun options, RECIPE, the recipe's arguments).
 
     Everything before RECIPE (the first word that is not an option or an option's value) goes to
     torchrun, with ``--nproc_per_node 1`` and ``--standalone`` added when no process count or
-    rendezvous is given; RECIPE and what follows go to the recipe unchanged.
+    rendezvous is given; RECIPE and what follows go to the recipe unchanged. RECIPE is None when
+    ``--config`` comes first: the recipe's arguments start there.
     """
     split = next(
         (i for i, a in enumerate(argv) if not a.startswith("-") and (i == 0 or not _takes_value(argv[i - 1]))), None
     )
-    if split is None:
+    config_at = next((i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")), None)
+    recipe: str | None
+    if config_at is not None and (split is None or config_at < split):
+        torchrun_args, recipe, recipe_args = argv[:config_at], None, argv[config_at:]
+    elif split is None:
         raise SystemExit("shardtune run: missing RECIPE (see shardtune run --help)")
-    torchrun_args, recipe, recipe_args = argv[:split], argv[split], argv[split + 1 :]
+    else:
+        torchrun_args, recipe, recipe_args = argv[:split], argv[split], argv[split + 1 :]
     if not any(a.startswith(("--nproc_per_node", "--nproc-per-node")) for a in torchrun_args):
         torchrun_args = [*torchrun_args, "--nproc_per_node", "1"]
     if not any(a.startswith(("--rdzv", "--nnodes", "--master", "--standalone")) for a in torchrun_args):
@@ -132,16 +159,46 @@ def split_run_args(argv: list[str]) -> tuple[list[str], str, list[str]]:
     return torchrun_args, recipe, recipe_args
 
 
-def _config_problems(recipe: str, recipe_args: list[str]) -> str | None:
-    """The report of everything wrong with the recipe name and its config, or None: the check
-    each rank makes at start (:func:`~shardtune.recipes.registry.load_recipe_config`)."""
+def _option(args: list[str], *names: str) -> str | None:
+    """The value of the last of the torchrun options ``names`` (``--opt V`` or ``--opt=V``), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        name, eq, inline = arg.partition("=")
+        if name in names:
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return value
+
+
+def _world_size(torchrun_args: list[str]) -> int | None:
+    """nproc_per_node x nnodes when both are plain numbers (not ``gpu``/``auto`` or an elastic ``1:4``)."""
+    nproc = _option(torchrun_args, "--nproc_per_node", "--nproc-per-node") or "1"
+    nnodes = _option(torchrun_args, "--nnodes") or "1"
+    return int(nproc) * int(nnodes) if nproc.isdigit() and nnodes.isdigit() else None
+
+
+def _config_arg(recipe_args: list[str]) -> str:
+    return _option(recipe_args, "--config") or ""
+
+
+def _config_problems(recipe: str, recipe_args: list[str], *, world_size: int | None) -> str | None:
+    """The report of everything wrong with the recipe name, its config and what the config names
+    (:mod:`shardtune.prelaunch`), or None. The config check is the one each rank makes at start
+    (:func:`~shardtune.recipes.registry.load_recipe_config`)."""
     try:
-        load_recipe_config(recipe, recipe_args)
+        cfg = load_recipe_config(recipe, recipe_args)
     except UnknownRecipe as exc:
         return f"{exc}; or a path to a recipe file"
     except ConfigError as exc:
         return str(exc)
-    return None
+    return _prelaunch_report(cfg, world_size=world_size)
+
+
+def _prelaunch_report(cfg: Config, *, world_size: int | None) -> str | None:
+    problems = prelaunch_problems(cfg, world_size=world_size)
+    if not problems:
+        return None
+    head = "1 problem" if len(problems) == 1 else f"{len(problems)} problems"
+    return f"{head} before launch:\n  " + "\n  ".join(problems)
 
 
 def _takes_value(option: str) -> bool:
@@ -177,7 +234,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
     if dest.exists() and not args.force:
         raise SystemExit(f"shardtune cp: {dest} exists; pass --force to overwrite")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, dest)
+    dest.write_text(copied_header(source.read_text(encoding="utf-8"), str(dest)), encoding="utf-8")
     sys.stdout.write(f"copied {args.config} to {dest}\n")
     return 0
 
@@ -190,19 +247,29 @@ def _recipe_of(args: argparse.Namespace, *, command: str):
         raise SystemExit(f"shardtune {command}: {exc}") from None
     if recipe is None:
         raise SystemExit(
-            f"shardtune {command}: {args.config} is not a bundled config, so its recipe is unknown; "
-            f"pass --recipe one of: {', '.join(RECIPES)}"
+            f"shardtune {command}: {args.config} is not a bundled config and its first line names no recipe "
+            f"(# shardtune run ... RECIPE --config ...), so its recipe is unknown; pass --recipe one of: "
+            f"{', '.join(RECIPES)}"
         )
     return recipe
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    """The config against its recipe's schema (exit 1), then, unless ``--config-only``, what ``run``
+    checks before launch: data, model, tokenizer, output_dir, loggers, mesh (exit 2)."""
     recipe = _recipe_of(args, command="validate")
     try:
-        load_config(args.config, args.overrides, schema=recipe.schema)
+        cfg = load_config(args.config, args.overrides, schema=recipe.schema)
     except ConfigError as exc:
         sys.stderr.write(f"{exc}\n")
         return 1
+    if not args.config_only:
+        given = args.nproc_per_node is not None or args.nnodes is not None
+        world = (args.nproc_per_node or 1) * (args.nnodes or 1) if given else None
+        report = _prelaunch_report(cfg, world_size=world)
+        if report:
+            sys.stderr.write(f"shardtune validate: {args.config}: {report}\n")
+            return 2
     sys.stdout.write(f"{args.config}: valid for {recipe.name}\n")
     return 0
 
@@ -311,6 +378,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from shardtune.ranks.comm import normalize_device
     from shardtune.ranks.process import device_type, end_process, init_distributed
 
+    _check_model_dir(Path(args.model_dir), adapter=args.adapter)
     sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank = init_distributed()[0] if sharded else 0
     device = normalize_device(device_type())
@@ -334,6 +402,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_model_dir(model_dir: Path, *, adapter: str | None) -> None:
+    """Exits naming the fix when ``model_dir`` is no model: an adapter directory (use ``--adapter``), none at all."""
+    import json
+
+    if (model_dir / "config.json").is_file():
+        return
+    adapter_config = model_dir / "adapter_config.json"
+    if adapter_config.is_file():
+        try:
+            base = json.loads(adapter_config.read_text()).get("base_model_name_or_path") or "BASE_DIR"
+        except (OSError, ValueError, AttributeError):
+            base = "BASE_DIR"
+        raise SystemExit(
+            f"shardtune generate: {model_dir} is a LoRA adapter (adapter_config.json, no config.json); give its base "
+            f"model as MODEL_DIR and the adapter with --adapter: shardtune generate {base} --adapter {model_dir} ..."
+        )
+    if not model_dir.is_dir():
+        raise SystemExit(f"shardtune generate: {model_dir} is not a directory; give an HF model directory")
+    raise SystemExit(
+        f"shardtune generate: {model_dir} has no config.json; give an HF model directory (a checkpoint, a merged "
+        "model or a base: shardtune download REPO DIR fetches one)"
+    )
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    from shardtune.download import download_model
+
+    path = download_model(args.repo, args.dir, revision=args.revision)
+    sys.stdout.write(f"downloaded {args.repo} to {path}; train it with checkpoint_dir={path}\n")
+    return 0
+
+
 def cmd_make_tiny_base(args: argparse.Namespace) -> int:
     from shardtune.checkpoint.formats.tiny_base import create_tiny_base
 
@@ -350,8 +450,36 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
         return cmd_run(argv[1:])
+    if "--debug" in argv:
+        argv.remove("--debug")
+        os.environ[run_errors.DEBUG_ENV] = "1"
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    overrides = [a for a in extra if "=" in a and not a.startswith("-")]
+    if len(overrides) < len(extra) or (overrides and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]  # key=value after the options
+    try:
+        return args.fn(args)
+    except ConfigError as exc:
+        if run_errors.debug_enabled():
+            raise
+        sys.stderr.write(f"shardtune {args.command}: {exc}\n")
+        return 2
+    except Exception as exc:  # one message; --debug keeps the traceback
+        if run_errors.debug_enabled():
+            raise
+        text = str(exc) or type(exc).__name__
+        sys.stderr.write(f"shardtune {args.command}: {text} (--debug shows the traceback)\n")
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="shardtune", description="Distributed fine-tuning with FSDP2 and safe checkpoints."
+        prog="shardtune",
+        description="Distributed fine-tuning with FSDP2 and safe checkpoints. "
+        "--debug (or SHARDTUNE_DEBUG=1) shows a failure's traceback.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="run a recipe under torchrun (shardtune run --help)")
@@ -366,6 +494,13 @@ def main(argv: list[str] | None = None) -> int:
     validate.add_argument("overrides", nargs="*")
     validate.add_argument(
         "--recipe", choices=RECIPES, help="the recipe whose schema applies (default: from the config)"
+    )
+    validate.add_argument("--nproc_per_node", type=int, help="check the mesh degrees for this many processes per node")
+    validate.add_argument("--nnodes", type=int, help="check the mesh degrees for this many nodes")
+    validate.add_argument(
+        "--config-only",
+        action="store_true",
+        help="check the config alone, not the data, model, tokenizer, output_dir and loggers it names",
     )
     validate.set_defaults(fn=cmd_validate)
     inspect = sub.add_parser(
@@ -411,8 +546,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the tiny base to write: " + ", ".join(TINY_PRESETS) + " (tiny: dense, the default)",
     )
     tiny.set_defaults(fn=cmd_make_tiny_base)
-    args = parser.parse_args(argv)
-    return args.fn(args)
+    download = sub.add_parser(
+        "download", help="download an HF model (config, safetensors, tokenizer, chat template) into DIR"
+    )
+    download.add_argument("repo", help="the hub repository, e.g. Qwen/Qwen3-8B (a private or gated one: set HF_TOKEN)")
+    download.add_argument("dir", help="where to put it (an interrupted download resumes there)")
+    download.add_argument("--revision", help="a branch, tag or commit (default: main)")
+    download.set_defaults(fn=cmd_download)
+    return parser
 
 
 if __name__ == "__main__":

@@ -9,16 +9,63 @@ module that describes the files as a ``SavePlan`` (``hf_save.py``, ``optimizer_i
 ``stream.py`` hands the same tensors as an HF save to a consumer in memory, bucket by bucket.
 """
 
-from shardtune.checkpoint.checkpointer import Checkpointer
-from shardtune.checkpoint.errors import CheckpointError, FingerprintMismatchError, OutputDirError, SaveError
-from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint, open_hf_checkpoint
-from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
-from shardtune.checkpoint.formats.peft_format import load_peft_adapter, save_peft_adapter
-from shardtune.checkpoint.formats.training_state import TrainingProgress, fingerprint
-from shardtune.checkpoint.options import CheckpointOptions, CheckpointStates
-from shardtune.checkpoint.storage.sinks import DirectSink, Rank0Sink, StagedSink, sink_for
-from shardtune.checkpoint.storage.staging_memory import StagingMemory
-from shardtune.inference.stream import WeightStream, stream_adapter_weights, stream_weights
+from typing import TYPE_CHECKING
+
+from shardtune import lazy_exports
+
+if TYPE_CHECKING:
+    from shardtune.checkpoint.checkpointer import Checkpointer
+    from shardtune.checkpoint.errors import CheckpointError, FingerprintMismatchError, OutputDirError, SaveError
+    from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint, open_hf_checkpoint
+    from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
+    from shardtune.checkpoint.formats.peft_format import load_peft_adapter, save_peft_adapter
+    from shardtune.checkpoint.formats.training_state import TrainingProgress, fingerprint
+    from shardtune.checkpoint.options import CheckpointOptions, CheckpointStates
+    from shardtune.checkpoint.storage.sinks import DirectSink, Rank0Sink, StagedSink, sink_for
+    from shardtune.checkpoint.storage.staging_memory import StagingMemory
+    from shardtune.inference.stream import WeightStream, stream_adapter_weights, stream_weights
+
+_EXPORTS = lazy_exports.table_of(
+    {
+        "shardtune.checkpoint.checkpointer": ("Checkpointer",),
+        "shardtune.checkpoint.errors": (
+            "CheckpointError",
+            "FingerprintMismatchError",
+            "OutputDirError",
+            "SaveError",
+        ),
+        "shardtune.checkpoint.formats.hf_load": (
+            "load_hf_checkpoint",
+            "open_hf_checkpoint",
+        ),
+        "shardtune.checkpoint.formats.hf_save": ("save_hf_checkpoint",),
+        "shardtune.checkpoint.formats.peft_format": (
+            "load_peft_adapter",
+            "save_peft_adapter",
+        ),
+        "shardtune.checkpoint.formats.training_state": (
+            "TrainingProgress",
+            "fingerprint",
+        ),
+        "shardtune.checkpoint.options": (
+            "CheckpointOptions",
+            "CheckpointStates",
+        ),
+        "shardtune.checkpoint.storage.sinks": (
+            "DirectSink",
+            "Rank0Sink",
+            "StagedSink",
+            "sink_for",
+        ),
+        "shardtune.checkpoint.storage.staging_memory": ("StagingMemory",),
+        "shardtune.inference.stream": (
+            "WeightStream",
+            "stream_adapter_weights",
+            "stream_weights",
+        ),
+    }
+)
+__getattr__ = lazy_exports.loader(__name__, _EXPORTS)
 
 __all__ = [
     "CheckpointError",

@@ -4,13 +4,15 @@ datasets (a ``save_to_disk`` directory, or a hub name; see ``hf_datasets``)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 from shardtune.data.hf_datasets import is_dataset_dir, looks_like_hub_name, read_dataset_dir, read_hub_dataset
 from shardtune.json_files import read_json
 
-__all__ = ["ASSETS_DIR", "asset_path", "list_assets", "load_records", "resolve_data_path"]
+__all__ = ["ASSETS_DIR", "asset_path", "first_record", "list_assets", "load_records", "resolve_data_path"]
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 ASSET_PREFIX = "asset:"
@@ -74,6 +76,34 @@ def load_records(path: str | Path, *, split: str | None = None, subset: str | No
     return _checked(records, str(path))
 
 
+def first_record(path: str | Path, *, split: str | None = None, subset: str | None = None) -> dict[str, Any]:
+    """The first record of a local dataset (a file, a ``save_to_disk`` directory or ``asset:<name>``),
+    read as :func:`load_records` reads it, without reading the rest of a JSON Lines or parquet file;
+    raises as :func:`load_records` does, and ValueError for an empty one."""
+    resolved = resolve_data_path(path)
+    suffix = resolved.suffix.lower()
+    if resolved.is_file() and split is None and subset is None and suffix in (".jsonl", ".ndjson", ".parquet"):
+        records = _first_parquet_row(resolved) if suffix == ".parquet" else list(islice(_iter_jsonl(resolved), 1))
+        records = _checked(records, str(resolved))
+    else:
+        records = load_records(path, split=split, subset=subset)
+    if not records:
+        raise ValueError(f"dataset {path} has no records; give a file with at least one")
+    return records[0]
+
+
+def _first_parquet_row(path: Path) -> list[Any]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from e
+    try:
+        batch = next(pq.ParquetFile(path).iter_batches(batch_size=1), None)
+    except Exception as e:  # pyarrow raises its own ArrowInvalid for a file that is not parquet
+        raise ValueError(f"{path} is not a readable parquet file ({e}); check the file or export it again") from None
+    return [] if batch is None else batch.to_pylist()
+
+
 def _checked(records: list[Any], source: str) -> list[dict[str, Any]]:
     bad = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
     if bad is not None:
@@ -85,7 +115,11 @@ _UTF8_FIX = "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE > F
 
 
 def _read_jsonl(path: Path) -> list[Any]:
-    records = []
+    return list(_iter_jsonl(path))
+
+
+def _iter_jsonl(path: Path) -> Iterator[Any]:
+    """The records of a JSON Lines file, one line at a time (blank lines skipped)."""
     with path.open("rb") as f:
         for line_no, raw in enumerate(f, 1):
             try:
@@ -98,10 +132,9 @@ def _read_jsonl(path: Path) -> list[Any]:
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                yield json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{line_no} is not valid JSON ({e.msg}); fix that line") from e
-    return records
 
 
 def _read_json(path: Path) -> list[Any]:

@@ -48,6 +48,7 @@ from shardtune.models import (
 )
 from shardtune.models.context_heads import check_heads
 from shardtune.peft import apply_lora, init_lora_parameters, is_lora
+from shardtune.prelaunch import download_hint
 from shardtune.ranks.mesh import make_mesh
 from shardtune.ranks.sharding import decoder_layers, shard_model
 from shardtune.recipes import _resume
@@ -85,8 +86,7 @@ def base_model_dir(
         return path
     if preset not in TINY_PRESETS:
         raise FileNotFoundError(
-            f"{key}={directory} has no config.json; download the HF model there "
-            f"(e.g. huggingface-cli download <repo> --local-dir {directory})"
+            f"{key}={directory} has no config.json; download the HF model there: {download_hint('<repo>', directory)}"
         )
     if run.is_rank_zero:
         log.info("creating the %s base model in %s", preset, path)

@@ -121,17 +121,42 @@ def get_recipe(name: str) -> Recipe:
     raise UnknownRecipe(f"unknown recipe {name!r}{hint} (registered: {', '.join(RECIPES)})")
 
 
+HEADER = "# shardtune run"  # a config's first line: the command that runs it, naming its recipe
+
+
 def recipe_of_config(config: str | Path) -> Recipe | None:
-    """The recipe a bundled config belongs to (``tiny/lora``, ``tiny/lora.yaml`` or its path); None for any other
-    config file, which needs its recipe named."""
+    """The recipe a config belongs to: a bundled one's (``tiny/lora``, ``tiny/lora.yaml`` or its path), or the
+    one its first line names (``# shardtune run ... RECIPE --config ...``, as ``shardtune cp`` writes it); None
+    for a config that names none, which needs its recipe given."""
     path = Path(config)
     if path.is_file():  # a file given as a path wins over a bundled name, as in ``resolve_config_path``
         try:
             path = path.resolve().relative_to(CONFIGS_DIR.resolve())
         except ValueError:
-            return None
+            return _recipe_in_header(path)
     stem = path.as_posix().removesuffix(".yaml").removesuffix(".yml")
     return next((r for r in RECIPES.values() if stem in r.configs), None)
+
+
+def _recipe_in_header(path: Path) -> Recipe | None:
+    try:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            first = f.readline()
+    except OSError:
+        return None
+    if not first.startswith(HEADER):
+        return None
+    return next((RECIPES[word] for word in first.split() if word in RECIPES), None)
+
+
+def copied_header(text: str, dest: str) -> str:
+    """A config's text with its first line's ``--config NAME`` naming ``dest`` (what ``shardtune cp`` writes)."""
+    first, sep, rest = text.partition("\n")
+    words = first.split(" ")
+    if not first.startswith(HEADER) or "--config" not in words[:-1]:
+        return text
+    words[words.index("--config") + 1] = dest
+    return " ".join(words) + sep + rest
 
 
 def load_recipe_config(name: str, argv: Sequence[str], *, description: str | None = None) -> Config:
@@ -146,5 +171,5 @@ def load_recipe_config(name: str, argv: Sequence[str], *, description: str | Non
     parser = argparse.ArgumentParser(prog=f"shardtune run {name}", description=description)
     parser.add_argument("--config", required=True, help="bundled config name (e.g. tiny/lora) or a YAML path")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optimizer.lr=1e-4")
-    args = parser.parse_args(list(argv))
+    args = parser.parse_intermixed_args(list(argv))  # overrides before, between or after the options
     return load_config(args.config, args.overrides, schema=schema)

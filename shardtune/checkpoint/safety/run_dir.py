@@ -78,6 +78,23 @@ class OutputDirLock:
         self._fd = None
 
 
+def lock_holder(output_dir: Path) -> dict | None:
+    """Who holds ``output_dir``'s lock now (the body it wrote), or None when no run does; creates nothing."""
+    try:
+        fd = os.open(output_dir / LOCK_NAME, os.O_RDONLY)
+    except OSError:  # no lock file: no run has held it
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _read_body(fd) or {}
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def _read_body(fd: int) -> dict | None:
     """The lock's body; None when empty (released cleanly), a placeholder when unreadable."""
     try:
