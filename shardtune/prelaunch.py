@@ -91,7 +91,9 @@ def model_dir_problem(directory: str, *, key: str, preset: str | None) -> str | 
     if not (path / CONFIG_FILE).is_file():
         if not path.exists() and directory.count("/") == 1 and looks_like_hub_name(directory):
             local = f"models/{directory.rsplit('/', 1)[1]}"
-            also = f" (a new directory for the {preset} base: write it as ./{directory})" if preset in TINY_PRESETS else ""
+            also = (
+                f" (a new directory for the {preset} base: write it as ./{directory})" if preset in TINY_PRESETS else ""
+            )
             return (
                 f"{key}={directory} looks like a Hugging Face hub id, not a local directory; download it with "
                 f"{download_hint(directory, local)}, then set {key}={local}{also}"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
@@ -30,8 +29,9 @@ def test_prints_limit_samples_with_aligned_labels_and_text(capsys, tmp_path):
     assert not (tmp_path / "base").exists()  # inspecting data creates no model
 
 
-def test_a_copied_config_needs_its_recipe_named(capsys, tmp_path):
-    config = shutil.copy(resolve_config_path("tiny/lora"), tmp_path / "mine.yaml")
+def test_a_config_naming_no_recipe_needs_its_recipe_named(capsys, tmp_path):
+    config = tmp_path / "mine.yaml"  # without the first line, which names the recipe
+    config.write_text(resolve_config_path("tiny/lora").read_text().split("\n", 1)[1])
     overrides = [f"output_dir={tmp_path / 'out'}", f"checkpoint_dir={tmp_path / 'base'}"]
     with pytest.raises(SystemExit, match="pass --recipe"):
         main(["inspect-data", "--config", str(config), *overrides])

@@ -92,7 +92,10 @@ def _check_results(results: dict, tmp_path: Path) -> None:
         assert problem in invalid["err"]
     assert results["cp"]["code"] == 0
     bundled = ROOT / "shardtune" / "configs" / "tiny" / "lora.yaml"
-    assert (tmp_path / "copy.yaml").read_text() == bundled.read_text()
+    header, body = bundled.read_text().split("\n", 1)  # the copy's first line runs the copy
+    assert (tmp_path / "copy.yaml").read_text() == header.replace(
+        "tiny/lora", str(tmp_path / "copy.yaml")
+    ) + "\n" + body
     assert results["help"]["code"] == 0 and "validate" in results["help"]["out"]
     assert results["run_help"]["code"] == 0 and "full_dpo_distributed" in results["run_help"]["out"]
     assert results["run_check"]["code"] == 2

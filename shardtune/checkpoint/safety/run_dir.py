@@ -34,14 +34,16 @@ log = logging.getLogger(__name__)
 class OutputDirLock:
     """``<output_dir>/.lock`` held with ``flock`` by this process until :meth:`release` (or its end)."""
 
-    def __init__(self, path: Path, fd: int, taken_over: dict | None) -> None:
+    def __init__(self, path: Path, fd: int, taken_over: dict | None, *, created: bool = False) -> None:
         self.path = path
         self._fd: int | None = fd
         self.taken_over = taken_over  # the body a dead holder left, if any
+        self.created = created  # output_dir did not exist before: a run that wrote nothing removes it
 
     @classmethod
     def acquire(cls, output_dir: Path) -> OutputDirLock:
         """Take the lock, or raise :class:`OutputDirError` naming the run holding it."""
+        created = not output_dir.exists()
         output_dir.mkdir(parents=True, exist_ok=True)
         path = output_dir / LOCK_NAME
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -66,12 +68,16 @@ class OutputDirLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, body, 0)
         os.fsync(fd)
-        return cls(path, fd, previous)
+        return cls(path, fd, previous, created=created)
 
     def release(self) -> None:
-        """Empty the body (a clean end leaves nothing to take over) and drop the lock."""
+        """Empty the body (a clean end leaves nothing to take over) and drop the lock. An output_dir
+        this lock created that holds nothing else (a run refused or failed before writing) is removed."""
         if self._fd is None:
             return
+        if self.created and [p.name for p in self.path.parent.iterdir()] == [LOCK_NAME]:
+            self.path.unlink()
+            self.path.parent.rmdir()
         os.ftruncate(self._fd, 0)
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
