@@ -58,10 +58,12 @@ def cmd_run(argv: list[str]) -> int:
     """
     if not argv or argv[0] in ("-h", "--help"):
         sys.stdout.write(
-            "usage: shardtune run [--debug] [torchrun options] RECIPE --config CONFIG [key=value ...]\n\n"
+            "usage: shardtune run [--debug] [torchrun options] [RECIPE] --config CONFIG [key=value ...]\n\n"
             "torchrun options (e.g. --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint host:29400)\n"
             "are passed to torch.distributed.run unchanged. RECIPE is one of:\n  " + "\n  ".join(RECIPES) + "\n"
-            "or a path to a recipe file. CONFIG is a bundled config (shardtune ls) or a YAML path.\n"
+            "or a path to a recipe file; left out, the config's first line names it (as shardtune cp writes it).\n"
+            "CONFIG is a bundled config (shardtune ls) or a YAML path. The config, its data files, model directory,\n"
+            "tokenizer, output_dir, loggers and mesh are checked before any rank starts (exit 2, every problem).\n"
             "A failed run prints its root cause once; --debug (or SHARDTUNE_DEBUG=1) shows every rank's traceback.\n"
         )
         return 0

@@ -2,9 +2,11 @@
 
 Rule: before anything is loaded, rank 0 takes ``<output_dir>/.lock`` (``fcntl.flock``, held
 until the run ends; the kernel releases it when the process dies) and writes into it who holds
-it (host, pid, start time). A second run is refused naming that holder. A lock file whose
-body survived its run (the process died without releasing it) is taken over with a warning
-naming the dead holder. A fresh run (no checkpoint to resume) in an ``output_dir`` holding
+it (host, pid, start time). A second run is refused naming that holder. A run that created
+``output_dir`` and wrote nothing into it removes it when it releases the lock, so a refused run
+leaves nothing behind; :func:`lock_holder` probes the lock without creating anything. A lock
+file whose body survived its run (the process died without releasing it) is taken over with a
+warning naming the dead holder. A fresh run (no checkpoint to resume) in an ``output_dir`` holding
 another run's outputs (checkpoints, staged saves, ``metrics.jsonl``) follows
 ``output_dir_policy``: ``refuse`` (default) raises with the fixes, ``new_run`` writes this run
 in ``<output_dir>/run_<n>`` (the lowest free ``n`` from 2), ``overwrite`` removes the old
