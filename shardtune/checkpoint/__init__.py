@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from shardtune.checkpoint.storage.staging_memory import StagingMemory
     from shardtune.inference.stream import WeightStream, stream_adapter_weights, stream_weights
 
-_EXPORTS = lazy_exports.table_of(
+lazy_exports.install(
+    __name__,
     {
         "shardtune.checkpoint.checkpointer": ("Checkpointer",),
         "shardtune.checkpoint.errors": (
@@ -63,9 +64,8 @@ _EXPORTS = lazy_exports.table_of(
             "stream_adapter_weights",
             "stream_weights",
         ),
-    }
+    },
 )
-__getattr__ = lazy_exports.loader(__name__, _EXPORTS)
 
 __all__ = [
     "CheckpointError",

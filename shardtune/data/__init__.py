@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     )
     from shardtune.data.tokenizer import HFTokenizer, build_byte_tokenizer, load_tokenizer, save_byte_tokenizer
 
-_EXPORTS = lazy_exports.table_of(
+lazy_exports.install(
+    __name__,
     {
         "shardtune.data.collate": ("collate",),
         "shardtune.data.datasets": (
@@ -63,9 +64,8 @@ _EXPORTS = lazy_exports.table_of(
             "load_tokenizer",
             "save_byte_tokenizer",
         ),
-    }
+    },
 )
-__getattr__ = lazy_exports.loader(__name__, _EXPORTS)
 
 __all__ = [
     "CROSS_ENTROPY_IGNORE_IDX",

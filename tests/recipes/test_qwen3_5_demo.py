@@ -126,7 +126,8 @@ def test_a_context_parallel_the_key_heads_cannot_divide_is_refused_by_name(tmp_p
     )  # fmt: skip
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(base)
     cmd = [sys.executable, "-m", "shardtune.cli", "run", "--nproc_per_node", "2", "lora_finetune_distributed"]
-    overrides = [f"output_dir={out}", f"checkpoint_dir={base}", "context_parallel=2"]
+    # save_pretrained writes no tokenizer: the byte one (the check before launch wants a tokenizer)
+    overrides = [f"output_dir={out}", f"checkpoint_dir={base}", "context_parallel=2", "tokenizer=byte"]
     proc = subprocess.run(
         [*cmd, "--config", "tiny/qwen3_5_lora", *overrides], capture_output=True, text=True, timeout=240
     )
