@@ -26,8 +26,9 @@ from shardtune.data.hf_datasets import looks_like_hub_name
 from shardtune.data.sources import ASSET_PREFIX, first_record
 from shardtune.json_files import read_json
 from shardtune.model_presets import TINY_PRESETS
+from shardtune.run_errors import download_hint
 
-__all__ = ["LOGGER_PACKAGES", "download_hint", "model_dir_problem", "prelaunch_problems"]
+__all__ = ["LOGGER_PACKAGES", "model_dir_problem", "prelaunch_problems"]
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -72,11 +73,6 @@ def _data_problems(cfg: Mapping[str, Any]) -> list[str]:
         except (OSError, ValueError, ImportError) as exc:
             problems.append(f"{key}.path: {exc}")
     return problems
-
-
-def download_hint(repo: str, directory: str) -> str:
-    """The commands that download the HF model ``repo`` into ``directory``."""
-    return f"shardtune download {repo} {directory} (or: hf download {repo} --local-dir {directory})"
 
 
 def model_dir_problem(directory: str, *, key: str, preset: str | None) -> str | None:

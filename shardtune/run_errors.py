@@ -179,3 +179,8 @@ def _plural(ranks: list[int]) -> str:
 
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(str(r) for r in ranks)
+
+
+def download_hint(repo: str, directory: str) -> str:
+    """The commands that download the HF model ``repo`` into ``directory`` (for errors about a missing model)."""
+    return f"shardtune download {repo} {directory} (or: hf download {repo} --local-dir {directory})"

@@ -48,12 +48,12 @@ from shardtune.models import (
 )
 from shardtune.models.context_heads import check_heads
 from shardtune.peft import apply_lora, init_lora_parameters, is_lora
-from shardtune.prelaunch import download_hint
 from shardtune.ranks.mesh import make_mesh
 from shardtune.ranks.sharding import decoder_layers, shard_model
 from shardtune.recipes import _resume
 from shardtune.recipes.run import DTYPES, Run
 from shardtune.recipes.run import start as start  # a recipe's first step: setup.start(cfg)
+from shardtune.run_errors import download_hint
 from shardtune.training.activation_offload import offload_layer_activations
 from shardtune.training.evaluate import Evaluator
 from shardtune.training.flops import flops_per_token_fn, peak_tflops
