@@ -7,18 +7,41 @@ module that describes the files as a ``SavePlan`` (``hf_save.py``, ``optimizer_i
 ``peft_format.py``) -> ``plans.py`` (agree, rank 0 creates, raise on every rank) ->
 ``writer.py`` (which rank hands which block) -> a sink of ``sinks.py`` (how bytes reach files).
 ``stream.py`` hands the same tensors as an HF save to a consumer in memory, bucket by bucket.
+
+Rule: importing this package imports no torch. The names below load on first use, so the
+torch-free checks (``layout``, ``safety.integrity``: ``shardtune verify``) stay fast.
 """
 
-from shardtune.checkpoint.checkpointer import Checkpointer
-from shardtune.checkpoint.errors import CheckpointError, FingerprintMismatchError, OutputDirError, SaveError
-from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint, open_hf_checkpoint
-from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
-from shardtune.checkpoint.formats.peft_format import load_peft_adapter, save_peft_adapter
-from shardtune.checkpoint.formats.training_state import TrainingProgress, fingerprint
-from shardtune.checkpoint.options import CheckpointOptions, CheckpointStates
-from shardtune.checkpoint.storage.sinks import DirectSink, Rank0Sink, StagedSink, sink_for
-from shardtune.checkpoint.storage.staging_memory import StagingMemory
-from shardtune.inference.stream import WeightStream, stream_adapter_weights, stream_weights
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names' types, for type checkers
+    from shardtune.checkpoint.checkpointer import Checkpointer
+    from shardtune.checkpoint.errors import CheckpointError, FingerprintMismatchError, OutputDirError, SaveError
+    from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint, open_hf_checkpoint
+    from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
+    from shardtune.checkpoint.formats.peft_format import load_peft_adapter, save_peft_adapter
+    from shardtune.checkpoint.formats.training_state import TrainingProgress, fingerprint
+    from shardtune.checkpoint.options import CheckpointOptions, CheckpointStates
+    from shardtune.checkpoint.storage.sinks import DirectSink, Rank0Sink, StagedSink, sink_for
+    from shardtune.checkpoint.storage.staging_memory import StagingMemory
+    from shardtune.inference.stream import WeightStream, stream_adapter_weights, stream_weights
+
+_MODULES = {  # the module each name is loaded from
+    "shardtune.checkpoint.checkpointer": ("Checkpointer",),
+    "shardtune.checkpoint.errors": ("CheckpointError", "FingerprintMismatchError", "OutputDirError", "SaveError"),
+    "shardtune.checkpoint.formats.hf_load": ("load_hf_checkpoint", "open_hf_checkpoint"),
+    "shardtune.checkpoint.formats.hf_save": ("save_hf_checkpoint",),
+    "shardtune.checkpoint.formats.peft_format": ("load_peft_adapter", "save_peft_adapter"),
+    "shardtune.checkpoint.formats.training_state": ("TrainingProgress", "fingerprint"),
+    "shardtune.checkpoint.options": ("CheckpointOptions", "CheckpointStates"),
+    "shardtune.checkpoint.storage.sinks": ("DirectSink", "Rank0Sink", "StagedSink", "sink_for"),
+    "shardtune.checkpoint.storage.staging_memory": ("StagingMemory",),
+    "shardtune.inference.stream": ("WeightStream", "stream_adapter_weights", "stream_weights"),
+}
+_HOME = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
     "CheckpointError",
@@ -44,3 +67,12 @@ __all__ = [
     "stream_adapter_weights",
     "stream_weights",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
