@@ -6,6 +6,7 @@
     shardtune validate CONFIG [--recipe RECIPE] [key=value ...]
     shardtune convert CHECKPOINT OUT_DIR [--base-dir DIR]
     shardtune verify CHECKPOINT_DIR|OUTPUT_DIR [--latest] [--limit N]
+    shardtune plot OUTPUT_DIR [--out PNG]
     shardtune make-tiny-base DIR [--preset tiny_moe]
     shardtune inspect-data --config CONFIG [--recipe RECIPE] [--limit N] [--decode] [key=value ...]
     shardtune generate MODEL_DIR --prompt TEXT [--max_new_tokens N] [--temperature T] [--top_p P] [--seed S]
@@ -15,7 +16,7 @@
 problem in one report, exit code 2. A run that fails prints its root cause once, exit code 1
 (:mod:`shardtune.run_errors`; ``--debug`` or ``SHARDTUNE_DEBUG=1`` adds every rank's traceback).
 
-Rule: this module, and all that ``ls``, ``cp``, ``validate``, ``verify``, ``--help`` and ``run``'s config check
+Rule: this module, and all that ``ls``, ``cp``, ``validate``, ``verify``, ``plot``, ``--help`` and ``run``'s config check
 need, import no torch (:mod:`shardtune.recipes.registry` names recipes by module), so they answer in
 well under a second; the other commands import what they run inside their function.
 """
@@ -226,6 +227,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return verify.main(Path(args.path), latest=args.latest, limit=args.limit)
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from shardtune import plot
+
+    return plot.main(Path(args.output_dir), out=Path(args.out) if args.out else None)
+
+
 def cmd_inspect_data(args: argparse.Namespace) -> int:
     """One JSON object per sample, exactly as the recipe tokenizes and masks it (unpacked, in dataset order)."""
     import json
@@ -348,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
         help="lines listed per checkpoint: every file when it has no more, else its first problems (default 20)",
     )
     verify.set_defaults(fn=cmd_verify)
+    plot = sub.add_parser("plot", help="a PNG of a run's loss, val_loss, lr and grad_norm (needs shardtune[plot])")
+    plot.add_argument("output_dir", help="a run's output_dir (holds metrics.jsonl)")
+    plot.add_argument("--out", help="the PNG to write (default: <output_dir>/metrics.png)")
+    plot.set_defaults(fn=cmd_plot)
     tiny = sub.add_parser("make-tiny-base", help="create the tiny demo base model (HF layout) in DIR")
     tiny.add_argument("dir")
     tiny.add_argument(
