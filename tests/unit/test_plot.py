@@ -102,3 +102,33 @@ def test_without_matplotlib_the_error_names_the_extra(tmp_path, capsys, monkeypa
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     assert cli.main(["plot", str(tmp_path)]) == 1
     assert capsys.readouterr().err == "shardtune plot: plotting needs matplotlib: pip install shardtune[plot]\n"
+
+
+def test_plot_needs_no_torch(tmp_path):
+    """As ``shardtune verify``: torch (and transformers) unimportable, the PNG is still written."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    pytest.importorskip("matplotlib")
+    _write(tmp_path, [_json(r) for r in ROWS])
+    code = (
+        "import sys\n"
+        "class _Refuse:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'transformers'):\n"
+        "            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, _Refuse())\n"
+        "from shardtune.cli import main\n"
+        "sys.exit(main(['plot', sys.argv[1]]))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "metrics.png").read_bytes()[:4] == b"\x89PNG"
