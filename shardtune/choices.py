@@ -73,3 +73,8 @@ LAYER_DROPOUT_SCHEDULES = ("uniform", "linear", "exponential")
 # ``output_dir_policy``: what a fresh run does in an output_dir holding another run's outputs
 # (``shardtune.checkpoint.safety.run_dir``).
 OUTPUT_DIR_POLICIES = ("refuse", "new_run", "overwrite")
+
+# ``loggers``: metric sinks besides ``metrics.jsonl``, opened by ``shardtune.training.trackers``; the package each
+# needs (``pip install`` name).
+LOGGERS = ("tensorboard", "wandb", "mlflow")
+LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}

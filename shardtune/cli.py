@@ -6,7 +6,8 @@
     shardtune validate CONFIG [--recipe RECIPE] [--nproc_per_node M] [--nnodes N] [--config-only] [key=value ...]
     shardtune download REPO DIR [--revision REV]
     shardtune convert CHECKPOINT OUT_DIR [--base-dir DIR]
-    shardtune verify CHECKPOINT_DIR|OUTPUT_DIR [--latest]
+    shardtune verify CHECKPOINT_DIR|OUTPUT_DIR [--latest] [--limit N]
+    shardtune plot OUTPUT_DIR [--out PNG]
     shardtune make-tiny-base DIR [--preset tiny_moe]
     shardtune inspect-data --config CONFIG [--recipe RECIPE] [--limit N] [--decode] [key=value ...]
     shardtune generate MODEL_DIR --prompt TEXT [--max_new_tokens N] [--temperature T] [--top_p P] [--seed S]
@@ -19,7 +20,7 @@ code 1 (:mod:`shardtune.run_errors`); every other command prints a failure as on
 ``--debug`` or ``SHARDTUNE_DEBUG=1`` adds the tracebacks. Overrides (``key=value``) may stand
 anywhere after the command. RECIPE may be left out when the config's first line names it.
 
-Rule: this module, and all that ``ls``, ``cp``, ``validate``, ``--help`` and ``run``'s config check
+Rule: this module, and all that ``ls``, ``cp``, ``validate``, ``verify``, ``plot``, ``--help`` and ``run``'s config check
 need, import no torch (:mod:`shardtune.recipes.registry` names recipes by module), so they answer in
 well under a second; the other commands import what they run inside their function.
 """
@@ -290,69 +291,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Every file of a checkpoint (or of every checkpoint in an output_dir) against its manifest."""
-    import json
+    from shardtune import verify
 
-    from shardtune.checkpoint import layout
-    from shardtune.checkpoint.safety import integrity
-
-    path = Path(args.path)
-    if (path / layout.MANIFEST).is_file():
-        checkpoints = [path]
-    elif path.is_dir():
-        checkpoints = sorted(
-            (p for p in path.iterdir() if p.is_dir() and (p / layout.MANIFEST).is_file()), key=_checkpoint_order
-        )
-        checkpoints = checkpoints[-1:] if args.latest else checkpoints
-    else:
-        raise SystemExit(f"shardtune verify: {path} is not a directory")
-    if not checkpoints:
-        raise SystemExit(
-            f"shardtune verify: no checkpoint in {path} (no {layout.MANIFEST} in it or its subdirectories)"
-        )
-    damaged = []
-    for checkpoint in checkpoints:
-        try:
-            manifest = json.loads((checkpoint / layout.MANIFEST).read_text())
-            verdict = integrity.verify_files(checkpoint, manifest)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            sys.stdout.write(f"DAMAGED  {checkpoint / layout.MANIFEST}: unreadable manifest ({exc})\n")
-            damaged.append(str(checkpoint / layout.MANIFEST))
-            continue
-        for rel, size in manifest["files"].items():
-            if rel in verdict.problems:
-                damaged.append(str(checkpoint / rel))
-                for problem in verdict.problems[rel]:
-                    sys.stdout.write(f"DAMAGED  {problem}\n")
-            else:
-                state = "ok" if verdict.checksummed else "size ok"
-                sys.stdout.write(f"{state:8} {checkpoint / rel} ({size} bytes)\n")
-        for problem in verdict.problems.get(layout.MANIFEST, []):  # its checksums are unreadable
-            damaged.append(str(checkpoint / layout.MANIFEST))
-            sys.stdout.write(f"DAMAGED  {problem}\n")
-        if not verdict.intact:
-            summary = f"DAMAGED: {len(verdict.problems)} file(s)"
-        elif verdict.checksummed:
-            summary = "intact (sizes and CRC32C checksums match)"
-        else:
-            summary = f"sizes match, but {integrity.UNVERIFIABLE}"
-        sys.stdout.write(f"{checkpoint}: {summary}\n")
-    if damaged:
-        sys.stderr.write("shardtune verify: damaged files:\n  " + "\n  ".join(damaged) + "\n")
-        return 1
-    return 0
+    return verify.main(Path(args.path), latest=args.latest, limit=args.limit)
 
 
-def _checkpoint_order(path: Path) -> tuple[int, str]:
-    """Oldest first, as resume orders them: by the step the manifest records."""
-    import json
+def cmd_plot(args: argparse.Namespace) -> int:
+    from shardtune import plot
 
-    from shardtune.checkpoint import layout
-
-    try:
-        return int(json.loads((path / layout.MANIFEST).read_text())["step"]), path.name
-    except (OSError, ValueError, KeyError, TypeError):
-        return -1, path.name
+    return plot.main(Path(args.output_dir), out=Path(args.out) if args.out else None)
 
 
 def cmd_inspect_data(args: argparse.Namespace) -> int:
@@ -538,7 +485,17 @@ def _parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="check a checkpoint's files against its manifest (sizes and checksums)")
     verify.add_argument("path", help="a checkpoint (e.g. <output_dir>/step_100), or an output_dir: all its checkpoints")
     verify.add_argument("--latest", action="store_true", help="with an output_dir, only its newest checkpoint")
+    verify.add_argument(
+        "--limit",
+        type=int,
+        default=20,
+        help="lines listed per checkpoint: every file when it has no more, else its first problems (default 20)",
+    )
     verify.set_defaults(fn=cmd_verify)
+    plot = sub.add_parser("plot", help="a PNG of a run's loss, val_loss, lr and grad_norm (needs shardtune[plot])")
+    plot.add_argument("output_dir", help="a run's output_dir (holds metrics.jsonl)")
+    plot.add_argument("--out", help="the PNG to write (default: <output_dir>/metrics.png)")
+    plot.set_defaults(fn=cmd_plot)
     tiny = sub.add_parser("make-tiny-base", help="create the tiny demo base model (HF layout) in DIR")
     tiny.add_argument("dir")
     tiny.add_argument(

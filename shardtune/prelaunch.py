@@ -20,20 +20,18 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.checkpoint.errors import OutputDirError
-from shardtune.checkpoint.layout import INDEX_FILE, SINGLE_FILE
+from shardtune.checkpoint.layout import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from shardtune.checkpoint.safety import run_dir
+from shardtune.choices import LOGGER_PACKAGES
 from shardtune.data.hf_datasets import looks_like_hub_name
 from shardtune.data.sources import ASSET_PREFIX, first_record
 from shardtune.json_files import read_json
 from shardtune.model_presets import TINY_PRESETS
 from shardtune.run_errors import download_hint
 
-__all__ = ["LOGGER_PACKAGES", "model_dir_problem", "prelaunch_problems"]
+__all__ = ["model_dir_problem", "prelaunch_problems"]
 
-CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
-# The package each metric logger imports (``loggers: [...]``).
-LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 # (model directory key, the preset key that creates it when missing); the preset key None: never created.
 MODEL_KEYS = (
     ("checkpoint_dir", "model"),

@@ -7,6 +7,9 @@ module that describes the files as a ``SavePlan`` (``hf_save.py``, ``optimizer_i
 ``peft_format.py``) -> ``plans.py`` (agree, rank 0 creates, raise on every rank) ->
 ``writer.py`` (which rank hands which block) -> a sink of ``sinks.py`` (how bytes reach files).
 ``stream.py`` hands the same tensors as an HF save to a consumer in memory, bucket by bucket.
+
+Rule: importing this package imports no torch. The names below load on first use, so the
+torch-free checks (``layout``, ``safety.integrity``: ``shardtune verify``) stay fast.
 """
 
 from typing import TYPE_CHECKING

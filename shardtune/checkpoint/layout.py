@@ -7,6 +7,8 @@ from them, so renaming one name renames it everywhere. This module imports nothi
     <output_dir>/
       .lock                              LOCK_NAME: held by the one run writing output_dir
       metrics.jsonl                      METRICS_NAME
+      tracking.json                      TRACKING_IDS: the W&B / MLflow run ids a resume continues
+      tensorboard/, mlruns/              TENSORBOARD_DIR, MLFLOW_DIR: loggers' local files
       .tmp-<name>-<token>/               staging_name(): a checkpoint being written
       epoch_<n>/ | step_<n>/             checkpoint_name(): a published checkpoint
       diverged/<name>/                   DIVERGED_DIR: a checkpoint whose weights gave a non-finite step
@@ -26,6 +28,9 @@ import re
 # output_dir
 LOCK_NAME = ".lock"
 METRICS_NAME = "metrics.jsonl"
+TRACKING_IDS = "tracking.json"
+TENSORBOARD_DIR = "tensorboard"
+MLFLOW_DIR = "mlruns"
 STAGING_PREFIX = ".tmp-"
 DIVERGED_DIR = "diverged"  # set aside out of a resume's reach (checkpoint/safety/diverged.py)
 _CHECKPOINT_NAME = re.compile(r"^(epoch|step)_(\d+)$")

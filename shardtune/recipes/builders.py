@@ -60,6 +60,7 @@ from shardtune.training.flops import flops_per_token_fn, peak_tflops
 from shardtune.training.loop import LoopSettings, LossFn, PrepareStep, Training, run_training, steps_per_epoch
 from shardtune.training.metrics import MetricLogger
 from shardtune.training.optim import LrSchedule, build_lr_scheduler, build_optimizer, continue_schedule
+from shardtune.training.trackers import tracked_run
 
 log = logging.getLogger("shardtune")
 
@@ -367,11 +368,13 @@ def fit(
     phase before each step's micro-batches, as :func:`~shardtune.training.loop.run_training` takes it),
     then the closing message."""
     checkpointer = training.checkpointer
+    output_dir, start_step = Path(checkpointer.options.output_dir), checkpointer.progress.step
     logger = MetricLogger(
-        checkpointer.options.output_dir,
+        output_dir,
         enabled=run.is_rank_zero,
         loggers=tuple(cfg.loggers),
-        start_step=checkpointer.progress.step,
+        start_step=start_step,
+        tracked=tracked_run(cfg, recipe=recipe, output_dir=output_dir, resumed=start_step > 0),
     )
     settings = dataclasses.replace(
         loop_settings(cfg),

@@ -15,6 +15,7 @@ from typing import Any
 from shardtune.choices import (
     DTYPES,
     LAYER_DROPOUT_SCHEDULES,
+    LOGGERS,
     LORA_TARGET_PARAMETERS,
     LORA_TARGETS,
     LR_SCHEDULES,
@@ -46,9 +47,29 @@ __all__ = [
     "LORA_FINETUNE_SCHEMA",
     "LORA_SCHEMA",
     "LORA_SECTION",
+    "TRACKING_SECTION",
 ]
 
 FP32_MAX = 3.4e38  # the largest float32, rounded down
+
+
+TRACKING_SECTION = Schema(
+    {
+        "project": Field(str, "shardtune", help="W&B project / MLflow experiment the run is logged to"),
+        "name": Field(
+            (str, None),
+            None,
+            help="run name in W&B and MLflow (null: <output_dir's name>-<recipe>); a resume continues the same run",
+        ),
+        "tags": Field(list, [], item=str, help="W&B and MLflow tags of the run"),
+        "entity": Field((str, None), None, help="W&B team or user (null: your default entity)"),
+        "mlflow_tracking_uri": Field(
+            (str, None),
+            None,
+            help="MLflow tracking URI (null: $MLFLOW_TRACKING_URI, else file:<output_dir>/mlruns)",
+        ),
+    }
+)
 
 
 def _int_over_1(cfg: dict[str, Any], key: str) -> bool:
@@ -238,7 +259,15 @@ BASE_SCHEMA = Schema(
         "reshard_after_forward": Field(
             bool, True, help="free gathered params after forward (false: keep them until backward, more memory)"
         ),
-        "loggers": Field(list, [], item=str, choices=("tensorboard", "wandb"), help="extra metric sinks"),
+        "loggers": Field(
+            list,
+            [],
+            item=str,
+            choices=LOGGERS,
+            help="metric sinks besides metrics.jsonl: tensorboard (<output_dir>/tensorboard, with the hyperparameters), "
+            "wandb, mlflow (each run named and given the whole config; see tracking)",
+        ),
+        "tracking": TRACKING_SECTION,
         "process_group_timeout_s": Field(float, 1800.0, gt=0),
         "save_every_n_steps": Field((int, None), None, gt=0),
         "keep_last_n": Field((int, None), None, gt=0, help="checkpoints to keep; null keeps all"),

@@ -3,8 +3,9 @@
 Rule: the file holds one run's lineage, in step order, as strict JSON. A run that starts at
 step ``s`` (0 when fresh, the checkpoint's step when resumed) keeps the rows up to ``s`` and drops
 the later ones (steps the resumed run trains again), so two runs never interleave; non-finite
-numbers are written as ``null``. TensorBoard / Weights & Biases receive the same values when
-their packages are installed and asked for (``loggers: [tensorboard, wandb]``).
+numbers are written as ``null``. TensorBoard, Weights & Biases and MLflow receive the same values
+when their packages are installed and asked for (``loggers: [tensorboard, wandb, mlflow]``;
+:mod:`shardtune.training.trackers`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from shardtune.checkpoint.layout import METRICS_NAME
+from shardtune.training.trackers import TrackedRun, Tracker, open_tracker
 
 log = logging.getLogger(__name__)
 
@@ -36,17 +38,25 @@ class MetricLogger:
     """Writes metrics on rank 0 only; other ranks' calls are no-ops."""
 
     def __init__(
-        self, output_dir: str | Path, *, enabled: bool, loggers: tuple[str, ...] = (), start_step: int = 0
+        self,
+        output_dir: str | Path,
+        *,
+        enabled: bool,
+        loggers: tuple[str, ...] = (),
+        start_step: int = 0,
+        tracked: TrackedRun | None = None,
     ) -> None:
+        """``tracked``: who the run is for the ``loggers`` (default: named after ``output_dir``)."""
         self.enabled = enabled
         self._file: TextIO | None = None
-        self._sinks: list[Any] = []
+        self._sinks: list[Tracker] = []
         if not enabled:
             return
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         self._path, self._start_step = Path(output_dir) / METRICS_NAME, start_step
+        tracked = tracked or TrackedRun(output_dir=Path(output_dir), resumed=start_step > 0)
         for name in loggers:
-            self._sinks.append(_optional_sink(name, Path(output_dir)))
+            self._sinks.append(open_tracker(name, tracked))
 
     def _open(self) -> TextIO:
         """The metrics file, opened at the first row: rows past the resumed step are dropped only once this run
@@ -119,43 +129,3 @@ def _finite_or_null(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite_or_null(v) for v in value]
     return value
-
-
-class _TensorBoardSink:
-    def __init__(self, output_dir: Path) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:
-            raise ValueError("loggers: tensorboard needs `pip install tensorboard`") from exc
-        self.writer = SummaryWriter(str(output_dir / "tensorboard"))
-
-    def log(self, row: dict[str, Any]) -> None:
-        for key, value in row.items():
-            if isinstance(value, (int, float)):
-                self.writer.add_scalar(key, value, row["step"])
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class _WandbSink:
-    def __init__(self, output_dir: Path) -> None:
-        try:
-            import wandb
-        except ImportError as exc:
-            raise ValueError("loggers: wandb needs `pip install wandb`") from exc
-        self.run = wandb.init(dir=str(output_dir))
-
-    def log(self, row: dict[str, Any]) -> None:
-        self.run.log(row, step=row["step"])
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-def _optional_sink(name: str, output_dir: Path) -> _TensorBoardSink | _WandbSink:
-    if name == "tensorboard":
-        return _TensorBoardSink(output_dir)
-    if name == "wandb":
-        return _WandbSink(output_dir)
-    raise ValueError(f"unknown logger {name!r}; choose tensorboard or wandb")

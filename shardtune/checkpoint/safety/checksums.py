@@ -10,6 +10,7 @@ Files no writer recorded (DCP shards, whose writer cannot be hooked) are checksu
 they are written, each rank reading a share. The manifest stores ``{"algorithm": "crc32c",
 "block_bytes": B, "files": {relative path: [crc of each block]}}``; per-block CRCs let a
 verification split even one large file across ranks and name the damaged byte range.
+The module imports no torch (the collective imports the rank helpers when called).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from typing import Any
 import crc32c as _crc32c
 
 from shardtune.checkpoint.errors import CheckpointError
-from shardtune.ranks import comm
 
 ALGORITHM = "crc32c"
 BLOCK_BYTES = 64 << 20
@@ -278,6 +278,8 @@ def gather_checksums(root: Path, *, skip: set[str], shared_filesystem: bool) -> 
     without a shared filesystem). Returns the manifest's ``checksums`` entry on rank 0, None
     elsewhere; problems raise the same CheckpointError on every rank. ``skip``: files (relative
     paths) left out, such as the manifest."""
+    from shardtune.ranks import comm  # here: checking files (shardtune verify) needs no torch
+
     gathered = comm.all_gather_objects(stop_recording(root))
     problems, todo = comm.Problems(), []
     result: dict[str, Any] | None = None

@@ -7,6 +7,9 @@ rank 0 everything without a shared filesystem; in threads where the node has mor
 ranks), and every rank gets the same verdict.
 :func:`verify_files` checks everything in one process (``shardtune verify``). A checkpoint
 whose manifest has no checksums (written before they existed) can only be checked by size.
+A file is never followed out of the checkpoint: one whose name or a symbolic link on its way
+leads outside is a problem, neither read nor reported by size. The module imports no torch
+(the collective imports the rank helpers when called), so ``shardtune verify`` starts fast.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from pathlib import Path
 from shardtune.checkpoint import layout
 from shardtune.checkpoint.errors import UnsafeFileNameError
 from shardtune.checkpoint.safety import atomic, checksums
-from shardtune.ranks import comm
 
 _MAX_THREADS = 8
 UNVERIFIABLE = "its manifest has no checksums (written by an older shardtune); only file sizes can be checked"
@@ -60,9 +62,23 @@ def _blocks(manifest: dict) -> list[tuple[str, int, int, int]]:
     return out
 
 
+def checked_file(root: Path, rel: object) -> Path:
+    """The file ``rel`` (a name from the manifest) of the checkpoint at ``root``;
+    :class:`~shardtune.checkpoint.errors.UnsafeFileNameError` when its name, or a symbolic link
+    on its way, leads outside ``root`` (links inside it are fine)."""
+    path = atomic.manifest_file(root, rel)
+    real, home = os.path.realpath(path), os.path.realpath(root)
+    if os.path.commonpath([real, home]) != home:
+        raise UnsafeFileNameError(
+            f"{path}: a symbolic link leading outside the checkpoint (to {real}); not followed: a checkpoint's "
+            "files lie inside it. Replace the link by the file, or re-save the checkpoint"
+        )
+    return path
+
+
 def _check_block(root: Path, rel: str, start: int, length: int, crc: int) -> str | None:
     try:
-        path = atomic.manifest_file(root, rel)
+        path = checked_file(root, rel)
     except UnsafeFileNameError as exc:
         return str(exc)
     try:
@@ -81,7 +97,7 @@ def _check_sizes(root: Path, manifest: dict) -> dict[str, list[str]]:
     problems: dict[str, list[str]] = {}
     for rel, size in manifest["files"].items():
         try:
-            path = atomic.manifest_file(root, rel)
+            path = checked_file(root, rel)
         except UnsafeFileNameError as exc:  # never stat, read or report a file outside the checkpoint
             problems[rel] = [str(exc)]
             continue
@@ -125,6 +141,8 @@ def verify_on_ranks(
     the blocks are split over the ranks by bytes (all on rank 0 without ``shared_filesystem``)
     and each rank checks its share; files for which ``skip(relative path)`` is true are checked
     by size only. Returns the same :class:`Verdict` on every rank."""
+    from shardtune.ranks import comm  # here: verify_files (shardtune verify) needs no torch
+
     problems: dict[str, list[str]] = {}
     checksummed = "checksums" in manifest
     if comm.rank() == 0:
