@@ -46,6 +46,8 @@ class Fp8BaseBlocks:
         mine = layout_of(self.scale_rows, comm.world_size()).piece(comm.rank())
 
         def write(block: torch.Tensor, piece: Piece) -> torch.Tensor:
+            if not block.numel():  # a file tensor this rank holds none of
+                return block.to(self.dtype)
             rows = tuple(
                 slice(at - first, at - first + size)
                 for at, first, size in zip(piece.offset[:-1], mine.offset[:-1], piece.shape[:-1])
