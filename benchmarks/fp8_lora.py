@@ -9,18 +9,18 @@ latent attention, the first dense, then 8 routed experts of 512 + 1 shared, 3200
 router and ``lm_head`` quantized to DeepSeek-V3's block FP8 (128 x 128 blocks; ``--smoke`` 16 x 16,
 ``quantization_config`` in ``config.json``). LoRA (rank 8, alpha 16) on every projection by its Llama name
 (the latent attention's ``q_a_proj``/``q_b_proj``/``kv_a_proj_with_mqa``/``kv_b_proj``/``o_proj``, the dense
-and shared MLPs' projections); the routed experts are not LoRA targets, so they load in bf16 either way
-(``target_parameters`` are refused with ``block_fp8``). Methods, each a fresh 2-rank run (gloo; NCCL with
+and shared MLPs' projections); the routed experts are not LoRA targets: with ``block_fp8`` they stay in FP8
+too (frozen, dequantized per layer inside an activation checkpoint), in bf16 otherwise. Methods, each a fresh 2-rank run (gloo; NCCL with
 ``--device cuda``) of :func:`benchmarks._train_step.build_shardtune` and
 :func:`benchmarks._train_step.measure_run` (bf16 params and compute, activation checkpointing, the recipes'
 loss and AdamW):
 
-* ``fp8_base``: ``lora.quantize_base: block_fp8``: the bases stay FP8 (+ float32 row scales), dequantized per
-  layer in forward and backward;
+* ``fp8_base``: ``lora.quantize_base: block_fp8``: the bases and the routed experts stay FP8 (+ float32 row
+  scales), dequantized per layer in forward and backward;
 * ``bf16_base``: the same checkpoint loaded dequantized into bf16 bases (plain LoRA).
 
 Both compute with the same bf16 weights, so their first losses agree (checked). Reported per method: the
-bytes of each rank's parameters (the resident model), the step's peak RSS and its peak above the step's
+bytes of each rank's parameters (the resident model) and of its routed experts among them, the step's peak RSS and its peak above the step's
 start, and tokens/s. The section goes between the ``fp8-lora`` markers of BENCHMARKS.md.
 """
 
@@ -117,10 +117,13 @@ def run(*, method: str, hf: str, rows: int, seq: int, vocab: int, steps: int) ->
 
     device = bench_device()
     built = build_shardtune(METHODS[method], hf, device, dtype=torch.bfloat16)
-    locals_ = [p.to_local() if hasattr(p, "to_local") else p for p in built.model.parameters()]
+    locals_ = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in built.model.named_parameters()}
     record = measure_run(built, device=device, rows=rows, seq=seq, vocab=vocab, steps=steps)
-    record["param_bytes"] = sum(t.numel() * t.element_size() for t in locals_)
-    record["fp8_bytes"] = sum(t.numel() for t in locals_ if t.dtype == torch.float8_e4m3fn)
+    record["param_bytes"] = sum(t.numel() * t.element_size() for t in locals_.values())
+    record["fp8_bytes"] = sum(t.numel() for t in locals_.values() if t.dtype == torch.float8_e4m3fn)
+    # the routed experts (values and scales; not the shared experts), ~97% of a real DeepSeek-V3's weights
+    experts = [t for n, t in locals_.items() if ".mlp.experts." in n and "lora_" not in n]
+    record["expert_bytes"] = sum(t.numel() * t.element_size() for t in experts)
     return record
 
 
@@ -138,6 +141,7 @@ def _row(method: str, ranks: list[list[dict[str, Any]]]) -> dict[str, float]:
     return {
         "params": worst(lambda r: r["param_bytes"]),
         "fp8": worst(lambda r: r["fp8_bytes"]),
+        "experts": worst(lambda r: r["expert_bytes"]),
         "peak": worst(step_max("peak_anon")),
         "delta": worst(step_max("peak_anon_delta")),
         "tokens_s": tokens / seconds,
@@ -162,12 +166,14 @@ def _section(
         f"{cfg.world} ranks, {cfg.rows} x {cfg.seq} tokens a rank, {cfg.steps} timed steps, medians of "
         f"{cfg.repeats} repeats (largest rank); first losses {losses}",
         "",
-        "| method | params / rank (MiB) | of them FP8 (MiB) | step peak RSS (MiB) | above step start (MiB) | tokens/s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| method | params / rank (MiB) | of them FP8 (MiB) | routed experts / rank (MiB) | step peak RSS (MiB) "
+        "| above step start (MiB) | tokens/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for method, r in rows.items():
         lines.append(
-            f"| {method} | {r['params'] / mib:.1f} | {r['fp8'] / mib:.1f} | {r['peak'] / mib:.1f} | "
+            f"| {method} | {r['params'] / mib:.1f} | {r['fp8'] / mib:.1f} | {r['experts'] / mib:.1f} | "
+            f"{r['peak'] / mib:.1f} | "
             f"{r['delta'] / mib:.1f} | "
             f"{r['tokens_s']:.0f} |"
         )

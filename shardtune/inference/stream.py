@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardtune.checkpoint.formats.fp8_base_save import Fp8BaseBlocks
 from shardtune.checkpoint.formats.hf_save import HFSaveOptions, ParamMerge, PartMerge, hf_weight_items
 from shardtune.checkpoint.formats.peft_format import adapter_items
 from shardtune.checkpoint.storage.writer import BlockFn, WriteItem, local_block
@@ -354,7 +355,9 @@ class _Pull:
 def _param_merge(item: WriteItem) -> ParamMerge | None:
     transform = item.transform
     if isinstance(transform, PartMerge):
-        return transform.merge
+        transform = transform.merge
+    if isinstance(transform, Fp8BaseBlocks):  # experts kept in block FP8: dequantized, then merged
+        transform = transform.merge
     return transform if isinstance(transform, ParamMerge) else None
 
 

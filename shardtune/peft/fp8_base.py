@@ -24,21 +24,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from shardtune.state_dict.fp8_blocks import FP8_DTYPE, scale_blocks
+from shardtune.state_dict import fp8_blocks
+from shardtune.state_dict.fp8_blocks import FP8_DTYPE, dequantize_rows
 
 __all__ = ["FP8_DTYPE", "SCALE_ROWS", "dequantize", "linear", "scale_rows_shape"]
 
-SCALE_ROWS = "weight_scale_rows"  # the scales' attribute on the module (beside ``weight``)
+SCALE_ROWS = "weight" + fp8_blocks.ROWS_SUFFIX  # the scales' attribute on the module (beside ``weight``)
 
 
 def scale_rows_shape(out_features: int, in_features: int, block_cols: int) -> tuple[int, int]:
     """The shape of the row-expanded scales of an ``[out_features, in_features]`` weight."""
-    return out_features, -(-in_features // block_cols)
+    rows, cols = fp8_blocks.scale_rows_shape((out_features, in_features), block_cols)
+    return rows, cols
 
 
 def dequantize(weight: Tensor, scale_rows: Tensor, block_cols: int, dtype: torch.dtype) -> Tensor:
     """The weight ``W`` in ``dtype`` (computed in float32) from its FP8 rows and their row-expanded scales."""
-    return scale_blocks(weight.to(torch.float32), scale_rows, (1, block_cols)).to(dtype)
+    return dequantize_rows(weight, scale_rows, block_cols, dtype)
 
 
 class _Fp8Linear(torch.autograd.Function):

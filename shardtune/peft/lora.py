@@ -9,7 +9,8 @@ for a family with fused projections wrap the fused module that holds them. ``tar
 (PEFT's name) adapts mixture-of-experts parameters instead, in PEFT's format:
 :mod:`shardtune.peft.param_lora`; with ``quantize_base`` the targeted experts are NF4, one
 quantization per expert (the router stays as it is). With ``fp8_block`` the base stays in a block-FP8
-checkpoint's format, dequantized per layer when used: :mod:`shardtune.peft.fp8_base`.
+checkpoint's format, dequantized per layer when used: :mod:`shardtune.peft.fp8_base`, and so do the
+routed experts of every sparse layer, adapted or not (:mod:`shardtune.models.blocks.fp8_experts`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 
 from shardtune.choices import LORA_TARGETS, QUANTIZE_BASE
 from shardtune.models.args import ModelArgs
+from shardtune.models.blocks import fp8_experts
 from shardtune.models.blocks.experts import Experts
 from shardtune.models.families import get_family
 from shardtune.peft import fp8_base, nf4
@@ -318,7 +320,9 @@ def apply_lora(
     trainable. ``quantize_base`` (``True`` or ``"nf4"``) stores the wrapped bases as NF4 (other weights
     stay as they are); ``"block_fp8"`` keeps them in a block-FP8 checkpoint's format (``fp8_block``: its
     ``weight_block_size``), filled by loading that checkpoint into the meta-device model
-    (:mod:`shardtune.peft.fp8_base`). Works on a meta-device model: adapters are then initialized after materialization
+    (:mod:`shardtune.peft.fp8_base`), and keeps every routed experts module in it too, the
+    ``target_parameters`` adapters then adding their update to the dequantized experts
+    (:mod:`shardtune.models.blocks.fp8_experts`). Works on a meta-device model: adapters are then initialized after materialization
     with ``init_lora_parameters``. Names are resolved per family by ``resolve_targets``, and
     ``model.lora_config`` (which this sets) records the resolved ones. ``target_parameters`` adapts
     the named mixture-of-experts parameters (PEFT's ``target_parameters``; no dropout); with
@@ -389,6 +393,10 @@ def apply_lora(
         if config.nf4_base and isinstance(module, Experts):
             quantize_expert_weights(module, names, block_size=block_size, scaler_block_size=scaler_block_size)
         adapt_parameters(module, names, rank=rank, alpha=alpha)
+    if config.fp8_block is not None:  # every frozen routed expert stays in the checkpoint's block FP8
+        for name, module in model.named_modules():
+            if isinstance(module, Experts):
+                fp8_experts.keep_in_fp8(module, config.fp8_block, name=name)
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter_key(name))
     model.lora_config = config  # type: ignore[assignment]  # a plain attribute; nn.Module's stubs expect Tensor | Module
@@ -475,9 +483,14 @@ def merge_lora(model: nn.Module) -> nn.Module:
     """Replace each ``LoRALinear`` by an ``nn.Linear`` holding ``W + scaling * B @ A`` (in place), and fold
     parameter adapters into their parameters.
 
-    The result has plain HF keys and no ``lora`` parameters; NF4 bases are dequantized.
+    The result has plain HF keys and no ``lora`` parameters; NF4 and block-FP8 bases (experts included) are
+    dequantized.
     """
     shared = _shared_param_ids(model)
+    trained = next(iter(get_adapter_params(model).values()), None)
+    for module in model.modules():  # experts kept in block FP8, in the adapters' dtype like the merged bases
+        if isinstance(module, Experts) and trained is not None:
+            fp8_experts.dequantize_in_place(module, trained.dtype)
     loras = [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
     for name, lora in loras:
         if id(lora.weight) in shared:

@@ -43,12 +43,6 @@ class LoRAConfig:
                 "needs the checkpoint's weight_block_size as fp8_block, and fp8_block needs "
                 'quantize_base="block_fp8"'
             )
-        if self.fp8_base and self.target_parameters:
-            raise ValueError(
-                f'LoRA target_parameters {self.target_parameters} with quantize_base="block_fp8": expert weights '
-                "cannot stay in FP8 yet; drop target_parameters or load the base in the training dtype "
-                "(quantize_base=false)"
-            )
         if not isinstance(self.rank, int) or self.rank <= 0:
             raise ValueError(f"LoRA rank must be a positive int, got {self.rank!r}")
         if not 0.0 <= self.dropout < 1.0:

@@ -39,10 +39,10 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial
 
 from shardtune.choices import LORA_TARGET_PARAMETERS
+from shardtune.models.blocks import fp8_experts
 from shardtune.models.blocks.biased_experts import GptOssExperts, biased_experts
 from shardtune.models.blocks.experts import Experts, local_experts
 from shardtune.models.blocks.routers import GptOssRouter, Router
-from shardtune.models.moe_kernels import expert_kernel
 from shardtune.peft import nf4
 from shardtune.peft.init import kaiming_uniform_whole_
 from shardtune.ranks.mesh import EP_DIM
@@ -152,9 +152,12 @@ class _Adapted:
     disabled: bool  # True: behave as the base module (a DPO reference pass)
 
     def adapted(self, name: str, dtype: torch.dtype | None = None) -> Tensor:
-        """The parameter as the forward uses it: dequantized when NF4 (then cast to ``dtype``, the
-        activations', which FSDP2's mixed precision does not do for NF4), plus its update when adapted."""
-        weight = local_experts(cast(Tensor, getattr(self, name)))
+        """The parameter as the forward uses it: dequantized when NF4 or block FP8 (then in ``dtype``, the
+        activations', which FSDP2's mixed precision does not do for them), plus its update when adapted."""
+        if isinstance(self, Experts):  # this rank's experts, dequantized when kept in block FP8
+            weight = self.held(name, dtype or torch.get_default_dtype())
+        else:
+            weight = local_experts(cast(Tensor, getattr(self, name)))
         if nf4.is_quantized(weight):
             weight = nf4.dequantize(weight).to(dtype or weight.dtype)
         adapter = self.adapters.get(name)
@@ -174,9 +177,9 @@ class _Adapted:
 class LoRAExperts(Experts, _Adapted):
     """:class:`~shardtune.models.blocks.experts.Experts` with LoRA on ``gate_up_proj`` and/or ``down_proj``."""
 
-    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        kernel = expert_kernel(x.device, x.dtype)
-        return kernel(x, counts, self.adapted("gate_up_proj", x.dtype), self.adapted("down_proj", x.dtype), self.act)
+    def weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        # Experts.forward computes with these (kept in block FP8: in a checkpoint recomputing them in backward)
+        return self.adapted("gate_up_proj", dtype), self.adapted("down_proj", dtype)
 
 
 class LoRARouter(Router, _Adapted):
@@ -291,6 +294,9 @@ def adapted_modules(model: nn.Module) -> list[tuple[str, LoRAExperts | LoRARoute
 def unadapt(module: nn.Module) -> None:
     """Fold ``module``'s adapters into its parameters and make it its base class again (in place)."""
     adapted = cast(_Adapted, module)
+    if isinstance(module, Experts) and module.fp8_block is not None:
+        dtype = next(iter(adapted.adapters.values())).lora_A.weight.dtype
+        fp8_experts.dequantize_in_place(module, dtype)
     for name, adapter in adapted.adapters.items():
         weight = nf4.dequantize(cast(Tensor, getattr(module, name)).detach())
         merged = merge_block(

@@ -3,17 +3,28 @@
 Rule: one place computes ``W = W_fp8.float() * scale_inv`` per block (edge blocks partial, pieces starting inside
 a block): the checkpoint reader (:mod:`shardtune.checkpoint.formats.block_fp8`) and the LoRA layers that keep
 their bases in FP8 (:mod:`shardtune.peft.fp8_base`) both use it, so a weight is dequantized alike wherever it
-is read.
+is read. A weight a model keeps in FP8 holds its scales row-expanded (``<name>_scale_rows``: per row of the
+weight, the scales of the blocks it lies in), so any row range of the pair, on any dim before the last, is a
+self-contained piece: :func:`dequantize_rows`.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "dequantize_block_fp8", "scale_blocks"]
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "ROWS_SUFFIX",
+    "dequantize_block_fp8",
+    "dequantize_rows",
+    "scale_blocks",
+    "scale_rows_shape",
+]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+ROWS_SUFFIX = "_scale_rows"  # a weight kept in FP8: its row-expanded scales, ``<weight name>_scale_rows``
 
 
 def dequantize_block_fp8(
@@ -42,3 +53,16 @@ def scale_blocks(
         values[..., start:stop].mul_(per_row[..., j : j + 1])
         start = stop
     return values
+
+
+def scale_rows_shape(shape: tuple[int, ...], block_cols: int) -> tuple[int, ...]:
+    """The shape of the row-expanded scales of a weight of ``shape`` ``[..., R, C]``: ``[..., R, ceil(C / b1)]``."""
+    return (*shape[:-1], -(-shape[-1] // block_cols))
+
+
+def dequantize_rows(
+    weight: torch.Tensor, scale_rows: torch.Tensor, block_cols: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight in ``dtype`` (computed in float32) from its FP8 values ``[..., R, C]`` and their
+    row-expanded scales ``[..., R, ceil(C / b1)]``."""
+    return scale_blocks(weight.to(torch.float32), scale_rows, (1, block_cols)).to(dtype)

@@ -7,6 +7,12 @@ rows; the logits and the adapters' gradients of a first step equal peft's LoRA o
 model holding the hand-dequantized weights (every rank reading its rows, or rank 0 sending them); the
 merged HF save written by both ranks equals ``W_deq + scaling * B @ A``, and the weight stream sends
 those tensors. Mixed precision over the bases is refused by name. Under NCCL's rules.
+
+The routed experts stay in FP8 too: a tiny DeepSeek-V3 with 5 experts (not divisible by 2 ranks, so
+FSDP2 splits the stacked experts on their rows: ``gate_up [5, 52, 64]`` at row 26, inside the up
+projections' first block; ``down [5, 64, 26]`` at row 32, inside a block) with LoRA on the experts
+(``target_parameters``) and the latent attention equals peft over the dequantized weights in one process;
+so does one with 6 experts at ``expert_parallel=2`` (each rank reading and holding its 3 experts whole).
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from shardtune.ranks.sharding import shard_model
 from shardtune.state_dict import load_from_full_model_state_dict
 from tests.nccl_rules import nccl_rules
 from tests.unit.test_block_fp8 import BLOCK, fp8_dir
-from tests.unit.test_fp8_lora import ALPHA, RANK, TARGETS, adapters_of, peft_over
+from tests.unit.test_fp8_lora import ALPHA, RANK, TARGETS, adapters_of, deepseek_fp8_dir, peft_over
+from tests.unit.test_lora_moe import _peft
 from tests.unit.test_models_moe import batch
 from tests.unit.test_moe_checkpoint import tensors
 
@@ -122,3 +129,83 @@ def test_mixed_precision_over_fp8_bases_is_refused_naming_the_option(pool2, tmp_
     for message in pool2.run_ok(_mixed_precision, str(tmp_path), timeout=120):
         assert message.startswith("model.layers.0.self_attn.q_proj.weight: a block-FP8 LoRA base")
         assert "set mixed_precision=false" in message
+
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+FIVE_EXPERTS = {"n_routed_experts": 5, "n_group": 1, "topk_group": 1, "moe_intermediate_size": 26}
+SIX_EXPERTS = {"moe_intermediate_size": 26}
+
+
+def _experts_run(hf_dir: str, adapters: dict, tokens: torch.Tensor, ep: int) -> dict:
+    with torch.device("meta"):
+        model = from_hf_config(hf_dir, dtype=torch.float32)
+        apply_lora(
+            model,
+            rank=RANK,
+            alpha=ALPHA,
+            target_modules=MLA,
+            target_parameters=EXPERTS,
+            quantize_base="block_fp8",
+            fp8_block=BLOCK,
+        )
+    shard_model(model, mesh=make_mesh(expert_parallel=ep))
+    with nccl_rules() as rules:
+        rules.host(adapters)
+        dist.barrier()
+        load_hf_checkpoint(model, hf_dir, device="cpu", strict=False)
+        load_from_full_model_state_dict(model, adapters, "cpu")
+    model.init_buffers("cpu")
+    logits = model(tokens)
+    logits.square().mean().backward()
+    experts = model.model.layers[1].mlp.experts
+    local = {n: _local(getattr(experts, n)).clone() for n in ("gate_up_proj", "gate_up_proj_scale_rows")}
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
+    return {"logits": logits.detach(), "grads": grads, "local": local, "placement": experts.down_proj.placements}
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of an experts parameter (a DTensor on ep and efsdp under expert parallelism)."""
+    while hasattr(param, "to_local"):
+        param = param.to_local()
+    return param
+
+
+@pytest.mark.parametrize(("ep", "changes"), [(1, FIVE_EXPERTS), (2, SIX_EXPERTS)], ids=["fsdp-rows", "ep2"])
+def test_fp8_experts_sharded_equal_peft_in_one_process(pool2, tmp_path, ep, changes):
+    hf = deepseek_fp8_dir(tmp_path, **changes)
+    experts = hf.config.n_routed_experts
+    pm = _peft(hf, EXPERTS, modules=MLA)
+    adapters = adapters_of(pm)
+    tokens = batch()[0]
+    res = pool2.run_ok(_experts_run, str(tmp_path), adapters, tokens, ep, timeout=240)
+    want = pm(tokens).logits
+    want.square().mean().backward()
+    theirs = {
+        k.removeprefix("base_model.model.").replace(".default", ""): p.grad
+        for k, p in pm.named_parameters()
+        if "lora_" in k
+    }
+    stored = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    prefix = "model.layers.1.mlp.experts"
+    fp8 = torch.stack(
+        [torch.cat([stored[f"{prefix}.{e}.{p}.weight"] for p in ("gate_proj", "up_proj")]) for e in range(experts)]
+    )
+    rows = {k: v.repeat_interleave(BLOCK[0], 0)[:26] for k, v in stored.items() if k.endswith("_scale_inv")}
+    scales = torch.stack(
+        [
+            torch.cat([rows[f"{prefix}.{e}.{p}.weight_scale_inv"] for p in ("gate_proj", "up_proj")])
+            for e in range(experts)
+        ]
+    )
+    for rank, r in enumerate(res):
+        if ep == 1:
+            assert str(r["placement"][0]) == "S(1)"  # 5 experts on 2 ranks: the rows are split
+        mine = (slice(None), slice(26 * rank, 26 * (rank + 1))) if ep == 1 else slice(3 * rank, 3 * rank + 3)
+        assert r["local"]["gate_up_proj"].dtype == torch.float8_e4m3fn
+        assert torch.equal(r["local"]["gate_up_proj"].view(torch.uint8), fp8[mine].view(torch.uint8))
+        assert torch.equal(r["local"]["gate_up_proj_scale_rows"], scales[mine])
+        assert (r["logits"] - want.detach()).abs().max() <= 1e-5 * want.abs().max()
+        assert sorted(r["grads"]) == sorted(theirs) and len(theirs) == 2 * len(MLA) * 3 + 2 * len(EXPERTS) * 2
+        for key, grad in theirs.items():
+            assert (r["grads"][key] - grad).abs().max() <= 1e-4 * grad.abs().max(), (rank, key)

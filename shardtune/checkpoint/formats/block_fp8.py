@@ -11,7 +11,7 @@ sends each rank only its piece in the training dtype. Every inconsistency (a sca
 wrong shape or not finite, a block size that does not match the scales, FP8 tensors without a
 ``quantization_config``, an unknown ``quant_method``) is refused naming the tensor or key and the
 fix: a weight is never read unscaled. A model that keeps a weight in block FP8 (a LoRA base,
-:mod:`shardtune.peft.fp8_base`) reads it raw instead, beside its row-expanded scales
+:mod:`shardtune.peft.fp8_base`; frozen routed experts, :mod:`shardtune.models.blocks.fp8_experts`) reads it raw instead, beside its row-expanded scales
 (``<W>_scale_rows``, :func:`row_scales`), both by rows as any tensor is. The format read is kept on the model
 (:func:`note_source`), for a save in the same format
 (:mod:`~shardtune.checkpoint.formats.block_fp8_save`).
@@ -29,7 +29,7 @@ import torch
 
 from shardtune.checkpoint.errors import CheckpointError
 from shardtune.checkpoint.layout import CONFIG_FILE
-from shardtune.state_dict.fp8_blocks import FP8_DTYPE, FP8_MAX, dequantize_block_fp8, scale_blocks
+from shardtune.state_dict.fp8_blocks import FP8_DTYPE, FP8_MAX, ROWS_SUFFIX, dequantize_block_fp8, scale_blocks
 
 __all__ = [
     "FP8_DTYPE",
@@ -48,7 +48,6 @@ __all__ = [
 ]
 
 SCALE_SUFFIX = "_scale_inv"
-ROWS_SUFFIX = "_scale_rows"  # a weight kept in FP8: its scales, one row per weight row (fp8_base.SCALE_ROWS)
 QUANTIZATION_KEY = "quantization_config"
 # quant_methods another reader handles: gpt-oss's MXFP4 experts (shardtune.checkpoint.formats.mxfp4)
 OTHER_METHODS = ("mxfp4",)
@@ -151,20 +150,21 @@ class BlockFp8Tensor:
 
 
 def row_scales(scale_inv: torch.Tensor, first_row: int, rows: int, block_rows: int) -> torch.Tensor:
-    """Rows ``[first_row, first_row + rows)`` of a weight's row-expanded scales (float32 ``[rows,
-    ceil(C / b1)]``: each row the scales of the blocks it lies in), from its block scales
-    ``scale_inv``, which start at the block row covering ``first_row``."""
+    """Rows ``[first_row, first_row + rows)`` (of dim -2) of a weight's row-expanded scales (float32
+    ``[..., rows, ceil(C / b1)]``: each row the scales of the blocks it lies in), from its block scales
+    ``scale_inv [..., r, c]``, which start at the block row covering ``first_row``."""
     index = torch.arange(first_row, first_row + rows) // block_rows - first_row // block_rows
-    return scale_inv.to(torch.float32)[index.to(scale_inv.device)]
+    return scale_inv.to(torch.float32)[..., index.to(scale_inv.device), :]
 
 
 class RowScales:
-    """The row-expanded scales of a block-FP8 weight of the checkpoint as a lazy float32 tensor: a
-    slice reads only the block rows covering it."""
+    """The row-expanded scales of a block-FP8 weight ``[..., R, C]`` of the checkpoint as a lazy float32
+    tensor ``[..., R, ceil(C / b1)]``: a slice reads only the block rows covering it."""
 
     def __init__(self, name: str, scale: Any, rows: int, block: tuple[int, int]) -> None:
         self.name, self.scale, self.block = name, scale, block
-        self.shape = (rows, tuple(scale.get_shape())[-1])
+        stored = tuple(scale.get_shape())
+        self.shape = (*stored[:-2], rows, stored[-1])
 
     def get_shape(self) -> list[int]:
         return list(self.shape)
@@ -173,11 +173,13 @@ class RowScales:
         return "F32"
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        rows, cols = (s.indices(n) for s, n in zip(_unit_slices(index, self.shape, self.name), self.shape))
+        slices = _unit_slices(index, self.shape, self.name)
+        lead, (rows, cols) = slices[:-2], (s.indices(n) for s, n in zip(slices[-2:], self.shape[-2:]))
         b0 = self.block[0]
         if rows[1] <= rows[0]:
-            return torch.empty(0, max(0, cols[1] - cols[0]), dtype=torch.float32)
-        scale = self.scale[rows[0] // b0 : -(-rows[1] // b0), cols[0] : cols[1]]
+            lead_shape = [len(range(*s.indices(n))) for s, n in zip(lead, self.shape)]
+            return torch.empty(*lead_shape, 0, max(0, cols[1] - cols[0]), dtype=torch.float32)
+        scale = self.scale[(*lead, slice(rows[0] // b0, -(-rows[1] // b0)), slice(cols[0], cols[1]))]
         if not bool(torch.isfinite(scale).all()):
             raise CheckpointError(
                 f"{self.name}: non-finite scales in block rows {rows[0] // b0}:{-(-rows[1] // b0)}; the checkpoint "

@@ -34,7 +34,6 @@ from shardtune.checkpoint.safety.file_names import inside
 from shardtune.checkpoint.storage.safetensors_io import SafetensorsFile, TensorSlice
 from shardtune.models.args import ModelArgs
 from shardtune.models.multimodal import carried_keys, file_prefixes, note_carried, tower_problems
-from shardtune.peft.lora import LoRALinear
 from shardtune.ranks import comm
 from shardtune.ranks.errors import format_problems
 from shardtune.state_dict.gc_pause import collector_paused
@@ -237,7 +236,9 @@ def _load(
             state = mxfp4.dequantizing(checkpoint)  # gpt-oss MXFP4 experts, dequantized per piece as read
             # block-FP8 weights, dequantized per piece as read (read raw where the model keeps them in FP8)
             quantization = block_fp8.read_quantization(model_dir)
-            state, fp8 = block_fp8.dequantizing(state, quantization, where=model_dir, **_kept_in_fp8(model, entries))
+            state, fp8 = block_fp8.dequantizing(
+                state, quantization, where=model_dir, **_kept_in_fp8(model, entries, state)
+            )
         except CheckpointError as exc:
             problems.append(str(exc))
     try:
@@ -260,14 +261,20 @@ def _load(
     return result
 
 
-def _kept_in_fp8(model: nn.Module, entries: list[ModelEntry]) -> dict[str, Any]:
-    """The file names of the weights ``model`` keeps in block FP8 (LoRA bases, :mod:`shardtune.peft.fp8_base`)
-    and the block they were built for (None when their modules disagree): :func:`~shardtune.checkpoint.formats.
-    block_fp8.dequantizing`'s ``raw`` and ``block``; nothing for a model without FP8 tensors."""
-    raw = {key for e in entries if local_tensor(e.tensor).dtype == block_fp8.FP8_DTYPE for key in e.keys}
+def _kept_in_fp8(model: nn.Module, entries: list[ModelEntry], files: Mapping[str, Any]) -> dict[str, Any]:
+    """The file names of the weights ``model`` keeps in block FP8 (LoRA bases, :mod:`shardtune.peft.fp8_base`;
+    routed experts, :mod:`shardtune.models.blocks.fp8_experts`: the parts ``files`` holds them as) and the block
+    they were built for (None when their modules disagree): :func:`~shardtune.checkpoint.formats.block_fp8.
+    dequantizing`'s ``raw`` and ``block``; nothing for a model without FP8 tensors."""
+    raw: set[str] = set()
+    for e in entries:
+        if local_tensor(e.tensor).dtype != block_fp8.FP8_DTYPE:
+            continue
+        parts = [p.name for p in e.parts or () if p.name in files]
+        raw.update(parts if parts and not any(k in files for k in e.keys) else e.keys)
     if not raw:
         return {}
-    blocks = {m.fp8_block for m in model.modules() if isinstance(m, LoRALinear) and m.fp8_block is not None}
+    blocks = {block for m in model.modules() if (block := getattr(m, "fp8_block", None)) is not None}
     return {"raw": frozenset(raw), "block": blocks.pop() if len(blocks) == 1 else None}
 
 

@@ -29,7 +29,7 @@ from shardtune.checkpoint.errors import CheckpointError
 from shardtune.checkpoint.formats import block_fp8
 from shardtune.checkpoint.formats.block_fp8_save import WEIGHT_FORMATS, quantized_config, quantized_items
 from shardtune.checkpoint.formats.carried import CarriedSource, agree_on_carried, carried_items, read_carried
-from shardtune.checkpoint.formats.fp8_base_save import fp8_base_writes
+from shardtune.checkpoint.formats.fp8_base_save import Fp8BaseBlocks, fp8_base_writes
 from shardtune.checkpoint.formats.hf_load import (
     block_fp8_format,
     hf_file_prefixes,
@@ -300,9 +300,10 @@ class ParamMerge:
 
 @dataclass
 class PartMerge:
-    """The merge of one file tensor (``part``, e.g. one expert's ``up_proj``) of a parameter adapter's base."""
+    """The merge of one file tensor (``part``, e.g. one expert's ``up_proj``) of a parameter adapter's base,
+    or its dequantization when kept in block FP8 (each given the part's place in the whole tensor)."""
 
-    merge: ParamMerge
+    merge: ParamMerge | Fp8BaseBlocks
     part: Part
 
     def prepare(self, layout: TensorLayout) -> BlockFn:
@@ -376,10 +377,11 @@ def _plan_items(
             items += whole_items(key, entry.tensor, out_dtype, layout, merges.get(fqn))
             continue
         merge = merges.get(fqn)
+        per_part = merge if isinstance(merge, ParamMerge | Fp8BaseBlocks) else None
         problem = tiling_problem(fqn, layout.shape, parts) or (
             f"{fqn}: a LoRA base weight stored as several file tensors cannot be merged yet; save with "
             "merge_adapters=False"
-            if merge is not None and not isinstance(merge, ParamMerge)
+            if merge is not None and per_part is None
             else None
         )
         if problem is not None:
@@ -393,7 +395,7 @@ def _plan_items(
                 part_layout(part, layout),
                 part=part,
                 source=layout,
-                transform=PartMerge(merge, part) if isinstance(merge, ParamMerge) else None,
+                transform=None if per_part is None else PartMerge(per_part, part),
             )
             for part in parts
         ]

@@ -9,6 +9,8 @@ the next one (torchtitan's rule), chosen once per model: :func:`expert_shard_pla
 Under expert parallelism (:mod:`shardtune.ranks.expert_parallel`) an experts module holds its ep
 rank's E/ep experts and its ``ep_group``; the sorted rows then travel to the ranks holding
 their experts and back (:mod:`shardtune.models.moe_dispatch`, from the block: ``blocks/moe.py``).
+Frozen experts may stay in a block-FP8 checkpoint's format (``fp8_block``), dequantized per layer
+when used: :mod:`shardtune.models.blocks.fp8_experts`.
 
 On disk (:mod:`shardtune.state_dict.parts`): a fused checkpoint holds the runtime keys; transformers'
 default save holds each expert's ``gate``/``up``/``down`` weights (the family's
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
+from shardtune.models.blocks import fp8_experts
 from shardtune.models.moe_kernels import expert_kernel
 from shardtune.state_dict.parts import Part, stacked_parts
 
@@ -42,6 +45,7 @@ class Experts(nn.Module):
     through ``top_k`` of them (what its FLOPs count: ``training/flops.py``)."""
 
     ep_group: dist.ProcessGroup | None = None  # expert parallel: the ranks sharing the experts (shard_model)
+    fp8_block: tuple[int, int] | None = None  # kept in block FP8: the checkpoint's weight_block_size
 
     def __init__(
         self,
@@ -87,19 +91,40 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """``x [N, H]`` sorted by expert, ``counts [E_local]`` rows per expert (this rank's experts under
         expert parallelism, whose weights are then DTensors on ``ep``) -> ``[N, H]``."""
+        if self.fp8_block is None:
+            return self.compute(x, counts)
+        return fp8_experts.run(self.compute, x, counts)
+
+    def compute(self, x: Tensor, counts: Tensor) -> Tensor:
+        """The experts on ``x`` with the weights as :meth:`weights` gives them."""
         kernel = expert_kernel(x.device, x.dtype)
-        return kernel(x, counts, local_experts(self.gate_up_proj), local_experts(self.down_proj), self.act)
+        return kernel(x, counts, *self.weights(x.dtype), self.act)
+
+    def weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``(gate_up, down)`` as the kernel multiplies with them (this rank's experts)."""
+        return self.held("gate_up_proj", dtype), self.held("down_proj", dtype)
+
+    def held(self, name: str, dtype: torch.dtype) -> Tensor:
+        """This rank's experts of weight ``name``; dequantized to ``dtype`` when kept in block FP8."""
+        weight = local_experts(getattr(self, name))
+        if self.fp8_block is None or name not in fp8_experts.EXPERT_WEIGHTS:
+            return weight
+        scales = local_experts(getattr(self, fp8_experts.scale_rows_name(name)))
+        return fp8_experts.dequantized(weight, scales, self.fp8_block, dtype)
 
     def file_parts(self, prefix: str, name: str, shape: tuple[int, ...]) -> list[Part] | None:
         """transformers' per-expert file tensors of ``gate_up_proj`` (expert ``e``'s gate rows, then
-        its up rows: two ``[I, H]`` weights) and ``down_proj`` (``[H, I]`` each); None without names."""
-        if self.names is None or name not in ("gate_up_proj", "down_proj"):
+        its up rows: two ``[I, H]`` weights) and ``down_proj`` (``[H, I]`` each), and of their scales when
+        kept in block FP8 (``<expert>.gate_proj.weight_scale_rows``...); None without names."""
+        weight = name.removesuffix(fp8_experts.scale_rows_name(""))
+        if self.names is None or weight not in fp8_experts.EXPERT_WEIGHTS:
             return None
         names, base = self.names, self.names.block_prefix(prefix)
-        if name == "gate_up_proj":
+        tensor = "weight" + name.removeprefix(weight)  # weight, or a block-FP8 weight's weight_scale_rows
+        if weight == "gate_up_proj":
             chunk = (names.gate, names.up)
-            return stacked_parts(shape, lambda e, c: f"{base}.{e}.{chunk[c]}.weight", chunks=2)
-        return stacked_parts(shape, lambda e, _: f"{base}.{e}.{names.down}.weight")
+            return stacked_parts(shape, lambda e, c: f"{base}.{e}.{chunk[c]}.{tensor}", chunks=2)
+        return stacked_parts(shape, lambda e, _: f"{base}.{e}.{names.down}.{tensor}")
 
 
 def local_experts(param: Tensor) -> Tensor:
