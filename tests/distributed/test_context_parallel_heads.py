@@ -96,3 +96,11 @@ def test_a_cp_the_query_heads_cannot_divide_is_refused_on_every_rank(pool2):
         "(num_attention_heads) over the ranks of a cp group, so context_parallel must divide 3; set "
         "context_parallel to one of [1, 3], or context_parallel_mode=all_gather"
     }
+
+
+def test_all_to_all_with_activation_checkpointing_equals_one_process(pool2):
+    """Full checkpointing recomputes each layer's forward in backward: its two all-to-alls again."""
+    name = "gemma2"
+    results = pool2.run_ok(_families, [name], 2, "full", None, None, LENGTHS, ALL_TO_ALL, timeout=240)
+    _check_equal(results, name, [0])
+    assert {r[name]["all_to_alls"] for r in results} == {6 * 3}
