@@ -9,7 +9,10 @@ AdamW) of one seeded Llama-shaped model saved once as an HF directory:
 
 * ``shardtune cp N``: the full recipe's pieces (``shard_model`` over every rank, the recipes'
   ``next_token_loss`` with ``context_parallel`` N: each ``cp`` group shares a row, ``world / N``
-  rows a step; N = 1 is plain data parallelism, each rank its own whole row);
+  rows a step; N = 1 is plain data parallelism, each rank its own whole row); attention gathers keys
+  and values (``context_parallel_mode: all_gather``);
+* ``shardtune cp N (all_to_all)``: the same with ``context_parallel_mode: all_to_all`` (N > 1: ranks trade
+  tokens for heads), so both modes are measured side by side;
 * ``transformers``: ``AutoModelForCausalLM`` with FSDP2 as users write it (``benchmarks._train_step``), each
   rank its own whole row, cross-entropy on the full logits: the peer for a row that fits both.
 
@@ -46,6 +49,7 @@ MARKERS = {
     "cuda": ("<!-- context-parallel-cuda:begin -->", "<!-- context-parallel-cuda:end -->"),
 }
 MIB = 1 << 20
+MODES = {"shardtune": "all_gather", "shardtune_all_to_all": "all_to_all"}  # shardtune's stacks: their mode
 
 
 def hf_dir(bench_dir: Path, a: argparse.Namespace) -> Path:
@@ -65,7 +69,7 @@ def hf_dir(bench_dir: Path, a: argparse.Namespace) -> Path:
     return saved_once(path, lambda: LlamaForCausalLM(config))
 
 
-def _shardtune(hf: str, cp: int, device: torch.device):
+def _shardtune(hf: str, cp: int, device: torch.device, mode: str):
     from transformers import AutoModelForCausalLM
 
     from shardtune.losses.next_token import next_token_loss
@@ -81,7 +85,7 @@ def _shardtune(hf: str, cp: int, device: torch.device):
     model.to(device).train()
     shard_model(model, mesh=make_mesh(), activation_checkpointing=True)
     group = context_group(cp, device=device.type) if cp > 1 else None
-    return model, next_token_loss(model, group=group, device=device)
+    return model, next_token_loss(model, group=group, context_parallel_mode=mode, device=device)
 
 
 def _transformers(hf: str, device: torch.device):
@@ -102,7 +106,7 @@ def _transformers(hf: str, device: torch.device):
 def probe(*, stack: str, cp: int, hf: str, seq: int, vocab: int, steps: int) -> dict[str, Any]:
     """This rank's part of ``steps`` timed training steps on rows of ``seq`` tokens (after one warm-up)."""
     device = bench_device()
-    model, loss_fn = _transformers(hf, device) if stack == "transformers" else _shardtune(hf, cp, device)
+    model, loss_fn = _transformers(hf, device) if stack == "transformers" else _shardtune(hf, cp, device, MODES[stack])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     row = dist.get_rank() // cp  # the ranks of a cp group read the same row
     tokens = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(row))
@@ -153,6 +157,12 @@ def _row(name: str, probe_: dict[str, Any] | None) -> str:
     return f"| {name} | {probe_['seq']} | {probe_['tokens_s']:.0f} | {peaks} |"
 
 
+def _name(stack: str, cp: int) -> str:
+    if stack == "transformers":
+        return "transformers + FSDP2"
+    return f"shardtune cp {cp}" + ("" if MODES[stack] == "all_gather" else f" ({MODES[stack]})")
+
+
 def report(a: argparse.Namespace, results: dict[tuple[str, int], list[dict[str, Any]]], load: tuple[float, float]):
     budget = a.budget_mib * MIB
     fits = {key: [p for p in probes if max(p["peaks"]) <= budget] for key, probes in results.items()}
@@ -176,7 +186,7 @@ def report(a: argparse.Namespace, results: dict[tuple[str, int], list[dict[str, 
         "| stack | longest row (tokens) | tokens/s (all ranks) | peak per rank |",
         "|---|---:|---:|---|",
     ]
-    names = {key: "transformers + FSDP2" if key[0] == "transformers" else f"shardtune cp {key[1]}" for key in results}
+    names = {key: _name(*key) for key in results}
     lines += [_row(names[key], probes[-1] if probes else None) for key, probes in fits.items()]
     common = min((probes[-1]["seq"] for probes in fits.values() if probes), default=None)
     if common is not None and all(fits.values()):
@@ -200,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="transformers + FSDP2")
+    p.add_argument(
+        "--all-to-all",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also shardtune at every cp > 1 in context_parallel_mode all_to_all",
+    )
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per probe")
     p.add_argument(
         "--mmap-threshold",
@@ -227,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     degrees = [cp for cp in (1, 2, 4) if cp <= a.world and a.world % cp == 0]
     load_before = os.getloadavg()[0]
     results = {("shardtune", cp): longest(a, hf, "shardtune", cp) for cp in degrees}
+    if a.all_to_all:
+        results |= {("shardtune_all_to_all", cp): longest(a, hf, "shardtune_all_to_all", cp) for cp in degrees[1:]}
     if a.peer:
         results["transformers", 1] = longest(a, hf, "transformers", 1)
     section = report(a, results, (load_before, os.getloadavg()[0]))

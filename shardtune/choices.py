@@ -19,6 +19,11 @@ NF4_SCALER_BLOCK_SIZE = 256
 # block-FP8 checkpoint's weights kept in FP8), by ``shardtune.peft.lora.apply_lora``.
 QUANTIZE_BASE = (False, True, "nf4", "block_fp8")
 
+# ``context_parallel_mode``: how an attention layer sees the whole rows of a split row, by
+# ``shardtune.models.context_parallel.split_batch`` (all_gather: every rank gathers the keys and values of all heads;
+# all_to_all: ranks trade tokens for heads, ``shardtune.models.context_heads``).
+CONTEXT_PARALLEL_MODES = ("all_gather", "all_to_all")
+
 # ``lr_scheduler.name``: built by ``shardtune.training.optim.build_lr_scheduler``.
 LR_SCHEDULES = ("cosine", "linear", "constant")
 

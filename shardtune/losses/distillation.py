@@ -21,6 +21,7 @@ from shardtune.losses.chunked import Head, chunked_distillation_loss, frozen_hea
 from shardtune.losses.rows import Rows
 from shardtune.losses.step import KindLoss, Summed, loop_loss
 from shardtune.models import Routing
+from shardtune.models.context_parallel import ALL_GATHER
 
 __all__ = ["distillation", "distillation_loss_fn"]
 
@@ -59,13 +60,21 @@ def distillation_loss_fn(
     chunk_tokens: int | None,
     router_aux_loss_coef: float | None = None,
     group: dist.ProcessGroup | None = None,
+    context_parallel_mode: str = ALL_GATHER,
 ):
     """``loss_fn`` for the loop: :func:`distillation` per label token. A mixture-of-experts student adds
     ``router_aux_loss_coef`` (None: its config's) times its routers' load-balancing loss, as its fine-tuning
     loss does. ``group``: the rank's ``cp`` group, every row split over it (None: not split; collective on
     ``group`` when given)."""
     kind = distillation(model, teacher, kd_ratio=kd_ratio, chunk_tokens=chunk_tokens)
-    return loop_loss(kind, model, device=device, group=group, router_aux_loss_coef=router_aux_loss_coef)
+    return loop_loss(
+        kind,
+        model,
+        device=device,
+        group=group,
+        context_parallel_mode=context_parallel_mode,
+        router_aux_loss_coef=router_aux_loss_coef,
+    )
 
 
 def _frozen_head(teacher: Any) -> Head:

@@ -36,6 +36,7 @@ from shardtune.losses.preference import preference_loss
 from shardtune.losses.rows import Rows
 from shardtune.losses.step import KindLoss, Summed, loop_loss
 from shardtune.models import HeadLoss, Routing
+from shardtune.models.context_parallel import ALL_GATHER
 
 __all__ = ["Reference", "preference_pairs", "dpo_loss_fn", "sequence_logps_head_loss"]
 
@@ -106,9 +107,17 @@ def dpo_loss_fn(
     chunk_tokens: int | None,
     router_aux_loss_coef: float | None = None,
     group: dist.ProcessGroup | None = None,
+    context_parallel_mode: str = ALL_GATHER,
 ):
     """``loss_fn`` for the loop: :func:`preference_pairs`'s mean over pairs, the pairs and the metric sums;
     ``router_aux_loss_coef`` weighs a mixture-of-experts policy's load-balancing loss (None: its config's;
     with ``group`` the whole pairs'); ``group``: the rank's ``cp`` group (None: rows are not split)."""
     kind = preference_pairs(model, reference=reference, dpo=dpo, chunk_tokens=chunk_tokens)
-    return loop_loss(kind, model, device=device, group=group, router_aux_loss_coef=router_aux_loss_coef)
+    return loop_loss(
+        kind,
+        model,
+        device=device,
+        group=group,
+        context_parallel_mode=context_parallel_mode,
+        router_aux_loss_coef=router_aux_loss_coef,
+    )

@@ -25,6 +25,7 @@ from shardtune.losses.next_token import token_head_loss
 from shardtune.losses.rows import Rows
 from shardtune.losses.step import KindLoss, Summed, loop_loss
 from shardtune.models import LlamaForCausalLM, Routing
+from shardtune.models.context_parallel import ALL_GATHER
 
 __all__ = [
     "EarlyExitScale",
@@ -138,6 +139,7 @@ def early_exit_loss_fn(
     compile: bool = False,
     router_aux_loss_coef: float | None = None,
     group: dist.ProcessGroup | None = None,
+    context_parallel_mode: str = ALL_GATHER,
 ):
     """``loss_fn`` for the loop: :func:`early_exit` per label token; with ``group`` every row split over it
     (context parallel: each rank the exits' losses of its tokens, collective on ``group``). A
@@ -146,4 +148,11 @@ def early_exit_loss_fn(
     kind = early_exit(
         model, exits=exits, scale_type=scale_type, scale=scale, chunk_tokens=chunk_tokens, compile=compile
     )
-    return loop_loss(kind, model, device=device, group=group, router_aux_loss_coef=router_aux_loss_coef)
+    return loop_loss(
+        kind,
+        model,
+        device=device,
+        group=group,
+        context_parallel_mode=context_parallel_mode,
+        router_aux_loss_coef=router_aux_loss_coef,
+    )

@@ -2,7 +2,7 @@
 
 Rule: this is the one place a loss reads the config. Every builder passes the keys all kinds share
 (``loss_chunk_tokens``, ``router_aux_loss_coef``, the run's device and ``cp`` group from
-``context_parallel``) and its kind's own (``compile``, ``kd_ratio``, ``early_exit.*``, ``dpo.*``) to that
+``context_parallel``, and ``context_parallel_mode``) and its kind's own (``compile``, ``kd_ratio``, ``early_exit.*``, ``dpo.*``) to that
 kind's loss function; a recipe hands over only what it built (a teacher, a reference, the exits of a step).
 A new kind adds its module (a :data:`~shardtune.losses.step.KindLoss` and its ``loss_fn``) and one builder
 here.
@@ -24,6 +24,7 @@ from shardtune.losses.early_exit import early_exit_loss_fn
 from shardtune.losses.next_token import next_token, next_token_loss
 from shardtune.losses.step import summed_loss
 from shardtune.models import LlamaForCausalLM
+from shardtune.models.context_parallel import ALL_GATHER
 
 __all__ = ["distillation_loss_of", "dpo_loss_of", "early_exit_loss_of", "next_token_loss_of", "validation_loss_of"]
 
@@ -45,6 +46,7 @@ def _shared(cfg: Config, run: Placement) -> dict[str, Any]:
     return {
         "device": run.device,
         "group": run.context,
+        "context_parallel_mode": getattr(cfg, "context_parallel_mode", ALL_GATHER),
         "chunk_tokens": cfg.loss_chunk_tokens,
         "router_aux_loss_coef": cfg.router_aux_loss_coef,
     }
@@ -91,7 +93,12 @@ def validation_loss_of(
     its fine-tuning ``loss``), each row split over the rank's ``cp`` group as in training."""
     kind = next_token(model, chunk_tokens=cfg.loss_chunk_tokens)
     summed = summed_loss(
-        kind, model, device=run.device, group=run.context, router_aux_loss_coef=cfg.router_aux_loss_coef
+        kind,
+        model,
+        device=run.device,
+        group=run.context,
+        context_parallel_mode=getattr(cfg, "context_parallel_mode", ALL_GATHER),
+        router_aux_loss_coef=cfg.router_aux_loss_coef,
     )
 
     def loss_sum(batch: dict[str, Tensor]) -> tuple[Tensor, int]:

@@ -18,6 +18,7 @@ from shardtune.losses.chunked import DEFAULT_CHUNK_TOKENS, chunked_cross_entropy
 from shardtune.losses.rows import Rows
 from shardtune.losses.step import KindLoss, Summed, loop_loss
 from shardtune.models import HeadLoss, Routing
+from shardtune.models.context_parallel import ALL_GATHER
 
 __all__ = ["next_token", "next_token_loss", "token_head_loss"]
 
@@ -49,6 +50,7 @@ def next_token_loss(
     *,
     device: torch.device,
     group: dist.ProcessGroup | None = None,
+    context_parallel_mode: str = ALL_GATHER,
     chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
     compile: bool = False,
     router_aux_loss_coef: float | None = None,
@@ -56,11 +58,19 @@ def next_token_loss(
     """``loss_fn`` for the loop: next-token cross-entropy of ``model`` on a batch (moved to ``device``),
     computed from the final hidden states in chunks of ``chunk_tokens`` (None: from full logits); with
     ``group`` every row split over it (context parallel: each rank's loss over its part of the rows and its
-    label tokens, collective on ``group``).
+    label tokens, collective on ``group``; ``context_parallel_mode``: how its attention layers see the whole
+    rows, :data:`~shardtune.choices.CONTEXT_PARALLEL_MODES`).
 
     Mixture-of-experts models add ``router_aux_loss_coef`` (None: the model config's) times the
     load-balancing loss of the batch's real tokens (``attention_mask``; the whole rows' when split), as
     transformers' ``out.loss`` does with ``output_router_logits=True``, and log it as ``aux_loss``; 0 logs it
     without adding it (the routers then get no gradient from it). Dense models ignore the coefficient."""
     kind = next_token(model, chunk_tokens=chunk_tokens, compile=compile)
-    return loop_loss(kind, model, device=device, group=group, router_aux_loss_coef=router_aux_loss_coef)
+    return loop_loss(
+        kind,
+        model,
+        device=device,
+        group=group,
+        context_parallel_mode=context_parallel_mode,
+        router_aux_loss_coef=router_aux_loss_coef,
+    )

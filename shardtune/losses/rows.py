@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from shardtune.models import Routing, sample_lengths
-from shardtune.models.context_parallel import IGNORE_INDEX, ContextBatch, split_batch, sum_over_context
+from shardtune.models.context_parallel import ALL_GATHER, IGNORE_INDEX, ContextBatch, split_batch, sum_over_context
 
 __all__ = ["Rows", "label_tokens", "on_device", "rows_of"]
 
@@ -69,11 +69,19 @@ class Rows:
         return Routing(mask=None if mask is None else mask.to(self.device, non_blocking=True))
 
 
-def rows_of(batch: dict[str, Tensor], device: torch.device, group: dist.ProcessGroup | None = None) -> Rows:
+def rows_of(
+    batch: dict[str, Tensor],
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+    *,
+    context_parallel_mode: str = ALL_GATHER,
+) -> Rows:
     """``batch`` (the loader's: ``tokens``, ``labels``, packed ``position_ids``, ``attention_mask``) as
     :class:`Rows` on ``device``: whole, or with ``group`` (every rank of it given the same batch) this
-    rank's part of every row. Local: no communication."""
-    return _whole(batch, device) if group is None else _split(batch, device, group)
+    rank's part of every row, its attention layers in ``context_parallel_mode``. Local: no communication."""
+    if group is None:
+        return _whole(batch, device)
+    return _split(batch, device, group, context_parallel_mode)
 
 
 def _whole(batch: dict[str, Tensor], device: torch.device) -> Rows:
@@ -81,13 +89,14 @@ def _whole(batch: dict[str, Tensor], device: torch.device) -> Rows:
     return Rows(tokens, labels[:, 1:], packing, label_tokens(batch["labels"]), batch, device)
 
 
-def _split(batch: dict[str, Tensor], device: torch.device, group: dist.ProcessGroup) -> Rows:
+def _split(batch: dict[str, Tensor], device: torch.device, group: dist.ProcessGroup, mode: str) -> Rows:
     part = split_batch(
         batch["tokens"],
         batch["labels"],
         group=group,
         position_ids=batch.get("position_ids"),
         attention_mask=batch.get("attention_mask"),
+        context_parallel_mode=mode,
     )
     forward = {"position_ids": part.position_ids.to(device, non_blocking=True), "context": part.shard}
     n_tokens = int((part.targets != IGNORE_INDEX).sum())  # the CPU targets: no device sync

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from shardtune.losses.rows import Rows, rows_of
 from shardtune.models import Routing
+from shardtune.models.context_parallel import ALL_GATHER
 
 __all__ = ["KindLoss", "RouterAux", "Summed", "loop_loss", "summed_loss"]
 
@@ -43,6 +44,7 @@ def summed_loss(
     *,
     device: torch.device,
     group: dist.ProcessGroup | None = None,
+    context_parallel_mode: str = ALL_GATHER,
     router_aux_loss_coef: float | None = None,
 ) -> Callable[[dict[str, Tensor]], Summed]:
     """``batch -> Summed``: ``kind`` on the batch's rows on ``device`` (with ``group``, this rank's part of
@@ -52,7 +54,7 @@ def summed_loss(
     aux = RouterAux.of(model, router_aux_loss_coef)
 
     def loss(batch: dict[str, Tensor]) -> Summed:
-        rows = rows_of(batch, device, group)
+        rows = rows_of(batch, device, group, context_parallel_mode=context_parallel_mode)
         if aux is None:
             return kind(rows, None)
         routing = rows.routing()
@@ -69,11 +71,19 @@ def loop_loss(
     *,
     device: torch.device,
     group: dist.ProcessGroup | None = None,
+    context_parallel_mode: str = ALL_GATHER,
     router_aux_loss_coef: float | None = None,
 ) -> Callable[[dict[str, Tensor]], Any]:
     """The loop's ``loss_fn``: :func:`summed_loss`'s mean over its units, the units, and its metric sums
     when it has any."""
-    summed = summed_loss(kind, model, device=device, group=group, router_aux_loss_coef=router_aux_loss_coef)
+    summed = summed_loss(
+        kind,
+        model,
+        device=device,
+        group=group,
+        context_parallel_mode=context_parallel_mode,
+        router_aux_loss_coef=router_aux_loss_coef,
+    )
 
     def loss_fn(batch: dict[str, Tensor]) -> Any:
         out = summed(batch)

@@ -1,4 +1,4 @@
-"""Context parallelism: one row split over the ``cp`` ranks of a group, attention exact by all-gathering K/V.
+"""Context parallelism: one row split over the ``cp`` ranks of a group, attention exact over the whole rows.
 
 Rule: every rank of a ``cp`` group holds the same rows; each takes two of the ``2 * cp`` equal chunks of
 every row (rank ``i``: chunk ``i`` and chunk ``2 * cp - 1 - i``, so causal work is even) and runs the
@@ -7,7 +7,8 @@ own (no real token sees it), has position 0 (it changes no sequence-dependent ro
 it changes no loss. Targets are shifted before the split (token ``t`` predicts label ``t + 1`` even
 across a chunk boundary), and rope sees each token's position within its sample, as without the split.
 
-In every attention layer each rank all-gathers the keys and values of the whole row (one
+How an attention layer sees the whole rows is the shard's ``mode`` (``context_parallel_mode``). In
+``all_gather`` mode (the default) each rank all-gathers the keys and values of the whole row (one
 ``all_gather_single_autograd`` of K and V stacked, whose backward reduce-scatters their gradients) and
 puts them in row order. Its queries then attend segment by segment: a segment is a run of the rank's
 queries that lies in one document and one chunk, and it attends to that document's keys up to its last
@@ -22,7 +23,11 @@ layer (the kernel merges a segment's prefix and its causal diagonal by log-sum-e
 ``Attention._prefix_then_causal``), a window-bounded one for a sliding layer; activations of ``S / cp``
 tokens (measured: tests/distributed/test_context_parallel_memory.py). A ring (O(S / cp) keys) is the
 upgrade path. Exact for causal, packed (per-document), sliding-window, soft-capped, sink and multi-head latent attention
-(values narrower than keys). A
+(values narrower than keys).
+
+In ``all_to_all`` mode (DeepSpeed-Ulysses style) an attention layer gathers no keys: it trades its tokens for
+a share of the heads and runs its ordinary kernel over every document of the whole rows, as the
+linear-attention layers do in both modes (:func:`~shardtune.models.context_heads.heads_attention`). A
 mixture-of-experts model's load-balancing loss is over the whole rows: its counts, routing probabilities and
 token counts are summed over the group (:class:`~shardtune.models.moe_aux.Routing` with ``group=``), with
 :attr:`ContextBatch.mask` keeping the split's padding out of them. Linear-attention (Gated DeltaNet) layers
@@ -42,10 +47,13 @@ from torch import Tensor
 from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import init_device_mesh
 
+from shardtune.choices import CONTEXT_PARALLEL_MODES
 from shardtune.models.packed_attention import sample_lengths
 from shardtune.ranks import comm
 
 __all__ = [
+    "ALL_GATHER",
+    "ALL_TO_ALL",
     "ContextAttention",
     "ContextBatch",
     "ContextShard",
@@ -56,6 +64,7 @@ __all__ = [
     "sum_over_context",
 ]
 
+ALL_GATHER, ALL_TO_ALL = CONTEXT_PARALLEL_MODES  # how attention layers see the whole rows (context_parallel_mode)
 IGNORE_INDEX = -100  # the targets of no token (padding, prompts), as in the labels
 # (queries, keys, values, keys before the first query, window) -> output: the queries are the last of the keys
 Kernel = Callable[[Tensor, Tensor, Tensor, int, int | None], Tensor]
@@ -77,7 +86,8 @@ class ContextShard:
     """What a rank's token mixers need of a split batch: its ``cp`` group, where each row position lies in the
     gathered keys (``gathered_at``, ``[S]``) and the row position of each gathered key (``gathered_rows``, its
     inverse), per row its query segments, and per row the lengths of the whole row's documents (the split's
-    padding the last, when there is one): what linear-attention layers run alone."""
+    padding the last, when there is one): what linear-attention layers run alone, and attention layers too in
+    ``mode`` :data:`ALL_TO_ALL` (``context_parallel_mode``; :data:`ALL_GATHER`: they gather keys)."""
 
     group: dist.ProcessGroup
     gathered_at: Tensor
@@ -85,6 +95,7 @@ class ContextShard:
     segments: tuple[tuple[Segment, ...], ...]
     documents: tuple[tuple[int, ...], ...]
     rope_seq_len: int  # the longest position of the whole rows + 1 (dynamic and longrope read it)
+    mode: str = ALL_GATHER
 
     def layer(self, window: int | None) -> ContextAttention:
         """The view one layer attends through: this shard and the layer's sliding window."""
@@ -144,11 +155,18 @@ def split_batch(
     position_ids: Tensor | None = None,
     attention_mask: Tensor | None = None,
     pad_token: int = 0,
+    context_parallel_mode: str = ALL_GATHER,
 ) -> ContextBatch:
     """This rank's part of a CPU batch (``tokens``, ``labels`` ``[b, S]`` with HF's convention: the loss
     compares label ``t + 1`` with the prediction at ``t``; packed rows give ``position_ids``, restarting
-    at 0 for every sample; ``attention_mask``: 0 on padding, None: no padding) over the ranks of ``group``.
+    at 0 for every sample; ``attention_mask``: 0 on padding, None: no padding) over the ranks of ``group``;
+    ``context_parallel_mode``: how its attention layers will see the whole rows (the shard's ``mode``).
     Every rank of ``group`` must pass the same batch. Local: no communication."""
+    if context_parallel_mode not in CONTEXT_PARALLEL_MODES:
+        raise ValueError(
+            f"context_parallel_mode={context_parallel_mode!r} is not a context-parallel mode; set it to one of "
+            f"{list(CONTEXT_PARALLEL_MODES)}"
+        )
     if tokens.dim() != 2 or labels.shape != tokens.shape:
         raise ValueError(
             f"split_batch takes tokens and labels of one shape [batch, seq]; got {tuple(tokens.shape)} and "
@@ -182,6 +200,7 @@ def split_batch(
         segments=tuple(_segments(row, mine) for row in lengths),
         documents=tuple(tuple(row) for row in lengths),
         rope_seq_len=int(positions.max()) + 1,
+        mode=context_parallel_mode,
     )
     return ContextBatch(tokens[:, mine], targets[:, mine], positions[:, mine], shard, mask[:, mine])
 

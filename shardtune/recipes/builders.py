@@ -46,7 +46,8 @@ from shardtune.models import (
     llama_from_hf_config,
     model_args_from_hf_config,
 )
-from shardtune.models.context_heads import check_heads
+from shardtune.models.context_heads import check_attention_heads, check_heads
+from shardtune.models.context_parallel import ALL_GATHER, ALL_TO_ALL
 from shardtune.peft import apply_lora, init_lora_parameters, is_lora
 from shardtune.ranks.mesh import make_mesh
 from shardtune.ranks.sharding import decoder_layers, shard_model
@@ -146,8 +147,11 @@ def build_model(
                 if lora.quantize_base == "block_fp8"
                 else None,
             )
+    cp = getattr(cfg, "context_parallel", 1)
     if model.args.linear_attention is not None:  # before any weight moves; the same on every rank
-        check_heads(model.args.linear_attention, getattr(cfg, "context_parallel", 1))
+        check_heads(model.args.linear_attention, cp)
+    if getattr(cfg, "context_parallel_mode", ALL_GATHER) == ALL_TO_ALL:
+        check_attention_heads(model.args.n_heads, cp)
     # a frozen dense model (a KD teacher, a DPO reference) beside an expert-parallel MoE model has no experts to split
     ep = 1 if frozen and model.args.moe is None else cfg.expert_parallel
     shard_model(

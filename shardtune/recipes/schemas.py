@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from shardtune.choices import (
+    CONTEXT_PARALLEL_MODES,
     DTYPES,
     LAYER_DROPOUT_SCHEDULES,
     LOGGERS,
@@ -309,10 +310,20 @@ CONTEXT_PARALLEL = {
         int,
         1,
         gt=0,
-        help="split every row over groups of N ranks (each a head and a tail chunk), attention exact by gathering "
-        "keys and values; must divide the world size (full and LoRA fine-tuning, DPO, distillation, early exit; a "
-        "mixture-of-experts load-balancing loss over the whole rows; combines with expert_parallel)",
-    )
+        help="split every row over groups of N ranks (each a head and a tail chunk), attention exact over the "
+        "whole rows (context_parallel_mode); must divide the world size (full and LoRA fine-tuning, DPO, "
+        "distillation, early exit; a mixture-of-experts load-balancing loss over the whole rows; combines "
+        "with expert_parallel)",
+    ),
+    "context_parallel_mode": Field(
+        str,
+        "all_gather",
+        choices=CONTEXT_PARALLEL_MODES,
+        help="how attention layers see a split row: all_gather (every rank gathers the keys and values of all "
+        "heads) or all_to_all (DeepSpeed-Ulysses style: ranks trade their tokens for a share of the heads, two "
+        "all-to-alls per layer; context_parallel must divide the attention heads). Gated DeltaNet layers trade "
+        "tokens for heads in both modes",
+    ),
 }
 
 FULL_FINETUNE_SCHEMA = BASE_SCHEMA | CONTEXT_PARALLEL

@@ -45,8 +45,11 @@ def _any_hf_model(name: str):
     (``HYBRIDS``)."""
     from tests.unit import test_qwen3_5
     from tests.unit.test_models_families import VOCAB, hf_model
+    from tests.unit.test_models_gpt_oss import hf_gpt_oss
     from tests.unit.test_models_moe import MOE_CONFIGS, hf_moe_model
 
+    if name == "gpt_oss":
+        return hf_gpt_oss(vocab_size=VOCAB)
     if name in HYBRIDS:
         return test_qwen3_5.hf_model(vocab_size=VOCAB, **HYBRIDS[name])
     return hf_moe_model(name) if name in MOE_CONFIGS else hf_model(name)
@@ -109,10 +112,11 @@ def _cp_step(
     adapters: str | None = None,
     chunk: int | None = None,
     lengths: tuple[list[int], ...] = LENGTHS,
+    mode: str = "all_gather",
 ) -> dict:
     """One forward and backward with rows split over ``cp`` ranks (each ``cp`` group its own batch, seed = its
-    data-parallel index), FSDP2 over every rank, the loss in chunks of ``chunk`` tokens (None: whole); the
-    global-token mean loss and rank 0's full gradients (of what trains)."""
+    data-parallel index) in context-parallel ``mode``, FSDP2 over every rank, the loss in chunks of ``chunk``
+    tokens (None: whole); the global-token mean loss and rank 0's full gradients (of what trains)."""
     hf = _any_hf_model(name)
     model = from_hf_config(hf.config.to_dict()).train()
     model.load_state_dict(hf.state_dict(), strict=True)
@@ -122,7 +126,7 @@ def _cp_step(
     tokens, labels, positions = _batch(dist.get_rank() // cp, lengths)
     with nccl_rules() as rules:
         rules.host(tokens, labels, positions)
-        part = split_batch(tokens, labels, group=group, position_ids=positions)
+        part = split_batch(tokens, labels, group=group, position_ids=positions, context_parallel_mode=mode)
         loss_sum = model(
             part.tokens,
             position_ids=part.position_ids,
@@ -153,8 +157,9 @@ def _families(
     adapters: str | None = None,
     chunk: int | None = None,
     lengths: tuple[list[int], ...] = LENGTHS,
+    mode: str = "all_gather",
 ) -> dict:
-    return {name: _cp_step(name, cp, checkpointing, adapters, chunk, lengths) for name in names}
+    return {name: _cp_step(name, cp, checkpointing, adapters, chunk, lengths, mode) for name in names}
 
 
 def _check(
@@ -168,6 +173,22 @@ def _check(
     lengths: tuple[list[int], ...] = LENGTHS,
     tol: float = TOL,
 ) -> None:
+    _check_equal(results, name, seeds, adapters=adapters, lengths=lengths, tol=tol)
+    first = results[0][name]
+    assert first["gathers"] == layers * gathers  # one K/V all-gather per attention layer (and recompute)
+    assert first["scatters"] >= layers  # and its backward's reduce-scatter (FSDP2 adds its own)
+
+
+def _check_equal(
+    results: list,
+    name: str,
+    seeds: list[int],
+    *,
+    adapters: str | None = None,
+    lengths: tuple[list[int], ...] = LENGTHS,
+    tol: float = TOL,
+) -> None:
+    """Every rank's loss is the same and equals one process's; rank 0's gradients equal its gradients."""
     loss, grads = _reference(name, seeds, adapters, lengths)
     first = results[0][name]
     assert {r[name]["loss"] for r in results} == {first["loss"]}  # every rank logs the same loss
@@ -177,8 +198,6 @@ def _check(
         got = first["grads"][key]
         diff = ((got - expected).abs().max() / expected.abs().max()).item()
         assert diff <= tol, f"{name} {key}: gradient rel diff {diff:.2e}"
-    assert first["gathers"] == layers * gathers  # one K/V all-gather per attention layer (and recompute)
-    assert first["scatters"] >= layers  # and its backward's reduce-scatter (FSDP2 adds its own)
 
 
 def test_cp2_equals_one_process_for_every_dense_family(pool2):
@@ -437,12 +456,20 @@ def _moe_reference(
     return loss.item(), auxes, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _moe_cp_step(name: str, cp: int = 2, ep: int = 1, *, hf: Callable | None = None, coef: float | None = None) -> dict:
+def _moe_cp_step(
+    name: str,
+    cp: int = 2,
+    ep: int = 1,
+    *,
+    hf: Callable | None = None,
+    coef: float | None = None,
+    mode: str = "all_gather",
+) -> dict:
     """The full recipes' split loss (:func:`next_token_loss` with ``group``, aux loss in it, weighted by ``coef``:
     None for the config's) on ``cp``-rank groups under FSDP2 (each group its own batch, seed = its index), the
     experts over ``ep`` ranks, weighed and scaled as the training loop does: the global loss, this rank's
     group's aux loss, rank 0's full gradients and the collectives counted. ``hf`` makes the transformers model
-    (default: ``hf_moe_model(name)``)."""
+    (default: ``hf_moe_model(name)``); ``mode``: the context-parallel mode."""
     from shardtune.losses.next_token import next_token_loss
     from tests.unit.test_models_moe import hf_moe_model, ours_from
 
@@ -450,7 +477,12 @@ def _moe_cp_step(name: str, cp: int = 2, ep: int = 1, *, hf: Callable | None = N
     shard_model(model, mesh=make_mesh(expert_parallel=ep))
     group = context_group(cp, device="cpu")
     loss_fn = next_token_loss(
-        model, group=group, device=torch.device("cpu"), chunk_tokens=None, router_aux_loss_coef=coef
+        model,
+        group=group,
+        context_parallel_mode=mode,
+        device=torch.device("cpu"),
+        chunk_tokens=None,
+        router_aux_loss_coef=coef,
     )
     batch = _moe_batch(dist.get_rank() // cp)
     with nccl_rules() as rules:

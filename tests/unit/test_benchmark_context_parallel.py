@@ -41,3 +41,11 @@ def test_a_failed_probe_ends_the_search(monkeypatch):
         lambda a, hf, stack, cp, seq: None if seq > 64 else {"seq": seq, "tokens_s": 1.0, "peaks": [MIB]},
     )
     assert [p["seq"] for p in bench.longest(_options(), None, "transformers", 1)] == [64]
+
+
+def test_the_all_to_all_mode_has_its_own_rows(monkeypatch):
+    monkeypatch.setattr(bench, "_measure", lambda a, hf, stack, cp, seq: {"seq": seq, "tokens_s": 7.0, "peaks": [MIB]})
+    results = {(stack, 2): bench.longest(_options(max_seq=64), None, stack, 2) for stack in bench.MODES}
+    table = bench.report(_options(), results, (0.0, 0.0))
+    assert "| shardtune cp 2 | 64 | 7 |" in table
+    assert "| shardtune cp 2 (all_to_all) | 64 | 7 |" in table

@@ -5,7 +5,10 @@ say exactly that, so a sliding window is honoured beyond its length, never ignor
 attend within each sample (:mod:`shardtune.models.packed_attention`): every sample runs the same
 causal attention as an unpacked sequence, with a mask no larger than the sample; rows split over a
 context-parallel group attend the same way against keys gathered from every rank
-(:mod:`shardtune.models.context_parallel`). Without logit
+(:mod:`shardtune.models.context_parallel`), or, in ``context_parallel_mode: all_to_all``, run the same
+kernel over the whole rows for a share of the heads (:func:`~shardtune.models.context_heads.heads_attention`;
+the kernel reads the head counts from its tensors, and ``heads`` names which of the layer's heads they are).
+Without logit
 soft-capping it runs through ``scaled_dot_product_attention``; with soft-capping (Gemma 2) an
 exact eager path computes ``cap * tanh(scores / cap)`` before the softmax, since SDPA cannot.
 """
@@ -22,7 +25,8 @@ from torch.utils.checkpoint import checkpoint
 
 from shardtune.models.args import FULL, ModelArgs
 from shardtune.models.blocks.norm import RMSNorm, init_linear
-from shardtune.models.context_parallel import ContextAttention, context_attention
+from shardtune.models.context_heads import heads_attention
+from shardtune.models.context_parallel import ALL_TO_ALL, ContextAttention, context_attention
 from shardtune.models.kv_cache import cached_attention_mask
 from shardtune.models.packed_attention import PackedSamples, packed_attention
 from shardtune.models.rope import apply_rotary_emb
@@ -31,6 +35,7 @@ from shardtune.models.spec import AttentionSpec
 KVUpdate = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # a layer's (new k, new v) -> (all k, all v)
 # fp32 scores one block of a context-parallel segment's log-sum-exp may hold (32 MiB): bounded, not queries x keys
 LSE_BLOCK_ELEMENTS = 1 << 23
+ALL_HEADS = slice(None)  # a kernel call over every head of the layer (not a context-parallel rank's share)
 
 __all__ = ["Attention", "KVUpdate", "attention_mask"]
 
@@ -161,36 +166,40 @@ class Attention(nn.Module):
     ) -> Tensor:
         """Roped queries, keys and values ``[b, heads, s, d]`` -> attention output ``[b, heads, s, d]``, within
         packed samples, over a context-parallel group, or under ``mask`` (``cached``: keys precede the queries)."""
+        if isinstance(packed, ContextAttention) and packed.shard.mode == ALL_TO_ALL:
+            return heads_attention(q, k, v, packed, self._attend_one)
         if isinstance(packed, ContextAttention):
             return context_attention(q, k, v, packed, self._attend_after)
         if packed is not None:
             return packed_attention(q, k, v, packed, self._attend_one)
         return self._attend(q, k, v, mask, causal=not cached)
 
-    def _attend_one(self, q: Tensor, k: Tensor, v: Tensor, window: int | None) -> Tensor:
-        """One causal sequence (a row, or a packed sample). Under a window shorter than it, in bands: each block
-        of ``window`` queries against the keys from ``window - 1`` before its first (a mask of the block's size),
-        so the work is O(n * window), not O(n^2)."""
+    def _attend_one(self, q: Tensor, k: Tensor, v: Tensor, window: int | None, *, heads: slice = ALL_HEADS) -> Tensor:
+        """One causal sequence (a row, or a packed sample) of the layer's query heads ``heads``. Under a window
+        shorter than it, in bands: each block of ``window`` queries against the keys from ``window - 1`` before
+        its first (a mask of the block's size), so the work is O(n * window), not O(n^2)."""
         n = q.shape[2]
         if window is None or window >= n:
-            return self._attend(q, k, v, None, causal=True)
+            return self._attend(q, k, v, None, causal=True, heads=heads)
         blocks = []
         for start in range(0, n, window):
             end, first = min(start + window, n), max(0, start - window + 1)
             keys, values = k[:, :, first:end], v[:, :, first:end]
-            blocks.append(self._attend_after(q[:, :, start:end], keys, values, start - first, window))
+            blocks.append(self._attend_after(q[:, :, start:end], keys, values, start - first, window, heads=heads))
         return torch.cat(blocks, dim=2)
 
-    def _attend_after(self, q: Tensor, k: Tensor, v: Tensor, earlier: int, window: int | None) -> Tensor:
+    def _attend_after(
+        self, q: Tensor, k: Tensor, v: Tensor, earlier: int, window: int | None, *, heads: slice = ALL_HEADS
+    ) -> Tensor:
         """Queries that are the last ``q.shape[2]`` of one causal sequence's keys, ``earlier`` keys before
         the first of them (a context-parallel segment): the KV cache's mask, or a sample's from its start."""
         if earlier == 0:
-            return self._attend_one(q, k, v, window)
-        # SDPA's kernel only: soft-capping and a subclass's own _attend (gpt-oss sinks) keep the mask
-        if window is None and self.softcap is None and type(self)._attend is Attention._attend:
+            return self._attend_one(q, k, v, window, heads=heads)
+        # SDPA's kernel only, every head: soft-capping and a subclass's own _attend (gpt-oss sinks) keep the mask
+        if window is None and self.softcap is None and type(self)._attend is Attention._attend and heads == ALL_HEADS:
             return self._prefix_then_causal(q, k, v, earlier)
         mask = cached_attention_mask(q.shape[2], earlier, device=q.device, window=window)
-        return self._attend(q, k, v, mask, causal=False)
+        return self._attend(q, k, v, mask, causal=False, heads=heads)
 
     def _prefix_then_causal(self, q: Tensor, k: Tensor, v: Tensor, earlier: int) -> Tensor:
         """:meth:`_attend_after` without a mask: the queries against the ``earlier`` keys (all visible) and
@@ -236,11 +245,15 @@ class Attention(nn.Module):
             scores = scores.masked_fill(torch.arange(k.shape[2], device=q.device) > rows, float("-inf"))
         return torch.logsumexp(scores, dim=-1).reshape(b, heads, n)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal: bool) -> Tensor:
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal: bool, heads: slice = ALL_HEADS
+    ) -> Tensor:
+        """``q`` (the layer's query heads ``heads``) against ``k``, ``v`` under ``mask`` (None: plain causal, or
+        with ``causal=False`` every key visible)."""
         if self.softcap is not None:
             return self._eager_softcapped(q, k, v, mask, causal=causal)
         # enable_gqa lets SDPA broadcast kv heads without materializing repeated k/v.
-        gqa = self.n_kv_heads != self.n_heads
+        gqa = k.shape[1] != q.shape[1]
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.scale, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
@@ -249,7 +262,7 @@ class Attention(nn.Module):
         """Exact attention with ``cap * tanh(scores / cap)`` scores; softmax in fp32 as in transformers."""
         cap = self.softcap
         assert cap is not None  # forward takes this path only when soft-capping
-        groups = self.n_heads // self.n_kv_heads
+        groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         scores = torch.matmul(q, k.transpose(2, 3)) * self.scale

@@ -2,8 +2,8 @@
 
 Rule: :class:`SinkAttention` is :class:`~shardtune.models.blocks.attention.Attention` plus one learned
 logit per head, ``sinks``, that joins every query's softmax denominator and attends to nothing. SDPA
-cannot add it, so every call (packed samples, sliding windows, the KV cache, context-parallel segments)
-runs transformers' eager computation: scores, the sink column, minus the row max, softmax in the scores'
+cannot add it, so every call (packed samples, sliding windows, the KV cache, context-parallel segments, a
+context-parallel rank's share of the heads with those heads' sinks) runs transformers' eager computation: scores, the sink column, minus the row max, softmax in the scores'
 dtype, the sink dropped.
 """
 
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from shardtune.models.args import ModelArgs
-from shardtune.models.blocks.attention import Attention
+from shardtune.models.blocks.attention import ALL_HEADS, Attention
 from shardtune.models.spec import AttentionSpec
 
 __all__ = ["SinkAttention"]
@@ -40,10 +40,12 @@ class SinkAttention(Attention):
         if not self.sinks.is_meta:
             nn.init.normal_(self.sinks, mean=0.0, std=std)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal: bool) -> Tensor:
-        """transformers' ``eager_attention_forward`` of gpt-oss; ``mask`` None is plain causal (or, with
-        ``causal=False``, every key visible)."""
-        groups = self.n_heads // self.n_kv_heads
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal: bool, heads: slice = ALL_HEADS
+    ) -> Tensor:
+        """transformers' ``eager_attention_forward`` of gpt-oss for query heads ``heads`` (their sinks); ``mask``
+        None is plain causal (or, with ``causal=False``, every key visible)."""
+        groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
@@ -53,7 +55,7 @@ class SinkAttention(Attention):
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         b, _, s_q, _ = scores.shape
-        sinks = self.sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(b, -1, s_q, 1)
+        sinks = self.sinks[heads].to(scores.dtype).reshape(1, -1, 1, 1).expand(b, -1, s_q, 1)
         logits = torch.cat([scores, sinks], dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
