@@ -29,6 +29,8 @@ from shardtune.state_dict.fp8_blocks import FP8_DTYPE, scale_blocks
 __all__ = ["FP8_DTYPE", "SCALE_ROWS", "dequantize", "linear", "scale_rows_shape"]
 
 SCALE_ROWS = "weight_scale_rows"  # the scales' attribute on the module (beside ``weight``)
+# dtypes that hold every FP8 value exactly and whose products with float32 scales are computed in float32
+_HOLDS_FP8 = frozenset({torch.bfloat16, torch.float16, torch.float32})
 
 
 def scale_rows_shape(out_features: int, in_features: int, block_cols: int) -> tuple[int, int]:
@@ -37,8 +39,16 @@ def scale_rows_shape(out_features: int, in_features: int, block_cols: int) -> tu
 
 
 def dequantize(weight: Tensor, scale_rows: Tensor, block_cols: int, dtype: torch.dtype) -> Tensor:
-    """The weight ``W`` in ``dtype`` (computed in float32) from its FP8 rows and their row-expanded scales."""
-    return scale_blocks(weight.to(torch.float32), scale_rows, (1, block_cols)).to(dtype)
+    """The weight ``W`` in ``dtype`` (each product computed in float32) from its FP8 rows and their
+    row-expanded scales.
+
+    In bf16 or fp16 the FP8 values are copied exactly into the result and scaled there in place: an
+    in-place multiply by the float32 scales computes in float32 and rounds once to ``dtype``, the same
+    values as a float32 copy cast down, without that float32 copy (twice the result's bytes, alive per
+    layer in forward and again in backward)."""
+    if dtype not in _HOLDS_FP8:
+        return scale_blocks(weight.to(torch.float32), scale_rows, (1, block_cols)).to(dtype)
+    return scale_blocks(weight.to(dtype), scale_rows, (1, block_cols))
 
 
 class _Fp8Linear(torch.autograd.Function):

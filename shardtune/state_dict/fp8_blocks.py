@@ -27,8 +27,9 @@ def dequantize_block_fp8(
 def scale_blocks(
     values: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], offset: tuple[int, int] = (0, 0)
 ) -> torch.Tensor:
-    """``values [..., R, C]`` (float32, at ``offset`` of the full tensor) multiplied in place by the
-    per-block ``scale [..., r, c]`` (from the block covering ``offset`` on), and returned. The scales
+    """``values [..., R, C]`` (float32, or a narrower float dtype holding FP8 values exactly: each product
+    is then computed in float32 and rounded once; at ``offset`` of the full tensor) multiplied in place by
+    the per-block ``scale [..., r, c]`` (from the block covering ``offset`` on), and returned. The scales
     are spread over the rows only and applied one column of blocks at a time: no second tensor of the
     piece's size."""
     (r0, c0), (b0, b1) = offset, block
