@@ -4,7 +4,8 @@ Rule: a benchmark (``train``, ``train_moe``, ``profile_step``, ``stream_weights`
 chooses its stacks and cases; what a stack is and how its step is timed lives here once, so their
 numbers stay comparable. :func:`build_shardtune` is the model, loss and optimizer the recipes build
 (meta device, LoRA/QLoRA, ``shard_model``, ``load_hf_checkpoint``, ``next_token_loss``, the recipes'
-AdamW); :func:`fsdp2_as_users_write_it` is how a peer's users apply FSDP2; :func:`measure_run` is one
+AdamW); :func:`fsdp2_as_users_write_it` is how a peer's users apply FSDP2, :func:`build_transformers` the
+transformers (+ peft) peer built with it; :func:`measure_run` is one
 run on a rank (a warm-up step, the timed steps, optionally a profiled one); :func:`add_step_options`
 is the command line every training-step benchmark shares. :data:`SHAPES` are the issue's head- and
 body-dominated steps (``train`` and ``profile_step``).
@@ -20,6 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from benchmarks._comm_bytes import counting
@@ -110,6 +112,58 @@ def fsdp2_as_users_write_it(model: nn.Module, decoder: nn.Module, **options: Any
         decoder.layers[i] = checkpoint_wrapper(layer)
         fully_shard(decoder.layers[i], **options)
     fully_shard(model, **options)
+
+
+def build_transformers(
+    group: str,
+    hf: str,
+    device: torch.device,
+    *,
+    dtype: torch.dtype = torch.float32,
+    targets: tuple[str, ...] = TARGETS,
+    experts_implementation: str | None = None,
+) -> Built:
+    """The transformers model (``group`` ``full``; ``lora``: peft's LoRA on the modules named ``targets``;
+    ``qlora``: also each adapted base in NF4; a mixture of experts' experts run by ``experts_implementation``,
+    e.g. ``grouped_mm``) with FSDP2 as users write it, and its full-logits loss (no generation cache, as
+    trainers run it: a cache filled in forward would change the recompute's shapes)."""
+    from transformers import AutoModelForCausalLM
+
+    extra = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=dtype, **extra).to(device)
+    decoder = model.model
+    if group != "full":
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=list(targets))
+        model = get_peft_model(model, config)
+        if group == "qlora":
+            _quantize_lora_bases(model)
+    options = {}
+    if group == "qlora" and dist.get_world_size() == 1:
+        # FSDP2 skips the all-gather on one rank and rebuilds NF4 weights without their scalers
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+
+        options["ignored_params"] = {p for p in model.parameters() if isinstance(p, NF4Tensor)}
+    fsdp2_as_users_write_it(model, decoder, **options)
+
+    def loss(tokens: torch.Tensor) -> torch.Tensor:
+        logits = model(input_ids=tokens, use_cache=False).logits
+        labels = F.pad(tokens[:, 1:], (0, 1), value=-100)  # position t predicts token t+1
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+    return Built(model, loss)
+
+
+def _quantize_lora_bases(model: nn.Module) -> None:
+    """QLoRA without bitsandbytes: each peft-adapted linear's base weight becomes a frozen NF4Tensor."""
+    from peft.tuners.lora import LoraLayer
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            base = module.get_base_layer()
+            base.weight = nn.Parameter(to_nf4(base.weight.detach(), 64, 256), requires_grad=False)
 
 
 def measure_run(

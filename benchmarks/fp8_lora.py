@@ -40,7 +40,7 @@ import torch
 from benchmarks._driver import REPO_ROOT, environment_lines, finish, try_spawn
 from benchmarks._fp8_checkpoint_steps import is_quantized, quantize
 from benchmarks._hf_models import saved_once
-from benchmarks._train_step import build_shardtune, measure_run
+from benchmarks._train_step import Built, build_shardtune, measure_run
 
 MARKERS = ("<!-- fp8-lora:begin -->", "<!-- fp8-lora:end -->")
 METHODS = {"fp8_base": "lora_fp8", "bf16_base": "lora"}  # method -> build_shardtune's group
@@ -117,6 +117,12 @@ def run(*, method: str, hf: str, rows: int, seq: int, vocab: int, steps: int) ->
 
     device = bench_device()
     built = build_shardtune(METHODS[method], hf, device, dtype=torch.bfloat16)
+    return measured(built, device=device, rows=rows, seq=seq, vocab=vocab, steps=steps)
+
+
+def measured(built: Built, *, device: torch.device, rows: int, seq: int, vocab: int, steps: int) -> dict[str, Any]:
+    """:func:`measure_run`'s record of a built stack, plus its parameters' bytes on this rank: all, FP8, and the
+    routed experts'."""
     locals_ = {n: p.to_local() if hasattr(p, "to_local") else p for n, p in built.model.named_parameters()}
     record = measure_run(built, device=device, rows=rows, seq=seq, vocab=vocab, steps=steps)
     record["param_bytes"] = sum(t.numel() * t.element_size() for t in locals_.values())
@@ -127,7 +133,7 @@ def run(*, method: str, hf: str, rows: int, seq: int, vocab: int, steps: int) ->
     return record
 
 
-def _row(method: str, ranks: list[list[dict[str, Any]]]) -> dict[str, float]:
+def summary_row(method: str, ranks: list[list[dict[str, Any]]]) -> dict[str, float]:
     """Medians over the repeats of the slowest / largest rank."""
 
     def worst(key) -> float:
@@ -231,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     if not held["fp8_base"] or held["bf16_base"]:
         print(f"FP8 bytes held: {held}; only fp8_base holds its bases in FP8", file=sys.stderr)
         return 1
-    rows = {m: _row(m, records[m]) for m in METHODS}
+    rows = {m: summary_row(m, records[m]) for m in METHODS}
     markdown = None if cfg.no_markdown else cfg.markdown
     section = _section(cfg, rows, losses, config, (load_before, os.getloadavg()[0]))
     finish(section, markdown=markdown, markers=MARKERS)

@@ -51,9 +51,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from benchmarks import _torchtune_peer
 from benchmarks._driver import (
@@ -79,14 +76,11 @@ from benchmarks._train_report import (
 )
 from benchmarks._train_step import (
     DTYPES,
-    LORA_ALPHA,
-    LORA_RANK,
     SHAPES,
-    TARGETS,
     Built,
     add_step_options,
     build_shardtune,
-    fsdp2_as_users_write_it,
+    build_transformers,
     measure_run,
 )
 
@@ -106,46 +100,6 @@ SMOKE_SHAPES = {"smoke": (SMOKE, 2, 32)}
 # --------------------------------------------------------------------------- in the ranks
 
 
-def _quantize_lora_bases(model: nn.Module) -> None:
-    """QLoRA without bitsandbytes: each peft-adapted linear's base weight becomes a frozen NF4Tensor."""
-    from peft.tuners.lora import LoraLayer
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
-
-    for module in model.modules():
-        if isinstance(module, LoraLayer):
-            base = module.get_base_layer()
-            base.weight = nn.Parameter(to_nf4(base.weight.detach(), 64, 256), requires_grad=False)
-
-
-def _transformers(group: str, hf: str, device: torch.device, *, dtype: torch.dtype = torch.float32) -> Built:
-    """The transformers (+ peft) model with FSDP2 as users write it, and its full-logits loss."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=dtype).to(device)
-    decoder = model.model
-    if group != "full":
-        from peft import LoraConfig, get_peft_model
-
-        config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=list(TARGETS))
-        model = get_peft_model(model, config)
-        if group == "qlora":
-            _quantize_lora_bases(model)
-    options = {}
-    if group == "qlora" and dist.get_world_size() == 1:
-        # FSDP2 skips the all-gather on one rank and rebuilds NF4 weights without their scalers
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
-
-        options["ignored_params"] = {p for p in model.parameters() if isinstance(p, NF4Tensor)}
-    fsdp2_as_users_write_it(model, decoder, **options)
-
-    def loss(tokens: torch.Tensor) -> torch.Tensor:
-        logits = model(input_ids=tokens).logits
-        labels = F.pad(tokens[:, 1:], (0, 1), value=-100)  # position t predicts token t+1
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-
-    return Built(model, loss)
-
-
 def run(*, group: str, method: str, hf: str, dtype: str, rows: int, seq: int, vocab: int, steps: int) -> dict[str, Any]:
     """One run on this rank: build, warm-up step, ``steps`` measured steps, on CPU one profiled step; its record."""
     device = bench_device()
@@ -154,7 +108,7 @@ def run(*, group: str, method: str, hf: str, dtype: str, rows: int, seq: int, vo
     if method == "shardtune":
         built = build_shardtune(group, hf, device, dtype=torch_dtype)
     elif method == "transformers":
-        built = _transformers(group, hf, device, dtype=torch_dtype)
+        built = build_transformers(group, hf, device, dtype=torch_dtype)
     else:
         built = Built(*_torchtune_peer.build(hf, device, dtype=torch_dtype))
     floor_dtype = torch_dtype if device.type == "cpu" else None

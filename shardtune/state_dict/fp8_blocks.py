@@ -38,8 +38,9 @@ def dequantize_block_fp8(
 def scale_blocks(
     values: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], offset: tuple[int, int] = (0, 0)
 ) -> torch.Tensor:
-    """``values [..., R, C]`` (float32, at ``offset`` of the full tensor) multiplied in place by the
-    per-block ``scale [..., r, c]`` (from the block covering ``offset`` on), and returned. The scales
+    """``values [..., R, C]`` (float32, or a narrower float dtype holding FP8 values exactly: each product
+    is then computed in float32 and rounded once; at ``offset`` of the full tensor) multiplied in place by
+    the per-block ``scale [..., r, c]`` (from the block covering ``offset`` on), and returned. The scales
     are spread over the rows only and applied one column of blocks at a time: no second tensor of the
     piece's size."""
     (r0, c0), (b0, b1) = offset, block
@@ -60,9 +61,20 @@ def scale_rows_shape(shape: tuple[int, ...], block_cols: int) -> tuple[int, ...]
     return (*shape[:-1], -(-shape[-1] // block_cols))
 
 
+# dtypes that hold every FP8 value exactly and whose products with float32 scales are computed in float32
+_HOLDS_FP8 = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
+
 def dequantize_rows(
     weight: torch.Tensor, scale_rows: torch.Tensor, block_cols: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The weight in ``dtype`` (computed in float32) from its FP8 values ``[..., R, C]`` and their
-    row-expanded scales ``[..., R, ceil(C / b1)]``."""
-    return scale_blocks(weight.to(torch.float32), scale_rows, (1, block_cols)).to(dtype)
+    """The weight in ``dtype`` (each product computed in float32) from its FP8 values ``[..., R, C]`` and their
+    row-expanded scales ``[..., R, ceil(C / b1)]``.
+
+    In bf16 or fp16 the FP8 values are copied exactly into the result and scaled there in place: an in-place
+    multiply by the float32 scales computes in float32 and rounds once to ``dtype``, the same values as a
+    float32 copy cast down, without that float32 copy (twice the result's bytes, alive per layer in forward
+    and again in backward)."""
+    if dtype not in _HOLDS_FP8:
+        return scale_blocks(weight.to(torch.float32), scale_rows, (1, block_cols)).to(dtype)
+    return scale_blocks(weight.to(dtype), scale_rows, (1, block_cols))

@@ -150,6 +150,18 @@ def test_the_dequantization_is_the_checkpoint_readers_at_any_row_offset():
         assert torch.equal(fp8_base.dequantize(fp8[r0:r1], piece, BLOCK[1], torch.float32), want[r0:r1])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_narrow_dequantization_is_the_float32_products_rounded_once(dtype):
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(70, 90, generator=gen) * 3
+    fp8, scale_inv = hand_quantize(weight)
+    scales = row_scales(scale_inv, 0, 70, BLOCK[0])
+    want = (fp8.float() * scales.repeat_interleave(BLOCK[1], 1)[:, :90]).to(dtype)
+    got = fp8_base.dequantize(fp8, scales, BLOCK[1], dtype)
+    assert got.dtype == dtype
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bit for bit
+
+
 def test_garbage_is_refused_naming_the_module_or_key(tmp_path):
     fp8_dir(tmp_path)
     with pytest.raises(ValueError, match="fp8_block"):

@@ -8,7 +8,9 @@ pairs when ``rope_interleave``), values may be narrower than keys, and the softm
 ``qk_head_dim ** -0.5`` times yarn's ``mscale_all_dim`` correction (:func:`~shardtune.models.rope.softmax_mscale`).
 The generation cache holds the normed latent and the rotated key part (what transformers caches), expanded at
 every step. From the per-head queries, keys and values on, it is
-:class:`~shardtune.models.blocks.attention.Attention`: SDPA, packed samples, context parallelism. The two
+:class:`~shardtune.models.blocks.attention.Attention`: SDPA, packed samples, context parallelism; values
+narrower than keys are zero-padded to the keys' width for it (SDPA's fused kernels need equal widths) and
+the output cut back. The two
 small norms use transformers' fixed epsilon (1e-6), not ``rms_norm_eps``. Modules are registered in
 transformers' order, so ``state_dict`` keys and order equal its checkpoints'.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardtune.models.args import ModelArgs
@@ -135,5 +138,11 @@ class MLAttention(Attention):
         if kv is not None:  # generation: never packed nor split over ranks
             latent, k_rot = kv(latent, k_rot)
         k, v = self._expand(latent, k_rot)
-        out = self._attention(q, k, v, mask, packed, cached=kv is not None)
+        width = v.shape[-1]
+        if width < self.head_dim:
+            # SDPA's fused kernels (CPU flash among them) need values as wide as keys; otherwise it falls back
+            # to its math path, which materializes every head's scores and probabilities. Zero channels add
+            # nothing to the kept ones.
+            v = F.pad(v, (0, self.head_dim - width))
+        out = self._attention(q, k, v, mask, packed, cached=kv is not None)[..., :width]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
