@@ -55,6 +55,8 @@ from shardtune.ranks.sharding import decoder_layers, shard_model
 from shardtune.recipes import _resume
 from shardtune.recipes.run import DTYPES, Run
 from shardtune.recipes.run import start as start  # a recipe's first step: setup.start(cfg)
+from shardtune.recipes.summary import log_start_summary
+from shardtune.run_command import continue_command, this_command
 from shardtune.run_errors import download_hint
 from shardtune.training.activation_offload import offload_layer_activations
 from shardtune.training.evaluate import Evaluator
@@ -366,17 +368,25 @@ def build_training(
         frozen=frozen,
         chat_template=None if template is None else template.text,
     )
-    load_weights(cfg, run, model, checkpointer)
+    progress = load_weights(cfg, run, model, checkpointer)
+    log_start_summary(
+        cfg,
+        run,
+        model,
+        samples=len(loader.dataset),
+        steps_per_epoch=steps_per_epoch(len(loader), loop_settings(cfg)),
+        start_step=progress.step,
+        template=template,
+    )
     evaluate = build_evaluator(cfg, run, model, tokenizer)
     return Training(model, loader, sampler, optimizer, lr_scheduler, checkpointer, evaluate=evaluate)
 
 
 def chat_template_of(cfg: Config, run: Run, tokenizer: HFTokenizer) -> TrainedTemplate | None:
-    """The chat template ``cfg.dataset``'s chat data trains with (None: no chat data), logged on rank 0
-    (with a warning for chat datasets trained with another template than the one saved)."""
+    """The chat template ``cfg.dataset``'s chat data trains with (None: no chat data; the start summary
+    names it), with a warning on rank 0 for chat datasets trained with another template than the one saved."""
     template, others = trained_chat_template(dataset_specs(cfg.dataset), tokenizer)
-    if run.is_rank_zero and template is not None:
-        log.info("chat template: %s; saved with every checkpoint as chat_template.jinja", template.origin)
+    if run.is_rank_zero:
         for line in others:
             log.warning("%s: generate and serve it with care", line)
     return template
@@ -441,13 +451,18 @@ def dataset_specs(value) -> list[dict]:
 def finish(cfg: Config, run: Run, checkpointer: Checkpointer, recipe: str, logger: MetricLogger) -> None:
     logger.close()
     if run.is_rank_zero:
+        again = continue_command(
+            this_command(),
+            output_dir=str(checkpointer.options.output_dir),
+            resume_from_checkpoint="true",
+            epochs=f"{cfg.epochs + 1}",
+        )
         log.info(
-            "done: this run's outputs are in %s (checkpoint %s); to continue training: shardtune run ... %s "
-            "--config <config> output_dir=%s resume_from_checkpoint=True epochs=<more>",
-            checkpointer.options.output_dir,
-            checkpointer.last_saved,
+            "done: %s's outputs are in %s (checkpoint %s); to train more epochs (here one more): %s",
             recipe,
             checkpointer.options.output_dir,
+            checkpointer.last_saved,
+            again,
         )
     if run.lock is not None:
         run.lock.release()

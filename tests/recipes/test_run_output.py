@@ -63,3 +63,74 @@ def test_checkpoint_carries_the_chat_template_trained(chat_run, tiny_dirs):
     expected = hf.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=False)
     assert load_generator(checkpoint).prompt_ids("What is 2+3?", chat=True) == list(expected)
     assert "chat template: the built-in 'chat' template" in proc.stderr
+
+
+def test_output_not_on_a_terminal_has_a_summary_plain_progress_and_the_real_command(chat_run):
+    out, proc = chat_run
+    assert "\r" not in proc.stdout and "\r" not in proc.stderr  # no bar redraws in a log file
+    for line in (
+        "run summary:",
+        "  parameters: ",
+        "  global batch: 2 sequences (batch_size 2 x 1 data ranks x gradient_accumulation_steps 1), up to 256 tokens",
+        "  steps: 2 optimizer steps (1 epochs x 2)",
+        "  mesh: 1 ranks",
+        "  precision: ",
+        "  data: 140 samples per epoch",
+    ):
+        assert line in proc.stderr, line
+    assert "step 1/2 (50%) epoch 1/1 loss=" in proc.stderr and "step 2/2 (100%) epoch 1/1" in proc.stderr
+    assert "eta=" in proc.stderr and "tok/s=" in proc.stderr
+    # one epoch numbering: the metrics' epoch of the first epoch is 1, as the directory written at its end
+    assert "step=2 epoch=1 " in proc.stdout and (out / "epoch_1").is_dir()
+    done = next(line for line in proc.stderr.splitlines() if "done:" in line)
+    assert "<config>" not in done
+    assert "shardtune run --nproc_per_node 1 full_finetune_distributed --config tiny/full" in done
+    assert f"output_dir={out} resume_from_checkpoint=true epochs=2" in done
+
+
+@pytest.mark.parametrize("how", ["sigterm_launcher", "ctrl_c_group"])
+def test_a_stopped_run_prints_its_step_newest_checkpoint_and_resume_command(tiny_dirs, tmp_path, how):
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    args = [
+        "--nproc_per_node",
+        "2",
+        "full_finetune_distributed",
+        "--config",
+        "tiny/full",
+        f"output_dir={out}",
+        f"checkpoint_dir={tiny_dirs['base']}",
+        "epochs=1",
+        "batch_size=1",
+        "save_every_n_steps=1",
+        "log_every_n_steps=1",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    cmd = [sys.executable, "-m", "shardtune.cli", "run", *args]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    deadline = time.monotonic() + 240
+    while not (out / "step_2").is_dir() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    assert (out / "step_2").is_dir(), "no checkpoint in time"
+    if how == "sigterm_launcher":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the launcher and every rank
+    stdout, stderr = proc.communicate(timeout=120)
+    expected_code = 128 + (signal.SIGTERM if how == "sigterm_launcher" else signal.SIGINT)
+    assert proc.returncode == expected_code, stderr[-3000:]
+    assert "KeyboardInterrupt" not in stderr and "Traceback" not in stderr
+    assert "OMP_NUM_THREADS" not in stderr  # torchrun's banner
+    stopped = [line for line in stderr.splitlines() if line.startswith("shardtune run:")]
+    assert stopped[0].startswith("shardtune run: stopped by SIG") and " after step " in stopped[0], stopped
+    step = int(stopped[0].rsplit(" ", 1)[1])
+    newest = max((p for p in out.iterdir() if p.name.startswith("step_")), key=lambda p: int(p.name[5:]))
+    assert step >= int(newest.name[5:]) >= 2
+    assert f"the newest checkpoint is {newest}; to resume from it: shardtune run " in stopped[1]
+    resume = stopped[1].split("to resume from it: ", 1)[1]
+    assert resume.endswith("resume_from_checkpoint=true") and f"output_dir={out}" in resume
