@@ -33,6 +33,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from shardtune import run_errors
@@ -112,7 +113,7 @@ def _launch(args: list[str], *, output_dir: str | None = None) -> int:
     previous = os.environ.get(run_errors.ERROR_DIR_ENV)
     os.environ[run_errors.ERROR_DIR_ENV] = error_dir
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    command = os.environ.get(COMMAND_ENV) or launch_command(args)
+    command, launched = os.environ.get(COMMAND_ENV) or launch_command(args), time.time()
     # Its "failed (exitcode ...)" and "Sending process ... closing signal" lines: the report below says it once.
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     level = agent_log.level
@@ -128,7 +129,9 @@ def _launch(args: list[str], *, output_dir: str | None = None) -> int:
         records = run_errors.read_records(error_dir)
         signame = run_errors.stopped_by(records, exits)
         if signame is not None and not debug:
-            sys.stderr.write(f"\n{run_errors.stop_message(signame, output_dir=output_dir, command=command)}\n")
+            sys.stderr.write(
+                f"\n{run_errors.stop_message(signame, output_dir=output_dir, command=command, since=launched)}\n"
+            )
             return 128 + int(signal.Signals[signame])
         message, code = run_errors.report(records, exits)
         if debug:
@@ -138,7 +141,7 @@ def _launch(args: list[str], *, output_dir: str | None = None) -> int:
     except SignalException as exc:  # the launcher was sent SIGTERM/SIGINT; torchrun stopped the ranks
         records = run_errors.read_records(error_dir)
         if run_errors.stopped_by(records, {}) is not None or not records:
-            message = run_errors.stop_message(exc.sigval.name, output_dir=output_dir, command=command)
+            message = run_errors.stop_message(exc.sigval.name, output_dir=output_dir, command=command, since=launched)
         else:
             message = run_errors.report(records, {})[0]
         sys.stderr.write(f"\n{message}\n")
