@@ -57,9 +57,9 @@ def chat_records(records: Sequence[Mapping[str, Any]], *, column: str | None, so
             )
         where = f"{source} record {i}"
         if sharegpt:
-            messages = _sharegpt(record[column], where)
+            messages = _sharegpt(record[column], where, column)
         else:
-            messages = _openai(record[column], where)
+            messages = _openai(record[column], where, column)
             joined = joined or messages != record[column]
         out.append({**record, column: messages})
     if sharegpt:
@@ -84,19 +84,19 @@ def _is_sharegpt(value: Any) -> bool:
     return isinstance(first, Mapping) and "from" in first and "role" not in first
 
 
-def _conversation(value: Any, where: str) -> list[Any]:
+def _conversation(value: Any, where: str, column: str) -> list[Any]:
     if not isinstance(value, list) or not value:
         got = "an empty list" if value == [] else f"{type(value).__name__} {_shown(value)}"
         raise ValueError(
-            f"{where}: the conversation must be a non-empty list of messages, got {got}; drop the record or "
+            f"{where} column {column!r} must be a non-empty list of messages, got {got}; drop the record or "
             "give it at least one message"
         )
     return value
 
 
-def _sharegpt(value: Any, where: str) -> list[dict[str, Any]]:
+def _sharegpt(value: Any, where: str, column: str) -> list[dict[str, Any]]:
     messages = []
-    for j, m in enumerate(_conversation(value, where)):
+    for j, m in enumerate(_conversation(value, where, column)):
         if not isinstance(m, Mapping) or "from" not in m:
             raise ValueError(
                 f"{where} message {j} must be {{from, value}} like the record's first message, got {_shown(m)}; "
@@ -115,9 +115,9 @@ def _sharegpt(value: Any, where: str) -> list[dict[str, Any]]:
     return messages
 
 
-def _openai(value: Any, where: str) -> list[Any]:
+def _openai(value: Any, where: str, column: str) -> list[Any]:
     messages = []
-    for j, m in enumerate(_conversation(value, where)):
+    for j, m in enumerate(_conversation(value, where, column)):
         if isinstance(m, Mapping) and isinstance(m.get("content"), list):
             m = {**m, "content": _joined(m["content"], f"{where} message {j}")}
         messages.append(m)
