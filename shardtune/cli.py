@@ -71,7 +71,6 @@ def cmd_run(argv: list[str]) -> int:
             "A failed run prints its root cause once; --debug (or SHARDTUNE_DEBUG=1) shows every rank's traceback.\n"
         )
         return 0
-    os.environ[COMMAND_ENV] = launch_command(argv)  # the ranks print it to continue or resume the run
     torchrun_args, recipe, recipe_args = split_run_args(argv)
     if "--debug" in torchrun_args:
         torchrun_args = [a for a in torchrun_args if a != "--debug"]
@@ -94,14 +93,15 @@ def cmd_run(argv: list[str]) -> int:
         output_dir = load_recipe_config(recipe, recipe_args).output_dir
     else:
         target, output_dir = [recipe], None
-    return _launch([*torchrun_args, *target, *recipe_args], output_dir=output_dir)
+    return _launch([*torchrun_args, *target, *recipe_args], output_dir=output_dir, command=launch_command(argv))
 
 
-def _launch(args: list[str], *, output_dir: str | None = None) -> int:
+def _launch(args: list[str], *, output_dir: str | None = None, command: str | None = None) -> int:
     """torchrun's main with ``args``; a failure becomes one printed root cause and an exit code, a
     stop (Ctrl-C, SIGTERM) the step reached, the newest checkpoint in ``output_dir`` and the command
     that resumes from it. ``OMP_NUM_THREADS`` is set to 1 when the user has not set it: torchrun does
-    the same, but with a four-line warning on every run."""
+    the same, but with a four-line warning on every run. ``command`` (``shardtune run``'s command line)
+    reaches the ranks as ``SHARDTUNE_COMMAND``: they print it to continue the run."""
     import logging
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -112,8 +112,11 @@ def _launch(args: list[str], *, output_dir: str | None = None) -> int:
     error_dir = tempfile.mkdtemp(prefix="shardtune-errors-")
     previous = os.environ.get(run_errors.ERROR_DIR_ENV)
     os.environ[run_errors.ERROR_DIR_ENV] = error_dir
+    previous_threads = os.environ.get("OMP_NUM_THREADS")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    command, launched = os.environ.get(COMMAND_ENV) or launch_command(args), time.time()
+    command, launched = command or launch_command(args), time.time()
+    previous_command = os.environ.get(COMMAND_ENV)
+    os.environ[COMMAND_ENV] = command
     # Its "failed (exitcode ...)" and "Sending process ... closing signal" lines: the report below says it once.
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     level = agent_log.level
@@ -148,10 +151,16 @@ def _launch(args: list[str], *, output_dir: str | None = None) -> int:
         return 128 + int(exc.sigval)
     finally:
         agent_log.setLevel(level)
-        if previous is None:
-            os.environ.pop(run_errors.ERROR_DIR_ENV, None)
-        else:
-            os.environ[run_errors.ERROR_DIR_ENV] = previous
+        restored = (
+            (run_errors.ERROR_DIR_ENV, previous),
+            (COMMAND_ENV, previous_command),
+            ("OMP_NUM_THREADS", previous_threads),
+        )
+        for name, value in restored:
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         shutil.rmtree(error_dir, ignore_errors=True)
     return 0
 
