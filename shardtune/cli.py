@@ -30,8 +30,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from shardtune import run_errors
@@ -46,6 +48,7 @@ from shardtune.recipes.registry import (
     load_recipe_config,
     recipe_of_config,
 )
+from shardtune.run_command import COMMAND_ENV, launch_command
 
 
 def cmd_run(argv: list[str]) -> int:
@@ -87,13 +90,18 @@ def cmd_run(argv: list[str]) -> int:
             sys.stderr.write(f"shardtune run: {problems}\n")
             return 2
         target = ["-m", RECIPES[recipe].module]
+        output_dir = load_recipe_config(recipe, recipe_args).output_dir
     else:
-        target = [recipe]
-    return _launch([*torchrun_args, *target, *recipe_args])
+        target, output_dir = [recipe], None
+    return _launch([*torchrun_args, *target, *recipe_args], output_dir=output_dir, command=launch_command(argv))
 
 
-def _launch(args: list[str]) -> int:
-    """torchrun's main with ``args``; a failure becomes one printed root cause and an exit code."""
+def _launch(args: list[str], *, output_dir: str | None = None, command: str | None = None) -> int:
+    """torchrun's main with ``args``; a failure becomes one printed root cause and an exit code, a
+    stop (Ctrl-C, SIGTERM) the step reached, the newest checkpoint in ``output_dir`` and the command
+    that resumes from it. ``OMP_NUM_THREADS`` is set to 1 when the user has not set it: torchrun does
+    the same, but with a four-line warning on every run. ``command`` (``shardtune run``'s command line)
+    reaches the ranks as ``SHARDTUNE_COMMAND``: they print it to continue the run."""
     import logging
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -104,6 +112,11 @@ def _launch(args: list[str]) -> int:
     error_dir = tempfile.mkdtemp(prefix="shardtune-errors-")
     previous = os.environ.get(run_errors.ERROR_DIR_ENV)
     os.environ[run_errors.ERROR_DIR_ENV] = error_dir
+    previous_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    command, launched = command or launch_command(args), time.time()
+    previous_command = os.environ.get(COMMAND_ENV)
+    os.environ[COMMAND_ENV] = command
     # Its "failed (exitcode ...)" and "Sending process ... closing signal" lines: the report below says it once.
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     level = agent_log.level
@@ -116,22 +129,38 @@ def _launch(args: list[str]) -> int:
             rank: run_errors.Exit(rank=rank, exitcode=failure.exitcode, time=failure.timestamp)
             for rank, failure in exc.failures.items()
         }
-        message, code = run_errors.report(run_errors.read_records(error_dir), exits)
+        records = run_errors.read_records(error_dir)
+        signame = run_errors.stopped_by(records, exits)
+        if signame is not None and not debug:
+            sys.stderr.write(
+                f"\n{run_errors.stop_message(signame, output_dir=output_dir, command=command, since=launched)}\n"
+            )
+            return 128 + int(signal.Signals[signame])
+        message, code = run_errors.report(records, exits)
         if debug:
             sys.stderr.write(f"{exc}\n")
         sys.stderr.write(f"\n{message}\n")  # a line of its own, after any progress bar the ranks left
         return code
     except SignalException as exc:  # the launcher was sent SIGTERM/SIGINT; torchrun stopped the ranks
         records = run_errors.read_records(error_dir)
-        message = run_errors.report(records, {})[0] if records else f"shardtune run: stopped by {exc.sigval.name}"
+        if run_errors.stopped_by(records, {}) is not None or not records:
+            message = run_errors.stop_message(exc.sigval.name, output_dir=output_dir, command=command, since=launched)
+        else:
+            message = run_errors.report(records, {})[0]
         sys.stderr.write(f"\n{message}\n")
         return 128 + int(exc.sigval)
     finally:
         agent_log.setLevel(level)
-        if previous is None:
-            os.environ.pop(run_errors.ERROR_DIR_ENV, None)
-        else:
-            os.environ[run_errors.ERROR_DIR_ENV] = previous
+        restored = (
+            (run_errors.ERROR_DIR_ENV, previous),
+            (COMMAND_ENV, previous_command),
+            ("OMP_NUM_THREADS", previous_threads),
+        )
+        for name, value in restored:
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         shutil.rmtree(error_dir, ignore_errors=True)
     return 0
 

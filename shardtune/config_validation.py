@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
+from shardtune.foreign_keys import FOREIGN_KEYS
 from shardtune.ranks.errors import ShardtuneError
 
 
@@ -188,7 +189,11 @@ def _all_paths(schema: Schema, prefix: str = "") -> list[str]:
 
 
 def _suggest(key: str, prefix: str, schema: Schema, root_paths: Sequence[str]) -> str:
-    """A 'did you mean' for an unknown key: the same name elsewhere, else a sibling spelled alike."""
+    """A 'did you mean' for an unknown key: another tool's name for a key of this schema, the same
+    name elsewhere, else a sibling spelled alike."""
+    if key in FOREIGN_KEYS and FOREIGN_KEYS[key][0] in root_paths:
+        path, note = FOREIGN_KEYS[key]
+        return f"; did you mean {path!r}? (shardtune's name{': ' + note if note else ''})"
     elsewhere = [p for p in root_paths if p.rsplit(".", 1)[-1] == key]
     if elsewhere:
         return f"; did you mean {elsewhere[0]!r}?"

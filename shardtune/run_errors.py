@@ -184,3 +184,74 @@ def _ranks(ranks: list[int]) -> str:
 def download_hint(repo: str, directory: str) -> str:
     """The commands that download the HF model ``repo`` into ``directory`` (for errors about a missing model)."""
     return f"shardtune download {repo} {directory} (or: hf download {repo} --local-dir {directory})"
+
+
+_STOP_TYPES = ("KeyboardInterrupt", "TrainingStopped")
+
+
+def stopped_by(records: Mapping[int, RankError], exits: Mapping[int, Exit]) -> str | None:
+    """The signal's name when the run ended because it was stopped (Ctrl-C, SIGTERM: every rank that
+    recorded an error was interrupted, every other one ended by the signal or with 128 + it), else None."""
+    codes = {e.exit_code for e in records.values() if e.type in _STOP_TYPES}
+    if any(e.type not in _STOP_TYPES for e in records.values()):
+        return None
+    for x in exits.values():
+        if x.rank in records:
+            continue
+        if x.exitcode in (-signal.SIGINT, -signal.SIGTERM):
+            codes.add(128 - x.exitcode)
+        elif x.exitcode in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+            codes.add(x.exitcode)
+        else:
+            return None
+    if not records and not codes:
+        return None
+    return "SIGTERM" if 128 + signal.SIGTERM in codes else "SIGINT"
+
+
+def stop_message(signame: str, *, output_dir: str | os.PathLike | None, command: str, since: float) -> str:
+    """What a stopped run prints: the step it reached (its last logged one), its newest checkpoint
+    and the command that resumes from it; only what this run wrote (files changed since ``since``,
+    the launch) counts, so a run stopped before its first step prints the signal alone."""
+    from shardtune.run_command import continue_command
+
+    head = f"shardtune run: stopped by {signame}"
+    if output_dir is None:
+        return head
+    out = Path(output_dir)
+    step = _last_logged_step(out, since)
+    newest = _newest_checkpoint(out, since)
+    if step is None and newest is None:
+        return head
+    lines = [head + (f" after step {step}" if step is not None else " before the first logged step")]
+    if newest is None:
+        lines.append(f"shardtune run: this run saved no checkpoint in {out}; run the same command to start over")
+    else:
+        again = continue_command(command, resume_from_checkpoint="true")
+        lines.append(f"shardtune run: the newest checkpoint is {newest}; to resume from it: {again}")
+    return "\n".join(lines)
+
+
+def _last_logged_step(out: Path, since: float) -> int | None:
+    try:
+        if (out / "metrics.jsonl").stat().st_mtime < since:
+            return None
+        rows = (out / "metrics.jsonl").read_text().splitlines()
+        return int(json.loads(rows[-1])["step"]) if rows else None
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+def _newest_checkpoint(out: Path, since: float) -> Path | None:
+    """The published checkpoint (its manifest written since ``since``) with the highest step."""
+    from shardtune.checkpoint.layout import MANIFEST, is_checkpoint_name
+
+    found = []
+    try:
+        for path in out.iterdir():
+            manifest = path / MANIFEST
+            if is_checkpoint_name(path.name) and manifest.is_file() and manifest.stat().st_mtime >= since:
+                found.append((int(json.loads(manifest.read_text()).get("step", 0)), path.name, path))
+    except (OSError, ValueError):
+        return None
+    return max(found)[2] if found else None

@@ -121,6 +121,7 @@ class Checkpointer:
             shared_filesystem=options.shared_filesystem,
             expert_layout=options.expert_layout,
             weight_format=options.weight_format,
+            chat_template=options.chat_template,
         )
         self._final, self._intermediate = pick_weights(
             inputs,

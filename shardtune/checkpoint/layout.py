@@ -56,10 +56,11 @@ OPTIMIZER_META = "optimizer.json"
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # the chat template (before tokenizer_config.json's, for transformers)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
-    "chat_template.jinja",  # the chat template, when not inside tokenizer_config.json
+    CHAT_TEMPLATE_FILE,
     "special_tokens_map.json",
     "generation_config.json",
     "tokenizer.model",

@@ -57,7 +57,8 @@ class CheckpointOptions:
     ``fused``: see :func:`~shardtune.checkpoint.formats.hf_save.save_hf_checkpoint`). ``weight_format``
     is how the final HF checkpoint holds the weights (``dtype``: the training dtype; ``block_fp8``: the
     block-FP8 format the base was loaded from); intermediate checkpoints, which resumes read, keep the
-    training dtype.
+    training dtype. ``chat_template``: the Jinja text of the chat template the run trained with, written
+    as ``chat_template.jinja`` into every checkpoint (None: the base's tokenizer files as they are).
     """
 
     output_dir: Path
@@ -76,6 +77,7 @@ class CheckpointOptions:
     checksums: bool = True
     expert_layout: str = "auto"
     weight_format: str = "dtype"
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         # Paths given as str are stored as Path; every check of the options is made here, once.

@@ -21,7 +21,12 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from shardtune.checkpoint.errors import CheckpointError
 from shardtune.checkpoint.formats.dcp_format import save_dcp, write_model_description
-from shardtune.checkpoint.formats.hf_save import HFSaveOptions, plan_hf_checkpoint, save_hf_checkpoint
+from shardtune.checkpoint.formats.hf_save import (
+    HFSaveOptions,
+    chat_template_files,
+    plan_hf_checkpoint,
+    save_hf_checkpoint,
+)
 from shardtune.checkpoint.formats.optimizer_io import plan_optimizer, save_optimizer
 from shardtune.checkpoint.formats.peft_format import save_peft_adapter
 from shardtune.checkpoint.formats.training_state import (
@@ -33,7 +38,7 @@ from shardtune.checkpoint.formats.training_state import (
     set_rng_state,
 )
 from shardtune.checkpoint.layout import ADAPTER_DIR, DCP_DIR, STATE_DIR
-from shardtune.checkpoint.storage.plans import save
+from shardtune.checkpoint.storage.plans import SavePlan, prepare, save
 from shardtune.checkpoint.storage.sinks import StagedSink
 from shardtune.checkpoint.storage.staging_memory import StagingMemory
 from shardtune.ranks import comm
@@ -53,6 +58,7 @@ class WeightsInputs:
     shared_filesystem: bool
     expert_layout: str = "auto"  # how the HF files hold MoE experts (hf_save.EXPERT_LAYOUTS)
     weight_format: str = "dtype"  # how the HF files hold the weights (hf_save.WEIGHT_FORMATS)
+    chat_template: str | None = None  # the Jinja text of the chat template trained, saved beside the tokenizer
 
 
 def write_adapter(inputs: WeightsInputs, staging: Path) -> bool:
@@ -65,6 +71,24 @@ def write_adapter(inputs: WeightsInputs, staging: Path) -> bool:
         inputs.model, staging / ADAPTER_DIR, base_model_name_or_path=base, shared_filesystem=inputs.shared_filesystem
     )
     return not inputs.adapter_weights_only
+
+
+def write_chat_template(inputs: WeightsInputs, staging: Path) -> None:
+    """Collective: rank 0 writes the trained chat template into a checkpoint that holds no HF model
+    files (adapter only, DCP shards), where the model files would have it."""
+    if inputs.chat_template is None:
+        return
+    plan = SavePlan(
+        directory=str(staging),
+        files=[],
+        header="Cannot save the chat template:",
+        write_header=f"Writing the chat template in {staging} failed:",
+        what="the chat template differs between ranks",
+        fix="give every rank the same dataset config and tokenizer",
+        signature=inputs.chat_template,
+        small_files=chat_template_files(inputs.chat_template),
+    )
+    prepare([plan])
 
 
 class Weights(Protocol):
@@ -94,7 +118,10 @@ class HFNow:
                 expert_layout=inputs.expert_layout,
                 source_dir=inputs.base_dir,
                 weight_format=inputs.weight_format,
+                chat_template=inputs.chat_template,
             )
+        else:
+            write_chat_template(inputs, staging)
         if inputs.optimizer is not None:
             save_optimizer(inputs.model, inputs.optimizer, staging / STATE_DIR, shared_filesystem=shared)
 
@@ -120,8 +147,11 @@ class HFInBackground:
                 expert_layout=inputs.expert_layout,
                 source_dir=inputs.base_dir,
                 weight_format=inputs.weight_format,
+                chat_template=inputs.chat_template,
             )
             plans.append(plan_hf_checkpoint(inputs.model, staging, options=options))
+        else:
+            write_chat_template(inputs, staging)
         if inputs.optimizer is not None:
             plans.append(plan_optimizer(inputs.model, inputs.optimizer, staging / STATE_DIR))
         sink = StagedSink(memory=self.memory)
@@ -157,6 +187,7 @@ class DCPShards:
             with problems.guard("model description"):
                 write_model_description(inputs.model, staging, inputs.base_dir)
         comm.raise_on_every_rank(problems, header=f"Saving checkpoint {staging} failed:")
+        write_chat_template(inputs, staging)
         return save_dcp(
             inputs.model,
             inputs.optimizer,

@@ -35,6 +35,7 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from shardtune.config import validated
+from shardtune.data.conversations import chat_records
 from shardtune.data.jinja_templates import JinjaChatTemplate, default_chat_template
 from shardtune.data.sources import load_records
 from shardtune.data.templates import (
@@ -403,6 +404,8 @@ def build_sft_dataset(spec: Mapping[str, Any], tokenizer: HFTokenizer, *, max_se
     spec, records, source = load_spec_records(spec)
     model_template = model_chat_template(spec, tokenizer, source) if spec["format"] == "chat" else None
     if spec["format"] == "chat":
+        chats = chat_records(records, column=spec["column_map"].get("messages"), source=source)
+        records, spec = chats.records, {**spec, "column_map": {**spec["column_map"], "messages": chats.column}}
         render = chat_renderer(records, spec, source, tokenizer, model_template)
     else:
         render = _instruct_renderer(records, spec, source)

@@ -37,6 +37,7 @@ from shardtune.data.checks import build_training_dataset, check_one_step
 from shardtune.data.from_config import is_preference
 from shardtune.data.preference import collate_pairs
 from shardtune.data.tokenizer import HFTokenizer
+from shardtune.data.trained_template import TrainedTemplate, trained_chat_template
 from shardtune.losses.from_config import validation_loss_of
 from shardtune.model_presets import TINY_PRESETS
 from shardtune.models import (
@@ -54,6 +55,8 @@ from shardtune.ranks.sharding import decoder_layers, shard_model
 from shardtune.recipes import _resume
 from shardtune.recipes.run import DTYPES, Run
 from shardtune.recipes.run import start as start  # a recipe's first step: setup.start(cfg)
+from shardtune.recipes.summary import log_start_summary
+from shardtune.run_command import continue_command, this_command
 from shardtune.run_errors import download_hint
 from shardtune.training.activation_offload import offload_layer_activations
 from shardtune.training.evaluate import Evaluator
@@ -278,10 +281,12 @@ def build_checkpointer(
     loader,
     adapter_weights_only: bool = False,
     frozen: dict[str, Path] | None = None,
+    chat_template: str | None = None,
 ) -> Checkpointer:
     """The Checkpointer, every object a checkpoint holds registered, with a fingerprint of what
     a resume must match (see :func:`~shardtune.recipes._resume.resume_fingerprint`; ``frozen``: the directories of frozen
-    models the recipe loads, by fingerprint part, e.g. ``{"teacher_weights": teacher_dir}``)."""
+    models the recipe loads, by fingerprint part, e.g. ``{"teacher_weights": teacher_dir}``; ``chat_template``:
+    the Jinja text of the chat template trained, saved with every checkpoint)."""
     marks = _resume.resume_fingerprint(
         cfg, run, base_dir, dataset=loader.dataset, lora=getattr(cfg, "lora", None), frozen=frozen or {}
     )
@@ -300,6 +305,7 @@ def build_checkpointer(
         shared_filesystem=cfg.shared_filesystem,
         expert_layout=cfg.expert_layout,
         weight_format=cfg.weight_format,
+        chat_template=chat_template,
     )
     states = CheckpointStates(model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler)
     return Checkpointer(states=states, options=options)
@@ -347,6 +353,7 @@ def build_training(
     sampler)`` of a recipe that reads ``cfg.dataset`` its own way (e.g. with :func:`build_loader`);
     None: :func:`build_data`'s."""
     tokenizer, loader, sampler = build_data(cfg, run, base_dir) if data is None else data
+    template = chat_template_of(cfg, run, tokenizer)
     optimizer, lr_scheduler = build_optimization(cfg, model, len(loader))
     checkpointer = build_checkpointer(
         cfg,
@@ -359,10 +366,30 @@ def build_training(
         loader=loader,
         adapter_weights_only=getattr(cfg, "adapter_weights_only", False),  # a LoRA recipe's key
         frozen=frozen,
+        chat_template=None if template is None else template.text,
     )
-    load_weights(cfg, run, model, checkpointer)
+    progress = load_weights(cfg, run, model, checkpointer)
+    log_start_summary(
+        cfg,
+        run,
+        model,
+        samples=len(loader.dataset),
+        steps_per_epoch=steps_per_epoch(len(loader), loop_settings(cfg)),
+        start_step=progress.step,
+        template=template,
+    )
     evaluate = build_evaluator(cfg, run, model, tokenizer)
     return Training(model, loader, sampler, optimizer, lr_scheduler, checkpointer, evaluate=evaluate)
+
+
+def chat_template_of(cfg: Config, run: Run, tokenizer: HFTokenizer) -> TrainedTemplate | None:
+    """The chat template ``cfg.dataset``'s chat data trains with (None: no chat data; the start summary
+    names it), with a warning on rank 0 for chat datasets trained with another template than the one saved."""
+    template, others = trained_chat_template(dataset_specs(cfg.dataset), tokenizer)
+    if run.is_rank_zero:
+        for line in others:
+            log.warning("%s: generate and serve it with care", line)
+    return template
 
 
 def fit(
@@ -424,13 +451,18 @@ def dataset_specs(value) -> list[dict]:
 def finish(cfg: Config, run: Run, checkpointer: Checkpointer, recipe: str, logger: MetricLogger) -> None:
     logger.close()
     if run.is_rank_zero:
+        again = continue_command(
+            this_command(),
+            output_dir=str(checkpointer.options.output_dir),
+            resume_from_checkpoint="true",
+            epochs=f"{cfg.epochs + 1}",
+        )
         log.info(
-            "done: this run's outputs are in %s (checkpoint %s); to continue training: shardtune run ... %s "
-            "--config <config> output_dir=%s resume_from_checkpoint=True epochs=<more>",
-            checkpointer.options.output_dir,
-            checkpointer.last_saved,
+            "done: %s's outputs are in %s (checkpoint %s); to train more epochs (here one more): %s",
             recipe,
             checkpointer.options.output_dir,
+            checkpointer.last_saved,
+            again,
         )
     if run.lock is not None:
         run.lock.release()

@@ -48,7 +48,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from shardtune.checkpoint.checkpointer import Checkpointer
 from shardtune.checkpoint.formats.training_state import TrainingProgress
@@ -60,6 +59,7 @@ from shardtune.training.finite import FiniteGuard, NonFiniteError
 from shardtune.training.flops import rank_batch_flops
 from shardtune.training.grad_norm import clip_grad_norm, grad_norm
 from shardtune.training.metrics import MetricLogger, peak_memory_mib
+from shardtune.training.progress import RunProgress
 from shardtune.training.router_balance import balanced_routers, update_router_biases
 from shardtune.training.signal_watch import SignalWatch
 from shardtune.training.signals import StopOnSignal, TrainingStopped
@@ -177,19 +177,29 @@ def _train(
         guard = FiniteGuard(max_skipped=settings.max_nonfinite_steps)
         routers = balanced_routers(model, settings.router_bias_update_rate)
         watch = SignalWatch(enabled=is_rank_zero)
+        shown: RunProgress | None = None
         for epoch in range(start_epoch, settings.epochs):
             sampler.set_epoch(epoch)  # a resumed sampler keeps its position in its epoch
             # The checkpointer restored the sampler with its checkpoint: the loader yields the rest of the epoch.
             resuming = epoch == start_epoch and bool(progress.sampler)
             done_batches = progress.batches_in_epoch if resuming else 0
-            total, done_in_epoch = epoch_steps(len(loader), done_batches, settings)  # type: ignore[arg-type]  # a DataLoader
-            bar = tqdm(
-                total=total,
-                initial=done_in_epoch,
-                desc=f"epoch {epoch + 1}/{settings.epochs}",
-                disable=not is_rank_zero,
-                leave=False,
-            )
+            left = len(loader)  # type: ignore[arg-type]  # a DataLoader
+            total, done_in_epoch = epoch_steps(left, done_batches, settings)
+            if shown is None:  # one display for the whole run, sized when the first epoch's batches are known
+                to_go = remaining_steps(
+                    batches_left=left,
+                    batches_done=done_batches,
+                    batches_per_epoch=left + done_batches,
+                    later_epochs=settings.epochs - epoch - 1,
+                    settings=settings,
+                )
+                shown = RunProgress(
+                    total=step + to_go,
+                    initial=step,
+                    epochs=settings.epochs,
+                    enabled=is_rank_zero,
+                    every=settings.log_every_n_steps,
+                )
             batches = done_in_epoch * settings.gradient_accumulation_steps
             window = _Window()
             model.train()
@@ -214,21 +224,22 @@ def _train(
                 step += 1
                 _advance(progress, step=step, epoch=epoch, batches_in_epoch=batches)
                 done_in_epoch += 1
-                bar.update(1)
                 last_in_epoch = done_in_epoch >= total
                 evaluating = evaluate is not None and (
                     step % settings.eval_every_n_steps == 0 if settings.eval_every_n_steps else last_in_epoch
                 )
+                row = None
                 if evaluating or step % settings.log_every_n_steps == 0:
                     lr = float(optimizer.param_groups[0]["lr"])  # torchao's AdamW8bit/4bit keep it as a CPU tensor
                     row, flag = window.row(
-                        step=step, epoch=epoch, lr=lr, grad_norm=norm, flag=guard.first_bad, settings=settings
+                        step=step, epoch=epoch + 1, lr=lr, grad_norm=norm, flag=guard.first_bad, settings=settings
                     )
                     if evaluate is not None and evaluating and not flag:
                         row["val_loss"] = evaluate(model)
                     logger.log(row)
                     guard.check(flag, step=step)
                     watch.see(row)
+                shown.update(step=step, epoch=epoch + 1, row=row)
                 window = _Window()
                 if checkpointer.poll(stop=stop.requested):  # publishes a background save once every rank wrote it
                     raise TrainingStopped(stop.signum or signal.SIGTERM)
@@ -237,12 +248,13 @@ def _train(
                 if settings.save_every_n_steps and step % settings.save_every_n_steps == 0:
                     guard.check_before_save(model, step=step)
                     checkpointer.save()
-            bar.close()
             sampler.set_epoch(epoch + 1)
             _advance(progress, step=step, epoch=epoch + 1, batches_in_epoch=0)
             guard.check_before_save(model, step=step)
             checkpointer.save(final=epoch + 1 == settings.epochs)
         checkpointer.wait()
+        if shown is not None:
+            shown.close()
         return progress
 
 

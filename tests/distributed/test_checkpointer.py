@@ -745,3 +745,40 @@ def test_fsdp_cpu_offload_trains_like_unsharded_transformers_and_resumes_exactly
         assert r["policies"] == {"CPUOffloadPolicy"}
         assert r["step"] == 3 and r["resumed"] == r["uninterrupted"]  # bitwise
     assert res[0]["same_state"] is True  # params and optimizer state, bitwise
+
+
+TEMPLATE = "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+
+def _save_with_template(base: str, out: str, lora: bool, adapter_only: bool, options: dict):
+    """Checkpoints (one intermediate, one final) of a Checkpointer given the trained chat template;
+    a resume from the intermediate one verifies its manifest, which lists the template."""
+    model, opt, sched, ck = _setup(base, out, lora=lora, adapter_only=adapter_only, chat_template=TEMPLATE, **options)
+    _start(model, ck, lora=lora)
+    intermediate = ck.save(step=1, epoch=0)
+    ck.wait()
+    final = ck.save(step=2, epoch=1, final=True)
+    ck.wait()
+    model2, _, _, ck2 = _setup(base, out, lora=lora, adapter_only=adapter_only, chat_template=TEMPLATE, **options)
+    resumed = ck2.resume(checkpoint=intermediate)
+    return {"paths": [str(intermediate), str(final)], "resumed": resumed is not None and resumed.step == 1}
+
+
+@pytest.mark.parametrize(
+    ("lora", "adapter_only", "options"),
+    [
+        (False, False, {}),
+        (True, True, {}),
+        (False, False, {"checkpoint_format": "dcp"}),
+        (False, False, {"async_save": True}),
+    ],
+    ids=["hf", "adapter_only", "dcp", "async_hf"],
+)
+def test_every_checkpoint_carries_the_chat_template(pool2, base_dir, tmp_path, lora, adapter_only, options):
+    import json as json_
+
+    res = pool2.run_ok(_save_with_template, base_dir, str(tmp_path / "out"), lora, adapter_only, options)
+    assert res[0]["resumed"]
+    for path in res[0]["paths"]:
+        assert (Path(path) / "chat_template.jinja").read_text() == TEMPLATE, path
+        assert "chat_template.jinja" in json_.loads((Path(path) / "shardtune_checkpoint.json").read_text())["files"]

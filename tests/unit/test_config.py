@@ -261,3 +261,50 @@ def test_a_learning_rate_beyond_fp32_is_refused_at_config_read(key):
     schema = get_recipe("lora_finetune_distributed").schema
     with pytest.raises(ConfigError, match=rf"{key}: must be <= 3.4e\+38, got 1e\+39"):
         load_config("tiny/lora", ["output_dir=/unused", f"{key}=1e39"], schema=schema)
+
+
+@pytest.mark.parametrize(
+    ("foreign", "value", "shardtune_key"),
+    [
+        ("learning_rate", 2e-5, "optimizer.lr"),
+        ("warmup_ratio", 0.1, "lr_scheduler.warmup_steps"),
+        ("warmup_steps", 10, "lr_scheduler.warmup_steps"),
+        ("base_model", "meta-llama/Llama-3.2-1B", "checkpoint_dir"),
+        ("model_name_or_path", "Qwen/Qwen3-0.6B", "checkpoint_dir"),
+        ("micro_batch_size", 2, "batch_size"),
+        ("per_device_train_batch_size", 2, "batch_size"),
+        ("num_epochs", 3, "epochs"),
+        ("num_train_epochs", 3, "epochs"),
+        ("max_seq_length", 2048, "max_seq_len"),
+        ("sequence_len", 2048, "max_seq_len"),
+        ("lora_r", 16, "lora.rank"),
+        ("lora_alpha", 32, "lora.alpha"),
+        ("lora_dropout", 0.05, "lora.dropout"),
+        ("lora_target_modules", ["q_proj"], "lora.target_modules"),
+    ],
+)
+def test_other_tools_key_names_are_answered_with_shardtunes(tmp_path, foreign, value, shardtune_key):
+    """A key spelled as TRL, axolotl or HF Trainer spell it names the shardtune key, not a look-alike."""
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, {**MINIMAL, foreign: value}), schema=LORA_SCHEMA)
+    (problem,) = e.value.problems
+    assert problem.startswith(f"{foreign}: unknown key; did you mean {shardtune_key!r}?"), problem
+
+
+def test_other_tools_key_names_hint_only_keys_the_recipe_has(tmp_path):
+    """lora_r in a full fine-tuning config is not pointed at a lora section the recipe lacks."""
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, {**MINIMAL, "lora_r": 16}), schema=BASE_SCHEMA)
+    (problem,) = e.value.problems
+    assert "lora.rank" not in problem
+
+
+def test_gradient_accumulation_steps_is_shardtunes_name_too(tmp_path):
+    cfg = load_config(_write(tmp_path, {**MINIMAL, "gradient_accumulation_steps": 4}), schema=BASE_SCHEMA)
+    assert cfg.gradient_accumulation_steps == 4
+
+
+def test_warmup_ratio_hint_says_steps_not_a_fraction(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, {**MINIMAL, "warmup_ratio": 0.1}), schema=BASE_SCHEMA)
+    assert "number of optimizer steps, not a fraction" in e.value.problems[0]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -349,7 +350,7 @@ def progress_bar(total: int, *, desc: str):
         unit_scale=True,
         unit_divisor=1024,
         delay=PROGRESS_DELAY_S,
-        disable=comm.rank() != 0,
+        disable=comm.rank() != 0 or not sys.stderr.isatty(),  # no \r redraws in a log file
         leave=False,
     )
     try:

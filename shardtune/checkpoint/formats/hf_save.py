@@ -38,6 +38,7 @@ from shardtune.checkpoint.formats.hf_load import (
     progress_bar,
 )
 from shardtune.checkpoint.layout import (
+    CHAT_TEMPLATE_FILE,
     CONFIG_FILE,
     INDEX_FILE,
     PROCESSOR_FILES,
@@ -99,6 +100,7 @@ def save_hf_checkpoint(
     expert_layout: str = "auto",
     source_dir: str | os.PathLike | None = None,
     weight_format: str = "dtype",
+    chat_template: str | None = None,
 ) -> list[str]:
     """Write ``model`` as an HF checkpoint directory loadable by ``AutoModelForCausalLM.from_pretrained``.
 
@@ -111,7 +113,8 @@ def save_hf_checkpoint(
     and written by its ``flush()`` (the model may change in between). Writes ``config.json``
     (from ``config`` or ``model.args``, with the saved dtype), ``model.safetensors`` or
     HF-named shards of at most ``max_shard_size`` plus ``model.safetensors.index.json``, and
-    the tokenizer and processor files found in ``tokenizer_dir``. The text tower of a multimodal
+    the tokenizer and processor files found in ``tokenizer_dir`` (``chat_template``: the Jinja
+    text written as ``chat_template.jinja`` instead of the one there: the template trained). The text tower of a multimodal
     checkpoint is written as that checkpoint, its other towers copied byte for byte from
     ``source_dir`` (the checkpoint it was loaded from), each rank its share. Floating tensors are cast to ``dtype`` when
     given; NF4 bases are dequantized; with ``merge_adapters`` each LoRA linear is written as
@@ -137,6 +140,7 @@ def save_hf_checkpoint(
         expert_layout=expert_layout,
         source_dir=source_dir,
         weight_format=weight_format,
+        chat_template=chat_template,
     )
     # the towers a multimodal model carries: their headers read by rank 0 alone when only it writes
     required = loaded_with_carried(model)
@@ -165,6 +169,7 @@ class HFSaveOptions:
     expert_layout: str = "auto"
     source_dir: str | os.PathLike | None = None
     weight_format: str = "dtype"
+    chat_template: str | None = None
 
 
 def plan_hf_checkpoint(
@@ -201,11 +206,26 @@ def plan_hf_checkpoint(
         signature=model_signature(model_entries(model)),
         problems=problems,
         stale=_is_stale_weight_file,
-        small_files=_small_files(files, _with_dtype(hf_config, _saved_dtype(items)), problems),
-        copied=[]
-        if options.tokenizer_dir is None
-        else [Copied(os.fspath(options.tokenizer_dir), TOKENIZER_FILES + PROCESSOR_FILES, "tokenizer_dir")],
+        small_files=_small_files(files, _with_dtype(hf_config, _saved_dtype(items)), problems)
+        + chat_template_files(options.chat_template),
+        copied=_copied(options),
     )
+
+
+def chat_template_files(chat_template: str | None) -> list[SmallFile]:
+    """``chat_template.jinja`` holding ``chat_template`` (a new file: never the base's, which may be a link)."""
+    return [] if chat_template is None else [SmallFile(CHAT_TEMPLATE_FILE, chat_template.encode("utf-8"), fsync=True)]
+
+
+def _copied(options: HFSaveOptions) -> list[Copied]:
+    """The tokenizer and processor files copied from ``tokenizer_dir``; not its chat template when
+    ``options`` gives the one trained."""
+    if options.tokenizer_dir is None:
+        return []
+    names: tuple[str, ...] = TOKENIZER_FILES + PROCESSOR_FILES
+    if options.chat_template is not None:
+        names = tuple(name for name in names if name != CHAT_TEMPLATE_FILE)
+    return [Copied(os.fspath(options.tokenizer_dir), names, "tokenizer_dir")]
 
 
 def hf_weight_items(model: nn.Module, *, options: HFSaveOptions) -> tuple[list[WriteItem], list[str]]:
