@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shardtune import run_errors
+from shardtune import run_errors, run_stop
 from shardtune.config import Config, ConfigError, load_config, resolve_config_path
 from shardtune.model_presets import TINY_PRESETS
 from shardtune.prelaunch import prelaunch_problems
@@ -133,7 +133,7 @@ def _launch(args: list[str], *, output_dir: str | None = None, command: str | No
         signame = run_errors.stopped_by(records, exits)
         if signame is not None and not debug:
             sys.stderr.write(
-                f"\n{run_errors.stop_message(signame, output_dir=output_dir, command=command, since=launched)}\n"
+                f"\n{run_stop.stop_message(signame, output_dir=output_dir, command=command, since=launched)}\n"
             )
             return 128 + int(signal.Signals[signame])
         message, code = run_errors.report(records, exits)
@@ -144,7 +144,7 @@ def _launch(args: list[str], *, output_dir: str | None = None, command: str | No
     except SignalException as exc:  # the launcher was sent SIGTERM/SIGINT; torchrun stopped the ranks
         records = run_errors.read_records(error_dir)
         if run_errors.stopped_by(records, {}) is not None or not records:
-            message = run_errors.stop_message(exc.sigval.name, output_dir=output_dir, command=command, since=launched)
+            message = run_stop.stop_message(exc.sigval.name, output_dir=output_dir, command=command, since=launched)
         else:
             message = run_errors.report(records, {})[0]
         sys.stderr.write(f"\n{message}\n")

@@ -32,6 +32,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "shardtune.config_validation",
             "shardtune.config",
             "shardtune.run_errors",
+            "shardtune.run_command",
+            "shardtune.foreign_keys",
         ),
     ),
     ("ranks", ("shardtune.ranks",)),

@@ -7,7 +7,7 @@ import json
 import os
 import signal
 
-from shardtune import run_errors
+from shardtune import run_errors, run_stop
 from shardtune.run_command import continue_command
 from shardtune.run_errors import Exit, RankError
 
@@ -23,13 +23,13 @@ def _checkpoint(out, name, step, mtime):
 
 def test_only_this_runs_checkpoints_and_steps_are_named(tmp_path):
     _checkpoint(tmp_path, "step_9", 9, 1000.0)  # an older run's
-    assert run_errors.stop_message("SIGTERM", output_dir=tmp_path, command=COMMAND, since=2000.0) == (
+    assert run_stop.stop_message("SIGTERM", output_dir=tmp_path, command=COMMAND, since=2000.0) == (
         "shardtune run: stopped by SIGTERM"
     )
     _checkpoint(tmp_path, "step_2", 2, 3000.0)
     _checkpoint(tmp_path, "step_4", 4, 3001.0)
     (tmp_path / "metrics.jsonl").write_text('{"step": 4}\n{"step": 5}\n')
-    message = run_errors.stop_message("SIGINT", output_dir=tmp_path, command=COMMAND, since=2000.0)
+    message = run_stop.stop_message("SIGINT", output_dir=tmp_path, command=COMMAND, since=2000.0)
     assert message.splitlines() == [
         "shardtune run: stopped by SIGINT after step 5",
         f"shardtune run: the newest checkpoint is {tmp_path / 'step_4'}; to resume from it: "
