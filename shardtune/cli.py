@@ -42,6 +42,7 @@ from shardtune import run_errors
 from shardtune.config import ConfigError, load_config, resolve_config_path
 from shardtune.model_presets import TINY_PRESETS
 from shardtune.prelaunch import input_problems, prelaunch_problems
+from shardtune.ranks.errors import UsageError
 from shardtune.recipes.registry import (
     RECIPES,
     UnknownRecipe,
@@ -50,11 +51,6 @@ from shardtune.recipes.registry import (
     load_recipe_config,
     recipe_of_config,
 )
-
-
-class UsageError(ValueError):
-    """A command line a command cannot run (a missing or contradictory argument, an option out of
-    range): one line naming the argument and the fix, exit code 2, as argparse's own errors."""
 
 
 def cmd_run(argv: list[str]) -> int:
@@ -314,7 +310,12 @@ def cmd_inspect_data(args: argparse.Namespace) -> int:
     import json
 
     from shardtune.data import iter_samples
+    from shardtune.data.preview import check_limit
 
+    try:
+        check_limit(args.limit)
+    except ValueError as exc:  # its message starts with the argument's name, which is the option's
+        raise UsageError(f"--{exc}") from None
     recipe = _recipe_of(args)
     cfg = load_config(args.config, args.overrides, schema=recipe.schema)  # a ConfigError: main reports it
     report = _problems_report(input_problems(cfg), before="reading data")

@@ -253,6 +253,15 @@ def test_generate_refuses_an_option_out_of_range_in_one_line(tmp_path, capsys, o
     assert capsys.readouterr().err == f"shardtune generate: {message}\n"
 
 
+def test_a_negative_limit_is_a_usage_error_in_one_line(tmp_path, capsys):
+    for command in (
+        ["inspect-data", "--config", "tiny/lora", "--limit", "-1"],
+        ["verify", str(tmp_path), "--limit", "-1"],
+    ):
+        assert cli.main(command) == 2, command
+        assert capsys.readouterr().err == f"shardtune {command[0]}: --limit must be >= 0, got -1\n"
+
+
 def test_generate_with_a_negative_temperature_exits_2_from_the_command_line(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "shardtune.cli", "generate", str(tmp_path), "--prompt", "hi", "--temperature", "-1"],
