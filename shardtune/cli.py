@@ -15,10 +15,13 @@
 
 ``shardtune run`` validates a registered recipe's config and what it reads and writes
 (:mod:`shardtune.prelaunch`) before torchrun starts any rank: every problem in one report, exit
-code 2; ``validate`` makes the same checks. A run that fails prints its root cause once, exit
-code 1 (:mod:`shardtune.run_errors`); every other command prints a failure as one message too.
-``--debug`` or ``SHARDTUNE_DEBUG=1`` adds the tracebacks. Overrides (``key=value``) may stand
-anywhere after the command. RECIPE may be left out when the config's first line names it.
+code 2; ``validate`` makes the same checks, ``inspect-data`` those of what it reads (config,
+data, tokenizer). A run that fails prints its root cause once, exit code 1
+(:mod:`shardtune.run_errors`); every other command prints a failure as one message too: exit
+code 2 for a config or usage error (:class:`ConfigError`, :class:`UsageError`, an unknown
+recipe), 1 for any other. ``--debug`` or ``SHARDTUNE_DEBUG=1`` adds the tracebacks. Overrides
+(``key=value``) may stand anywhere after the command. RECIPE may be left out when the config's
+first line names it.
 
 Rule: this module, and all that ``ls``, ``cp``, ``validate``, ``verify``, ``plot``, ``--help`` and ``run``'s config check
 need, import no torch (:mod:`shardtune.recipes.registry` names recipes by module), so they answer in
@@ -34,12 +37,14 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from shardtune import run_errors, run_stop
-from shardtune.config import Config, ConfigError, load_config, resolve_config_path
+from shardtune.config import ConfigError, load_config, resolve_config_path
 from shardtune.model_presets import TINY_PRESETS
-from shardtune.prelaunch import prelaunch_problems
+from shardtune.prelaunch import input_problems, prelaunch_problems
+from shardtune.ranks.errors import UsageError
 from shardtune.recipes.registry import (
     RECIPES,
     UnknownRecipe,
@@ -76,7 +81,7 @@ def cmd_run(argv: list[str]) -> int:
         torchrun_args = [a for a in torchrun_args if a != "--debug"]
         os.environ[run_errors.DEBUG_ENV] = "1"  # the ranks inherit it
     if recipe is None:  # ``--config C`` without RECIPE: the config's first line names it
-        named = recipe_of_config(_config_arg(recipe_args))
+        named = recipe_of_config(resolve_config_path(_config_arg(recipe_args)))  # a config nowhere: ConfigError
         if named is None:
             sys.stderr.write(
                 "shardtune run: missing RECIPE, and the config's first line names none; give RECIPE before "
@@ -181,7 +186,7 @@ def split_run_args(argv: list[str]) -> tuple[list[str], str | None, list[str]]:
     if config_at is not None and (split is None or config_at < split):
         torchrun_args, recipe, recipe_args = argv[:config_at], None, argv[config_at:]
     elif split is None:
-        raise SystemExit("shardtune run: missing RECIPE (see shardtune run --help)")
+        raise UsageError("missing RECIPE (see shardtune run --help)")
     else:
         torchrun_args, recipe, recipe_args = argv[:split], argv[split], argv[split + 1 :]
     if not any(a.startswith(("--nproc_per_node", "--nproc-per-node")) for a in torchrun_args):
@@ -222,15 +227,15 @@ def _config_problems(recipe: str, recipe_args: list[str], *, world_size: int | N
         return f"{exc}; or a path to a recipe file"
     except ConfigError as exc:
         return str(exc)
-    return _prelaunch_report(cfg, world_size=world_size)
+    return _problems_report(prelaunch_problems(cfg, world_size=world_size), before="launch")
 
 
-def _prelaunch_report(cfg: Config, *, world_size: int | None) -> str | None:
-    problems = prelaunch_problems(cfg, world_size=world_size)
+def _problems_report(problems: list[str], *, before: str) -> str | None:
+    """``problems`` as one report (``N problems before BEFORE:`` and a line each), or None when there are none."""
     if not problems:
         return None
     head = "1 problem" if len(problems) == 1 else f"{len(problems)} problems"
-    return f"{head} before launch:\n  " + "\n  ".join(problems)
+    return f"{head} before {before}:\n  " + "\n  ".join(problems)
 
 
 def _takes_value(option: str) -> bool:
@@ -271,15 +276,14 @@ def cmd_cp(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recipe_of(args: argparse.Namespace, *, command: str):
-    """The recipe named by ``--recipe``, else the one a bundled ``--config`` belongs to; exits naming the fix."""
-    try:
-        recipe = get_recipe(args.recipe) if args.recipe else recipe_of_config(args.config)
-    except UnknownRecipe as exc:
-        raise SystemExit(f"shardtune {command}: {exc}") from None
+def _recipe_of(args: argparse.Namespace):
+    """The recipe named by ``--recipe``, else the one a bundled ``--config`` belongs to; raises
+    :class:`UsageError` naming the fix for a config that names none."""
+    # a config that is nowhere: the ConfigError naming it, not "its recipe is unknown"
+    recipe = get_recipe(args.recipe) if args.recipe else recipe_of_config(resolve_config_path(args.config))
     if recipe is None:
-        raise SystemExit(
-            f"shardtune {command}: {args.config} is not a bundled config and its first line names no recipe "
+        raise UsageError(
+            f"{args.config} is not a bundled config and its first line names no recipe "
             f"(# shardtune run ... RECIPE --config ...), so its recipe is unknown; pass --recipe one of: "
             f"{', '.join(RECIPES)}"
         )
@@ -287,18 +291,14 @@ def _recipe_of(args: argparse.Namespace, *, command: str):
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    """The config against its recipe's schema (exit 1), then, unless ``--config-only``, what ``run``
-    checks before launch: data, model, tokenizer, output_dir, loggers, mesh (exit 2)."""
-    recipe = _recipe_of(args, command="validate")
-    try:
-        cfg = load_config(args.config, args.overrides, schema=recipe.schema)
-    except ConfigError as exc:
-        sys.stderr.write(f"{exc}\n")
-        return 1
+    """The config against its recipe's schema, then, unless ``--config-only``, what ``run`` checks
+    before launch: data, model, tokenizer, output_dir, loggers, mesh. Either kind of problem: exit 2."""
+    recipe = _recipe_of(args)
+    cfg = load_config(args.config, args.overrides, schema=recipe.schema)  # a ConfigError: main reports it
     if not args.config_only:
         given = args.nproc_per_node is not None or args.nnodes is not None
         world = (args.nproc_per_node or 1) * (args.nnodes or 1) if given else None
-        report = _prelaunch_report(cfg, world_size=world)
+        report = _problems_report(prelaunch_problems(cfg, world_size=world), before="launch")
         if report:
             sys.stderr.write(f"shardtune validate: {args.config}: {report}\n")
             return 2
@@ -332,16 +332,24 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect_data(args: argparse.Namespace) -> int:
-    """One JSON object per sample, exactly as the recipe tokenizes and masks it (unpacked, in dataset order)."""
+    """One JSON object per sample, exactly as the recipe tokenizes and masks it (unpacked, in dataset order).
+
+    The config and what this reads of it (data files, tokenizer) are checked first, as ``run``
+    checks them: a problem exits 2 before any data is read."""
     import json
 
     from shardtune.data import iter_samples
+    from shardtune.data.preview import check_limit
 
-    recipe = _recipe_of(args, command="inspect-data")
     try:
-        cfg = load_config(args.config, args.overrides, schema=recipe.schema)
-    except ConfigError as exc:
-        sys.stderr.write(f"{exc}\n")
+        check_limit(args.limit)
+    except ValueError as exc:  # its message starts with the argument's name, which is the option's
+        raise UsageError(f"--{exc}") from None
+    recipe = _recipe_of(args)
+    cfg = load_config(args.config, args.overrides, schema=recipe.schema)  # a ConfigError: main reports it
+    report = _problems_report(input_problems(cfg), before="reading data")
+    if report:
+        sys.stderr.write(f"shardtune inspect-data: {args.config}: {report}\n")
         return 2
     for sample in iter_samples(cfg, limit=args.limit, decode=args.decode):
         sys.stdout.write(json.dumps(sample, ensure_ascii=False) + "\n")
@@ -352,10 +360,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Complete a prompt with an HF model directory; under torchrun every rank holds a shard and rank 0 prints."""
     import os
 
-    from shardtune.inference.generation import load_generator
+    from shardtune.inference.generation import check_options, load_generator
     from shardtune.ranks.comm import normalize_device
     from shardtune.ranks.process import device_type, end_process, init_distributed
 
+    try:
+        check_options(args.max_new_tokens, args.top_p, args.temperature)
+    except ValueError as exc:  # its message starts with the argument's name, which is the option's
+        raise UsageError(f"--{exc}") from None
     _check_model_dir(Path(args.model_dir), adapter=args.adapter)
     sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank = init_distributed()[0] if sharded else 0
@@ -425,9 +437,11 @@ def cmd_make_tiny_base(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command; a failure is printed as one line (the traceback under ``--debug``): exit
+    code 2 for a config or usage error, 1 for any other."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
-        return cmd_run(argv[1:])
+        return _reported("run", lambda: cmd_run(argv[1:]))
     if "--debug" in argv:
         argv.remove("--debug")
         os.environ[run_errors.DEBUG_ENV] = "1"
@@ -438,19 +452,25 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if overrides:
         args.overrides = [*args.overrides, *overrides]  # key=value after the options
+    return _reported(args.command, lambda: args.fn(args))
+
+
+def _reported(command: str, call: Callable[[], int]) -> int:
+    """``call()``'s exit code; what it raises printed as one message (``--debug``: raised): 2 for a
+    config or usage error, 1 for any other."""
     try:
-        return args.fn(args)
-    except ConfigError as exc:
+        return call()
+    except (ConfigError, UnknownRecipe, UsageError) as exc:
         if run_errors.debug_enabled():
             raise
-        sys.stderr.write(f"shardtune {args.command}: {exc}\n")
-        return 2
+        sys.stderr.write(f"shardtune {command}: {exc}\n")
+        return run_errors.CONFIG_ERROR
     except Exception as exc:  # one message; --debug keeps the traceback
         if run_errors.debug_enabled():
             raise
         text = str(exc) or type(exc).__name__
-        sys.stderr.write(f"shardtune {args.command}: {text} (--debug shows the traceback)\n")
-        return 1
+        sys.stderr.write(f"shardtune {command}: {text} (--debug shows the traceback)\n")
+        return run_errors.FAILED
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,8 +1,9 @@
 """What a run needs from the disk and the environment, checked before torchrun starts any rank.
 
 Rule: ``shardtune run`` and ``shardtune validate`` call :func:`prelaunch_problems` on a config
-that passed its schema; it returns every problem at once, one line each naming the key and the
-fix, and the command exits 2. Checked: each local dataset file exists and its first record
+that passed its schema (``shardtune inspect-data`` :func:`input_problems`, the part it reads);
+it returns every problem at once, one line each naming the key and the fix, and the command
+exits 2. Checked: each local dataset file exists and its first record
 parses (hub dataset names are left to the ranks), every model directory holds a model
 (``config.json`` and its safetensors weights) or is created by a tiny preset, the tokenizer
 files, ``output_dir`` (writable, not locked by a running run, not another run's outputs under
@@ -29,7 +30,7 @@ from shardtune.json_files import read_json
 from shardtune.model_presets import TINY_PRESETS
 from shardtune.run_errors import download_hint
 
-__all__ = ["model_dir_problem", "prelaunch_problems"]
+__all__ = ["input_problems", "model_dir_problem", "prelaunch_problems"]
 
 TOKENIZER_FILE = "tokenizer.json"
 # (model directory key, the preset key that creates it when missing); the preset key None: never created.
@@ -48,6 +49,12 @@ def prelaunch_problems(cfg: Mapping[str, Any], *, world_size: int | None = None)
     if world_size is not None:
         problems += _mesh_problems(cfg, world_size)
     return problems
+
+
+def input_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """The problems of what reading a config's samples needs (``shardtune inspect-data``): its
+    local dataset files and its tokenizer; [] when none."""
+    return [*_data_problems(cfg), *_tokenizer_problems(cfg)]
 
 
 def _datasets(cfg: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any]]]:

@@ -16,6 +16,7 @@ from typing import TextIO
 
 from shardtune.checkpoint import layout
 from shardtune.checkpoint.safety import integrity
+from shardtune.ranks.errors import UsageError
 
 
 def checkpoints_in(path: Path, *, latest: bool) -> list[Path]:
@@ -86,7 +87,7 @@ def main(path: Path, *, latest: bool, limit: int) -> int:
     """``shardtune verify``: 0 when every checkpoint is intact, else 1 (the problems on stdout,
     one line on stderr)."""
     if limit < 0:
-        raise SystemExit(f"shardtune verify: --limit must be >= 0, got {limit}")
+        raise UsageError(f"--limit must be >= 0, got {limit}")
     checkpoints = checkpoints_in(path, latest=latest)
     damaged: list[str] = []
     hit = 0

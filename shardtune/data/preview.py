@@ -14,7 +14,7 @@ from typing import Any
 from shardtune.data.from_config import build_config_dataset
 from shardtune.data.tokenizer import HFTokenizer, build_byte_tokenizer, load_tokenizer
 
-__all__ = ["config_tokenizer", "iter_samples"]
+__all__ = ["check_limit", "config_tokenizer", "iter_samples"]
 
 
 def config_tokenizer(cfg: Mapping[str, Any]) -> HFTokenizer:
@@ -28,14 +28,20 @@ def config_tokenizer(cfg: Mapping[str, Any]) -> HFTokenizer:
     return load_tokenizer(cfg.get("tokenizer"), checkpoint_dir=checkpoint_dir)
 
 
+def check_limit(limit: int) -> None:
+    """Raises ValueError, its message starting with the argument's name, for a negative ``limit``."""
+    if limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+
+
 def iter_samples(
     cfg: Mapping[str, Any], *, limit: int | None = None, decode: bool = False, tokenizer: HFTokenizer | None = None
 ) -> Iterator[dict[str, Any]]:
     """``{"input_ids": [...], "labels": [...]}`` per sample of ``cfg``'s dataset(s), in dataset order,
     at most ``limit`` of them; ``decode`` adds ``"text"`` (special tokens shown). Preference pairs
     give ``{"chosen": {...}, "rejected": {...}}``, each side as a sample."""
-    if limit is not None and limit < 0:
-        raise ValueError(f"limit must be >= 0, got {limit}")
+    if limit is not None:
+        check_limit(limit)
     tokenizer = tokenizer or config_tokenizer(cfg)
     dataset = build_config_dataset(cfg, tokenizer, packed=False)
     n = len(dataset)  # type: ignore[arg-type]  # torch's Dataset declares no __len__; ours have one

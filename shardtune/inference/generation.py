@@ -32,7 +32,7 @@ from shardtune.models import from_hf_config
 from shardtune.models.kv_cache import KVCache
 from shardtune.ranks import comm
 
-__all__ = ["Generator", "generate", "generate_batch", "load_generator", "sample_tokens", "stop_ids"]
+__all__ = ["Generator", "check_options", "generate", "generate_batch", "load_generator", "sample_tokens", "stop_ids"]
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def generate(
 
     Collective when ``model`` is sharded: call on all ranks with the same arguments; every rank
     returns the same ids."""
-    _check_options(max_new_tokens, top_p, temperature)
+    check_options(max_new_tokens, top_p, temperature)
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token (e.g. BOS)")
     max_new_tokens = _within_positions(model, len(prompt_ids), max_new_tokens)
@@ -140,7 +140,8 @@ def _within_positions(model: nn.Module, prompt_tokens: int, max_new_tokens: int)
     return max_new_tokens
 
 
-def _check_options(max_new_tokens: int, top_p: float, temperature: float = 0.0) -> None:
+def check_options(max_new_tokens: int, top_p: float, temperature: float = 0.0) -> None:
+    """Raises ValueError, its message starting with the argument's name, for an option out of range."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if not 0.0 < top_p <= 1.0:
@@ -172,7 +173,7 @@ def generate_batch(
     own prompts (another count too, none included); every rank runs the same number of forwards, until
     every rank's rows have stopped or made ``max_new_tokens``, as a sharded (FSDP2, expert-parallel)
     model needs. Each rank returns its own prompts' completions."""
-    _check_options(max_new_tokens, top_p, temperature)
+    check_options(max_new_tokens, top_p, temperature)
     if any(not p for p in prompts):
         raise ValueError("a prompt is empty: give every prompt at least one token (e.g. BOS)")
     if not isinstance(generator, torch.Generator) and len(generator) != len(prompts):

@@ -9,11 +9,16 @@ the torch-free CLI included, may use it.
 
 from __future__ import annotations
 
-__all__ = ["ShardtuneError", "StateDictError", "format_problems"]
+__all__ = ["ShardtuneError", "StateDictError", "UsageError", "format_problems"]
 
 
 class ShardtuneError(RuntimeError):
     """A shardtune failure; the message names the key, file or option and the fix."""
+
+
+class UsageError(ShardtuneError, ValueError):
+    """A command line a command cannot run (a missing argument, an option out of range): the
+    ``shardtune`` command prints it as one line naming the argument and exits 2, as argparse does."""
 
 
 class StateDictError(ShardtuneError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -191,10 +192,86 @@ def test_a_copied_config_names_its_recipe_and_its_new_file(tmp_path, launches, c
     assert launches[-1][launches[-1].index("-m") + 1] == f"shardtune.recipes.{LORA}"
     assert launches[-1][-3:] == ["--config", "my.yaml", out]
     Path("plain.yaml").write_text("\n".join(Path("my.yaml").read_text().splitlines()[1:]))  # no header
-    with pytest.raises(SystemExit, match="first line names no recipe.*pass --recipe"):
-        cli.main(["validate", "plain.yaml"])
+    assert cli.main(["validate", "plain.yaml"]) == 2
+    assert re.search("first line names no recipe.*pass --recipe", capsys.readouterr().err)
     assert cli.main(["run", "--config", "plain.yaml"]) == 2
     assert "missing RECIPE, and the config's first line names none" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("max_seq_len=0", "max_seq_len"),  # the schema
+        ("dataset.0.path={tmp}/missing.jsonl", "dataset[0].path: dataset file {tmp}/missing.jsonl does not exist"),
+        ("tokenizer={tmp}/no_tokenizer", "tokenizer={tmp}/no_tokenizer does not exist"),
+    ],
+)
+def test_every_command_reading_a_config_exits_2_for_a_config_problem(tmp_path, launches, capsys, override, named):
+    args = [override.format(tmp=tmp_path), f"output_dir={tmp_path / 'out'}"]
+    named = named.format(tmp=tmp_path)
+    for command in (
+        ["run", LORA, "--config", "tiny/lora", *args],
+        ["run", "--config", "tiny/lora", *args],  # the recipe named by the config
+        ["validate", "tiny/lora", *args],
+        ["validate", "tiny/lora", "--config-only", "max_seq_len=0"],
+        ["inspect-data", "--config", "tiny/lora", *args],
+    ):
+        assert cli.main(command) == 2, command
+        err = capsys.readouterr().err
+        assert err.startswith(f"shardtune {command[0]}: ") and "Traceback" not in err, err
+        assert (named if "--config-only" not in command else "max_seq_len") in err
+    assert launches == [] and not (tmp_path / "out").exists()
+
+
+def test_a_config_file_that_does_not_exist_exits_2_naming_it(tmp_path, launches, capsys):
+    missing = str(tmp_path / "nosuch.yaml")
+    for command in (
+        ["run", "--config", missing],
+        ["run", LORA, "--config", missing],
+        ["validate", missing],
+        ["inspect-data", "--config", missing],
+    ):
+        assert cli.main(command) == 2, command
+        err = capsys.readouterr().err
+        assert f"'{missing}' is neither a config file nor a bundled config" in err, err
+    assert launches == []
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--temperature", "-1", "--temperature must be >= 0 (0: greedy), got -1.0"),
+        ("--top_p", "0", "--top_p must be in (0, 1], got 0.0"),
+        ("--top_p", "1.5", "--top_p must be in (0, 1], got 1.5"),
+        ("--max_new_tokens", "-1", "--max_new_tokens must be >= 0, got -1"),
+    ],
+)
+def test_generate_refuses_an_option_out_of_range_in_one_line(tmp_path, capsys, option, value, message):
+    model = tmp_path / "model"
+    model.mkdir()  # no model in it: the options are checked first, before anything is loaded
+    assert cli.main(["generate", str(model), "--prompt", "hi", option, value]) == 2
+    assert capsys.readouterr().err == f"shardtune generate: {message}\n"
+
+
+def test_a_negative_limit_is_a_usage_error_in_one_line(tmp_path, capsys):
+    for command in (
+        ["inspect-data", "--config", "tiny/lora", "--limit", "-1"],
+        ["verify", str(tmp_path), "--limit", "-1"],
+    ):
+        assert cli.main(command) == 2, command
+        assert capsys.readouterr().err == f"shardtune {command[0]}: --limit must be >= 0, got -1\n"
+
+
+def test_generate_with_a_negative_temperature_exits_2_from_the_command_line(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "shardtune.cli", "generate", str(tmp_path), "--prompt", "hi", "--temperature", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(cli.__file__).parents[1])},
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == "shardtune generate: --temperature must be >= 0 (0: greedy), got -1.0\n"
 
 
 def test_other_commands_print_one_line_errors_and_tracebacks_under_debug(tmp_path, capsys):

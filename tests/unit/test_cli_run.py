@@ -50,9 +50,11 @@ def test_split_run_args(argv, torchrun_args, recipe_args):
     assert cli.split_run_args(argv) == (torchrun_args, RECIPE, recipe_args)
 
 
-def test_split_run_args_without_a_recipe():
-    with pytest.raises(SystemExit, match="missing RECIPE"):
+def test_split_run_args_without_a_recipe(capsys):
+    with pytest.raises(cli.UsageError, match="missing RECIPE"):
         cli.split_run_args(["--nproc_per_node", "2"])
+    assert cli.main(["run", "--nproc_per_node", "2"]) == 2  # a usage error, as argparse's
+    assert capsys.readouterr().err == "shardtune run: missing RECIPE (see shardtune run --help)\n"
 
 
 def test_a_valid_config_launches_the_recipe_module_with_its_arguments(launches):

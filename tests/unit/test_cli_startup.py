@@ -79,7 +79,7 @@ def _check_results(results: dict, tmp_path: Path) -> None:
     assert "tiny/lora" in results["ls"]["out"]
     assert results["valid"] == {"code": 0, "out": "tiny/lora: valid for lora_finetune_distributed\n", "err": ""}
     invalid = results["invalid"]
-    assert invalid["code"] == 1
+    assert invalid["code"] == 2
     for problem in (
         "6 config problems",
         "model: 'tinyy' is not a model preset",
