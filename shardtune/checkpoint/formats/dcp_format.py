@@ -306,19 +306,19 @@ def _check_out_dir(out_dir: Path, checkpoint_dir: Path, *, overwrite: bool) -> N
     out, source = out_dir.resolve(), checkpoint_dir.resolve()
     if out == source or source in out.parents or out in source.parents:
         raise CheckpointError(
-            f"shardtune convert: the output {out_dir} is the checkpoint {checkpoint_dir}, inside it or holds it; "
+            f"the output {out_dir} is the checkpoint {checkpoint_dir}, inside it or holds it; "
             "write the HF directory somewhere else"
         )
     published = next((p for p in (out, *out.parents) if (p / MANIFEST).is_file()), None)
     if published is not None:
         raise CheckpointError(
-            f"shardtune convert: the output {out_dir} is inside the published checkpoint {published}; writing there "
+            f"the output {out_dir} is inside the published checkpoint {published}; writing there "
             "would change a checkpoint that resume and verify read: write the HF directory somewhere else"
         )
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise CheckpointError(
-            f"shardtune convert: the output {out_dir} is a directory that is not empty; give a new or empty one, or "
+            f"the output {out_dir} is a directory that is not empty; give a new or empty one, or "
             "pass --overwrite to write the HF model files into it"
         )
     if out.exists() and not out.is_dir():
-        raise CheckpointError(f"shardtune convert: the output {out_dir} is a file; give a directory path")
+        raise CheckpointError(f"the output {out_dir} is a file; give a directory path")
