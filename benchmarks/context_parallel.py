@@ -19,8 +19,12 @@ AdamW) of one seeded Llama-shaped model saved once as an HF directory:
 For each stack the row doubles from ``--start-seq`` while a step's peak memory on every rank stays in the
 budget (above the pre-step level: ``max_memory_allocated`` on CUDA, anonymous RSS on CPU); the table gives
 the longest that fit, its tokens/s (all ranks, median of ``--steps`` timed steps after one warm-up) and
-the peak per rank, then every stack at the longest row all of them fit. Each probe runs in fresh rank
-processes. The section goes between the ``context-parallel`` markers of BENCHMARKS.md
+the peak per rank, then every stack at the longest row all of them fit, then (with the peer) each
+shardtune cp 1 row against transformers at the same row: tokens/s, CPU seconds a step and peak, as
+ratios. CPU seconds (user + system of the slowest rank's process, median step) are the work a step
+does: on a machine other jobs share they stay comparable where wall time does not. ``--cp`` picks the
+degrees (``--cp 1 --start-seq 4096 --max-seq 16384``: cp 1 against the peer at 4k to 16k rows). Each
+probe runs in fresh rank processes. The section goes between the ``context-parallel`` markers of BENCHMARKS.md
 (``context-parallel-cuda`` on a GPU).
 """
 
@@ -30,6 +34,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -120,12 +125,14 @@ def probe(*, stack: str, cp: int, hf: str, seq: int, vocab: int, steps: int) -> 
         return float(loss)
 
     step()  # warm-up: the optimizer state exists before the measured steps
-    seconds, peaks = [], []
+    seconds, cpu, peaks = [], [], []
     for _ in range(steps):
+        start = time.process_time()
         _, m = measure_step(step, barrier=dist.barrier)
+        cpu.append(time.process_time() - start)
         seconds.append(m.seconds)
         peaks.append(m.cuda_peak_delta if m.cuda_peak_delta is not None else m.peak_anon_delta)
-    return {"seconds": statistics.median(seconds), "peak": max(peaks)}
+    return {"seconds": statistics.median(seconds), "cpu_s": statistics.median(cpu), "peak": max(peaks)}
 
 
 def _measure(a: argparse.Namespace, hf: Path, stack: str, cp: int, seq: int) -> dict[str, Any] | None:
@@ -139,8 +146,16 @@ def _measure(a: argparse.Namespace, hf: Path, stack: str, cp: int, seq: int) -> 
         print(f"  {stack} cp {cp} seq {seq}: failed ({str(e).splitlines()[-1][:200]})", file=sys.stderr)
         return None
     seconds = max(r["seconds"] for r in ranks)  # the slowest rank ends the step
-    result = {"seq": seq, "tokens_s": (a.world // cp) * seq / seconds, "peaks": [r["peak"] for r in ranks]}
-    print(f"  {stack} cp {cp} seq {seq}: {result['tokens_s']:.0f} tokens/s, peak {fmt_bytes(max(result['peaks']))}")
+    result = {
+        "seq": seq,
+        "tokens_s": (a.world // cp) * seq / seconds,
+        "cpu_s": max(r["cpu_s"] for r in ranks),
+        "peaks": [r["peak"] for r in ranks],
+    }
+    print(
+        f"  {stack} cp {cp} seq {seq}: {result['tokens_s']:.0f} tokens/s, {result['cpu_s']:.2f} CPU s a step, "
+        f"peak {fmt_bytes(max(result['peaks']))}"
+    )
     return result
 
 
@@ -193,12 +208,38 @@ def report(a: argparse.Namespace, results: dict[tuple[str, int], list[dict[str, 
         lines += ["", f"At {common} tokens, a row every stack fits:", "", "| stack | row | tokens/s | peak per rank |"]
         lines += ["|---|---:|---:|---|"]
         lines += [_row(names[key], next(p for p in probes if p["seq"] == common)) for key, probes in fits.items()]
+    lines += _against_peer(fits.get(("shardtune", 1), []), fits.get(("transformers", 1), []))
     return "\n".join(lines)
+
+
+def _against_peer(ours: list[dict[str, Any]], peer: list[dict[str, Any]]) -> list[str]:
+    """cp 1 against transformers at every row both fit: tokens/s, CPU seconds a step and peak, as ratios."""
+    theirs = {p["seq"]: p for p in peer}
+    both = [(p, theirs[p["seq"]]) for p in ours if p["seq"] in theirs]
+    if not both:
+        return []
+    lines = [
+        "",
+        "shardtune cp 1 against transformers + FSDP2 at the same row (ratios: shardtune / transformers; "
+        "CPU s: the slowest rank's user + system seconds a step):",
+        "",
+        "| row | tokens/s | × | CPU s a step | × (transformers / shardtune) | peak per rank (max) | × |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p, q in both:
+        cpu = f"{p['cpu_s']:.2f} vs {q['cpu_s']:.2f} | {q['cpu_s'] / p['cpu_s']:.2f}" if "cpu_s" in p else "— | —"
+        peak, peer_peak = max(p["peaks"]), max(q["peaks"])
+        lines.append(
+            f"| {p['seq']} | {p['tokens_s']:.0f} vs {q['tokens_s']:.0f} | {p['tokens_s'] / q['tokens_s']:.2f} | {cpu} "
+            f"| {fmt_bytes(peak)} vs {fmt_bytes(peer_peak)} | {peak / peer_peak:.2f} |"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.context_parallel", description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--cp", default="1,2,4", help="comma list of cp degrees (those dividing --world run)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--budget-mib", type=int, default=1024, help="per-rank memory a step may use above its start")
     p.add_argument("--start-seq", type=int, default=1024)
@@ -240,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         # RSS counts (glibc raises its dynamic threshold to the largest block freed, up to 32 MiB)
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(a.mmap_threshold)
     hf = hf_dir(a.bench_dir, a)
-    degrees = [cp for cp in (1, 2, 4) if cp <= a.world and a.world % cp == 0]
+    degrees = [cp for cp in (int(c) for c in a.cp.split(",")) if cp <= a.world and a.world % cp == 0]
     load_before = os.getloadavg()[0]
     results = {("shardtune", cp): longest(a, hf, "shardtune", cp) for cp in degrees}
     if a.all_to_all:

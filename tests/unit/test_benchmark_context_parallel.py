@@ -49,3 +49,15 @@ def test_the_all_to_all_mode_has_its_own_rows(monkeypatch):
     table = bench.report(_options(), results, (0.0, 0.0))
     assert "| shardtune cp 2 | 64 | 7 |" in table
     assert "| shardtune cp 2 (all_to_all) | 64 | 7 |" in table
+
+
+def test_cp_1_is_set_against_the_peer_at_every_row_both_fit():
+    ours = [
+        {"seq": 64, "tokens_s": 90.0, "cpu_s": 2.0, "peaks": [3 * MIB, 2 * MIB]},
+        {"seq": 128, "tokens_s": 50.0, "cpu_s": 5.0, "peaks": [3 * MIB, 3 * MIB]},
+    ]
+    peer = [{"seq": 64, "tokens_s": 100.0, "cpu_s": 2.5, "peaks": [2 * MIB, 4 * MIB]}]
+    table = bench.report(_options(), {("shardtune", 1): ours, ("transformers", 1): peer}, (0.0, 0.0))
+    # tokens/s 90 / 100, CPU 2.5 / 2.0 (peer over ours: above 1 is faster), peak max 3 / max 4; 128 has no peer row
+    assert "| 64 | 90 vs 100 | 0.90 | 2.00 vs 2.50 | 1.25 | 3.0 MiB vs 4.0 MiB | 0.75 |" in table
+    assert "\n| 128 |" not in table
