@@ -19,8 +19,8 @@ per forward (:func:`split_batch`), so no layer waits for the device.
 
 Memory per rank and layer: the gathered K and V, ``2 * b * S * kv_heads * head_dim`` values (O(S *
 kv_dim), about twice that while they are put in order), kept for backward; no mask for a full-causal
-layer (the kernel merges a segment's prefix and its causal diagonal by log-sum-exp,
-``Attention._prefix_then_causal``), a window-bounded one for a sliding layer; activations of ``S / cp``
+layer (a segment's prefix and its causal diagonal run through kernels that return their log-sum-exp and
+merge by it, :mod:`shardtune.models.lse_attention`), a window-bounded one for a sliding layer; activations of ``S / cp``
 tokens (measured: tests/distributed/test_context_parallel_memory.py). A ring (O(S / cp) keys) is the
 upgrade path. Exact for causal, packed (per-document), sliding-window, soft-capped, sink and multi-head latent attention
 (values narrower than keys).

@@ -4,7 +4,7 @@ out), with ``torch.autograd.graph.saved_tensors_hooks``, in one process on the w
 gloo ranks on its half.
 
 A segment that starts after earlier keys attends without a mask (its prefix and its causal diagonal merged
-by log-sum-exp, ``Attention._prefix_then_causal``), so no ``queries x keys`` mask is kept per layer (SDPA
+by log-sum-exp, :mod:`shardtune.models.lse_attention`), so no ``queries x keys`` mask is kept per layer (SDPA
 would keep it, as float on CPU: with masks a rank kept ~75% of the whole row's bytes at 1024 tokens). What
 stays is about half: a rank's ``S / 2`` tokens plus the gathered keys and values (the whole row's, the part
 that does not halve; its share falls as the hidden size grows over the kv width)."""

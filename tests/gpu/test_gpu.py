@@ -394,37 +394,38 @@ def test_batched_generation_on_cuda_equals_the_cpu():
     assert [row[:4] for row in got["cuda"]] == [row[:4] for row in got["cpu"]], got
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_context_parallel_segment_attention_on_cuda_equals_masked_sdpa(dtype):
-    """A context-parallel segment's maskless attention (SDPA's CUDA kernels for a prefix and a causal part,
-    merged by log-sum-exp; the log-sum-exps in several blocks of queries) equals SDPA with the explicit
-    mask on the GPU, forward and backward."""
+@pytest.mark.parametrize(
+    ("dtype", "dv", "kernel"),
+    [
+        (torch.float32, 64, "cuda_efficient"),
+        (torch.bfloat16, 64, "cuda_flash"),
+        (torch.float32, 48, "cuda_efficient"),  # values narrower than keys (latent attention)
+        (torch.bfloat16, 48, "cuda_flash"),
+    ],
+)
+def test_context_parallel_segment_attention_on_cuda_equals_masked_sdpa(dtype, dv, kernel):
+    """A context-parallel segment's maskless attention (CUDA's kernels for a prefix and a causal part, merged by
+    the log-sum-exps they return; backward through their backward ops) equals SDPA with the explicit mask on
+    the GPU, forward and backward, grouped-query heads."""
     import torch.nn.functional as F
 
-    from shardtune.models.args import ModelArgs
-    from shardtune.models.blocks import attention
+    from shardtune.models import lse_attention
 
     heads, kv_heads, d, earlier, n = 8, 2, 64, 700, 300
-    layer = attention.Attention(
-        ModelArgs(vocab_size=8, dim=heads * d, n_layers=1, n_heads=heads, n_kv_heads=kv_heads, intermediate_size=8)
-    )
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (
-        torch.randn(2, h, s, d, generator=g, device="cuda", dtype=dtype).requires_grad_()
-        for h, s in ((heads, n), (kv_heads, earlier + n), (kv_heads, earlier + n))
+        torch.randn(2, h, s, width, generator=g, device="cuda", dtype=dtype).requires_grad_()
+        for h, s, width in ((heads, n, d), (kv_heads, earlier + n, d), (kv_heads, earlier + n, dv))
     )
-    grad = torch.randn(2, heads, n, d, generator=g, device="cuda", dtype=dtype)
-    old = attention.LSE_BLOCK_ELEMENTS
-    attention.LSE_BLOCK_ELEMENTS = 2 * heads * (earlier + n) * 64  # blocks of 64 queries, the last one shorter
-    try:
-        out = layer._prefix_then_causal(q, k, v, earlier)
-        got = torch.autograd.grad(out, (q, k, v), grad)
-    finally:
-        attention.LSE_BLOCK_ELEMENTS = old
+    grad = torch.randn(2, heads, n, dv, generator=g, device="cuda", dtype=dtype)
+    chosen = lse_attention.kernel_for(q, k, v)
+    assert chosen is not None and chosen.name == kernel
+    out = lse_attention.prefix_then_causal(q, k, v, earlier, scale=d**-0.5, kernel=chosen)
+    got = torch.autograd.grad(out, (q, k, v), grad)
     mask = (
         torch.arange(earlier + n, device="cuda")[None, :] <= torch.arange(earlier, earlier + n, device="cuda")[:, None]
     )
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d**-0.5, enable_gqa=True)
     want = torch.autograd.grad(ref, (q, k, v), grad)
     tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-5}
     torch.testing.assert_close(out, ref, **tol)

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
+from shardtune.models import lse_attention
 from shardtune.models.args import FULL, ModelArgs
 from shardtune.models.blocks.norm import RMSNorm, init_linear
 from shardtune.models.context_heads import heads_attention
@@ -33,8 +33,6 @@ from shardtune.models.rope import apply_rotary_emb
 from shardtune.models.spec import AttentionSpec
 
 KVUpdate = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # a layer's (new k, new v) -> (all k, all v)
-# fp32 scores one block of a context-parallel segment's log-sum-exp may hold (32 MiB): bounded, not queries x keys
-LSE_BLOCK_ELEMENTS = 1 << 23
 ALL_HEADS = slice(None)  # a kernel call over every head of the layer (not a context-parallel rank's share)
 
 __all__ = ["Attention", "KVUpdate", "attention_mask"]
@@ -192,58 +190,29 @@ class Attention(nn.Module):
         self, q: Tensor, k: Tensor, v: Tensor, earlier: int, window: int | None, *, heads: slice = ALL_HEADS
     ) -> Tensor:
         """Queries that are the last ``q.shape[2]`` of one causal sequence's keys, ``earlier`` keys before
-        the first of them (a context-parallel segment): the KV cache's mask, or a sample's from its start."""
+        the first of them (a context-parallel segment): without a mask where a kernel returns its log-sum-exp
+        (:mod:`shardtune.models.lse_attention`), else the KV cache's mask, or a sample's from its start."""
         if earlier == 0:
             return self._attend_one(q, k, v, window, heads=heads)
-        # SDPA's kernel only, every head: soft-capping and a subclass's own _attend (gpt-oss sinks) keep the mask
-        if window is None and self.softcap is None and type(self)._attend is Attention._attend and heads == ALL_HEADS:
-            return self._prefix_then_causal(q, k, v, earlier)
+        masked_for = self._needs_mask(window)
+        # every head only: a heads all-to-all rank's share keeps the mask
+        kernel = None if masked_for or heads != ALL_HEADS else lse_attention.kernel_for(q, k, v)
+        if kernel is not None:
+            return lse_attention.prefix_then_causal(q, k, v, earlier, scale=self.scale, kernel=kernel)
+        if masked_for:
+            lse_attention.log_fallback(type(self).__name__, masked_for)
         mask = cached_attention_mask(q.shape[2], earlier, device=q.device, window=window)
         return self._attend(q, k, v, mask, causal=False, heads=heads)
 
-    def _prefix_then_causal(self, q: Tensor, k: Tensor, v: Tensor, earlier: int) -> Tensor:
-        """:meth:`_attend_after` without a mask: the queries against the ``earlier`` keys (all visible) and
-        against their own (plain causal) through SDPA's maskless kernels, merged by each part's log-sum-exp
-        (the softmax over both parts, exactly). A mask (queries x keys) would be kept for backward in every
-        layer; the log-sum-exps are computed in blocks of queries and recomputed in backward instead, so
-        only O(queries) stays and at most :data:`LSE_BLOCK_ELEMENTS` scores exist at once."""
-        gqa = self.n_kv_heads != self.n_heads
-        parts = []
-        for keys, values, causal in (
-            (k[:, :, :earlier], v[:, :, :earlier], False),
-            (k[:, :, earlier:], v[:, :, earlier:], True),
-        ):
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=causal, scale=self.scale, enable_gqa=gqa)
-            parts.append((out, self._logsumexp(q, keys, causal=causal)))
-        (out1, lse1), (out2, lse2) = parts
-        lse = torch.logaddexp(lse1, lse2)
-        acc = lse.dtype
-        merged = (lse1 - lse).exp().unsqueeze(-1) * out1.to(acc) + (lse2 - lse).exp().unsqueeze(-1) * out2.to(acc)
-        return merged.to(q.dtype)
-
-    def _logsumexp(self, q: Tensor, k: Tensor, *, causal: bool) -> Tensor:
-        """``logsumexp`` over the keys of each query's scaled scores, ``[b, heads, queries]`` in fp32 or
-        wider (``causal``: query ``i`` sees keys up to ``i``), one checkpointed block of queries at a time."""
-        b, heads, queries, _ = q.shape
-        block = max(1, LSE_BLOCK_ELEMENTS // (b * heads * k.shape[2]))
-        blocks = [
-            checkpoint(self._block_logsumexp, q[:, :, start : start + block], k, start, causal, use_reentrant=False)
-            for start in range(0, queries, block)
-        ]
-        return torch.cat(blocks, dim=2)
-
-    def _block_logsumexp(self, q: Tensor, k: Tensor, start: int, causal: bool) -> Tensor:
-        """:meth:`_logsumexp` of queries ``start ...``: grouped-query heads broadcast, never repeated."""
-        b, heads, n, d = q.shape
-        if causal:  # query start + i sees keys up to start + i
-            k = k[:, :, : start + n]
-        grouped = q.reshape(b, self.n_kv_heads, heads // self.n_kv_heads, n, d)
-        acc = torch.promote_types(q.dtype, torch.float32)  # fp32 at least, as the softmax
-        scores = torch.matmul(grouped, k.unsqueeze(2).transpose(-1, -2)).to(acc) * self.scale
-        if causal:
-            rows = torch.arange(start, start + n, device=q.device).unsqueeze(-1)
-            scores = scores.masked_fill(torch.arange(k.shape[2], device=q.device) > rows, float("-inf"))
-        return torch.logsumexp(scores, dim=-1).reshape(b, heads, n)
+    def _needs_mask(self, window: int | None) -> str | None:
+        """Why this layer's queries after earlier keys need a mask (no kernel returns their log-sum-exp), or None."""
+        if window is not None:
+            return "a sliding window"
+        if self.softcap is not None:
+            return "logit soft-capping"
+        if type(self)._attend is not Attention._attend:
+            return "its own attention kernel"  # gpt-oss sinks
+        return None
 
     def _attend(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, *, causal: bool, heads: slice = ALL_HEADS
