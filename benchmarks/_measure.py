@@ -25,6 +25,7 @@ import importlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -183,6 +184,43 @@ def measure_step(
 
 
 # --------------------------------------------------------------------------- files
+
+
+def timed_row_steps(
+    model: torch.nn.Module,
+    loss_fn: Callable[[dict[str, torch.Tensor]], Any],
+    *,
+    cp: int,
+    vocab: int,
+    seq: int,
+    steps: int,
+) -> dict[str, float]:
+    """This rank's part of ``steps`` full training steps (AdamW) on one row of ``seq`` random tokens, after a warm-up
+    step (the optimizer state then exists): the ranks of a ``cp`` group read the same row. Collective (the barrier
+    around each timed step). Returns the median seconds and CPU seconds (user + system of this process) a step and
+    the largest step peak above its start."""
+    import torch.distributed as dist
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    row = dist.get_rank() // cp
+    tokens = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(row))
+    batch = {"tokens": tokens, "labels": tokens.clone()}
+
+    def step() -> None:
+        loss, n_tokens = loss_fn(batch)[:2]
+        (loss * n_tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    seconds, cpu, peaks = [], [], []
+    for _ in range(steps):
+        start = time.process_time()
+        _, m = measure_step(step, barrier=dist.barrier)
+        cpu.append(time.process_time() - start)
+        seconds.append(m.seconds)
+        peaks.append(m.cuda_peak_delta if m.cuda_peak_delta is not None else m.peak_anon_delta)
+    return {"seconds": statistics.median(seconds), "cpu_s": statistics.median(cpu), "peak": max(peaks)}
 
 
 def rows_in_budget(

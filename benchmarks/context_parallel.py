@@ -32,20 +32,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks._driver import REPO_ROOT, environment_lines, finish
 from benchmarks._hf_models import saved_once
-from benchmarks._measure import RankFailure, bench_device, measure_step, rows_in_budget, spawn_ranks
+from benchmarks._measure import RankFailure, bench_device, rows_in_budget, spawn_ranks, timed_row_steps
 from benchmarks._report import fmt_bytes
 from benchmarks._train_step import fsdp2_as_users_write_it
 
@@ -112,27 +109,7 @@ def probe(*, stack: str, cp: int, hf: str, seq: int, vocab: int, steps: int) -> 
     """This rank's part of ``steps`` timed training steps on rows of ``seq`` tokens (after one warm-up)."""
     device = bench_device()
     model, loss_fn = _transformers(hf, device) if stack == "transformers" else _shardtune(hf, cp, device, MODES[stack])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    row = dist.get_rank() // cp  # the ranks of a cp group read the same row
-    tokens = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(row))
-    batch = {"tokens": tokens, "labels": tokens.clone()}
-
-    def step() -> float:
-        loss, n_tokens = loss_fn(batch)
-        (loss * n_tokens).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return float(loss)
-
-    step()  # warm-up: the optimizer state exists before the measured steps
-    seconds, cpu, peaks = [], [], []
-    for _ in range(steps):
-        start = time.process_time()
-        _, m = measure_step(step, barrier=dist.barrier)
-        cpu.append(time.process_time() - start)
-        seconds.append(m.seconds)
-        peaks.append(m.cuda_peak_delta if m.cuda_peak_delta is not None else m.peak_anon_delta)
-    return {"seconds": statistics.median(seconds), "cpu_s": statistics.median(cpu), "peak": max(peaks)}
+    return timed_row_steps(model, loss_fn, cp=cp, vocab=vocab, seq=seq, steps=steps)
 
 
 def _measure(a: argparse.Namespace, hf: Path, stack: str, cp: int, seq: int) -> dict[str, Any] | None:

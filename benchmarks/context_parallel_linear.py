@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from benchmarks._driver import environment_lines
-from benchmarks._measure import RankFailure, bench_device, measure_step, spawn_ranks
+from benchmarks._measure import RankFailure, bench_device, spawn_ranks, timed_row_steps
 from benchmarks._report import fmt_bytes
 
 
@@ -63,25 +61,7 @@ def probe(*, shape: dict[str, Any], cp: int, seq: int, steps: int) -> dict[str, 
     shard_model(model, mesh=make_mesh())
     group = context_group(cp, device=device.type) if cp > 1 else None
     loss_fn = next_token_loss(model, group=group, device=device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    row = dist.get_rank() // cp  # the ranks of a cp group read the same row
-    tokens = torch.randint(0, shape["vocab"], (1, seq), generator=torch.Generator().manual_seed(row))
-    batch = {"tokens": tokens, "labels": tokens.clone()}
-
-    def step() -> float:
-        loss, n_tokens = loss_fn(batch)[:2]
-        (loss * n_tokens).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return float(loss)
-
-    step()  # warm-up: the optimizer state exists before the measured steps
-    seconds, peaks = [], []
-    for _ in range(steps):
-        _, m = measure_step(step, barrier=dist.barrier)
-        seconds.append(m.seconds)
-        peaks.append(m.cuda_peak_delta if m.cuda_peak_delta is not None else m.peak_anon_delta)
-    return {"seconds": statistics.median(seconds), "peak": max(peaks)}
+    return timed_row_steps(model, loss_fn, cp=cp, vocab=shape["vocab"], seq=seq, steps=steps)
 
 
 def measure(a: argparse.Namespace, shape: dict[str, Any], cp: int, seq: int) -> dict[str, Any] | None:

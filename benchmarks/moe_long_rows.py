@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from benchmarks._driver import REPO_ROOT, environment_lines, finish
 from benchmarks._hf_models import MoeShape, saved_once
-from benchmarks._measure import RankFailure, bench_device, measure_step, rows_in_budget, spawn_ranks
+from benchmarks._measure import RankFailure, bench_device, rows_in_budget, spawn_ranks, timed_row_steps
 from benchmarks._report import fmt_bytes
 
 MARKERS = {
@@ -73,24 +71,7 @@ def probe(*, hf: str, ep: int, cp: int, seq: int, vocab: int, steps: int) -> dic
     model.train()
     group = context_group(cp, device=device.type) if cp > 1 else None
     loss_fn = next_token_loss(model, group=group, device=device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    row = dist.get_rank() // cp  # the ranks of a cp group read the same row
-    tokens = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(row))
-    batch = {"tokens": tokens, "labels": tokens.clone()}
-
-    def step() -> None:
-        loss, n_tokens = loss_fn(batch)[:2]
-        (loss * n_tokens).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()  # warm-up: the optimizer state exists before the measured steps
-    seconds, peaks = [], []
-    for _ in range(steps):
-        _, m = measure_step(step, barrier=dist.barrier)
-        seconds.append(m.seconds)
-        peaks.append(m.cuda_peak_delta if m.cuda_peak_delta is not None else m.peak_anon_delta)
-    return {"seconds": statistics.median(seconds), "peak": max(peaks)}
+    return timed_row_steps(model, loss_fn, cp=cp, vocab=vocab, seq=seq, steps=steps)
 
 
 def _measure(a: argparse.Namespace, hf: Path, cp: int, seq: int) -> dict[str, Any] | None:
