@@ -28,15 +28,17 @@ def check_shared_output_dir(root: Path, *, rank: int) -> None:
     Collective: call on all ranks (one object all-gather, then the error contract's); each returns
     None or raises the same :class:`~shardtune.checkpoint.errors.OutputDirError` naming each rank and host
     that saw another directory, and the fixes."""
-    token = secrets.token_hex(8) if rank == 0 else None
+    token: str | None = secrets.token_hex(8) if rank == 0 else None
     problems = comm.Problems()
     if rank == 0:
         with problems.guard(str(root)):
+            root.mkdir(parents=True, exist_ok=True)  # a new run directory (output_dir_policy: new_run) is made here
             (root / f"{PREFIX}{token}").write_text(str(token))
+        token = None if problems else token  # rank 0's own error is the one to report
     token = comm.all_gather_objects(token)[0]
     path = root / f"{PREFIX}{token}"
     try:
-        sees = path.read_text() == token
+        sees = token is None or path.read_text() == token
     except OSError:
         sees = False
     host = socket.gethostname()
