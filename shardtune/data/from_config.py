@@ -18,7 +18,7 @@ from shardtune.data.packing import PackedDataset
 from shardtune.data.preference import build_preference_dataset
 from shardtune.data.tokenizer import HFTokenizer
 
-__all__ = ["build_config_dataset", "build_dataset", "is_preference", "refuse_packed_preference"]
+__all__ = ["build_config_dataset", "build_dataset", "chat_entries", "is_preference", "refuse_packed_preference"]
 
 
 def build_dataset(
@@ -51,6 +51,16 @@ def is_preference(specs: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> boo
     if len(kinds) > 1:
         raise ConfigError(["dataset: mixes format: preference with SFT formats; a run trains on one kind"])
     return kinds == {True}
+
+
+def chat_entries(specs: Sequence[Mapping[str, Any]], dataset: Dataset) -> list[bool]:
+    """Per entry of ``specs`` (the entries ``dataset`` was built from by :func:`build_dataset`), whether it
+    trains chat conversations: ``format: chat`` data, and preference pairs of which some are message lists
+    (which only their records tell)."""
+    if not is_preference(specs):
+        return [spec.get("format") == "chat" for spec in specs]
+    parts = dataset.datasets if isinstance(dataset, ConcatDataset) else [dataset]
+    return [part.chat for part in parts]  # type: ignore[attr-defined]  # PreferenceDataset parts, in order
 
 
 def refuse_packed_preference(specs: Sequence[Mapping[str, Any]], *, packed: bool) -> None:

@@ -51,10 +51,13 @@ Sample = dict[str, list[int]]
 
 class PreferenceDataset(Dataset):
     """Pairs tokenized on access from records already checked; ``untruncated`` gives a pair
-    before the cut to ``max_seq_len``."""
+    before the cut to ``max_seq_len``; ``chat``: whether some pairs are chat messages."""
 
-    def __init__(self, records: Sequence[Mapping[str, Any]], *, columns: dict[str, str], sft: _PairTokenizer) -> None:
+    def __init__(
+        self, records: Sequence[Mapping[str, Any]], *, columns: dict[str, str], sft: _PairTokenizer, chat: bool
+    ) -> None:
         self.records, self.columns, self.sft = records, columns, sft
+        self.chat = chat  # some pairs are chat messages, rendered by the dataset's chat template
 
     def __len__(self) -> int:
         return len(self.records)
@@ -203,7 +206,7 @@ def build_preference_dataset(spec: Mapping[str, Any], tokenizer: HFTokenizer, *,
     template = model_chat_template({**spec, "add_bos": None, "add_eos": None}, tokenizer, source) if chat else None
     _check_pairs(records, columns, source, any_role=template is not None)
     return PreferenceDataset(
-        records, columns=columns, sft=_PairTokenizer(spec, tokenizer, max_seq_len=max_seq_len, source=source)
+        records, columns=columns, sft=_PairTokenizer(spec, tokenizer, max_seq_len=max_seq_len, source=source), chat=chat
     )
 
 

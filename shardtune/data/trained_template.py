@@ -1,6 +1,7 @@
 """The chat template a run trained its chat data with, as the Jinja text a checkpoint carries.
 
-Rule: a checkpoint of a run that trained ``format: chat`` data holds, as ``chat_template.jinja``,
+Rule: a checkpoint of a run that trained chat conversations (``format: chat`` data, or preference
+pairs of chat messages) holds, as ``chat_template.jinja``,
 a template that ``transformers``' ``apply_chat_template`` (and so vLLM and ``shardtune generate
 --chat``) renders to exactly the text the run trained on. That is the base's own template when the
 data used it (``template: auto``, or none and the base has one), else the built-in or mapping
@@ -34,14 +35,16 @@ class TrainedTemplate:
 
 
 def trained_chat_template(
-    specs: Sequence[Mapping[str, Any]], tokenizer: HFTokenizer
+    specs: Sequence[Mapping[str, Any]], tokenizer: HFTokenizer, *, chat: Sequence[bool] | None = None
 ) -> tuple[TrainedTemplate | None, list[str]]:
-    """The template of the first ``format: chat`` dataset of ``specs`` (None: no chat data), and one
-    line per other chat dataset trained with another template (its samples differ from what the
-    saved template renders)."""
+    """The template of the first chat dataset of ``specs`` (None: no chat data), and one line per other
+    chat dataset trained with another template (its samples differ from what the saved template
+    renders). ``chat``: per entry, whether it trains chat conversations (None: the ``format: chat``
+    entries; preference pairs are chat when their records hold messages:
+    :func:`~shardtune.data.from_config.chat_entries` tells from the built dataset)."""
     found: list[tuple[str, TrainedTemplate]] = []
-    for raw in specs:
-        if raw.get("format") != "chat":
+    for raw, is_chat in zip(specs, [s.get("format") == "chat" for s in specs] if chat is None else chat, strict=True):
+        if not is_chat:
             continue
         source = str(raw.get("path", "<dataset>"))
         spec = validated(dict(raw), DATASET_SCHEMA, source=f"dataset {source}")

@@ -34,7 +34,7 @@ from shardtune.checkpoint.layout import CONFIG_FILE
 from shardtune.config import Config
 from shardtune.data import build_dataloader, build_dataset, collate, load_tokenizer
 from shardtune.data.checks import build_training_dataset, check_one_step
-from shardtune.data.from_config import is_preference
+from shardtune.data.from_config import chat_entries, is_preference
 from shardtune.data.preference import collate_pairs
 from shardtune.data.tokenizer import HFTokenizer
 from shardtune.data.trained_template import TrainedTemplate, trained_chat_template
@@ -353,7 +353,7 @@ def build_training(
     sampler)`` of a recipe that reads ``cfg.dataset`` its own way (e.g. with :func:`build_loader`);
     None: :func:`build_data`'s."""
     tokenizer, loader, sampler = build_data(cfg, run, base_dir) if data is None else data
-    template = chat_template_of(cfg, run, tokenizer)
+    template = chat_template_of(cfg, run, tokenizer, loader.dataset)
     optimizer, lr_scheduler = build_optimization(cfg, model, len(loader))
     checkpointer = build_checkpointer(
         cfg,
@@ -382,10 +382,12 @@ def build_training(
     return Training(model, loader, sampler, optimizer, lr_scheduler, checkpointer, evaluate=evaluate)
 
 
-def chat_template_of(cfg: Config, run: Run, tokenizer: HFTokenizer) -> TrainedTemplate | None:
-    """The chat template ``cfg.dataset``'s chat data trains with (None: no chat data; the start summary
-    names it), with a warning on rank 0 for chat datasets trained with another template than the one saved."""
-    template, others = trained_chat_template(dataset_specs(cfg.dataset), tokenizer)
+def chat_template_of(cfg: Config, run: Run, tokenizer: HFTokenizer, dataset: Dataset) -> TrainedTemplate | None:
+    """The chat template ``cfg.dataset``'s chat data (``dataset``: built from it) trains with (None: no chat
+    data; the start summary names it), with a warning on rank 0 for chat datasets trained with another
+    template than the one saved."""
+    specs = dataset_specs(cfg.dataset)
+    template, others = trained_chat_template(specs, tokenizer, chat=chat_entries(specs, dataset))
     if run.is_rank_zero:
         for line in others:
             log.warning("%s: generate and serve it with care", line)

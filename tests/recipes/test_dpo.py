@@ -5,6 +5,7 @@ compares run in-process (``recipe_pool``); every resume is a ``shardtune run`` j
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import transformers
 
 from shardtune.config import load_config
 from shardtune.data import build_dataset, load_tokenizer
+from shardtune.data.datasets import CROSS_ENTROPY_IGNORE_IDX
 from shardtune.data.preference import collate_pairs
 from shardtune.data.sampler import ResumableDistributedSampler
 from shardtune.recipes.registry import get_recipe
@@ -139,6 +141,43 @@ def test_full_dpo_resumes_exactly_with_the_same_reference(tiny_dirs, tmp_path, r
     full, again = losses(out), losses(resumed)
     assert sorted(again) == [3, 4] and [again[s] for s in again] == [full[s] for s in again]
     assert transformers.AutoModelForCausalLM.from_pretrained(out / "epoch_2") is not None
+
+
+def test_chat_pairs_save_the_template_they_trained_with(tiny_dirs, tmp_path):
+    """Chat preference pairs on a base without a chat template train with the built-in one; the
+    checkpoint's tokenizer renders, through transformers, the prompt and the conversation trained."""
+    records = [
+        {
+            "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"What is {i}+{i}?"}],
+            "chosen": [{"role": "assistant", "content": str(2 * i)}],
+            "rejected": [{"role": "assistant", "content": f"Maybe {2 * i + 1}"}],
+        }
+        for i in range(4)
+    ]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    spec = {"path": str(data), "format": "preference"}
+    out = tmp_path / "run"
+    proc = run_recipe(
+        "lora_dpo_distributed",
+        "tiny/lora_dpo",
+        *_overrides(tiny_dirs, out, f"dataset=[{json.dumps(spec)}]", "batch_size=2", steps=1),
+        nproc=1,
+    )
+    assert "chat template: the built-in 'chat' template" in proc.stderr
+    assert transformers.AutoTokenizer.from_pretrained(tiny_dirs["base"]).chat_template is None  # the base has none
+    hf = transformers.AutoTokenizer.from_pretrained(out / "epoch_1")
+    trained = build_dataset(spec, load_tokenizer(None, checkpoint_dir=tiny_dirs["base"]), max_seq_len=128)
+    for i, record in enumerate(records):
+        for side in ("chosen", "rejected"):
+            sample = trained[i][side]
+            n = next(j for j, label in enumerate(sample["labels"]) if label != CROSS_ENTROPY_IGNORE_IDX)
+            prompt = hf.apply_chat_template(
+                record["prompt"], tokenize=True, add_generation_prompt=True, return_dict=False
+            )
+            assert list(prompt) == sample["tokens"][:n], (i, side)  # the prompt ids the run gave the model
+            whole = hf.apply_chat_template(record["prompt"] + record[side], tokenize=True, return_dict=False)
+            assert list(whole) == sample["tokens"], (i, side)
 
 
 def test_batch_of_pairs_is_chosen_rows_then_rejected_rows():

@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 
 from shardtune.checkpoint.formats.tiny_base import create_tiny_base
 from shardtune.data import build_dataset, load_tokenizer
+from shardtune.data.from_config import chat_entries
 from shardtune.data.trained_template import trained_chat_template
 
 CONVERSATION = [
@@ -80,3 +81,25 @@ def test_no_chat_data_no_template_and_mixed_templates_named(base):
     template, others = trained_chat_template(specs, tok)
     assert template is not None and "no chat template" in template.origin
     assert len(others) == 1 and "b.jsonl" in others[0] and "llama3" in others[0]
+
+
+def test_preference_pairs_save_a_template_only_when_they_are_chat_messages(tmp_path, base):
+    tok = load_tokenizer(None, checkpoint_dir=base)
+    text_pairs, chat_pairs = tmp_path / "text.jsonl", tmp_path / "chat.jsonl"
+    text_pairs.write_text(json.dumps({"prompt": "2+2?", "chosen": "4", "rejected": "5"}) + "\n")
+    turn = {
+        "prompt": [CONVERSATION[1]],
+        "chosen": [CONVERSATION[2]],
+        "rejected": [{"role": "assistant", "content": "x"}],
+    }
+    chat_pairs.write_text(json.dumps(turn) + "\n")
+    specs = [{"path": str(text_pairs), "format": "preference"}, {"path": str(chat_pairs), "format": "preference"}]
+    assert chat_entries(specs, build_dataset(specs, tok, max_seq_len=256)) == [False, True]
+    assert trained_chat_template(specs[:1], tok, chat=[False]) == (None, [])
+    template, others = trained_chat_template(specs, tok, chat=[False, True])
+    assert template is not None and not others and "built-in 'chat'" in template.origin
+    sample = build_dataset(specs[1], tok, max_seq_len=256)[0]["chosen"]
+    hf = AutoTokenizer.from_pretrained(base)
+    hf.chat_template = template.text
+    text = hf.apply_chat_template(turn["prompt"] + turn["chosen"], tokenize=False)
+    assert hf(text, add_special_tokens=False)["input_ids"] == sample["tokens"]
