@@ -29,7 +29,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks import fp8_lora
+from benchmarks import _fp8_lora_steps as fp8_lora
 from benchmarks._driver import environment_lines, finish, try_spawn
 from benchmarks._train_step import build_transformers
 

@@ -10,8 +10,6 @@ these meshes is in :mod:`shardtune.ranks.expert_parallel` and :mod:`shardtune.ra
 
 from __future__ import annotations
 
-import weakref
-
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -36,7 +34,10 @@ def make_mesh(*, replicate: int = 1, expert_parallel: int = 1, device: str | Non
     return init_device_mesh(kind, (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
 
 
-_DENSE: weakref.WeakKeyDictionary[DeviceMesh, DeviceMesh] = weakref.WeakKeyDictionary()
+# the attribute an expert-parallel mesh keeps its dense mesh in: on the object itself, not in a dict keyed by
+# the mesh (DeviceMesh compares by shape and names, so a later run's equal mesh found an earlier run's, whose
+# process groups were destroyed)
+_DENSE = "_shardtune_dense_mesh"
 
 
 def expert_mesh(*, world: int, replicate: int, expert_parallel: int, device: str) -> DeviceMesh:
@@ -56,7 +57,7 @@ def expert_mesh(*, world: int, replicate: int, expert_parallel: int, device: str
         dense_dims, dense_names = (replicate, shard), ("replicate", "shard")
     mesh = init_device_mesh(device, dims, mesh_dim_names=names)
     # torch deprecates slicing a flattened (efsdp, ep) dim together with replicate from the root: a mesh of its own
-    _DENSE[mesh] = init_device_mesh(device, dense_dims, mesh_dim_names=dense_names)
+    setattr(mesh, _DENSE, init_device_mesh(device, dense_dims, mesh_dim_names=dense_names))
     return mesh
 
 
@@ -68,7 +69,7 @@ def ep_degree(mesh: DeviceMesh) -> int:
 
 def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh dense params are sharded on: ``shard``, or ``(replicate, shard)`` for HSDP."""
-    dense = _DENSE.get(mesh)
+    dense = getattr(mesh, _DENSE, None)
     if dense is None:
         raise ValueError("an expert-parallel mesh comes from make_mesh(expert_parallel=...); build it there")
     return dense

@@ -44,7 +44,7 @@ def test_the_main_job_twice_in_one_output_dir_keeps_both_runs(tiny_dirs, tmp_pat
     second = run_recipe(RECIPE, CONFIG, *args)
     said = second.stdout + second.stderr
     assert f"this run writes to {out / 'run_2'}" in said, said[-3000:]
-    assert f"this run's outputs are in {out / 'run_2'} (checkpoint {out / 'run_2' / 'epoch_1'})" in said
+    assert f"outputs are in {out / 'run_2'} (checkpoint {out / 'run_2' / 'epoch_1'})" in said
     assert _digest(out / "epoch_1") == first  # the first run's checkpoint is untouched
     assert _steps(out / "metrics.jsonl") == [1, 2]  # and its metrics hold only its own rows
     assert _steps(out / "run_2" / "metrics.jsonl") == [1, 2]
