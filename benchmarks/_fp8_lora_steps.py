@@ -14,7 +14,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from benchmarks._driver import REPO_ROOT, environment_lines
+from benchmarks._driver import REPO_ROOT, environment_lines, try_spawn
 from benchmarks._fp8_checkpoint_steps import is_quantized, quantize
 from benchmarks._hf_models import saved_once
 from benchmarks._train_step import Built, build_shardtune, measure_run
@@ -181,3 +181,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         cfg.repeats, cfg.steps, cfg.seq, cfg.timeout, cfg.no_markdown = 1, 1, 64, 300.0, True
     cfg.command = "python -m benchmarks.fp8_lora " + " ".join(sys.argv[1:] if argv is None else argv)
     return cfg
+
+
+def run_methods(
+    target: str, methods: list[str], cfg: argparse.Namespace, kwargs: dict[str, Any]
+) -> dict[str, list[list[dict[str, Any]]]] | None:
+    """Every method's ranks' records, ``cfg.repeats`` fresh runs each of ``target`` (their order rotated each
+    repeat); None when a run failed (its error printed)."""
+    records: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in methods}
+    for repeat in range(cfg.repeats):
+        shift = repeat % len(methods)
+        for method in methods[shift:] + methods[:shift]:
+            ranks, error = try_spawn(
+                target, world=cfg.world, kwargs={"method": method, **kwargs}, timeout_s=cfg.timeout, device=cfg.device
+            )
+            if error is not None:
+                print(f"{method}: FAILED\n{error}", file=sys.stderr)
+                return None
+            print(f"[{repeat + 1}/{cfg.repeats}] {method}: verify {[r['verify'] for r in ranks]}", file=sys.stderr)
+            records[method].append(ranks)
+    return records

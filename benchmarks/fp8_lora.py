@@ -28,9 +28,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
 
-from benchmarks._driver import finish, try_spawn
+from benchmarks._driver import finish
 from benchmarks._fp8_lora_steps import (
     BENCH,
     BLOCK,
@@ -42,6 +41,7 @@ from benchmarks._fp8_lora_steps import (
     fp8_dir,
     fp8_lora_section,
     parse,
+    run_methods,
     summary_row,
 )
 
@@ -53,22 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     config = SMOKE if cfg.smoke else BENCH
     hf = fp8_dir(cfg.bench_dir.resolve(), config, SMOKE_BLOCK if cfg.smoke else BLOCK)
     kwargs = {"hf": str(hf), "rows": cfg.rows, "seq": cfg.seq, "vocab": config["vocab_size"], "steps": cfg.steps}
-    records: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in METHODS}
     load_before = os.getloadavg()[0]
-    for repeat in range(cfg.repeats):
-        for method in list(METHODS)[repeat % 2 :] + list(METHODS)[: repeat % 2]:  # order rotated
-            ranks, error = try_spawn(
-                "benchmarks._fp8_lora_steps:run",
-                world=cfg.world,
-                kwargs={"method": method, **kwargs},
-                timeout_s=cfg.timeout,
-                device=cfg.device,
-            )
-            if error is not None:
-                print(f"{method}: FAILED\n{error}", file=sys.stderr)
-                return 1
-            print(f"[{repeat + 1}/{cfg.repeats}] {method}: verify {[r['verify'] for r in ranks]}", file=sys.stderr)
-            records[method].append(ranks)
+    records = run_methods("benchmarks._fp8_lora_steps:run", list(METHODS), cfg, kwargs)
+    if records is None:
+        return 1
     losses = {m: records[m][0][0]["first_loss"] for m in METHODS}
     if abs(losses["fp8_base"] - losses["bf16_base"]) > LOSS_RTOL * abs(losses["bf16_base"]):
         print(f"the methods' first losses differ: {losses}", file=sys.stderr)

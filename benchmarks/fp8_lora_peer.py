@@ -30,7 +30,7 @@ from unittest import mock
 import torch
 
 from benchmarks import _fp8_lora_steps as fp8_lora
-from benchmarks._driver import environment_lines, finish, try_spawn
+from benchmarks._driver import environment_lines, finish
 from benchmarks._train_step import build_transformers
 
 MARKERS = ("<!-- fp8-lora-peer:begin -->", "<!-- fp8-lora-peer:end -->")
@@ -92,23 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     block = fp8_lora.SMOKE_BLOCK if cfg.smoke else fp8_lora.BLOCK
     hf = fp8_lora.fp8_dir(cfg.bench_dir.resolve(), config, block)
     kwargs = {"hf": str(hf), "rows": cfg.rows, "seq": cfg.seq, "vocab": config["vocab_size"], "steps": cfg.steps}
-    records: dict[str, list[list[dict[str, Any]]]] = {m: [] for m in METHODS}
     load_before = os.getloadavg()[0]
-    for repeat in range(cfg.repeats):
-        shift = repeat % len(METHODS)
-        for method in METHODS[shift:] + METHODS[:shift]:  # order rotated
-            ranks, error = try_spawn(
-                "benchmarks.fp8_lora_peer:run",
-                world=cfg.world,
-                kwargs={"method": method, **kwargs},
-                timeout_s=cfg.timeout,
-                device=cfg.device,
-            )
-            if error is not None:
-                print(f"{method}: FAILED\n{error}", file=sys.stderr)
-                return 1
-            print(f"[{repeat + 1}/{cfg.repeats}] {method}: verify {[r['verify'] for r in ranks]}", file=sys.stderr)
-            records[method].append(ranks)
+    records = fp8_lora.run_methods("benchmarks.fp8_lora_peer:run", list(METHODS), cfg, kwargs)
+    if records is None:
+        return 1
     if any(r["verify"] != "ok" for reps in records.values() for ranks in reps for r in ranks):
         return 1
     losses = {m: records[m][0][0]["first_loss"] for m in METHODS}
