@@ -224,20 +224,43 @@ def timed_row_steps(
 
 
 def rows_in_budget(
-    measure: Callable[[int], dict[str, Any] | None], *, start: int, stop: int, budget: int
+    measure: Callable[[int], dict[str, Any] | None],
+    *,
+    start: int,
+    stop: int,
+    budget: int,
+    refine: int = 0,
+    multiple: int = 1,
 ) -> list[dict[str, Any]]:
     """Every probe ``measure(seq)`` from ``start`` doubling up to ``stop``, ending after the first whose peak on any
-    rank (``probe["peaks"]``) passes ``budget`` bytes, or at the first that failed (None: not kept)."""
+    rank (``probe["peaks"]``) passes ``budget`` bytes, or at the first that failed (None: not kept); then, when a
+    row fit and a longer one did not, ``refine`` bisections between the longest that fit and the shortest that did
+    not (rows rounded down to a ``multiple``). Returns the kept probes by row length."""
     probes, seq = [], start
+    over: int | None = None
     while seq <= stop:
         probe = measure(seq)
-        if probe is None:
+        if probe is None or max(probe["peaks"]) > budget:
+            over = seq
+            if probe is not None:
+                probes.append(probe)
             break
         probes.append(probe)
-        if max(probe["peaks"]) > budget:
-            break
         seq *= 2
-    return probes
+    fit = max((p["seq"] for p in probes if max(p["peaks"]) <= budget), default=None)
+    if fit is not None and over is not None:
+        for _ in range(refine):
+            seq = (fit + over) // 2 // multiple * multiple
+            if seq <= fit:
+                break
+            probe = measure(seq)
+            if probe is not None:
+                probes.append(probe)
+            if probe is None or max(probe["peaks"]) > budget:
+                over = seq
+            else:
+                fit = seq
+    return sorted(probes, key=lambda p: p["seq"])
 
 
 def drop_page_cache(path: str | os.PathLike[str]) -> None:

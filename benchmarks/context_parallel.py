@@ -24,8 +24,10 @@ shardtune cp 1 row against transformers at the same row: tokens/s, CPU seconds a
 ratios. CPU seconds (user + system of the slowest rank's process, median step) are the work a step
 does: on a machine other jobs share they stay comparable where wall time does not. ``--cp`` picks the
 degrees (``--cp 1 --start-seq 4096 --max-seq 16384``: cp 1 against the peer at 4k to 16k rows). Each
-probe runs in fresh rank processes. The section goes between the ``context-parallel`` markers of BENCHMARKS.md
-(``context-parallel-cuda`` on a GPU).
+probe runs in fresh rank processes. ``--refine`` bisects between the doubling probes towards the longest row
+that fits; ``--checkpointing`` compares shardtune's activation checkpointing choices (and activation offloading on
+CUDA). The section goes between the ``--section`` markers of BENCHMARKS.md (``context-parallel``, and
+``context-parallel-cuda`` on a GPU).
 """
 
 from __future__ import annotations
@@ -46,12 +48,12 @@ from benchmarks._measure import RankFailure, bench_device, rows_in_budget, spawn
 from benchmarks._report import fmt_bytes
 from benchmarks._train_step import fsdp2_as_users_write_it
 
-MARKERS = {
-    "cpu": ("<!-- context-parallel:begin -->", "<!-- context-parallel:end -->"),
-    "cuda": ("<!-- context-parallel-cuda:begin -->", "<!-- context-parallel-cuda:end -->"),
-}
 MIB = 1 << 20
 MODES = {"shardtune": "all_gather", "shardtune_all_to_all": "all_to_all"}  # shardtune's stacks: their mode
+# --checkpointing: shard_model's activation_checkpointing; "offload" (CUDA) also moves each layer's saved input
+# to pinned host memory
+CHECKPOINTING: dict[str, bool | str] = {"none": False, "full": True, "selective": "selective", "offload": True}
+Stack = tuple[str, int, str]  # (stack, cp degree, checkpointing)
 
 
 def hf_dir(bench_dir: Path, a: argparse.Namespace) -> Path:
@@ -71,7 +73,7 @@ def hf_dir(bench_dir: Path, a: argparse.Namespace) -> Path:
     return saved_once(path, lambda: LlamaForCausalLM(config))
 
 
-def _shardtune(hf: str, cp: int, device: torch.device, mode: str):
+def _shardtune(hf: str, cp: int, device: torch.device, mode: str, checkpointing: str):
     from transformers import AutoModelForCausalLM
 
     from shardtune.losses.next_token import next_token_loss
@@ -85,7 +87,12 @@ def _shardtune(hf: str, cp: int, device: torch.device, mode: str):
     model.load_state_dict(reference.state_dict(), strict=True)
     del reference
     model.to(device).train()
-    shard_model(model, mesh=make_mesh(), activation_checkpointing=True)
+    shard_model(model, mesh=make_mesh(), activation_checkpointing=CHECKPOINTING[checkpointing])
+    if checkpointing == "offload":
+        from shardtune.ranks.sharding import decoder_layers
+        from shardtune.training.activation_offload import offload_layer_activations
+
+        offload_layer_activations(decoder_layers(model))
     group = context_group(cp, device=device.type) if cp > 1 else None
     return model, next_token_loss(model, group=group, context_parallel_mode=mode, device=device)
 
@@ -105,22 +112,31 @@ def _transformers(hf: str, device: torch.device):
     return model, loss_fn
 
 
-def probe(*, stack: str, cp: int, hf: str, seq: int, vocab: int, steps: int) -> dict[str, Any]:
+def probe(
+    *, stack: str, cp: int, checkpointing: str = "full", hf: str, seq: int, vocab: int, steps: int
+) -> dict[str, Any]:
     """This rank's part of ``steps`` timed training steps on rows of ``seq`` tokens (after one warm-up)."""
     device = bench_device()
-    model, loss_fn = _transformers(hf, device) if stack == "transformers" else _shardtune(hf, cp, device, MODES[stack])
+    if stack == "transformers":
+        model, loss_fn = _transformers(hf, device)
+    else:
+        model, loss_fn = _shardtune(hf, cp, device, MODES[stack], checkpointing)
     return timed_row_steps(model, loss_fn, cp=cp, vocab=vocab, seq=seq, steps=steps)
 
 
-def _measure(a: argparse.Namespace, hf: Path, stack: str, cp: int, seq: int) -> dict[str, Any] | None:
+def _measure(a: argparse.Namespace, hf: Path, key: Stack, seq: int) -> dict[str, Any] | None:
     """Tokens/s and per-rank peaks of one probe in fresh ranks; None when a rank failed (out of memory)."""
-    kwargs = {"stack": stack, "cp": cp, "hf": str(hf), "seq": seq, "vocab": a.vocab, "steps": a.steps}
+    stack, cp, checkpointing = key
+    kwargs = {
+        "stack": stack, "cp": cp, "checkpointing": checkpointing, "hf": str(hf), "seq": seq, "vocab": a.vocab,
+        "steps": a.steps,
+    }  # fmt: skip
     try:
         ranks = spawn_ranks(
             "benchmarks.context_parallel:probe", world=a.world, kwargs=kwargs, timeout_s=a.timeout, device=a.device
         )
     except RankFailure as e:
-        print(f"  {stack} cp {cp} seq {seq}: failed ({str(e).splitlines()[-1][:200]})", file=sys.stderr)
+        print(f"  {_name(key)} seq {seq}: failed ({str(e).splitlines()[-1][:200]})", file=sys.stderr)
         return None
     seconds = max(r["seconds"] for r in ranks)  # the slowest rank ends the step
     result = {
@@ -130,16 +146,23 @@ def _measure(a: argparse.Namespace, hf: Path, stack: str, cp: int, seq: int) -> 
         "peaks": [r["peak"] for r in ranks],
     }
     print(
-        f"  {stack} cp {cp} seq {seq}: {result['tokens_s']:.0f} tokens/s, {result['cpu_s']:.2f} CPU s a step, "
+        f"  {_name(key)} seq {seq}: {result['tokens_s']:.0f} tokens/s, {result['cpu_s']:.2f} CPU s a step, "
         f"peak {fmt_bytes(max(result['peaks']))}"
     )
     return result
 
 
-def longest(a: argparse.Namespace, hf: Path, stack: str, cp: int) -> list[dict[str, Any]]:
-    """Every probe from ``--start-seq`` doubling, up to the first over the budget (or ``--max-seq``)."""
-    measure = partial(_measure, a, hf, stack, cp)
-    return rows_in_budget(measure, start=a.start_seq, stop=a.max_seq, budget=a.budget_mib * MIB)
+def longest(a: argparse.Namespace, hf: Path, key: Stack) -> list[dict[str, Any]]:
+    """Every probe from ``--start-seq`` doubling, up to the first over the budget (or ``--max-seq``), then
+    ``--refine`` bisections towards the longest row that fits (multiples of ``--multiple`` tokens)."""
+    return rows_in_budget(
+        partial(_measure, a, hf, key),
+        start=a.start_seq,
+        stop=a.max_seq,
+        budget=a.budget_mib * MIB,
+        refine=a.refine,
+        multiple=a.multiple,
+    )
 
 
 def _row(name: str, probe_: dict[str, Any] | None) -> str:
@@ -149,13 +172,16 @@ def _row(name: str, probe_: dict[str, Any] | None) -> str:
     return f"| {name} | {probe_['seq']} | {probe_['tokens_s']:.0f} | {peaks} |"
 
 
-def _name(stack: str, cp: int) -> str:
+def _name(key: Stack) -> str:
+    stack, cp, checkpointing = key
     if stack == "transformers":
         return "transformers + FSDP2"
-    return f"shardtune cp {cp}" + ("" if MODES[stack] == "all_gather" else f" ({MODES[stack]})")
+    notes = [MODES[stack]] if MODES[stack] != "all_gather" else []
+    notes += [f"checkpointing {checkpointing}"] if checkpointing != "full" else []
+    return f"shardtune cp {cp}" + (f" ({', '.join(notes)})" if notes else "")
 
 
-def report(a: argparse.Namespace, results: dict[tuple[str, int], list[dict[str, Any]]], load: tuple[float, float]):
+def report(a: argparse.Namespace, results: dict[Stack, list[dict[str, Any]]], load: tuple[float, float]):
     budget = a.budget_mib * MIB
     fits = {key: [p for p in probes if max(p["peaks"]) <= budget] for key, probes in results.items()}
     lines = [
@@ -178,15 +204,38 @@ def report(a: argparse.Namespace, results: dict[tuple[str, int], list[dict[str, 
         "| stack | longest row (tokens) | tokens/s (all ranks) | peak per rank |",
         "|---|---:|---:|---|",
     ]
-    names = {key: _name(*key) for key in results}
+    names = {key: _name(key) for key in results}
     lines += [_row(names[key], probes[-1] if probes else None) for key, probes in fits.items()]
-    common = min((probes[-1]["seq"] for probes in fits.values() if probes), default=None)
+    lines += _longest_against_cp1(fits, names)
+    rows = [{p["seq"] for p in probes} for probes in fits.values()]
+    common = max(set.intersection(*rows), default=None) if rows else None
     if common is not None and all(fits.values()):
         lines += ["", f"At {common} tokens, a row every stack fits:", "", "| stack | row | tokens/s | peak per rank |"]
         lines += ["|---|---:|---:|---|"]
         lines += [_row(names[key], next(p for p in probes if p["seq"] == common)) for key, probes in fits.items()]
-    lines += _against_peer(fits.get(("shardtune", 1), []), fits.get(("transformers", 1), []))
+    lines += _against_peer(fits.get(("shardtune", 1, "full"), []), fits.get(("transformers", 1, "full"), []))
     return "\n".join(lines)
+
+
+def _longest_against_cp1(fits: dict[Stack, list[dict[str, Any]]], names: dict[Stack, str]) -> list[str]:
+    """Each shardtune cp > 1 stack's longest row over cp 1's with the same checkpointing (the budget's scaling)."""
+    lines = []
+    for (stack, cp, checkpointing), probes in fits.items():
+        base = fits.get(("shardtune", 1, checkpointing))
+        if stack == "transformers" or cp == 1 or not probes or not base:
+            continue
+        ratio = probes[-1]["seq"] / base[-1]["seq"]
+        lines.append(f"| {names[stack, cp, checkpointing]} | {probes[-1]['seq']} vs {base[-1]['seq']} | {ratio:.2f} |")
+    if not lines:
+        return []
+    return [
+        "",
+        "Longest row against cp 1 with the same checkpointing:",
+        "",
+        "| stack | rows | × |",
+        "|---|---:|---:|",
+        *lines,
+    ]
 
 
 def _against_peer(ours: list[dict[str, Any]], peer: list[dict[str, Any]]) -> list[str]:
@@ -222,6 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-seq", type=int, default=1024)
     p.add_argument("--max-seq", type=int, default=1 << 20)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--refine", type=int, default=0, help="bisections towards the longest row after the doubling")
+    p.add_argument("--multiple", type=int, default=256, help="bisected rows are multiples of this many tokens")
+    p.add_argument(
+        "--checkpointing",
+        default="full",
+        help="comma list of shardtune's activation checkpointing: none, full, selective, offload (CUDA: full "
+        "plus activation offloading); transformers runs full",
+    )
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
@@ -241,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
         default=1 << 16,
         help="glibc MALLOC_MMAP_THRESHOLD_ of every rank, every stack (bytes; 0: glibc's dynamic default)",
     )
+    p.add_argument(
+        "--section",
+        default="context-parallel",
+        help="BENCHMARKS.md's section (between <!-- NAME:begin --> and <!-- NAME:end -->; -cuda added on a GPU)",
+    )
     p.add_argument("--bench-dir", type=Path, default=REPO_ROOT / "bench_out")
     p.add_argument("--markdown", type=Path, default=REPO_ROOT / "BENCHMARKS.md")
     p.add_argument(
@@ -259,14 +321,18 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(a.mmap_threshold)
     hf = hf_dir(a.bench_dir, a)
     degrees = [cp for cp in (int(c) for c in a.cp.split(",")) if cp <= a.world and a.world % cp == 0]
+    choices = a.checkpointing.split(",")
+    for choice in choices:
+        if choice not in CHECKPOINTING or (choice == "offload" and a.device != "cuda"):
+            p.error(f"--checkpointing {choice}: pick from none, full, selective (and offload on --device cuda)")
+    keys = [("shardtune", cp, c) for c in choices for cp in degrees]
+    keys += [("shardtune_all_to_all", cp, c) for c in choices for cp in degrees if cp > 1 and a.all_to_all]
+    keys += [("transformers", 1, "full")] if a.peer else []
     load_before = os.getloadavg()[0]
-    results = {("shardtune", cp): longest(a, hf, "shardtune", cp) for cp in degrees}
-    if a.all_to_all:
-        results |= {("shardtune_all_to_all", cp): longest(a, hf, "shardtune_all_to_all", cp) for cp in degrees[1:]}
-    if a.peer:
-        results["transformers", 1] = longest(a, hf, "transformers", 1)
+    results = {key: longest(a, hf, key) for key in keys}
     section = report(a, results, (load_before, os.getloadavg()[0]))
-    finish(section, markdown=a.markdown, markers=MARKERS[a.device])
+    name = a.section + ("-cuda" if a.device == "cuda" else "")
+    finish(section, markdown=a.markdown, markers=(f"<!-- {name}:begin -->", f"<!-- {name}:end -->"))
     return 0
 
 

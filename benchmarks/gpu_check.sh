@@ -92,11 +92,13 @@ else
 fi
 
 # Context parallel on CUDA (bf16 SDPA kernels): the longest row a step fits in a per-rank budget at cp 1 and 2 on 2
-# GPUs, against transformers + FSDP2; the "context-parallel-cuda" section. Needs one GPU per rank, at least 2.
+# GPUs (both modes; full checkpointing, and with activation offloading), against transformers + FSDP2; the
+# "context-parallel-cuda" section. Needs one GPU per rank, at least 2.
 if [ "$gpus" -ge 2 ]; then
     start=$SECONDS
-    timeout 150 python -m benchmarks.context_parallel --device cuda --world 2 --budget-mib 16000 --hidden 1024 \
+    timeout 240 python -m benchmarks.context_parallel --device cuda --world 2 --budget-mib 16000 --hidden 1024 \
         --layers 8 --heads 16 --kv-heads 8 --vocab 32000 --start-seq 8192 --max-seq 262144 --steps 2 \
+        --refine 2 --multiple 1024 --checkpointing full,offload \
         --bench-dir "$out/bench_cp" --markdown "$out/BENCHMARKS.md" 2>&1 | tee "$out/benchmark_cp_cuda.log" || status=1
     echo "context-parallel benchmark: $((SECONDS - start)) s" | tee -a "$out/device.txt"
 else

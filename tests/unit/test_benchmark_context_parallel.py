@@ -11,7 +11,7 @@ MIB = 1 << 20
 def _options(**over):
     a = bench.argparse.Namespace(
         start_seq=64, max_seq=1024, budget_mib=4, world=2, device="cpu", hidden=64, layers=2, heads=4, kv_heads=2,
-        vocab=128, argv=["--smoke"], mmap_threshold=1 << 16,
+        vocab=128, argv=["--smoke"], mmap_threshold=1 << 16, refine=0, multiple=1,
     )  # fmt: skip
     vars(a).update(over)
     return a
@@ -21,14 +21,16 @@ def test_the_row_doubles_until_a_rank_passes_the_budget(monkeypatch):
     peaks = {64: 2, 128: 3, 256: 5, 512: 1}  # MiB; 256 passes on rank 1
     seen = []
 
-    def measure(a, hf, stack, cp, seq):
+    def measure(a, hf, key, seq):
         seen.append(seq)
         return {"seq": seq, "tokens_s": float(seq), "peaks": [MIB, peaks[seq] * MIB]}
 
     monkeypatch.setattr(bench, "_measure", measure)
-    probes = bench.longest(_options(), None, "shardtune", 1)
+    probes = bench.longest(_options(), None, ("shardtune", 1, "full"))
     assert seen == [64, 128, 256]
-    table = bench.report(_options(), {("shardtune", 1): probes, ("shardtune", 2): probes[:1]}, (0.0, 0.0))
+    table = bench.report(
+        _options(), {("shardtune", 1, "full"): probes, ("shardtune", 2, "full"): probes[:1]}, (0.0, 0.0)
+    )
     assert "| shardtune cp 1 | 128 | 128 |" in table
     assert "| shardtune cp 2 | 64 | 64 |" in table
     assert "At 64 tokens, a row every stack fits" in table
@@ -38,14 +40,16 @@ def test_a_failed_probe_ends_the_search(monkeypatch):
     monkeypatch.setattr(
         bench,
         "_measure",
-        lambda a, hf, stack, cp, seq: None if seq > 64 else {"seq": seq, "tokens_s": 1.0, "peaks": [MIB]},
+        lambda a, hf, key, seq: None if seq > 64 else {"seq": seq, "tokens_s": 1.0, "peaks": [MIB]},
     )
-    assert [p["seq"] for p in bench.longest(_options(), None, "transformers", 1)] == [64]
+    assert [p["seq"] for p in bench.longest(_options(), None, ("transformers", 1, "full"))] == [64]
 
 
 def test_the_all_to_all_mode_has_its_own_rows(monkeypatch):
-    monkeypatch.setattr(bench, "_measure", lambda a, hf, stack, cp, seq: {"seq": seq, "tokens_s": 7.0, "peaks": [MIB]})
-    results = {(stack, 2): bench.longest(_options(max_seq=64), None, stack, 2) for stack in bench.MODES}
+    monkeypatch.setattr(bench, "_measure", lambda a, hf, key, seq: {"seq": seq, "tokens_s": 7.0, "peaks": [MIB]})
+    results = {
+        (stack, 2, "full"): bench.longest(_options(max_seq=64), None, (stack, 2, "full")) for stack in bench.MODES
+    }
     table = bench.report(_options(), results, (0.0, 0.0))
     assert "| shardtune cp 2 | 64 | 7 |" in table
     assert "| shardtune cp 2 (all_to_all) | 64 | 7 |" in table
@@ -57,7 +61,40 @@ def test_cp_1_is_set_against_the_peer_at_every_row_both_fit():
         {"seq": 128, "tokens_s": 50.0, "cpu_s": 5.0, "peaks": [3 * MIB, 3 * MIB]},
     ]
     peer = [{"seq": 64, "tokens_s": 100.0, "cpu_s": 2.5, "peaks": [2 * MIB, 4 * MIB]}]
-    table = bench.report(_options(), {("shardtune", 1): ours, ("transformers", 1): peer}, (0.0, 0.0))
+    table = bench.report(_options(), {("shardtune", 1, "full"): ours, ("transformers", 1, "full"): peer}, (0.0, 0.0))
     # tokens/s 90 / 100, CPU 2.5 / 2.0 (peer over ours: above 1 is faster), peak max 3 / max 4; 128 has no peer row
     assert "| 64 | 90 vs 100 | 0.90 | 2.00 vs 2.50 | 1.25 | 3.0 MiB vs 4.0 MiB | 0.75 |" in table
     assert "\n| 128 |" not in table
+
+
+def test_bisection_finds_the_longest_row_between_the_doubling_probes(monkeypatch):
+    # peak grows 1 MiB per 100 tokens: the 4 MiB budget holds rows up to 400 tokens; doubling stops at 512
+    seen = []
+
+    def measure(a, hf, key, seq):
+        seen.append(seq)
+        return {"seq": seq, "tokens_s": 1.0, "peaks": [seq / 100 * MIB]}
+
+    monkeypatch.setattr(bench, "_measure", measure)
+    probes = bench.longest(_options(refine=8, multiple=16), None, ("shardtune", 2, "full"))
+    assert seen[:4] == [64, 128, 256, 512]
+    assert [p["seq"] for p in probes] == sorted(seen)
+    fitting = [p["seq"] for p in probes if p["peaks"][0] <= 4 * MIB]
+    assert max(fitting) == 400 and all(s % 16 == 0 for s in seen[4:])  # 400 = 25 * 16 fits, 416 does not
+
+
+def test_longest_rows_are_set_against_cp_1_with_the_same_checkpointing():
+    def row(seq):
+        return {"seq": seq, "tokens_s": 1.0, "peaks": [MIB]}
+
+    results = {
+        ("shardtune", 1, "full"): [row(1000)],
+        ("shardtune", 2, "full"): [row(1900)],
+        ("shardtune_all_to_all", 2, "full"): [row(2000)],
+        ("shardtune", 1, "none"): [row(500)],
+        ("shardtune", 2, "none"): [row(750)],
+    }
+    table = bench.report(_options(), results, (0.0, 0.0))
+    assert "| shardtune cp 2 | 1900 vs 1000 | 1.90 |" in table
+    assert "| shardtune cp 2 (all_to_all) | 2000 vs 1000 | 2.00 |" in table
+    assert "| shardtune cp 2 (checkpointing none) | 750 vs 500 | 1.50 |" in table
