@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU check (at most 13.5 minutes of timeouts on one H200; not run yet): the GPU tests (MoE HF
+# One prepared GPU check (at most 15 minutes of timeouts on one H200; not run yet): the GPU tests (MoE HF
 # checkpoint load/save, context-parallel attention, the Qwen3.5 hybrid and a GRPO run among them), then the
 # checkpoint and training-step (dense, MoE and Qwen3.5 hybrid) benchmarks on CUDA; with 2 or more GPUs also the MoE step at expert parallel
 # 1 and 2 and the context-parallel longest row (4.5 minutes more; one GPU skips them, saying why). Run from

@@ -523,3 +523,30 @@ def block_fp8_load(kind: str, fp8_dir: str, expected: dict) -> dict:
         if not torch.equal(local.cpu(), cut):
             wrong.append(name)
     return {"wrong": wrong, "where": where}
+
+
+def fp8_lora_on(device: str, directory: str) -> dict:
+    """LoRA over a block-FP8 base kept in FP8 (latent-attention linears and routed experts, adapters on both) on
+    ``device``, against peft over the hand-dequantized transformers model on the CPU, fp32: the relative logits
+    difference, the largest relative LoRA gradient difference and the dtype the bases stayed in on the device."""
+    from tests.unit.test_fp8_experts import EXPERTS, ours_and_peft
+    from tests.unit.test_lora_moe import lora_grad_errors
+    from tests.unit.test_models_moe import batch
+
+    model, pm, _ = ours_and_peft(Path(directory), EXPERTS)
+    model.to(device)
+    tokens = batch()[0]
+    expected = pm(tokens).logits
+    got = model(tokens.to(device))
+    logits = ((got.cpu() - expected).abs().max() / expected.abs().max()).item()
+    expected.square().mean().backward()
+    got.square().mean().backward()
+    experts = model.model.layers[1].mlp.experts.gate_up_proj
+    base = {(p.dtype, p.device.type) for n, p in model.named_parameters() if n.endswith("q_a_proj.weight")}
+    model.cpu()
+    return {
+        "logits": logits,
+        "grad": max(lora_grad_errors(model, pm).values()),
+        "experts": (experts.dtype, experts.device.type),
+        "base": base,
+    }

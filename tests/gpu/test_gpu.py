@@ -470,3 +470,13 @@ def test_block_fp8_checkpoint_loads_onto_one_gpu(nccl1, tmp_path):
     _, expected = fp8_dir(tmp_path)
     found = nccl1.run_ok(checks.block_fp8_load, "cuda", str(tmp_path), _fused(expected))[0]
     assert found["wrong"] == [] and found["where"] == {"cuda"}, found
+
+
+def test_fp8_lora_step_on_cuda_equals_peft_on_the_cpu(tmp_path):
+    """LoRA over a block-FP8 DeepSeek-V3 base kept in FP8 on the GPU (the bases and routed experts dequantized per
+    layer there, adapters on the latent attention and the experts): logits and every LoRA gradient against peft
+    over the hand-dequantized transformers model on the CPU."""
+    found = checks.fp8_lora_on("cuda", str(tmp_path))
+    assert found["experts"] == (torch.float8_e4m3fn, "cuda"), found
+    assert found["base"] == {(torch.float8_e4m3fn, "cuda")}, found
+    assert found["logits"] <= 1e-4 and found["grad"] <= 2e-3, found
