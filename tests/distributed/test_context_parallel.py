@@ -242,8 +242,8 @@ def test_cp2_phi3_longrope_equals_one_process_with_short_and_long_factors(pool2)
 
 
 def test_cp4_and_dp2_cp2_equal_one_process(pool4):
-    cp4 = [o.value for o in pool4.run(_families, ["gemma2", "qwen2_sliding"], 4, timeout=240)]
-    for name in ("gemma2", "qwen2_sliding"):
+    cp4 = [o.value for o in pool4.run(_families, ["gemma2", "qwen2_sliding", "gpt_oss"], 4, timeout=240)]
+    for name in ("gemma2", "qwen2_sliding", "gpt_oss"):
         _check(cp4, name, [0])
     assert cp4[0]["gemma2"]["local"] == (2, 16)
     dp2 = [o.value for o in pool4.run(_families, ["llama_dynamic"], 2, timeout=240)]

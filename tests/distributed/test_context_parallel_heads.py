@@ -5,7 +5,8 @@ over ``cp`` ranks under FSDP2, give the loss and every gradient of the unsplit m
 gather, under NCCL's rules): dense Llama, sliding windows with soft-capping (Gemma 2), sinks with
 windows and experts (gpt-oss), latent attention (values narrower than keys), a Qwen3.5 hybrid (every
 layer exchanges heads), Qwen3-MoE through the recipes' loss with its load-balancing loss over the whole
-rows, and at cp 4 grouped-query attention whose 2 key/value heads are fewer than the ranks. A ``cp`` the
+rows, and at cp 4 (sliding, soft-capped, sinks with experts) grouped-query attention whose 2 key/value heads are
+fewer than the ranks. A ``cp`` the
 query heads cannot divide is refused on every rank by name."""
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ def test_all_to_all_cp2_equals_one_process(pool2, name):
 
 def test_all_to_all_cp4_with_fewer_kv_heads_than_ranks_equals_one_process(pool4):
     """4 query heads and 2 key/value heads at cp 4: each rank takes one query head and a copy of the key/value
-    head it reads (Qwen2's sliding windows on the first layer)."""
-    name = "qwen2_sliding"
-    results = pool4.run_ok(_heads, [name], 4, timeout=240)
-    assert results[0][name]["local"] == (2, 16)
-    _check_heads(results, name)
+    head it reads (Qwen2's sliding windows on the first layer; Gemma 2's soft-capped windows; gpt-oss's sinks,
+    windows and experts)."""
+    names = ["qwen2_sliding", "gemma2", "gpt_oss"]
+    results = pool4.run_ok(_heads, names, 4, timeout=240)
+    assert results[0]["qwen2_sliding"]["local"] == (2, 16)
+    for name in names:
+        _check_heads(results, name, *LAYERS.get(name, (3, 0)))
 
 
 def _moe_heads_step(name: str) -> dict:
