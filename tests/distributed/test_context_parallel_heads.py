@@ -6,8 +6,7 @@ gather, under NCCL's rules): dense Llama, sliding windows with soft-capping (Gem
 windows and experts (gpt-oss), latent attention (values narrower than keys), a Qwen3.5 hybrid (every
 layer exchanges heads), Qwen3-MoE through the recipes' loss with its load-balancing loss over the whole
 rows, and at cp 4 (sliding, soft-capped, sinks with experts) grouped-query attention whose 2 key/value heads are
-fewer than the ranks. A ``cp`` the
-query heads cannot divide is refused on every rank by name."""
+fewer than the ranks. A ``cp`` the query heads cannot divide is refused on every rank by name."""
 
 from __future__ import annotations
 
