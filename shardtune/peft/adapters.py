@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from shardtune.peft import nf4
+from shardtune.state_dict.fp8_blocks import ROWS_SUFFIX
 from shardtune.state_dict.keys import is_adapter_key
 
 __all__ = [
@@ -84,6 +85,12 @@ def get_merged_state_dict(
             )
         base = nf4.dequantize(state_dict[prefix + ".weight"])
         merged[prefix + ".weight"] = merge_lora_weight(base, lora_a, state_dict[prefix + _LORA_B], scaling=alpha / r)
+    fp8 = sorted(k for k in merged if k.endswith(ROWS_SUFFIX))  # frozen experts and linears kept in block FP8
+    if fp8:
+        raise ValueError(
+            f'{fp8[0].removesuffix(ROWS_SUFFIX)} is kept in block FP8 (LoRA quantize_base="block_fp8"), whose column '
+            "block this state dict does not record; merge the model instead: merge_lora(model) or save_hf_checkpoint"
+        )
     leftover = sorted(k for k in state_dict if is_adapter_key(k) and not k.endswith((_LORA_A, _LORA_B)))
     if leftover:
         raise ValueError(f"unrecognized adapter keys {leftover[:3]}; expected only '*.lora_A.weight'/'*.lora_B.weight'")

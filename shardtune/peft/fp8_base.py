@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from shardtune.state_dict import fp8_blocks
 from shardtune.state_dict.fp8_blocks import FP8_DTYPE, dequantize_rows
 
-__all__ = ["FP8_DTYPE", "SCALE_ROWS", "dequantize", "linear", "scale_rows_shape"]
+__all__ = ["FP8_DTYPE", "SCALE_ROWS", "dequantize", "empty_base", "linear", "scale_rows_shape"]
 
 SCALE_ROWS = "weight" + fp8_blocks.ROWS_SUFFIX  # the scales' attribute on the module (beside ``weight``)
 
@@ -36,6 +36,19 @@ def scale_rows_shape(out_features: int, in_features: int, block_cols: int) -> tu
     """The shape of the row-expanded scales of an ``[out_features, in_features]`` weight."""
     rows, cols = fp8_blocks.scale_rows_shape((out_features, in_features), block_cols)
     return rows, cols
+
+
+def empty_base(
+    out_features: int, in_features: int, block: tuple[int, int], *, name: str, device
+) -> tuple[nn.Parameter, nn.Parameter]:
+    """An empty frozen block-FP8 base of an ``[out_features, in_features]`` weight: the FP8 ``weight`` and its
+    row-expanded scales, for a load of the checkpoint (``block``: its ``weight_block_size``) to fill;
+    ``name``: the module's, for errors."""
+    if not (len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"{name}: fp8_block={block!r}; pass the checkpoint's weight_block_size (two positive ints)")
+    weight = torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device)
+    scales = torch.empty(scale_rows_shape(out_features, in_features, block[1]), dtype=torch.float32, device=device)
+    return nn.Parameter(weight, requires_grad=False), nn.Parameter(scales, requires_grad=False)
 
 
 def dequantize(weight: Tensor, scale_rows: Tensor, block_cols: int, dtype: torch.dtype) -> Tensor:

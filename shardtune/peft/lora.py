@@ -10,7 +10,8 @@ for a family with fused projections wrap the fused module that holds them. ``tar
 :mod:`shardtune.peft.param_lora`; with ``quantize_base`` the targeted experts are NF4, one
 quantization per expert (the router stays as it is). With ``fp8_block`` the base stays in a block-FP8
 checkpoint's format, dequantized per layer when used: :mod:`shardtune.peft.fp8_base`, and so do the
-routed experts of every sparse layer, adapted or not (:mod:`shardtune.models.blocks.fp8_experts`).
+routed experts of every sparse layer, adapted or not (:mod:`shardtune.models.blocks.fp8_experts`), and
+every other linear the checkpoint stores in block FP8 (:mod:`shardtune.peft.fp8_linear`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from shardtune.models.args import ModelArgs
 from shardtune.models.blocks import fp8_experts
 from shardtune.models.blocks.experts import Experts
 from shardtune.models.families import get_family
-from shardtune.peft import fp8_base, nf4
+from shardtune.peft import fp8_base, fp8_linear, nf4
 from shardtune.peft.adapters import is_adapter_key, merge_lora_weight
 from shardtune.peft.init import kaiming_uniform_whole_
 from shardtune.peft.lora_config import LoRAConfig
@@ -134,14 +135,7 @@ class LoRALinear(nn.Module):
         load of the checkpoint's values (:mod:`shardtune.peft.fp8_base`)."""
         if quantize:
             raise ValueError(f"{name}: a block-FP8 base cannot also be NF4-quantized; choose one quantize_base")
-        if not (len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-            raise ValueError(
-                f"{name}: fp8_block={block!r}; pass the checkpoint's weight_block_size (two positive ints)"
-            )
-        shape = fp8_base.scale_rows_shape(self.out_features, self.in_features, block[1])
-        weight = torch.empty(self.out_features, self.in_features, dtype=fp8_base.FP8_DTYPE, device=device)
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        scales = nn.Parameter(torch.empty(shape, dtype=torch.float32, device=device), requires_grad=False)
+        self.weight, scales = fp8_base.empty_base(self.out_features, self.in_features, block, name=name, device=device)
         self.register_parameter(fp8_base.SCALE_ROWS, scales)
         self.fp8_block = (block[0], block[1])
 
@@ -313,6 +307,7 @@ def apply_lora(
     block_size: int = nf4.DEFAULT_BLOCK_SIZE,
     scaler_block_size: int = nf4.DEFAULT_SCALER_BLOCK_SIZE,
     fp8_block: tuple[int, int] | None = None,
+    fp8_linears: Iterable[str] = (),
 ) -> nn.Module:
     """Replace every ``nn.Linear`` whose attribute name is in ``target_modules`` by a ``LoRALinear``.
 
@@ -322,7 +317,9 @@ def apply_lora(
     ``weight_block_size``), filled by loading that checkpoint into the meta-device model
     (:mod:`shardtune.peft.fp8_base`), and keeps every routed experts module in it too, the
     ``target_parameters`` adapters then adding their update to the dequantized experts
-    (:mod:`shardtune.models.blocks.fp8_experts`). Works on a meta-device model: adapters are then initialized after materialization
+    (:mod:`shardtune.models.blocks.fp8_experts`); ``fp8_linears`` names the linears the checkpoint stores
+    in block FP8 (:func:`shardtune.checkpoint.formats.hf_load.fp8_linears`), those LoRA does not wrap kept in
+    it as frozen linears (:mod:`shardtune.peft.fp8_linear`). Works on a meta-device model: adapters are then initialized after materialization
     with ``init_lora_parameters``. Names are resolved per family by ``resolve_targets``, and
     ``model.lora_config`` (which this sets) records the resolved ones. ``target_parameters`` adapts
     the named mixture-of-experts parameters (PEFT's ``target_parameters``; no dropout); with
@@ -349,6 +346,12 @@ def apply_lora(
         scaler_block_size=scaler_block_size,
         fp8_block=None if fp8_block is None else (fp8_block[0], fp8_block[1]),
     )
+    fp8_linears = list(fp8_linears)
+    if fp8_linears and config.fp8_block is None:
+        raise ValueError(
+            f"fp8_linears={fp8_linears[:3]} keeps frozen linears in block FP8, which needs "
+            'quantize_base="block_fp8" and the checkpoint\'s weight_block_size as fp8_block'
+        )
     if is_lora(model):
         raise ValueError("apply_lora was already applied to this model; build a fresh model to change LoRA settings")
     shared = _shared_param_ids(model)
@@ -397,6 +400,8 @@ def apply_lora(
         for name, module in model.named_modules():
             if isinstance(module, Experts):
                 fp8_experts.keep_in_fp8(module, config.fp8_block, name=name)
+        wrapped = {name for name, _ in targets}  # their bases are block FP8 already
+        fp8_linear.keep_in_fp8(model, [n for n in fp8_linears if n not in wrapped], config.fp8_block)
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter_key(name))
     model.lora_config = config  # type: ignore[assignment]  # a plain attribute; nn.Module's stubs expect Tensor | Module
@@ -491,6 +496,8 @@ def merge_lora(model: nn.Module) -> nn.Module:
     for module in model.modules():  # experts kept in block FP8, in the adapters' dtype like the merged bases
         if isinstance(module, Experts) and trained is not None:
             fp8_experts.dequantize_in_place(module, trained.dtype)
+    if trained is not None:  # so are the frozen linears kept in block FP8
+        fp8_linear.dequantize_in_place(model, trained.dtype)
     loras = [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
     for name, lora in loras:
         if id(lora.weight) in shared:

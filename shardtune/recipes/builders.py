@@ -29,6 +29,7 @@ from shardtune.checkpoint import (
     load_hf_checkpoint,
 )
 from shardtune.checkpoint.formats.block_fp8 import fp8_block_of
+from shardtune.checkpoint.formats.hf_load import fp8_linears
 from shardtune.checkpoint.formats.tiny_base import create_tiny_base
 from shardtune.checkpoint.layout import CONFIG_FILE
 from shardtune.config import Config
@@ -135,7 +136,11 @@ def build_model(
     ``frozen``: a model that only runs no-grad forwards (a reference or teacher; see ``shard_model``)."""
     with torch.device("meta"):
         model = llama_from_hf_config(base_dir, dtype=run.dtype)
-        if lora is not None:
+    if lora is not None:
+        fp8_block = fp8_block_of(base_dir, key="lora.quantize_base") if lora.quantize_base == "block_fp8" else None
+        # the rest of the frozen base the checkpoint ships in FP8 stays in it too
+        kept = fp8_linears(model, base_dir, shared_filesystem=cfg.shared_filesystem) if fp8_block else []
+        with torch.device("meta"):
             apply_lora(
                 model,
                 rank=lora.rank,
@@ -146,9 +151,8 @@ def build_model(
                 quantize_base=lora.quantize_base,
                 block_size=lora.block_size,
                 scaler_block_size=lora.scaler_block_size,
-                fp8_block=fp8_block_of(base_dir, key="lora.quantize_base")
-                if lora.quantize_base == "block_fp8"
-                else None,
+                fp8_block=fp8_block,
+                fp8_linears=kept,
             )
     cp = getattr(cfg, "context_parallel", 1)
     if model.args.linear_attention is not None:  # before any weight moves; the same on every rank

@@ -13,6 +13,10 @@ FSDP2 splits the stacked experts on their rows: ``gate_up [5, 52, 64]`` at row 2
 projections' first block; ``down [5, 64, 26]`` at row 32, inside a block) with LoRA on the experts
 (``target_parameters``) and the latent attention equals peft over the dequantized weights in one process;
 so does one with 6 experts at ``expert_parallel=2`` (each rank reading and holding its 3 experts whole).
+With the whole frozen base kept in FP8 (``fp8_linears``: the shared experts, the dense layer's MLP, the
+projections LoRA does not wrap), FSDP2 cuts the shared experts' 26-row gate at row 13, inside a block: each
+rank holds its FP8 rows and scale rows of it, the first step equals peft's, and the merged save written by
+both ranks holds those linears hand-dequantized.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
+from shardtune.checkpoint.formats.hf_load import fp8_linears, load_hf_checkpoint
 from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
 from shardtune.inference.stream import stream_weights
 from shardtune.models import from_hf_config
@@ -137,9 +141,14 @@ FIVE_EXPERTS = {"n_routed_experts": 5, "n_group": 1, "topk_group": 1, "moe_inter
 SIX_EXPERTS = {"moe_intermediate_size": 26}
 
 
-def _experts_run(hf_dir: str, adapters: dict, tokens: torch.Tensor, ep: int) -> dict:
+SHARED = "model.layers.1.mlp.shared_experts.gate_proj"
+
+
+def _experts_run(hf_dir: str, adapters: dict, tokens: torch.Tensor, ep: int, out: str | None = None) -> dict:
+    """``out``: keep every linear the directory stores in FP8 in it, and save the merged model there."""
     with torch.device("meta"):
         model = from_hf_config(hf_dir, dtype=torch.float32)
+        kept = fp8_linears(model, hf_dir) if out is not None else []
         apply_lora(
             model,
             rank=RANK,
@@ -148,6 +157,7 @@ def _experts_run(hf_dir: str, adapters: dict, tokens: torch.Tensor, ep: int) -> 
             target_parameters=EXPERTS,
             quantize_base="block_fp8",
             fp8_block=BLOCK,
+            fp8_linears=kept,
         )
     shard_model(model, mesh=make_mesh(expert_parallel=ep))
     with nccl_rules() as rules:
@@ -161,6 +171,11 @@ def _experts_run(hf_dir: str, adapters: dict, tokens: torch.Tensor, ep: int) -> 
     experts = model.model.layers[1].mlp.experts
     local = {n: _local(getattr(experts, n)).clone() for n in ("gate_up_proj", "gate_up_proj_scale_rows")}
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
+    if out is not None:
+        shared = model.get_submodule(SHARED)
+        local |= {n: _local(getattr(shared, n)).clone() for n in ("weight", "weight_scale_rows")}
+        with nccl_rules():
+            save_hf_checkpoint(model, out)
     return {"logits": logits.detach(), "grads": grads, "local": local, "placement": experts.down_proj.placements}
 
 
@@ -171,14 +186,19 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param
 
 
-@pytest.mark.parametrize(("ep", "changes"), [(1, FIVE_EXPERTS), (2, SIX_EXPERTS)], ids=["fsdp-rows", "ep2"])
-def test_fp8_experts_sharded_equal_peft_in_one_process(pool2, tmp_path, ep, changes):
+@pytest.mark.parametrize(
+    ("ep", "changes", "whole"),
+    [(1, FIVE_EXPERTS, False), (2, SIX_EXPERTS, False), (1, FIVE_EXPERTS, True)],
+    ids=["fsdp-rows", "ep2", "fsdp-rows-whole-base-fp8"],
+)
+def test_fp8_experts_sharded_equal_peft_in_one_process(pool2, tmp_path, ep, changes, whole):
     hf = deepseek_fp8_dir(tmp_path, **changes)
     experts = hf.config.n_routed_experts
     pm = _peft(hf, EXPERTS, modules=MLA)
     adapters = adapters_of(pm)
     tokens = batch()[0]
-    res = pool2.run_ok(_experts_run, str(tmp_path), adapters, tokens, ep, timeout=240)
+    out = str(tmp_path / "merged") if whole else None
+    res = pool2.run_ok(_experts_run, str(tmp_path), adapters, tokens, ep, out, timeout=240)
     want = pm(tokens).logits
     want.square().mean().backward()
     theirs = {
@@ -209,3 +229,19 @@ def test_fp8_experts_sharded_equal_peft_in_one_process(pool2, tmp_path, ep, chan
         assert sorted(r["grads"]) == sorted(theirs) and len(theirs) == 2 * len(MLA) * 3 + 2 * len(EXPERTS) * 2
         for key, grad in theirs.items():
             assert (r["grads"][key] - grad).abs().max() <= 1e-4 * grad.abs().max(), (rank, key)
+    if not whole:
+        return
+    shared = stored[f"{SHARED}.weight"]
+    shared_rows = rows[f"{SHARED}.weight_scale_inv"]
+    for rank, r in enumerate(res):  # 26 rows cut at 13, inside the first block of 20
+        mine = slice(13 * rank, 13 * (rank + 1))
+        assert r["local"]["weight"].dtype == torch.float8_e4m3fn
+        assert torch.equal(r["local"]["weight"].view(torch.uint8), shared.view(torch.uint8)[mine])
+        assert torch.equal(r["local"]["weight_scale_rows"], shared_rows[mine])
+    saved, dequantized = tensors(tmp_path / "merged"), hf.state_dict()
+    frozen = [n for n, v in stored.items() if v.dtype == torch.float8_e4m3fn and n.rsplit(".", 2)[-2] not in MLA]
+    frozen = [n for n in frozen if ".experts." not in n]
+    assert len(frozen) == 3 + 3 * 2  # the dense MLP's and the shared experts'
+    assert not any("scale" in k or "lora" in k for k in saved)
+    for name in frozen:
+        assert torch.equal(saved[name], dequantized[name]), name

@@ -81,3 +81,20 @@ def test_the_option_on_a_base_that_is_not_block_fp8_is_refused_naming_the_key(ti
     overrides = _overrides(tiny_dirs, "lora", tmp_path / "run", epochs=1, steps=1)
     with pytest.raises(AssertionError, match='lora.quantize_base="block_fp8" .* declares no block-FP8'):
         recipe_pool.run("lora_finetune_distributed", "tiny/lora", *overrides, "lora.quantize_base=block_fp8")
+
+
+def test_projections_lora_does_not_wrap_stay_in_fp8_and_rank_0_reads_them(tiny_dirs, tmp_path, recipe_pool):
+    """LoRA on q_proj and v_proj only: the other projections are frozen linears kept in FP8 (which ones: rank 0
+    reads the headers and tells the others); the first step still equals transformers on the dequantized weights,
+    and the merged final checkpoint holds those projections hand-dequantized."""
+    fp8, plain = _fp8_and_dequantized(tiny_dirs["base"], tmp_path)
+    out = tmp_path / "run"
+    overrides = _overrides({"base": fp8}, "lora", out, epochs=1, steps=2)
+    modules = ["lora.target_modules=[q_proj,v_proj]", "shared_filesystem=false"]
+    recipe_pool.run("lora_finetune_distributed", "tiny/lora", *overrides, "lora.quantize_base=block_fp8", *modules)
+    assert math.isclose(losses(out)[1], _reference_first_loss("lora", {"base": plain}), rel_tol=1e-5)
+    final = sorted(p for p in out.rglob("config.json") if (p.parent / "model.safetensors").is_file())[-1].parent
+    saved = safetensors.torch.load_file(final / "model.safetensors")
+    dequantized = safetensors.torch.load_file(plain / "model.safetensors")
+    frozen = [n for n in dequantized if n.endswith("proj.weight") and n.rsplit(".", 2)[-2] not in ("q_proj", "v_proj")]
+    assert frozen and all(torch.equal(saved[n], dequantized[n]) for n in frozen)

@@ -19,7 +19,7 @@ from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
 from shardtune.checkpoint import CheckpointError
 from shardtune.checkpoint.formats.block_fp8 import fp8_block_of, row_scales
-from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
+from shardtune.checkpoint.formats.hf_load import fp8_linears, load_hf_checkpoint
 from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
 from shardtune.checkpoint.formats.peft_format import save_peft_adapter
 from shardtune.choices import QUANTIZE_BASE
@@ -38,10 +38,13 @@ RANK, ALPHA = 4, 8.0
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
-def fp8_lora(directory, *, dtype=torch.float32, **lora):
-    """Ours: a meta model with block-FP8 LoRA bases, loaded from ``directory``."""
+def fp8_lora(directory, *, dtype=torch.float32, whole_base: bool = False, **lora):
+    """Ours: a meta model with block-FP8 LoRA bases, loaded from ``directory``; ``whole_base``: every other
+    linear the directory stores in FP8 kept in FP8 too (``fp8_linears``)."""
     with torch.device("meta"):
         model = from_hf_config(directory, dtype=dtype)
+        if whole_base:
+            lora = {"fp8_linears": fp8_linears(model, directory), **lora}
         apply_lora(
             model,
             **{

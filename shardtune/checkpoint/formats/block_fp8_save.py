@@ -10,7 +10,10 @@ each rank takes the amax of its rows of each block it touches, and an all-reduce
 grids (1 / (b0 * b1) of the weights) gives every rank every scale, so shards need not be block-aligned:
 one for all the tensors at the first one's turn (:class:`AmaxBatch`), and one per tensor only for
 tensors written with a LoRA merge (their blocks exist only in their own turn). Each rank writes its own
-FP8 rows in place; rank 0 writes the scale tensors.
+FP8 rows in place; rank 0 writes the scale tensors. A weight the model keeps in block FP8 and writes
+unmerged (a frozen linear or an unmerged LoRA base, :mod:`~shardtune.checkpoint.formats.fp8_base_save`)
+is written as it is held instead, FP8 values and scales (:class:`HeldScales`), so it comes out with the
+bytes it was read with.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ from shardtune.checkpoint.formats.block_fp8 import (
     scale_blocks,
     scale_name,
 )
+from shardtune.checkpoint.formats.fp8_base_save import Fp8BaseBlocks
 from shardtune.checkpoint.storage.writer import BlockFn, WriteItem, local_block
 from shardtune.ranks import comm
-from shardtune.state_dict.layout import Piece, TensorLayout
+from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor
 
 __all__ = ["WEIGHT_FORMATS", "quantized_config", "quantized_items"]
 
@@ -63,7 +67,11 @@ def quantized_items(items: list[WriteItem], fmt: BlockFp8Format | None, problems
                 "the experts on dim 0 (a world size dividing the experts) or save with weight_format='dtype'"
             )
             continue
-        scales = BlockScales(item, fmt.block, batch=None if item.transform is not None else batch)
+        scales: BlockScales | HeldScales
+        if isinstance(item.transform, Fp8BaseBlocks) and item.transform.merge is None:  # as held: the same bytes
+            scales = HeldScales(item, item.transform, fmt.block, batch)
+        else:
+            scales = BlockScales(item, fmt.block, batch=None if item.transform is not None else batch)
         batch.members += [scales] if scales.batch is not None else []
         out += [replace(item, dtype=FP8_DTYPE, transform=scales), scales.item()]
     unwritten = sorted(fmt.names - written)
@@ -154,6 +162,70 @@ class BlockScales:
         return (1.0 / self.scale)[index]
 
 
+@dataclass
+class HeldScales:
+    """The block scales of a weight kept in block FP8 and written unmerged: its FP8 values as held (the
+    transform passes them through) and the checkpoint's scales, recovered from the row-expanded ones (block
+    row ``k``'s scales are those of its first row, ``k * b0``): each rank puts the scale rows it holds at
+    block starts into the block grid, and the batch's all-reduce (MAX, ``-inf`` where a rank holds none)
+    gives every rank the grid."""
+
+    plain: WriteItem
+    held: Fp8BaseBlocks
+    block: tuple[int, int]
+    batch: AmaxBatch
+    scale_inv: torch.Tensor | None = field(default=None, repr=False)
+    shape: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        *lead, rows, cols = self.plain.shape
+        self.shape = (*lead, -(-rows // self.block[0]), -(-cols // self.block[1]))
+
+    def item(self) -> WriteItem:
+        """The scale tensor's write: float32, unsharded (every rank holds every scale), by rank 0."""
+        return WriteItem(scale_name(self.plain.name), self, torch.float32, TensorLayout(shape=self.shape, pieces=None))
+
+    def prepare(self, layout: TensorLayout) -> BlockFn:
+        """Collective: call on all ranks, in item order (the batch's all-reduce, at its first member).
+        Returns the identity on this rank's FP8 blocks."""
+        self.scale_inv, failure = self.batch.take(self)
+
+        def as_held(block: torch.Tensor, piece: Piece) -> torch.Tensor:
+            if failure is not None:
+                raise failure
+            return block
+
+        return as_held
+
+    def local_amax(self, inner: BlockFn | None) -> tuple[torch.Tensor, Exception | None]:
+        """The scales of the blocks whose first row this rank holds (``-inf`` elsewhere), for the batch."""
+        grid = torch.full(self.shape, float("-inf"), dtype=torch.float32)
+        try:
+            rows = local_tensor(self.held.scale_rows).detach().to(torch.float32).cpu()
+            piece = layout_of(self.held.scale_rows, comm.world_size()).piece(comm.rank())
+            if piece.numel:
+                b0, r0 = self.block[0], piece.offset[-2]
+                starts = torch.arange(-(-r0 // b0) * b0, r0 + piece.shape[-2], b0)
+                lead = tuple(slice(o, o + n) for o, n in zip(piece.offset[:-2], piece.shape[:-2]))
+                first = int(starts[0]) // b0 if len(starts) else 0
+                grid[(*lead, slice(first, first + len(starts)), slice(None))] = rows[..., starts - r0, :]
+        except Exception as exc:
+            return grid, exc
+        return grid, None
+
+    # the lazy scale tensor, read by rank 0 after :meth:`prepare`
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self) -> str:
+        return "F32"
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        if self.scale_inv is None:
+            raise RuntimeError(f"{scale_name(self.plain.name)}: read before its tensor was written")
+        return self.scale_inv[index]
+
+
 def _block_amax(values: torch.Tensor, piece: Piece, block: tuple[int, int], *, into: torch.Tensor) -> None:
     """Write into ``into`` (the block grid) the amax of ``values`` (at ``piece`` of the full tensor) over
     each block it touches; blocks it holds part of get the amax of that part."""
@@ -171,12 +243,13 @@ def _block_amax(values: torch.Tensor, piece: Piece, block: tuple[int, int], *, i
 class AmaxBatch:
     """The FP8-written tensors without a merge: at the first one's :meth:`BlockScales.prepare`, every rank
     takes the block amaxes of its rows of all of them, and one all-reduce (MAX) of them all gives every
-    scale (the tensors' block grids, 1 / (b0 * b1) of the weights): no collective per tensor."""
+    scale (the tensors' block grids, 1 / (b0 * b1) of the weights), and the grids of the weights written as
+    held (:class:`HeldScales`) with them: no collective per tensor."""
 
-    members: list[BlockScales] = field(default_factory=list)
+    members: list[BlockScales | HeldScales] = field(default_factory=list)
     reduced: dict[int, tuple[torch.Tensor, Exception | None]] | None = None
 
-    def take(self, member: BlockScales) -> tuple[torch.Tensor, Exception | None]:
+    def take(self, member: BlockScales | HeldScales) -> tuple[torch.Tensor, Exception | None]:
         """Collective the first time (every rank calls it first for the same member). ``member``'s amaxes
         over all ranks, and the error this rank met reading its rows."""
         if self.reduced is None:

@@ -256,7 +256,7 @@ def convert_dcp_to_hf(
     recorded at save time). ``out_dir`` must be new or empty (``overwrite``: or any directory but a
     checkpoint), never the checkpoint, a published checkpoint or a folder inside one.
     """
-    from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
+    from shardtune.checkpoint.formats.hf_load import fp8_linears, load_hf_checkpoint
     from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
     from shardtune.models import llama_from_hf_config
     from shardtune.peft import apply_lora
@@ -270,7 +270,10 @@ def convert_dcp_to_hf(
         model = llama_from_hf_config(checkpoint_dir / CONFIG_FILE)
     lora_file = checkpoint_dir / DCP_LORA_FILE
     lora = json.loads(lora_file.read_text()) if lora_file.is_file() else None
+    base = base_dir or (lora or {}).get("base_dir")
     if lora is not None:
+        fp8_block = None if lora.get("fp8_block") is None else tuple(lora["fp8_block"])
+        kept = fp8_linears(model, base) if fp8_block is not None and base is not None else []
         with torch.device("meta"):
             apply_lora(
                 model,
@@ -280,7 +283,8 @@ def convert_dcp_to_hf(
                 target_modules=lora["target_modules"],
                 target_parameters=lora.get("target_parameters", []),
                 quantize_base=lora["quantize_base"],
-                fp8_block=None if lora.get("fp8_block") is None else tuple(lora["fp8_block"]),
+                fp8_block=fp8_block,
+                fp8_linears=kept,
                 # written since NF4 block sizes became options; older files used the defaults
                 **{key: lora[key] for key in ("block_size", "scaler_block_size") if key in lora},
             )
@@ -288,7 +292,6 @@ def convert_dcp_to_hf(
         from shardtune.ranks.sharding import shard_model
 
         shard_model(model, frozen=True)
-    base = base_dir or (lora or {}).get("base_dir")
     if lora is not None:
         if base is None:
             raise ValueError(f"{checkpoint_dir} holds LoRA adapters only; pass base_dir=<the HF base model>")

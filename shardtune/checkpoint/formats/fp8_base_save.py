@@ -1,9 +1,10 @@
 """Writing weights kept in block FP8 (LoRA bases, :mod:`shardtune.peft.fp8_base`; routed experts,
-:mod:`shardtune.models.blocks.fp8_experts`) as the weights they stand for.
+:mod:`shardtune.models.blocks.fp8_experts`; other frozen linears, :mod:`shardtune.peft.fp8_linear`) as the
+weights they stand for.
 
 Rule: a written (saved or streamed) block-FP8 base is never its raw FP8 values. Each rank
 dequantizes its own rows with its own rows of the scales (the two are split by rows alike) into
-the adapters' dtype (experts too, adapted or not); the LoRA merge, when asked, then applies to that block as to any base, and
+the adapters' dtype (experts and frozen linears too); the LoRA merge, when asked, then applies to that block as to any base, and
 the scales are not written. A save in the block-FP8 format quantizes the result again as it does
 any weight (:mod:`~shardtune.checkpoint.formats.block_fp8_save`).
 """
@@ -20,6 +21,7 @@ from shardtune.checkpoint.storage.writer import BlockFn, BlockTransform
 from shardtune.models.blocks import fp8_experts
 from shardtune.models.blocks.experts import Experts
 from shardtune.peft import fp8_base
+from shardtune.peft.fp8_linear import Fp8Linear
 from shardtune.peft.lora import LoRALinear
 from shardtune.ranks import comm
 from shardtune.state_dict.keys import clean_fqn
@@ -69,7 +71,7 @@ class Fp8BaseBlocks:
 def fp8_base_writes(
     model: nn.Module, merges: dict[str, BlockTransform]
 ) -> tuple[dict[str, Fp8BaseBlocks], dict[str, torch.dtype], set[str]]:
-    """For each weight of ``model`` kept in block FP8 (LoRA linears' bases, routed experts): its name -> the
+    """For each weight of ``model`` kept in block FP8 (LoRA linears' bases, routed experts, frozen linears): its name -> the
     transform writing it (around its merge from ``merges``, when there), that name -> the dtype it is written
     in (the adapters'), and the names of the scales, which are not written."""
     adapters = [p for p in model.parameters() if p.requires_grad]
@@ -94,7 +96,7 @@ def fp8_base_writes(
 
 def _kept(module: nn.Module) -> list[tuple[str, str]]:
     """``(weight, its scale rows)`` attribute names of ``module``'s weights kept in block FP8."""
-    if isinstance(module, LoRALinear) and module.fp8_block is not None:
+    if isinstance(module, LoRALinear | Fp8Linear) and module.fp8_block is not None:
         return [("weight", fp8_base.SCALE_ROWS)]
     if isinstance(module, Experts) and module.fp8_block is not None:
         return [(w, fp8_experts.scale_rows_name(w)) for w in fp8_experts.EXPERT_WEIGHTS]

@@ -288,6 +288,29 @@ def block_fp8_format(model: nn.Module, model_dir: str) -> block_fp8.BlockFp8Form
         return block_fp8.dequantizing(files, block_fp8.read_quantization(model_dir), where=model_dir)[1]
 
 
+def fp8_linears(model: nn.Module, model_dir: str | os.PathLike, *, shared_filesystem: bool = True) -> list[str]:
+    """Collective: call on all ranks. The module names of ``model``'s linears (plain ``nn.Linear``\\ s, before
+    LoRA is applied) whose weight the block-FP8 checkpoint ``model_dir`` stores in FP8 with its scales, for
+    ``apply_lora(fp8_linears=...)``; every rank returns the same list (rank 0's, which alone reads headers
+    and ``config.json`` where ``shared_filesystem`` is False). An invalid checkpoint is refused on every rank."""
+    names: list[str] = []
+    problems: list[str] = []
+    if shared_filesystem or comm.rank() == 0:
+        try:
+            fmt = block_fp8_format(model, os.fspath(model_dir))
+            stored = fmt.names if fmt is not None else frozenset()
+            for entry in model_entries(model, file_prefixes=hf_file_prefixes(model)):
+                if len(entry.names) != 1 or entry.parts is not None or entry.keys[0] not in stored:
+                    continue  # tied, stored in parts, or not in FP8
+                fqn, module, attr = entry.names[0]
+                if type(module) is nn.Linear and attr == "weight":
+                    names.append(fqn.removesuffix(".weight"))
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    comm.raise_on_every_rank(problems, header="Cannot read the block-FP8 checkpoint:", error=CheckpointError)
+    return names if shared_filesystem else comm.all_gather_objects(names)[0]
+
+
 def model_args(model: nn.Module) -> ModelArgs | None:
     """The architecture of a shardtune decoder (None for another module)."""
     args = getattr(model, "args", None)
