@@ -66,7 +66,7 @@ def build_shardtune(
     experts split over ``expert_parallel`` ranks, as the recipes' ``expert_parallel`` does) and the
     recipes' optimizer."""
     from shardtune.checkpoint.formats.block_fp8 import fp8_block_of
-    from shardtune.checkpoint.formats.hf_load import load_hf_checkpoint
+    from shardtune.checkpoint.formats.hf_load import fp8_linears, load_hf_checkpoint
     from shardtune.losses.next_token import next_token_loss
     from shardtune.models import llama_from_hf_config
     from shardtune.peft import apply_lora, init_lora_parameters
@@ -85,6 +85,8 @@ def build_shardtune(
                 target_modules=list(TARGETS),
                 quantize_base=quantize,
                 fp8_block=fp8_block,
+                # as the recipes: the rest of the frozen base the checkpoint stores in FP8 stays in it
+                fp8_linears=fp8_linears(model, hf) if fp8_block else (),
             )
     mesh = make_mesh(expert_parallel=expert_parallel, device=device.type)
     shard_model(model, mesh=mesh, activation_checkpointing=activation_checkpointing)
