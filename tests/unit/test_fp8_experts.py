@@ -59,7 +59,8 @@ def test_the_experts_hold_the_checkpoints_fp8_bytes_and_their_scales_by_rows(tmp
                 rows = torch.cat([r[: stored[f"{prefix}.{e}.{p}.weight"].shape[0]] for r, p in zip(rows, parts)])
                 assert torch.equal(weight[e].view(torch.uint8), fp8.view(torch.uint8)), (layer, name, e)
                 assert torch.equal(scales[e], rows), (layer, name, e)
-    # not LoRA targets, not experts: the shared experts and the dense layer load in the training dtype
+    # not LoRA targets, not experts, and no fp8_linears given to apply_lora (the recipes pass them:
+    # tests/unit/test_fp8_linear.py): the shared experts and the dense layer load in the training dtype
     assert model.model.layers[1].mlp.shared_experts.up_proj.weight.dtype == torch.float32
     assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
 
