@@ -310,10 +310,17 @@ def test_block_fp8_reads_the_block_of_the_checkpoint_and_refuses_another_naming_
 def deepseek_fp8_dir(directory, **changes):
     """A tiny DeepSeek-V3 saved by transformers with every linear but the router and head quantized by hand
     (blocks of 20 x 40, cut at the edges): the transformers model holding the dequantized weights."""
-    from tests.unit.test_block_fp8 import QUANT, _fused, is_quantized
     from tests.unit.test_deepseek_v3 import hf_model
 
-    hf = hf_model(**changes)
+    return quantized_dir(hf_model(**changes), directory)
+
+
+def quantized_dir(hf, directory):
+    """``hf`` saved by transformers into ``directory`` with every linear weight but the router and head
+    quantized by hand (:func:`~tests.unit.test_block_fp8.hand_quantize`) and the ``quantization_config``
+    declared; ``hf`` then holds the dequantized weights (returned)."""
+    from tests.unit.test_block_fp8 import QUANT, _fused, is_quantized
+
     hf.save_pretrained(directory)
     stored = safetensors.torch.load_file(directory / "model.safetensors")
     expected = {}
