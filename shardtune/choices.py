@@ -19,6 +19,10 @@ NF4_SCALER_BLOCK_SIZE = 256
 # block-FP8 checkpoint's weights kept in FP8), by ``shardtune.peft.lora.apply_lora``.
 QUANTIZE_BASE = (False, True, "nf4", "block_fp8")
 
+# ``weight_format`` (and ``shardtune convert --weight-format``): how an HF save writes the weights, in the training
+# (or ``dtype``) dtype or in the source's block FP8, by ``shardtune.checkpoint.formats.block_fp8_save``.
+WEIGHT_FORMATS = ("dtype", "block_fp8")
+
 # ``context_parallel_mode``: how an attention layer sees the whole rows of a split row, by
 # ``shardtune.models.context_parallel.split_batch`` (all_gather: every rank gathers the keys and values of all heads;
 # all_to_all: ranks trade tokens for heads, ``shardtune.models.context_heads``).

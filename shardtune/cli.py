@@ -5,7 +5,7 @@
     shardtune cp CONFIG PATH
     shardtune validate CONFIG [--recipe RECIPE] [--nproc_per_node M] [--nnodes N] [--config-only] [key=value ...]
     shardtune download REPO DIR [--revision REV]
-    shardtune convert CHECKPOINT OUT_DIR [--base-dir DIR]
+    shardtune convert CHECKPOINT OUT_DIR [--base-dir DIR] [--weight-format dtype|block_fp8]
     shardtune verify CHECKPOINT_DIR|OUTPUT_DIR [--latest] [--limit N]
     shardtune plot OUTPUT_DIR [--out PNG]
     shardtune make-tiny-base DIR [--preset tiny_moe]
@@ -41,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shardtune import run_errors, run_stop
+from shardtune.choices import WEIGHT_FORMATS
 from shardtune.config import ConfigError, load_config, resolve_config_path
 from shardtune.model_presets import TINY_PRESETS
 from shardtune.prelaunch import input_problems, prelaunch_problems
@@ -311,7 +312,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from shardtune.checkpoint.formats.dcp_format import convert_dcp_to_hf
 
     try:
-        out = convert_dcp_to_hf(args.checkpoint, args.out_dir, base_dir=args.base_dir, overwrite=args.overwrite)
+        out = convert_dcp_to_hf(
+            args.checkpoint,
+            args.out_dir,
+            base_dir=args.base_dir,
+            overwrite=args.overwrite,
+            weight_format=args.weight_format,
+        )
     except (CheckpointError, FileNotFoundError) as exc:  # a damaged, planted or missing checkpoint
         sys.stderr.write(f"shardtune convert: {exc}\n")
         return 1
@@ -529,6 +536,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     convert.add_argument(
         "--overwrite", action="store_true", help="write into a non-empty out_dir (never a checkpoint or one inside it)"
+    )
+    convert.add_argument(
+        "--weight-format",
+        choices=WEIGHT_FORMATS,
+        default="dtype",
+        help="block_fp8: the tensors a block-FP8 base stores in FP8 written in that format again (default: dtype)",
     )
     convert.set_defaults(fn=cmd_convert)
     verify = sub.add_parser("verify", help="check a checkpoint's files against its manifest (sizes and checksums)")

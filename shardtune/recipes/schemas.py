@@ -26,6 +26,7 @@ from shardtune.choices import (
     OUTPUT_DIR_POLICIES,
     PREFERENCE_LOSSES,
     QUANTIZE_BASE,
+    WEIGHT_FORMATS,
 )
 from shardtune.config_validation import Field, OneOrMany, Schema
 from shardtune.dataset_schema import DATASET_COLUMNS, DATASET_SCHEMA
@@ -283,7 +284,7 @@ BASE_SCHEMA = Schema(
         "weight_format": Field(
             str,
             "dtype",
-            choices=("dtype", "block_fp8"),
+            choices=WEIGHT_FORMATS,
             help="how the final HF checkpoint holds the weights: dtype (the training dtype) or block_fp8 (the "
             "block-FP8 format the base model came in)",
         ),

@@ -4,10 +4,13 @@ The oracle: a tiny transformers DeepSeek-V3 (a dense first layer, shared experts
 null) saved and quantized by hand in blocks of 20 x 40 (``tests/unit/test_fp8_lora.deepseek_fp8_dir``:
 partial edge blocks, dims not multiples of the block), one linear then stored unquantized as
 ``modules_to_not_convert`` leaves some; the transformers model holds the hand-dequantized weights, with
-peft's LoRA on two projections. The sharded case: tests/distributed/test_fp8_lora_sharded.py.
+peft's LoRA on two projections; a DCP checkpoint of that model converted by ``convert_dcp_to_hf``. The
+sharded case: tests/distributed/test_fp8_lora_sharded.py.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import safetensors.torch
@@ -17,13 +20,15 @@ import transformers
 from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
 from shardtune.checkpoint import CheckpointError
+from shardtune.checkpoint.formats.dcp_format import convert_dcp_to_hf, save_dcp, write_model_description
 from shardtune.checkpoint.formats.hf_load import fp8_linears
 from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
+from shardtune.checkpoint.layout import DCP_DIR
 from shardtune.models import from_hf_config
 from shardtune.peft import apply_lora, fp8_linear, merge_lora
 from shardtune.peft.adapters import get_merged_state_dict
 from shardtune.peft.fp8_linear import Fp8Linear
-from tests.unit.test_block_fp8 import BLOCK
+from tests.unit.test_block_fp8 import BLOCK, hand_quantize
 from tests.unit.test_fp8_lora import ALPHA, RANK, adapters_of, deepseek_fp8_dir, fp8_lora, peft_over
 from tests.unit.test_models_moe import batch
 from tests.unit.test_moe_checkpoint import tensors
@@ -140,6 +145,39 @@ def test_saves_write_the_frozen_fp8_linears_dequantized_or_as_their_bytes(tmp_pa
     assert not any("scale" in k for k in state)
     for name in frozen:
         assert torch.equal(state[name], dequantized[name]), name
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, as it says
+def test_a_dcp_checkpoint_converts_to_the_merged_weights_and_to_the_base_format(tmp_path):
+    """``convert_dcp_to_hf`` of a block-FP8 LoRA run's DCP checkpoint (the adapters, as the checkpointer writes
+    them, beside the model description naming the base) rebuilds the frozen linears in FP8 from the base."""
+    hf = make_dir(tmp_path / "fp8")
+    pm = peft_over(hf, targets=targets(24))
+    model = fp8_lora(tmp_path / "fp8", target_modules=targets(24), whole_base=True)
+    model.load_state_dict(adapters_of(pm), strict=False)
+    checkpoint = tmp_path / "step_1"
+    save_dcp(model, None, checkpoint / DCP_DIR, async_save=False)
+    write_model_description(model, checkpoint, tmp_path / "fp8")
+    convert_dcp_to_hf(checkpoint, tmp_path / "merged")
+    convert_dcp_to_hf(checkpoint, tmp_path / "requantized", weight_format="block_fp8")
+    stored, merged, requantized = (tensors(tmp_path / d) for d in ("fp8", "merged", "requantized"))
+    frozen = [f"{n}.weight" for n in sorted(frozen_fp8_names(stored, targets(24)))]
+    dequantized, theirs = hf.state_dict(), pm.merge_and_unload().state_dict()
+    assert not any("scale" in k or "lora" in k for k in merged)
+    for name in frozen:  # the hand dequantization; in the base's format, the file's bytes and scales
+        assert torch.equal(merged[name], dequantized[name]), name
+        assert torch.equal(requantized[name].view(torch.uint8), stored[name].view(torch.uint8)), name
+        assert torch.equal(requantized[name + "_scale_inv"], stored[name + "_scale_inv"]), name
+    adapted = [n for n in theirs if n.rsplit(".", 2)[-2] in targets(24)]
+    assert len(adapted) == 2 * 3
+    for name in adapted:  # peft's merge; quantized again from it in the base's format
+        assert (merged[name] - theirs[name]).abs().max() <= 1e-6, name
+        fp8, scale = hand_quantize(merged[name])
+        assert torch.equal(requantized[name].view(torch.uint8), fp8.view(torch.uint8)), name
+        assert torch.equal(requantized[name + "_scale_inv"], scale), name
+    assert sorted(requantized) == sorted(stored)
+    config = json.loads((tmp_path / "requantized" / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == list(BLOCK)
 
 
 def test_resident_bytes_of_the_frozen_linears_are_a_quarter_of_float32_plus_scales(tmp_path):

@@ -35,13 +35,11 @@ from shardtune.checkpoint.formats.block_fp8 import (
 )
 from shardtune.checkpoint.formats.fp8_base_save import Fp8BaseBlocks
 from shardtune.checkpoint.storage.writer import BlockFn, WriteItem, local_block
+from shardtune.choices import WEIGHT_FORMATS
 from shardtune.ranks import comm
 from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor
 
 __all__ = ["WEIGHT_FORMATS", "quantized_config", "quantized_items"]
-
-# How an HF save writes the weights: in the training (or ``dtype``) dtype, or in the source's block FP8.
-WEIGHT_FORMATS = ("dtype", "block_fp8")
 
 
 def quantized_items(items: list[WriteItem], fmt: BlockFp8Format | None, problems: list[str]) -> list[WriteItem]:

@@ -248,6 +248,7 @@ def convert_dcp_to_hf(
     *,
     base_dir: str | os.PathLike | None = None,
     overwrite: bool = False,
+    weight_format: str = "dtype",
 ) -> Path:
     """Turn a shardtune checkpoint holding ``dcp/`` into an HF model directory (merged LoRA).
 
@@ -255,6 +256,8 @@ def convert_dcp_to_hf(
     over the ranks. LoRA checkpoints need the base model (``base_dir``, default: the one
     recorded at save time). ``out_dir`` must be new or empty (``overwrite``: or any directory but a
     checkpoint), never the checkpoint, a published checkpoint or a folder inside one.
+    ``weight_format``: as :func:`~shardtune.checkpoint.formats.hf_save.save_hf_checkpoint`'s
+    (``"block_fp8"``: the tensors the base stores in block FP8 written in that format again).
     """
     from shardtune.checkpoint.formats.hf_load import fp8_linears, load_hf_checkpoint
     from shardtune.checkpoint.formats.hf_save import save_hf_checkpoint
@@ -298,7 +301,9 @@ def convert_dcp_to_hf(
         load_hf_checkpoint(model, base, device="cpu")
     load_dcp(model, None, checkpoint_dir / DCP_DIR, device="cpu")
     tokenizer_dir = base if base is not None and (Path(base) / "tokenizer.json").is_file() else checkpoint_dir
-    save_hf_checkpoint(model, out_dir, merge_adapters=True, tokenizer_dir=tokenizer_dir, source_dir=base)
+    save_hf_checkpoint(
+        model, out_dir, merge_adapters=True, tokenizer_dir=tokenizer_dir, source_dir=base, weight_format=weight_format
+    )
     return Path(out_dir)
 
 
