@@ -115,6 +115,7 @@ def test_the_cli_leaves_torch_unloaded(tmp_path):
 
 def test_each_list_is_kept_once():
     """The modules implementing the names, and the schemas offering them, hold the same objects."""
+    from shardtune.checkpoint.formats import hf_save
     from shardtune.losses import preference
     from shardtune.models import registry as models
     from shardtune.peft import lora
@@ -130,6 +131,8 @@ def test_each_list_is_kept_once():
     assert schemas.BASE_SCHEMA.fields["dtype"].choices is choices.DTYPES
     assert schemas.DPO_SECTION.fields["loss"].choices is preference.PREFERENCE_LOSSES is choices.PREFERENCE_LOSSES
     assert schemas.LAYER_DROPOUT_SECTION.fields["schedule"].choices is choices.LAYER_DROPOUT_SCHEDULES
+    assert schemas.BASE_SCHEMA.fields["weight_format"].choices is choices.WEIGHT_FORMATS
+    assert hf_save.WEIGHT_FORMATS is choices.WEIGHT_FORMATS
     assert models.list_models() == sorted(model_presets.PRESETS)
     assert models.get_model_args("llama3_2_1b").head_dim == 64
 

@@ -22,7 +22,7 @@ from shardtune.models.blocks import fp8_experts
 from shardtune.models.blocks.experts import Experts
 from shardtune.peft import fp8_base
 from shardtune.peft.fp8_linear import Fp8Linear
-from shardtune.peft.lora import LoRALinear
+from shardtune.peft.lora_linear import LoRALinear
 from shardtune.ranks import comm
 from shardtune.state_dict.keys import clean_fqn
 from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor

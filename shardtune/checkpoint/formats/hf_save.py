@@ -60,7 +60,7 @@ from shardtune.checkpoint.storage.writer import (
 )
 from shardtune.models.multimodal import loaded_with_carried
 from shardtune.peft.adapters import merge_lora_weight
-from shardtune.peft.lora import LoRALinear
+from shardtune.peft.lora_linear import LoRALinear
 from shardtune.peft.param_lora import ParamAdapter, adapted_modules, factor_paths, merge_block
 from shardtune.ranks import comm
 from shardtune.state_dict.agreement import model_signature
