@@ -245,3 +245,41 @@ def test_fp8_experts_sharded_equal_peft_in_one_process(pool2, tmp_path, ep, chan
     assert not any("scale" in k or "lora" in k for k in saved)
     for name in frozen:
         assert torch.equal(saved[name], dequantized[name]), name
+
+
+def _held_save(hf_dir: str, adapters: dict, out: str) -> None:
+    """LoRA on the latent attention only: every expert and other linear frozen in FP8, saved in block FP8."""
+    with torch.device("meta"):
+        model = from_hf_config(hf_dir, dtype=torch.float32)
+        kept = fp8_linears(model, hf_dir)
+        apply_lora(
+            model,
+            rank=RANK,
+            alpha=ALPHA,
+            target_modules=MLA,
+            quantize_base="block_fp8",
+            fp8_block=BLOCK,
+            fp8_linears=kept,
+        )
+    shard_model(model)
+    with nccl_rules() as rules:
+        rules.host(adapters)
+        dist.barrier()
+        load_hf_checkpoint(model, hf_dir, device="cpu", strict=False)
+        load_from_full_model_state_dict(model, adapters, "cpu")
+        save_hf_checkpoint(model, out, merge_adapters=False, weight_format="block_fp8")
+
+
+def test_a_block_fp8_save_writes_the_frozen_experts_and_linears_as_read(pool2, tmp_path):
+    """5 experts on 2 ranks: each expert's 26 gate and up rows are cut at 13, inside the first block of 20, so
+    each rank holds the first row of only some blocks of each per-expert file tensor."""
+    hf = deepseek_fp8_dir(tmp_path, **FIVE_EXPERTS)
+    adapters = adapters_of(peft_over(hf, targets=MLA))
+    pool2.run_ok(_held_save, str(tmp_path), adapters, str(tmp_path / "out"), timeout=240)
+    stored, saved = tensors(tmp_path), tensors(tmp_path / "out")
+    assert sorted(k for k in saved if ".lora_" not in k) == sorted(stored)
+    frozen = [n for n, v in stored.items() if v.dtype == torch.float8_e4m3fn and n.rsplit(".", 2)[-2] not in MLA]
+    assert any(".experts.4.up_proj." in n for n in frozen) and any("shared_experts" in n for n in frozen)
+    for name in frozen:
+        assert torch.equal(saved[name].view(torch.uint8), stored[name].view(torch.uint8)), name
+        assert torch.equal(saved[f"{name}_scale_inv"], stored[f"{name}_scale_inv"]), name

@@ -6,7 +6,8 @@ every linear but the router and head quantized by hand in blocks of 20 x 40
 (``tests/unit/test_fp8_lora.quantized_dir``: partial edge blocks, dims not multiples of the block), holding
 the hand-dequantized weights, with peft's LoRA on ``q_proj``, ``v_proj`` and ``o_proj``: so the biased
 ``k_proj``, the dense MLP and the shared experts are frozen FP8 linears, ``q_proj``/``v_proj`` biased FP8
-LoRA bases. (Not ``down_proj``: peft 0.21 takes it for the routed experts' fused parameter in this model.)
+LoRA bases; a block-FP8 save writes them and the routed experts (per expert) with the bytes and scales read.
+(Not ``down_proj``: peft 0.21 takes it for the routed experts' fused parameter in this model.)
 """
 
 from __future__ import annotations
@@ -101,10 +102,9 @@ def test_the_merged_save_equals_peft_merge_and_a_block_fp8_save_keeps_the_frozen
             assert (ours[name] - value).abs().max() <= 1e-6, name
         else:  # the dequantized weights (the hand dequantization), biases and the rest as stored
             assert torch.equal(ours[name], value), name
-    # the frozen linears (the routed experts are quantized again: tests/unit/test_fp8_experts.py)
     frozen = [n for n, v in stored.items() if v.dtype == FP8 and n.rsplit(".", 2)[-2] not in TARGETS]
-    frozen = [n for n in frozen if ".experts." not in n]
     assert sorted(requantized) == sorted(stored) and any(".k_proj." in n for n in frozen)
-    for name in frozen:  # written as read: the file's FP8 bytes and scales
+    assert any(".experts.7.up_proj." in n for n in frozen)
+    for name in frozen:  # the frozen linears and routed experts written as read: the file's bytes and scales
         assert torch.equal(requantized[name].view(torch.uint8), stored[name].view(torch.uint8)), name
         assert torch.equal(requantized[f"{name}_scale_inv"], stored[f"{name}_scale_inv"]), name

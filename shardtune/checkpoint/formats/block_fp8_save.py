@@ -11,8 +11,8 @@ grids (1 / (b0 * b1) of the weights) gives every rank every scale, so shards nee
 one for all the tensors at the first one's turn (:class:`AmaxBatch`), and one per tensor only for
 tensors written with a LoRA merge (their blocks exist only in their own turn). Each rank writes its own
 FP8 rows in place; rank 0 writes the scale tensors. A weight the model keeps in block FP8 and writes
-unmerged (a frozen linear or an unmerged LoRA base, :mod:`~shardtune.checkpoint.formats.fp8_base_save`)
-is written as it is held instead, FP8 values and scales (:class:`HeldScales`), so it comes out with the
+unmerged (a frozen linear, routed experts without adapters, per expert too, or an unmerged LoRA base,
+:mod:`~shardtune.checkpoint.formats.fp8_base_save`) is written as it is held instead, FP8 values and scales (:class:`HeldScales`), so it comes out with the
 bytes it was read with.
 """
 
@@ -38,6 +38,7 @@ from shardtune.checkpoint.storage.writer import BlockFn, WriteItem, local_block
 from shardtune.choices import WEIGHT_FORMATS
 from shardtune.ranks import comm
 from shardtune.state_dict.layout import Piece, TensorLayout, layout_of, local_tensor
+from shardtune.state_dict.parts import Part
 
 __all__ = ["WEIGHT_FORMATS", "quantized_config", "quantized_items"]
 
@@ -66,8 +67,9 @@ def quantized_items(items: list[WriteItem], fmt: BlockFp8Format | None, problems
             )
             continue
         scales: BlockScales | HeldScales
-        if isinstance(item.transform, Fp8BaseBlocks) and item.transform.merge is None:  # as held: the same bytes
-            scales = HeldScales(item, item.transform, fmt.block, batch)
+        held = _held(item)
+        if held is not None:  # as held: the same bytes
+            scales = HeldScales(item, held, fmt.block, batch, part=item.part)
         else:
             scales = BlockScales(item, fmt.block, batch=None if item.transform is not None else batch)
         batch.members += [scales] if scales.batch is not None else []
@@ -79,6 +81,13 @@ def quantized_items(items: list[WriteItem], fmt: BlockFp8Format | None, problems
             "names (another expert_layout?); save with expert_layout='auto'"
         )
     return out
+
+
+def _held(item: WriteItem) -> Fp8BaseBlocks | None:
+    """The block-FP8 weight ``item`` writes unmerged (whole, or one file part of it: an expert's tensor,
+    the part's transform wrapping it), or None."""
+    transform = getattr(item.transform, "merge", None) if item.part is not None else item.transform
+    return transform if isinstance(transform, Fp8BaseBlocks) and transform.merge is None else None
 
 
 def quantized_config(hf_config: dict[str, Any], fmt: BlockFp8Format | None, weight_format: str) -> dict[str, Any]:
@@ -166,12 +175,14 @@ class HeldScales:
     transform passes them through) and the checkpoint's scales, recovered from the row-expanded ones (block
     row ``k``'s scales are those of its first row, ``k * b0``): each rank puts the scale rows it holds at
     block starts into the block grid, and the batch's all-reduce (MAX, ``-inf`` where a rank holds none)
-    gives every rank the grid."""
+    gives every rank the grid. ``part``: the file tensor is that part of the weight (an expert's
+    ``up_proj`` of the fused ``gate_up_proj``), its blocks counted from the part's first row."""
 
     plain: WriteItem
     held: Fp8BaseBlocks
     block: tuple[int, int]
     batch: AmaxBatch
+    part: Part | None = None
     scale_inv: torch.Tensor | None = field(default=None, repr=False)
     shape: tuple[int, ...] = field(init=False)
 
@@ -200,13 +211,29 @@ class HeldScales:
         grid = torch.full(self.shape, float("-inf"), dtype=torch.float32)
         try:
             rows = local_tensor(self.held.scale_rows).detach().to(torch.float32).cpu()
-            piece = layout_of(self.held.scale_rows, comm.world_size()).piece(comm.rank())
-            if piece.numel:
-                b0, r0 = self.block[0], piece.offset[-2]
-                starts = torch.arange(-(-r0 // b0) * b0, r0 + piece.shape[-2], b0)
-                lead = tuple(slice(o, o + n) for o, n in zip(piece.offset[:-2], piece.shape[:-2]))
-                first = int(starts[0]) // b0 if len(starts) else 0
-                grid[(*lead, slice(first, first + len(starts)), slice(None))] = rows[..., starts - r0, :]
+            shape = tuple(self.held.scale_rows.shape)
+            mine = layout_of(self.held.scale_rows, comm.world_size()).piece(comm.rank())
+            region = self.part.region if self.part is not None else Piece(shape=shape, offset=(0,) * len(shape))
+            # what this rank holds of the file tensor, in the weight's coordinates (dims before the columns)
+            lo = [max(a, b) for a, b in zip(region.offset[:-1], mine.offset[:-1])]
+            hi = [
+                min(a + n, b + m)
+                for a, n, b, m in zip(region.offset[:-1], region.shape[:-1], mine.offset[:-1], mine.shape[:-1])
+            ]
+            b0, first_row = self.block[0], region.offset[-2]
+            k0 = -(-(lo[-1] - first_row) // b0)  # the file's first block row starting in this rank's rows
+            starts = torch.arange(first_row + k0 * b0, hi[-1], b0)
+            if mine.numel and len(starts) and all(a < b for a, b in zip(lo, hi)):
+                lead = tuple(slice(a - o, b - o) for a, b, o in zip(lo[:-1], hi[:-1], mine.offset[:-1]))
+                squeeze = self.part.squeeze if self.part is not None else ()
+                file_lead = tuple(
+                    slice(a - o, b - o)
+                    for d, (a, b, o) in enumerate(zip(lo[:-1], hi[:-1], region.offset[:-2]))
+                    if d not in squeeze
+                )
+                target = grid[(*file_lead, slice(k0, k0 + len(starts)), slice(None))]  # a view of the grid
+                held: tuple[slice | torch.Tensor, ...] = (*lead, starts - mine.offset[-2], slice(None))
+                target.copy_(rows[held].reshape(target.shape))
         except Exception as exc:
             return grid, exc
         return grid, None
