@@ -19,6 +19,9 @@ DTensor uses, e.g. ``full_tensor()``):
   waited), and no other collective started behind it: a rank never queues a second batch
   behind bytes that have not arrived, and every rank issues its collectives in one order;
   none is left in flight at the end of the block;
+* no functional collective (``torch.distributed._functional_collectives``: a tensor that waits when first
+  used) is left in flight at the end of the block: each is waited (``wait()``, ``wait_tensor``) or used by
+  an op that is not a view (which waits for it);
 * every tensor has a dtype NCCL supports (``NCCL_DTYPES``); others raise at once, as NCCL does;
 * no tensor is host memory. On a CPU-only machine host memory and the transfer device are
   the same, so host memory is what the test says it is: the storages of the tensors given
@@ -31,7 +34,8 @@ DTensor uses, e.g. ``full_tensor()``):
 Host-memory and point-to-point violations are recorded and the collective still runs (so
 no rank is left waiting); leaving the block raises :class:`NcclRuleError` listing them.
 ``rules.violations`` holds them as text. ``rules.ahead`` counts the tensor ops this rank ran
-while one of its exchanges was in flight (rank 0 reading ahead). Blind spot: memory allocated fresh on the host's
+while one of its exchanges was in flight (rank 0 reading ahead); ``rules.overlapped`` the tensor ops, by
+name, it ran while one of its functional collectives was in flight (compute overlapping communication). Blind spot: memory allocated fresh on the host's
 device (``torch.empty(..., device=host_tensor.device)``) is indistinguishable from transfer
 memory here; only a GPU run sees it.
 """
@@ -49,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor, _is_view_op
 from torch.utils._python_dispatch import TorchDispatchMode
 
 NCCL_DTYPES = frozenset(
@@ -108,6 +113,8 @@ class NcclRules:
         self._batched = threading.local()
         self.ahead = 0  # tensor ops run while an exchange of this rank was in flight
         self._in_flight: set[int] = set()  # ids of the works of the exchange in flight
+        self.overlapped: Counter[str] = Counter()  # tensor ops run while a functional collective was in flight
+        self._pending: dict[int, str] = {}  # storage of a functional collective's result in flight -> its kind
 
     def started(self, works: list[Any]) -> list[Any]:
         """Record a ``batch_isend_irecv``'s works as in flight until each is waited."""
@@ -174,6 +181,28 @@ class NcclRules:
         self.counts[kind] += 1
         self._check(kind, (args, kwargs))
 
+    def _funcol_started(self, func: Any, out: Any) -> None:
+        """A functional collective's result is in flight until waited or read."""
+        name = func._schema.name.split("::")[-1]
+        if name in _FUNCOL_SKIP:
+            return
+        for tensor in _tensors_in(out):
+            self._pending[tensor.untyped_storage().data_ptr()] = f"funcol.{name}"
+
+    def _waited(self, func: Any, args: Any) -> None:
+        """Take what ``func`` waits for out of the functional collectives in flight: the tensor ``wait_tensor``
+        waits, or every in-flight result an op that is not a view reads (a tensor subclass waits for it)."""
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            for tensor in _tensors_in(args):
+                for plain in _plain_tensors(tensor):
+                    self._pending.pop(plain.untyped_storage().data_ptr(), None)
+            return
+        if func.namespace == "_c10d_functional" or func is torch.ops.aten.view.default or _is_view_op(func):
+            return  # wrapping, another collective queued behind it, or a view: none waits
+        for tensor in _tensors_in(args):
+            for inner in _async_in(tensor):
+                self._pending.pop(inner.elem.untyped_storage().data_ptr(), None)
+
 
 class _Tracked:
     """A work of a batch in flight: waiting it takes it out of the rules' in-flight set."""
@@ -196,11 +225,19 @@ class _Mode(TorchDispatchMode):
         self.rules = rules
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        rules, kwargs = self.rules, kwargs or {}
+        if rules._pending:
+            rules._waited(func, (args, kwargs))
         if func.namespace in ("c10d", "_c10d_functional"):
-            self.rules._on_op(func, args, kwargs or {})
-        elif self.rules._in_flight:
-            self.rules.ahead += 1
-        return func(*args, **(kwargs or {}))
+            rules._on_op(func, args, kwargs)
+        else:
+            rules.ahead += bool(rules._in_flight)
+            if rules._pending:
+                rules.overlapped[func.__name__] += 1
+        out = func(*args, **kwargs)
+        if func.namespace == "_c10d_functional":
+            rules._funcol_started(func, out)
+        return out
 
 
 @contextmanager
@@ -242,6 +279,8 @@ def nccl_rules() -> Iterator[NcclRules]:
         comm.on_transfer_device, comm.host_empty = original_on_device, original_host_empty
     if rules._in_flight:
         rules.violations.append("an exchange is still in flight at the end of the block; wait for it (comm.settle)")
+    for kind in rules._pending.values():
+        rules.violations.append(f"{kind} is still in flight at the end of the block; wait for its result")
     if rules.violations:
         shown = sorted(set(rules.violations))
         raise NcclRuleError(f"{len(rules.violations)} NCCL rule violations:\n  " + "\n  ".join(shown[:20]))
@@ -264,6 +303,18 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, (list, tuple)):
         for value in obj:
             yield from _tensors_in(value)
+
+
+def _async_in(tensor: torch.Tensor) -> Iterator[AsyncCollectiveTensor]:
+    """``tensor`` itself if it waits for a functional collective, else such tensors inside a subclass."""
+    if isinstance(tensor, AsyncCollectiveTensor):
+        yield tensor
+    elif type(tensor) not in (torch.Tensor, nn.Parameter) and hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        for name in names:
+            inner = getattr(tensor, name)
+            if isinstance(inner, torch.Tensor):
+                yield from _async_in(inner)
 
 
 def _plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:

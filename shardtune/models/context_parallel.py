@@ -14,7 +14,11 @@ puts them in row order. Its queries then attend segment by segment: a segment is
 queries that lies in one document and one chunk, and it attends to that document's keys up to its last
 query (to those within the window for sliding layers) through the layer's own kernel (SDPA,
 soft-capping or attention sinks) with the mask :mod:`shardtune.models.blocks.attention` builds for queries
-that follow earlier keys. Positions, documents and segments are host data read from the CPU batch once
+that follow earlier keys. A segment's causal diagonal needs only this rank's own keys: where the layer's
+kernel returns its log-sum-exp, every diagonal runs while the gather is in flight and every prefix after it
+(:mod:`shardtune.models.context_overlap`; backward likewise around the gradients' reduce-scatter); a layer
+that needs a mask (sliding windows, soft-capping, sinks) gathers first, then attends segment by segment
+(:func:`context_attention`). Positions, documents and segments are host data read from the CPU batch once
 per forward (:func:`split_batch`), so no layer waits for the device.
 
 Memory per rank and layer: the gathered K and V, ``2 * b * S * kv_heads * head_dim`` values (O(S *
@@ -218,18 +222,35 @@ def _segments(lengths: list[int], mine: Tensor) -> tuple[Segment, ...]:
     )
 
 
+def start_gather(k: Tensor, v: Tensor, shard: ContextShard) -> Tensor:
+    """Start the all-gather of every rank's keys ``[b, kv_heads, S / cp, dk]`` and values ``[..., dv]``: the
+    whole rows' ``[S, b, kv_heads, dk + dv]`` in gathered order (rank by rank), a tensor that waits for the
+    collective when first used (with autograd to this rank's part while grad mode is on).
+
+    Collective: call on all ranks of ``shard.group``. Each rank returns the same tensor."""
+    device = comm.comm_device(k.device)
+    local = torch.cat([k, v], dim=-1).permute(2, 0, 1, 3)  # [s, b, h, dk + dv]: the gather concatenates dim 0
+    return all_gather_single_autograd(comm.to_transfer(local, device), 0, shard.group)
+
+
+def in_row_order(everyone: Tensor, shard: ContextShard, device: torch.device) -> Tensor:
+    """The gathered ``[S, b, kv_heads, dk + dv]`` (:func:`start_gather`) on ``device``, in row order: waits for it."""
+    return everyone.to(device).index_select(0, shard.gathered_at.to(device, non_blocking=True))
+
+
+def keys_and_values(rows: Tensor, dk: int) -> tuple[Tensor, Tensor]:
+    """Keys ``[b, kv_heads, S, dk]`` and values ``[b, kv_heads, S, dv]``, views of rows ``[S, b, kv_heads, dk + dv]``."""
+    keys, values = rows.permute(1, 2, 0, 3).split([dk, rows.shape[-1] - dk], dim=-1)
+    return keys, values
+
+
 def gather_keys(k: Tensor, v: Tensor, shard: ContextShard) -> tuple[Tensor, Tensor]:
     """The keys ``[b, kv_heads, S, dk]`` and values ``[b, kv_heads, S, dv]`` of the whole rows, in row order, from
     every rank's ``[b, kv_heads, S / cp, dk]`` and ``[..., dv]`` (values may be narrower than keys: MLA).
 
     Collective: call on all ranks of ``shard.group`` (in every attention layer's forward; the backward
     reduce-scatters the gradients). Each rank returns the same two tensors, with autograd to its own part."""
-    device = comm.comm_device(k.device)
-    local = torch.cat([k, v], dim=-1).permute(2, 0, 1, 3)  # [s, b, h, dk + dv]: the gather concatenates dim 0
-    everyone = all_gather_single_autograd(comm.to_transfer(local, device), 0, shard.group)
-    rows = everyone.to(k.device).index_select(0, shard.gathered_at.to(k.device, non_blocking=True))
-    keys, values = rows.permute(1, 2, 0, 3).split([k.shape[-1], v.shape[-1]], dim=-1)
-    return keys, values
+    return keys_and_values(in_row_order(start_gather(k, v, shard), shard, k.device), k.shape[-1])
 
 
 @torch.compiler.disable  # per-segment shapes would recompile a compiled layer for every new batch

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["LseKernel", "kernel_for", "log_fallback", "prefix_then_causal"]
+__all__ = ["LseKernel", "Part", "kernel_for", "log_fallback", "merge", "prefix_then_causal"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -150,12 +150,14 @@ def kernel_for(q: Tensor, k: Tensor, v: Tensor) -> LseKernel | None:
     return kernel
 
 
-class _Part:
-    """One part's layout for a kernel: queries regrouped under their kv head (the prefix) or kv heads repeated
-    (the causal diagonal, for a kernel without grouped heads); values padded to the keys' width if needed."""
+class Part:
+    """One part's layout for its kernel: queries regrouped under their kv head (the prefix) or kv heads repeated
+    (the causal diagonal, for a kernel without grouped heads); values padded to the keys' width if needed. Built
+    from the part's queries ``q``, keys ``k`` and values ``v``; its :meth:`forward` and :meth:`backward` take them."""
 
     def __init__(self, kernel: LseKernel, q: Tensor, k: Tensor, v: Tensor, *, causal: bool) -> None:
         b, heads, n, _ = q.shape
+        self.kernel = kernel
         self.shape = (b, heads, n)
         self.kv_heads, self.groups = k.shape[1], heads // k.shape[1]
         self.regroup = self.groups > 1 and not causal
@@ -163,23 +165,41 @@ class _Part:
         self.dv, self.pad = v.shape[-1], 0 if kernel.narrow_values else q.shape[-1] - v.shape[-1]
         self.causal = causal
 
-    def queries(self, t: Tensor) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Any]:
+        """The part's output ``[b, heads, n, dv]``, log-sum-exp ``[b, heads, n]`` and what its backward needs."""
+        keys, values = self._keys(k, v)
+        out, lse, state = self.kernel.forward(self._queries(q), keys, values, self.causal, scale)
+        return self._unqueries(out)[..., : self.dv], self._unqueries(lse), state
+
+    def backward(
+        self, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, state: Any
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The part's ``dq``, ``dk``, ``dv`` given the *merged* output ``out``, its log-sum-exp ``lse`` and its
+        gradient ``grad`` (``state``: what :meth:`forward` returned for backward)."""
+        keys, values = self._keys(k, v)
+        g, o = self._queries(self._padded(grad)), self._queries(self._padded(out))
+        dq, dk, dv = self.kernel.backward(
+            g, self._queries(q), keys, values, o, self._queries(lse).contiguous(), self.causal, scale, state
+        )
+        return (self._unqueries(dq), *self._unkeys(dk, dv))
+
+    def _queries(self, t: Tensor) -> Tensor:
         """A per-query tensor (``[b, heads, n, ...]``) in the kernel's layout."""
         if not self.regroup:
             return t
         b, _, n = self.shape
         return t.reshape(b, self.kv_heads, self.groups * n, *t.shape[3:])
 
-    def unqueries(self, t: Tensor) -> Tensor:
+    def _unqueries(self, t: Tensor) -> Tensor:
         """The kernel's per-query tensor back as ``[b, heads, n, ...]``."""
         return t.reshape(*self.shape, *t.shape[3:]) if self.regroup else t
 
-    def keys(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def _keys(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if self.repeat:
             k, v = k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)
         return k, F.pad(v, (0, self.pad)) if self.pad else v
 
-    def unkeys(self, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor]:
+    def _unkeys(self, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor]:
         dv = dv[..., : self.dv]
         if self.repeat:
             b, _, s, _ = dk.shape
@@ -187,33 +207,31 @@ class _Part:
             dv = dv.reshape(b, self.kv_heads, self.groups, s, -1).sum(2)
         return dk, dv
 
-    def padded(self, t: Tensor) -> Tensor:
+    def _padded(self, t: Tensor) -> Tensor:
         """An output-shaped tensor padded to the kernel's value width."""
         return F.pad(t, (0, self.pad)) if self.pad else t
+
+
+def merge(out1: Tensor, lse1: Tensor, out2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
+    """Two parts' outputs of the same queries merged by their log-sum-exps: the softmax over both parts' keys
+    (in the output's dtype), and its log-sum-exp."""
+    lse = torch.logaddexp(lse1, lse2)
+    acc = lse.dtype
+    merged = (lse1 - lse).exp().unsqueeze(-1) * out1.to(acc) + (lse2 - lse).exp().unsqueeze(-1) * out2.to(acc)
+    return merged.to(out1.dtype), lse
 
 
 class _PrefixThenCausal(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, earlier: int, scale: float, kernel: LseKernel) -> Tensor:
-        parts = [
-            _Part(kernel, q, k, v, causal=False),
-            _Part(kernel, q, k, v, causal=True),
-        ]
         spans = (slice(0, earlier), slice(earlier, k.shape[2]))
-        outs, lses, kept = [], [], []
-        for part, span in zip(parts, spans, strict=True):
-            keys, values = part.keys(k[:, :, span], v[:, :, span])
-            out, lse, state = kernel.forward(part.queries(q), keys, values, part.causal, scale)
-            outs.append(part.unqueries(out)[..., : v.shape[-1]])
-            lses.append(part.unqueries(lse))
-            kept.append(state)
-        (out1, out2), (lse1, lse2) = outs, lses
-        lse = torch.logaddexp(lse1, lse2)
-        acc = lse.dtype
-        merged = (lse1 - lse).exp().unsqueeze(-1) * out1.to(acc) + (lse2 - lse).exp().unsqueeze(-1) * out2.to(acc)
-        out = merged.to(q.dtype)
+        parts = [Part(kernel, q, k, v, causal=False), Part(kernel, q, k, v, causal=True)]
+        (out1, lse1, kept1), (out2, lse2, kept2) = (
+            part.forward(q, k[:, :, span], v[:, :, span], scale) for part, span in zip(parts, spans, strict=True)
+        )
+        out, lse = merge(out1, lse1, out2, lse2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.parts, ctx.spans, ctx.kept, ctx.scale, ctx.kernel = parts, spans, kept, scale, kernel
+        ctx.parts, ctx.spans, ctx.kept, ctx.scale = parts, spans, (kept1, kept2), scale
         return out
 
     @staticmethod
@@ -223,13 +241,8 @@ class _PrefixThenCausal(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=lse.dtype)
         dks, dvs = [], []
         for part, span, state in zip(ctx.parts, ctx.spans, ctx.kept, strict=True):
-            keys, values = part.keys(k[:, :, span], v[:, :, span])
-            g, o = part.queries(part.padded(grad)), part.queries(part.padded(out))
-            dq_part, dk, dv = ctx.kernel.backward(
-                g, part.queries(q), keys, values, o, part.queries(lse).contiguous(), part.causal, ctx.scale, state
-            )
-            dq += part.unqueries(dq_part)
-            dk, dv = part.unkeys(dk, dv)
+            dq_part, dk, dv = part.backward(grad, q, k[:, :, span], v[:, :, span], out, lse, ctx.scale, state)
+            dq += dq_part
             dks.append(dk)
             dvs.append(dv)
         return dq.to(q.dtype), torch.cat(dks, dim=2), torch.cat(dvs, dim=2), None, None, None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
@@ -56,6 +57,8 @@ def _broken(rule: str):
             second = dist.batch_isend_irecv([dist.P2POp(op, torch.zeros(4), peer)])  # queued behind the first
             for work in first + second:
                 work.wait()
+        elif rule == "funcol_left_in_flight":
+            funcol.all_gather_tensor(torch.zeros(4), 0, dist.group.WORLD).view(2, 4)  # neither waited nor read
         elif rule == "left_in_flight":
             comm.start_exchange([(torch.zeros(4), 1)], []) if dist.get_rank() == 0 else comm.exchange(
                 [], [(torch.zeros(4), 0)]
@@ -70,6 +73,7 @@ def _broken(rule: str):
         ("host_all_gather", "all_gather: a torch.float32 tensor of shape (128, 256) is host memory"),
         ("host_full_tensor", "funcol.all_gather_into_tensor: a torch.float32 tensor"),
         ("two_in_flight", "batch_isend_irecv started while an exchange is in flight"),
+        ("funcol_left_in_flight", "funcol.all_gather_into_tensor is still in flight at the end of the block"),
     ],
 )
 def test_harness_catches_each_broken_rule(pool2, rule, words):

@@ -26,6 +26,7 @@ from shardtune.models import lse_attention
 from shardtune.models.args import FULL, ModelArgs
 from shardtune.models.blocks.norm import RMSNorm, init_linear
 from shardtune.models.context_heads import heads_attention
+from shardtune.models.context_overlap import overlapped_attention
 from shardtune.models.context_parallel import ALL_TO_ALL, ContextAttention, context_attention
 from shardtune.models.kv_cache import cached_attention_mask
 from shardtune.models.packed_attention import PackedSamples, packed_attention
@@ -167,6 +168,9 @@ class Attention(nn.Module):
         if isinstance(packed, ContextAttention) and packed.shard.mode == ALL_TO_ALL:
             return heads_attention(q, k, v, packed, self._attend_one)
         if isinstance(packed, ContextAttention):
+            kernel = self._lse_kernel(q, k, v, packed.window)
+            if kernel is not None:
+                return overlapped_attention(q, k, v, packed.shard, kernel=kernel, scale=self.scale)
             return context_attention(q, k, v, packed, self._attend_after)
         if packed is not None:
             return packed_attention(q, k, v, packed, self._attend_one)
@@ -194,15 +198,23 @@ class Attention(nn.Module):
         (:mod:`shardtune.models.lse_attention`), else the KV cache's mask, or a sample's from its start."""
         if earlier == 0:
             return self._attend_one(q, k, v, window, heads=heads)
-        masked_for = self._needs_mask(window)
-        # every head only: a heads all-to-all rank's share keeps the mask
-        kernel = None if masked_for or heads != ALL_HEADS else lse_attention.kernel_for(q, k, v)
+        kernel = self._lse_kernel(q, k, v, window, heads=heads)
         if kernel is not None:
             return lse_attention.prefix_then_causal(q, k, v, earlier, scale=self.scale, kernel=kernel)
-        if masked_for:
-            lse_attention.log_fallback(type(self).__name__, masked_for)
         mask = cached_attention_mask(q.shape[2], earlier, device=q.device, window=window)
         return self._attend(q, k, v, mask, causal=False, heads=heads)
+
+    def _lse_kernel(
+        self, q: Tensor, k: Tensor, v: Tensor, window: int | None, *, heads: slice = ALL_HEADS
+    ) -> lse_attention.LseKernel | None:
+        """The kernel returning its log-sum-exp that this layer's queries after earlier keys run through, or None
+        (they need a mask: the reason logged once)."""
+        masked_for = self._needs_mask(window)
+        if masked_for:
+            lse_attention.log_fallback(type(self).__name__, masked_for)
+            return None
+        # every head only: a heads all-to-all rank's share keeps the mask
+        return lse_attention.kernel_for(q, k, v) if heads == ALL_HEADS else None
 
     def _needs_mask(self, window: int | None) -> str | None:
         """Why this layer's queries after earlier keys need a mask (no kernel returns their log-sum-exp), or None."""
