@@ -99,8 +99,31 @@ def quantized_config(hf_config: dict[str, Any], fmt: BlockFp8Format | None, weig
     return config
 
 
+class _LazyScales:
+    """A scale tensor written lazily (the safetensors writer's protocol), read by rank 0 once the item's
+    collective prepare has run: float32, ``shape``, its values ``_scales()`` (the file's ``1 / scale``)."""
+
+    plain: WriteItem
+    shape: tuple[int, ...]
+
+    def _scales(self) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self) -> str:
+        return "F32"
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        scales = self._scales()
+        if scales is None:
+            raise RuntimeError(f"{scale_name(self.plain.name)}: read before its tensor was written")
+        return scales[index]
+
+
 @dataclass
-class BlockScales:
+class BlockScales(_LazyScales):
     """The block scales of one FP8-written tensor: the transform that quantizes its blocks (its
     :meth:`prepare` computes the scales, collectively) and the source of its scale tensor (a lazy
     tensor read by rank 0 once they are known: the scale item comes right after the FP8 one)."""
@@ -156,21 +179,12 @@ class BlockScales:
             return amax, exc
         return amax, None
 
-    # the lazy scale tensor (1 / scale), read by rank 0 after :meth:`prepare`
-    def get_shape(self) -> list[int]:
-        return list(self.shape)
-
-    def get_dtype(self) -> str:
-        return "F32"
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        if self.scale is None:
-            raise RuntimeError(f"{scale_name(self.plain.name)}: read before its tensor was quantized")
-        return (1.0 / self.scale)[index]
+    def _scales(self) -> torch.Tensor | None:
+        return None if self.scale is None else 1.0 / self.scale
 
 
 @dataclass
-class HeldScales:
+class HeldScales(_LazyScales):
     """The block scales of a weight kept in block FP8 and written unmerged: its FP8 values as held (the
     transform passes them through) and the checkpoint's scales, recovered from the row-expanded ones (block
     row ``k``'s scales are those of its first row, ``k * b0``): each rank puts the scale rows it holds at
@@ -189,6 +203,9 @@ class HeldScales:
     def __post_init__(self) -> None:
         *lead, rows, cols = self.plain.shape
         self.shape = (*lead, -(-rows // self.block[0]), -(-cols // self.block[1]))
+
+    def _scales(self) -> torch.Tensor | None:
+        return self.scale_inv
 
     def item(self) -> WriteItem:
         """The scale tensor's write: float32, unsharded (every rank holds every scale), by rank 0."""
@@ -237,18 +254,6 @@ class HeldScales:
         except Exception as exc:
             return grid, exc
         return grid, None
-
-    # the lazy scale tensor, read by rank 0 after :meth:`prepare`
-    def get_shape(self) -> list[int]:
-        return list(self.shape)
-
-    def get_dtype(self) -> str:
-        return "F32"
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        if self.scale_inv is None:
-            raise RuntimeError(f"{scale_name(self.plain.name)}: read before its tensor was written")
-        return self.scale_inv[index]
 
 
 def _block_amax(values: torch.Tensor, piece: Piece, block: tuple[int, int], *, into: torch.Tensor) -> None:
