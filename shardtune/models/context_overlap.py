@@ -6,16 +6,18 @@ always this rank's), each part through a kernel that returns its log-sum-exp, me
 (:mod:`shardtune.models.lse_attention`). So the diagonals need nothing from other ranks, and run while the
 keys are on the wire: forward starts the all-gather of K and V, computes every segment's diagonal from the
 local keys, then waits for the gather, puts it in row order and computes every prefix, merging each segment's
-two parts by their log-sum-exps. Backward runs the other way: every prefix's backward (the gradients of the
-gathered keys, written in gathered order), starts their reduce-scatter, computes every diagonal's backward
-meanwhile, then waits and adds this rank's share. Each backward gets its segment's merged output, log-sum-exp
+two parts by their log-sum-exps. Backward starts the all-gather again, computes every diagonal's backward
+meanwhile, then every prefix's backward (the gradients of the gathered keys, written in gathered order), and
+reduce-scatters them to add this rank's share. Each backward gets its segment's merged output, log-sum-exp
 and output gradient, so both parts' gradients are exact.
-Both collectives are functional collectives (on NCCL they run on its stream; on gloo on its threads), and both
-are waited before the function returns: none is left in flight.
+Every collective is a functional collective (on NCCL it runs on its stream; on gloo on its threads), waited
+before the function returns: none is left in flight.
 
-What it keeps for backward is what the one-part-after-another order keeps: the queries, the gathered keys and
-values in row order (the diagonals' keys are read from them again, so this rank's own are not kept twice),
-the merged output and its log-sum-exp. Layers whose attention needs a mask (sliding windows, soft-capping,
+What it keeps for backward is this rank's: the queries, its own keys and values, the merged output and its
+log-sum-exp; the backward gathers the keys again (while the diagonals' backward runs), so the whole rows' keys
+are not held from the layer's forward to its backward (through the rest of the layer's recompute and the MLP's
+backward under activation checkpointing, where a step's peak memory lies): one all-gather more a layer, for
+``S * kv_dim`` fewer values held. Layers whose attention needs a mask (sliding windows, soft-capping,
 sinks) or whose inputs no kernel returning its log-sum-exp takes keep
 :func:`~shardtune.models.context_parallel.context_attention`'s order: gather, then each segment.
 """
@@ -45,11 +47,6 @@ def _prefix(seg: Segment) -> slice:
     return slice(seg.doc_start, seg.start)
 
 
-def _diagonal(seg: Segment) -> slice:
-    """The segment's own keys, in row order."""
-    return slice(seg.start, seg.start + seg.length)
-
-
 class _Overlapped(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, shard: ContextShard, kernel: LseKernel, scale: float) -> Any:
@@ -67,6 +64,7 @@ class _Overlapped(torch.autograd.Function):
             out[i : i + 1, :, at] = out_d
             lse[i : i + 1, :, at] = lse_d
         rows = in_row_order(everyone, shard, k.device)
+        del everyone  # the gathered order: not kept beside the row order
         keys, values = keys_and_values(rows, k.shape[-1])
         prefixes = {}
         for i, seg in _every_segment(shard):
@@ -80,45 +78,53 @@ class _Overlapped(torch.autograd.Function):
             merged, merged_lse = merge(out_p, lse_p, out[i : i + 1, :, at], lse[i : i + 1, :, at])
             out[i : i + 1, :, at] = merged
             lse[i : i + 1, :, at] = merged_lse
-        ctx.save_for_backward(q, keys, values, out, lse)  # keys and values: views of the gathered rows
+        ctx.save_for_backward(q, k, v, out, lse)  # this rank's keys: gathered again in backward
         ctx.shard, ctx.scale = shard, scale
         ctx.diagonals, ctx.prefixes = diagonals, prefixes
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        q, keys, values, out, lse = ctx.saved_tensors
-        shard, scale, (b, kv_heads, seq, width) = ctx.shard, ctx.scale, keys.shape
+        q, k, v, out, lse = ctx.saved_tensors
+        shard, scale, width = ctx.shard, ctx.scale, k.shape[-1]
+        everyone = start_gather(k, v, shard)  # in flight while the diagonals' backward runs
         grad = grad.contiguous()
         dq = torch.zeros_like(q, dtype=lse.dtype)
-        # [S, b, kv_heads, dk + dv] in gathered order, the reduce-scatter's
-        d_everyone = keys.new_zeros(seq, b, kv_heads, width + values.shape[-1])
-        gathered_at = shard.gathered_at.to(keys.device, non_blocking=True)
 
-        def grads(i: int, seg: Segment, part: Part, kept: Any, span: slice) -> Tensor:
-            """Adds the part's query gradient to ``dq``; its keys' and values' ``[keys, kv_heads, dk + dv]``."""
+        def grads(i: int, seg: Segment, part: Part, kept: Any, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+            """Adds the part's query gradient to ``dq``; its keys' and values' ``[keys, kv_heads, dk]``, ``[..., dv]``
+            (``keys``, ``values``: the part's)."""
             at = _queries(seg)
             dq_part, dk, dv = part.backward(
-                grad[i : i + 1, :, at],
-                q[i : i + 1, :, at],
-                keys[i : i + 1, :, span],
-                values[i : i + 1, :, span],
-                out[i : i + 1, :, at],
-                lse[i : i + 1, :, at],
-                scale,
-                kept,
-            )
+                grad[i : i + 1, :, at], q[i : i + 1, :, at], keys, values, out[i : i + 1, :, at],
+                lse[i : i + 1, :, at], scale, kept,
+            )  # fmt: skip
             dq[i : i + 1, :, at] += dq_part
-            return torch.cat([dk, dv], dim=-1)[0].transpose(0, 1)
+            return dk[0].transpose(0, 1), dv[0].transpose(0, 1)
 
-        for (i, seg), (part, kept) in ctx.prefixes.items():
-            d_everyone[:, i].index_add_(0, gathered_at[_prefix(seg)], grads(i, seg, part, kept, _prefix(seg)))
-        device = comm.comm_device(keys.device)
-        mine = reduce_scatter_single(comm.to_transfer(d_everyone, device), "sum", 0, shard.group)  # in flight
-        d_local = torch.empty_like(d_everyone[: q.shape[2]])  # this rank's, in local order
+        # [S / cp, b, kv_heads, dk + dv]: this rank's keys' gradients in local order
+        d_local = k.new_empty(q.shape[2], q.shape[0], k.shape[1], width + v.shape[-1])
         for (i, seg), (part, kept) in ctx.diagonals.items():
-            d_local[_queries(seg), i] = grads(i, seg, part, kept, _diagonal(seg))
-        d_local += wait_tensor(mine).to(keys.device)
+            at = _queries(seg)
+            d_local[at, i, :, :width], d_local[at, i, :, width:] = grads(
+                i, seg, part, kept, k[i : i + 1, :, at], v[i : i + 1, :, at]
+            )
+        rows = in_row_order(everyone, shard, k.device)
+        del everyone
+        keys, values = keys_and_values(rows, width)
+        d_everyone = torch.zeros_like(rows)  # the whole rows' key gradients in gathered order, as reduce-scattered
+        d_keys, d_values = d_everyone[..., :width], d_everyone[..., width:]  # views: no copy of either
+        gathered_at = shard.gathered_at.to(k.device, non_blocking=True)
+        for (i, seg), (part, kept) in ctx.prefixes.items():
+            span = _prefix(seg)
+            dk, dv = grads(i, seg, part, kept, keys[i : i + 1, :, span], values[i : i + 1, :, span])
+            d_keys[:, i].index_add_(0, gathered_at[span], dk)
+            d_values[:, i].index_add_(0, gathered_at[span], dv)
+            del dk, dv
+        del rows, keys, values
+        device = comm.comm_device(k.device)
+        mine = reduce_scatter_single(comm.to_transfer(d_everyone, device), "sum", 0, shard.group)
+        d_local += wait_tensor(mine).to(k.device)
         d_k, d_v = keys_and_values(d_local, width)
         return dq.to(q.dtype), d_k, d_v, None, None, None
 

@@ -16,13 +16,15 @@ query (to those within the window for sliding layers) through the layer's own ke
 soft-capping or attention sinks) with the mask :mod:`shardtune.models.blocks.attention` builds for queries
 that follow earlier keys. A segment's causal diagonal needs only this rank's own keys: where the layer's
 kernel returns its log-sum-exp, every diagonal runs while the gather is in flight and every prefix after it
-(:mod:`shardtune.models.context_overlap`; backward likewise around the gradients' reduce-scatter); a layer
+(:mod:`shardtune.models.context_overlap`; its backward gathers the keys again while the diagonals' backward
+runs, then reduce-scatters the gradients); a layer
 that needs a mask (sliding windows, soft-capping, sinks) gathers first, then attends segment by segment
 (:func:`context_attention`). Positions, documents and segments are host data read from the CPU batch once
 per forward (:func:`split_batch`), so no layer waits for the device.
 
 Memory per rank and layer: the gathered K and V, ``2 * b * S * kv_heads * head_dim`` values (O(S *
-kv_dim), about twice that while they are put in order), kept for backward; no mask for a full-causal
+kv_dim), about twice that while they are put in order), while the layer's attention runs forward or
+backward (kept from forward to backward only by the masked path); no mask for a full-causal
 layer (a segment's prefix and its causal diagonal run through kernels that return their log-sum-exp and
 merge by it, :mod:`shardtune.models.lse_attention`), a window-bounded one for a sliding layer; activations of ``S / cp``
 tokens (measured: tests/distributed/test_context_parallel_memory.py). A ring (O(S / cp) keys) is the

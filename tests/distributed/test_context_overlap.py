@@ -1,6 +1,7 @@
 """All-gather context attention computes while the keys travel (``shardtune.models.context_overlap``), on 2 gloo
 ranks: every segment's causal diagonal runs while the K/V all-gather is in flight, every diagonal's backward
-while the gradients' reduce-scatter is, and neither collective is left in flight (NCCL's rules harness,
+while the backward's own K/V all-gather is (the whole rows' keys are not kept from forward to backward), and no
+collective is left in flight (NCCL's rules harness,
 tests/nccl_rules.py, whose ``overlapped`` counts the ops run while a functional collective was in flight); the
 outputs and the gradients of the queries, keys and values of packed rows (several documents per rank's
 chunk, padding, grouped-query heads, values narrower than keys) equal one process's masked attention."""
@@ -70,7 +71,11 @@ def _overlapped(heads: int, kv_heads: int, dk: int, dv: int) -> dict:
         out = overlapped_attention(q, k, v, shard, kernel=CPU_FLASH, scale=scale)
         forward = (rules.overlapped[FORWARD.__name__], rules.counts["funcol.all_gather_into_tensor"])
         (out * rows["w"][:, :, mine]).sum().backward()
-    backward = (rules.overlapped[BACKWARD.__name__], rules.counts["funcol.reduce_scatter_tensor"])
+    backward = (
+        rules.overlapped[BACKWARD.__name__],
+        rules.counts["funcol.all_gather_into_tensor"],
+        rules.counts["funcol.reduce_scatter_tensor"],
+    )
     ref_out, ref_dq, ref_dk, ref_dv = _one_process(rows, shard.documents, scale)
     segments = sum(len(row) for row in shard.segments)
     errors = {
@@ -91,6 +96,6 @@ def test_diagonals_run_while_the_keys_travel_and_equal_one_process(pool2, heads,
         assert r["segments"] > 2 * len(LENGTHS)  # documents split each rank's chunks: prefixes and diagonals
         # every diagonal (one kernel call per segment) ran while the one all-gather was in flight
         assert r["forward"] == (r["segments"], 1), r
-        # every diagonal's backward ran while the one reduce-scatter was in flight
-        assert r["backward"] == (r["segments"], 1), r
+        # every diagonal's backward ran while the backward's all-gather was in flight; one reduce-scatter
+        assert r["backward"] == (r["segments"], 2, 1), r
         assert all(err <= 1e-5 for err in r["errors"].values()), r["errors"]
