@@ -10,7 +10,8 @@ cannot be split exactly is refused on every rank by name."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardtune.losses.chunked import chunked_cross_entropy
-from shardtune.models import from_hf_config
+from shardtune.models import context_overlap, from_hf_config
 from shardtune.models.context_parallel import context_group, split_batch
 from shardtune.peft import apply_lora
 from shardtune.ranks.mesh import make_mesh
@@ -38,6 +39,24 @@ FAMILIES = ["llama_yarn", "llama_dynamic", "mistral", "qwen2_sliding", "qwen3", 
 
 # Qwen3.5 hybrids (linear and full layers, value head dim 8 != key head dim 16) whose 4 key heads split at cp 4
 HYBRIDS = {"qwen3_5_cp4": {"linear_num_key_heads": 4, "linear_num_value_heads": 8}}
+
+
+@contextlib.contextmanager
+def overlapped_backwards() -> Iterator[list[int]]:
+    """Counts the backwards of all-gather attention computed while the keys travel (each gathers the keys
+    again): the list grows by one per such backward while the block runs."""
+    seen: list[int] = []
+    original = context_overlap._Overlapped.backward
+
+    def counted(ctx, grad):
+        seen.append(1)
+        return original(ctx, grad)
+
+    context_overlap._Overlapped.backward = staticmethod(counted)  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        context_overlap._Overlapped.backward = staticmethod(original)  # type: ignore[method-assign]
 
 
 def _any_hf_model(name: str):
@@ -124,7 +143,7 @@ def _cp_step(
     shard_model(model, mesh=make_mesh(), activation_checkpointing=checkpointing)
     group = context_group(cp, device="cpu")
     tokens, labels, positions = _batch(dist.get_rank() // cp, lengths)
-    with nccl_rules() as rules:
+    with nccl_rules() as rules, overlapped_backwards() as overlapped:
         rules.host(tokens, labels, positions)
         part = split_batch(tokens, labels, group=group, position_ids=positions, context_parallel_mode=mode)
         loss_sum = model(
@@ -145,6 +164,7 @@ def _cp_step(
         "rope_seq_len": part.shard.rope_seq_len,
         "max_position": int(part.position_ids.max()),
         "gathers": rules.counts["funcol.all_gather_into_tensor"],
+        "overlapped": len(overlapped),
         "scatters": rules.counts["funcol.reduce_scatter_tensor"],
         "all_to_alls": rules.counts["funcol.all_to_all_single"],
     }
@@ -175,7 +195,9 @@ def _check(
 ) -> None:
     _check_equal(results, name, seeds, adapters=adapters, lengths=lengths, tol=tol)
     first = results[0][name]
-    assert first["gathers"] == layers * gathers  # one K/V all-gather per attention layer (and recompute)
+    # one K/V all-gather per attention layer (and recompute), and one more in each backward that gathers again
+    assert first["overlapped"] <= layers
+    assert first["gathers"] == layers * gathers + first["overlapped"]
     assert first["scatters"] >= layers  # and its backward's reduce-scatter (FSDP2 adds its own)
 
 
@@ -205,6 +227,8 @@ def test_cp2_equals_one_process_for_every_dense_family(pool2):
     for name in FAMILIES:
         _check(results, name, [0])
     assert results[0]["llama_yarn"]["local"] == (2, 32)  # 61 tokens padded to 64, half of them per rank
+    # full causal layers compute while the keys travel (and gather again in backward); soft-capped ones do not
+    assert (results[0]["llama_yarn"]["overlapped"], results[0]["gemma2"]["overlapped"]) == (3, 0)
 
 
 def test_cp2_gemma4_equals_one_process(pool2):
@@ -485,7 +509,7 @@ def _moe_cp_step(
         router_aux_loss_coef=coef,
     )
     batch = _moe_batch(dist.get_rank() // cp)
-    with nccl_rules() as rules:
+    with nccl_rules() as rules, overlapped_backwards() as overlapped:
         rules.host(batch)
         loss, n_tokens, metrics = loss_fn(batch)
         (loss * n_tokens).backward()
@@ -502,6 +526,7 @@ def _moe_cp_step(
         "reduces": rules.counts["all_reduce"],
         "all_to_alls": rules.counts["all_to_all_single"] + rules.counts["funcol.all_to_all_single"],
         "gathers": rules.counts["funcol.all_gather_into_tensor"],
+        "overlapped": len(overlapped),
     }
 
 

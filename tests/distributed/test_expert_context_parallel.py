@@ -34,9 +34,11 @@ def test_expert_and_context_parallel_equal_one_process(pool4):
             expected = auxes[rank // cp]
             assert abs(step["aux"] - expected) <= TOL * expected, (ep, cp, rank, step["aux"], expected)
             # 2 sparse layers: counts, rows out, rows back in forward, two more in backward; 3 attention layers:
-            # one K/V gather each, or (all_to_all) q/k/v to heads and back in forward and backward, no gather
+            # one K/V gather each in forward and one in backward (full causal: computed while the keys travel),
+            # or (all_to_all) q/k/v to heads and back in forward and backward, no gather
             heads = 4 * 3 if mode == "all_to_all" else 0
-            assert step["all_to_alls"] == 5 * 2 + heads and step["gathers"] == 3 * (mode == "all_gather"), step
+            gathers = 2 * 3 * (mode == "all_gather")
+            assert step["all_to_alls"] == 5 * 2 + heads and step["gathers"] == gathers == 2 * step["overlapped"], step
         got = steps[0]["grads"]
         assert got.keys() == grads.keys()
         for key, expected in grads.items():
