@@ -184,14 +184,17 @@ def _name(key: Stack) -> str:
 def report(a: argparse.Namespace, results: dict[Stack, list[dict[str, Any]]], load: tuple[float, float]):
     budget = a.budget_mib * MIB
     fits = {key: [p for p in probes if max(p["peaks"]) <= budget] for key, probes in results.items()}
+    one_row = a.start_seq == a.max_seq  # a fixed row: what each stack costs there, no search
+    title = f"{a.start_seq}-token rows" if one_row else f"longest row in {fmt_bytes(budget)} per rank"
     lines = [
-        f"### Context parallel: longest row in {fmt_bytes(budget)} per rank ({a.device}, {a.world} ranks)",
+        f"### Context parallel: {title} ({a.device}, {a.world} ranks)",
         "",
         *environment_lines(
             " ".join(["python -m benchmarks.context_parallel", *a.argv]), load_avg=load, libraries=("transformers",)
         ),
         f"- Model: Llama, hidden {a.hidden}, {a.layers} layers, {a.heads} heads ({a.kv_heads} kv), vocab {a.vocab}, "
-        "fp32, full fine-tuning, activation checkpointing per layer, AdamW; one row per cp group a step",
+        "fp32, full fine-tuning, activation checkpointing per layer (full unless a stack says otherwise), AdamW; "
+        "one row per cp group a step",
         f"- Peak per rank: {'the allocator peak' if a.device != 'cpu' else 'anonymous RSS above the step start'}"
         + (
             f"; every rank of every stack runs with glibc's `MALLOC_MMAP_THRESHOLD_={a.mmap_threshold}`, so freed "
@@ -201,15 +204,15 @@ def report(a: argparse.Namespace, results: dict[Stack, list[dict[str, Any]]], lo
             else ""
         ),
         "",
-        "| stack | longest row (tokens) | tokens/s (all ranks) | peak per rank |",
+        f"| stack | {'row' if one_row else 'longest row'} (tokens) | tokens/s (all ranks) | peak per rank |",
         "|---|---:|---:|---|",
     ]
     names = {key: _name(key) for key in results}
     lines += [_row(names[key], probes[-1] if probes else None) for key, probes in fits.items()]
-    lines += _longest_against_cp1(fits, names)
+    lines += [] if one_row else _longest_against_cp1(fits, names)
     rows = [{p["seq"] for p in probes} for probes in fits.values()]
     common = max(set.intersection(*rows), default=None) if rows else None
-    if common is not None and all(fits.values()):
+    if common is not None and all(fits.values()) and not one_row:
         lines += ["", f"At {common} tokens, a row every stack fits:", "", "| stack | row | tokens/s | peak per rank |"]
         lines += ["|---|---:|---:|---|"]
         lines += [_row(names[key], next(p for p in probes if p["seq"] == common)) for key, probes in fits.items()]

@@ -98,3 +98,14 @@ def test_longest_rows_are_set_against_cp_1_with_the_same_checkpointing():
     assert "| shardtune cp 2 | 1900 vs 1000 | 1.90 |" in table
     assert "| shardtune cp 2 (all_to_all) | 2000 vs 1000 | 2.00 |" in table
     assert "| shardtune cp 2 (checkpointing none) | 750 vs 500 | 1.50 |" in table
+
+
+def test_a_fixed_row_is_reported_as_that_row_without_a_search_table():
+    results = {
+        ("shardtune", 1, "full"): [{"seq": 64, "tokens_s": 5.0, "peaks": [MIB]}],
+        ("shardtune", 1, "none"): [{"seq": 64, "tokens_s": 6.0, "peaks": [2 * MIB]}],
+    }
+    table = bench.report(_options(start_seq=64, max_seq=64), results, (0.0, 0.0))
+    assert "### Context parallel: 64-token rows (cpu, 2 ranks)" in table
+    assert "| shardtune cp 1 (checkpointing none) | 64 | 6 | 2.0 MiB |" in table
+    assert "a row every stack fits" not in table and "Longest row against" not in table
