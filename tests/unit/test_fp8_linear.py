@@ -231,3 +231,21 @@ def test_a_state_dict_merge_over_frozen_fp8_linears_is_refused_naming_one(tmp_pa
     adapters = {k for k in state if "lora_" in k or k.rsplit(".", 2)[-2] in targets(24)}
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj.weight is kept in block FP8.*merge_lora"):
         get_merged_state_dict({k: v for k, v in state.items() if k not in adapters}, alpha=ALPHA)
+
+
+def test_the_convert_command_passes_the_weight_format_and_refuses_an_unknown_one(tmp_path, monkeypatch, capsys):
+    from shardtune import cli
+    from shardtune.checkpoint.formats import dcp_format
+
+    seen = {}
+
+    def convert(checkpoint, out_dir, **options):
+        seen.update(options)
+        return out_dir
+
+    monkeypatch.setattr(dcp_format, "convert_dcp_to_hf", convert)
+    assert cli.main(["convert", str(tmp_path / "step_1"), str(tmp_path / "hf"), "--weight-format", "block_fp8"]) == 0
+    assert seen["weight_format"] == "block_fp8"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["convert", str(tmp_path / "step_1"), str(tmp_path / "hf"), "--weight-format", "fp8"])
+    assert exit_.value.code == 2 and "block_fp8" in capsys.readouterr().err
