@@ -131,6 +131,29 @@ def summary_row(method: str, ranks: list[list[dict[str, Any]]]) -> dict[str, flo
     }
 
 
+def section_head(
+    title: str,
+    cfg: argparse.Namespace,
+    config: dict[str, Any],
+    losses: dict[str, float],
+    load_avg: tuple[float, float],
+    *,
+    lora: str = "",
+) -> list[str]:
+    """A LoRA-over-FP8 section's heading, environment and model lines (``lora``: what the adapters are on)."""
+    accelerator = {"accelerator": "one GPU per rank, NCCL"} if cfg.device == "cuda" else {}
+    return [
+        f"## LoRA over a block-FP8 base: {title}",
+        "",
+        *environment_lines(cfg.command, load_avg=load_avg, **accelerator),
+        f"- Model: DeepSeek-V3-shaped, hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
+        f"{config['n_routed_experts']} routed experts, vocab {config['vocab_size']}; {lora}"
+        f"{cfg.world} ranks, {cfg.rows} x {cfg.seq} tokens a rank, {cfg.steps} timed steps, medians of "
+        f"{cfg.repeats} repeats (largest rank); first losses {losses}",
+        "",
+    ]
+
+
 def fp8_lora_section(
     cfg: argparse.Namespace,
     rows: dict[str, dict[str, float]],
@@ -139,16 +162,8 @@ def fp8_lora_section(
     load_avg: tuple[float, float],
 ) -> str:
     mib = 1 << 20
-    accelerator = {"accelerator": "one GPU per rank, NCCL"} if cfg.device == "cuda" else {}
     lines = [
-        "## LoRA over a block-FP8 base: FP8-resident vs bf16 base",
-        "",
-        *environment_lines(cfg.command, load_avg=load_avg, **accelerator),
-        f"- Model: DeepSeek-V3-shaped, hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
-        f"{config['n_routed_experts']} routed experts, vocab {config['vocab_size']}; "
-        f"{cfg.world} ranks, {cfg.rows} x {cfg.seq} tokens a rank, {cfg.steps} timed steps, medians of "
-        f"{cfg.repeats} repeats (largest rank); first losses {losses}",
-        "",
+        *section_head("FP8-resident vs bf16 base", cfg, config, losses, load_avg),
         "| method | params / rank (MiB) | of them FP8 (MiB) | routed experts / rank (MiB) | step peak RSS (MiB) "
         "| above step start (MiB) | tokens/s |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",

@@ -30,7 +30,7 @@ from unittest import mock
 import torch
 
 from benchmarks import _fp8_lora_steps as fp8_lora
-from benchmarks._driver import environment_lines, finish
+from benchmarks._driver import finish
 from benchmarks._train_step import build_transformers
 
 MARKERS = ("<!-- fp8-lora-peer:begin -->", "<!-- fp8-lora-peer:end -->")
@@ -62,16 +62,9 @@ def run(*, method: str, hf: str, rows: int, seq: int, vocab: int, steps: int) ->
 def _section(cfg, rows: dict[str, dict[str, float]], losses: dict[str, float], config, load_avg) -> str:
     mib = 1 << 20
     peer = rows[PEER]
-    accelerator = {"accelerator": "one GPU per rank, NCCL"} if cfg.device == "cuda" else {}
+    lora = f"LoRA rank 8 on {', '.join(PEER_TARGETS)}; "
     lines = [
-        "## LoRA over a block-FP8 base: shardtune vs transformers + peft + FSDP2",
-        "",
-        *environment_lines(cfg.command, load_avg=load_avg, **accelerator),
-        f"- Model: DeepSeek-V3-shaped, hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
-        f"{config['n_routed_experts']} routed experts, vocab {config['vocab_size']}; LoRA rank 8 on "
-        f"{', '.join(PEER_TARGETS)}; {cfg.world} ranks, {cfg.rows} x {cfg.seq} tokens a rank, {cfg.steps} timed "
-        f"steps, medians of {cfg.repeats} repeats (largest rank); first losses {losses}",
-        "",
+        *fp8_lora.section_head("shardtune vs transformers + peft + FSDP2", cfg, config, losses, load_avg, lora=lora),
         "| method | params / rank (MiB) | step peak RSS (MiB) | above step start (MiB) | tokens/s "
         "| peak / peer's | above start / peer's | tokens/s / peer's |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
