@@ -194,16 +194,17 @@ def timed_row_steps(
     vocab: int,
     seq: int,
     steps: int,
+    rows: int = 1,
 ) -> dict[str, float]:
-    """This rank's part of ``steps`` full training steps (AdamW) on one row of ``seq`` random tokens, after a warm-up
-    step (the optimizer state then exists): the ranks of a ``cp`` group read the same row. Collective (the barrier
-    around each timed step). Returns the median seconds and CPU seconds (user + system of this process) a step and
-    the largest step peak above its start."""
+    """This rank's part of ``steps`` full training steps (AdamW) on ``rows`` rows of ``seq`` random tokens, after a
+    warm-up step (the optimizer state then exists): the ranks of a ``cp`` group read the same rows. Collective (the
+    barrier around each timed step). Returns the median seconds and CPU seconds (user + system of this process) a
+    step and the largest step peak above its start."""
     import torch.distributed as dist
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    row = dist.get_rank() // cp
-    tokens = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(row))
+    group = dist.get_rank() // cp
+    tokens = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(group))
     batch = {"tokens": tokens, "labels": tokens.clone()}
 
     def step() -> None:

@@ -9,8 +9,9 @@ AdamW) of one seeded Llama-shaped model saved once as an HF directory:
 
 * ``shardtune cp N``: the full recipe's pieces (``shard_model`` over every rank, the recipes'
   ``next_token_loss`` with ``context_parallel`` N: each ``cp`` group shares a row, ``world / N``
-  rows a step; N = 1 is plain data parallelism, each rank its own whole row); attention gathers keys
-  and values (``context_parallel_mode: all_gather``);
+  rows a step, or with ``--same-batch`` N rows, ``world`` rows a step as at N = 1; N = 1 is plain data
+  parallelism, each rank its own whole row); attention gathers keys and values
+  (``context_parallel_mode: all_gather``);
 * ``shardtune cp N (all_to_all)``: the same with ``context_parallel_mode: all_to_all`` (N > 1: ranks trade
   tokens for heads), so both modes are measured side by side;
 * ``transformers``: ``AutoModelForCausalLM`` with FSDP2 as users write it (``benchmarks._train_step``), each
@@ -25,7 +26,8 @@ ratios. CPU seconds (user + system of the slowest rank's process, median step) a
 does: on a machine other jobs share they stay comparable where wall time does not. ``--cp`` picks the
 degrees (``--cp 1 --start-seq 4096 --max-seq 16384``: cp 1 against the peer at 4k to 16k rows). Each
 probe runs in fresh rank processes. ``--refine`` bisects between the doubling probes towards the longest row
-that fits; ``--checkpointing`` compares shardtune's activation checkpointing choices (and activation offloading on
+that fits; ``--rounds`` runs every stack several times in turn at one row, for ratios that a drift of the
+machine's speed reaches alike; ``--checkpointing`` compares shardtune's activation checkpointing choices (and activation offloading on
 CUDA). The section goes between the ``--section`` markers of BENCHMARKS.md (``context-parallel``, and
 ``context-parallel-cuda`` on a GPU).
 """
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from functools import partial
 from pathlib import Path
@@ -113,23 +116,25 @@ def _transformers(hf: str, device: torch.device):
 
 
 def probe(
-    *, stack: str, cp: int, checkpointing: str = "full", hf: str, seq: int, vocab: int, steps: int
+    *, stack: str, cp: int, checkpointing: str = "full", hf: str, seq: int, vocab: int, steps: int, rows: int = 1
 ) -> dict[str, Any]:
-    """This rank's part of ``steps`` timed training steps on rows of ``seq`` tokens (after one warm-up)."""
+    """This rank's part of ``steps`` timed training steps on ``rows`` rows of ``seq`` tokens a cp group (after one
+    warm-up)."""
     device = bench_device()
     if stack == "transformers":
         model, loss_fn = _transformers(hf, device)
     else:
         model, loss_fn = _shardtune(hf, cp, device, MODES[stack], checkpointing)
-    return timed_row_steps(model, loss_fn, cp=cp, vocab=vocab, seq=seq, steps=steps)
+    return timed_row_steps(model, loss_fn, cp=cp, vocab=vocab, seq=seq, steps=steps, rows=rows)
 
 
 def _measure(a: argparse.Namespace, hf: Path, key: Stack, seq: int) -> dict[str, Any] | None:
     """Tokens/s and per-rank peaks of one probe in fresh ranks; None when a rank failed (out of memory)."""
     stack, cp, checkpointing = key
+    rows = cp if a.same_batch else 1  # a cp group's rows a step
     kwargs = {
         "stack": stack, "cp": cp, "checkpointing": checkpointing, "hf": str(hf), "seq": seq, "vocab": a.vocab,
-        "steps": a.steps,
+        "steps": a.steps, "rows": rows,
     }  # fmt: skip
     try:
         ranks = spawn_ranks(
@@ -141,7 +146,7 @@ def _measure(a: argparse.Namespace, hf: Path, key: Stack, seq: int) -> dict[str,
     seconds = max(r["seconds"] for r in ranks)  # the slowest rank ends the step
     result = {
         "seq": seq,
-        "tokens_s": (a.world // cp) * seq / seconds,
+        "tokens_s": (a.world // cp) * rows * seq / seconds,
         "cpu_s": max(r["cpu_s"] for r in ranks),
         "peaks": [r["peak"] for r in ranks],
     }
@@ -165,11 +170,58 @@ def longest(a: argparse.Namespace, hf: Path, key: Stack) -> list[dict[str, Any]]
     )
 
 
+def interleaved(a: argparse.Namespace, hf: Path, keys: list[Stack]) -> dict[Stack, list[dict[str, Any]]]:
+    """Each stack at the one row ``--start-seq``, ``--rounds`` times in turn (stack after stack, round after
+    round), so a drift of the machine's speed reaches every stack alike: per stack its rounds' median tokens/s
+    and CPU seconds, the largest peaks, and every round's tokens/s (None in a round where it failed)."""
+    rounds: dict[Stack, list[dict[str, Any] | None]] = {key: [] for key in keys}
+    for _ in range(a.rounds):
+        for key in keys:
+            rounds[key].append(_measure(a, hf, key, a.start_seq))
+    return {key: [_median(probes)] if all(probes) else [] for key, probes in rounds.items()}
+
+
+def _median(probes: list[Any]) -> dict[str, Any]:
+    """One probe standing for ``probes`` of the same stack and row (see :func:`interleaved`)."""
+    return {
+        "seq": probes[0]["seq"],
+        "tokens_s": statistics.median(p["tokens_s"] for p in probes),
+        "cpu_s": statistics.median(p["cpu_s"] for p in probes),
+        "peaks": [max(ps) for ps in zip(*(p["peaks"] for p in probes), strict=True)],
+        "rounds": [p["tokens_s"] for p in probes],
+    }
+
+
 def _row(name: str, probe_: dict[str, Any] | None) -> str:
     if probe_ is None:
         return f"| {name} | — | — | — |"
     peaks = " / ".join(fmt_bytes(p) for p in probe_["peaks"])
-    return f"| {name} | {probe_['seq']} | {probe_['tokens_s']:.0f} | {peaks} |"
+    rounds = probe_.get("rounds", [])
+    spread = f" ({min(rounds):.0f}–{max(rounds):.0f})" if len(rounds) > 1 else ""
+    return f"| {name} | {probe_['seq']} | {probe_['tokens_s']:.0f}{spread} | {peaks} |"
+
+
+def _rounds_against_cp1(fits: dict[Stack, list[dict[str, Any]]], names: dict[Stack, str]) -> list[str]:
+    """Each shardtune cp > 1 stack's tokens/s over cp 1's (same checkpointing) round by round: paired in time."""
+    lines = []
+    for (stack, cp, checkpointing), probes in fits.items():
+        base = fits.get(("shardtune", 1, checkpointing))
+        if stack == "transformers" or cp == 1 or not probes or not base or "rounds" not in probes[0]:
+            continue
+        ratios = [x / y for x, y in zip(probes[0]["rounds"], base[0]["rounds"], strict=True)]
+        each = ", ".join(f"{r:.2f}" for r in ratios)
+        lines.append(f"| {names[stack, cp, checkpointing]} | {statistics.median(ratios):.2f} | {each} |")
+    if not lines:
+        return []
+    return [
+        "",
+        "Tokens/s against cp 1 with the same checkpointing, round by round (each round's stacks ran one after "
+        "another):",
+        "",
+        "| stack | × (median) | × each round |",
+        "|---|---:|---|",
+        *lines,
+    ]
 
 
 def _name(key: Stack) -> str:
@@ -194,7 +246,11 @@ def report(a: argparse.Namespace, results: dict[Stack, list[dict[str, Any]]], lo
         ),
         f"- Model: Llama, hidden {a.hidden}, {a.layers} layers, {a.heads} heads ({a.kv_heads} kv), vocab {a.vocab}, "
         "fp32, full fine-tuning, activation checkpointing per layer (full unless a stack says otherwise), AdamW; "
-        "one row per cp group a step",
+        + (
+            f"every stack trains the same global batch, {a.world} rows a step (a cp group cp of them)"
+            if a.same_batch
+            else "one row per cp group a step"
+        ),
         f"- Peak per rank: {'the allocator peak' if a.device != 'cpu' else 'anonymous RSS above the step start'}"
         + (
             f"; every rank of every stack runs with glibc's `MALLOC_MMAP_THRESHOLD_={a.mmap_threshold}`, so freed "
@@ -209,7 +265,7 @@ def report(a: argparse.Namespace, results: dict[Stack, list[dict[str, Any]]], lo
     ]
     names = {key: _name(key) for key in results}
     lines += [_row(names[key], probes[-1] if probes else None) for key, probes in fits.items()]
-    lines += [] if one_row else _longest_against_cp1(fits, names)
+    lines += _rounds_against_cp1(fits, names) if one_row else _longest_against_cp1(fits, names)
     rows = [{p["seq"] for p in probes} for probes in fits.values()]
     common = max(set.intersection(*rows), default=None) if rows else None
     if common is not None and all(fits.values()) and not one_row:
@@ -274,6 +330,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-seq", type=int, default=1024)
     p.add_argument("--max-seq", type=int, default=1 << 20)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument(
+        "--same-batch",
+        action="store_true",
+        help="every stack trains --world rows a step (a cp group cp of them), the same global batch, instead of one "
+        "row per cp group (which gives a cp group's fixed per-step costs fewer tokens)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with one row (--start-seq = --max-seq): run every stack this many times in turn; the table gives "
+        "each stack's median and spread, and each round's ratio to cp 1",
+    )
     p.add_argument("--refine", type=int, default=0, help="bisections towards the longest row after the doubling")
     p.add_argument("--multiple", type=int, default=256, help="bisected rows are multiples of this many tokens")
     p.add_argument(
@@ -332,7 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     keys += [("shardtune_all_to_all", cp, c) for c in choices for cp in degrees if cp > 1 and a.all_to_all]
     keys += [("transformers", 1, "full")] if a.peer else []
     load_before = os.getloadavg()[0]
-    results = {key: longest(a, hf, key) for key in keys}
+    if a.rounds > 1 and a.start_seq != a.max_seq:
+        p.error("--rounds takes one row: set --max-seq to --start-seq")
+    results = interleaved(a, hf, keys) if a.rounds > 1 else {key: longest(a, hf, key) for key in keys}
     section = report(a, results, (load_before, os.getloadavg()[0]))
     name = a.section + ("-cuda" if a.device == "cuda" else "")
     finish(section, markdown=a.markdown, markers=(f"<!-- {name}:begin -->", f"<!-- {name}:end -->"))

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from shardtune.models.context_parallel import ContextAttention, ContextShard
+from shardtune.models.context_parallel import ContextAttention, ContextShard, reorder
 from shardtune.models.linear_attention_args import LinearAttentionArgs
 from shardtune.models.packed_attention import PackedSamples, packed_attention
 from shardtune.ranks import comm
@@ -99,7 +99,10 @@ def by_rank(qkv: Tensor, a: Tensor, beta: Tensor, *, geo: LinearAttentionArgs, c
     its value heads' ``a`` and ``beta`` (the layout :func:`conv_channels` and :func:`heads_of_rank` describe)."""
     b, n, _ = qkv.shape
     q, k, v = qkv.split([geo.key_dim, geo.key_dim, geo.value_dim], dim=-1)
-    return torch.cat([t.reshape(b, n, cp, -1) for t in (q, k, v, a, beta)], dim=-1)
+    # written as [cp, b, n, c], the layout to_whole_rows sends
+    return torch.cat([t.reshape(b, n, cp, -1).permute(2, 0, 1, 3) for t in (q, k, v, a, beta)], dim=-1).permute(
+        1, 2, 0, 3
+    )
 
 
 def conv_channels(geo: LinearAttentionArgs, *, cp: int, rank: int) -> list[slice]:
@@ -122,7 +125,7 @@ def to_whole_rows(parts: Tensor, shard: ContextShard) -> Tensor:
     send = parts.permute(2, 0, 1, 3)  # [cp, b, n, c]: block r goes to rank r
     got = all_to_all_single_autograd(comm.to_transfer(send, device), None, None, shard.group).to(parts.device)
     gathered = got.transpose(0, 1).reshape(b, cp * n, c)  # block r: rank r's tokens, as the K/V gather orders them
-    return gathered.index_select(1, shard.gathered_at.to(parts.device, non_blocking=True))
+    return reorder(gathered, 1, *shard.to_row_order)
 
 
 def to_own_tokens(rows: Tensor, shard: ContextShard) -> Tensor:
@@ -134,8 +137,9 @@ def to_own_tokens(rows: Tensor, shard: ContextShard) -> Tensor:
     b, s, c = rows.shape
     cp = shard.group.size()
     device = comm.comm_device(rows.device)
-    gathered = rows.index_select(1, shard.gathered_rows.to(rows.device, non_blocking=True))
-    send = gathered.reshape(b, cp, s // cp, c).transpose(0, 1)  # block r: rank r's tokens
+    to_rows, to_gathered = shard.to_row_order
+    gathered = reorder(rows.transpose(0, 1), 0, to_gathered, to_rows)  # [S, b, c]: written in the layout sent
+    send = gathered.view(cp, s // cp, b, c).transpose(1, 2)  # block r: rank r's tokens
     got = all_to_all_single_autograd(comm.to_transfer(send, device), None, None, shard.group).to(rows.device)
     return got.permute(1, 2, 0, 3)
 
@@ -158,7 +162,9 @@ def heads_attention(q: Tensor, k: Tensor, v: Tensor, layer: ContextAttention, at
         k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
     q_mine, kv_mine = n_heads // cp, k.shape[1] // cp
     widths = [q_mine * q.shape[-1], kv_mine * k.shape[-1], kv_mine * v.shape[-1]]
-    parts = torch.cat([t.transpose(1, 2).reshape(b, n, cp, -1) for t in (q, k, v)], dim=-1)
+    # written as [cp, b, n, c], the layout to_whole_rows sends, and viewed as [b, n, cp, c]
+    parts = torch.cat([t.transpose(1, 2).reshape(b, n, cp, -1).permute(2, 0, 1, 3) for t in (q, k, v)], dim=-1)
+    parts = parts.permute(1, 2, 0, 3)
     rows = to_whole_rows(parts, shard)  # [b, S, this rank's q, k, v channels]
     s = rows.shape[1]
     q_rows, k_rows, v_rows = (

@@ -5,10 +5,12 @@ to its document's earlier keys (its prefix, mostly other ranks') and to its own 
 always this rank's), each part through a kernel that returns its log-sum-exp, merged exactly
 (:mod:`shardtune.models.lse_attention`). So the diagonals need nothing from other ranks, and run while the
 keys are on the wire: forward starts the all-gather of K and V, computes every segment's diagonal from the
-local keys, then waits for the gather, puts it in row order and computes every prefix, merging each segment's
-two parts by their log-sum-exps. Backward starts the all-gather again, computes every diagonal's backward
-meanwhile, then every prefix's backward (the gradients of the gathered keys, written in gathered order), and
-reduce-scatters them to add this rank's share. Each backward gets its segment's merged output, log-sum-exp
+local keys, then waits for the gather and computes every prefix, merging each segment's two parts by their
+log-sum-exps. A prefix reads its keys where the gather put them (rank by rank: a view, or its few runs one
+after another), as all its keys are visible to all its queries: nothing puts the whole rows in row order.
+Backward starts the all-gather again, computes every diagonal's backward meanwhile, then every prefix's
+backward (its keys' gradients added to their runs in gathered order), and reduce-scatters them to add this
+rank's share. Each backward gets its segment's merged output, log-sum-exp
 and output gradient, so both parts' gradients are exact.
 Every collective is a functional collective (on NCCL it runs on its stream; on gloo on its threads), waited
 before the function returns: none is left in flight.
@@ -30,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.distributed._functional_collectives import reduce_scatter_single, wait_tensor
 
-from shardtune.models.context_parallel import ContextShard, Segment, in_row_order, keys_and_values, start_gather
+from shardtune.models.context_parallel import ContextShard, Segment, cat_runs, keys_and_values, start_gather
 from shardtune.models.lse_attention import LseKernel, Part, merge
 from shardtune.ranks import comm
 
@@ -50,9 +52,10 @@ def _prefix(seg: Segment) -> slice:
 class _Overlapped(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, shard: ContextShard, kernel: LseKernel, scale: float) -> Any:
-        everyone = start_gather(k, v, shard)  # in flight until in_row_order reads it
+        everyone = start_gather(k, v, shard)  # in flight until the prefixes wait for it
         b, heads, n, _ = q.shape
-        out = q.new_empty(b, heads, n, v.shape[-1])
+        # [b, n, heads, dv] in memory, the kernels' own layout and the layer's next: a segment's slice is one block
+        out = q.new_empty(b, n, heads, v.shape[-1]).transpose(1, 2)
         lse = torch.empty(b, heads, n, dtype=torch.float32, device=q.device)
         diagonals = {}
         for i, seg in _every_segment(shard):
@@ -63,18 +66,17 @@ class _Overlapped(torch.autograd.Function):
             diagonals[i, seg] = part, kept
             out[i : i + 1, :, at] = out_d
             lse[i : i + 1, :, at] = lse_d
-        rows = in_row_order(everyone, shard, k.device)
-        del everyone  # the gathered order: not kept beside the row order
-        keys, values = keys_and_values(rows, k.shape[-1])
+        everyone = wait_tensor(everyone).to(k.device)
         prefixes = {}
         for i, seg in _every_segment(shard):
             if seg.start == seg.doc_start:
                 continue  # the document starts with the segment: its diagonal is all it sees
-            at, span = _queries(seg), _prefix(seg)
-            qs, ks, vs = q[i : i + 1, :, at], keys[i : i + 1, :, span], values[i : i + 1, :, span]
+            at, runs = _queries(seg), shard.gathered_runs(_prefix(seg))
+            ks, vs = keys_and_values(_prefix_rows(everyone, i, runs), k.shape[-1])
+            qs = q[i : i + 1, :, at]
             part = Part(kernel, qs, ks, vs, causal=False)
             out_p, lse_p, kept = part.forward(qs, ks, vs, scale)
-            prefixes[i, seg] = part, kept
+            prefixes[i, seg] = part, kept, runs
             merged, merged_lse = merge(out_p, lse_p, out[i : i + 1, :, at], lse[i : i + 1, :, at])
             out[i : i + 1, :, at] = merged
             lse[i : i + 1, :, at] = merged_lse
@@ -88,18 +90,22 @@ class _Overlapped(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         shard, scale, width = ctx.shard, ctx.scale, k.shape[-1]
         everyone = start_gather(k, v, shard)  # in flight while the diagonals' backward runs
-        grad = grad.contiguous()
-        dq = torch.zeros_like(q, dtype=lse.dtype)
+        if grad.stride(-1) != 1:
+            grad = grad.contiguous()
+        dq = torch.empty_like(q, dtype=lse.dtype)  # every query is in one diagonal, which writes it first
 
         def grads(i: int, seg: Segment, part: Part, kept: Any, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-            """Adds the part's query gradient to ``dq``; its keys' and values' ``[keys, kv_heads, dk]``, ``[..., dv]``
-            (``keys``, ``values``: the part's)."""
+            """Adds the part's query gradient to ``dq`` (sets it for a diagonal); its keys' and values' ``[keys,
+            kv_heads, dk]``, ``[..., dv]`` (``keys``, ``values``: the part's)."""
             at = _queries(seg)
             dq_part, dk, dv = part.backward(
                 grad[i : i + 1, :, at], q[i : i + 1, :, at], keys, values, out[i : i + 1, :, at],
                 lse[i : i + 1, :, at], scale, kept,
             )  # fmt: skip
-            dq[i : i + 1, :, at] += dq_part
+            if part.causal:
+                dq[i : i + 1, :, at] = dq_part
+            else:
+                dq[i : i + 1, :, at] += dq_part
             return dk[0].transpose(0, 1), dv[0].transpose(0, 1)
 
         # [S / cp, b, kv_heads, dk + dv]: this rank's keys' gradients in local order
@@ -109,24 +115,30 @@ class _Overlapped(torch.autograd.Function):
             d_local[at, i, :, :width], d_local[at, i, :, width:] = grads(
                 i, seg, part, kept, k[i : i + 1, :, at], v[i : i + 1, :, at]
             )
-        rows = in_row_order(everyone, shard, k.device)
+        everyone = wait_tensor(everyone).to(k.device)
+        d_everyone = torch.zeros_like(everyone)  # the whole rows' key gradients in gathered order, as reduce-scattered
+        for (i, seg), (part, kept, runs) in ctx.prefixes.items():
+            keys, values = keys_and_values(_prefix_rows(everyone, i, runs), width)
+            dk, dv = grads(i, seg, part, kept, keys, values)
+            done = 0
+            for run in runs:  # the prefix's keys are its runs' one after another
+                n = run.stop - run.start
+                d_everyone[run, i, :, :width] += dk[done : done + n]
+                d_everyone[run, i, :, width:] += dv[done : done + n]
+                done += n
+            del dk, dv, keys, values
         del everyone
-        keys, values = keys_and_values(rows, width)
-        d_everyone = torch.zeros_like(rows)  # the whole rows' key gradients in gathered order, as reduce-scattered
-        d_keys, d_values = d_everyone[..., :width], d_everyone[..., width:]  # views: no copy of either
-        gathered_at = shard.gathered_at.to(k.device, non_blocking=True)
-        for (i, seg), (part, kept) in ctx.prefixes.items():
-            span = _prefix(seg)
-            dk, dv = grads(i, seg, part, kept, keys[i : i + 1, :, span], values[i : i + 1, :, span])
-            d_keys[:, i].index_add_(0, gathered_at[span], dk)
-            d_values[:, i].index_add_(0, gathered_at[span], dv)
-            del dk, dv
-        del rows, keys, values
         device = comm.comm_device(k.device)
         mine = reduce_scatter_single(comm.to_transfer(d_everyone, device), "sum", 0, shard.group)
         d_local += wait_tensor(mine).to(k.device)
         d_k, d_v = keys_and_values(d_local, width)
         return dq.to(q.dtype), d_k, d_v, None, None, None
+
+
+def _prefix_rows(everyone: Tensor, i: int, runs: tuple[slice, ...]) -> Tensor:
+    """Row ``i``'s gathered keys and values ``[n, 1, kv_heads, dk + dv]`` at ``runs`` of ``everyone``. Their order
+    does not matter: a prefix's keys are all visible to all its queries (rope has already placed each)."""
+    return cat_runs(everyone[:, i : i + 1], 0, runs)
 
 
 def _every_segment(shard: ContextShard) -> list[tuple[int, Segment]]:

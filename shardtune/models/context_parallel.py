@@ -45,6 +45,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -102,6 +104,16 @@ class ContextShard:
     documents: tuple[tuple[int, ...], ...]
     rope_seq_len: int  # the longest position of the whole rows + 1 (dynamic and longrope read it)
     mode: str = ALL_GATHER
+
+    def gathered_runs(self, span: slice) -> tuple[slice, ...]:
+        """Row positions ``span`` in the gathered keys (:func:`start_gather`'s order), as runs of consecutive
+        gathered positions, in row order: host data, no device sync."""
+        return runs(self.gathered_at[span])
+
+    @cached_property
+    def to_row_order(self) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
+        """:func:`reorder`'s runs from the gathered order to row order, and back."""
+        return runs(self.gathered_at), runs(self.gathered_rows)
 
     def layer(self, window: int | None) -> ContextAttention:
         """The view one layer attends through: this shard and the layer's sliding window."""
@@ -231,13 +243,46 @@ def start_gather(k: Tensor, v: Tensor, shard: ContextShard) -> Tensor:
 
     Collective: call on all ranks of ``shard.group``. Each rank returns the same tensor."""
     device = comm.comm_device(k.device)
-    local = torch.cat([k, v], dim=-1).permute(2, 0, 1, 3)  # [s, b, h, dk + dv]: the gather concatenates dim 0
+    # [s, b, h, dk + dv], written once in that layout: the gather concatenates dim 0
+    local = torch.cat([k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)], dim=-1)
     return all_gather_single_autograd(comm.to_transfer(local, device), 0, shard.group)
+
+
+def runs(positions: Tensor) -> tuple[slice, ...]:
+    """Host ``positions`` (1-d) as runs of consecutive values, in their order."""
+    breaks = ((positions[1:] != positions[:-1] + 1).nonzero().flatten() + 1).tolist()
+    starts, ends = [0, *breaks], [*breaks, len(positions)]
+    return tuple(slice(int(positions[a]), int(positions[a]) + b - a) for a, b in zip(starts, ends, strict=True))
+
+
+class _Reorder(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, dim: int, order: tuple[slice, ...], back: tuple[slice, ...]) -> Tensor:
+        ctx.dim, ctx.back = dim, back
+        return cat_runs(t, dim, order)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return cat_runs(grad, ctx.dim, ctx.back), None, None, None
+
+
+def cat_runs(t: Tensor, dim: int, order: tuple[slice, ...]) -> Tensor:
+    """``t``'s positions ``order`` (runs) along ``dim``, one run after another: a view for one run."""
+    if len(order) == 1:
+        return t.narrow(dim, order[0].start, order[0].stop - order[0].start)
+    return torch.cat([t.narrow(dim, run.start, run.stop - run.start) for run in order], dim=dim)
+
+
+def reorder(t: Tensor, dim: int, order: tuple[slice, ...], back: tuple[slice, ...]) -> Tensor:
+    """``t`` with dim ``dim`` put in another order, given as ``order``'s runs of ``t``'s positions, one after
+    another; ``back``: the runs of the inverse order, which the gradient takes. Whole runs copied, not single
+    positions (index_select, whose backward zero-fills and scatters)."""
+    return _Reorder.apply(t, dim, order, back)
 
 
 def in_row_order(everyone: Tensor, shard: ContextShard, device: torch.device) -> Tensor:
     """The gathered ``[S, b, kv_heads, dk + dv]`` (:func:`start_gather`) on ``device``, in row order: waits for it."""
-    return everyone.to(device).index_select(0, shard.gathered_at.to(device, non_blocking=True))
+    return reorder(everyone.to(device), 0, *shard.to_row_order)
 
 
 def keys_and_values(rows: Tensor, dk: int) -> tuple[Tensor, Tensor]:

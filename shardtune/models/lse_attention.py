@@ -12,9 +12,9 @@ is kept: the inputs, the merged output and the log-sum-exp.
 A kernel is one device's op pair (:class:`LseKernel`): the CPU flash kernel, CUDA's flash (half precision)
 and memory-efficient (fp32 too) kernels, chosen by :func:`kernel_for` from the inputs' device, dtype and head
 sizes; None where none can, and the caller keeps its masked kernel, the reason logged once by name
-(:func:`log_fallback`). Grouped-query heads: in the prefix, the ``g`` query heads of a kv head are regrouped
-as ``g * n`` queries of it (every earlier key is visible to all, so nothing is expanded); on the causal
-diagonal a kernel that groups heads itself gets them as they are, any other the kv heads repeated (the
+(:func:`log_fallback`). Grouped-query heads: a kernel that groups heads itself gets them as they are; for any
+other, in the prefix the ``g`` query heads of a kv head are regrouped as ``g * n`` queries of it (every earlier
+key is visible to all, so nothing is expanded), and on the causal diagonal the kv heads are repeated (the
 diagonal's own ``n`` keys). Values narrower than keys (multi-head latent attention) are zero-padded to the
 keys' width for a kernel that needs equal widths: the padded output columns are zero and dropped, and the
 zero gradient columns change nothing.
@@ -151,8 +151,8 @@ def kernel_for(q: Tensor, k: Tensor, v: Tensor) -> LseKernel | None:
 
 
 class Part:
-    """One part's layout for its kernel: queries regrouped under their kv head (the prefix) or kv heads repeated
-    (the causal diagonal, for a kernel without grouped heads); values padded to the keys' width if needed. Built
+    """One part's layout for its kernel: for a kernel without grouped heads, queries regrouped under their kv head
+    (the prefix) or kv heads repeated (the causal diagonal); values padded to the keys' width if needed. Built
     from the part's queries ``q``, keys ``k`` and values ``v``; its :meth:`forward` and :meth:`backward` take them."""
 
     def __init__(self, kernel: LseKernel, q: Tensor, k: Tensor, v: Tensor, *, causal: bool) -> None:
@@ -160,7 +160,7 @@ class Part:
         self.kernel = kernel
         self.shape = (b, heads, n)
         self.kv_heads, self.groups = k.shape[1], heads // k.shape[1]
-        self.regroup = self.groups > 1 and not causal
+        self.regroup = self.groups > 1 and not causal and not kernel.gqa
         self.repeat = self.groups > 1 and causal and not kernel.gqa
         self.dv, self.pad = v.shape[-1], 0 if kernel.narrow_values else q.shape[-1] - v.shape[-1]
         self.causal = causal

@@ -11,7 +11,8 @@ MIB = 1 << 20
 def _options(**over):
     a = bench.argparse.Namespace(
         start_seq=64, max_seq=1024, budget_mib=4, world=2, device="cpu", hidden=64, layers=2, heads=4, kv_heads=2,
-        vocab=128, argv=["--smoke"], mmap_threshold=1 << 16, refine=0, multiple=1,
+        vocab=128, argv=["--smoke"], mmap_threshold=1 << 16, refine=0, multiple=1, same_batch=False, steps=1,
+        timeout=60.0,
     )  # fmt: skip
     vars(a).update(over)
     return a
@@ -109,3 +110,53 @@ def test_a_fixed_row_is_reported_as_that_row_without_a_search_table():
     assert "### Context parallel: 64-token rows (cpu, 2 ranks)" in table
     assert "| shardtune cp 1 (checkpointing none) | 64 | 6 | 2.0 MiB |" in table
     assert "a row every stack fits" not in table and "Longest row against" not in table
+
+
+def test_rounds_take_turns_and_give_each_rounds_ratio_to_cp_1(monkeypatch):
+    keys = [("shardtune", 1, "full"), ("shardtune", 2, "full"), ("shardtune_all_to_all", 2, "full")]
+    speeds = iter([100.0, 90.0, 80.0, 120.0, 102.0, 96.0, 110.0, 88.0, 99.0])  # round by round, stack by stack
+    order = []
+
+    def measure(a, hf, key, seq):
+        order.append(key)
+        speed = next(speeds)
+        return {"seq": seq, "tokens_s": speed, "cpu_s": 1000 / speed, "peaks": [speed * 1000, 2 * MIB]}
+
+    monkeypatch.setattr(bench, "_measure", measure)
+    a = _options(start_seq=64, max_seq=64, rounds=3)
+    results = bench.interleaved(a, None, keys)
+    assert order == keys * 3
+    cp1 = results[keys[0]][0]
+    assert (cp1["tokens_s"], cp1["rounds"], cp1["peaks"]) == (110.0, [100.0, 120.0, 110.0], [120000.0, 2 * MIB])
+    table = bench.report(a, results, (0.0, 0.0))
+    assert "| shardtune cp 1 | 64 | 110 (100–120) |" in table
+    # cp 2: 90 / 100, 102 / 120, 88 / 110; all-to-all: 80 / 100, 96 / 120, 99 / 110
+    assert "| shardtune cp 2 | 0.85 | 0.90, 0.85, 0.80 |" in table
+    assert "| shardtune cp 2 (all_to_all) | 0.80 | 0.80, 0.80, 0.90 |" in table
+
+
+def test_a_stack_that_failed_a_round_has_no_row(monkeypatch):
+    def measure(a, hf, key, seq):
+        return None if key[1] == 2 else {"seq": seq, "tokens_s": 1.0, "cpu_s": 1.0, "peaks": [MIB]}
+
+    monkeypatch.setattr(bench, "_measure", measure)
+    a = _options(start_seq=64, max_seq=64, rounds=2)
+    results = bench.interleaved(a, None, [("shardtune", 1, "full"), ("shardtune", 2, "full")])
+    assert results[("shardtune", 2, "full")] == []
+    assert "| shardtune cp 2 | — | — | — |" in bench.report(a, results, (0.0, 0.0))
+
+
+def test_the_same_batch_gives_a_cp_group_cp_rows_and_counts_them(monkeypatch):
+    seen = {}
+
+    def spawn(target, *, world, kwargs, timeout_s, device):
+        seen[kwargs["cp"]] = kwargs["rows"]
+        return [{"seconds": 2.0, "cpu_s": 1.0, "peak": MIB}] * world
+
+    monkeypatch.setattr(bench, "spawn_ranks", spawn)
+    for same, tokens in ((True, 64.0), (False, 32.0)):  # 2 ranks, rows of 64 tokens, 2 s a step
+        a = _options(same_batch=same)
+        assert bench._measure(a, "hf", ("shardtune", 2, "full"), 64)["tokens_s"] == tokens
+        assert bench._measure(a, "hf", ("shardtune", 1, "full"), 64)["tokens_s"] == 64.0
+        assert seen == {2: 2 if same else 1, 1: 1}
+        assert ("the same global batch, 2 rows a step" in bench.report(a, {}, (0.0, 0.0))) is same
