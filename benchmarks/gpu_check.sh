@@ -93,13 +93,17 @@ fi
 
 # Context parallel on CUDA (bf16 SDPA kernels): the longest row a step fits in a per-rank budget at cp 1 and 2 on 2
 # GPUs (both modes; full checkpointing, and with activation offloading), against transformers + FSDP2; the
-# "context-parallel-cuda" section. Needs one GPU per rank, at least 2.
+# "context-parallel-cuda" section. Then tokens/s at one 16k row, every stack training the same global batch, two
+# rounds in turn ("context-parallel-speed-cuda"). Needs one GPU per rank, at least 2.
 if [ "$gpus" -ge 2 ]; then
     start=$SECONDS
-    timeout 240 python -m benchmarks.context_parallel --device cuda --world 2 --budget-mib 16000 --hidden 1024 \
-        --layers 8 --heads 16 --kv-heads 8 --vocab 32000 --start-seq 8192 --max-seq 262144 --steps 2 \
-        --refine 2 --multiple 1024 --checkpointing full,offload \
+    shape=(--hidden 1024 --layers 8 --heads 16 --kv-heads 8 --vocab 32000)
+    timeout 240 python -m benchmarks.context_parallel --device cuda --world 2 --budget-mib 16000 "${shape[@]}" \
+        --start-seq 8192 --max-seq 262144 --steps 2 --refine 2 --multiple 1024 --checkpointing full,offload \
         --bench-dir "$out/bench_cp" --markdown "$out/BENCHMARKS.md" 2>&1 | tee "$out/benchmark_cp_cuda.log" || status=1
+    timeout 120 python -m benchmarks.context_parallel --device cuda --world 2 --budget-mib 100000 "${shape[@]}" \
+        --start-seq 16384 --max-seq 16384 --steps 3 --rounds 2 --same-batch --section context-parallel-speed \
+        --bench-dir "$out/bench_cp" --markdown "$out/BENCHMARKS.md" 2>&1 | tee -a "$out/benchmark_cp_cuda.log" || status=1
     echo "context-parallel benchmark: $((SECONDS - start)) s" | tee -a "$out/device.txt"
 else
     echo "context-parallel benchmark skipped: context_parallel=2 needs one GPU per rank, at least 2; this machine has $gpus" \
