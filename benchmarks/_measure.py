@@ -416,3 +416,34 @@ def _rank_main(spec_path: str, rank: int) -> None:
 
 if __name__ == "__main__":
     _rank_main(sys.argv[1], int(sys.argv[2]))
+
+
+def row_probe(
+    target: str,
+    *,
+    label: str,
+    world: int,
+    cp: int,
+    seq: int,
+    kwargs: dict[str, Any],
+    timeout_s: float,
+    device: str,
+    rows: int = 1,
+) -> dict[str, Any] | None:
+    """One probe of ``target`` (``"module:function"``, returning :func:`timed_row_steps`'s dict) in fresh ranks:
+    ``seq``, the slowest rank's seconds a step (it ends the step), tokens/s of all ranks (``world / cp`` groups of
+    ``rows`` rows of ``seq`` tokens a step), the slowest rank's CPU seconds and every rank's peak. None when a rank
+    failed (out of memory, say): printed with ``label``."""
+    try:
+        ranks = spawn_ranks(target, world=world, kwargs=kwargs, timeout_s=timeout_s, device=device)
+    except RankFailure as e:
+        print(f"  {label} seq {seq}: failed ({str(e).splitlines()[-1][:200]})", file=sys.stderr)
+        return None
+    seconds = max(r["seconds"] for r in ranks)
+    return {
+        "seq": seq,
+        "seconds": seconds,
+        "tokens_s": (world // cp) * rows * seq / seconds,
+        "cpu_s": max(r["cpu_s"] for r in ranks),
+        "peaks": [r["peak"] for r in ranks],
+    }

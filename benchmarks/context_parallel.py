@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from benchmarks._driver import REPO_ROOT, environment_lines, finish
 from benchmarks._hf_models import saved_once
-from benchmarks._measure import RankFailure, bench_device, rows_in_budget, spawn_ranks, timed_row_steps
+from benchmarks._measure import bench_device, row_probe, rows_in_budget, timed_row_steps
 from benchmarks._report import fmt_bytes
 from benchmarks._train_step import fsdp2_as_users_write_it
 
@@ -136,24 +136,15 @@ def _measure(a: argparse.Namespace, hf: Path, key: Stack, seq: int) -> dict[str,
         "stack": stack, "cp": cp, "checkpointing": checkpointing, "hf": str(hf), "seq": seq, "vocab": a.vocab,
         "steps": a.steps, "rows": rows,
     }  # fmt: skip
-    try:
-        ranks = spawn_ranks(
-            "benchmarks.context_parallel:probe", world=a.world, kwargs=kwargs, timeout_s=a.timeout, device=a.device
+    result = row_probe(
+        "benchmarks.context_parallel:probe", label=_name(key), world=a.world, cp=cp, seq=seq, rows=rows,
+        kwargs=kwargs, timeout_s=a.timeout, device=a.device,
+    )  # fmt: skip
+    if result is not None:
+        print(
+            f"  {_name(key)} seq {seq}: {result['tokens_s']:.0f} tokens/s, {result['cpu_s']:.2f} CPU s a step, "
+            f"peak {fmt_bytes(max(result['peaks']))}"
         )
-    except RankFailure as e:
-        print(f"  {_name(key)} seq {seq}: failed ({str(e).splitlines()[-1][:200]})", file=sys.stderr)
-        return None
-    seconds = max(r["seconds"] for r in ranks)  # the slowest rank ends the step
-    result = {
-        "seq": seq,
-        "tokens_s": (a.world // cp) * rows * seq / seconds,
-        "cpu_s": max(r["cpu_s"] for r in ranks),
-        "peaks": [r["peak"] for r in ranks],
-    }
-    print(
-        f"  {_name(key)} seq {seq}: {result['tokens_s']:.0f} tokens/s, {result['cpu_s']:.2f} CPU s a step, "
-        f"peak {fmt_bytes(max(result['peaks']))}"
-    )
     return result
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from benchmarks._driver import environment_lines
-from benchmarks._measure import RankFailure, bench_device, spawn_ranks, timed_row_steps
+from benchmarks._measure import bench_device, row_probe, timed_row_steps
 from benchmarks._report import fmt_bytes
 
 
@@ -67,17 +67,15 @@ def probe(*, shape: dict[str, Any], cp: int, seq: int, steps: int) -> dict[str, 
 def measure(a: argparse.Namespace, shape: dict[str, Any], cp: int, seq: int) -> dict[str, Any] | None:
     """One probe in fresh ranks; None when a rank failed."""
     kwargs = {"shape": shape, "cp": cp, "seq": seq, "steps": a.steps}
-    try:
-        ranks = spawn_ranks(
-            "benchmarks.context_parallel_linear:probe", world=a.world, kwargs=kwargs, timeout_s=a.timeout,
-            device=a.device,
-        )  # fmt: skip
-    except RankFailure as e:
-        print(f"  cp {cp} seq {seq}: failed ({str(e).splitlines()[-1][:200]})", file=sys.stderr)
-        return None
-    seconds = max(r["seconds"] for r in ranks)  # the slowest rank ends the step
-    result = {"seconds": seconds, "tokens_s": (a.world // cp) * seq / seconds, "peak": max(r["peak"] for r in ranks)}
-    print(f"  cp {cp} seq {seq}: {result['tokens_s']:.0f} tokens/s, peak {fmt_bytes(result['peak'])}", file=sys.stderr)
+    result = row_probe(
+        "benchmarks.context_parallel_linear:probe", label=f"cp {cp}", world=a.world, cp=cp, seq=seq, kwargs=kwargs,
+        timeout_s=a.timeout, device=a.device,
+    )  # fmt: skip
+    if result is not None:
+        result["peak"] = max(result["peaks"])
+        print(
+            f"  cp {cp} seq {seq}: {result['tokens_s']:.0f} tokens/s, peak {fmt_bytes(result['peak'])}", file=sys.stderr
+        )
     return result
 
 

@@ -32,7 +32,7 @@ import torch
 
 from benchmarks._driver import REPO_ROOT, environment_lines, finish
 from benchmarks._hf_models import MoeShape, saved_once
-from benchmarks._measure import RankFailure, bench_device, rows_in_budget, spawn_ranks, timed_row_steps
+from benchmarks._measure import bench_device, row_probe, rows_in_budget, timed_row_steps
 from benchmarks._report import fmt_bytes
 
 MARKERS = {
@@ -77,17 +77,13 @@ def probe(*, hf: str, ep: int, cp: int, seq: int, vocab: int, steps: int) -> dic
 def _measure(a: argparse.Namespace, hf: Path, cp: int, seq: int) -> dict[str, Any] | None:
     """Tokens/s and per-rank peaks of one probe in fresh ranks; None when a rank failed (out of memory)."""
     kwargs = {"hf": str(hf), "ep": a.expert_parallel, "cp": cp, "seq": seq, "vocab": a.shape.vocab, "steps": a.steps}
-    try:
-        ranks = spawn_ranks(
-            "benchmarks.moe_long_rows:probe", world=a.world, kwargs=kwargs, timeout_s=a.timeout, device=a.device
-        )
-    except RankFailure as e:
-        print(f"  cp {cp} seq {seq}: failed ({str(e).splitlines()[-1][:200]})", file=sys.stderr)
-        return None
-    seconds = max(r["seconds"] for r in ranks)  # the slowest rank ends the step
-    result = {"seq": seq, "tokens_s": (a.world // cp) * seq / seconds, "peaks": [r["peak"] for r in ranks]}
-    print(f"  ep {a.expert_parallel} cp {cp} seq {seq}: {result['tokens_s']:.0f} tokens/s, "
-          f"peak {fmt_bytes(max(result['peaks']))}")  # fmt: skip
+    label = f"ep {a.expert_parallel} cp {cp}"
+    result = row_probe(
+        "benchmarks.moe_long_rows:probe", label=label, world=a.world, cp=cp, seq=seq, kwargs=kwargs,
+        timeout_s=a.timeout, device=a.device,
+    )  # fmt: skip
+    if result is not None:
+        print(f"  {label} seq {seq}: {result['tokens_s']:.0f} tokens/s, peak {fmt_bytes(max(result['peaks']))}")
     return result
 
 

@@ -3,6 +3,7 @@ the row doubles until a probe's peak passes the budget on any rank, and the tabl
 
 from __future__ import annotations
 
+from benchmarks import _measure as bench_measure
 from benchmarks import context_parallel as bench
 
 MIB = 1 << 20
@@ -153,7 +154,7 @@ def test_the_same_batch_gives_a_cp_group_cp_rows_and_counts_them(monkeypatch):
         seen[kwargs["cp"]] = kwargs["rows"]
         return [{"seconds": 2.0, "cpu_s": 1.0, "peak": MIB}] * world
 
-    monkeypatch.setattr(bench, "spawn_ranks", spawn)
+    monkeypatch.setattr(bench_measure, "spawn_ranks", spawn)
     for same, tokens in ((True, 64.0), (False, 32.0)):  # 2 ranks, rows of 64 tokens, 2 s a step
         a = _options(same_batch=same)
         assert bench._measure(a, "hf", ("shardtune", 2, "full"), 64)["tokens_s"] == tokens
