@@ -58,8 +58,8 @@ __all__ = [
 
 
 class HeadsKernel(Protocol):
-    """A layer's attention of one causal sequence (``q`` ``[1, h, n, dk]``, ``k`` ``[1, hkv, n, dk]``, ``v``
-    ``[1, hkv, n, dv]``) under ``window``, for query heads ``heads`` of the layer's (those ``q`` holds)."""
+    """A layer's attention of causal sequences, one a row (``q`` ``[b, h, n, dk]``, ``k`` ``[b, hkv, n, dk]``, ``v``
+    ``[b, hkv, n, dv]``) under ``window``, for query heads ``heads`` of the layer's (those ``q`` holds)."""
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, window: int | None, *, heads: slice) -> Tensor: ...
 

@@ -8,6 +8,7 @@ keys are on the wire: forward starts the all-gather of K and V, computes every s
 local keys, then waits for the gather and computes every prefix, merging each segment's two parts by their
 log-sum-exps. A prefix reads its keys where the gather put them (rank by rank: a view, or its few runs one
 after another), as all its keys are visible to all its queries: nothing puts the whole rows in row order.
+Diagonals of one length (unpacked rows: a rank's chunks, of every row) run as one batch, one kernel call.
 Backward starts the all-gather again, computes every diagonal's backward meanwhile, then every prefix's
 backward (its keys' gradients added to their runs in gathered order), and reduce-scatters them to add this
 rank's share. Each backward gets its segment's merged output, log-sum-exp
@@ -49,6 +50,9 @@ def _prefix(seg: Segment) -> slice:
     return slice(seg.doc_start, seg.start)
 
 
+Members = tuple[tuple[int, Segment], ...]  # segments (with their row) whose diagonals run in one kernel call
+
+
 class _Overlapped(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, shard: ContextShard, kernel: LseKernel, scale: float) -> Any:
@@ -57,15 +61,14 @@ class _Overlapped(torch.autograd.Function):
         # [b, n, heads, dv] in memory, the kernels' own layout and the layer's next: a segment's slice is one block
         out = q.new_empty(b, n, heads, v.shape[-1]).transpose(1, 2)
         lse = torch.empty(b, heads, n, dtype=torch.float32, device=q.device)
-        diagonals = {}
-        for i, seg in _every_segment(shard):
-            at = _queries(seg)
-            qs, ks, vs = q[i : i + 1, :, at], k[i : i + 1, :, at], v[i : i + 1, :, at]
+        diagonals = []
+        for members in _diagonal_calls(shard):
+            qs, ks, vs = _take(q, members), _take(k, members), _take(v, members)
             part = Part(kernel, qs, ks, vs, causal=True)
             out_d, lse_d, kept = part.forward(qs, ks, vs, scale)
-            diagonals[i, seg] = part, kept
-            out[i : i + 1, :, at] = out_d
-            lse[i : i + 1, :, at] = lse_d
+            diagonals.append((members, part, kept))
+            _put(out, members, out_d)
+            _put(lse, members, lse_d)
         everyone = wait_tensor(everyone).to(k.device)
         prefixes = {}
         for i, seg in _every_segment(shard):
@@ -93,34 +96,26 @@ class _Overlapped(torch.autograd.Function):
         if grad.stride(-1) != 1:
             grad = grad.contiguous()
         dq = torch.empty_like(q, dtype=lse.dtype)  # every query is in one diagonal, which writes it first
-
-        def grads(i: int, seg: Segment, part: Part, kept: Any, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-            """Adds the part's query gradient to ``dq`` (sets it for a diagonal); its keys' and values' ``[keys,
-            kv_heads, dk]``, ``[..., dv]`` (``keys``, ``values``: the part's)."""
-            at = _queries(seg)
-            dq_part, dk, dv = part.backward(
-                grad[i : i + 1, :, at], q[i : i + 1, :, at], keys, values, out[i : i + 1, :, at],
-                lse[i : i + 1, :, at], scale, kept,
-            )  # fmt: skip
-            if part.causal:
-                dq[i : i + 1, :, at] = dq_part
-            else:
-                dq[i : i + 1, :, at] += dq_part
-            return dk[0].transpose(0, 1), dv[0].transpose(0, 1)
-
         # [S / cp, b, kv_heads, dk + dv]: this rank's keys' gradients in local order
         d_local = k.new_empty(q.shape[2], q.shape[0], k.shape[1], width + v.shape[-1])
-        for (i, seg), (part, kept) in ctx.diagonals.items():
-            at = _queries(seg)
-            d_local[at, i, :, :width], d_local[at, i, :, width:] = grads(
-                i, seg, part, kept, k[i : i + 1, :, at], v[i : i + 1, :, at]
-            )
+        for members, part, kept in ctx.diagonals:
+            g, qs, ks, vs, o, m_lse = (_take(t, members) for t in (grad, q, k, v, out, lse))
+            dq_d, dk, dv = part.backward(g, qs, ks, vs, o, m_lse, scale, kept)
+            _put(dq, members, dq_d)
+            for m, (i, seg) in enumerate(members):
+                at = _queries(seg)
+                d_local[at, i, :, :width], d_local[at, i, :, width:] = dk[m].transpose(0, 1), dv[m].transpose(0, 1)
         everyone = wait_tensor(everyone).to(k.device)
         d_everyone = torch.zeros_like(everyone)  # the whole rows' key gradients in gathered order, as reduce-scattered
         for (i, seg), (part, kept, runs) in ctx.prefixes.items():
+            at = _queries(seg)
             keys, values = keys_and_values(_prefix_rows(everyone, i, runs), width)
-            dk, dv = grads(i, seg, part, kept, keys, values)
-            done = 0
+            dq_p, dk, dv = part.backward(
+                grad[i : i + 1, :, at], q[i : i + 1, :, at], keys, values, out[i : i + 1, :, at],
+                lse[i : i + 1, :, at], scale, kept,
+            )  # fmt: skip
+            dq[i : i + 1, :, at] += dq_p
+            dk, dv, done = dk[0].transpose(0, 1), dv[0].transpose(0, 1), 0
             for run in runs:  # the prefix's keys are its runs' one after another
                 n = run.stop - run.start
                 d_everyone[run, i, :, :width] += dk[done : done + n]
@@ -133,6 +128,31 @@ class _Overlapped(torch.autograd.Function):
         d_local += wait_tensor(mine).to(k.device)
         d_k, d_v = keys_and_values(d_local, width)
         return dq.to(q.dtype), d_k, d_v, None, None, None
+
+
+def _diagonal_calls(shard: ContextShard) -> list[Members]:
+    """The segments whose causal diagonals run in one kernel call: all at once when all have one length (they
+    then tile every row alike: unpacked rows, or documents that do not break a chunk), else each alone."""
+    every = _every_segment(shard)
+    if len({seg.length for _, seg in every}) == 1:
+        return [tuple(every)]
+    return [(member,) for member in every]
+
+
+def _take(t: Tensor, members: Members) -> Tensor:
+    """Per-query (or this rank's per-key) ``t`` ``[b, h, n, ...]`` of ``members``, one member a batch entry: a slice
+    for one member, else every row's equal segments (:func:`_diagonal_calls`), a view where ``t``'s layout allows."""
+    if len(members) == 1:
+        ((i, seg),) = members
+        return t[i : i + 1, :, _queries(seg)]
+    per_row = len(members) // t.shape[0]
+    return t.unflatten(2, (per_row, t.shape[2] // per_row)).transpose(1, 2).flatten(0, 1)
+
+
+def _put(t: Tensor, members: Members, parts: Tensor) -> None:
+    """Writes ``parts`` (one member a batch entry, as :func:`_take` gives) into per-query ``t`` ``[b, h, n, ...]``."""
+    for m, (i, seg) in enumerate(members):
+        t[i : i + 1, :, _queries(seg)] = parts[m : m + 1]
 
 
 def _prefix_rows(everyone: Tensor, i: int, runs: tuple[slice, ...]) -> Tensor:

@@ -21,7 +21,8 @@ from torch import Tensor
 __all__ = ["PackedSamples", "SampleLengths", "check_sample_lengths", "packed_attention", "sample_lengths"]
 
 SampleLengths = tuple[tuple[int, ...], ...]  # per row, the lengths of its samples in order; they sum to the row length
-Attend = Callable[[Tensor, Tensor, Tensor, int | None], Tensor]  # (q, k, v, window) of one causal sequence -> output
+# (q, k, v, window) of causal sequences, one a row (rows of one length) -> output
+Attend = Callable[[Tensor, Tensor, Tensor, int | None], Tensor]
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,10 @@ def sample_positions(lengths: SampleLengths) -> Tensor:
 @torch.compiler.disable  # per-sample shapes would recompile a compiled layer for every new packing
 def packed_attention(q: Tensor, k: Tensor, v: Tensor, packed: PackedSamples, attend: Attend) -> Tensor:
     """``attend`` on every packed sample's slice of ``q`` ``[b, heads, s, d]`` and ``k``, ``v`` ``[b, kv_heads, s, d]``;
-    the outputs put back in place, ``[b, heads, s, d]``. Slices are views: nothing is copied in."""
+    the outputs put back in place, ``[b, heads, s, d]``. Slices are views: nothing is copied in. Rows of one
+    sample each are one call."""
+    if all(len(row) == 1 for row in packed.lengths):
+        return attend(q, k, v, packed.window)
     rows = []
     for i, row in enumerate(packed.lengths):
         outs, start = [], 0

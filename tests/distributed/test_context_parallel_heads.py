@@ -110,3 +110,12 @@ def test_all_to_all_with_activation_checkpointing_equals_one_process(pool2):
     results = pool2.run_ok(_families, [name], 2, "full", None, None, LENGTHS, ALL_TO_ALL, timeout=240)
     _check_equal(results, name, [0])
     assert {r[name]["all_to_alls"] for r in results} == {6 * 3}
+
+
+def test_all_to_all_rows_of_one_sample_each_equal_one_process(pool2):
+    """Unpacked rows whose length the split needs no padding for: each row is one document, and the rank's heads
+    attend over both rows in one call (soft-capped windows in bands; sinks with windows and experts)."""
+    names, lengths = ["gemma2", "gpt_oss"], ([64], [64])
+    results = pool2.run_ok(_families, names, 2, False, None, None, lengths, ALL_TO_ALL, timeout=240)
+    for name in names:
+        _check_equal(results, name, [0], lengths=lengths)
