@@ -99,10 +99,8 @@ def by_rank(qkv: Tensor, a: Tensor, beta: Tensor, *, geo: LinearAttentionArgs, c
     its value heads' ``a`` and ``beta`` (the layout :func:`conv_channels` and :func:`heads_of_rank` describe)."""
     b, n, _ = qkv.shape
     q, k, v = qkv.split([geo.key_dim, geo.key_dim, geo.value_dim], dim=-1)
-    # written as [cp, b, n, c], the layout to_whole_rows sends
-    return torch.cat([t.reshape(b, n, cp, -1).permute(2, 0, 1, 3) for t in (q, k, v, a, beta)], dim=-1).permute(
-        1, 2, 0, 3
-    )
+    parts = torch.cat([t.reshape(b, n, cp, -1).permute(2, 0, 1, 3) for t in (q, k, v, a, beta)], dim=-1)
+    return parts.permute(1, 2, 0, 3)  # written as [cp, b, n, c], the layout to_whole_rows sends
 
 
 def conv_channels(geo: LinearAttentionArgs, *, cp: int, rank: int) -> list[slice]:
