@@ -388,36 +388,6 @@ def spawn_ranks(
         return [json.loads((run_dir / f"result{rank}.json").read_text()) for rank in range(world)]
 
 
-def _rank_main(spec_path: str, rank: int) -> None:
-    """Per-rank entry point: join the process group, run the target, write its result."""
-    import torch.distributed as dist
-
-    spec = json.loads(Path(spec_path).read_text())
-    module_name, _, func_name = spec["target"].partition(":")
-    func = getattr(importlib.import_module(module_name), func_name)
-    device = bench_device()
-    options = {}
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        options["device_id"] = device
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        rank=rank,
-        world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=timedelta(seconds=spec["timeout_s"]),
-        **options,
-    )
-    try:
-        result = func(**spec["kwargs"])
-    finally:
-        dist.destroy_process_group()
-    Path(spec["dir"], f"result{rank}.json").write_text(json.dumps(result))
-
-
-if __name__ == "__main__":
-    _rank_main(sys.argv[1], int(sys.argv[2]))
-
-
 def row_probe(
     target: str,
     *,
@@ -447,3 +417,33 @@ def row_probe(
         "cpu_s": max(r["cpu_s"] for r in ranks),
         "peaks": [r["peak"] for r in ranks],
     }
+
+
+def _rank_main(spec_path: str, rank: int) -> None:
+    """Per-rank entry point: join the process group, run the target, write its result."""
+    import torch.distributed as dist
+
+    spec = json.loads(Path(spec_path).read_text())
+    module_name, _, func_name = spec["target"].partition(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    device = bench_device()
+    options = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        options["device_id"] = device
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        rank=rank,
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timedelta(seconds=spec["timeout_s"]),
+        **options,
+    )
+    try:
+        result = func(**spec["kwargs"])
+    finally:
+        dist.destroy_process_group()
+    Path(spec["dir"], f"result{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1], int(sys.argv[2]))

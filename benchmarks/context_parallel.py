@@ -192,29 +192,6 @@ def _row(name: str, probe_: dict[str, Any] | None) -> str:
     return f"| {name} | {probe_['seq']} | {probe_['tokens_s']:.0f}{spread} | {peaks} |"
 
 
-def _rounds_against_cp1(fits: dict[Stack, list[dict[str, Any]]], names: dict[Stack, str]) -> list[str]:
-    """Each shardtune cp > 1 stack's tokens/s over cp 1's (same checkpointing) round by round: paired in time."""
-    lines = []
-    for (stack, cp, checkpointing), probes in fits.items():
-        base = fits.get(("shardtune", 1, checkpointing))
-        if stack == "transformers" or cp == 1 or not probes or not base or "rounds" not in probes[0]:
-            continue
-        ratios = [x / y for x, y in zip(probes[0]["rounds"], base[0]["rounds"], strict=True)]
-        each = ", ".join(f"{r:.2f}" for r in ratios)
-        lines.append(f"| {names[stack, cp, checkpointing]} | {statistics.median(ratios):.2f} | {each} |")
-    if not lines:
-        return []
-    return [
-        "",
-        "Tokens/s against cp 1 with the same checkpointing, round by round (each round's stacks ran one after "
-        "another):",
-        "",
-        "| stack | × (median) | × each round |",
-        "|---|---:|---|",
-        *lines,
-    ]
-
-
 def _name(key: Stack) -> str:
     stack, cp, checkpointing = key
     if stack == "transformers":
@@ -256,7 +233,7 @@ def report(a: argparse.Namespace, results: dict[Stack, list[dict[str, Any]]], lo
     ]
     names = {key: _name(key) for key in results}
     lines += [_row(names[key], probes[-1] if probes else None) for key, probes in fits.items()]
-    lines += _rounds_against_cp1(fits, names) if one_row else _longest_against_cp1(fits, names)
+    lines += _against_cp1(fits, names, one_row=one_row)
     rows = [{p["seq"] for p in probes} for probes in fits.values()]
     common = max(set.intersection(*rows), default=None) if rows else None
     if common is not None and all(fits.values()) and not one_row:
@@ -267,25 +244,37 @@ def report(a: argparse.Namespace, results: dict[Stack, list[dict[str, Any]]], lo
     return "\n".join(lines)
 
 
-def _longest_against_cp1(fits: dict[Stack, list[dict[str, Any]]], names: dict[Stack, str]) -> list[str]:
-    """Each shardtune cp > 1 stack's longest row over cp 1's with the same checkpointing (the budget's scaling)."""
+def _against_cp1(fits: dict[Stack, list[dict[str, Any]]], names: dict[Stack, str], *, one_row: bool) -> list[str]:
+    """Each shardtune cp > 1 stack against cp 1 with the same checkpointing: at one row its tokens/s round by round
+    (paired in time; only with ``--rounds``), else its longest row (the budget's scaling)."""
+    heading, header = (
+        ("Tokens/s against cp 1 with the same checkpointing, round by round (each round's stacks ran one after "
+         "another):", "| stack | × (median) | × each round |\n|---|---:|---|")
+        if one_row
+        else ("Longest row against cp 1 with the same checkpointing:", "| stack | rows | × |\n|---|---:|---:|")
+    )  # fmt: skip
     lines = []
     for (stack, cp, checkpointing), probes in fits.items():
         base = fits.get(("shardtune", 1, checkpointing))
         if stack == "transformers" or cp == 1 or not probes or not base:
             continue
-        ratio = probes[-1]["seq"] / base[-1]["seq"]
-        lines.append(f"| {names[stack, cp, checkpointing]} | {probes[-1]['seq']} vs {base[-1]['seq']} | {ratio:.2f} |")
-    if not lines:
-        return []
-    return [
-        "",
-        "Longest row against cp 1 with the same checkpointing:",
-        "",
-        "| stack | rows | × |",
-        "|---|---:|---:|",
-        *lines,
-    ]
+        cells = _rounds_cells(probes[0], base[0]) if one_row else _longest_cells(probes[-1], base[-1])
+        if cells is not None:
+            lines.append(f"| {names[stack, cp, checkpointing]} | {cells} |")
+    return ["", heading, "", *header.split("\n"), *lines] if lines else []
+
+
+def _rounds_cells(probe_: dict[str, Any], base: dict[str, Any]) -> str | None:
+    """The median and each round's ratio of ``probe_``'s tokens/s to ``base``'s (None without rounds)."""
+    if "rounds" not in probe_:
+        return None
+    ratios = [x / y for x, y in zip(probe_["rounds"], base["rounds"], strict=True)]
+    return f"{statistics.median(ratios):.2f} | {', '.join(f'{r:.2f}' for r in ratios)}"
+
+
+def _longest_cells(probe_: dict[str, Any], base: dict[str, Any]) -> str:
+    """Both longest rows and their ratio."""
+    return f"{probe_['seq']} vs {base['seq']} | {probe_['seq'] / base['seq']:.2f}"
 
 
 def _against_peer(ours: list[dict[str, Any]], peer: list[dict[str, Any]]) -> list[str]:
